@@ -1,0 +1,58 @@
+"""The `kvprof` command line: one line per command; each command lives in kvprof/commands/."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+import kvprof
+from kvprof.commands import capture
+from kvprof.errors import KvprofError
+
+app = typer.Typer(
+    name="kvprof", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Profile KV-cache sharing between LLM agents that share one base model (LoRA adapters or role prompts).")
+
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the kvprof version and exit.")) -> None:
+    if version:
+        typer.echo(f"kvprof {kvprof.__version__}")
+        raise typer.Exit()
+
+
+app.command("capture")(capture.command)
+
+
+def _quiet_libraries() -> None:
+    """Keep transformers' loading bars and deprecation chatter out of kvprof's own output."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def main() -> None:
+    """Entry point: user mistakes (`KvprofError`) print one line and exit 2, without a traceback."""
+    _quiet_libraries()
+    try:
+        app(standalone_mode=False)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.ClickException as usage:
+        usage.show()
+        sys.exit(usage.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except KvprofError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted; nothing half-written was kept.", err=True)
+        sys.exit(130)

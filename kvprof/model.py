@@ -1,0 +1,218 @@
+"""Loading: the base model, its tokenizer, PEFT LoRA adapters, and the `AgentSet` that switches between agents.
+
+An `AgentSet` holds one base model shared by every agent. In lora mode each agent is a named PEFT adapter on it
+(`activate(name)` selects it); in prompt mode agents differ only by role prompt and the base runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.spec import WorkflowSpec
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` is CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvprofError(f"--device {device} asks for CUDA but this machine has no CUDA GPU; use --device cpu.")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise KvprofError(f"--device {device!r} is not a device torch knows; use auto, cpu or cuda[:N].") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA and float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise KvprofError(f"--dtype {dtype!r} is unknown; use auto, float32, bfloat16 or float16.")
+    return DTYPES[dtype]
+
+
+def _load_error(what: str, name: str, err: Exception) -> KvprofError:
+    if Path(name).exists():
+        return KvprofError(f"could not load the {what} from {name} ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                           "check that it is a complete Hugging Face model directory.")
+    return KvprofError(f"model {name!r} is not a local directory and could not be fetched from the hub "
+                       f"(this machine may be offline); pass --model with a local model directory.")
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise _load_error("tokenizer", name, err) from None
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """Name, vocabulary size and a fingerprint of the vocabulary and special tokens: traces record it."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha256(json.dumps([vocab, tokenizer.all_special_tokens]).encode()).hexdigest()
+    return {"name": tokenizer.name_or_path, "vocab_size": len(tokenizer), "fingerprint": f"sha256:{digest[:32]}"}
+
+
+def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+    except (OSError, ValueError) as err:
+        raise _load_error("model", name, err) from None
+    except torch.OutOfMemoryError:
+        raise KvprofError(f"model {name!r} does not fit in memory on {device}; use a smaller --dtype "
+                          "(bfloat16) or another --device.") from None
+    try:
+        return model.to(device).eval()
+    except torch.OutOfMemoryError:
+        raise KvprofError(f"model {name!r} does not fit in {device} memory; use --dtype bfloat16, "
+                          "a smaller model, or --device cpu.") from None
+
+
+# ---------------------------------------------------------------------------------------------------- adapters
+
+
+@dataclass
+class AdapterInfo:
+    """What a LoRA adapter touches: projection names, rank, scaling, and whether MLP layers are adapted."""
+
+    path: str
+    rank: int
+    alpha: float
+    targets: list[str]
+    layers: int
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def describe(self) -> str:
+        return f"r={self.rank}, alpha={self.alpha:g}, on {'/'.join(t.removesuffix('_proj') for t in self.targets)}"
+
+
+def inspect_adapter(path: str, base_model) -> AdapterInfo:
+    """Read an adapter's config and weights and check they fit `base_model`; refuse clearly when they do not."""
+    from safetensors import safe_open
+
+    adapter_dir = Path(path)
+    config_path = adapter_dir / "adapter_config.json"
+    if not config_path.is_file():
+        raise KvprofError(f"adapter {path} has no adapter_config.json; pass a PEFT adapter directory "
+                          "(the folder written by save_pretrained).")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type") != "LORA":
+        raise KvprofError(f"adapter {path} is a {config.get('peft_type')} adapter; kvprof profiles LoRA adapters.")
+    weights_path = adapter_dir / "adapter_model.safetensors"
+    if not weights_path.is_file():
+        raise KvprofError(f"adapter {path} has no adapter_model.safetensors; re-save it with safetensors.")
+    modules = dict(base_model.named_modules())
+    targets: set[str] = set()
+    layers: set[int] = set()
+    base_name = config.get("base_model_name_or_path")
+    with safe_open(str(weights_path), framework="pt") as handle:
+        for key in handle.keys():
+            match = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.weight$", key)
+            if not match:
+                continue
+            module_name, which = match.groups()
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, "in_features"):
+                raise KvprofError(f"adapter {path} targets {module_name}, which the base model does not have "
+                                  f"(adapter trained for {base_name or 'another base model'}); pass an adapter "
+                                  "trained on this --model.")
+            shape = tuple(handle.get_slice(key).get_shape())
+            expected_dim = module.in_features if which == "A" else module.out_features
+            actual_dim = shape[1] if which == "A" else shape[0]
+            if actual_dim != expected_dim:
+                raise KvprofError(f"adapter {path} was trained for another base model "
+                                  f"({base_name or 'unknown'}): {module_name}.lora_{which} has dimension "
+                                  f"{actual_dim} where this model's {module_name} has {expected_dim}; pass an "
+                                  "adapter trained on this --model.")
+            targets.add(module_name.rsplit(".", 1)[-1])
+            layer = re.search(r"layers\.(\d+)\.", module_name)
+            if layer:
+                layers.add(int(layer.group(1)))
+    if not targets:
+        raise KvprofError(f"adapter {path} holds no LoRA weights; pass a trained PEFT LoRA adapter.")
+    ordered = [p for p in PROJECTIONS if p in targets] + sorted(targets - set(PROJECTIONS))
+    return AdapterInfo(path=str(path), rank=int(config["r"]), alpha=float(config.get("lora_alpha", config["r"])),
+                       targets=ordered, layers=len(layers))
+
+
+# ---------------------------------------------------------------------------------------------------- agent set
+
+
+class AgentSet:
+    """One base model and the agents on it (see module docstring).
+
+    `model` is the module to call: a `PeftModel` in lora mode (with every agent's adapter loaded under the agent's
+    name), the base model in prompt mode.
+    """
+
+    def __init__(self, spec: WorkflowSpec, base_model, tokenizer, model_name: str):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.base_model = base_model
+        self.adapters: dict[str, AdapterInfo] = {}
+        self.model = base_model
+        if spec.mode == "lora":
+            from peft import PeftModel
+
+            for agent in spec.agents:
+                self.adapters[agent.name] = inspect_adapter(agent.adapter, base_model)
+            for index, agent in enumerate(spec.agents):
+                if index == 0:
+                    self.model = PeftModel.from_pretrained(base_model, agent.adapter, adapter_name=agent.name)
+                else:
+                    self.model.load_adapter(agent.adapter, adapter_name=agent.name)
+            self.model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base_model.parameters()).device
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+    @contextlib.contextmanager
+    def activate(self, agent: str | None) -> Iterator[None]:
+        """Run the model as `agent` (its adapter in lora mode); `None` runs the base with adapters disabled."""
+        if self.spec.mode != "lora":
+            yield
+            return
+        if agent is None:
+            with self.model.disable_adapter():
+                yield
+            return
+        self.spec.agent(agent)
+        self.model.set_adapter(agent)
+        yield
+
+
+def load_agents(spec: WorkflowSpec, model_name: str, device: str = "auto", dtype: str = "auto",
+                attn: str = "sdpa") -> AgentSet:
+    """Load tokenizer, base model and every agent of `spec`."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = load_tokenizer(model_name)
+    base = load_base_model(model_name, torch_dtype, torch_device, attn)
+    return AgentSet(spec, base, tokenizer, model_name)

@@ -1,0 +1,175 @@
+"""The workflow spec: which agents exist, how they differ (LoRA adapter or role prompt), and the text layout.
+
+A spec comes from a TOML file (`--workflow FILE`), CLI flags (`--agent NAME=ADAPTER_DIR`, `--role NAME=PROMPT`), or
+both (flags override the file). Example::
+
+    mode = "lora"                       # optional: inferred from the agents
+    system_prompt = "You solve questions with a search tool.\\n"
+    max_rounds = 4
+
+    [agents.plan]
+    adapter = "adapters/plan"           # lora mode: a PEFT adapter directory
+    [agents.act]
+    adapter = "adapters/act"
+    max_new_tokens = 16
+
+    # prompt mode instead:  [agents.plan]  prompt = "You are the planner. ..."
+
+Layout of one turn's input (each piece is its own segment, tokenized on its own)::
+
+    lora:   system | question | (cue, output, observation)* of earlier turns | cue of this turn
+    prompt: role prompt of the acting agent (private) | question | ... | cue of this turn
+
+In lora mode all agents read the shared segments at identical positions ("matched prefix"); in prompt mode the
+shared segments sit after role prompts of different lengths, so at different positions per agent.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from kvprof.errors import KvprofError
+
+ROLES = ("plan", "act", "reflect")
+
+
+@dataclass
+class AgentSpec:
+    name: str
+    adapter: str | None = None
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass
+class WorkflowSpec:
+    """Agents plus the templates that lay a trajectory out as text. All templates are plain `str.format` strings."""
+
+    mode: str
+    agents: list[AgentSpec]
+    system_prompt: str = ""
+    question_template: str = "Question: {question}\n"
+    cue_template: str = "{agent}:"
+    observation_template: str = "Observation: {observation}\n"
+    stop: list[str] = field(default_factory=lambda: ["\n"])
+    max_new_tokens: int = 32
+    max_rounds: int = 4
+    action_pattern: str = r"(\w+)\[(.*?)\]"
+    answer_pattern: str = r"(?:answer|finish)\[(.*?)\]"
+
+    def agent(self, name: str) -> AgentSpec:
+        for agent in self.agents:
+            if agent.name == name:
+                return agent
+        raise KvprofError(f"unknown agent name {name!r}; this workflow has {', '.join(self.names)}.")
+
+    @property
+    def names(self) -> list[str]:
+        return [agent.name for agent in self.agents]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WorkflowSpec":
+        fields = dict(data)
+        fields["agents"] = [AgentSpec(**agent) for agent in data["agents"]]
+        return cls(**fields)
+
+
+def _parse_assignment(flag: str, value: str) -> tuple[str, str]:
+    name, sep, rest = value.partition("=")
+    if not sep or not name or not rest:
+        raise KvprofError(f"{flag} {value!r} should look like NAME=VALUE (e.g. {flag} plan=adapters/plan).")
+    return name.strip(), rest
+
+
+def _infer_mode(agents: list[AgentSpec], declared: str | None) -> str:
+    with_adapter = [a.name for a in agents if a.adapter]
+    with_prompt = [a.name for a in agents if a.prompt is not None]
+    if with_adapter and with_prompt:
+        raise KvprofError(f"agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
+                          "prompts; give every agent an adapter (lora mode) or every agent a role prompt "
+                          "(prompt mode).")
+    mode = declared or ("prompt" if with_prompt else "lora")
+    if mode not in ("lora", "prompt"):
+        raise KvprofError(f"mode {mode!r} is not 'lora' or 'prompt'; set mode to one of them.")
+    if mode == "prompt" and len(with_prompt) != len(agents):
+        missing = [a.name for a in agents if a.prompt is None]
+        raise KvprofError(f"prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
+                          "pass --role NAME=PROMPT for each.")
+    return mode
+
+
+def build_spec(workflow_file: str | Path | None = None, agent_flags: list[str] | None = None,
+               role_flags: list[str] | None = None, base: WorkflowSpec | None = None,
+               require_adapters: bool = True) -> WorkflowSpec:
+    """Combine a base spec (e.g. a trace's), a TOML file and CLI flags, later ones overriding earlier ones."""
+    data: dict = base.to_dict() if base else {}
+    agents: dict[str, AgentSpec] = {a.name: a for a in (base.agents if base else [])}
+    declared_mode = data.get("mode") if base else None
+    if workflow_file is not None:
+        path = Path(workflow_file)
+        if not path.is_file():
+            raise KvprofError(f"workflow file {path} does not exist; pass a TOML workflow spec.")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as err:
+            raise KvprofError(f"workflow file {path} is not valid TOML ({err}); fix the file.") from None
+        unknown = set(raw) - set(WorkflowSpec.__dataclass_fields__)
+        if unknown:
+            raise KvprofError(f"workflow file {path} has unknown keys {', '.join(sorted(unknown))}; "
+                              f"allowed: {', '.join(WorkflowSpec.__dataclass_fields__)}.")
+        for name, fields in raw.pop("agents", {}).items():
+            extra = set(fields) - {"adapter", "prompt", "max_new_tokens"}
+            if extra:
+                raise KvprofError(f"workflow file {path}: agent {name!r} has unknown keys {', '.join(sorted(extra))}; "
+                                  "allowed: adapter, prompt, max_new_tokens.")
+            adapter = fields.get("adapter")
+            if adapter is not None and not Path(adapter).is_absolute():
+                adapter = str((path.parent / adapter).resolve())
+            agents[name] = AgentSpec(name=name, adapter=adapter, prompt=fields.get("prompt"),
+                                     max_new_tokens=fields.get("max_new_tokens"))
+        declared_mode = raw.get("mode", declared_mode)
+        data.update(raw)
+    for value in agent_flags or []:
+        name, adapter = _parse_assignment("--agent", value)
+        previous = agents.get(name, AgentSpec(name))
+        agents[name] = replace(previous, adapter=adapter, prompt=None)
+        declared_mode = None
+    for value in role_flags or []:
+        name, prompt = _parse_assignment("--role", value)
+        if prompt.startswith("@"):
+            prompt_path = Path(prompt[1:])
+            if not prompt_path.is_file():
+                raise KvprofError(f"role prompt file {prompt_path} does not exist; pass --role {name}=@FILE "
+                                  "with an existing file, or the prompt text itself.")
+            prompt = prompt_path.read_text(encoding="utf-8")
+        previous = agents.get(name, AgentSpec(name))
+        agents[name] = replace(previous, prompt=prompt, adapter=None)
+        declared_mode = None
+    if not agents:
+        raise KvprofError("no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
+                          "(prompt mode) or --workflow FILE.")
+    agent_list = list(agents.values())
+    mode = _infer_mode(agent_list, declared_mode)
+    if mode == "lora" and require_adapters:
+        missing = [a.name for a in agent_list if not a.adapter]
+        if missing:
+            raise KvprofError(f"lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
+                              "pass --agent NAME=ADAPTER_DIR for each.")
+    fields = {key: value for key, value in data.items() if key not in ("agents", "mode")}
+    return WorkflowSpec(mode=mode, agents=agent_list, **fields)
+
+
+def check_react_roles(spec: WorkflowSpec) -> None:
+    """The ReAct schedule knows the roles plan, act and reflect; `act` is required."""
+    unknown = [name for name in spec.names if name not in ROLES]
+    if unknown:
+        raise KvprofError(f"unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
+                          f"{', '.join(ROLES)} — rename the agent to one of them.")
+    if "act" not in spec.names:
+        raise KvprofError("the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR "
+                          "(or --role act=PROMPT).")

@@ -1,0 +1,126 @@
+"""A tiny, untrained world built locally from a config: tokenizer, Llama model, LoRA adapters, tasks, workflows.
+
+For tests and for trying commands without the demo world: nothing is downloaded. Outputs of an untrained model are
+noise, but every code path (loading, adapters, generation, traces) is real.
+
+    python -m kvprof.tiny DIR      # writes DIR/model, DIR/adapters/{plan,act,reflect}, DIR/tasks.jsonl,
+                                   # DIR/workflow_lora.toml, DIR/workflow_prompt.toml
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+AGENTS = ("plan", "act", "reflect")
+CORPUS = [
+    "Question: Where was the father of Kalomir born? plan: search Kalomir, then his father.",
+    "act: search[Kalomir] Observation: Kalomir is a painter with father Tevren and birthplace Norvash.",
+    "act: finish[Norvash] reflect: answer[Norvash] No results for Tevren.",
+]
+
+
+@dataclass
+class TinyWorld:
+    root: Path
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    def adapter(self, name: str) -> Path:
+        return self.root / "adapters" / name
+
+    @property
+    def tasks(self) -> Path:
+        return self.root / "tasks.jsonl"
+
+    @property
+    def lora_workflow(self) -> Path:
+        return self.root / "workflow_lora.toml"
+
+    @property
+    def prompt_workflow(self) -> Path:
+        return self.root / "workflow_prompt.toml"
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer (any text encodes) wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
+
+
+def tiny_config(vocab_size: int, eos_id: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=4096, eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
+                       tie_word_embeddings=False)
+
+
+def build_adapter(model, path: Path, seed: int, rank: int = 4,
+                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), shared_a_seed: int | None = None):
+    """Save a LoRA adapter with random, non-zero A and B (`init_lora_weights=False`).
+
+    With `shared_a_seed`, A comes from that seed (adapters built with the same one share A; only B differs).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                                                  init_lora_weights=False))
+    if shared_a_seed is not None:
+        generator = torch.Generator().manual_seed(shared_a_seed)
+        for name, module in peft_model.named_modules():
+            if name.endswith("lora_A.default"):
+                module.weight.data = torch.randn(module.weight.shape, generator=generator) / module.weight.shape[1] ** 0.5
+    peft_model.save_pretrained(path)
+    return peft_model.unload()
+
+
+def build_tiny_world(root: str | Path, seed: int = 0) -> TinyWorld:
+    """Write the tiny world under `root` (see module docstring) and return its paths."""
+    from transformers import LlamaForCausalLM
+
+    world = TinyWorld(Path(root))
+    world.root.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(len(tokenizer), tokenizer.eos_token_id)).eval()
+    model.save_pretrained(world.model)
+    tokenizer.save_pretrained(world.model)
+    for index, name in enumerate(AGENTS):
+        model = build_adapter(model, world.adapter(name), seed=seed + 1 + index)
+    with open(world.tasks, "w", encoding="utf-8") as handle:
+        for index, (person, place) in enumerate([("Kalomir", "Norvash"), ("Tevren", "Osmadal"),
+                                                  ("Brinoth", "Quessa")]):
+            handle.write(json.dumps({
+                "id": f"tiny{index}", "question": f"Where was {person} born?", "answer": place,
+                "documents": {person: f"{person} is a painter with birthplace {place}."}}) + "\n")
+    agents_lora = "".join(f'[agents.{name}]\nadapter = "adapters/{name}"\n' for name in AGENTS)
+    world.lora_workflow.write_text('system_prompt = "Answer with the search tool.\\n"\nmax_new_tokens = 8\n'
+                                   f"max_rounds = 2\n{agents_lora}")
+    prompts = {"plan": "You plan the next search step.\n", "act": "You act: search[NAME] or finish[ANSWER].\n",
+               "reflect": "You are the reviewer. Give the final answer as answer[ANSWER] after checking.\n"}
+    agents_prompt = "".join(f'[agents.{name}]\nprompt = {json.dumps(text)}\n' for name, text in prompts.items())
+    world.prompt_workflow.write_text(f"max_new_tokens = 8\nmax_rounds = 2\n{agents_prompt}")
+    return world
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kvprof.tiny DIR")
+    print(build_tiny_world(sys.argv[1]).root)

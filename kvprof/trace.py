@@ -1,0 +1,351 @@
+"""The trace format: trajectories of multi-agent turns, stored as JSONL with exact token ids.
+
+A trace file is JSON Lines. Line 1 is the header (schema version, model and tokenizer identity, the workflow it was
+captured with); every following line is one trajectory::
+
+    {"record": "header", "schema": "kvprof.trace", "version": 1, "model": {...}, "tokenizer": {...},
+     "workflow": {...}, "source": "capture"}
+    {"record": "trajectory", "id": "t0", "question": "...", "answer": "...", "prediction": "...",
+     "segments": {"question": {"kind": "question", "scope": "shared", "tokens": [...], "text": "..."}, ...},
+     "turns": [{"agent": "plan", "input": ["system", "question", "cue:plan:0"], "output": "out:plan:0"}, ...]}
+
+A trajectory stores each segment once; a turn lists the segment ids of its input, in order, and the id of the
+segment it produced. A segment's `scope` is `shared` (it can appear in several agents' inputs: the question,
+observations, earlier outputs) or `private` (one agent's own role prompt). Input segments are tokenized on their
+own, so `tokens == tokenizer.encode(text)`; output segments keep the generated ids, and `decode(tokens) == text`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from kvprof.errors import KvprofError
+from kvprof.fileio import atomic_open
+
+SCHEMA = "kvprof.trace"
+VERSION = 1
+SEGMENT_KINDS = ("system", "prompt", "question", "cue", "output", "observation", "synthetic")
+SCOPES = ("shared", "private")
+
+
+@dataclass
+class Segment:
+    """A span of tokens with one id inside a trajectory."""
+
+    kind: str
+    scope: str
+    tokens: list[int]
+    text: str
+    producer: str | None = None  # the agent that generated an output segment
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Turn:
+    """One agent call: the ids of the segments it reads, in order, and the id of the segment it writes."""
+
+    agent: str
+    input: list[str]
+    output: str
+
+
+@dataclass
+class Trajectory:
+    """One task run by the agents: its segments (by id) and its turns, in order."""
+
+    id: str
+    segments: dict[str, Segment]
+    turns: list[Turn]
+    question: str = ""
+    answer: str | None = None
+    prediction: str | None = None
+
+    def input_tokens(self, turn: Turn) -> list[int]:
+        """The token ids the acting agent prefills for `turn`: its input segments concatenated."""
+        return [tok for seg_id in turn.input for tok in self.segments[seg_id].tokens]
+
+    def output_tokens(self, turn: Turn) -> list[int]:
+        return list(self.segments[turn.output].tokens)
+
+    def segment_spans(self, turn: Turn) -> list[tuple[str, int, int]]:
+        """`(segment_id, start, end)` token offsets of each input segment inside the turn's input."""
+        spans, start = [], 0
+        for seg_id in turn.input:
+            end = start + len(self.segments[seg_id])
+            spans.append((seg_id, start, end))
+            start = end
+        return spans
+
+    @property
+    def num_tokens(self) -> int:
+        """Distinct tokens in the trajectory (each segment counted once)."""
+        return sum(len(seg) for seg in self.segments.values())
+
+
+@dataclass
+class TraceHeader:
+    """Who produced a trace: model, tokenizer identity, and the workflow (mode, agents, templates)."""
+
+    model: dict
+    tokenizer: dict
+    workflow: dict
+    source: str = "capture"
+    schema: str = SCHEMA
+    version: int = VERSION
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def agent_names(self) -> list[str]:
+        return [agent["name"] for agent in self.workflow.get("agents", [])]
+
+    @property
+    def mode(self) -> str:
+        return self.workflow.get("mode", "lora")
+
+
+@dataclass
+class Trace:
+    header: TraceHeader
+    trajectories: list[Trajectory]
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+
+
+def header_record(header: TraceHeader) -> dict:
+    record = {"record": "header", "schema": header.schema, "version": header.version, "model": header.model,
+              "tokenizer": header.tokenizer, "workflow": header.workflow, "source": header.source}
+    if header.extra:
+        record["extra"] = header.extra
+    return record
+
+
+def trajectory_record(traj: Trajectory) -> dict:
+    return {
+        "record": "trajectory", "id": traj.id, "question": traj.question, "answer": traj.answer,
+        "prediction": traj.prediction,
+        "segments": {seg_id: {k: v for k, v in asdict(seg).items() if v is not None}
+                     for seg_id, seg in traj.segments.items()},
+        "turns": [asdict(turn) for turn in traj.turns],
+    }
+
+
+class TraceWriter:
+    """Streams trajectories to a trace file atomically: the file appears, complete, only on `close()`.
+
+    Use as a context manager; if the block raises, nothing is written.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: TraceHeader):
+        self.path = Path(path)
+        self._ctx = atomic_open(self.path)
+        self._handle = self._ctx.__enter__()
+        self._write(header_record(header))
+
+    def _write(self, record: dict) -> None:
+        self._handle.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    def write(self, traj: Trajectory) -> None:
+        self._write(trajectory_record(traj))
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._ctx.__exit__(exc_type, exc, tb)
+
+
+def write_trace(path: str | os.PathLike, trace: Trace) -> Path:
+    with TraceWriter(path, trace.header) as writer:
+        for traj in trace.trajectories:
+            writer.write(traj)
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+
+
+class _Where:
+    """Formats 'FILE line N, field F' for validation messages."""
+
+    def __init__(self, path: Path, line: int):
+        self.path, self.line = path, line
+
+    def fail(self, field_name: str, problem: str, fix: str = "re-capture the trace or fix that line") -> KvprofError:
+        return KvprofError(f"{self.path} line {self.line}, field '{field_name}': {problem}; {fix}.")
+
+
+def _require(where: _Where, record: dict, name: str, kind: type | tuple[type, ...]):
+    if name not in record:
+        raise where.fail(name, "is missing")
+    value = record[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise where.fail(name, f"should be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _parse_header(where: _Where, record: dict) -> TraceHeader:
+    if record.get("record") != "header":
+        raise where.fail("record", "the first line must be the trace header",
+                         "pass a file written by `kvprof capture` (or its CSV import)")
+    if record.get("schema") != SCHEMA:
+        raise where.fail("schema", f"is {record.get('schema')!r}, not {SCHEMA!r}",
+                         "pass a kvprof trace file")
+    version = _require(where, record, "version", int)
+    if version > VERSION:
+        raise where.fail("version", f"is {version}, newer than this kvprof reads ({VERSION})", "upgrade kvprof")
+    model = _require(where, record, "model", dict)
+    tokenizer = _require(where, record, "tokenizer", dict)
+    for key in ("name", "vocab_size", "fingerprint"):
+        if key not in tokenizer:
+            raise where.fail(f"tokenizer.{key}", "is missing")
+    workflow = _require(where, record, "workflow", dict)
+    agents = workflow.get("agents")
+    if not isinstance(agents, list) or not agents or not all(isinstance(a, dict) and "name" in a for a in agents):
+        raise where.fail("workflow.agents", "must be a non-empty list of {name, ...} objects")
+    if workflow.get("mode") not in ("lora", "prompt"):
+        raise where.fail("workflow.mode", f"is {workflow.get('mode')!r}, not 'lora' or 'prompt'")
+    return TraceHeader(model=model, tokenizer=tokenizer, workflow=workflow,
+                       source=record.get("source", "capture"), version=version, extra=record.get("extra", {}))
+
+
+def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Trajectory:
+    if record.get("record") != "trajectory":
+        raise where.fail("record", f"is {record.get('record')!r}, expected 'trajectory'")
+    traj_id = str(_require(where, record, "id", (str, int)))
+    vocab = header.tokenizer["vocab_size"]
+    segments: dict[str, Segment] = {}
+    for seg_id, raw in _require(where, record, "segments", dict).items():
+        name = f"segments.{seg_id}"
+        if not isinstance(raw, dict):
+            raise where.fail(name, "should be an object")
+        kind, scope = raw.get("kind"), raw.get("scope")
+        if kind not in SEGMENT_KINDS:
+            raise where.fail(f"{name}.kind", f"is {kind!r}, not one of {', '.join(SEGMENT_KINDS)}")
+        if scope not in SCOPES:
+            raise where.fail(f"{name}.scope", f"is {scope!r}, not 'shared' or 'private'")
+        tokens = raw.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise where.fail(f"{name}.tokens", "should be a list of integer token ids")
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise where.fail(f"{name}.tokens", f"holds id {bad}, outside the tokenizer's vocabulary of {vocab}")
+        text = raw.get("text", "")
+        if not isinstance(text, str):
+            raise where.fail(f"{name}.text", "should be a string")
+        segments[seg_id] = Segment(kind=kind, scope=scope, tokens=tokens, text=text, producer=raw.get("producer"))
+    agents = set(header.agent_names)
+    turns: list[Turn] = []
+    produced: set[str] = set()
+    for index, raw in enumerate(_require(where, record, "turns", list)):
+        name = f"turns[{index}]"
+        if not isinstance(raw, dict):
+            raise where.fail(name, "should be an object")
+        agent = raw.get("agent")
+        if agent not in agents:
+            raise where.fail(f"{name}.agent", f"names agent {agent!r}, which the header does not declare "
+                             f"(declared: {', '.join(sorted(agents))})")
+        inputs = raw.get("input")
+        if not isinstance(inputs, list) or not inputs:
+            raise where.fail(f"{name}.input", "should be a non-empty list of segment ids")
+        for seg_id in inputs:
+            if seg_id not in segments:
+                raise where.fail(f"{name}.input", f"refers to segment {seg_id!r}, which the trajectory does not define")
+            if segments[seg_id].kind == "output" and seg_id not in produced:
+                raise where.fail(f"{name}.input", f"reads output {seg_id!r} before any turn produced it")
+        output = raw.get("output")
+        if output not in segments or segments[output].kind != "output":
+            raise where.fail(f"{name}.output", f"{output!r} is not an output segment of this trajectory")
+        produced.add(output)
+        turns.append(Turn(agent=agent, input=list(inputs), output=output))
+    return Trajectory(id=traj_id, segments=segments, turns=turns, question=record.get("question", ""),
+                      answer=record.get("answer"), prediction=record.get("prediction"))
+
+
+def _records(path: Path) -> Iterator[tuple[_Where, dict]]:
+    if not path.exists():
+        raise KvprofError(f"trace file {path} does not exist; pass the path of a trace written by `kvprof capture`.")
+    if path.is_dir():
+        raise KvprofError(f"{path} is a directory; pass the trace file inside it (e.g. {path / 'trace.jsonl'}).")
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = _Where(path, number)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise where.fail("-", f"is not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict):
+                raise where.fail("-", "is not a JSON object")
+            yield where, record
+
+
+def read_header(path: str | os.PathLike) -> TraceHeader:
+    for where, record in _records(Path(path)):
+        return _parse_header(where, record)
+    raise KvprofError(f"trace file {path} is empty; pass a trace written by `kvprof capture`.")
+
+
+def iter_trajectories(path: str | os.PathLike) -> Iterator[Trajectory]:
+    """Stream the trajectories of a trace, validating each line as it is read."""
+    header = None
+    seen: set[str] = set()
+    for where, record in _records(Path(path)):
+        if header is None:
+            header = _parse_header(where, record)
+            continue
+        traj = _parse_trajectory(where, record, header)
+        if traj.id in seen:
+            raise where.fail("id", f"repeats trajectory id {traj.id!r}")
+        seen.add(traj.id)
+        yield traj
+    if header is None:
+        raise KvprofError(f"trace file {path} is empty; pass a trace written by `kvprof capture`.")
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """Read and validate a whole trace; raises `KvprofError` naming file, line and field on the first problem."""
+    trajectories = list(iter_trajectories(path))
+    return Trace(header=read_header(path), trajectories=trajectories)
+
+
+def validate_trace(path: str | os.PathLike) -> tuple[TraceHeader, int, int]:
+    """Validate a trace without keeping it in memory; returns (header, trajectories, turns)."""
+    n_traj = n_turns = 0
+    for traj in iter_trajectories(path):
+        n_traj += 1
+        n_turns += len(traj.turns)
+    return read_header(path), n_traj, n_turns
+
+
+def check_tokenizer(header: TraceHeader, identity: dict, trace_path: str | os.PathLike, model_name: str) -> None:
+    """Refuse to use a trace with a tokenizer other than the one it was captured with."""
+    if header.tokenizer.get("fingerprint") != identity["fingerprint"]:
+        raise KvprofError(
+            f"trace {trace_path} was captured with tokenizer {header.tokenizer.get('name')!r} "
+            f"(vocabulary {header.tokenizer.get('vocab_size')}), but model {model_name!r} uses a different tokenizer "
+            f"(vocabulary {identity['vocab_size']}); pass --model with the model the trace was captured with "
+            f"({header.model.get('path')!r}).")
+
+
+def shared_segment_ids(traj: Trajectory) -> set[str]:
+    """Ids of segments that appear in the inputs of more than one agent."""
+    readers: dict[str, set[str]] = {}
+    for turn in traj.turns:
+        for seg_id in turn.input:
+            readers.setdefault(seg_id, set()).add(turn.agent)
+    return {seg_id for seg_id, agents in readers.items() if len(agents) > 1}
+
+
+def iter_turns(trajectories: Iterable[Trajectory]) -> Iterator[tuple[Trajectory, int, Turn]]:
+    for traj in trajectories:
+        for index, turn in enumerate(traj.turns):
+            yield traj, index, turn

@@ -1,0 +1,208 @@
+"""The multi-agent workflow runner: a ReAct-style schedule of agents and a pluggable tool environment.
+
+Schedule (per task): up to `max_rounds` rounds of `plan` (optional) → `act` → observation from the tool, until `act`
+emits `finish[ANSWER]`; then `reflect` (optional) writes the final answer. Every agent reads the whole shared
+trajectory so far, laid out by the `WorkflowSpec` templates (see `kvprof.spec`), and generates until a stop string.
+
+The runner records a `Trajectory` (kvprof.trace) with exact token ids; capture uses it as is, online replay reruns it
+under a sharing policy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.model import AgentSet
+from kvprof.spec import WorkflowSpec
+from kvprof.trace import Segment, Trajectory, Turn
+
+
+@dataclass
+class Task:
+    """One question; `documents` (entity → text) feed the default search tool."""
+
+    id: str
+    question: str
+    answer: str | None = None
+    documents: dict[str, str] = field(default_factory=dict)
+
+
+def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
+    """Read `{"id", "question", "answer"?, "documents"?}` per line; refuse malformed lines with their number."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvprofError(f"tasks file {path} does not exist; pass a JSONL file with one "
+                          '{"id", "question", "answer"} object per line.')
+    tasks: list[Task] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise KvprofError(f"{path} line {number} is not valid JSON ({err.msg}); fix that line.") from None
+            if not isinstance(record, dict) or not isinstance(record.get("question"), str):
+                raise KvprofError(f"{path} line {number} has no string field 'question'; "
+                                  'each line needs {"id", "question"}.')
+            documents = record.get("documents", {})
+            if not isinstance(documents, dict):
+                raise KvprofError(f"{path} line {number}, field 'documents' should map names to texts.")
+            answer = record.get("answer")
+            tasks.append(Task(id=str(record.get("id", f"task{number}")), question=record["question"],
+                              answer=None if answer is None else str(answer), documents=documents))
+            if limit is not None and len(tasks) >= limit:
+                break
+    if not tasks:
+        raise KvprofError(f"tasks file {path} holds no tasks; add one JSON object per line.")
+    return tasks
+
+
+class ToolEnvironment(Protocol):
+    """Answers an agent's action with an observation text (None: the tool does not know that action)."""
+
+    def observe(self, task: Task, tool: str, argument: str) -> str | None: ...
+
+
+class SearchTool:
+    """`search[NAME]` returns the task's document about NAME (case-insensitive), or says there is none."""
+
+    def observe(self, task: Task, tool: str, argument: str) -> str | None:
+        if tool != "search":
+            return None
+        wanted = argument.strip().lower()
+        for name, text in task.documents.items():
+            if name.lower() == wanted:
+                return text
+        return f"No results for {argument.strip()}."
+
+
+@dataclass
+class Sampling:
+    """Generation settings: greedy when `temperature` is 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class TrajectoryBuilder:
+    """Appends segments (tokenized on their own) and turns to a growing `Trajectory`."""
+
+    def __init__(self, tokenizer, task: Task):
+        self.tokenizer = tokenizer
+        self.trajectory = Trajectory(id=task.id, segments={}, turns=[], question=task.question, answer=task.answer)
+
+    def add_text(self, seg_id: str, kind: str, scope: str, text: str) -> str:
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        self.trajectory.segments[seg_id] = Segment(kind=kind, scope=scope, tokens=tokens, text=text)
+        return seg_id
+
+    def add_output(self, seg_id: str, agent: str, tokens: list[int]) -> str:
+        text = self.tokenizer.decode(tokens)
+        self.trajectory.segments[seg_id] = Segment(kind="output", scope="shared", tokens=tokens, text=text,
+                                                   producer=agent)
+        return seg_id
+
+
+def generate(agents: AgentSet, agent: str, input_ids: list[int], max_new_tokens: int, spec: WorkflowSpec,
+             sampling: Sampling) -> list[int]:
+    """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included)."""
+    tokenizer = agents.tokenizer
+    ids = torch.tensor([input_ids], device=agents.device)
+    kwargs = {"do_sample": sampling.temperature > 0}
+    if sampling.temperature > 0:
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
+    if spec.stop:
+        kwargs.update(stop_strings=list(spec.stop), tokenizer=tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    try:
+        with agents.activate(agent), torch.inference_mode():
+            out = agents.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                        max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
+    except torch.OutOfMemoryError:
+        raise KvprofError(f"agent {agent!r} ran out of memory on a {len(input_ids)}-token input; use fewer "
+                          "--max-rounds, a smaller --dtype, or a larger device.") from None
+    return out[0, len(input_ids):].tolist()
+
+
+def parse_action(spec: WorkflowSpec, text: str) -> tuple[str, str] | None:
+    match = re.search(spec.action_pattern, text)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def parse_answer(spec: WorkflowSpec, text: str) -> str:
+    match = re.search(spec.answer_pattern, text)
+    return (match.group(1) if match else text).strip()
+
+
+TurnCallback = Callable[[Trajectory, Turn], None]
+
+
+def run_react(agents: AgentSet, task: Task, tool: ToolEnvironment, sampling: Sampling,
+              on_turn: TurnCallback | None = None) -> Trajectory:
+    """Run one task through the ReAct schedule and return its trajectory (see module docstring)."""
+    spec = agents.spec
+    builder = TrajectoryBuilder(agents.tokenizer, task)
+    traj = builder.trajectory
+    history: list[str] = []
+    if spec.mode == "lora" and spec.system_prompt:
+        history.append(builder.add_text("system", "system", "shared", spec.system_prompt))
+    history.append(builder.add_text("question", "question", "shared",
+                                    spec.question_template.format(question=task.question)))
+    prefixes = {}
+    if spec.mode == "prompt":
+        prefixes = {a.name: builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
+                    for a in spec.agents}
+    counts: dict[str, int] = {}
+    torch.manual_seed(sampling.seed)
+
+    def call(agent: str) -> str:
+        index = counts.get(agent, 0)
+        counts[agent] = index + 1
+        cue = builder.add_text(f"cue:{agent}:{index}", "cue", "shared", spec.cue_template.format(agent=agent))
+        inputs = ([prefixes[agent]] if agent in prefixes else []) + history + [cue]
+        turn = Turn(agent=agent, input=inputs, output=f"out:{agent}:{index}")
+        max_new = spec.agent(agent).max_new_tokens or spec.max_new_tokens
+        new_tokens = generate(agents, agent, traj.input_tokens(turn), max_new, spec, sampling)
+        builder.add_output(turn.output, agent, new_tokens)
+        traj.turns.append(turn)
+        history.extend([cue, turn.output])
+        if on_turn:
+            on_turn(traj, turn)
+        return traj.segments[turn.output].text
+
+    names = set(spec.names)
+    answer = None
+    observations = 0
+    for _ in range(spec.max_rounds):
+        if "plan" in names:
+            call("plan")
+        action = parse_action(spec, call("act"))
+        if action is None:
+            observation = "Invalid action."
+        elif action[0] == "finish":
+            answer = action[1].strip()
+            break
+        else:
+            observation = tool.observe(task, *action)
+            if observation is None:
+                observation = f"Unknown action {action[0]}."
+        history.append(builder.add_text(f"obs:{observations}", "observation", "shared",
+                                        spec.observation_template.format(observation=observation)))
+        observations += 1
+    if "reflect" in names:
+        answer = parse_answer(spec, call("reflect"))
+    traj.prediction = answer
+    return traj
+
+
+def exact_match(prediction: str | None, answer: str | None) -> bool:
+    return prediction is not None and answer is not None and prediction.strip().lower() == answer.strip().lower()
