@@ -144,13 +144,24 @@ def parse_answer(spec: WorkflowSpec, text: str) -> str:
 
 
 TurnCallback = Callable[[Trajectory, Turn], None]
+Responder = Callable[[str, list[int], int], list[int]]
+"""Produces an agent's output: `(agent, input_ids, max_new_tokens) -> new token ids`."""
 
 
-def run_react(agents: AgentSet, task: Task, tool: ToolEnvironment, sampling: Sampling,
+def model_responder(agents: AgentSet, sampling: Sampling) -> Responder:
+    """Answer each turn with the agents' own model (transformers' `generate`)."""
+    torch.manual_seed(sampling.seed)
+    return lambda agent, input_ids, max_new: generate(agents, agent, input_ids, max_new, agents.spec, sampling)
+
+
+def run_react(spec: WorkflowSpec, tokenizer, task: Task, tool: ToolEnvironment, respond: Responder,
               on_turn: TurnCallback | None = None) -> Trajectory:
-    """Run one task through the ReAct schedule and return its trajectory (see module docstring)."""
-    spec = agents.spec
-    builder = TrajectoryBuilder(agents.tokenizer, task)
+    """Run one task through the ReAct schedule and return its trajectory (see module docstring).
+
+    `respond` decides each output: the model for capture, a sharing policy for online replay, or scripted gold
+    outputs when building training data — the layout of the inputs is the same in every case.
+    """
+    builder = TrajectoryBuilder(tokenizer, task)
     traj = builder.trajectory
     history: list[str] = []
     if spec.mode == "lora" and spec.system_prompt:
@@ -162,7 +173,6 @@ def run_react(agents: AgentSet, task: Task, tool: ToolEnvironment, sampling: Sam
         prefixes = {a.name: builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
                     for a in spec.agents}
     counts: dict[str, int] = {}
-    torch.manual_seed(sampling.seed)
 
     def call(agent: str) -> str:
         index = counts.get(agent, 0)
@@ -171,8 +181,7 @@ def run_react(agents: AgentSet, task: Task, tool: ToolEnvironment, sampling: Sam
         inputs = ([prefixes[agent]] if agent in prefixes else []) + history + [cue]
         turn = Turn(agent=agent, input=inputs, output=f"out:{agent}:{index}")
         max_new = spec.agent(agent).max_new_tokens or spec.max_new_tokens
-        new_tokens = generate(agents, agent, traj.input_tokens(turn), max_new, spec, sampling)
-        builder.add_output(turn.output, agent, new_tokens)
+        builder.add_output(turn.output, agent, respond(agent, traj.input_tokens(turn), max_new))
         traj.turns.append(turn)
         history.extend([cue, turn.output])
         if on_turn:

@@ -17,7 +17,7 @@ from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
 from kvprof.shapes import import_shape_csv
 from kvprof.spec import build_spec, check_react_roles
 from kvprof.trace import TraceHeader, TraceWriter, Trajectory, shared_segment_ids, write_trace
-from kvprof.workflow import Sampling, SearchTool, exact_match, load_tasks, run_react
+from kvprof.workflow import Sampling, SearchTool, exact_match, load_tasks, model_responder, run_react
 
 
 def command(
@@ -82,8 +82,8 @@ def command(
         job = bar.add_task("capturing", total=len(task_list))
         for index, task in enumerate(task_list):
             bar.update(job, description=f"task {task.id}")
-            traj = run_react(agents, task, tool, Sampling(temperature, top_p, seed + index),
-                             on_turn=lambda t, turn: bar.update(job, description=f"task {t.id}: {turn.agent}"))
+            respond = model_responder(agents, Sampling(temperature, top_p, seed + index))
+            traj = run_react(spec, agents.tokenizer, task, tool, respond, on_turn=lambda t, turn: bar.update(job, description=f"task {t.id}: {turn.agent}"))
             writer.write(traj)
             captured.append(traj)
             bar.advance(job)
