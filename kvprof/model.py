@@ -216,3 +216,30 @@ def load_agents(spec: WorkflowSpec, model_name: str, device: str = "auto", dtype
     tokenizer = load_tokenizer(model_name)
     base = load_base_model(model_name, torch_dtype, torch_device, attn)
     return AgentSet(spec, base, tokenizer, model_name)
+
+
+def load_agents_for_trace(trace_path, model: str | None = None, workflow=None, agent_flags: list[str] | None = None,
+                          role_flags: list[str] | None = None, device: str = "auto", dtype: str = "auto",
+                          attn: str = "sdpa") -> AgentSet:
+    """Load the model and agents a trace was captured with; `model` and the agent flags override the header.
+
+    Refuses a model whose tokenizer differs from the trace's.
+    """
+    from kvprof.spec import build_spec
+    from kvprof.trace import check_tokenizer, read_header
+
+    header = read_header(trace_path)
+    base = WorkflowSpec.from_dict(header.workflow) if "system_prompt" in header.workflow else None
+    if base is None:
+        base = WorkflowSpec(mode=header.mode, agents=[])
+    spec = build_spec(workflow, agent_flags, role_flags, base=base)
+    unknown = set(spec.names) - set(header.agent_names)
+    if unknown:
+        raise KvprofError(f"unknown agent name {', '.join(map(repr, sorted(unknown)))} for trace {trace_path}; "
+                          f"its agents are {', '.join(header.agent_names)}.")
+    model_name = model or header.model.get("path")
+    if not model_name:
+        raise KvprofError(f"trace {trace_path} does not record its model; pass --model.")
+    agents = load_agents(spec, model_name, device=device, dtype=dtype, attn=attn)
+    check_tokenizer(header, tokenizer_identity(agents.tokenizer), trace_path, model_name)
+    return agents
