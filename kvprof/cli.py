@@ -8,7 +8,7 @@ import click
 import typer
 
 import kvprof
-from kvprof.commands import capture
+from kvprof.commands import capture, inspect
 from kvprof.errors import KvprofError
 
 app = typer.Typer(
@@ -25,6 +25,7 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the kvpro
 
 
 app.command("capture")(capture.command)
+app.command("inspect")(inspect.command)
 
 
 def _quiet_libraries() -> None:

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 import kvprof
 from kvprof.fileio import write_json
 
-console = Console()
+console = Console(soft_wrap=True)
 progress_console = Console(stderr=True)
 
 OutOption = Annotated[Path, typer.Option("--out", help="Directory for results (created if missing).")]

@@ -1,0 +1,21 @@
+# Each target does its own set-up: a virtual environment in .venv with kvprof and its test extras.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test demo
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/kvprof demo

@@ -1,0 +1,112 @@
+"""`kvprof capture` end to end on the tiny world, and its refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvprof.tiny import build_adapter, tiny_config
+from kvprof.trace import read_trace, shared_segment_ids
+
+
+def _capture(run_cli, world, out, *extra):
+    return run_cli("capture", "--model", world.model, "--tasks", world.tasks, "--out", out, "--device", "cpu", *extra)
+
+
+def test_capture_lora_mode(run_cli, tiny_world, tmp_path):
+    code, out, err = _capture(run_cli, tiny_world, tmp_path, "--agent", f"plan={tiny_world.adapter('plan')}",
+                              "--agent", f"act={tiny_world.adapter('act')}", "--max-rounds", "2",
+                              "--max-new-tokens", "6")
+    assert code == 0, err
+    assert "r=4, alpha=8, on q/k/v/o" in out
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert trace.header.mode == "lora" and trace.header.agent_names == ["plan", "act"]
+    assert len(trace.trajectories) == 3
+    for traj in trace.trajectories:
+        assert [t.agent for t in traj.turns][:2] == ["plan", "act"]
+        # matched prefix: every turn starts with the same shared segments
+        assert all(t.input[:2] == ["question", "cue:plan:0"] for t in traj.turns)
+        assert all(len(traj.segments[t.output]) <= 6 for t in traj.turns)
+    result = json.loads((tmp_path / "capture.json").read_text())
+    assert result["schema"] == "kvprof.result.capture" and result["summary"]["trajectories"] == 3
+
+
+def test_capture_prompt_mode_positions_differ(run_cli, tiny_world, tmp_path):
+    code, _, err = _capture(run_cli, tiny_world, tmp_path, "--workflow", tiny_world.prompt_workflow)
+    assert code == 0, err
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert trace.header.mode == "prompt"
+    traj = trace.trajectories[0]
+    starts = {}
+    for turn in traj.turns:
+        assert traj.segments[turn.input[0]].scope == "private" and turn.input[0] == f"prompt:{turn.agent}"
+        starts[turn.agent] = dict((s, a) for s, a, _ in traj.segment_spans(turn))["question"]
+    assert len(set(starts.values())) == len(starts) == 3  # role prompts of different lengths
+    assert "question" in shared_segment_ids(traj)
+
+
+def test_capture_is_deterministic_and_samples(run_cli, tiny_world, tmp_path):
+    args = ("--workflow", tiny_world.lora_workflow, "--temperature", "1.0", "--seed", "5")
+    assert _capture(run_cli, tiny_world, tmp_path / "a", *args)[0] == 0
+    assert _capture(run_cli, tiny_world, tmp_path / "b", *args)[0] == 0
+    assert (tmp_path / "a/trace.jsonl").read_bytes() == (tmp_path / "b/trace.jsonl").read_bytes()
+    assert _capture(run_cli, tiny_world, tmp_path / "c", "--workflow", tiny_world.lora_workflow)[0] == 0
+    assert (tmp_path / "a/trace.jsonl").read_bytes() != (tmp_path / "c/trace.jsonl").read_bytes()
+
+
+def test_shape_import_via_cli(run_cli, tiny_world, tmp_path):
+    csv_path = tmp_path / "s.csv"
+    csv_path.write_text("agent,prefill_len,decode_len\nplan,40,8\nact,8,4\n")
+    code, out, err = run_cli("capture", "--model", tiny_world.model, "--shapes", csv_path, "--out", tmp_path)
+    assert code == 0, err
+    code, out, _ = run_cli("inspect", tmp_path / "trace.jsonl", "--model", tiny_world.model)
+    assert code == 0 and "valid: 1 trajectories" in out and "tokenizer matches" in out
+
+
+@pytest.fixture(scope="module")
+def foreign_adapter(tmp_path_factory):
+    """An adapter trained for a base model of another width."""
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("foreign") / "adapter"
+    build_adapter(LlamaForCausalLM(tiny_config(363, 0, hidden=96)), path, seed=0)
+    return path
+
+
+def _one_line_error(code, out, err, *fragments):
+    assert code != 0
+    assert "Traceback" not in err + out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
+    plan = f"plan={tiny_world.adapter('plan')}"
+    act = f"act={tiny_world.adapter('act')}"
+    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--agent", act,
+                              "--tasks", tmp_path / "missing.jsonl"), "missing.jsonl does not exist")
+    bad_tasks = tmp_path / "tasks.jsonl"
+    bad_tasks.write_text('{"id": 1, "question": "q"}\n{"id": 2, "question": \n')
+    _one_line_error(*run_cli("capture", "--model", tiny_world.model, "--tasks", bad_tasks, "--agent", plan,
+                             "--agent", act, "--out", tmp_path), "line 2 is not valid JSON")
+    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", f"act={foreign_adapter}"),
+                    "trained for another base model", "pass an adapter trained on this --model")
+    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--agent", act,
+                              "--agent", f"critic={tiny_world.adapter('reflect')}"), "unknown agent name 'critic'")
+    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--role", "act=You act."),
+                    "have adapters but act have role prompts")
+    _one_line_error(*run_cli("capture", "--model", tmp_path / "nomodel", "--tasks", tiny_world.tasks,
+                             "--agent", act), "nomodel", "pass --model with a local model directory")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(lora_trace.read_text().splitlines()[0] + "\n{oops\n")
+    _one_line_error(*run_cli("inspect", broken), "broken.jsonl line 2")
+    _one_line_error(*run_cli("inspect", tmp_path / "nothing.jsonl"), "does not exist")
+    other_model = tmp_path / "other"
+    from kvprof.tiny import build_tokenizer
+    build_tokenizer(vocab_size=300).save_pretrained(other_model)
+    _one_line_error(*run_cli("inspect", lora_trace, "--model", other_model), "captured with tokenizer",
+                    "pass --model with the model the trace was captured with")
+    assert not (tmp_path / "trace.jsonl").exists()  # nothing half-written
