@@ -44,3 +44,11 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     keys32 = keys.float()
     rotated = keys32 * angles.cos() + rotate_half(keys32) * angles.sin()
     return rotated.to(keys.dtype)
+
+
+def apply_rope(states: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               attention_scaling: float = 1.0) -> torch.Tensor:
+    """RoPE of un-rotated states (B, H, L, D) at absolute `positions` (L,), as the model applies it to keys
+    (including its `attention_scaling`, 1.0 for plain RoPE)."""
+    rotated = rotate_keys(states, positions, inv_freq)
+    return rotated if attention_scaling == 1.0 else rotated * attention_scaling

@@ -1,0 +1,79 @@
+"""FullShared: one cache for the shared timeline, whichever agent computed each token; new tokens only.
+
+Each shared token's K/V is computed once, by the first agent that processes it (with that agent's adapter, after
+that agent's role prompt) and reused by every other agent as is. In prompt mode the keys are re-rotated from the
+producer's positions to the reader's (`kvprof.rope.rotate_keys`). Approximate: another agent's adapter and prefix
+shaped those K/V. Memory 1× plus each agent's private prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvprof.policies.base import Chunk, Context, SharingPolicy
+from kvprof.rope import rotate_keys
+from kvprof.runtime import KV
+
+
+class FullShared(SharingPolicy):
+    name = "fullshared"
+    family = "baseline"
+    paper = "naive sharing baseline of LRAgent / PReCache / KVCOMM"
+    approximate = True
+    modes = ("lora", "prompt")
+
+    def reset(self) -> None:
+        self.shared_kv: list[KV] | None = None  # per layer (K, V), (1, H_kv, N, D), keys at producer positions
+        self.offsets: list[int] = []  # per shared token: the producer's prefix length (its position offset)
+        self.producers: list[str] = []
+        self.prefixes: dict[str, list[KV]] = {}
+
+    def assemble(self, agent: str, shared: list[int]) -> Context:
+        prefix_len = len(self.runtime.prefix(agent))
+        extra_prefill, flops = 0, 0.0
+        prefix_kv = self.prefixes.get(agent)
+        if prefix_kv is None:
+            prefix_kv, flops = self.prefix_context(agent)
+            extra_prefill = prefix_len
+        reused = min(len(self.producers), len(shared) - 1)
+        kv = prefix_kv
+        if reused:
+            delta = torch.tensor([prefix_len - offset for offset in self.offsets[:reused]])
+            kv = []
+            for (prefix_k, prefix_v), (keys, values) in zip(prefix_kv, self.shared_kv):
+                keys = keys[:, :, :reused]
+                if bool(delta.any()):
+                    keys = rotate_keys(keys, delta.to(keys.device), self.runtime.inv_freq)
+                    flops += 6.0 * keys.numel()
+                kv.append((torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, values[:, :, :reused]], 2)))
+        from_others = sum(producer != agent for producer in self.producers[:reused])
+        return Context(kv=kv, reused=reused, from_others=from_others, extra_prefill=extra_prefill, extra_flops=flops,
+                       pending={"prefix": prefix_kv})
+
+    def commit(self, chunk: Chunk) -> float:
+        prefix_len = len(self.runtime.prefix(chunk.agent))
+        self.prefixes.setdefault(chunk.agent, chunk.context.pending["prefix"])
+        known = len(self.producers)
+        begin = prefix_len + known
+        new = [(k[:, :, begin:], v[:, :, begin:]) for k, v in chunk.kv]
+        if self.shared_kv is None:
+            self.shared_kv = new
+        else:
+            self.shared_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                              for (k, v), (nk, nv) in zip(self.shared_kv, new)]
+        added = chunk.start + len(chunk.ids) - known
+        self.offsets += [prefix_len] * added
+        self.producers += [chunk.agent] * added
+        return 0.0
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        tensors = {"shared cache": [t for pair in self.shared_kv or [] for t in pair]}
+        tensors.update({f"prefix:{agent}": [t for pair in kv for t in pair] for agent, kv in self.prefixes.items()})
+        return tensors
+
+    def analytic_bytes(self) -> dict[str, int]:
+        runtime = self.runtime
+        per_token = 2 * runtime.num_layers * runtime.kv_heads * runtime.head_dim * runtime.dtype.itemsize
+        sizes = {"shared cache": per_token * len(self.producers)}
+        sizes.update({f"prefix:{agent}": per_token * len(runtime.prefix(agent)) for agent in self.prefixes})
+        return sizes

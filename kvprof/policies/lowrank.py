@@ -1,0 +1,130 @@
+"""The store the low-rank policies share: a base cache plus rank-r LR caches, on the shared timeline (lora mode).
+
+Per layer the store holds K_base = RoPE(X·W0_kᵀ) and V_base = X·W0_vᵀ, each (1, H_kv, N, D), for the N tokens of the
+timeline processed so far, and any number of LR caches `X·Aᵀ` (1, N_c, r) under a name (an agent, or "shared"),
+each for the projections its adapter targets. Which hidden states X feed it — the processing agent's (BaseShared,
+BaseLRShared, PreLRShared) or adapter-free ones (ReBaseShared) — is the policy's choice.
+
+`assemble` rebuilds what agent j attends to: K = K_base + RoPE((X·Aᵀ)·s·B_jᵀ) and V = V_base + (X·Aᵀ)·s·B_jᵀ.
+The value expansion is the torch reference of Flash-LoRA-Attention's O = P·V_base + (P·V_lr)·B (same result); the
+key expansion is inherent to LoRA on k_proj (RoPE does not commute with the rank-r factorisation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvprof.lora import base_kv, heads
+from kvprof.rope import apply_rope
+from kvprof.runtime import KV, Runtime
+
+PROJECTIONS = ("key", "value")
+
+
+class LowRankStore:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.base: list[KV] = []
+        self.low_rank: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.producers: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.producers)
+
+    def lr_length(self, name: str) -> int:
+        layers = self.low_rank.get(name)
+        if not layers or not layers[0]:
+            return 0
+        return next(iter(layers[0].values())).shape[1]
+
+    # ------------------------------------------------------------------------------------------- writing
+
+    def append_base(self, hidden: list[torch.Tensor], producer: str) -> float:
+        """Append the base K/V of tokens with attention inputs `hidden` (per layer (1, n, d_model)); returns FLOPs."""
+        runtime, start = self.runtime, len(self)
+        count = hidden[0].shape[1]
+        positions = torch.arange(start, start + count, device=hidden[0].device)
+        new = [base_kv(split, x, positions, runtime.inv_freq, runtime.attention_scaling, runtime.head_dim)
+               for split, x in zip(runtime.splits, hidden)]
+        self.base = new if not self.base else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                                               for (k, v), (nk, nv) in zip(self.base, new)]
+        self.producers += [producer] * count
+        return 2.0 * count * runtime.hidden_size * 2 * runtime.kv_heads * runtime.head_dim * runtime.num_layers
+
+    @staticmethod
+    def down_projections(runtime: Runtime, hidden: list[torch.Tensor], agents: list[str]
+                         ) -> dict[str, list[dict[str, torch.Tensor]]]:
+        """X·A_kᵀ for every agent k in one GEMM per projection (PReCache's precomputation).
+
+        hidden: per layer (1, n, d_model) → {agent: per layer {"key"|"value": (1, n, r)}}.
+        """
+        result: dict[str, list[dict[str, torch.Tensor]]] = {agent: [] for agent in agents}
+        for split, x in zip(runtime.splits, hidden):
+            parts: dict[str, dict[str, torch.Tensor]] = {agent: {} for agent in agents}
+            for projection in PROJECTIONS:
+                proj = getattr(split, projection)
+                adapted = [agent for agent in agents if agent in proj.down]
+                if not adapted:
+                    continue
+                stacked = torch.cat([proj.down[agent] for agent in adapted])
+                outputs = torch.split(x @ stacked.T, [proj.down[agent].shape[0] for agent in adapted], dim=-1)
+                for agent, out in zip(adapted, outputs):
+                    parts[agent][projection] = out
+            for agent in agents:
+                result[agent].append(parts[agent])
+        return result
+
+    def append_low_rank(self, name: str, layers: list[dict[str, torch.Tensor]]) -> None:
+        current = self.low_rank.get(name)
+        if current is None:
+            self.low_rank[name] = layers
+            return
+        self.low_rank[name] = [{p: torch.cat([old[p], new[p]], 1) for p in old} for old, new in zip(current, layers)]
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def assemble(self, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None,
+                 length: int) -> tuple[list[KV], float]:
+        """Per layer (K, V) of the first `length` tokens as `agent` sees them: the base plus `agent`'s B applied to
+        the LR cache `low_rank` (per layer {"key"|"value": (1, ≥length, r)}); with `low_rank=None`, the base alone.
+        Returns (kv, expansion FLOPs)."""
+        runtime = self.runtime
+        if not self.base:
+            return runtime.empty_kv(), 0.0
+        kv, flops = [], 0.0
+        positions = torch.arange(length, device=runtime.device)
+        for layer, (split, (keys, values)) in enumerate(zip(runtime.splits, self.base)):
+            keys, values = keys[:, :, :length], values[:, :, :length]
+            if agent is not None and low_rank is not None:
+                for projection in PROJECTIONS:
+                    proj = getattr(split, projection)
+                    if agent not in proj.up or projection not in low_rank[layer]:
+                        continue
+                    factors = low_rank[layer][projection][:, :length]
+                    expanded = heads(proj.expand(factors, agent), runtime.head_dim)
+                    flops += 2.0 * expanded.numel() * factors.shape[-1]
+                    if projection == "key":
+                        keys = keys + apply_rope(expanded, positions, runtime.inv_freq, runtime.attention_scaling)
+                    else:
+                        values = values + expanded
+            kv.append((keys, values))
+        return kv, flops
+
+    # ------------------------------------------------------------------------------------------- memory
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        tensors = {"base cache": [t for pair in self.base for t in pair]}
+        for name, layers in self.low_rank.items():
+            tensors[f"LR cache:{name}"] = [t for layer in layers for t in layer.values()]
+        return tensors
+
+    def analytic_bytes(self) -> dict[str, int]:
+        runtime = self.runtime
+        itemsize = runtime.dtype.itemsize
+        sizes = {"base cache": 2 * runtime.num_layers * runtime.kv_heads * runtime.head_dim * len(self) * itemsize}
+        for name in self.low_rank:
+            agent = name if name in runtime.agents.spec.names else runtime.agents.spec.names[0]
+            rank_sum = sum(getattr(split, p).down[agent].shape[0] for split in runtime.splits for p in PROJECTIONS
+                           if agent in getattr(split, p).down)
+            sizes[f"LR cache:{name}"] = rank_sum * self.lr_length(name) * itemsize
+        return sizes

@@ -1,0 +1,45 @@
+"""NonShared: every agent keeps its own cache and prefills every token it has not processed itself.
+
+The dense baseline every other policy is measured against (exact; memory grows N× with N agents).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvprof.policies.base import Chunk, Context, SharingPolicy
+from kvprof.runtime import KV
+
+
+class NonShared(SharingPolicy):
+    name = "nonshared"
+    family = "baseline"
+    paper = "the dense baseline of LRAgent and PReCache"
+    approximate = False
+    modes = ("lora", "prompt")
+
+    def reset(self) -> None:
+        self.own: dict[str, list[KV]] = {}  # agent -> per layer (K, V), (1, H_kv, L_agent, D)
+        self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
+
+    def assemble(self, agent: str, shared: list[int]) -> Context:
+        if agent not in self.own:
+            kv, flops = self.prefix_context(agent)
+            return Context(kv=kv, reused=0, from_others=0, extra_prefill=len(self.runtime.prefix(agent)),
+                           extra_flops=flops)
+        reused = min(self.seen[agent], len(shared) - 1)
+        end = len(self.runtime.prefix(agent)) + reused
+        return Context(kv=[(k[:, :, :end], v[:, :, :end]) for k, v in self.own[agent]], reused=reused, from_others=0)
+
+    def commit(self, chunk: Chunk) -> float:
+        self.own[chunk.agent] = chunk.kv
+        self.seen[chunk.agent] = chunk.start + len(chunk.ids)
+        return 0.0
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {f"cache:{agent}": [t for pair in kv for t in pair] for agent, kv in self.own.items()}
+
+    def analytic_bytes(self) -> dict[str, int]:
+        runtime = self.runtime
+        per_token = 2 * runtime.num_layers * runtime.kv_heads * runtime.head_dim * runtime.dtype.itemsize
+        return {f"cache:{agent}": per_token * (len(runtime.prefix(agent)) + self.seen[agent]) for agent in self.own}

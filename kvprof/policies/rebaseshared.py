@@ -1,0 +1,70 @@
+"""ReBaseShared (PReCache): a neutral base cache and LR caches from adapter-free hidden states.
+
+The shared context is also processed with adapters disabled, giving neutral hidden states X_neut; the store keeps
+X_neut·W0 (the neutral base cache) and X_neut·A_k for every agent k. Agent j attends to
+V = X_neut·W0 + s·(X_neut·A_j)·B_j — no dependence on which agent processed a token first. Schedules:
+`lp` (lazy prefill): after the turn's decoding, its tokens are re-processed once adapter-free (outside TTFT, inside
+end-to-end latency); `db` (double batching): the adapted row and an adapter-free row run in one 2-row batch during
+prefill and decode. Both give the same cache state. Approximate (X_neut ≠ X_j). Paper: PReCache (ReBaseShared;
+published: LP TTFT up to 3.0× lower than NonShared).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvprof.policies.base import Chunk, Context, SharingPolicy
+from kvprof.policies.lowrank import LowRankStore
+
+NEUTRAL = "neutral"
+
+
+class ReBaseShared(SharingPolicy):
+    name = "rebaseshared"
+    family = "PReCache"
+    paper = "PReCache (ReBaseShared)"
+    approximate = True
+    options = {"schedule": ("lp", "db")}
+
+    def reset(self) -> None:
+        self.store = LowRankStore(self.runtime)
+        self.needs_hidden = self.settings["schedule"] == "db"
+
+    def adapter_rows(self, agent: str) -> list[str] | None:
+        return [agent, "__base__"] if self.settings["schedule"] == "db" else None
+
+    def assemble(self, agent: str, shared: list[int]) -> Context:
+        store = self.store
+        reused = min(len(store), len(shared) - 1)
+        kv, flops = store.assemble(agent, store.low_rank.get(agent), reused)
+        if self.settings["schedule"] == "db":
+            neutral, _ = store.assemble(None, None, reused)
+            kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(kv, neutral)]
+        return Context(kv=kv, reused=reused, from_others=reused, extra_flops=flops)
+
+    def commit(self, chunk: Chunk) -> float:
+        runtime, store = self.runtime, self.store
+        skip = len(store) - chunk.start
+        new_ids = chunk.ids[skip:]
+        if not new_ids:
+            return 0.0
+        if self.settings["schedule"] == "lp":
+            base, _ = store.assemble(None, None, len(store))
+            out = runtime.forward(None, new_ids, runtime.cache_from(base), len(store), capture=True)
+            hidden = out.hidden
+        else:
+            hidden = [x[1:2, skip:] for x in chunk.hidden]
+        flops = runtime.flops(len(new_ids), len(store))
+        flops += store.append_base(hidden, NEUTRAL)
+        names = runtime.agents.spec.names
+        projections = LowRankStore.down_projections(runtime, hidden, names)
+        for agent in names:
+            store.append_low_rank(agent, projections[agent])
+        rank = sum(t.shape[-1] for layers in projections.values() for layer in layers for t in layer.values())
+        return flops + 2.0 * len(new_ids) * runtime.hidden_size * rank
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.store.live_tensors()
+
+    def analytic_bytes(self) -> dict[str, int]:
+        return self.store.analytic_bytes()

@@ -1,0 +1,197 @@
+"""The replay engine: a trace turn by turn under sharing policies, measured against the dense (NonShared) run.
+
+Teacher-forced replay (`replay_trace`) advances the dense run and every policy in lockstep: per turn the dense
+result is computed once, compared with each policy's, then released, so memory stays bounded on long traces.
+Online replay (`replay_online`) re-runs the workflow under each policy: agents generate their own outputs and errors
+propagate to later agents, as the papers measure accuracy.
+
+Metrics (kvprof.metrics, DESIGN.md): per layer relative Frobenius error and mean token cosine of K and V on the
+reused span; KL(dense ‖ policy), top-1 agreement and first-token match on the outputs; reuse ratio ρ per token, per
+call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT, latency, analytic memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.metrics import kl_divergence, mean_token_cosine, relative_frobenius, top1_agreement
+from kvprof.model import AgentSet
+from kvprof.policies import SharingPolicy, TurnRequest, TurnResult, make_policy
+from kvprof.policies.base import tensor_bytes
+from kvprof.policies.nonshared import NonShared
+from kvprof.runtime import Runtime
+from kvprof.trace import Trajectory
+from kvprof.workflow import SearchTool, Task, exact_match, run_react
+
+DENSE = "dense"
+
+
+@dataclass
+class PolicyChoice:
+    """A policy name and its options, e.g. ("rebaseshared", {"schedule": "db"})."""
+
+    name: str
+    options: dict[str, str] = field(default_factory=dict)
+
+
+def compare_turn(result: TurnResult, dense: TurnResult) -> dict:
+    """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced)."""
+    record = {
+        "agent": result.agent, "input_tokens": result.input_kv[0][0].shape[1],
+        "output_tokens": len(result.output_ids), "reused": result.reused, "from_others": result.from_others,
+        "prefilled": result.prefilled, "flops": result.flops, "ttft_s": result.ttft_s,
+        "latency_s": result.latency_s, "memory_bytes": sum(result.memory.values()),
+    }
+    kl = kl_divergence(dense.logits, result.logits)
+    record.update(kl=float(kl.mean()), kl_sum=float(kl.sum()), top1_sum=float(top1_agreement(dense.logits,
+                                                                                           result.logits).sum()),
+                  first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()))
+    layers = []
+    if result.reused:
+        begin, end = result.prefix_len, result.prefix_len + result.reused
+        for (keys, values), (dense_keys, dense_values) in zip(result.input_kv, dense.input_kv):
+            layers.append({
+                "k_error": relative_frobenius(keys[:, begin:end], dense_keys[:, begin:end]),
+                "k_cosine": mean_token_cosine(keys[:, begin:end], dense_keys[:, begin:end]),
+                "v_error": relative_frobenius(values[:, begin:end], dense_values[:, begin:end]),
+                "v_cosine": mean_token_cosine(values[:, begin:end], dense_values[:, begin:end]),
+            })
+    record["layers"] = layers
+    return record
+
+
+def summarise(turns: list[dict]) -> dict:
+    """Aggregate per-turn records of one policy (token-weighted fidelity, summed cost, per-layer mean error)."""
+    outputs = sum(t["output_tokens"] for t in turns)
+    inputs = sum(t["input_tokens"] for t in turns)
+    reusable = [t for t in turns if t["reused"]]
+    layer_count = max((len(t["layers"]) for t in turns), default=0)
+    per_layer = []
+    for layer in range(layer_count):
+        rows = [t["layers"][layer] for t in reusable]
+        per_layer.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0]})
+    summary = {
+        "turns": len(turns), "input_tokens": inputs, "output_tokens": outputs,
+        "kl": sum(t["kl_sum"] for t in turns) / max(outputs, 1),
+        "top1": sum(t["top1_sum"] for t in turns) / max(outputs, 1),
+        "first_token_match": statistics.fmean(t["first_token_match"] for t in turns) if turns else None,
+        "reuse_per_token": sum(t["from_others"] for t in turns) / max(inputs, 1),
+        "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
+        "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable)
+                                       if reusable else None),
+        "prefilled": sum(t["prefilled"] for t in turns), "flops": sum(t["flops"] for t in turns),
+        "ttft_s": sum(t["ttft_s"] for t in turns), "latency_s": sum(t["latency_s"] for t in turns),
+        "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
+        "layers": per_layer,
+        "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
+        "v_error": statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
+    }
+    summary["tokens_per_s"] = outputs / summary["latency_s"] if summary["latency_s"] else None
+    return summary
+
+
+def relative_to_dense(summary: dict, dense: dict) -> dict:
+    """Speed-ups and memory ratio against the dense run measured in the same replay."""
+    return {
+        "ttft_speedup": dense["ttft_s"] / summary["ttft_s"] if summary["ttft_s"] else None,
+        "latency_speedup": dense["latency_s"] / summary["latency_s"] if summary["latency_s"] else None,
+        "prefill_speedup_implied": dense["prefilled"] / summary["prefilled"] if summary["prefilled"] else None,
+        "flops_ratio": summary["flops"] / dense["flops"] if dense["flops"] else None,
+        "memory_ratio": (summary["peak_memory_bytes"] / dense["peak_memory_bytes"]
+                         if dense["peak_memory_bytes"] else None),
+    }
+
+
+def build_policies(runtime: Runtime, choices: Iterable[PolicyChoice]) -> list[SharingPolicy]:
+    return [make_policy(choice.name, runtime, **choice.options) for choice in choices]
+
+
+TurnHook = Callable[[Trajectory, int], None]
+
+
+def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: list[PolicyChoice],
+                 repeats: int = 1, on_turn: TurnHook | None = None, check_memory: bool = False) -> dict:
+    """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}."""
+    runtime = Runtime(agents)
+    dense = NonShared(runtime)
+    policies = build_policies(runtime, choices)
+    records: dict[str, list[dict]] = {DENSE: []} | {policy.label: [] for policy in policies}
+    memory_checks: dict[str, bool] = {}
+    for traj in trajectories:
+        dense.reset()
+        for policy in policies:
+            policy.reset()
+        for index, turn in enumerate(traj.turns):
+            request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn),
+                                  output_ids=traj.output_tokens(turn))
+            dense_result = dense.run_turn(request, repeats)
+            record = compare_turn(dense_result, dense_result)
+            records[DENSE].append(record | {"trajectory": traj.id, "turn": index})
+            for policy in policies:
+                result = policy.run_turn(request, repeats)
+                records[policy.label].append(compare_turn(result, dense_result) | {"trajectory": traj.id,
+                                                                                   "turn": index})
+                if check_memory:
+                    memory_checks[policy.label] = memory_checks.get(policy.label, True) and (
+                        tensor_bytes(policy.live_tensors()) == policy.analytic_bytes())
+            if on_turn:
+                on_turn(traj, index)
+    dense_summary = summarise(records[DENSE])
+    result = {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": {}}
+    for policy in policies:
+        summary = summarise(records[policy.label])
+        summary.update(relative_to_dense(summary, dense_summary))
+        result["policies"][policy.label] = {
+            "name": policy.name, "family": policy.family, "paper": policy.paper, "approximate": policy.approximate,
+            "options": policy.settings, "summary": summary, "turns": records[policy.label]}
+        if check_memory:
+            result["policies"][policy.label]["memory_accounting_exact"] = memory_checks[policy.label]
+    return result
+
+
+def policy_responder(policy: SharingPolicy, outputs: list[list[int]]):
+    """A workflow responder that serves each agent call with `policy` (greedy), recording the outputs."""
+
+    def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
+        result = policy.run_turn(TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new))
+        outputs.append(result.output_ids)
+        return result.output_ids
+
+    return respond
+
+
+def replay_online(agents: AgentSet, tasks: list[Task], choices: list[PolicyChoice],
+                  on_task: Callable[[str, Task], None] | None = None) -> dict:
+    """Re-run the workflow on `tasks` under the dense run and each policy; exact-match accuracy and divergence."""
+    runtime = Runtime(agents)
+    runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
+    runs.update({policy.label: policy for policy in build_policies(runtime, choices)})
+    tool = SearchTool()
+    outputs: dict[str, list[list[list[int]]]] = {label: [] for label in runs}
+    correct: dict[str, int] = {label: 0 for label in runs}
+    for label, policy in runs.items():
+        for task in tasks:
+            policy.reset()
+            turns: list[list[int]] = []
+            traj = run_react(agents.spec, agents.tokenizer, task, tool, policy_responder(policy, turns))
+            outputs[label].append(turns)
+            correct[label] += exact_match(traj.prediction, task.answer)
+            if on_task:
+                on_task(label, task)
+    result = {}
+    for label in runs:
+        diverged = total = 0
+        for dense_turns, turns in zip(outputs[DENSE], outputs[label]):
+            for index in range(max(len(dense_turns), len(turns))):
+                total += 1
+                same = index < len(dense_turns) and index < len(turns) and dense_turns[index] == turns[index]
+                diverged += not same
+        result[label] = {"accuracy": correct[label] / len(tasks), "correct": correct[label], "tasks": len(tasks),
+                         "diverged_turns": diverged / max(total, 1)}
+    return result
+
