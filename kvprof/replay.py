@@ -154,44 +154,45 @@ def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: 
     return result
 
 
-def policy_responder(policy: SharingPolicy, outputs: list[list[int]]):
-    """A workflow responder that serves each agent call with `policy` (greedy), recording the outputs."""
+def policy_responder(policy: SharingPolicy):
+    """A workflow responder that serves each agent call with `policy`, generating greedily."""
 
     def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
-        result = policy.run_turn(TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new))
-        outputs.append(result.output_ids)
-        return result.output_ids
+        return policy.run_turn(TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new)).output_ids
 
     return respond
 
 
-def replay_online(agents: AgentSet, tasks: list[Task], choices: list[PolicyChoice],
-                  on_task: Callable[[str, Task], None] | None = None) -> dict:
-    """Re-run the workflow on `tasks` under the dense run and each policy; exact-match accuracy and divergence."""
+def run_online(agents: AgentSet, tasks: list[Task], choices: list[PolicyChoice],
+               on_task: Callable[[str, Task], None] | None = None) -> dict[str, list[Trajectory]]:
+    """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories."""
     runtime = Runtime(agents)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
     runs.update({policy.label: policy for policy in build_policies(runtime, choices)})
     tool = SearchTool()
-    outputs: dict[str, list[list[list[int]]]] = {label: [] for label in runs}
-    correct: dict[str, int] = {label: 0 for label in runs}
+    trajectories: dict[str, list[Trajectory]] = {label: [] for label in runs}
     for label, policy in runs.items():
         for task in tasks:
             policy.reset()
-            turns: list[list[int]] = []
-            traj = run_react(agents.spec, agents.tokenizer, task, tool, policy_responder(policy, turns))
-            outputs[label].append(turns)
-            correct[label] += exact_match(traj.prediction, task.answer)
+            trajectories[label].append(run_react(agents.spec, agents.tokenizer, task, tool, policy_responder(policy)))
             if on_task:
                 on_task(label, task)
-    result = {}
-    for label in runs:
-        diverged = total = 0
-        for dense_turns, turns in zip(outputs[DENSE], outputs[label]):
-            for index in range(max(len(dense_turns), len(turns))):
-                total += 1
-                same = index < len(dense_turns) and index < len(turns) and dense_turns[index] == turns[index]
-                diverged += not same
-        result[label] = {"accuracy": correct[label] / len(tasks), "correct": correct[label], "tasks": len(tasks),
-                         "diverged_turns": diverged / max(total, 1)}
-    return result
+    return trajectories
 
+
+def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
+    """Exact-match accuracy per run, and the fraction of turns whose output differs from the dense run's."""
+    result = {}
+    for label, trajectories in runs.items():
+        diverged = total = correct = 0
+        for dense_traj, traj in zip(runs[DENSE], trajectories):
+            correct += exact_match(traj.prediction, traj.answer)
+            dense_outputs = [dense_traj.output_tokens(turn) for turn in dense_traj.turns]
+            outputs = [traj.output_tokens(turn) for turn in traj.turns]
+            for index in range(max(len(dense_outputs), len(outputs))):
+                total += 1
+                diverged += not (index < len(dense_outputs) and index < len(outputs)
+                                 and dense_outputs[index] == outputs[index])
+        result[label] = {"accuracy": correct / len(trajectories) if trajectories else None, "correct": correct,
+                         "tasks": len(trajectories), "diverged_turns": diverged / max(total, 1)}
+    return result

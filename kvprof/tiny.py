@@ -3,7 +3,8 @@
 For tests and for trying commands without the demo world: nothing is downloaded. Outputs of an untrained model are
 noise, but every code path (loading, adapters, generation, traces) is real.
 
-    python -m kvprof.tiny DIR      # writes DIR/model, DIR/adapters/{plan,act,reflect}, DIR/tasks.jsonl,
+    python -m kvprof.tiny DIR      # writes DIR/model, DIR/adapters/{plan,act,reflect}, DIR/adapters_shared_a/...,
+                                   # DIR/tasks.jsonl,
                                    # DIR/workflow_lora.toml, DIR/workflow_prompt.toml
 """
 
@@ -34,6 +35,10 @@ class TinyWorld:
 
     def adapter(self, name: str) -> Path:
         return self.root / "adapters" / name
+
+    def shared_a_adapter(self, name: str) -> Path:
+        """Adapters that share one down-projection A (only B differs), for BaseLRShared."""
+        return self.root / "adapters_shared_a" / name
 
     @property
     def tasks(self) -> Path:
@@ -104,6 +109,8 @@ def build_tiny_world(root: str | Path, seed: int = 0) -> TinyWorld:
     tokenizer.save_pretrained(world.model)
     for index, name in enumerate(AGENTS):
         model = build_adapter(model, world.adapter(name), seed=seed + 1 + index)
+    for index, name in enumerate(AGENTS):
+        model = build_adapter(model, world.shared_a_adapter(name), seed=seed + 11 + index, shared_a_seed=seed + 10)
     with open(world.tasks, "w", encoding="utf-8") as handle:
         for index, (person, place) in enumerate([("Kalomir", "Norvash"), ("Tevren", "Osmadal"),
                                                   ("Brinoth", "Quessa")]):

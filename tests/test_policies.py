@@ -1,0 +1,188 @@
+"""Every sharing policy against the dense oracle, on the tiny world (teacher-forced and online)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.lora import decoder_layers
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import REGISTRY, TurnRequest, make_policy
+from kvprof.policies.base import tensor_bytes
+from kvprof.replay import DENSE, PolicyChoice, replay_trace, run_online, summarise_online
+from kvprof.runtime import Runtime
+from kvprof.trace import read_trace
+from kvprof.workflow import load_tasks
+
+VARIANTS = [PolicyChoice(name, dict(zip(cls.options, values)))
+            for name, cls in REGISTRY.items()
+            for values in itertools.product(*cls.options.values())]
+
+
+def _agents(trace, world, adapters="adapter"):
+    flags = [f"{name}={getattr(world, adapters)(name)}" for name in ("plan", "act", "reflect")]
+    return load_agents_for_trace(trace, agent_flags=flags, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def shared_a_agents(lora_trace, tiny_world):
+    return _agents(lora_trace, tiny_world, "shared_a_adapter")
+
+
+@pytest.fixture(scope="module")
+def matrix(lora_trace, shared_a_agents):
+    """Every registered policy variant replayed in lockstep on the lora trace (adapters share A)."""
+    return replay_trace(shared_a_agents, read_trace(lora_trace).trajectories, VARIANTS, check_memory=True)
+
+
+@pytest.mark.parametrize("choice", VARIANTS, ids=lambda c: c.name + "".join(f"-{v}" for v in c.options.values()))
+def test_policy_matrix(matrix, choice):
+    label = choice.name + "".join(f"-{v}" for v in choice.options.values())
+    result = matrix["policies"][label]
+    summary = result["summary"]
+    assert result["memory_accounting_exact"], "analytic bytes must equal the live tensors' bytes"
+    for turn in result["turns"]:
+        assert math.isfinite(turn["kl"]) and turn["kl"] >= -1e-12
+        for layer in turn["layers"]:
+            assert all(math.isfinite(value) for value in layer.values())
+    assert summary["turns"] == len(matrix["dense"]["turns"])
+    if choice.name == "nonshared":
+        assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0
+        assert summary["top1"] == 1.0
+    else:
+        # every sharing policy reuses another agent's (or adapter-free) computation: error must show
+        assert summary["reuse_per_token"] > 0
+        assert summary["v_error"] > 1e-4 and summary["kl"] > 0
+        assert summary["prefilled"] <= matrix["dense"]["summary"]["prefilled"] or choice.name == "baseshared"
+
+
+def test_sharing_saves_prefill_and_memory(matrix):
+    dense = matrix["dense"]["summary"]
+    policies = matrix["policies"]
+    assert policies["fullshared"]["summary"]["prefilled"] < dense["prefilled"]
+    assert policies["prelrshared"]["summary"]["prefilled"] == policies["fullshared"]["summary"]["prefilled"]
+    assert policies["baseshared-full"]["summary"]["prefilled"] > dense["prefilled"]  # the LR prefill
+    assert policies["fullshared"]["summary"]["memory_ratio"] < 1.0
+    assert policies["baselrshared"]["summary"]["peak_memory_bytes"] < policies["prelrshared"]["summary"][
+        "peak_memory_bytes"]  # one LR cache instead of one per agent
+
+
+def test_baselrshared_equals_prelrshared_with_shared_a(matrix):
+    """With a shared A, X_i·A_j is the same for every j: the two policies must agree."""
+    a = matrix["policies"]["baselrshared"]["turns"]
+    b = matrix["policies"]["prelrshared"]["turns"]
+    for turn_a, turn_b in zip(a, b):
+        assert turn_a["kl"] == pytest.approx(turn_b["kl"], rel=1e-4, abs=1e-9)
+
+
+def test_baselrshared_refuses_different_a(lora_trace, tiny_world):
+    agents = _agents(lora_trace, tiny_world)
+    with pytest.raises(KvprofError, match="share their down-projection A"):
+        make_policy("baselrshared", Runtime(agents))
+
+
+def test_fullshared_identical_adapters_is_exact(lora_trace, tiny_world):
+    same = tiny_world.adapter("act")
+    agents = load_agents_for_trace(lora_trace, agent_flags=[f"{n}={same}" for n in ("plan", "act", "reflect")],
+                                   device="cpu", dtype="float32")
+    result = replay_trace(agents, read_trace(lora_trace).trajectories[:1], [PolicyChoice("fullshared")])
+    summary = result["policies"]["fullshared"]["summary"]
+    assert summary["reuse_per_token"] > 0.3
+    assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-8
+    different = replay_trace(_agents(lora_trace, tiny_world), read_trace(lora_trace).trajectories[:1],
+                             [PolicyChoice("fullshared")])["policies"]["fullshared"]["summary"]
+    assert different["v_error"] > 1e-2
+
+
+def _run_trajectory(policy, traj):
+    policy.reset()
+    for turn in traj.turns:
+        policy.run_turn(TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn)))
+
+
+def test_rebaseshared_lp_and_db_reach_the_same_cache(lora_trace, tiny_world):
+    runtime = Runtime(_agents(lora_trace, tiny_world))
+    traj = read_trace(lora_trace).trajectories[0]
+    lazy, batched = make_policy("rebaseshared", runtime, schedule="lp"), make_policy("rebaseshared", runtime,
+                                                                                      schedule="db")
+    _run_trajectory(lazy, traj)
+    _run_trajectory(batched, traj)
+    lazy_tensors, batched_tensors = lazy.live_tensors(), batched.live_tensors()
+    assert lazy_tensors.keys() == batched_tensors.keys() and len(lazy.store) == len(batched.store) > 50
+    for name in lazy_tensors:
+        for a, b in zip(lazy_tensors[name], batched_tensors[name]):
+            assert a.shape == b.shape
+            assert float((a - b).norm() / b.norm()) <= 1e-5, name
+
+
+def _attention_inputs(agents, agent, ids):
+    """X entering every layer's v_proj, captured from peft's own base layer (independent of kvprof.lora)."""
+    captured = {}
+    layers = decoder_layers(agents.base_model)
+    handles = [layer.self_attn.v_proj.base_layer.register_forward_pre_hook(
+        lambda module, args, i=i: captured.__setitem__(i, args[0])) for i, layer in enumerate(layers)]
+    try:
+        with torch.inference_mode(), agents.activate(agent):
+            agents.model(input_ids=torch.tensor([ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [captured[i] for i in range(len(layers))], layers
+
+
+def test_prelrshared_precomputes_every_agents_down_projection(lora_trace, tiny_world):
+    agents = _agents(lora_trace, tiny_world)
+    policy = make_policy("prelrshared", Runtime(agents))
+    traj = read_trace(lora_trace).trajectories[0]
+    first = traj.turns[0]
+    policy.reset()
+    policy.run_turn(TurnRequest(first.agent, traj.input_tokens(first), traj.output_tokens(first)))
+    ids = traj.input_tokens(first) + traj.output_tokens(first)
+    hidden, layers = _attention_inputs(agents, first.agent, ids)
+    assert len(policy.store) == len(ids)
+    for agent in ("plan", "act", "reflect"):
+        for index, layer in enumerate(layers):
+            with torch.inference_mode():
+                expected = layer.self_attn.v_proj.lora_A[agent](hidden[index])
+            stored = policy.store.low_rank[agent][index]["value"]
+            torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
+    agents = _agents(lora_trace, tiny_world)
+    policy = make_policy("baseshared", Runtime(agents))
+    traj = read_trace(lora_trace).trajectories[0]
+    policy.reset()
+    for turn in traj.turns[:2]:
+        result = policy.run_turn(TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn)))
+    second = traj.turns[1]
+    assert second.agent != traj.turns[0].agent and result.reused > 0
+    context = traj.input_tokens(second)[:result.reused]
+    hidden, layers = _attention_inputs(agents, second.agent, context)
+    for index, layer in enumerate(layers):
+        with torch.inference_mode():
+            expected = layer.self_attn.v_proj.lora_A[second.agent](hidden[index])
+        stored = policy.store.low_rank[second.agent][index]["value"][:, :result.reused]
+        torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("workflow", ["lora_workflow", "prompt_workflow"])
+def test_nonshared_online_replay_reproduces_generate(tiny_world, tmp_path, run_cli, workflow):
+    """The captured trace came from transformers' generate; NonShared online replay must regenerate it exactly."""
+    code, _, err = run_cli("capture", "--model", tiny_world.model, "--workflow", getattr(tiny_world, workflow),
+                           "--tasks", tiny_world.tasks, "--out", tmp_path, "--device", "cpu")
+    assert code == 0, err
+    trace = read_trace(tmp_path / "trace.jsonl")
+    agents = load_agents_for_trace(tmp_path / "trace.jsonl", device="cpu", dtype="float32")
+    runs = run_online(agents, load_tasks(tiny_world.tasks), [PolicyChoice("fullshared")])
+    for captured, replayed in zip(trace.trajectories, runs[DENSE]):
+        assert [captured.output_tokens(t) for t in captured.turns] == [replayed.output_tokens(t)
+                                                                       for t in replayed.turns]
+        assert captured.prediction == replayed.prediction
+    summary = summarise_online(runs)
+    assert summary[DENSE]["diverged_turns"] == 0.0
+    assert 0.0 <= summary["fullshared"]["diverged_turns"] <= 1.0
