@@ -34,3 +34,51 @@ def kl_divergence(dense_logits: torch.Tensor, policy_logits: torch.Tensor) -> to
 def top1_agreement(dense_logits: torch.Tensor, policy_logits: torch.Tensor) -> torch.Tensor:
     """Per-position 1.0 where both runs' argmax tokens agree. Logits: (T, vocab) → (T,)."""
     return (dense_logits.argmax(-1) == policy_logits.argmax(-1)).double()
+
+
+# ------------------------------------------------------------------------------------- rank and similarity (issue #3)
+
+
+def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """Singular values of a (M, N) matrix, or of each matrix of a (..., M, N) stack, in fp64, descending."""
+    return torch.linalg.svdvals(matrix.double())
+
+
+def entropy_effective_rank(sigma: torch.Tensor) -> float:
+    """exp(H(p)) with p = σ/Σσ (Roy & Vetterli 2007): σ the singular values (k,) of one matrix; 0 for a zero matrix."""
+    sigma = sigma.double().clamp_min(0)
+    total = sigma.sum()
+    if total == 0:
+        return 0.0
+    p = sigma[sigma > 0] / total
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def energy_rank(sigma: torch.Tensor, fraction: float) -> int:
+    """Smallest k with σ_1² + … + σ_k² ≥ fraction·Σσ²: σ the singular values (k,) of one matrix, descending."""
+    energy = sigma.double() ** 2
+    total = energy.sum()
+    if total == 0:
+        return 0
+    cumulative = energy.cumsum(0) / total
+    return int(torch.searchsorted(cumulative, torch.tensor(fraction, dtype=torch.float64) - 1e-12).item()) + 1
+
+
+def energy_spectrum(sigma: torch.Tensor) -> torch.Tensor:
+    """σ²/Σσ² (k,), the fraction of the matrix's energy in each singular direction (zeros for a zero matrix)."""
+    energy = sigma.double() ** 2
+    total = energy.sum()
+    return energy / total if total > 0 else energy
+
+
+def flat_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two same-shape tensors flattened to vectors, in fp64 (0 if either is zero)."""
+    a64, b64 = a.double().flatten(), b.double().flatten()
+    denominator = a64.norm() * b64.norm()
+    return float(a64 @ b64 / denominator) if denominator > 0 else 0.0
+
+
+def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> float:
+    """‖part‖_F / ‖whole‖_F in fp64 (e.g. ‖Δ‖/‖C‖ or ‖adapter output‖/‖C‖); inf when `whole` is zero."""
+    denominator = whole.double().norm()
+    return float(part.double().norm() / denominator) if denominator > 0 else float("inf")
