@@ -1,0 +1,330 @@
+"""K/V capture for one agent call, with the LoRA split of every projection and the states a replay needs.
+
+One prefill of `input_ids` as one agent, observed through forward hooks, layer by layer:
+
+- **kv**: the K and V the model writes to its cache (`DynamicCache`, the same object `model(...).cache` returns),
+  keys post-RoPE, per layer (H_kv, L, D).
+- **split** (lora mode): for each requested projection (default `k_proj`, `v_proj`), its output split into the
+  frozen-weight part X·W0 (+ bias), from a hook on peft's `base_layer`, and the adapter part s·(X·A)·B, from hooks on
+  peft's `lora_B[name]` (times `scaling[name]`). RoPE is linear, so keys (and queries) split after RoPE too: each part
+  is rotated on its own with the model's rotary cos/sin at the token positions, and base + adapter = the cached key.
+  Models that normalise keys or values per head before caching (`k_norm`/`v_norm`, e.g. Qwen3, Gemma 3) break that
+  linearity; their split is refused.
+- **hidden**: the hidden state entering each layer (the residual stream; DroidSpeak-style recompute starts here).
+- **lr**: the rank-r LR activations X·A_k of each projection for every loaded adapter k (PReCache's precomputed LR
+  cache: all agents' down-projections applied to the hidden states of whoever runs the call), computed with peft's own
+  `lora_A[k]` module on the projection's input. With adapters disabled (`agent=None`) these are the neutral LR caches
+  X_neut·A_k of ReBaseShared.
+
+Memory: only the selected layers are kept, only the token range `keep`, each tensor copied to fp32 as its layer
+finishes; the forward stops after the last selected layer. The batch is one sequence, so no tensor has a batch axis.
+LoRA variants (DoRA) and merged adapters have no separate adapter output and are refused for `split` and `lr`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.model import AgentSet
+from kvprof.rope import rotary_embedding, rotate_half
+
+PARTS = ("kv", "split", "hidden", "lr")
+ROTATED = {"q_proj", "k_proj"}  # projections RoPE rotates
+PER_HEAD = {"q_proj", "k_proj", "v_proj"}  # projections reshaped to (heads, L, D)
+NORMS = {"q_proj": "q_norm", "k_proj": "k_norm", "v_proj": "v_norm"}  # per-head norms that break the split
+
+
+@dataclass
+class ProjectionSplit:
+    """One projection's output on the kept tokens, split as  total = base + adapter.
+
+    base: X·W0 (+ bias), adapter: Σ over active adapters of s·(X·A)·B (zeros when no active adapter targets the
+    projection or adapters are disabled). Shapes: `k_proj` (H_kv, L, D) and `q_proj` (H, L, D), both post-RoPE;
+    `v_proj` (H_kv, L, D); any other projection (L, out_features). fp32.
+    """
+
+    base: torch.Tensor
+    adapter: torch.Tensor
+
+    @property
+    def total(self) -> torch.Tensor:
+        """base + adapter: for `k_proj` / `v_proj` the cached K / V."""
+        return self.base + self.adapter
+
+
+@dataclass
+class LayerCapture:
+    """What one decoder layer produced for the kept tokens (fields not requested are None / empty). fp32.
+
+    keys, values: (H_kv, L, D), exactly the layer's cache entries (keys post-RoPE).
+    hidden: (L, d_model), the hidden state entering the layer.
+    split: projection name → `ProjectionSplit`.
+    lr: projection name → adapter name → X·A (L, r), unscaled (the LR cache before B and s).
+    """
+
+    layer: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    split: dict[str, ProjectionSplit] = field(default_factory=dict)
+    lr: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class TurnCapture:
+    """One prefill as one agent: the kept tokens and the selected layers' captures.
+
+    agent: the agent that ran (None: adapters disabled). token_ids, positions: (L,) for the kept tokens.
+    layers: layer index → `LayerCapture`, in increasing layer order.
+    """
+
+    agent: str | None
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    layers: dict[int, LayerCapture]
+
+    def __len__(self) -> int:
+        return int(self.token_ids.numel())
+
+
+class _Stop(Exception):
+    """Raised by the hook of the last selected layer: the rest of the forward is not needed."""
+
+
+def decoder_layers(agents: AgentSet) -> torch.nn.ModuleList:
+    """The decoder's layer list (LoRA layers are injected in place, so this is the adapted model too)."""
+    decoder = agents.base_model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise KvprofError(f"model {agents.model_name!r} has no decoder layer list (model.layers); kvprof supports "
+                          "Llama-style decoders (Llama, Qwen2, Mistral).")
+    return layers
+
+
+def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
+    """Sorted distinct layer indices; None means all. Refuses indices outside [0, num_layers)."""
+    if layers is None:
+        return list(range(num_layers))
+    chosen = sorted(set(int(layer) for layer in layers))
+    bad = [layer for layer in chosen if not 0 <= layer < num_layers]
+    if bad:
+        raise KvprofError(f"layer {', '.join(map(str, bad))} is out of range: this model has {num_layers} layers "
+                          f"(0-{num_layers - 1}); pass --layers within that range.")
+    if not chosen:
+        raise KvprofError("no layers selected; pass --layers with at least one layer index.")
+    return chosen
+
+
+def _projection(layer: torch.nn.Module, name: str, index: int) -> torch.nn.Module:
+    """The module named `name` (e.g. k_proj) inside one decoder layer: a peft LoRA layer or a plain Linear."""
+    found = [(path, module) for path, module in layer.named_modules() if path.rsplit(".", 1)[-1] == name]
+    if not found:
+        raise KvprofError(f"layer {index} has no projection {name!r}; pass projections this model has "
+                          "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).")
+    return min(found, key=lambda item: len(item[0]))[1]
+
+
+def _is_lora(module: torch.nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
+
+
+def _check_norm(attention: torch.nn.Module, name: str, index: int) -> None:
+    norm = NORMS.get(name)
+    if norm and getattr(attention, norm, None) is not None:
+        raise KvprofError(f"layer {index} normalises {name} per head ({norm}) before caching, so its output does not "
+                          "split into base + adapter; capture without the 'split' part for this model.")
+
+
+def _check_plain_lora(module: torch.nn.Module, name: str, index: int) -> None:
+    if _is_lora(module):
+        if getattr(module, "merged", False):
+            raise KvprofError(f"layer {index} {name}: the LoRA adapter is merged into the weights, so its output "
+                              "cannot be split; load the adapters unmerged.")
+        if getattr(module, "lora_variant", None):
+            raise KvprofError(f"layer {index} {name}: a LoRA variant ({', '.join(module.lora_variant)}, e.g. DoRA) "
+                              "has no separate adapter output; kvprof splits plain LoRA adapters only.")
+
+
+class _LayerRecorder:
+    """Forward hooks of one selected layer: each projection's input, base output and adapter outputs."""
+
+    def __init__(self, capture: "_Capture", index: int, layer: torch.nn.Module):
+        self.capture, self.index, self.layer = capture, index, layer
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.base: dict[str, torch.Tensor] = {}
+        self.adapter: dict[str, torch.Tensor] = {}
+        self.result = LayerCapture(layer=index)
+
+    def hooks(self, projections: Sequence[str], want_split: bool) -> list:
+        handles = []
+        attention = getattr(self.layer, "self_attn", self.layer)
+        for name in projections:
+            module = _projection(self.layer, name, self.index)
+            if want_split:
+                _check_norm(attention, name, self.index)
+            _check_plain_lora(module, name, self.index)
+            self.modules[name] = module
+            base = module.base_layer if _is_lora(module) else module
+            handles.append(base.register_forward_hook(self._on_base(name)))
+            if want_split and _is_lora(module):
+                for adapter, lora_b in module.lora_B.items():
+                    handles.append(lora_b.register_forward_hook(self._on_lora_b(name, module.scaling[adapter])))
+        return handles
+
+    def _on_base(self, name: str):
+        def hook(module, args, output):
+            self.inputs[name] = args[0]
+            self.base[name] = output
+        return hook
+
+    def _on_lora_b(self, name: str, scaling: float):
+        def hook(module, args, output):
+            part = output.float() * scaling
+            self.adapter[name] = self.adapter[name] + part if name in self.adapter else part
+        return hook
+
+
+class _Capture:
+    """State shared by the hooks of one `capture_turn` call."""
+
+    def __init__(self, agents: AgentSet, keep: slice, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, last_layer: int):
+        self.agents, self.keep, self.positions = agents, keep, positions
+        self.cos, self.sin, self.last_layer = cos, sin, last_layer
+
+    def span(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        """Kept tokens of `tensor` along `axis`, copied to fp32."""
+        index = [slice(None)] * tensor.dim()
+        index[axis] = self.keep
+        return tensor[tuple(index)].float().clone()
+
+    def heads(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """(1, L, H·D) projection output → (H, L_kept, D), rotated if RoPE applies to it; fp32."""
+        config = self.agents.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_head = self.span(flat[0], 0).view(-1, flat.shape[-1] // head_dim, head_dim).transpose(0, 1)
+        if name in ROTATED:
+            per_head = per_head * self.cos + rotate_half(per_head) * self.sin
+        return per_head.contiguous()
+
+    def shape(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        return self.heads(flat, name) if name in PER_HEAD else self.span(flat[0], 0)
+
+
+def capture_turn(agents: AgentSet, agent: str | None, input_ids: Sequence[int] | torch.Tensor,
+                 layers: Iterable[int] | None = None, parts: Sequence[str] = PARTS,
+                 projections: Sequence[str] = ("k_proj", "v_proj"), positions: torch.Tensor | None = None,
+                 keep: tuple[int, int] | None = None, lr_adapters: Sequence[str] | None = None) -> TurnCapture:
+    """Prefill `input_ids` as `agent` (None: adapters disabled) and capture the requested `parts` (see module doc).
+
+    input_ids: (L,) token ids (a list or a (L,) / (1, L) tensor). layers: indices to keep (None: all).
+    parts: any of "kv", "split", "hidden", "lr". projections: which projections to split / take X·A of.
+    positions: (L,) position ids (default 0..L-1; pass them when the tokens sit after an uncached prefix).
+    keep: (start, end) token range to keep (default: all L tokens). lr_adapters: adapters whose X·A to compute
+    (default: every loaded adapter that targets the projection). Returns a `TurnCapture`, tensors in fp32 on the
+    model's device.
+    """
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise KvprofError(f"unknown capture part {', '.join(sorted(unknown))}; use {', '.join(PARTS)}.")
+    lora = agents.spec.mode == "lora"
+    if ("split" in parts or "lr" in parts) and not lora:
+        raise KvprofError("the 'split' and 'lr' parts need LoRA agents (lora mode); this agent set is in prompt mode.")
+    device = agents.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
+    length = ids.numel()
+    if length == 0:
+        raise KvprofError("capture_turn got an empty input; pass at least one token.")
+    pos = torch.arange(length, device=device) if positions is None else torch.as_tensor(positions, device=device)
+    if pos.shape != (length,):
+        raise KvprofError(f"positions has shape {tuple(pos.shape)}, expected ({length},): one position per token.")
+    start, end = keep if keep is not None else (0, length)
+    if not 0 <= start < end <= length:
+        raise KvprofError(f"keep=({start}, {end}) is not a token range inside the {length}-token input.")
+    blocks = decoder_layers(agents)
+    chosen = resolve_layers(layers, len(blocks))
+    adapter_names = list(agents.adapters) if lr_adapters is None else list(lr_adapters)
+    missing = set(adapter_names) - set(agents.adapters)
+    if missing:
+        raise KvprofError(f"unknown adapter {', '.join(sorted(missing))}; loaded: {', '.join(agents.adapters)}.")
+
+    rotary = rotary_embedding(agents.base_model)
+    cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), pos[None, start:end])
+    state = _Capture(agents, slice(start, end), pos, cos.float()[0], sin.float()[0], chosen[-1])
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=agents.config)
+    recorders = {index: _LayerRecorder(state, index, blocks[index]) for index in chosen}
+    handles = []
+    try:
+        for index, recorder in recorders.items():
+            block = blocks[index]
+            if "split" in parts or "lr" in parts:
+                handles += recorder.hooks(projections, "split" in parts)
+            if "hidden" in parts:
+                handles.append(block.register_forward_pre_hook(_hidden_hook(state, recorder), with_kwargs=True))
+            handles.append(block.register_forward_hook(_finish_hook(state, recorder, cache, parts, projections,
+                                                                    adapter_names)))
+        with agents.activate(agent), torch.no_grad():  # not inference_mode: callers may update the tensors
+            try:
+                agents.base_model.get_decoder()(input_ids=ids[None], position_ids=pos[None], cache=cache,
+                                                use_cache=True)
+            except _Stop:
+                pass
+    except torch.OutOfMemoryError:
+        raise KvprofError(f"capturing a {length}-token input ran out of memory; select fewer --layers, lower "
+                          "--max-tokens, or use a larger device.") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return TurnCapture(agent=agent, token_ids=ids[start:end].clone(), positions=pos[start:end].clone(),
+                       layers={index: recorders[index].result for index in chosen})
+
+
+def _down_projection(module: torch.nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    """X·A of one adapter, computed as peft computes it in its forward (dropout is the identity in eval)."""
+    lora_a = module.lora_A[adapter]
+    return lora_a(module.lora_dropout[adapter](x.to(lora_a.weight.dtype)))
+
+
+def _hidden_hook(state: _Capture, recorder: _LayerRecorder):
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        recorder.result.hidden = state.span(hidden[0], 0)
+    return hook
+
+
+def _finish_hook(state: _Capture, recorder: _LayerRecorder, cache, parts: Sequence[str],
+                 projections: Sequence[str], adapter_names: Sequence[str]):
+    """After a selected layer: copy its K/V from the cache, build the splits and LR activations, drop the rest."""
+
+    def hook(module, args, output):
+        index, result = recorder.index, recorder.result
+        if "kv" in parts:
+            cached = cache.layers[index]
+            if cached.keys.shape[-2] != state.positions.numel():
+                raise KvprofError(f"layer {index} keeps only {cached.keys.shape[-2]} of the {state.positions.numel()} "
+                                  "input tokens in its cache (sliding window); pass a shorter input (--max-tokens).")
+            result.keys = state.span(cached.keys[0], 1)
+            result.values = state.span(cached.values[0], 1)
+        for name, module_ in recorder.modules.items():
+            if "split" in parts:
+                base = state.shape(recorder.base[name], name)
+                adapter = recorder.adapter.get(name)
+                result.split[name] = ProjectionSplit(
+                    base=base, adapter=torch.zeros_like(base) if adapter is None else state.shape(adapter, name))
+            if "lr" in parts and _is_lora(module_):
+                result.lr[name] = {adapter: state.span(_down_projection(module_, adapter, recorder.inputs[name])[0], 0)
+                                   for adapter in adapter_names if adapter in module_.lora_A}
+        recorder.inputs.clear()
+        recorder.base.clear()
+        recorder.adapter.clear()
+        if index == state.last_layer:
+            raise _Stop
+    return hook
