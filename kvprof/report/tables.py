@@ -1,0 +1,33 @@
+"""One table description, rendered to the terminal (rich) and to HTML (`kvprof.report.html`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich.table import Table
+
+
+@dataclass
+class TableData:
+    """A titled table of already formatted cells: `rows` are lists of strings, one per column.
+
+    The first column is left-aligned (labels), the rest right-aligned (numbers). `caption` is a line shown under it.
+    """
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    caption: str = ""
+
+    def add_row(self, *cells: object) -> None:
+        if len(cells) != len(self.columns):
+            raise ValueError(f"row has {len(cells)} cells for {len(self.columns)} columns")
+        self.rows.append([str(cell) for cell in cells])
+
+    def to_rich(self) -> Table:
+        table = Table(title=self.title, caption=self.caption or None)
+        for index, column in enumerate(self.columns):
+            table.add_column(column, justify="left" if index == 0 else "right")
+        for row in self.rows:
+            table.add_row(*row)
+        return table
