@@ -112,8 +112,9 @@ def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
     chosen = sorted(set(int(layer) for layer in layers))
     bad = [layer for layer in chosen if not 0 <= layer < num_layers]
     if bad:
-        raise KvprofError(f"layer {', '.join(map(str, bad))} is out of range: this model has {num_layers} layers "
-                          f"(0-{num_layers - 1}); pass --layers within that range.")
+        what = f"layer {bad[0]} is" if len(bad) == 1 else f"layers {', '.join(map(str, bad))} are"
+        raise KvprofError(f"{what} out of range: this model has {num_layers} layers (0-{num_layers - 1}); "
+                          "pass --layers within that range.")
     if not chosen:
         raise KvprofError("no layers selected; pass --layers with at least one layer index.")
     return chosen
