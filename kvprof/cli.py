@@ -8,7 +8,9 @@ import click
 import typer
 
 import kvprof
-from kvprof.commands import capture, inspect
+from kvprof.commands import capture, inspect, replay
+from kvprof.commands import rank_analysis
+from kvprof.commands import bench
 from kvprof.errors import KvprofError
 
 app = typer.Typer(
@@ -26,6 +28,9 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the kvpro
 
 app.command("capture")(capture.command)
 app.command("inspect")(inspect.command)
+app.command("replay")(replay.command)
+app.command("rank-analysis")(rank_analysis.command)
+app.command("bench")(bench.command)
 
 
 def _quiet_libraries() -> None:

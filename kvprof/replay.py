@@ -114,15 +114,32 @@ def build_policies(runtime: Runtime, choices: Iterable[PolicyChoice]) -> list[Sh
 TurnHook = Callable[[Trajectory, int], None]
 
 
+@dataclass
+class ReplayProgress:
+    """Per-turn records of the trajectories replayed so far: a checkpoint a long sweep can resume from."""
+
+    trajectories: list[str] = field(default_factory=list)
+    records: dict[str, list[dict]] = field(default_factory=dict)
+    memory_exact: dict[str, bool] = field(default_factory=dict)
+
+
 def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: list[PolicyChoice],
-                 repeats: int = 1, on_turn: TurnHook | None = None, check_memory: bool = False) -> dict:
-    """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}."""
+                 repeats: int = 1, on_turn: TurnHook | None = None, check_memory: bool = False,
+                 progress: ReplayProgress | None = None,
+                 on_trajectory: Callable[[ReplayProgress], None] | None = None) -> dict:
+    """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
+
+    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped.
+    """
     runtime = Runtime(agents)
     dense = NonShared(runtime)
     policies = build_policies(runtime, choices)
-    records: dict[str, list[dict]] = {DENSE: []} | {policy.label: [] for policy in policies}
-    memory_checks: dict[str, bool] = {}
+    state = progress or ReplayProgress()
+    for label in [DENSE] + [policy.label for policy in policies]:
+        state.records.setdefault(label, [])
     for traj in trajectories:
+        if traj.id in state.trajectories:
+            continue
         dense.reset()
         for policy in policies:
             policy.reset()
@@ -130,27 +147,29 @@ def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: 
             request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn),
                                   output_ids=traj.output_tokens(turn))
             dense_result = dense.run_turn(request, repeats)
-            record = compare_turn(dense_result, dense_result)
-            records[DENSE].append(record | {"trajectory": traj.id, "turn": index})
+            where = {"trajectory": traj.id, "turn": index}
+            state.records[DENSE].append(compare_turn(dense_result, dense_result) | where)
             for policy in policies:
                 result = policy.run_turn(request, repeats)
-                records[policy.label].append(compare_turn(result, dense_result) | {"trajectory": traj.id,
-                                                                                   "turn": index})
+                state.records[policy.label].append(compare_turn(result, dense_result) | where)
                 if check_memory:
-                    memory_checks[policy.label] = memory_checks.get(policy.label, True) and (
-                        tensor_bytes(policy.live_tensors()) == policy.analytic_bytes())
+                    exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
+                    state.memory_exact[policy.label] = state.memory_exact.get(policy.label, True) and exact
             if on_turn:
                 on_turn(traj, index)
-    dense_summary = summarise(records[DENSE])
-    result = {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": {}}
+        state.trajectories.append(traj.id)
+        if on_trajectory:
+            on_trajectory(state)
+    dense_summary = summarise(state.records[DENSE])
+    result = {"dense": {"summary": dense_summary, "turns": state.records[DENSE]}, "policies": {}}
     for policy in policies:
-        summary = summarise(records[policy.label])
+        summary = summarise(state.records[policy.label])
         summary.update(relative_to_dense(summary, dense_summary))
         result["policies"][policy.label] = {
             "name": policy.name, "family": policy.family, "paper": policy.paper, "approximate": policy.approximate,
-            "options": policy.settings, "summary": summary, "turns": records[policy.label]}
+            "options": policy.settings, "summary": summary, "turns": state.records[policy.label]}
         if check_memory:
-            result["policies"][policy.label]["memory_accounting_exact"] = memory_checks[policy.label]
+            result["policies"][policy.label]["memory_accounting_exact"] = state.memory_exact[policy.label]
     return result
 
 

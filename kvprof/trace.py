@@ -65,6 +65,7 @@ class Trajectory:
     question: str = ""
     answer: str | None = None
     prediction: str | None = None
+    documents: dict[str, str] = field(default_factory=dict)  # the task's tool documents (for online replay)
 
     def input_tokens(self, turn: Turn) -> list[int]:
         """The token ids the acting agent prefills for `turn`: its input segments concatenated."""
@@ -133,7 +134,7 @@ def trajectory_record(traj: Trajectory) -> dict:
         "segments": {seg_id: {k: v for k, v in asdict(seg).items() if v is not None}
                      for seg_id, seg in traj.segments.items()},
         "turns": [asdict(turn) for turn in traj.turns],
-    }
+    } | ({"documents": traj.documents} if traj.documents else {})
 
 
 class TraceWriter:
@@ -265,8 +266,11 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
             raise where.fail(f"{name}.output", f"{output!r} is not an output segment of this trajectory")
         produced.add(output)
         turns.append(Turn(agent=agent, input=list(inputs), output=output))
+    documents = record.get("documents", {})
+    if not isinstance(documents, dict) or not all(isinstance(v, str) for v in documents.values()):
+        raise where.fail("documents", "should map names to texts")
     return Trajectory(id=traj_id, segments=segments, turns=turns, question=record.get("question", ""),
-                      answer=record.get("answer"), prediction=record.get("prediction"))
+                      answer=record.get("answer"), prediction=record.get("prediction"), documents=documents)
 
 
 def _records(path: Path) -> Iterator[tuple[_Where, dict]]:

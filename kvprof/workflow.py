@@ -34,6 +34,11 @@ class Task:
     documents: dict[str, str] = field(default_factory=dict)
 
 
+def task_of(traj: Trajectory) -> Task:
+    """The task a captured trajectory ran (question, answer and tool documents), for online replay."""
+    return Task(id=traj.id, question=traj.question, answer=traj.answer, documents=dict(traj.documents))
+
+
 def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
     """Read `{"id", "question", "answer"?, "documents"?}` per line; refuse malformed lines with their number."""
     path = Path(path)
@@ -98,7 +103,8 @@ class TrajectoryBuilder:
 
     def __init__(self, tokenizer, task: Task):
         self.tokenizer = tokenizer
-        self.trajectory = Trajectory(id=task.id, segments={}, turns=[], question=task.question, answer=task.answer)
+        self.trajectory = Trajectory(id=task.id, segments={}, turns=[], question=task.question, answer=task.answer,
+                                     documents=dict(task.documents))
 
     def add_text(self, seg_id: str, kind: str, scope: str, text: str) -> str:
         tokens = self.tokenizer.encode(text, add_special_tokens=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 import kvprof
 from kvprof.fileio import write_json
 
-console = Console(soft_wrap=True)
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 progress_console = Console(stderr=True)
 
 OutOption = Annotated[Path, typer.Option("--out", help="Directory for results (created if missing).")]
@@ -47,3 +48,15 @@ def result_envelope(kind: str, payload: dict, args: dict) -> dict:
 def write_result(out: Path, kind: str, payload: dict, args: dict) -> Path:
     """Write `OUT/<kind>.json` atomically and return its path."""
     return write_json(out / f"{kind}.json", result_envelope(kind, payload, args))
+
+
+def demo_trace(model: str | None) -> tuple[Path, str | None]:
+    """The demo world's sample trace (and its model unless `model` is given), the default when no TRACE is given."""
+    from kvprof.errors import KvprofError
+
+    try:
+        from kvprof.demo.assets import demo_world
+    except ImportError:
+        raise KvprofError("no TRACE given and the demo world is not installed; pass a trace file.") from None
+    world = demo_world()
+    return world.sample_trace("lora"), model or str(world.model)
