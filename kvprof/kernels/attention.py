@@ -1,0 +1,210 @@
+"""Flash-LoRA-Attention: attention over V = V_base + V_lr·B without expanding V_lr to full width.
+
+Paper: LRAgent: Efficient KV Cache Sharing for Multi-LoRA LLM Agents (Jeon, Ha, Kim, 2026; arXiv:2602.01053),
+section "Flash-LoRA-Attention". With LoRA on `v_proj`, an agent's values split exactly into a shared base part
+V_base = X·W0 and a rank-r part V_lr·B (V_lr = X·A, B = s·B_lora). Instead of materialising V_base + V_lr·B
+(O(L·r·D) work and a second full-width value tensor), the product is reassociated:
+
+    O = P·(V_base + V_lr·B) = P·V_base + (P·V_lr)·B
+
+so attention carries one extra rank-r accumulator and B is applied once per query row.
+
+Shapes used throughout (GQA: H_q = g·H_kv):
+
+    q       (B, H_q, Lq, D)
+    k       (B, H_kv, Lk, D)
+    v_base  (B, H_kv, Lk, D)
+    v_lr    (B, Lk, r) shared by all KV heads, or (B, H_kv, Lk, r) per KV head
+    lora_b  (H_kv, r, D), LoRA scaling folded in
+    out     (B, H_q, Lq, D)
+
+Causal attention is aligned bottom-right (Lq ≤ Lk): query i attends keys j ≤ i + Lk − Lq, which covers a full
+prefill (Lq = Lk), decode (Lq = 1) and chunked prefill over a cache. An optional boolean mask
+(broadcastable to (B, H_q, Lq, Lk), True = attend) replaces the causal rule, as transformers' sdpa masks do.
+
+This module holds the torch versions (the reference and the CPU path) and the dispatcher; the Triton kernel is in
+`kvprof.kernels.attention_triton` and is imported only when a CUDA tensor (or the Triton interpreter) asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvprof.errors import KvprofError
+
+MAX_RANK = 64
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_lora_attention_inputs(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
+                                lora_b: torch.Tensor, attn_mask: torch.Tensor | None = None) -> None:
+    """Raise `KvprofError` naming the offending input when the shapes, dtypes or devices do not fit together."""
+    if q.dim() != 4 or k.dim() != 4 or v_base.dim() != 4:
+        raise KvprofError(f"q, k and v_base must be 4-D (B, H, L, D); got {tuple(q.shape)}, {tuple(k.shape)} and "
+                          f"{tuple(v_base.shape)}: transpose the (B, L, H, D) layout to (B, H, L, D).")
+    batch, q_heads, q_len, head_dim = q.shape
+    _, kv_heads, kv_len, _ = k.shape
+    if k.shape != v_base.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise KvprofError(f"k {tuple(k.shape)} and v_base {tuple(v_base.shape)} must both be (B={batch}, H_kv, Lk, "
+                          f"D={head_dim}) to match q {tuple(q.shape)}; pass the base cache of the same layer.")
+    if q_heads % kv_heads:
+        raise KvprofError(f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads of k; pass the "
+                          "query and key heads of the same attention layer.")
+    if q_len > kv_len:
+        raise KvprofError(f"q has {q_len} positions but k only {kv_len}; the keys must include the queries "
+                          "(Lq ≤ Lk): append the new tokens to the cache before attending.")
+    if v_lr.dim() == 3:
+        lr_ok = v_lr.shape[:2] == (batch, kv_len)
+    elif v_lr.dim() == 4:
+        lr_ok = v_lr.shape[:3] == (batch, kv_heads, kv_len)
+    else:
+        lr_ok = False
+    if not lr_ok:
+        raise KvprofError(f"v_lr {tuple(v_lr.shape)} must be (B={batch}, Lk={kv_len}, r) shared by the KV heads or "
+                          f"(B={batch}, H_kv={kv_heads}, Lk={kv_len}, r) per head; pass the LR cache of the same "
+                          "tokens as k.")
+    rank = v_lr.shape[-1]
+    if lora_b.dim() != 3 or lora_b.shape != (kv_heads, rank, head_dim):
+        raise KvprofError(f"lora_b {tuple(lora_b.shape)} must be (H_kv={kv_heads}, r={rank}, D={head_dim}) to match "
+                          f"v_lr's rank {rank}; pass the B of the adapter whose A produced v_lr "
+                          "(see `lora_b_per_head`).")
+    if not 1 <= rank <= MAX_RANK:
+        raise KvprofError(f"LoRA rank {rank} is outside 1..{MAX_RANK}; Flash-LoRA-Attention supports ranks up to "
+                          f"{MAX_RANK}: use the naive expansion for larger adapters.")
+    tensors = {"q": q, "k": k, "v_base": v_base, "v_lr": v_lr, "lora_b": lora_b}
+    for name, tensor in tensors.items():
+        if tensor.dtype != q.dtype:
+            raise KvprofError(f"{name} is {tensor.dtype} but q is {q.dtype}; cast {name} to {q.dtype}.")
+        if tensor.device != q.device:
+            raise KvprofError(f"{name} is on {tensor.device} but q is on {q.device}; move {name} to {q.device}.")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise KvprofError(f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32.")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise KvprofError(f"attn_mask is {attn_mask.dtype}; pass a boolean mask (True = attend), as "
+                              "transformers' sdpa mask function builds.")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (batch, q_heads, q_len, kv_len))
+        except RuntimeError:
+            raise KvprofError(f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, H_q, Lq, Lk) = "
+                              f"{(batch, q_heads, q_len, kv_len)}; build it for these query and key lengths.") from None
+
+
+def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """(Lq, Lk) boolean mask, True where query i may attend key j, i.e. j ≤ i + Lk − Lq."""
+    rows = torch.arange(q_len, device=device)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    return cols <= rows + (kv_len - q_len)
+
+
+def _attention_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+                             attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax probabilities P (B, H_q, Lq, Lk) in q's dtype; rows with no visible key are all zero."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    visible = None
+    if attn_mask is not None:
+        visible = attn_mask
+    elif causal:
+        visible = bottom_right_causal_mask(q.shape[2], k.shape[2], q.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1)
+    return torch.nan_to_num(probs, nan=0.0).to(q.dtype)
+
+
+def flash_lora_attention_ref(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
+                             lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
+                             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of Flash-LoRA-Attention (LRAgent, arXiv:2602.01053), also the CPU path.
+
+    Computes O = P·V_base + (P·V_lr)·B in q's dtype, with the softmax in float32 (as transformers' eager
+    attention does). Shapes: q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r);
+    lora_b (H_kv, r, D); attn_mask broadcastable to (B, H_q, Lq, Lk), True = attend, replacing the causal rule.
+    Returns (B, H_q, Lq, D). Materialises P, so it is meant for short sequences.
+    """
+    check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    probs = _attention_probabilities(q, k, scale, causal, attn_mask)
+    out_base = torch.matmul(probs, v_base.repeat_interleave(group, dim=1))
+    per_head_lr = v_lr if v_lr.dim() == 4 else v_lr[:, None].expand(-1, k.shape[1], -1, -1)
+    out_lr = torch.matmul(probs, per_head_lr.repeat_interleave(group, dim=1))
+    return out_base + torch.matmul(out_lr, lora_b.repeat_interleave(group, dim=0))
+
+
+def expand_lora_values(v_base: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """V = V_base + V_lr·B at full width: (B, H_kv, Lk, D) from v_base (B, H_kv, Lk, D), v_lr (B, Lk, r) or
+    (B, H_kv, Lk, r) and lora_b (H_kv, r, D). This is the expansion Flash-LoRA-Attention avoids."""
+    if v_lr.dim() == 3:
+        return v_base + torch.einsum("blr,hrd->bhld", v_lr, lora_b)
+    return v_base + torch.matmul(v_lr, lora_b)
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    causal: bool = True, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention without LoRA through torch's `scaled_dot_product_attention`, with GQA and bottom-right causality.
+
+    q (B, H_q, Lq, D); k, v (B, H_kv, Lk, D); returns (B, H_q, Lq, D). Lq = Lk causal and Lq = 1 use SDPA's own
+    fast paths; other causal shapes pass an explicit bottom-right mask.
+    """
+    q_len, kv_len = q.shape[2], k.shape[2]
+    mask = attn_mask
+    is_causal = False
+    if mask is None and causal and q_len > 1:
+        if q_len == kv_len:
+            is_causal = True
+        else:
+            mask = bottom_right_causal_mask(q_len, kv_len, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def naive_lora_attention(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
+                         lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
+                         attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The baseline Flash-LoRA-Attention replaces: expand V = V_base + V_lr·B, then SDPA. Same shapes as
+    `flash_lora_attention_ref`."""
+    check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
+    return plain_attention(q, k, expand_lora_values(v_base, v_lr, lora_b), scale, causal, attn_mask)
+
+
+def lora_b_per_head(lora_b_weight: torch.Tensor, num_kv_heads: int, scaling: float) -> torch.Tensor:
+    """PEFT's `lora_B.weight` of a `v_proj` (H_kv·D, r) times the LoRA scaling, as (H_kv, r, D)."""
+    out_features, rank = lora_b_weight.shape
+    if out_features % num_kv_heads:
+        raise KvprofError(f"lora_B has {out_features} output features, not a multiple of {num_kv_heads} KV heads; "
+                          "pass the B of a v_proj adapter and the model's num_key_value_heads.")
+    head_dim = out_features // num_kv_heads
+    return (scaling * lora_b_weight).T.reshape(rank, num_kv_heads, head_dim).transpose(0, 1).contiguous()
+
+
+def triton_path_available(tensor: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on `tensor`: a CUDA tensor with Triton installed, or any tensor while
+    the Triton interpreter (TRITON_INTERPRET=1 before triton was imported) is on."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return tensor.is_cuda or bool(triton.knobs.runtime.interpret)
+
+
+def flash_lora_attention(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
+                         lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
+                         attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Flash-LoRA-Attention (LRAgent, arXiv:2602.01053): the Triton kernel on CUDA, the torch reference elsewhere.
+
+    q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);
+    returns (B, H_q, Lq, D). `scale` defaults to 1/sqrt(D); `causal` is bottom-right aligned; `attn_mask`
+    (boolean, broadcastable to (B, H_q, Lq, Lk)) replaces the causal rule when given.
+    """
+    if triton_path_available(q):
+        from kvprof.kernels.attention_triton import flash_lora_attention_triton
+
+        return flash_lora_attention_triton(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask)
+    return flash_lora_attention_ref(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask)

@@ -1,0 +1,114 @@
+"""Flash-LoRA-Attention as a transformers attention implementation, "kvprof_lora".
+
+A model loaded (or switched) with `attn_implementation="kvprof_lora"` attends exactly like "sdpa" until a
+`LoraAttentionContext` is active; then every layer with an entry attends over V = V_base + V_lr·B through
+Flash-LoRA-Attention (LRAgent, arXiv:2602.01053), where V_base is the value the model put in its cache and V_lr,
+B come from the context. This is how BaseLRShared attends: the cache holds base values only, the shared rank-r
+cache holds X·A for every cached token, and the acting agent's B is applied at attention time.
+
+    register_lora_attention()
+    model.set_attn_implementation(LORA_ATTENTION)
+    context = LoraAttentionContext({layer: LoraValues(v_lr, lora_b) for layer, ... in ...})
+    with use_lora_attention(context):
+        logits = model(input_ids, past_key_values=cache).logits
+
+V_lr must cover every key the layer attends in that call: (B, Lk, r) or (B, H_kv, Lk, r), Lk = cached + new
+tokens. The mask function registered with the attention function is sdpa's, so continuing from a cache (chunked
+prefill, decode) and padding get the same masks sdpa would; the attention function honours them.
+
+The name avoids "flash": transformers treats names containing it as FlashAttention variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvprof.errors import KvprofError
+from kvprof.kernels.attention import flash_lora_attention
+
+LORA_ATTENTION = "kvprof_lora"
+
+
+@dataclass(frozen=True)
+class LoraValues:
+    """The rank-r side of one layer's values: v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D), scaled."""
+
+    v_lr: torch.Tensor
+    lora_b: torch.Tensor
+
+
+@dataclass
+class LoraAttentionContext:
+    """Rank-r value inputs per decoder layer, keyed by `module.layer_idx`; layers without an entry use sdpa."""
+
+    layers: dict[int, LoraValues] = field(default_factory=dict)
+
+    def set(self, layer_idx: int, v_lr: torch.Tensor, lora_b: torch.Tensor) -> None:
+        self.layers[layer_idx] = LoraValues(v_lr, lora_b)
+
+    def get(self, layer_idx: int) -> LoraValues | None:
+        return self.layers.get(layer_idx)
+
+
+_active_context: contextvars.ContextVar[LoraAttentionContext | None] = contextvars.ContextVar(
+    "kvprof_lora_attention_context", default=None)
+
+
+@contextlib.contextmanager
+def use_lora_attention(context: LoraAttentionContext) -> Iterator[LoraAttentionContext]:
+    """Make `context` the one "kvprof_lora" layers read, for the duration of the `with` block."""
+    token = _active_context.set(context)
+    try:
+        yield context
+    finally:
+        _active_context.reset(token)
+
+
+def lora_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query (B, H_q, Lq, D), key/value (B, H_kv, Lk, D) → (B, Lq, H_q, D).
+
+    Without an active context entry for `module.layer_idx` this is transformers' sdpa attention. With one, it is
+    Flash-LoRA-Attention over V = value + V_lr·B, following sdpa's conventions: a given mask replaces causality;
+    no mask means causal for Lq > 1 (top-left aligned, as sdpa's `is_causal`) and full attention for Lq = 1.
+    """
+    context = _active_context.get()
+    lora = context.get(module.layer_idx) if context is not None else None
+    if lora is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise KvprofError(f"attention dropout {dropout} is not supported by {LORA_ATTENTION!r}; call model.eval().")
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise KvprofError(f"{LORA_ATTENTION!r} supports neither logit soft-capping nor position biases; load this "
+                          "model with attn_implementation='sdpa' instead.")
+    v_lr, lora_b = lora.v_lr, lora.lora_b
+    kv_len = key.shape[2]
+    if v_lr.shape[-2] != kv_len:
+        raise KvprofError(f"layer {module.layer_idx} attends {kv_len} keys but its V_lr covers {v_lr.shape[-2]}; "
+                          "give the context the LR cache of every cached and new token.")
+    q_len = query.shape[2]
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if attention_mask is None and causal and 1 < q_len < kv_len:
+        key, value, v_lr = key[:, :, :q_len], value[:, :, :q_len], v_lr[..., :q_len, :]
+    out = flash_lora_attention(query, key, value, v_lr, lora_b, scale=scaling, causal=causal,
+                               attn_mask=attention_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_lora_attention() -> str:
+    """Register "kvprof_lora" (attention and sdpa's mask function) with transformers; idempotent. Returns the name."""
+    if AttentionInterface._global_mapping.get(LORA_ATTENTION) is not lora_attention_forward:
+        AttentionInterface.register(LORA_ATTENTION, lora_attention_forward)
+    if AttentionMaskInterface._global_mapping.get(LORA_ATTENTION) is not sdpa_mask:
+        AttentionMaskInterface.register(LORA_ATTENTION, sdpa_mask)
+    return LORA_ATTENTION
