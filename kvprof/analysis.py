@@ -1,0 +1,465 @@
+"""Rank and cross-agent similarity of the caches agents build on shared context (`kvprof rank-analysis`).
+
+For every trajectory, each selected agent prefills what it holds after its last turn there (that turn's input and its
+own output; `kvprof.cache.capture_turn`). For every agent pair (i, j), i before j in the workflow's agent order, the
+**span** is the shared segments both hold; on it:
+
+- lora mode: both agents read the span at identical positions after identical tokens, so C_i and C_j differ only by
+  the adapters. Each cache splits into the base part X·W0 and the adapter output s·X·A·B (keys post-RoPE).
+- prompt mode: the span sits after different role prompts, at different positions; agent i's keys are re-aligned to
+  j's positions with the model's RoPE (`kvprof.rope.rotate_keys`) before anything is compared.
+
+Quantities, per layer, for K and V separately: the caches C_i, C_j; the delta Δ_{j←i} = C_j − R(C_i) (R the
+re-alignment, identity in lora mode); in lora mode the base parts and adapter outputs of both agents. Each is a
+matrix over the span's n tokens, either **flattened** (n, H_kv·D), one row per token with all KV heads side by side
+(the default), or **per head** (n, D) for each KV head, with the statistics averaged over heads (`per_head=True`).
+
+Statistics (kvprof.metrics): entropy effective rank exp(H(σ/Σσ)), energy ranks at 90 % and 99 % of Σσ², the energy
+spectrum σ²/Σσ² (singular values below the rounding-noise floor of the cache, set as numpy's matrix_rank sets it,
+count as zero: see `noise_floor`); cross-agent cosine per token (mean) and of the flattened matrices; relative norms
+‖Δ‖/‖C_j‖ and ‖adapter output‖/‖C‖. Every (trajectory, pair) counts once in the per-layer means.
+
+Published claims checked (`claims()`):
+- LRAgent (shared/seeds/003): base caches of different agents on the same context have cosine similarity > 0.97,
+  while the adapter outputs are largely decorrelated ("low similarity"; kvprof reads "nearly orthogonal" as
+  |mean token cosine| < 0.1).
+- KVCMAS (shared/seeds/000): per-agent delta corrections have effective rank < 32, well below the KV feature
+  dimension; the caches they correct have a somewhat higher effective rank (kvprof compares the delta with the caches
+  C_i, C_j it is taken between).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvprof import metrics
+from kvprof.cache import TurnCapture, capture_turn
+from kvprof.errors import KvprofError
+from kvprof.model import AgentSet
+from kvprof.rope import rotary_embedding, rotate_keys
+from kvprof.trace import Trace, Trajectory
+
+KV = ("K", "V")
+SPECTRUM_LENGTH = 128  # leading entries of each mean energy spectrum kept in results
+LRAGENT_BASE_COSINE = 0.97
+LRAGENT_ORTHOGONAL = 0.1
+KVCMAS_DELTA_RANK = 32.0
+
+
+# ------------------------------------------------------------------------------------------------- spans
+
+
+@dataclass
+class AgentSequence:
+    """The tokens an agent holds after its last turn in a trajectory: input + own output, cut to `max_tokens`.
+
+    tokens: (L,) list of ids. spans: segment id → (start, end) offsets inside `tokens` (cut segments shortened).
+    """
+
+    agent: str
+    tokens: list[int]
+    spans: dict[str, tuple[int, int]]
+
+
+@dataclass
+class PairSpan:
+    """The shared tokens two agents both hold in one trajectory.
+
+    source_rows, target_rows: (n,) token indices into the source's / target's `AgentSequence`; shift: (n,) target
+    position − source position of each token (all zero in lora mode). segments: the shared segment ids covered.
+    """
+
+    trajectory: str
+    source: str
+    target: str
+    source_rows: torch.Tensor
+    target_rows: torch.Tensor
+    shift: torch.Tensor
+    segments: list[str]
+
+    def __len__(self) -> int:
+        return int(self.source_rows.numel())
+
+
+def agent_sequence(traj: Trajectory, agent: str, max_tokens: int | None = None) -> AgentSequence | None:
+    """What `agent` holds after its last turn in `traj` (None if it never acts there)."""
+    turns = [turn for turn in traj.turns if turn.agent == agent]
+    if not turns:
+        return None
+    turn = turns[-1]
+    layout = traj.segment_spans(turn)
+    end = layout[-1][2] if layout else 0
+    layout.append((turn.output, end, end + len(traj.segments[turn.output])))
+    tokens = traj.input_tokens(turn) + traj.output_tokens(turn)
+    limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+    spans = {seg_id: (start, min(stop, limit)) for seg_id, start, stop in layout if start < limit}
+    return AgentSequence(agent=agent, tokens=tokens[:limit], spans=spans)
+
+
+def pair_span(traj: Trajectory, source: AgentSequence, target: AgentSequence) -> PairSpan:
+    """The shared segments both sequences hold (in the target's order), token by token (see `PairSpan`)."""
+    source_rows, target_rows, segments = [], [], []
+    for seg_id, (t_start, t_end) in target.spans.items():
+        if traj.segments[seg_id].scope != "shared" or seg_id not in source.spans:
+            continue
+        s_start, s_end = source.spans[seg_id]
+        count = min(s_end - s_start, t_end - t_start)
+        if count <= 0:
+            continue
+        segments.append(seg_id)
+        source_rows.extend(range(s_start, s_start + count))
+        target_rows.extend(range(t_start, t_start + count))
+    source_idx = torch.tensor(source_rows, dtype=torch.long)
+    target_idx = torch.tensor(target_rows, dtype=torch.long)
+    return PairSpan(trajectory=traj.id, source=source.agent, target=target.agent, source_rows=source_idx,
+                    target_rows=target_idx, shift=target_idx - source_idx, segments=segments)
+
+
+# ------------------------------------------------------------------------------------------------- statistics
+
+
+def as_matrices(states: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """(H, n, D) cache rows → (H, n, D) per head, or (1, n, H·D) flattened (all heads of a token in one row)."""
+    if per_head:
+        return states
+    heads, tokens, dim = states.shape
+    return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
+
+
+def noise_floor(reference: torch.Tensor, per_head: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Singular values at or below this are rounding noise: σ_max(C)·max(n, columns)·ε(dtype), one per matrix.
+
+    The tolerance of numpy.linalg.matrix_rank, taken from the cache C a quantity belongs to (reference: (H, n, D))
+    and the model's dtype, so a delta that is only rounding error gets rank 0 instead of the rank of noise.
+    """
+    matrices = as_matrices(reference, per_head)
+    return metrics.singular_values(matrices)[:, 0] * max(matrices.shape[-2:]) * torch.finfo(dtype).eps
+
+
+def rank_stats(states: torch.Tensor, per_head: bool, floor: torch.Tensor) -> dict:
+    """Entropy effective rank and energy ranks (90 %, 99 %) of (H, n, D) states, averaged over heads if per head.
+
+    floor: (matrices,) noise floor (`noise_floor`); singular values at or below it count as zero. Returns
+    {"effective", "energy90", "energy99", "spectrum"}: spectrum is the mean energy spectrum σ²/Σσ² (k,).
+    """
+    sigmas = metrics.singular_values(as_matrices(states, per_head))
+    sigmas = torch.where(sigmas > floor[:, None], sigmas, torch.zeros_like(sigmas))
+    count = sigmas.shape[0]
+    return {
+        "effective": sum(metrics.entropy_effective_rank(s) for s in sigmas) / count,
+        "energy90": sum(metrics.energy_rank(s, 0.90) for s in sigmas) / count,
+        "energy99": sum(metrics.energy_rank(s, 0.99) for s in sigmas) / count,
+        "spectrum": torch.stack([metrics.energy_spectrum(s) for s in sigmas]).mean(0),
+    }
+
+
+def similarity(a: torch.Tensor, b: torch.Tensor, per_head: bool) -> tuple[float, float]:
+    """(mean token cosine, flattened-matrix cosine) of two (H, n, D) states, per head or flattened (see module doc)."""
+    ma, mb = as_matrices(a, per_head), as_matrices(b, per_head)
+    flat = sum(metrics.flat_cosine(x, y) for x, y in zip(ma, mb)) / ma.shape[0]
+    return metrics.mean_token_cosine(ma, mb), flat
+
+
+@dataclass
+class PairLayer:
+    """Statistics of one agent pair at one layer for K or V.
+
+    values: metric name → float (see `METRICS`). spectra: quantity ("cache", "delta", "base", "adapter") → mean
+    energy spectrum (k,) tensor.
+    """
+
+    values: dict[str, float]
+    spectra: dict[str, torch.Tensor]
+
+
+def _rank_metrics(prefix: str, stats: list[dict]) -> dict[str, float]:
+    """`prefix`_rank / _energy90 / _energy99, averaged over `stats` (one per agent, or the delta's alone)."""
+    return {f"{prefix}_{suffix}": sum(s[key] for s in stats) / len(stats)
+            for suffix, key in (("rank", "effective"), ("energy90", "energy90"), ("energy99", "energy99"))}
+
+
+METRICS = {
+    **{f"{q}_{suffix}": f"{label} of {what}" for q, what in (
+        ("cache", "C (mean of the two agents)"), ("delta", "Δ_j←i"),
+        ("base", "the base part X·W0 (mean of the two agents)"),
+        ("adapter", "the adapter output s·X·A·B (mean of the two agents)"))
+       for suffix, label in (("rank", "entropy effective rank"), ("energy90", "energy rank (90 %)"),
+                             ("energy99", "energy rank (99 %)"))},
+    "delta_relative": "‖Δ‖/‖C_j‖",
+    "adapter_relative": "‖adapter output‖/‖C‖ (mean of the two agents)",
+    "cache_cosine": "mean token cosine of C_i, C_j", "cache_cosine_flat": "cosine of flattened C_i, C_j",
+    "base_cosine": "mean token cosine of the base parts", "base_cosine_flat": "cosine of flattened base parts",
+    "adapter_cosine": "mean token cosine of the adapter outputs",
+    "adapter_cosine_flat": "cosine of flattened adapter outputs",
+}
+
+
+def _align(states: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor, is_key: bool) -> torch.Tensor:
+    """Move the source's (H, n, D) states to the target's positions: keys are rotated by `shift`, values unchanged."""
+    if not is_key or not bool(shift.any()):
+        return states
+    return rotate_keys(states, shift.to(states.device), inv_freq)
+
+
+def compare_pair(source: TurnCapture, target: TurnCapture, span: PairSpan, layer: int, inv_freq: torch.Tensor,
+                 per_head: bool, dtype: torch.dtype = torch.float32) -> dict[str, PairLayer]:
+    """Statistics of one pair at one layer, {"K": PairLayer, "V": PairLayer} (see `METRICS`), computed in fp64.
+
+    dtype: the model's dtype, for the noise floor of the ranks (`noise_floor`, from the target's cache C_j).
+    """
+    src, dst = source.layers[layer], target.layers[layer]
+    rows_s, rows_t = span.source_rows.to(src.keys.device), span.target_rows.to(src.keys.device)
+    out = {}
+    for kv, projection in (("K", "k_proj"), ("V", "v_proj")):
+        is_key = kv == "K"
+        pairs = {"cache": (_align((src.keys if is_key else src.values)[:, rows_s].double(), span.shift, inv_freq,
+                                  is_key), (dst.keys if is_key else dst.values)[:, rows_t].double())}
+        if projection in src.split and projection in dst.split:
+            split_s, split_t = src.split[projection], dst.split[projection]
+            for name in ("base", "adapter"):
+                pairs[name] = (_align(getattr(split_s, name)[:, rows_s].double(), span.shift, inv_freq, is_key),
+                               getattr(split_t, name)[:, rows_t].double())
+        cache_s, cache_t = pairs["cache"]
+        delta = cache_t - cache_s
+        floor = noise_floor(cache_t, per_head, dtype)
+        stats = {name: [rank_stats(x, per_head, floor) for x in states] for name, states in pairs.items()}
+        stats["delta"] = [rank_stats(delta, per_head, floor)]
+        values = {"delta_relative": metrics.relative_norm(delta, cache_t)}
+        for name, states in pairs.items():
+            values.update(_rank_metrics(name, stats[name]))
+            values[f"{name}_cosine"], values[f"{name}_cosine_flat"] = similarity(*states, per_head)
+        values.update(_rank_metrics("delta", stats["delta"]))
+        if "adapter" in pairs:
+            values["adapter_relative"] = (metrics.relative_norm(pairs["adapter"][0], cache_s)
+                                          + metrics.relative_norm(pairs["adapter"][1], cache_t)) / 2
+        spectra = {name: (sum(s["spectrum"] for s in group) / len(group)).cpu() for name, group in stats.items()}
+        out[kv] = PairLayer(values=values, spectra=spectra)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class PairResult:
+    """One agent pair in one trajectory: its span and the per-layer statistics {layer: {"K"|"V": PairLayer}}.
+
+    bound: min(n, columns), the largest rank any matrix of this pair can have.
+    """
+
+    trajectory: str
+    source: str
+    target: str
+    tokens: int
+    bound: int
+    segments: list[str]
+    layers: dict[int, dict[str, PairLayer]]
+
+
+@dataclass
+class Claim:
+    """A published claim and whether this model, these agents and this trace reproduce it (None: not applicable)."""
+
+    paper: str
+    statement: str
+    holds: bool | None
+    measured: str
+    detail: str = ""
+
+
+@dataclass
+class RankAnalysis:
+    """All results of one rank analysis (see module docstring)."""
+
+    mode: str
+    agents: list[str]
+    layers: list[int]
+    per_head: bool
+    head_dim: int
+    kv_heads: int
+    pairs: list[PairResult] = field(default_factory=list)
+
+    @property
+    def matrix(self) -> str:
+        if self.per_head:
+            return f"per KV head: (tokens, D={self.head_dim}), statistics averaged over {self.kv_heads} heads"
+        return f"flattened: (tokens, H_kv·D={self.kv_heads * self.head_dim}), one row per token"
+
+    def _records(self, layer: int, kv: str) -> list[PairLayer]:
+        return [pair.layers[layer][kv] for pair in self.pairs]
+
+    def layer_means(self) -> dict[int, dict[str, dict[str, float]]]:
+        """{layer: {"K"|"V": {metric: mean over (trajectory, pair)}}}."""
+        out: dict[int, dict[str, dict[str, float]]] = {}
+        for layer in self.layers:
+            out[layer] = {}
+            for kv in KV:
+                records = self._records(layer, kv)
+                names = [name for name in METRICS if name in records[0].values]
+                out[layer][kv] = {name: sum(r.values[name] for r in records) / len(records) for name in names}
+        return out
+
+    def layer_spectra(self) -> dict[int, dict[str, dict[str, list[float]]]]:
+        """{layer: {"K"|"V": {quantity: mean energy spectrum, first SPECTRUM_LENGTH entries}}}."""
+        out: dict[int, dict[str, dict[str, list[float]]]] = {}
+        for layer in self.layers:
+            out[layer] = {}
+            for kv in KV:
+                records = self._records(layer, kv)
+                out[layer][kv] = {}
+                for quantity in records[0].spectra:
+                    width = max(r.spectra[quantity].numel() for r in records)
+                    total = torch.zeros(width, dtype=torch.float64)
+                    for r in records:
+                        total[: r.spectra[quantity].numel()] += r.spectra[quantity]
+                    out[layer][kv][quantity] = (total / len(records))[:SPECTRUM_LENGTH].tolist()
+        return out
+
+    def pair_means(self, metric: str, kv: str) -> dict[tuple[str, str], float]:
+        """{(source, target): mean of `metric` over trajectories and layers} for the pairs that have it."""
+        sums: dict[tuple[str, str], list[float]] = {}
+        for pair in self.pairs:
+            for layer in self.layers:
+                values = pair.layers[layer][kv].values
+                if metric in values:
+                    sums.setdefault((pair.source, pair.target), []).append(values[metric])
+        return {key: sum(v) / len(v) for key, v in sums.items()}
+
+    def claims(self) -> list[Claim]:
+        """Verdicts for the LRAgent and KVCMAS claims (see module docstring), with the measured values."""
+        means = self.layer_means()
+
+        def over_layers(metric: str, kv: str) -> list[tuple[int, float]]:
+            return [(layer, means[layer][kv][metric]) for layer in self.layers if metric in means[layer][kv]]
+
+        def mean(pairs: list[tuple[int, float]]) -> float:
+            return sum(v for _, v in pairs) / len(pairs)
+
+        claims = []
+        if self.mode == "lora":
+            base = {kv: over_layers("base_cosine", kv) for kv in KV}
+            worst = min(((kv, layer, v) for kv in KV for layer, v in base[kv]), key=lambda item: item[2])
+            claims.append(Claim(
+                "LRAgent", f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
+                all(mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV),
+                f"K {mean(base['K']):.4f}, V {mean(base['V']):.4f}",
+                f"mean token cosine over layers; lowest: layer {worst[1]} {worst[0]} {worst[2]:.4f}"))
+            adapter = {kv: over_layers("adapter_cosine", kv) for kv in KV}
+            worst = max(((kv, layer, v) for kv in KV for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
+            claims.append(Claim(
+                "LRAgent", f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
+                all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV),
+                f"K {mean(adapter['K']):+.4f}, V {mean(adapter['V']):+.4f}",
+                f"mean token cosine over layers; largest |cosine|: layer {worst[1]} {worst[0]} {worst[2]:+.4f}"))
+        else:
+            cache = {kv: mean(over_layers("cache_cosine", kv)) for kv in KV}
+            claims.append(Claim(
+                "LRAgent", "base caches agree across agents and adapter outputs are nearly orthogonal", None,
+                f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
+                "not applicable: prompt-mode agents have no adapters (the cache cosine after re-alignment is shown)"))
+        bound = max(pair.bound for pair in self.pairs)
+        trivial = (f"; every matrix here has rank ≤ {bound} (tokens or columns), so this cannot fail on this trace"
+                   if bound <= KVCMAS_DELTA_RANK else "")
+        delta = {kv: over_layers("delta_rank", kv) for kv in KV}
+        worst = max(((kv, layer, v) for kv in KV for layer, v in delta[kv]), key=lambda item: item[2])
+        claims.append(Claim(
+            "KVCMAS", f"deltas Δ_j←i have effective rank < {KVCMAS_DELTA_RANK:g}", worst[2] < KVCMAS_DELTA_RANK,
+            f"K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
+            f"mean over layers; highest: layer {worst[1]} {worst[0]} {worst[2]:.2f} (every layer must be < "
+            f"{KVCMAS_DELTA_RANK:g}){trivial}"))
+        cache = {kv: mean(over_layers("cache_rank", kv)) for kv in KV}
+        claims.append(Claim(
+            "KVCMAS", "the caches have higher effective rank than their deltas",
+            all(cache[kv] > mean(delta[kv]) for kv in KV),
+            f"C: K {cache['K']:.2f}, V {cache['V']:.2f}; Δ: K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
+            "means over layers"))
+        return claims
+
+    def to_dict(self) -> dict:
+        """JSON-ready results: settings, per-layer means and spectra, per-pair values, claims."""
+        def rounded(values: dict[str, float]) -> dict[str, float]:
+            return {name: round(value, 6) for name, value in values.items()}
+
+        spectra = self.layer_spectra()
+        return {
+            "mode": self.mode, "agents": self.agents, "layers": self.layers, "per_head": self.per_head,
+            "matrix": self.matrix, "metrics": METRICS,
+            "layer_means": [{"layer": layer, **{kv: rounded(values) for kv, values in by_kv.items()}}
+                            for layer, by_kv in self.layer_means().items()],
+            "spectra": [{"layer": layer, **{kv: {q: [round(x, 6) for x in s] for q, s in by_q.items()}
+                                            for kv, by_q in spectra[layer].items()}} for layer in self.layers],
+            "pairs": [{"trajectory": p.trajectory, "source": p.source, "target": p.target, "tokens": p.tokens,
+                       "bound": p.bound, "segments": p.segments,
+                       "layers": [{"layer": layer, **{kv: rounded(p.layers[layer][kv].values) for kv in KV}}
+                                  for layer in self.layers]} for p in self.pairs],
+            "claims": [{"paper": c.paper, "statement": c.statement, "holds": c.holds, "measured": c.measured,
+                        "detail": c.detail} for c in self.claims()],
+        }
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def select_agents(trace: Trace, names: Sequence[str] | None) -> list[str]:
+    """The agents to compare, in the trace's order; refuses unknown names and fewer than two agents."""
+    declared = trace.header.agent_names
+    if names:
+        unknown = [name for name in names if name not in declared]
+        if unknown:
+            raise KvprofError(f"--agents names {', '.join(map(repr, unknown))}, which the trace does not have; "
+                              f"its agents are {', '.join(declared)}.")
+        chosen = [name for name in declared if name in names]
+    else:
+        chosen = list(declared)
+    if len(chosen) < 2:
+        raise KvprofError(f"rank analysis compares agent pairs, but only {', '.join(chosen) or 'no agent'} is "
+                          "selected; pass a trace with two or more agents (and --agents with at least two names).")
+    return chosen
+
+
+def analyze_trace(agents: AgentSet, trace: Trace, agent_names: Sequence[str], layers: Sequence[int],
+                  max_tokens: int | None = None, per_head: bool = False,
+                  on_trajectory: Callable[[Trajectory], None] | None = None) -> RankAnalysis:
+    """Capture every selected agent's cache on each trajectory and compare all pairs on their shared spans.
+
+    layers: resolved layer indices (`kvprof.cache.resolve_layers`). Raises `KvprofError` if no pair of selected agents
+    shares a segment anywhere in the trace.
+    """
+    mode = trace.header.mode
+    config = agents.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    result = RankAnalysis(mode=mode, agents=list(agent_names), layers=list(layers), per_head=per_head,
+                          head_dim=head_dim, kv_heads=config.num_key_value_heads)
+    inv_freq = rotary_embedding(agents.base_model).inv_freq
+    parts = ("kv", "split") if mode == "lora" else ("kv",)
+    columns = head_dim if per_head else head_dim * config.num_key_value_heads
+    for traj in trace.trajectories:
+        sequences = {name: agent_sequence(traj, name, max_tokens) for name in agent_names}
+        spans = []
+        for i, source in enumerate(agent_names):
+            for target in agent_names[i + 1:]:
+                if sequences[source] is None or sequences[target] is None:
+                    continue
+                span = pair_span(traj, sequences[source], sequences[target])
+                if len(span):
+                    spans.append(span)
+        if spans:
+            needed = {span.source for span in spans} | {span.target for span in spans}
+            captures = {name: capture_turn(agents, name, sequences[name].tokens, layers=layers, parts=parts)
+                        for name in agent_names if name in needed}
+            for span in spans:
+                result.pairs.append(PairResult(
+                    trajectory=traj.id, source=span.source, target=span.target, tokens=len(span),
+                    bound=min(len(span), columns), segments=span.segments,
+                    layers={layer: compare_pair(captures[span.source], captures[span.target], span, layer, inv_freq,
+                                                per_head, agents.base_model.dtype) for layer in layers}))
+        if on_trajectory:
+            on_trajectory(traj)
+    if not result.pairs:
+        raise KvprofError(f"no shared segment is held by two of the agents {', '.join(agent_names)} in any trajectory "
+                          "of this trace, so there is nothing to compare; pass a trace whose agents read common "
+                          "context (segments with scope 'shared').")
+    return result
