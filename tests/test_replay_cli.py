@@ -1,0 +1,67 @@
+"""`kvprof replay` from the command line: results, refusals, resumable sweeps."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from kvprof.model import load_agents_for_trace
+from kvprof.replay import PolicyChoice, ReplayProgress, replay_trace
+from kvprof.trace import read_trace
+
+
+def test_replay_writes_json_and_html(run_cli, lora_trace, tmp_path):
+    code, out, err = run_cli("replay", lora_trace, "--policy", "fullshared", "--policy", "prelrshared",
+                             "--limit", "1", "--repeats", "2", "--out", tmp_path, "--device", "cpu")
+    assert code == 0, err
+    assert "fidelity:" in out and "cost:" in out and "prelrshared" in out
+    result = json.loads((tmp_path / "replay.json").read_text())
+    assert result["schema"] == "kvprof.result.replay" and result["repeats"] == 2
+    assert set(result["policies"]) == {"fullshared", "prelrshared"}
+    assert len(result["dense"]["turns"]) == len(read_trace(lora_trace).trajectories[0].turns)
+    html = (tmp_path / "replay.html").read_text()
+    assert "plotly" in html and "Sharing policies against the dense run" in html
+    assert not (tmp_path / "replay.partial.json").exists()
+
+
+def test_policy_all_on_prompt_trace_skips_lora_policies(run_cli, tiny_world, tmp_path):
+    trace_dir = tmp_path / "capture"
+    assert run_cli("capture", "--model", tiny_world.model, "--workflow", tiny_world.prompt_workflow, "--tasks",
+                   tiny_world.tasks, "--limit", "1", "--out", trace_dir)[0] == 0
+    code, out, err = run_cli("replay", trace_dir / "trace.jsonl", "--repeats", "1", "--out", tmp_path / "replay")
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    assert set(result["policies"]) == {"fullshared", "nonshared"}
+    assert "prelrshared" in result["skipped"] and "lora-mode" in result["skipped"]["prelrshared"]
+    fullshared = result["policies"]["fullshared"]["summary"]
+    assert fullshared["reuse_per_token"] > 0 and fullshared["k_error"] > 0  # re-aligned keys from other prompts
+    code, _, err = run_cli("replay", trace_dir / "trace.jsonl", "--policy", "prelrshared", "--out", tmp_path)
+    assert code == 2 and "replays lora-mode traces" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--policy", "magic"), "unknown policy 'magic'"),
+    (("--policy", "baselrshared"), "share their down-projection A"),
+    (("--agent", "critic=x"), "unknown agent name 'critic'"),
+])
+def test_replay_bad_input(run_cli, lora_trace, tmp_path, args, message):
+    code, out, err = run_cli("replay", lora_trace, *args, "--out", tmp_path)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1
+    assert not (tmp_path / "replay.json").exists()
+
+
+def test_resumed_replay_equals_uninterrupted(lora_trace, tmp_path):
+    agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
+    trajectories = read_trace(lora_trace).trajectories[:2]
+    choices = [PolicyChoice("fullshared")]
+    checkpoints = []
+    full = replay_trace(agents, trajectories, choices,
+                        on_trajectory=lambda state: checkpoints.append(json.loads(json.dumps(asdict(state)))))
+    assert [len(c["trajectories"]) for c in checkpoints] == [1, 2]
+    resumed = replay_trace(agents, trajectories, choices, progress=ReplayProgress(**checkpoints[0]))
+    for key in ("kl", "k_error", "v_error", "prefilled", "turns"):
+        assert resumed["policies"]["fullshared"]["summary"][key] == pytest.approx(
+            full["policies"]["fullshared"]["summary"][key])
