@@ -8,7 +8,7 @@ import click
 import typer
 
 import kvprof
-from kvprof.commands import capture, inspect, replay
+from kvprof.commands import capture, inspect, replay, report
 from kvprof.commands import rank_analysis
 from kvprof.commands import bench
 from kvprof.errors import KvprofError
@@ -29,6 +29,7 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the kvpro
 app.command("capture")(capture.command)
 app.command("inspect")(inspect.command)
 app.command("replay")(replay.command)
+app.command("report")(report.command)
 app.command("rank-analysis")(rank_analysis.command)
 app.command("bench")(bench.command)
 

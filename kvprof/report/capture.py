@@ -1,0 +1,21 @@
+"""Dashboard section of a capture result: trajectories, tokens, accuracy, per-agent turn statistics."""
+
+from __future__ import annotations
+
+from kvprof.report.html import Section
+from kvprof.report.tables import TableData
+
+
+def sections(result: dict) -> list[Section]:
+    summary = result["summary"]
+    table = TableData(title="agent calls", columns=["agent", "turns", "mean input tokens", "mean output tokens"])
+    for name, stats in summary["agents"].items():
+        table.add_row(name, stats["turns"], f"{stats['input_tokens'] / stats['turns']:.1f}",
+                      f"{stats['output_tokens'] / stats['turns']:.1f}")
+    accuracy = summary.get("accuracy")
+    text = [f"{summary['trajectories']} trajectories, {summary['turns']} agent calls, {summary['distinct_tokens']} "
+            f"distinct tokens ({summary['shared_tokens']} in segments read by several agents); trace "
+            f"{result['trace']}."]
+    if accuracy is not None:
+        text.append(f"exact-match accuracy {accuracy:.1%} on {summary['with_answer']} tasks.")
+    return [Section(title="Captured trajectories", text=text, tables=[table])]
