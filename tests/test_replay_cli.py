@@ -65,3 +65,33 @@ def test_resumed_replay_equals_uninterrupted(lora_trace, tmp_path):
     for key in ("kl", "k_error", "v_error", "prefilled", "turns"):
         assert resumed["policies"]["fullshared"]["summary"][key] == pytest.approx(
             full["policies"]["fullshared"]["summary"][key])
+
+
+def test_report_merges_results(run_cli, lora_trace, tmp_path):
+    assert run_cli("replay", lora_trace, "--policy", "fullshared", "--limit", "1", "--repeats", "1",
+                   "--out", tmp_path / "replay")[0] == 0
+    assert run_cli("capture", "--model", read_trace(lora_trace).header.model["path"], "--shapes",
+                   _shape_csv(tmp_path), "--out", tmp_path / "capture")[0] == 0
+    code, out, err = run_cli("report", tmp_path / "capture" / "capture.json", tmp_path / "replay" / "replay.json",
+                             "--out", tmp_path / "dash.html")
+    assert code == 0, err
+    assert "Captured trajectories" in out and "fidelity:" in out
+    assert (tmp_path / "dash.html").read_text().count("<section>") == 2
+
+
+def _shape_csv(tmp_path):
+    path = tmp_path / "shape.csv"
+    path.write_text("agent,prefill_len,decode_len\nplan,12,4\nact,6,3\n")
+    return path
+
+
+def test_report_refuses_non_results(run_cli, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, _, err = run_cli("report", bad)
+    assert code == 2 and "is not valid JSON" in err
+    bad.write_text('{"hello": 1}')
+    code, _, err = run_cli("report", bad)
+    assert code == 2 and "is not a kvprof result" in err
+    code, _, err = run_cli("report", tmp_path / "missing.json")
+    assert code == 2 and "does not exist" in err
