@@ -350,7 +350,8 @@ class RankAnalysis:
             adapter = {kv: over_layers("adapter_cosine", kv) for kv in KV}
             worst = max(((kv, layer, v) for kv in KV for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
             claims.append(Claim(
-                "LRAgent", f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
+                "LRAgent",
+                f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
                 all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV),
                 f"K {mean(adapter['K']):+.4f}, V {mean(adapter['V']):+.4f}",
                 f"mean token cosine over layers; largest |cosine|: layer {worst[1]} {worst[0]} {worst[2]:+.4f}"))
@@ -361,8 +362,8 @@ class RankAnalysis:
                 f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
                 "not applicable: prompt-mode agents have no adapters (the cache cosine after re-alignment is shown)"))
         bound = max(pair.bound for pair in self.pairs)
-        trivial = (f"; every matrix here has rank ≤ {bound} (tokens or columns), so this cannot fail on this trace"
-                   if bound <= KVCMAS_DELTA_RANK else "")
+        trivial = (f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
+                   "little on this trace" if bound <= KVCMAS_DELTA_RANK else "")
         delta = {kv: over_layers("delta_rank", kv) for kv in KV}
         worst = max(((kv, layer, v) for kv in KV for layer, v in delta[kv]), key=lambda item: item[2])
         claims.append(Claim(

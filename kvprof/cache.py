@@ -5,10 +5,11 @@ One prefill of `input_ids` as one agent, observed through forward hooks, layer b
 - **kv**: the K and V the model writes to its cache (`DynamicCache`, the same object `model(...).cache` returns),
   keys post-RoPE, per layer (H_kv, L, D).
 - **split** (lora mode): for each requested projection (default `k_proj`, `v_proj`), its output split into the
-  frozen-weight part X·W0 (+ bias), from a hook on peft's `base_layer`, and the adapter part s·(X·A)·B, from hooks on
-  peft's `lora_B[name]` (times `scaling[name]`). RoPE is linear, so keys (and queries) split after RoPE too: each part
-  is rotated on its own with the model's rotary cos/sin at the token positions, and base + adapter = the cached key.
-  Models that normalise keys or values per head before caching (`k_norm`/`v_norm`, e.g. Qwen3, Gemma 3) break that
+  frozen-weight part X·W0 (+ bias), from a hook on peft's `base_layer`, and the adapter part s·(X·A)·B, from hooks
+  on peft's `lora_B[name]` (times `scaling[name]`). RoPE is linear, so keys (and queries) split after RoPE too: each
+  part is rotated on its own with the model's rotary cos/sin at the token positions, and base + adapter = the cached
+  key. (The key's adapter part is expanded to full width before the rotation: it is not rank r after RoPE.) Models
+  that normalise keys or values per head before caching (`k_norm`/`v_norm`, e.g. Qwen3, Gemma 3) break that
   linearity; their split is refused.
 - **hidden**: the hidden state entering each layer (the residual stream; DroidSpeak-style recompute starts here).
 - **lr**: the rank-r LR activations X·A_k of each projection for every loaded adapter k (PReCache's precomputed LR
@@ -17,7 +18,8 @@ One prefill of `input_ids` as one agent, observed through forward hooks, layer b
   X_neut·A_k of ReBaseShared.
 
 Memory: only the selected layers are kept, only the token range `keep`, each tensor copied to fp32 as its layer
-finishes; the forward stops after the last selected layer. The batch is one sequence, so no tensor has a batch axis.
+finishes; the forward stops after the last selected layer (the layers before it still build their cache, as any
+prefill does). The batch is one sequence, so no tensor has a batch axis.
 LoRA variants (DoRA) and merged adapters have no separate adapter output and are refused for `split` and `lr`.
 """
 
@@ -153,8 +155,8 @@ def _check_plain_lora(module: torch.nn.Module, name: str, index: int) -> None:
 class _LayerRecorder:
     """Forward hooks of one selected layer: each projection's input, base output and adapter outputs."""
 
-    def __init__(self, capture: "_Capture", index: int, layer: torch.nn.Module):
-        self.capture, self.index, self.layer = capture, index, layer
+    def __init__(self, index: int, layer: torch.nn.Module, keep: slice):
+        self.index, self.layer, self.keep = index, layer, keep
         self.modules: dict[str, torch.nn.Module] = {}
         self.inputs: dict[str, torch.Tensor] = {}
         self.base: dict[str, torch.Tensor] = {}
@@ -185,7 +187,7 @@ class _LayerRecorder:
 
     def _on_lora_b(self, name: str, scaling: float):
         def hook(module, args, output):
-            part = output.float() * scaling
+            part = output[:, self.keep].float() * scaling  # kept tokens only, summed in fp32
             self.adapter[name] = self.adapter[name] + part if name in self.adapter else part
         return hook
 
@@ -204,36 +206,43 @@ class _Capture:
         index[axis] = self.keep
         return tensor[tuple(index)].float().clone()
 
-    def heads(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """(1, L, H·D) projection output → (H, L_kept, D), rotated if RoPE applies to it; fp32."""
+    def shape(self, flat: torch.Tensor, name: str, kept: bool = False) -> torch.Tensor:
+        """(1, L, out) projection output → the `ProjectionSplit` layout of the kept tokens, fp32.
+
+        q/k/v: (H, L_kept, D), rotated with the model's RoPE for q and k; other projections (L_kept, out).
+        `kept`: the tokens were already cut to the kept range.
+        """
+        rows = flat[0].float() if kept else self.span(flat[0], 0)
+        if name not in PER_HEAD:
+            return rows
         config = self.agents.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_head = self.span(flat[0], 0).view(-1, flat.shape[-1] // head_dim, head_dim).transpose(0, 1)
+        per_head = rows.view(rows.shape[0], -1, head_dim).transpose(0, 1)
         if name in ROTATED:
             per_head = per_head * self.cos + rotate_half(per_head) * self.sin
         return per_head.contiguous()
 
-    def shape(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        return self.heads(flat, name) if name in PER_HEAD else self.span(flat[0], 0)
-
 
 def capture_turn(agents: AgentSet, agent: str | None, input_ids: Sequence[int] | torch.Tensor,
-                 layers: Iterable[int] | None = None, parts: Sequence[str] = PARTS,
+                 layers: Iterable[int] | None = None, parts: Sequence[str] | None = None,
                  projections: Sequence[str] = ("k_proj", "v_proj"), positions: torch.Tensor | None = None,
                  keep: tuple[int, int] | None = None, lr_adapters: Sequence[str] | None = None) -> TurnCapture:
     """Prefill `input_ids` as `agent` (None: adapters disabled) and capture the requested `parts` (see module doc).
 
     input_ids: (L,) token ids (a list or a (L,) / (1, L) tensor). layers: indices to keep (None: all).
-    parts: any of "kv", "split", "hidden", "lr". projections: which projections to split / take X·A of.
+    parts: any of "kv", "split", "hidden", "lr" (default: all the mode has; prompt mode has no "split" or "lr").
+    projections: which projections to split / take X·A of.
     positions: (L,) position ids (default 0..L-1; pass them when the tokens sit after an uncached prefix).
     keep: (start, end) token range to keep (default: all L tokens). lr_adapters: adapters whose X·A to compute
     (default: every loaded adapter that targets the projection). Returns a `TurnCapture`, tensors in fp32 on the
     model's device.
     """
+    lora = agents.spec.mode == "lora"
+    if parts is None:
+        parts = PARTS if lora else ("kv", "hidden")
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise KvprofError(f"unknown capture part {', '.join(sorted(unknown))}; use {', '.join(PARTS)}.")
-    lora = agents.spec.mode == "lora"
     if ("split" in parts or "lr" in parts) and not lora:
         raise KvprofError("the 'split' and 'lr' parts need LoRA agents (lora mode); this agent set is in prompt mode.")
     device = agents.device
@@ -261,7 +270,7 @@ def capture_turn(agents: AgentSet, agent: str | None, input_ids: Sequence[int] |
     from transformers import DynamicCache
 
     cache = DynamicCache(config=agents.config)
-    recorders = {index: _LayerRecorder(state, index, blocks[index]) for index in chosen}
+    recorders = {index: _LayerRecorder(index, blocks[index], state.keep) for index in chosen}
     handles = []
     try:
         for index, recorder in recorders.items():
@@ -317,9 +326,9 @@ def _finish_hook(state: _Capture, recorder: _LayerRecorder, cache, parts: Sequen
         for name, module_ in recorder.modules.items():
             if "split" in parts:
                 base = state.shape(recorder.base[name], name)
-                adapter = recorder.adapter.get(name)
-                result.split[name] = ProjectionSplit(
-                    base=base, adapter=torch.zeros_like(base) if adapter is None else state.shape(adapter, name))
+                adapter = recorder.adapter.get(name)  # already cut to the kept tokens
+                result.split[name] = ProjectionSplit(base=base, adapter=torch.zeros_like(base) if adapter is None
+                                                     else state.shape(adapter, name, kept=True))
             if "lr" in parts and _is_lora(module_):
                 result.lr[name] = {adapter: state.span(_down_projection(module_, adapter, recorder.inputs[name])[0], 0)
                                    for adapter in adapter_names if adapter in module_.lora_A}

@@ -121,9 +121,10 @@ def test_positions_offset_matches_the_model_and_rotation(lora_agents):
 
 
 def test_prompt_mode_captures_kv_but_refuses_split(prompt_agents):
-    capture = capture_turn(prompt_agents, "plan", TOKENS, parts=("kv", "hidden"))
+    capture = capture_turn(prompt_agents, "plan", TOKENS)  # default parts: what prompt mode has
     cache = _model_cache(prompt_agents, "plan", TOKENS)
     assert torch.equal(capture.layers[0].keys, cache.layers[0].keys[0])
+    assert capture.layers[1].hidden.shape == (len(TOKENS), 64) and not capture.layers[1].split
     with pytest.raises(KvprofError, match="need LoRA agents"):
         capture_turn(prompt_agents, "plan", TOKENS, parts=("kv", "split"))
 

@@ -22,7 +22,7 @@ from kvprof.workflow import Sampling, SearchTool, load_tasks, model_responder, r
 
 @pytest.fixture(scope="module")
 def prompt_trace(tiny_world, tmp_path_factory):
-    """A prompt-mode trace of the tiny world's tasks: the shared segments sit after role prompts of different lengths."""
+    """A prompt-mode trace of the tiny world's tasks: shared segments sit after role prompts of different lengths."""
     spec = build_spec(tiny_world.prompt_workflow)
     agents = load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")
     trajectories = [run_react(spec, agents.tokenizer, task, SearchTool(), model_responder(agents, Sampling()))
@@ -50,7 +50,7 @@ def prompt_analysis(prompt_trace):
 
 
 def _numpy_effective_rank(matrix: np.ndarray, reference: np.ndarray) -> float:
-    """exp(entropy(σ/Σσ)) with σ below the fp32 rounding floor of `reference` (numpy's matrix_rank tolerance) zeroed."""
+    """exp(entropy(σ/Σσ)), σ below the fp32 rounding floor of `reference` (numpy's matrix_rank tolerance) zeroed."""
     sigma = scipy.linalg.svdvals(matrix)
     floor = scipy.linalg.svdvals(reference)[0] * max(reference.shape) * np.finfo(np.float32).eps
     sigma = np.where(sigma > floor, sigma, 0.0)

@@ -22,6 +22,8 @@ from kvprof.model import load_agents_for_trace
 from kvprof.report import Section, TableData, heatmap_figure, line_figure, write_html
 from kvprof.trace import read_trace
 
+VERDICTS = {True: "holds", False: "does not hold", None: "n/a"}
+
 
 def command(
     trace: Annotated[Optional[Path], typer.Argument(
@@ -160,8 +162,7 @@ def report_sections(result: RankAnalysis, tables: list[TableData]) -> list[Secti
     """HTML sections: verdicts and table, per-layer rank curves, spectra, and agent-pair similarity heatmaps."""
     verdicts = TableData(title="published claims", columns=["paper", "claim", "verdict", "measured", "detail"])
     for claim in result.claims():
-        verdicts.add_row(claim.paper, claim.statement, {True: "holds", False: "does not hold", None: "n/a"}[claim.holds],
-                         claim.measured, claim.detail)
+        verdicts.add_row(claim.paper, claim.statement, VERDICTS[claim.holds], claim.measured, claim.detail)
     means = result.layer_means()
     layers = result.layers
     quantities = [("cache", "C"), ("base", "base X·W0"), ("adapter", "adapter output"), ("delta", "Δ")]
@@ -171,7 +172,8 @@ def report_sections(result: RankAnalysis, tables: list[TableData]) -> list[Secti
                                 "entropy effective rank per layer", "layer", "effective rank")]
     rank_figures.append(line_figure(
         layers, {f"{label} {kv}": [means[layer][kv][metric] for layer in layers]
-                 for metric, label in (("delta_relative", "‖Δ‖/‖C‖"), ("adapter_relative", "‖adapter‖/‖C‖"))
+                 for metric, label in (("delta_relative", "‖Δ‖/‖C‖"),
+                                       ("adapter_relative", "‖adapter‖/‖C‖"))
                  for kv in KV if metric in means[layers[0]][kv]},
         "relative norms per layer", "layer", "ratio"))
     spectra = result.layer_spectra()
