@@ -126,12 +126,13 @@ class ReplayProgress:
 def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: list[PolicyChoice],
                  repeats: int = 1, on_turn: TurnHook | None = None, check_memory: bool = False,
                  progress: ReplayProgress | None = None,
-                 on_trajectory: Callable[[ReplayProgress], None] | None = None) -> dict:
+                 on_trajectory: Callable[[ReplayProgress], None] | None = None, lora_attention: bool = False) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
 
-    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped.
+    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped. With
+    `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
     """
-    runtime = Runtime(agents)
+    runtime = Runtime(agents, lora_attention)
     dense = NonShared(runtime)
     policies = build_policies(runtime, choices)
     state = progress or ReplayProgress()
@@ -183,9 +184,10 @@ def policy_responder(policy: SharingPolicy):
 
 
 def run_online(agents: AgentSet, tasks: list[Task], choices: list[PolicyChoice],
-               on_task: Callable[[str, Task], None] | None = None) -> dict[str, list[Trajectory]]:
+               on_task: Callable[[str, Task], None] | None = None,
+               lora_attention: bool = False) -> dict[str, list[Trajectory]]:
     """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories."""
-    runtime = Runtime(agents)
+    runtime = Runtime(agents, lora_attention)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
     runs.update({policy.label: policy for policy in build_policies(runtime, choices)})
     tool = SearchTool()

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.lora import HiddenTap, layer_splits
 from kvprof.model import AgentSet
 from kvprof.rope import rotary_embedding
@@ -37,8 +38,15 @@ class ChunkForward:
 
 
 class Runtime:
-    def __init__(self, agents: AgentSet):
+    """See module docstring. With `lora_attention`, the model attends through the registered "kvprof_lora"
+    implementation (Flash-LoRA-Attention: the Triton kernel on CUDA, its torch reference elsewhere) and the
+    low-rank policies hand it V_base and V_lr instead of expanded values; it behaves as sdpa otherwise."""
+
+    def __init__(self, agents: AgentSet, lora_attention: bool = False):
         self.agents = agents
+        self.lora_attention = lora_attention
+        if lora_attention:
+            agents.base_model.set_attn_implementation(register_lora_attention())
         self.model = agents.model
         config = agents.config
         self.num_layers = config.num_hidden_layers

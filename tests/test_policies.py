@@ -186,3 +186,18 @@ def test_nonshared_online_replay_reproduces_generate(tiny_world, tmp_path, run_c
     summary = summarise_online(runs)
     assert summary[DENSE]["diverged_turns"] == 0.0
     assert 0.0 <= summary["fullshared"]["diverged_turns"] <= 1.0
+
+
+def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_agents):
+    """Low-rank policies attending through the registered Flash-LoRA-Attention (torch reference on CPU) must give
+    what expanded values give."""
+    trajectories = read_trace(lora_trace).trajectories[:1]
+    choices = [PolicyChoice("prelrshared"), PolicyChoice("baselrshared"), PolicyChoice("rebaseshared",
+                                                                                        {"schedule": "db"})]
+    expanded = replay_trace(shared_a_agents, trajectories, choices)
+    kernel = replay_trace(shared_a_agents, trajectories, choices, lora_attention=True)
+    for label in expanded["policies"]:
+        for a, b in zip(expanded["policies"][label]["turns"], kernel["policies"][label]["turns"]):
+            assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
+            assert b["top1_sum"] == a["top1_sum"]
+    assert kernel["dense"]["summary"]["kl"] == 0.0

@@ -63,6 +63,10 @@ def command(
     online: Annotated[bool, typer.Option(
         "--online", help="Also re-run the workflow under each policy (agents generate; errors propagate): "
                          "exact-match accuracy and output divergence.")] = False,
+    lora_attention: Annotated[str, typer.Option(
+        "--lora-attention", help="How low-rank policies attend: kernel (Flash-LoRA-Attention: Triton on CUDA, its "
+                                 "torch reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on "
+                                 "CUDA, expand on CPU).")] = "auto",
     repeats: Annotated[int, typer.Option(
         "--repeats", min=1, help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median.")] = 3,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
@@ -89,6 +93,9 @@ def command(
         trace, model = demo_trace(model)
     agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device,
                                    dtype=dtype)
+    if lora_attention not in ("auto", "kernel", "expand"):
+        raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
+    use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
     choices, skipped = choose_policies(policy, schedule, lr_prefill, Runtime(agents))
     for name, reason in skipped.items():
         console.print(f"[yellow]skipped {name}[/]: {reason}")
@@ -106,13 +113,15 @@ def command(
         bar.update(job, completed=sum(len(t.turns) for t in trajectories if state and t.id in state.trajectories))
         result = replay_trace(agents, trajectories, choices, repeats=repeats,
                               on_turn=lambda traj, index: bar.advance(job), progress=state,
-                              on_trajectory=lambda s: write_json(checkpoint, asdict(s)))
+                              on_trajectory=lambda s: write_json(checkpoint, asdict(s)), lora_attention=use_kernel)
         if online:
             tasks = [task_of(t) for t in trajectories]
             online_job = bar.add_task("online re-runs", total=len(tasks) * (len(choices) + 1))
-            runs = run_online(agents, tasks, choices, on_task=lambda label, task: bar.advance(online_job))
+            runs = run_online(agents, tasks, choices, on_task=lambda label, task: bar.advance(online_job),
+                              lora_attention=use_kernel)
             result["online"] = summarise_online(runs)
     result.update(trace=str(trace), mode=agents.spec.mode, skipped=skipped, repeats=repeats,
+                  lora_attention="flash-lora-attention" if use_kernel else "expanded values + sdpa",
                   device=str(agents.device), dtype=str(agents.base_model.dtype).removeprefix("torch."))
     if agents.device.type == "cuda":
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(agents.device)

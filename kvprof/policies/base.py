@@ -13,6 +13,7 @@ A subclass implements `assemble` (build the context), `commit` (update stored st
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
 from kvprof.runtime import KV, Runtime
 
 
@@ -43,6 +45,8 @@ class Context:
     reused: shared tokens served from stored caches; from_others: of those, tokens this agent did not compute
     itself with its own adapter. extra_prefill: tokens pushed through the full backbone besides the chunk;
     extra_flops: analytic FLOPs of the policy's own work (LR prefill, down-projections, expansions, rotations).
+    lora_values: per layer the rank-r value side (v_lr (1, reused, r), B (H_kv, r, D)) when the values in `kv`
+    are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
     """
 
     kv: list[KV]
@@ -51,6 +55,7 @@ class Context:
     extra_prefill: int = 0
     extra_flops: float = 0.0
     pending: dict = field(default_factory=dict)
+    lora_values: list[LoraValues | None] | None = None
 
 
 @dataclass
@@ -169,10 +174,15 @@ class SharingPolicy(ABC):
 
     # ---------------------------------------------------------------------------------------------- the turn
 
-    def _forward(self, agent: str, ids: list[int], cache, start: int):
+    def _forward(self, agent: str, ids: list[int], cache, start: int, context: Context):
         rows = self.adapter_rows(agent)
         tokens = torch.tensor([ids] * (len(rows) if rows else 1), device=self.runtime.device)
-        return self.runtime.forward(agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows)
+        attention = contextlib.nullcontext()
+        if context.lora_values is not None:
+            attention = use_lora_attention(lora_context(context.lora_values, tokens.shape[0],
+                                                        cache.get_seq_length() + len(ids)))
+        with attention:
+            return self.runtime.forward(agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows)
 
     def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
         """Serve one agent call: assemble, prefill the chunk (timed: TTFT), decode, commit.
@@ -194,7 +204,7 @@ class SharingPolicy(ABC):
             context = self.assemble(agent, shared)
             assert context.reused < len(shared), f"{self.name} left no token of the input to compute"
             start = len(prefix) + context.reused
-            first = self._forward(agent, shared[context.reused:], runtime.cache_from(context.kv), start)
+            first = self._forward(agent, shared[context.reused:], runtime.cache_from(context.kv), start, context)
             timings.append(clock(runtime.device) - started)
         ttft = statistics.median(timings[1:] if repeats > 1 else timings)
         input_kv = [(keys[0], values[0]) for keys, values in runtime.kv_of(first.cache)]
@@ -202,7 +212,7 @@ class SharingPolicy(ABC):
         hidden_parts = [first.hidden] if first.hidden is not None else []
         if request.output_ids is not None:
             outputs = list(request.output_ids)
-            rest = self._forward(agent, outputs, first.cache, len(request.input_ids))
+            rest = self._forward(agent, outputs, first.cache, len(request.input_ids), context)
             logits = torch.cat([first.logits[0, -1:], rest.logits[0, :-1]])
             final = rest
             if rest.hidden is not None:
@@ -211,7 +221,8 @@ class SharingPolicy(ABC):
             outputs, rows, final = [], [first.logits[0, -1]], first
             while True:
                 outputs.append(int(rows[-1].argmax()))
-                step = self._forward(agent, outputs[-1:], final.cache, len(request.input_ids) + len(outputs) - 1)
+                step = self._forward(agent, outputs[-1:], final.cache, len(request.input_ids) + len(outputs) - 1,
+                                     context)
                 final = step
                 if step.hidden is not None:
                     hidden_parts.append(step.hidden)
@@ -234,6 +245,20 @@ class SharingPolicy(ABC):
                           prefilled=chunk_len + context.extra_prefill,
                           flops=flops + context.extra_flops + commit_flops,
                           ttft_s=ttft, latency_s=ttft + decode_s + commit_s, memory=self.analytic_bytes())
+
+
+def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraAttentionContext:
+    """Flash-LoRA-Attention inputs for a forward attending `keys` keys: each layer's v_lr covers the reused
+    context and is zero for the tokens after it (their values are complete); batch rows after the first (an
+    adapter-free row) get zeros too."""
+    context = LoraAttentionContext()
+    for layer, entry in enumerate(values):
+        if entry is None:
+            continue
+        v_lr = torch.zeros(rows, keys, entry.v_lr.shape[-1], dtype=entry.v_lr.dtype, device=entry.v_lr.device)
+        v_lr[:1, :entry.v_lr.shape[1]] = entry.v_lr
+        context.set(layer, v_lr, entry.lora_b)
+    return context
 
 
 def tensor_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:

@@ -34,17 +34,18 @@ class BaseShared(SharingPolicy):
         have = 0 if self.settings["lr_prefill"] == "full" else min(store.lr_length(agent), reused)
         low_rank, flops = own, 0.0
         if reused > have:
-            view, view_flops = store.assemble(agent, own, have)
+            view, view_flops, _ = store.assemble(agent, own, have)
             out = runtime.forward(agent, shared[have:reused], runtime.cache_from(view), have, capture=True)
             gap = LowRankStore.down_projections(runtime, out.hidden, [agent])[agent]
             low_rank = gap if have == 0 else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new}
                                               for old, new in zip(own, gap)]
             rank = sum(t.shape[-1] for layer in gap for t in layer.values())
             flops = view_flops + runtime.flops(reused - have, have) + 2.0 * (reused - have) * runtime.hidden_size * rank
-        kv, expand_flops = store.assemble(agent, low_rank, reused)
+        kv, expand_flops, lora_values = store.assemble(agent, low_rank, reused,
+                                                       expand_values=not runtime.lora_attention)
         from_others = sum(producer != agent for producer in store.producers[:reused])
         return Context(kv=kv, reused=reused, from_others=from_others, extra_prefill=reused - have,
-                       extra_flops=flops + expand_flops, pending={"low_rank": low_rank})
+                       extra_flops=flops + expand_flops, pending={"low_rank": low_rank}, lora_values=lora_values)
 
     def commit(self, chunk: Chunk) -> float:
         store = self.store

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvprof.kernels.attention import lora_b_per_head
+from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.lora import base_kv, heads
 from kvprof.rope import apply_rope
 from kvprof.runtime import KV, Runtime
@@ -84,23 +86,31 @@ class LowRankStore:
     # ------------------------------------------------------------------------------------------- reading
 
     def assemble(self, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None,
-                 length: int) -> tuple[list[KV], float]:
+                 length: int, expand_values: bool = True) -> tuple[list[KV], float, list[LoraValues | None] | None]:
         """Per layer (K, V) of the first `length` tokens as `agent` sees them: the base plus `agent`'s B applied to
         the LR cache `low_rank` (per layer {"key"|"value": (1, ≥length, r)}); with `low_rank=None`, the base alone.
-        Returns (kv, expansion FLOPs)."""
+
+        With `expand_values=False` the values stay V_base and the rank-r part is returned per layer as
+        `LoraValues(v_lr (1, length, r), lora_b (H_kv, r, D))` for Flash-LoRA-Attention. Returns
+        (kv, expansion FLOPs, lora values or None)."""
         runtime = self.runtime
         if not self.base:
-            return runtime.empty_kv(), 0.0
+            return runtime.empty_kv(), 0.0, None
         kv, flops = [], 0.0
+        lora_values: list[LoraValues | None] = []
         positions = torch.arange(length, device=runtime.device)
         for layer, (split, (keys, values)) in enumerate(zip(runtime.splits, self.base)):
             keys, values = keys[:, :, :length], values[:, :, :length]
+            layer_lora = None
             if agent is not None and low_rank is not None:
                 for projection in PROJECTIONS:
                     proj = getattr(split, projection)
                     if agent not in proj.up or projection not in low_rank[layer]:
                         continue
                     factors = low_rank[layer][projection][:, :length]
+                    if projection == "value" and not expand_values:
+                        layer_lora = LoraValues(factors, lora_b_per_head(proj.up[agent], runtime.kv_heads, 1.0))
+                        continue
                     expanded = heads(proj.expand(factors, agent), runtime.head_dim)
                     flops += 2.0 * expanded.numel() * factors.shape[-1]
                     if projection == "key":
@@ -108,7 +118,8 @@ class LowRankStore:
                     else:
                         values = values + expanded
             kv.append((keys, values))
-        return kv, flops
+            lora_values.append(layer_lora)
+        return kv, flops, (lora_values if any(v is not None for v in lora_values) else None)
 
     # ------------------------------------------------------------------------------------------- memory
 

@@ -35,9 +35,10 @@ class PreLRShared(SharingPolicy):
 
     def assemble(self, agent: str, shared: list[int]) -> Context:
         reused = min(len(self.store), len(shared) - 1)
-        kv, flops = self.store.assemble(agent, self.store.low_rank.get(self.lr_name(agent)), reused)
+        kv, flops, lora_values = self.store.assemble(agent, self.store.low_rank.get(self.lr_name(agent)), reused,
+                                                     expand_values=not self.runtime.lora_attention)
         from_others = sum(producer != agent for producer in self.store.producers[:reused])
-        return Context(kv=kv, reused=reused, from_others=from_others, extra_flops=flops)
+        return Context(kv=kv, reused=reused, from_others=from_others, extra_flops=flops, lora_values=lora_values)
 
     def commit(self, chunk: Chunk) -> float:
         skip = len(self.store) - chunk.start

@@ -36,11 +36,12 @@ class ReBaseShared(SharingPolicy):
     def assemble(self, agent: str, shared: list[int]) -> Context:
         store = self.store
         reused = min(len(store), len(shared) - 1)
-        kv, flops = store.assemble(agent, store.low_rank.get(agent), reused)
+        kv, flops, lora_values = store.assemble(agent, store.low_rank.get(agent), reused,
+                                                expand_values=not self.runtime.lora_attention)
         if self.settings["schedule"] == "db":
-            neutral, _ = store.assemble(None, None, reused)
+            neutral, _, _ = store.assemble(None, None, reused)
             kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(kv, neutral)]
-        return Context(kv=kv, reused=reused, from_others=reused, extra_flops=flops)
+        return Context(kv=kv, reused=reused, from_others=reused, extra_flops=flops, lora_values=lora_values)
 
     def commit(self, chunk: Chunk) -> float:
         runtime, store = self.runtime, self.store
@@ -49,7 +50,7 @@ class ReBaseShared(SharingPolicy):
         if not new_ids:
             return 0.0
         if self.settings["schedule"] == "lp":
-            base, _ = store.assemble(None, None, len(store))
+            base, _, _ = store.assemble(None, None, len(store))
             out = runtime.forward(None, new_ids, runtime.cache_from(base), len(store), capture=True)
             hidden = out.hidden
         else:
