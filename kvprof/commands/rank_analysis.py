@@ -111,7 +111,7 @@ def _demo_trace(model: str | None) -> tuple[Path, str | None]:
     """The demo world's sample trace (and its model, unless --model is given) when no TRACE is passed."""
     try:
         from kvprof.demo.assets import demo_world
-    except ModuleNotFoundError:
+    except ImportError:
         raise KvprofError("no TRACE given and the demo world is not installed; pass a trace file written by "
                           "`kvprof capture`.") from None
     world = demo_world()
