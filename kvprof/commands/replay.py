@@ -15,6 +15,7 @@ from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import REGISTRY, policy_class
+from kvprof.profiling import gpu_memory
 from kvprof.replay import PolicyChoice, ReplayProgress, replay_trace, run_online, summarise_online
 from kvprof.report import write_html
 from kvprof.report.replay import cost_table, fidelity_table, sections
@@ -123,8 +124,7 @@ def command(
     result.update(trace=str(trace), mode=agents.spec.mode, skipped=skipped, repeats=repeats,
                   lora_attention="flash-lora-attention" if use_kernel else "expanded values + sdpa",
                   device=str(agents.device), dtype=str(agents.base_model.dtype).removeprefix("torch."))
-    if agents.device.type == "cuda":
-        result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(agents.device)
+    result["gpu_memory"] = gpu_memory(agents.device)
     console.print(fidelity_table(result).to_rich())
     console.print(cost_table(result).to_rich())
     path = write_result(out, "replay", result, args)
