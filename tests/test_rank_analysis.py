@@ -93,6 +93,11 @@ def test_lora_base_caches_agree_at_layer_0_and_adapter_outputs_do_not(lora_analy
         assert means[0][kv]["base_cosine"] == pytest.approx(1.0, abs=1e-6)
         assert abs(means[0][kv]["adapter_cosine"]) < 0.5
         assert means[0][kv]["delta_relative"] > 0.1
+    # layer 0, V: the same X feeds both agents, so the adapter output X·A·B·s has rank ≤ r = 4 and
+    # Δ = X·(A_j·B_j − A_i·B_i)·s rank ≤ 2r = 8 (the measured values are exactly 4 and 8 on this world)
+    for pair in result.pairs:
+        values = pair.layers[0]["V"].values
+        assert values["adapter_energy99"] <= 4 and values["delta_energy99"] <= 8 and values["delta_rank"] <= 8
     assert {c.paper for c in result.claims()} == {"LRAgent", "KVCMAS"}
     assert all(c.holds is not None for c in result.claims())
 
