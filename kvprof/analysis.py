@@ -318,16 +318,6 @@ class RankAnalysis:
                     out[layer][kv][quantity] = (total / len(records))[:SPECTRUM_LENGTH].tolist()
         return out
 
-    def pair_means(self, metric: str, kv: str) -> dict[tuple[str, str], float]:
-        """{(source, target): mean of `metric` over trajectories and layers} for the pairs that have it."""
-        sums: dict[tuple[str, str], list[float]] = {}
-        for pair in self.pairs:
-            for layer in self.layers:
-                values = pair.layers[layer][kv].values
-                if metric in values:
-                    sums.setdefault((pair.source, pair.target), []).append(values[metric])
-        return {key: sum(v) / len(v) for key, v in sums.items()}
-
     def claims(self) -> list[Claim]:
         """Verdicts for the LRAgent and KVCMAS claims (see module docstring), with the measured values."""
         means = self.layer_means()

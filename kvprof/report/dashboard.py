@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvprof.errors import KvprofError
-from kvprof.report import capture, replay
+from kvprof.report import capture, rank_analysis, replay
 from kvprof.report.html import Section
 
 SectionBuilder = Callable[[dict], list[Section]]
@@ -19,6 +19,7 @@ SectionBuilder = Callable[[dict], list[Section]]
 BUILDERS: dict[str, SectionBuilder] = {
     "capture": capture.sections,
     "replay": replay.sections,
+    "rank_analysis": rank_analysis.sections,
 }
 
 
