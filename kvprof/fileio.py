@@ -24,6 +24,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp_name, 0o666 & ~_umask())
         os.replace(tmp_name, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -37,3 +38,10 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
         json.dump(payload, handle, indent=2, sort_keys=False)
         handle.write("\n")
     return Path(path)
+
+
+def _umask() -> int:
+    """The process umask (reading it means setting it; it is set straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
