@@ -76,6 +76,7 @@ def command(
     console.print(table.to_rich())
     payload = {"device": device_name, "dtype": str(torch_dtype).removeprefix("torch."),
                "timer": "triton.testing.do_bench" if torch_device.type == "cuda" else "time.perf_counter",
+               "cpu_threads": torch.get_num_threads(),
                "implementations": timed,
                "peak": None if peak is None else {"flops_16bit": peak.flops_16bit, "bytes_per_s": peak.bytes_per_s},
                "results": rows}

@@ -151,7 +151,8 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Attention without LoRA through torch's `scaled_dot_product_attention`, with GQA and bottom-right causality.
 
     q (B, H_q, Lq, D); k, v (B, H_kv, Lk, D); returns (B, H_q, Lq, D). Lq = Lk causal and Lq = 1 use SDPA's own
-    fast paths; other causal shapes pass an explicit bottom-right mask.
+    fast paths; other causal shapes pass an explicit bottom-right mask. On CUDA only FlashAttention takes GQA
+    natively (16-bit, no mask); elsewhere there the KV heads are repeated, as transformers does.
     """
     q_len, kv_len = q.shape[2], k.shape[2]
     mask = attn_mask
@@ -161,8 +162,11 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             is_causal = True
         else:
             mask = bottom_right_causal_mask(q_len, kv_len, q.device)
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and q.is_cuda and (mask is not None or q.dtype == torch.float32):
+        k, v, group = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), 1
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+                                          enable_gqa=group > 1)
 
 
 def naive_lora_attention(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,

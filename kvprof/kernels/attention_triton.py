@@ -11,8 +11,9 @@ Layout of a program: the g query heads that share one KV head are packed into th
 (Lq = 1) tiles at least g rows full. Keys are visited in two stages: blocks every row of the tile may see
 completely (no masking work), then the blocks on the causal diagonal, the ragged end and any user mask.
 When there are fewer tiles than streaming multiprocessors (decode, short chunks over a long cache), the key
-range is split across programs ("split-KV"), each writing an unnormalised partial (acc, acc_lr, running max,
-running sum), and `_combine_splits` merges them and applies B.
+range is split across programs ("split-KV"): each finishes its own output O_s (B applied) and softmax statistics,
+and `combine_splits` averages the O_s weighted by their softmax mass (the flash-decoding merge; B is linear, so
+applying it per split is exact).
 
 Shapes (GQA: H_q = g·H_kv): q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) shared or
 (B, H_kv, Lk, r) per KV head; lora_b (H_kv, r, D); out (B, H_q, Lq, D). The rank is zero-padded to
@@ -21,6 +22,7 @@ r_pad = max(16, next power of two) by masked loads (16-bit `tl.dot` needs K ≥ 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -101,22 +103,20 @@ def _attend_block(acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr
 
 
 @triton.jit
-def _normalize_and_store(acc, acc_lr, row_sum, lora_b_head_ptr, stride_br, rank, out_ptrs, row_valid, offs_r,
-                         offs_d, INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
-    """O = acc / l + (acc_lr / l)·B for one tile; rows that saw no key are written as zeros."""
+def _epilogue(acc, acc_lr, row_sum, lora_b_head_ptr, stride_br, rank, offs_r, offs_d,
+              INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
+    """O = acc / l + (acc_lr / l)·B for one tile, in float32; rows that saw no key give zeros."""
     inv_sum = 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum)
     lora_b = tl.load(lora_b_head_ptr + offs_r[:, None] * stride_br + offs_d[None, :], mask=offs_r[:, None] < rank,
                      other=0.0)
     out_lr = round_to(acc_lr * inv_sum[:, None], lora_b.dtype, INTERPRETING)
-    out = dot_accumulate(out_lr, lora_b, acc * inv_sum[:, None], INTERPRETING, PRECISION)
-    tl.store(out_ptrs, round_to(out, out_ptrs.dtype.element_ty, INTERPRETING), mask=row_valid[:, None])
+    return dot_accumulate(out_lr, lora_b, acc * inv_sum[:, None], INTERPRETING, PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_kv_heads", "group", "q_len", "kv_len", "rank", "causal", "has_mask",
                                "num_splits", "split_len"])
 def flash_lora_attention_fwd(
-        q_ptr, k_ptr, v_ptr, v_lr_ptr, lora_b_ptr, mask_ptr, out_ptr,
-        part_acc_ptr, part_lr_ptr, part_max_ptr, part_sum_ptr,
+        q_ptr, k_ptr, v_ptr, v_lr_ptr, lora_b_ptr, mask_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         stride_qb, stride_qh, stride_qm,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -129,8 +129,9 @@ def flash_lora_attention_fwd(
         INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
     """One (query tile, batch·KV head, key split) program. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv, num_splits).
 
-    With num_splits == 1 it writes O; otherwise the unnormalised partial state of its key range to
-    part_* of shape (B·H_kv, num_splits, Lq·g[, D | RANK_PAD]) for `_combine_splits`.
+    With num_splits == 1 it writes O; otherwise its key range's own output (float32) and softmax statistics
+    (log2-domain running max, sum) to part_out (B·H_kv, num_splits, Lq·g, D) and part_max, part_sum
+    (B·H_kv, num_splits, Lq·g) for `combine_splits`.
     `qk_scale` is the softmax scale times log2(e); `causal` and `has_mask` are 0/1.
     """
     pid_m = tl.program_id(0)
@@ -181,27 +182,25 @@ def flash_lora_attention_fwd(
             start_n, split_end, q_pos, mask_rows, diagonal, causal, rank, qk_scale,
             stride_kn, stride_vn, stride_lrn, stride_mk, offs_d, offs_r, offs_n0, True, INTERPRETING, PRECISION)
 
+    out = _epilogue(acc, acc_lr, row_sum, lora_b_ptr + kv_head * stride_bh, stride_br, rank, offs_r, offs_d,
+                    INTERPRETING, PRECISION)
     if num_splits == 1:
         out_ptrs = (out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om
                     + offs_d[None, :])
-        _normalize_and_store(acc, acc_lr, row_sum, lora_b_ptr + kv_head * stride_bh, stride_br, rank, out_ptrs,
-                             row_valid, offs_r, offs_d, INTERPRETING, PRECISION)
+        tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty, INTERPRETING), mask=row_valid[:, None])
     else:
         part = (pid_bh * num_splits + pid_split).to(tl.int64) * rows_total + rows
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
-        tl.store(part_lr_ptr + part[:, None] * RANK_PAD + offs_r[None, :], acc_lr, mask=row_valid[:, None])
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_valid[:, None])
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
         tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "group", "q_len", "rank", "num_splits"])
-def combine_splits(
-        part_acc_ptr, part_lr_ptr, part_max_ptr, part_sum_ptr, lora_b_ptr, out_ptr,
-        stride_bh, stride_br, stride_ob, stride_oh, stride_om,
-        num_kv_heads, group, q_len, rank, num_splits,
-        HEAD_DIM: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
-    """Merge the split-KV partials of `flash_lora_attention_fwd` and apply B. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv)."""
+@triton.jit(do_not_specialize=["num_kv_heads", "group", "q_len", "num_splits"])
+def combine_splits(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh, stride_om,
+                   num_kv_heads, group, q_len, num_splits,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRETING: tl.constexpr):
+    """Merge the per-split outputs of `flash_lora_attention_fwd`, each weighted by its share of the softmax mass
+    2^(m_s − M)·l_s. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
@@ -212,29 +211,25 @@ def combine_splits(
     q_pos = rows // group
     q_head = kv_head * group + rows % group
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_r = tl.arange(0, RANK_PAD)
 
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    acc_lr = tl.zeros((BLOCK_M, RANK_PAD), tl.float32)
+    out = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    run_sum = tl.zeros((BLOCK_M,), tl.float32)
+    run_mass = tl.zeros((BLOCK_M,), tl.float32)
     for split in range(0, num_splits):
         part = (pid_bh * num_splits + split).to(tl.int64) * rows_total + rows
         part_max = tl.load(part_max_ptr + part, mask=row_valid, other=float("-inf"))
         part_sum = tl.load(part_sum_ptr + part, mask=row_valid, other=0.0)
         new_max = tl.maximum(run_max, part_max)
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        keep = tl.math.exp2(run_max - shift)
-        take = tl.math.exp2(part_max - shift)
-        run_sum = run_sum * keep + part_sum * take
-        acc = acc * keep[:, None] + take[:, None] * tl.load(
-            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        acc_lr = acc_lr * keep[:, None] + take[:, None] * tl.load(
-            part_lr_ptr + part[:, None] * RANK_PAD + offs_r[None, :], mask=row_valid[:, None], other=0.0)
+        keep = tl.math.exp2(run_max - shift) * run_mass
+        take = tl.math.exp2(part_max - shift) * part_sum
+        run_mass = keep + take
+        part_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None],
+                           other=0.0)
+        out = (out * keep[:, None] + part_out * take[:, None]) / tl.where(run_mass == 0.0, 1.0, run_mass)[:, None]
         run_max = new_max
     out_ptrs = out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om + offs_d[None, :]
-    _normalize_and_store(acc, acc_lr, run_sum, lora_b_ptr + kv_head * stride_bh, stride_br, rank, out_ptrs,
-                         row_valid, offs_r, offs_d, INTERPRETING, PRECISION)
+    tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty, INTERPRETING), mask=row_valid[:, None])
 
 
 @dataclass(frozen=True)
@@ -248,15 +243,15 @@ class AttentionConfig:
 
 
 # Chosen for sm_90 from the shared-memory budget (≤ 227 KiB with r_pad = 64) and the tile shapes of Triton's
-# fused-attention tutorial; they have not been tuned on hardware. "decode" is used when Lq·g ≤ 16 rows.
+# fused-attention tutorial; they have not been tuned on hardware. 16-bit "decode" tiles (Lq·g ≤ 16 rows) keep
+# 16 rows; float32 (3xTF32 dots, a correctness path) has one tile for every shape.
 ATTENTION_CONFIGS: dict[tuple[str, int, str], AttentionConfig] = {
     **{(dtype, head_dim, "prefill"): AttentionConfig(128, 64, 8 if head_dim == 128 else 4, 3)
        for dtype in ("float16", "bfloat16") for head_dim in SUPPORTED_HEAD_DIMS},
     **{(dtype, head_dim, "decode"): AttentionConfig(16, 64, 4, 3)
        for dtype in ("float16", "bfloat16") for head_dim in SUPPORTED_HEAD_DIMS},
-    **{("float32", head_dim, "prefill"): AttentionConfig(64, 64 if head_dim == 32 else 32, 4, 2)
+    **{("float32", head_dim, "any"): AttentionConfig(64, 64 if head_dim == 32 else 32, 4, 2)
        for head_dim in SUPPORTED_HEAD_DIMS},
-    **{("float32", head_dim, "decode"): AttentionConfig(16, 32, 4, 2) for head_dim in SUPPORTED_HEAD_DIMS},
 }
 RANK_PADS = (16, 32, 64)
 
@@ -272,14 +267,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def pick_config(dtype: torch.dtype, head_dim: int, rows: int) -> AttentionConfig:
     """The shipped configuration for a dtype, head_dim and Lq·g packed query rows."""
+    if dtype == torch.float32:
+        return ATTENTION_CONFIGS[("float32", head_dim, "any")]
     return ATTENTION_CONFIGS[(dtype_name(dtype), head_dim, "decode" if rows <= DECODE_MAX_ROWS else "prefill")]
 
 
-def pick_num_splits(programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor passed for pointers the launch does not use (no mask, no split-KV partials)."""
+    return torch.zeros((1,), dtype=dtype, device=device)
+
+
+def pick_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
     """Split the keys across programs when the tiles alone leave streaming multiprocessors idle."""
     if device.type != "cuda":
         return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = _sm_count(device)
     if programs >= sm_count:
         return 1
     return max(1, min(triton.cdiv(2 * sm_count, programs), kv_len // MIN_KEYS_PER_SPLIT))
@@ -319,7 +327,7 @@ def flash_lora_attention_triton(q: torch.Tensor, k: torch.Tensor, v_base: torch.
     config = config or pick_config(q.dtype, head_dim, rows)
     m_blocks = triton.cdiv(rows, config.block_m)
     if num_splits is None:
-        num_splits = pick_num_splits(m_blocks * batch * kv_heads, kv_len, config.block_n, q.device)
+        num_splits = pick_num_splits(m_blocks * batch * kv_heads, kv_len, q.device)
     split_len = triton.cdiv(triton.cdiv(kv_len, num_splits), config.block_n) * config.block_n
     num_splits = triton.cdiv(kv_len, split_len)
 
@@ -330,25 +338,22 @@ def flash_lora_attention_triton(q: torch.Tensor, k: torch.Tensor, v_base: torch.
     else:
         lr_strides = (v_lr.stride(0), v_lr.stride(1), v_lr.stride(2))
     if attn_mask is None:
-        mask = torch.ones((1,), dtype=torch.uint8, device=q.device)
+        mask = _placeholder(q.device, torch.uint8)
         mask_strides = (0, 0, 0, 0)
     else:
         mask = attn_mask.expand(batch, q_heads, q_len, kv_len).view(torch.uint8)
         mask_strides = mask.stride()
     if num_splits > 1:
         part_rows = batch * kv_heads * num_splits * rows
-        part_acc = torch.empty((part_rows, head_dim), dtype=torch.float32, device=q.device)
-        part_lr = torch.empty((part_rows, padded_rank), dtype=torch.float32, device=q.device)
-        part_max = torch.empty((part_rows,), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty((part_rows,), dtype=torch.float32, device=q.device)
+        partials = torch.empty((part_rows * (head_dim + 2),), dtype=torch.float32, device=q.device)
+        part_out, part_max, part_sum = partials.split([part_rows * head_dim, part_rows, part_rows])
     else:
-        part_acc = part_lr = part_max = part_sum = torch.empty((1,), dtype=torch.float32, device=q.device)
+        part_out = part_max = part_sum = _placeholder(q.device, torch.float32)
     interpreting = bool(triton.knobs.runtime.interpret)
     precision = dot_precision(q.dtype)
 
     flash_lora_attention_fwd[(m_blocks, batch * kv_heads, num_splits)](
-        q, k, v_base, v_lr, lora_b, mask, out,
-        part_acc, part_lr, part_max, part_sum,
+        q, k, v_base, v_lr, lora_b, mask, out, part_out, part_max, part_sum,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v_base.stride(0), v_base.stride(1), v_base.stride(2),
@@ -364,9 +369,8 @@ def flash_lora_attention_triton(q: torch.Tensor, k: torch.Tensor, v_base: torch.
         enable_fp_fusion=True)
     if num_splits > 1:
         combine_splits[(triton.cdiv(rows, COMBINE_BLOCK_M), batch * kv_heads)](
-            part_acc, part_lr, part_max, part_sum, lora_b, out,
-            lora_b.stride(0), lora_b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            kv_heads, group, q_len, rank, num_splits,
-            HEAD_DIM=head_dim, RANK_PAD=padded_rank, BLOCK_M=COMBINE_BLOCK_M, INTERPRETING=interpreting,
-            PRECISION=precision, num_warps=COMBINE_NUM_WARPS, enable_fp_fusion=True)
+            part_out, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2),
+            kv_heads, group, q_len, num_splits,
+            HEAD_DIM=head_dim, BLOCK_M=COMBINE_BLOCK_M, INTERPRETING=interpreting, num_warps=COMBINE_NUM_WARPS,
+            enable_fp_fusion=True)
     return out
