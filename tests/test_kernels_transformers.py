@@ -1,0 +1,149 @@
+"""Flash-LoRA-Attention registered as transformers' "kvprof_lora" attention, on a tiny Llama built from a config.
+
+Expected outputs come from the same weights under "sdpa" with a forward hook on every v_proj that adds V_lr·B to
+the projected values, i.e. attention over the expanded V = V_base + V_lr·B.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvprof.errors import KvprofError
+from kvprof.kernels.transformers_attention import (LORA_ATTENTION, LoraAttentionContext, lora_attention_forward,
+                                                   register_lora_attention, use_lora_attention)
+
+LAYERS, HEADS, KV_HEADS, RANK, VOCAB = 2, 4, 2, 8, 101
+
+
+def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The same random weights twice: under "sdpa" and under "kvprof_lora"."""
+    register_lora_attention()
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * head_dim, intermediate_size=2 * HEADS * head_dim,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    sdpa_model = LlamaForCausalLM(config).eval()
+    lora_model = copy.deepcopy(sdpa_model)
+    lora_model.set_attn_implementation(LORA_ATTENTION)
+    return sdpa_model, lora_model
+
+
+def lora_values(total_len: int, head_dim: int, batch: int = 1, seed: int = 1) -> dict[int, tuple]:
+    """Per layer: V_lr (B, L, r) shared by the KV heads and B (H_kv, r, D)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {layer: (torch.randn(batch, total_len, RANK, generator=generator),
+                    0.5 * torch.randn(KV_HEADS, RANK, head_dim, generator=generator) / RANK ** 0.5)
+            for layer in range(LAYERS)}
+
+
+class ExpandedValueHooks:
+    """Adds V_lr·B for positions [start, start + L) to each layer's v_proj output (B, L, H_kv·D)."""
+
+    def __init__(self, model: LlamaForCausalLM, values: dict[int, tuple]):
+        self.start = 0
+        self.handles = []
+        for layer, (v_lr, lora_b) in values.items():
+            delta = torch.einsum("blr,hrd->blhd", v_lr, lora_b).flatten(2)
+            self.handles.append(model.model.layers[layer].self_attn.v_proj.register_forward_hook(
+                lambda module, args, output, delta=delta: output + delta[:, self.start:self.start + output.shape[1]]))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def continuation_errors(head_dim: int, device: str = "cpu") -> list[float]:
+    """Max |logits(kvprof_lora) − logits(expanded sdpa)| for a prefill of 10, a chunk of 5 and a decode step."""
+    sdpa_model, lora_model = (model.to(device) for model in tiny_llama_pair(head_dim))
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
+    values = {layer: (v_lr.to(device), lora_b.to(device)) for layer, (v_lr, lora_b) in lora_values(16, head_dim).items()}
+    hooks = ExpandedValueHooks(sdpa_model, values)
+    expected_cache, actual_cache = DynamicCache(), DynamicCache()
+    errors = []
+    with torch.no_grad():
+        for start, stop in ((0, 10), (10, 15), (15, 16)):
+            hooks.start = start
+            expected = sdpa_model(ids[:, start:stop], cache=expected_cache).logits
+            context = LoraAttentionContext()
+            for layer, (v_lr, lora_b) in values.items():
+                context.set(layer, v_lr[:, :stop], lora_b)
+            with use_lora_attention(context):
+                actual = lora_model(ids[:, start:stop], cache=actual_cache).logits
+            errors.append((actual - expected).abs().max().item())
+    hooks.remove()
+    return errors
+
+
+def test_registration_is_idempotent_and_registers_a_mask_function():
+    assert register_lora_attention() == register_lora_attention() == LORA_ATTENTION
+    assert "flash" not in LORA_ATTENTION
+    assert AttentionInterface._global_mapping[LORA_ATTENTION] is lora_attention_forward
+    assert AttentionMaskInterface._global_mapping[LORA_ATTENTION] is sdpa_mask
+
+
+def test_without_context_it_is_sdpa():
+    sdpa_model, lora_model = tiny_llama_pair(head_dim=16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(lora_model(ids).logits, sdpa_model(ids).logits)
+
+
+def test_zero_low_rank_values_equal_sdpa_with_padding():
+    sdpa_model, lora_model = tiny_llama_pair(head_dim=16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    context = LoraAttentionContext()
+    for layer, (v_lr, lora_b) in lora_values(9, 16, batch=2).items():
+        context.set(layer, torch.zeros_like(v_lr), lora_b)
+    with torch.no_grad(), use_lora_attention(context):
+        actual = lora_model(ids, attention_mask=attention_mask).logits
+    with torch.no_grad():
+        expected = sdpa_model(ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(actual[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(actual[1, 3:], expected[1, 3:], atol=1e-5, rtol=1e-5)
+
+
+def test_low_rank_values_equal_attention_over_expanded_values():
+    sdpa_model, lora_model = tiny_llama_pair(head_dim=16)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6))
+    values = lora_values(12, 16)
+    hooks = ExpandedValueHooks(sdpa_model, values)
+    context = LoraAttentionContext()
+    for layer, (v_lr, lora_b) in values.items():
+        context.set(layer, v_lr, lora_b)
+    with torch.no_grad():
+        expected = sdpa_model(ids).logits
+        plain = lora_model(ids).logits
+        with use_lora_attention(context):
+            actual = lora_model(ids).logits
+    hooks.remove()
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert (plain - expected).abs().max() > 1e-2
+
+
+def test_continuing_from_a_cache_chunk_and_decode():
+    assert max(continuation_errors(head_dim=16)) < 1e-5
+
+
+def test_continuation_needs_the_registered_mask_function(monkeypatch):
+    monkeypatch.delitem(AttentionMaskInterface._global_mapping, LORA_ATTENTION)
+    monkeypatch.setattr(__name__ + ".register_lora_attention", lambda: LORA_ATTENTION)
+    prefill, chunk, _ = continuation_errors(head_dim=16)
+    assert prefill < 1e-5
+    assert chunk > 1e-3
+
+
+def test_context_must_cover_every_key():
+    _, lora_model = tiny_llama_pair(head_dim=16)
+    context = LoraAttentionContext()
+    for layer, (v_lr, lora_b) in lora_values(7, 16).items():
+        context.set(layer, v_lr, lora_b)
+    with pytest.raises(KvprofError, match="layer 0 attends 8 keys but its V_lr covers 7"):
+        with torch.no_grad(), use_lora_attention(context):
+            lora_model(torch.zeros(1, 8, dtype=torch.long))
