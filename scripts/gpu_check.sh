@@ -70,7 +70,8 @@ report = [{"target": name, "measured": round(value, 3), "required": need, "met":
           for name, value, need in targets]
 (out / "targets.json").write_text(json.dumps(report, indent=2) + "\n")
 for item in report:
-    print(f"{'MET   ' if item['met'] else 'MISSED'} {item['target']} = {item['measured']} (need ≥ {item['required']})")
+    verdict = "MET   " if item["met"] else "MISSED"
+    print(f"{verdict} {item['target']} = {item['measured']} (need ≥ {item['required']})")
 sys.exit(0 if all(item["met"] for item in report) else 1)
 EOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow
 
 SM90_MAX_SHARED_BYTES = 227 * 1024
 TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton")
+
 from kvprof.kernels.attention import flash_lora_attention, flash_lora_attention_ref
 from kvprof.kernels.attention_triton import RANK_PADS, flash_lora_attention_triton
 from kvprof.kernels.correction import low_rank_correction, low_rank_correction_ref

@@ -10,6 +10,7 @@ run in float32) and it truncates float32 → bfloat16 (`round_to` rounds to near
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "float16", "bfloat16")

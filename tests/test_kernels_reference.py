@@ -192,6 +192,8 @@ def test_bench_cases_refuse_bad_options():
         build_cases(["warm"], [8], [4], 1, 4, 2, 16, "shared")
     with pytest.raises(KvprofError, match="--q-heads 6 is not a multiple of --kv-heads 4"):
         build_cases(["decode"], [8], [4], 1, 6, 4, 16, "shared")
+    with pytest.raises(KvprofError, match="--ranks has 65; Flash-LoRA-Attention supports ranks 1 to 64"):
+        build_cases(["decode"], [8], [16, 65], 1, 4, 2, 16, "shared")
 
 
 def test_bench_command_on_cpu(run_cli, tmp_path):

@@ -61,7 +61,8 @@ def continuation_errors(head_dim: int, device: str = "cpu") -> list[float]:
     """Max |logits(kvprof_lora) − logits(expanded sdpa)| for a prefill of 10, a chunk of 5 and a decode step."""
     sdpa_model, lora_model = (model.to(device) for model in tiny_llama_pair(head_dim))
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
-    values = {layer: (v_lr.to(device), lora_b.to(device)) for layer, (v_lr, lora_b) in lora_values(16, head_dim).items()}
+    values = {layer: (v_lr.to(device), lora_b.to(device))
+              for layer, (v_lr, lora_b) in lora_values(16, head_dim).items()}
     hooks = ExpandedValueHooks(sdpa_model, values)
     expected_cache, actual_cache = DynamicCache(), DynamicCache()
     errors = []

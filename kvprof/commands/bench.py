@@ -15,6 +15,7 @@ import typer
 from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
                                     write_result)
 from kvprof.errors import KvprofError
+from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS
 from kvprof.kernels.benchmark import (DEVICE_PEAKS, METHODS, build_cases, check_cpu_case_fits, implementations,
                                       run_case)
 from kvprof.model import resolve_device, resolve_dtype
@@ -29,7 +30,8 @@ def command(
                            f"Lk = L). Default: {DEFAULT_SEQ_LENS['cuda']} on CUDA, {DEFAULT_SEQ_LENS['cpu']} "
                            "on CPU.")] = None,
     ranks: Annotated[str, typer.Option("--ranks", help="Comma-separated LoRA ranks r (1-64).")] = "16",
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: prefill (causal), decode.")] = "prefill,decode",
+    modes: Annotated[str, typer.Option(
+        "--modes", help="Comma-separated: prefill (causal), decode.")] = "prefill,decode",
     batch: Annotated[int, typer.Option("--batch", help="Sequences per call (B).")] = 1,
     q_heads: Annotated[int, typer.Option("--q-heads", help="Query heads H_q (Llama-3.1-8B: 32).")] = 32,
     kv_heads: Annotated[int, typer.Option("--kv-heads", help="Key/value heads H_kv (Llama-3.1-8B: 8).")] = 8,
@@ -43,6 +45,9 @@ def command(
     rep_ms: Annotated[float, typer.Option(
         "--rep-ms", help="Timed repeats per method and case, in milliseconds (at least 5 runs on CPU); the "
                          "median is reported.")] = 100.0,
+    threads: Annotated[int, typer.Option(
+        "--threads", help="CPU threads torch may use (0 = torch's default); 1 gives steadier CPU timings on a "
+                          "busy machine.")] = 0,
     out: OutOption = Path("runs/bench"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -50,8 +55,15 @@ def command(
 ) -> None:
     """Kernel micro-benchmark: Flash-LoRA-Attention vs naive V expansion vs plain SDPA (median time, TFLOP/s, GB/s)."""
     args = dict(locals())
+    if threads < 0:
+        raise KvprofError(f"--threads {threads} must be 0 (torch's default) or a positive count.")
+    if threads:
+        torch.set_num_threads(threads)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if torch_device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KvprofError(f"--head-dim {head_dim} has no Triton kernel; use one of "
+                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}.")
     lengths = _int_list("--seq-lens", seq_lens or DEFAULT_SEQ_LENS["cuda" if torch_device.type == "cuda" else "cpu"])
     cases = build_cases(_names(modes), lengths, _int_list("--ranks", ranks), batch, q_heads, kv_heads, head_dim,
                         lr_layout)
@@ -109,18 +121,19 @@ def _fraction(value: float | None) -> str:
 
 
 def results_table(rows: list[dict], device_name: str, dtype: torch.dtype, peak_known: bool) -> TableData:
-    """One row per (mode, L, r, method); ratios compare methods timed in the same case."""
+    """One row per (mode, L, r, method); ratios compare methods timed in the same case. % of peak columns appear
+    only for devices whose peaks are known."""
+    peak_columns = ["% peak FLOP", "% peak BW"] if peak_known else []
     table = TableData(
         title=f"kvprof bench on {device_name} ({str(dtype).removeprefix('torch.')}), median of repeats",
-        columns=["mode", "L", "r", "method", "median ms", "TFLOP/s", "GB/s", "% peak FLOP/s", "% peak GB/s",
-                 "speed-up vs naive", "throughput vs sdpa"],
-        caption="FLOPs and bytes are analytic minimums; % of peak is shown only for devices with known peaks"
-                + ("" if peak_known else " (this device's peaks are not known)") + ".")
+        columns=["mode", "L", "r", "method", "median ms", "TFLOP/s", "GB/s", *peak_columns, "vs naive", "vs sdpa"],
+        caption="vs naive = t_naive / t (speed-up over expanding V); vs sdpa = t_sdpa / t (throughput relative to "
+                "attention without LoRA). FLOPs and bytes are analytic minimums.")
     for row in rows:
+        peaks = [_fraction(row["fraction_of_peak_flops"]), _fraction(row["fraction_of_peak_bandwidth"])]
         table.add_row(row["mode"], row["seq_len"], row["rank"], row["method"], f"{row['median_ms']:.3f}",
-                      f"{row['tflops']:.2f}", f"{row['gbps']:.1f}", _fraction(row["fraction_of_peak_flops"]),
-                      _fraction(row["fraction_of_peak_bandwidth"]), f"{row['speedup_vs_naive']:.2f}×",
-                      f"{row['throughput_vs_sdpa']:.2f}×")
+                      f"{row['tflops']:.3f}", f"{row['gbps']:.1f}", *(peaks if peak_known else []),
+                      f"{row['speedup_vs_naive']:.2f}×", f"{row['throughput_vs_sdpa']:.2f}×")
     return table
 
 

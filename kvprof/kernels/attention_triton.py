@@ -42,7 +42,7 @@ MIN_KEYS_PER_SPLIT = 512
 
 @triton.jit
 def dot_accumulate(a, b, acc, INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a·b (acc may be None); under the interpreter in float32, because the interpreter's bfloat16 dot is wrong."""
+    """acc + a·b (acc may be None); under the interpreter in float32, as its bfloat16 dot is wrong."""
     if INTERPRETING:
         result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:

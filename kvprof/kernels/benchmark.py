@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import flash_lora_attention_ref, naive_lora_attention, plain_attention
+from kvprof.kernels.attention import MAX_RANK, flash_lora_attention_ref, naive_lora_attention, plain_attention
 
 METHODS = ("flash_lora", "naive", "sdpa")
 MODES = ("prefill", "decode")
@@ -229,5 +229,8 @@ def build_cases(modes: list[str], seq_lens: list[int], ranks: list[int], batch: 
         raise KvprofError(f"--q-heads {q_heads} is not a multiple of --kv-heads {kv_heads}; pick a GQA ratio.")
     if any(length < 1 for length in seq_lens) or batch < 1:
         raise KvprofError("--seq-lens and --batch must be positive.")
+    for rank in ranks:
+        if not 1 <= rank <= MAX_RANK:
+            raise KvprofError(f"--ranks has {rank}; Flash-LoRA-Attention supports ranks 1 to {MAX_RANK}.")
     return [BenchCase(mode, length, rank, batch, q_heads, kv_heads, head_dim, lr_layout)
             for mode in modes for length in seq_lens for rank in ranks]
