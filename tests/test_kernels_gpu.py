@@ -75,6 +75,12 @@ def test_dispatcher_uses_the_kernel_on_cuda():
     torch.testing.assert_close(flash_lora_attention(*inputs), flash_lora_attention_triton(*inputs))
 
 
+def test_dispatcher_expands_for_head_dims_without_a_kernel():
+    inputs = _inputs(torch.bfloat16, 96, 16, 50, 80)
+    out = flash_lora_attention(*inputs)
+    _check(out, flash_lora_attention_ref(*inputs), flash_lora_attention_ref(*(tensor.float() for tensor in inputs)))
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_low_rank_correction_into_cache(dtype, head_dim):

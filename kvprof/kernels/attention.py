@@ -205,10 +205,13 @@ def flash_lora_attention(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor,
 
     q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);
     returns (B, H_q, Lq, D). `scale` defaults to 1/sqrt(D); `causal` is bottom-right aligned; `attn_mask`
-    (boolean, broadcastable to (B, H_q, Lq, Lk)) replaces the causal rule when given.
+    (boolean, broadcastable to (B, H_q, Lq, Lk)) replaces the causal rule when given. On CUDA, head sizes
+    without a kernel (not 32, 64 or 128) take the expansion path (`naive_lora_attention`) instead.
     """
-    if triton_path_available(q):
+    if triton_path_available(q) and q.shape[-1] in SUPPORTED_HEAD_DIMS:
         from kvprof.kernels.attention_triton import flash_lora_attention_triton
 
         return flash_lora_attention_triton(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask)
+    if q.is_cuda:
+        return naive_lora_attention(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask)
     return flash_lora_attention_ref(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask)

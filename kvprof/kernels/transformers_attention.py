@@ -97,7 +97,9 @@ def lora_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         raise KvprofError(f"layer {module.layer_idx} attends {kv_len} keys but its V_lr covers {v_lr.shape[-2]}; "
                           "give the context the LR cache of every cached and new token.")
     q_len = query.shape[2]
-    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
     if attention_mask is None and causal and 1 < q_len < kv_len:
         key, value, v_lr = key[:, :, :q_len], value[:, :, :q_len], v_lr[..., :q_len, :]
     out = flash_lora_attention(query, key, value, v_lr, lora_b, scale=scaling, causal=causal,
