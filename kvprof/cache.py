@@ -31,6 +31,7 @@ from typing import Iterable, Sequence
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.lora import decoder_layers
 from kvprof.model import AgentSet
 from kvprof.rope import rotary_embedding, rotate_half
 
@@ -95,16 +96,6 @@ class TurnCapture:
 
 class _Stop(Exception):
     """Raised by the hook of the last selected layer: the rest of the forward is not needed."""
-
-
-def decoder_layers(agents: AgentSet) -> torch.nn.ModuleList:
-    """The decoder's layer list (LoRA layers are injected in place, so this is the adapted model too)."""
-    decoder = agents.base_model.get_decoder()
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise KvprofError(f"model {agents.model_name!r} has no decoder layer list (model.layers); kvprof supports "
-                          "Llama-style decoders (Llama, Qwen2, Mistral).")
-    return layers
 
 
 def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
@@ -256,7 +247,7 @@ def capture_turn(agents: AgentSet, agent: str | None, input_ids: Sequence[int] |
     start, end = keep if keep is not None else (0, length)
     if not 0 <= start < end <= length:
         raise KvprofError(f"keep=({start}, {end}) is not a token range inside the {length}-token input.")
-    blocks = decoder_layers(agents)
+    blocks = decoder_layers(agents.base_model)
     chosen = resolve_layers(layers, len(blocks))
     adapter_names = list(agents.adapters) if lr_adapters is None else list(lr_adapters)
     missing = set(adapter_names) - set(agents.adapters)

@@ -82,11 +82,13 @@ def layer_splits(agents) -> list[LayerSplit]:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a transformers causal LM (PEFT-wrapped or not)."""
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and hasattr(module[0], "self_attn"):
-            return module
-    raise KvprofError("could not find the decoder layers of this model; kvprof supports Llama-style decoders.")
+    """The decoder layer list of a transformers causal LM (LoRA layers are injected in place, so this is the adapted
+    model too)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise KvprofError(f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof "
+                          "supports Llama-style decoders (Llama, Qwen2, Mistral).")
+    return layers
 
 
 def shared_down_projection(splits: list[LayerSplit], agents: list[str]) -> bool:

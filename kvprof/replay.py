@@ -16,9 +16,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import torch
-
-from kvprof.errors import KvprofError
 from kvprof.metrics import kl_divergence, mean_token_cosine, relative_frobenius, top1_agreement
 from kvprof.model import AgentSet
 from kvprof.policies import SharingPolicy, TurnRequest, TurnResult, make_policy

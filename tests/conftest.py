@@ -45,21 +45,30 @@ def run_cli(capsys):
     return run
 
 
+def capture_tiny_trace(world: TinyWorld, workflow, path):
+    """Capture the tiny world's tasks with `workflow` (greedy, CPU) into the trace file `path`."""
+    from kvprof.model import load_agents, tokenizer_identity
+    from kvprof.spec import build_spec
+    from kvprof.trace import Trace, TraceHeader, write_trace
+    from kvprof.workflow import Sampling, SearchTool, load_tasks, model_responder, run_react
+
+    spec = build_spec(workflow)
+    agents = load_agents(spec, str(world.model), device="cpu", dtype="float32")
+    trajectories = [run_react(spec, agents.tokenizer, task, SearchTool(), model_responder(agents, Sampling()))
+                    for task in load_tasks(world.tasks)]
+    header = TraceHeader(model={"path": str(world.model)}, tokenizer=tokenizer_identity(agents.tokenizer),
+                         workflow=spec.to_dict())
+    return write_trace(path, Trace(header, trajectories))
+
+
 @pytest.fixture(scope="session")
 def lora_trace(tiny_world, tmp_path_factory):
     """A lora-mode trace of the tiny world's three tasks, captured once per session."""
-    from kvprof.model import load_agents
-    from kvprof.spec import build_spec
-    from kvprof.trace import Trace, TraceHeader, write_trace
-    from kvprof.model import tokenizer_identity
-    from kvprof.workflow import Sampling, SearchTool, load_tasks, model_responder, run_react
+    return capture_tiny_trace(tiny_world, tiny_world.lora_workflow, tmp_path_factory.mktemp("lora") / "trace.jsonl")
 
-    spec = build_spec(tiny_world.lora_workflow)
-    agents = load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")
-    trajectories = [run_react(spec, agents.tokenizer, task, SearchTool(), model_responder(agents, Sampling()))
-                    for task in load_tasks(tiny_world.tasks)]
-    header = TraceHeader(model={"path": str(tiny_world.model)}, tokenizer=tokenizer_identity(agents.tokenizer),
-                         workflow=spec.to_dict())
-    path = tmp_path_factory.mktemp("lora_trace") / "trace.jsonl"
-    write_trace(path, Trace(header, trajectories))
-    return path
+
+@pytest.fixture(scope="session")
+def prompt_trace(tiny_world, tmp_path_factory):
+    """A prompt-mode trace: shared segments sit after role prompts of different lengths."""
+    return capture_tiny_trace(tiny_world, tiny_world.prompt_workflow,
+                              tmp_path_factory.mktemp("prompt") / "trace.jsonl")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvprof.cache import capture_turn, decoder_layers
+from kvprof.cache import capture_turn
+from kvprof.lora import decoder_layers
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents
 from kvprof.rope import rotary_embedding, rotate_keys
@@ -38,7 +39,7 @@ def _relative(a, b):
 def test_kv_equal_model_cache_exactly(lora_agents, agent):
     capture = capture_turn(lora_agents, agent, TOKENS)
     cache = _model_cache(lora_agents, agent, TOKENS)
-    assert list(capture.layers) == list(range(len(decoder_layers(lora_agents))))
+    assert list(capture.layers) == list(range(len(decoder_layers(lora_agents.base_model))))
     for index, layer in capture.layers.items():
         assert layer.keys.shape == (2, len(TOKENS), 16)
         assert torch.equal(layer.keys, cache.layers[index].keys[0])
@@ -68,13 +69,13 @@ def test_split_with_adapters_disabled_has_zero_adapter_part(lora_agents):
 def test_lr_activations_rebuild_the_adapter_output(lora_agents):
     capture = capture_turn(lora_agents, "act", TOKENS, parts=("split", "lr", "hidden"))
     for index, layer in capture.layers.items():
-        module = decoder_layers(lora_agents)[index].self_attn.v_proj
+        module = decoder_layers(lora_agents.base_model)[index].self_attn.v_proj
         assert set(layer.lr["v_proj"]) == {"plan", "act", "reflect"}
         lr = layer.lr["v_proj"]["act"]
         assert lr.shape == (len(TOKENS), 4)
         with torch.no_grad():
             rebuilt = (lr @ module.lora_B["act"].weight.T) * module.scaling["act"]
-            normed = decoder_layers(lora_agents)[index].input_layernorm(layer.hidden)
+            normed = decoder_layers(lora_agents.base_model)[index].input_layernorm(layer.hidden)
             down = normed @ module.lora_A["plan"].weight.T
         adapter = layer.split["v_proj"].adapter  # (H_kv, L, D)
         assert _relative(rebuilt.view(len(TOKENS), 2, 16).transpose(0, 1), adapter) <= 1e-5

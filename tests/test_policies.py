@@ -12,7 +12,6 @@ from kvprof.errors import KvprofError
 from kvprof.lora import decoder_layers
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import REGISTRY, TurnRequest, make_policy
-from kvprof.policies.base import tensor_bytes
 from kvprof.replay import DENSE, PolicyChoice, replay_trace, run_online, summarise_online
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace

@@ -14,22 +14,8 @@ import torch
 from kvprof.analysis import agent_sequence, analyze_trace, pair_span, select_agents
 from kvprof.commands.rank_analysis import parse_layers
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents, load_agents_for_trace, tokenizer_identity
-from kvprof.spec import build_spec
-from kvprof.trace import Trace, TraceHeader, read_trace, write_trace
-from kvprof.workflow import Sampling, SearchTool, load_tasks, model_responder, run_react
-
-
-@pytest.fixture(scope="module")
-def prompt_trace(tiny_world, tmp_path_factory):
-    """A prompt-mode trace of the tiny world's tasks: shared segments sit after role prompts of different lengths."""
-    spec = build_spec(tiny_world.prompt_workflow)
-    agents = load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")
-    trajectories = [run_react(spec, agents.tokenizer, task, SearchTool(), model_responder(agents, Sampling()))
-                    for task in load_tasks(tiny_world.tasks)]
-    header = TraceHeader(model={"path": str(tiny_world.model)}, tokenizer=tokenizer_identity(agents.tokenizer),
-                         workflow=spec.to_dict())
-    return write_trace(tmp_path_factory.mktemp("prompt_trace") / "trace.jsonl", Trace(header, trajectories))
+from kvprof.model import load_agents_for_trace
+from kvprof.trace import Trace, read_trace, write_trace
 
 
 def _analyze(path, **kwargs):

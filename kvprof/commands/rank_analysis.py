@@ -14,7 +14,8 @@ import torch
 import typer
 
 from kvprof.analysis import analyze_trace, select_agents
-from kvprof.cache import decoder_layers, resolve_layers
+from kvprof.cache import resolve_layers
+from kvprof.lora import decoder_layers
 from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
                                     write_result)
 from kvprof.errors import KvprofError
@@ -61,7 +62,7 @@ def command(
         loaded.trajectories = loaded.trajectories[:limit]
     names = select_agents(loaded, [name.strip() for name in agents.split(",") if name.strip()] if agents else None)
     agent_set = load_agents_for_trace(trace, model=model, agent_flags=agent, device=device, dtype=dtype)
-    chosen = resolve_layers(parse_layers(layers), len(decoder_layers(agent_set)))
+    chosen = resolve_layers(parse_layers(layers), len(decoder_layers(agent_set.base_model)))
     started = time.perf_counter()
     with progress() as bar:
         job = bar.add_task("capturing and comparing caches", total=len(loaded.trajectories))
