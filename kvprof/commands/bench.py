@@ -19,7 +19,8 @@ from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS
 from kvprof.kernels.benchmark import (DEVICE_PEAKS, METHODS, build_cases, check_cpu_case_fits, implementations,
                                       run_case)
 from kvprof.model import resolve_device, resolve_dtype
-from kvprof.report import Section, TableData, line_figure, write_html
+from kvprof.report import write_html
+from kvprof.report.bench import results_table, sections
 
 DEFAULT_SEQ_LENS = {"cuda": "1024,4096,16384,32768", "cpu": "128,512"}
 
@@ -84,20 +85,17 @@ def command(
         for case in cases:
             rows.extend(run_case(case, torch_dtype, torch_device, generator, warmup_ms, rep_ms, peak,
                                  on_method_done=lambda: bar.advance(job)))
-    table = results_table(rows, device_name, torch_dtype, peak is not None)
-    console.print(table.to_rich())
     payload = {"device": device_name, "dtype": str(torch_dtype).removeprefix("torch."),
                "timer": "triton.testing.do_bench" if torch_device.type == "cuda" else "time.perf_counter",
                "cpu_threads": torch.get_num_threads(),
                "implementations": timed,
                "peak": None if peak is None else {"flops_16bit": peak.flops_16bit, "bytes_per_s": peak.bytes_per_s},
                "results": rows}
+    console.print(results_table(payload).to_rich())
     json_path = write_result(out, "bench", payload, args)
-    html_path = write_html(out / "bench.html", "kvprof bench", [Section(
-        "Flash-LoRA-Attention vs naive expansion vs plain SDPA",
-        text=[f"{method}: {timed[method]}" for method in METHODS], tables=[table], figures=figures(rows))],
-        subtitle=f"{device_name} · {payload['dtype']} · B={batch}, H_q={q_heads}, H_kv={kv_heads}, D={head_dim}, "
-                 f"V_lr {lr_layout}")
+    html_path = write_html(out / "bench.html", "kvprof bench", sections(payload),
+                           subtitle=f"{device_name} · {payload['dtype']} · B={batch}, H_q={q_heads}, H_kv={kv_heads}, "
+                                    f"D={head_dim}, V_lr {lr_layout}")
     console.print(f"wrote {json_path} and {html_path}")
 
 
@@ -114,37 +112,3 @@ def _int_list(option: str, text: str) -> list[int]:
     if not values:
         raise KvprofError(f"{option} is empty; give at least one value, e.g. {option} 1024.")
     return values
-
-
-def _fraction(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f} %"
-
-
-def results_table(rows: list[dict], device_name: str, dtype: torch.dtype, peak_known: bool) -> TableData:
-    """One row per (mode, L, r, method); ratios compare methods timed in the same case. % of peak columns appear
-    only for devices whose peaks are known."""
-    peak_columns = ["% peak FLOP", "% peak BW"] if peak_known else []
-    table = TableData(
-        title=f"kvprof bench on {device_name} ({str(dtype).removeprefix('torch.')}), median of repeats",
-        columns=["mode", "L", "r", "method", "median ms", "TFLOP/s", "GB/s", *peak_columns, "vs naive", "vs sdpa"],
-        caption="vs naive = t_naive / t (speed-up over expanding V); vs sdpa = t_sdpa / t (throughput relative to "
-                "attention without LoRA). FLOPs and bytes are analytic minimums.")
-    for row in rows:
-        peaks = [_fraction(row["fraction_of_peak_flops"]), _fraction(row["fraction_of_peak_bandwidth"])]
-        table.add_row(row["mode"], row["seq_len"], row["rank"], row["method"], f"{row['median_ms']:.3f}",
-                      f"{row['tflops']:.3f}", f"{row['gbps']:.1f}", *(peaks if peak_known else []),
-                      f"{row['speedup_vs_naive']:.2f}×", f"{row['throughput_vs_sdpa']:.2f}×")
-    return table
-
-
-def figures(rows: list[dict]) -> list:
-    """Median time against L, one figure per (mode, rank), one line per method."""
-    result = []
-    for mode, rank in dict.fromkeys((row["mode"], row["rank"]) for row in rows):
-        chosen = [row for row in rows if row["mode"] == mode and row["rank"] == rank]
-        lengths = list(dict.fromkeys(row["seq_len"] for row in chosen))
-        series = {method: [next(row["median_ms"] for row in chosen if row["seq_len"] == length and
-                                row["method"] == method) for length in lengths] for method in METHODS}
-        result.append(line_figure(lengths, series, f"{mode}, r = {rank}", "L (tokens)", "median time (ms)",
-                                  log_y=True))
-    return result

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Callable
 
 from kvprof.errors import KvprofError
-from kvprof.report import capture, rank_analysis, replay
+from kvprof.report import bench, capture, rank_analysis, replay
 from kvprof.report.html import Section
 
 SectionBuilder = Callable[[dict], list[Section]]
 
 BUILDERS: dict[str, SectionBuilder] = {
+    "bench": bench.sections,
     "capture": capture.sections,
     "replay": replay.sections,
     "rank_analysis": rank_analysis.sections,
