@@ -63,15 +63,17 @@ def cost_table(result: dict) -> TableData:
         title=f"cost: {result.get('device', '')} {result.get('dtype', '')}, TTFT = median of "
               f"{result.get('repeats', 1)} repeats per turn" + (" after a warm-up" if result.get("repeats", 1) > 1
                                                                 else " (no warm-up)"),
-        columns=["policy", "ρ tok", "ρ call", "ρ call*", "prefilled", "TTFT ×", "implied ×", "latency ×",
-                 "memory ×", "peak MiB"],
+        columns=["policy", "ρ tok", "ρ call", "ρ call*", "prefilled", "TTFT s", "TTFT ×", "implied ×",
+                 "latency s", "latency ×", "memory ×", "peak MiB"],
         caption="ρ: share of input tokens (tok) / of calls (call) served from another agent's or an adapter-free "
-                "cache, call* excluding source hops; × = dense ÷ policy (TTFT and latency measured side by side in "
-                "this run; implied: tokens prefilled); memory = policy ÷ dense peak of analytic cache bytes.")
+                "cache, call* excluding source hops; TTFT s / latency s: summed over turns; × = dense ÷ policy (TTFT "
+                "and latency measured side by side in this run; implied: tokens prefilled); memory = policy ÷ dense "
+                "peak of analytic cache bytes.")
     for label, summary, ratios, _ in _rows(result):
         table.add_row(label, _num(summary["reuse_per_token"], ".2f"), _num(summary["reuse_per_call"], ".2f"),
                       _num(summary["reuse_per_call_excl_source"], ".2f"), str(summary["prefilled"]),
-                      _num(ratios["ttft_speedup"], ".2f"), _num(ratios["prefill_speedup_implied"], ".2f"),
+                      _num(summary["ttft_s"], ".3f"), _num(ratios["ttft_speedup"], ".2f"),
+                      _num(ratios["prefill_speedup_implied"], ".2f"), _num(summary["latency_s"], ".3f"),
                       _num(ratios["latency_speedup"], ".2f"), _num(ratios["memory_ratio"], ".2f"),
                       _mib(summary["peak_memory_bytes"]))
     return table
