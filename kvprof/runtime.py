@@ -94,23 +94,23 @@ class Runtime:
     # ------------------------------------------------------------------------------------------ forwards
 
     def forward(self, agent: str | None, ids: list[int] | torch.Tensor, cache: DynamicCache, start: int,
-                capture: bool = False, adapter_names: list[str] | None = None) -> ChunkForward:
+                capture: bool = False, adapter_names: list[str] | None = None,
+                last_logits_only: bool = False) -> ChunkForward:
         """Run `ids` (n tokens, or a (B, n) tensor) at positions start..start+n−1 over `cache`.
 
         `agent` selects the adapter (None: adapters disabled); `adapter_names` instead gives one adapter per batch
-        row (peft's mixed batch, "__base__" for none).
+        row (peft's mixed batch, "__base__" for none). `last_logits_only` computes logits for the last position only
+        (a prefill needs no more), so `logits` is then (B, 1, vocab).
         """
         tokens = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand(tokens.shape[0], -1)
-        kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
+        kwargs = {"logits_to_keep": 1} if last_logits_only else {}
+        if adapter_names is not None:
+            kwargs["adapter_names"] = adapter_names
         try:
             with torch.inference_mode(), self.tap.capture() if capture else contextlib.nullcontext():
-                if adapter_names is not None:
-                    out = self.model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True,
-                                     **kwargs)
-                else:
-                    with self.agents.activate(agent):
-                        out = self.model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True)
+                with self.agents.activate(agent) if adapter_names is None else contextlib.nullcontext():
+                    out = self.model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, **kwargs)
         except torch.OutOfMemoryError:
             raise KvprofError(f"out of memory replaying a {tokens.shape[1]}-token chunk at position {start}; "
                               "replay fewer trajectories, use --dtype bfloat16, or a larger device.") from None

@@ -165,7 +165,7 @@ class SharingPolicy(ABC):
         if not prefix:
             return self.runtime.empty_kv(), 0.0
         cache = self.runtime.cache_from(self.runtime.empty_kv())
-        out = self.runtime.forward(agent, prefix, cache, 0)
+        out = self.runtime.forward(agent, prefix, cache, 0, last_logits_only=True)
         return self.runtime.kv_of(out.cache), self.runtime.flops(len(prefix), 0)
 
     def adapter_rows(self, agent: str) -> list[str] | None:
@@ -174,7 +174,7 @@ class SharingPolicy(ABC):
 
     # ---------------------------------------------------------------------------------------------- the turn
 
-    def _forward(self, agent: str, ids: list[int], cache, start: int, context: Context):
+    def _forward(self, agent: str, ids: list[int], cache, start: int, context: Context, prefill: bool = False):
         rows = self.adapter_rows(agent)
         tokens = torch.tensor([ids] * (len(rows) if rows else 1), device=self.runtime.device)
         attention = contextlib.nullcontext()
@@ -182,7 +182,8 @@ class SharingPolicy(ABC):
             attention = use_lora_attention(lora_context(context.lora_values, tokens.shape[0],
                                                         cache.get_seq_length() + len(ids)))
         with attention:
-            return self.runtime.forward(agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows)
+            return self.runtime.forward(agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows,
+                                        last_logits_only=prefill)
 
     def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
         """Serve one agent call: assemble, prefill the chunk (timed: TTFT), decode, commit.
@@ -204,7 +205,8 @@ class SharingPolicy(ABC):
             context = self.assemble(agent, shared)
             assert context.reused < len(shared), f"{self.name} left no token of the input to compute"
             start = len(prefix) + context.reused
-            first = self._forward(agent, shared[context.reused:], runtime.cache_from(context.kv), start, context)
+            first = self._forward(agent, shared[context.reused:], runtime.cache_from(context.kv), start, context,
+                                  prefill=True)
             timings.append(clock(runtime.device) - started)
         ttft = statistics.median(timings[1:] if repeats > 1 else timings)
         input_kv = [(keys[0], values[0]) for keys, values in runtime.kv_of(first.cache)]

@@ -35,7 +35,8 @@ class BaseShared(SharingPolicy):
         low_rank, flops = own, 0.0
         if reused > have:
             view, view_flops, _ = store.assemble(agent, own, have)
-            out = runtime.forward(agent, shared[have:reused], runtime.cache_from(view), have, capture=True)
+            out = runtime.forward(agent, shared[have:reused], runtime.cache_from(view), have, capture=True,
+                                  last_logits_only=True)
             gap = LowRankStore.down_projections(runtime, out.hidden, [agent])[agent]
             low_rank = gap if have == 0 else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new}
                                               for old, new in zip(own, gap)]

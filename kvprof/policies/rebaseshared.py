@@ -51,7 +51,8 @@ class ReBaseShared(SharingPolicy):
             return 0.0
         if self.settings["schedule"] == "lp":
             base, _, _ = store.assemble(None, None, len(store))
-            out = runtime.forward(None, new_ids, runtime.cache_from(base), len(store), capture=True)
+            out = runtime.forward(None, new_ids, runtime.cache_from(base), len(store), capture=True,
+                                  last_logits_only=True)
             hidden = out.hidden
         else:
             hidden = [x[1:2, skip:] for x in chunk.hidden]
