@@ -15,9 +15,9 @@ import typer
 
 from kvprof.analysis import analyze_trace, select_agents
 from kvprof.cache import resolve_layers
+from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, demo_trace,
+                                    progress, write_result)
 from kvprof.lora import decoder_layers
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
-                                    write_result)
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
 from kvprof.report import write_html
@@ -55,7 +55,7 @@ def command(
         raise KvprofError(f"--limit {limit} must be at least 1.")
     torch.manual_seed(seed)
     if trace is None:
-        trace, model = _demo_trace(model)
+        trace, model = demo_trace(model)
         args.update(trace=trace, model=model)
     loaded = read_trace(trace)
     if limit is not None:
@@ -103,18 +103,3 @@ def parse_layers(text: str | None) -> list[int] | None:
             raise KvprofError(f"--layers {text!r} is not a list of layer indices or ranges; "
                               "use e.g. --layers 0,2 or --layers 0-3.") from None
     return chosen
-
-
-def _demo_trace(model: str | None) -> tuple[Path, str | None]:
-    """The demo world's sample trace (and its model, unless --model is given) when no TRACE is passed."""
-    try:
-        from kvprof.demo.assets import demo_world
-    except ImportError:
-        raise KvprofError("no TRACE given and the demo world is not installed; pass a trace file written by "
-                          "`kvprof capture`.") from None
-    world = demo_world()
-    sample = getattr(world, "sample_trace", None)
-    if sample is None:
-        raise KvprofError("no TRACE given and the installed demo world has no sample trace; pass a trace file "
-                          "written by `kvprof capture`.")
-    return Path(sample), model or (str(world.model) if getattr(world, "model", None) else None)

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
-                                    write_result)
+from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, demo_trace,
+                                    progress, write_result)
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace
@@ -89,8 +89,6 @@ def command(
 
     torch.manual_seed(seed)
     if trace is None:
-        from kvprof.commands.common import demo_trace
-
         trace, model = demo_trace(model)
     agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device,
                                    dtype=dtype)
