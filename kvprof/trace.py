@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import atomic_open
@@ -348,8 +348,3 @@ def shared_segment_ids(traj: Trajectory) -> set[str]:
             readers.setdefault(seg_id, set()).add(turn.agent)
     return {seg_id for seg_id, agents in readers.items() if len(agents) > 1}
 
-
-def iter_turns(trajectories: Iterable[Trajectory]) -> Iterator[tuple[Trajectory, int, Turn]]:
-    for traj in trajectories:
-        for index, turn in enumerate(traj.turns):
-            yield traj, index, turn
