@@ -150,13 +150,7 @@ def test_cli_is_deterministic(run_cli, prompt_trace, tmp_path):
     assert (tmp_path / "a/rank_analysis.html").read_text() == (tmp_path / "b/rank_analysis.html").read_text()
 
 
-def test_no_trace_without_the_demo_world_is_one_clear_error(run_cli, tmp_path):
-    try:
-        from kvprof.demo.assets import demo_world  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("the demo world is installed, so TRACE defaults to its sample trace")
+def test_no_trace_without_the_demo_world_is_one_clear_error(run_cli, tmp_path, without_demo_world):
     code, _, err = run_cli("rank-analysis", "--out", tmp_path)
     assert code == 2 and err.startswith("error: no TRACE given and the demo world is not installed")
 
