@@ -218,17 +218,31 @@ def load_agents(spec: WorkflowSpec, model_name: str, device: str = "auto", dtype
     return AgentSet(spec, base, tokenizer, model_name)
 
 
+def _beside(folder: Path, path: str) -> str:
+    """`path` resolved against `folder` if it is relative and exists there, else unchanged."""
+    candidate = folder / path
+    return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
+
+
 def load_agents_for_trace(trace_path, model: str | None = None, workflow=None, agent_flags: list[str] | None = None,
                           role_flags: list[str] | None = None, device: str = "auto", dtype: str = "auto",
                           attn: str = "sdpa") -> AgentSet:
     """Load the model and agents a trace was captured with; `model` and the agent flags override the header.
 
-    Refuses a model whose tokenizer differs from the trace's.
+    Refuses a model whose tokenizer differs from the trace's. Relative model and adapter paths in the header
+    resolve against the trace's folder when they exist there (a trace shipped next to its model, like the demo
+    world's sample traces), else against the working directory.
     """
     from kvprof.spec import build_spec
     from kvprof.trace import check_tokenizer, read_header
 
     header = read_header(trace_path)
+    folder = Path(trace_path).parent
+    if header.model.get("path"):
+        header.model["path"] = _beside(folder, header.model["path"])
+    for agent_fields in header.workflow.get("agents", []):
+        if agent_fields.get("adapter"):
+            agent_fields["adapter"] = _beside(folder, agent_fields["adapter"])
     base = WorkflowSpec.from_dict(header.workflow) if "system_prompt" in header.workflow else None
     if base is None:
         base = WorkflowSpec(mode=header.mode, agents=[])
