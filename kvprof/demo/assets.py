@@ -1,0 +1,96 @@
+"""Where the shipped demo world lives: `demo_world()` returns the paths other commands use as their defaults.
+
+The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.traces`) ship inside the package::
+
+    assets/model/                      base model + tokenizer (transformers format, safetensors)
+    assets/adapters/lora/{plan,act,reflect}/        r=8 LoRA on q/k/v/o (the primary adapters)
+    assets/adapters/shared_a/{plan,act,reflect}/    r=8 LoRA on q/k/v/o sharing one A (BaseLRShared)
+    assets/workflow_{prompt,lora,lora_shared_a}.toml
+    assets/tasks/{heldout,long}.jsonl
+    assets/sample_traces/{prompt,lora}_{short,long}.jsonl
+    assets/training.json, assets/evaluation.json    what training and evaluation measured
+
+Paths inside sample traces and workflow files are relative to the assets folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvprof.demo.world import ROLES
+from kvprof.errors import KvprofError
+
+ASSETS = Path(__file__).parent / "assets"
+TRACE_NAMES = ("prompt_short", "lora_short", "prompt_long", "lora_long")
+
+
+@dataclass(frozen=True)
+class DemoWorld:
+    """Paths of one demo world (see module docstring)."""
+
+    root: Path
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def adapters(self) -> dict[str, Path]:
+        """Role → primary adapter directory (r=8 on q/k/v/o)."""
+        return {role: self.root / "adapters" / "lora" / role for role in ROLES}
+
+    @property
+    def shared_a_adapters(self) -> dict[str, Path]:
+        """Role → adapter directory of the set that shares one A per projection (only B differs)."""
+        return {role: self.root / "adapters" / "shared_a" / role for role in ROLES}
+
+    @property
+    def prompt_workflow(self) -> Path:
+        return self.root / "workflow_prompt.toml"
+
+    @property
+    def lora_workflow(self) -> Path:
+        return self.root / "workflow_lora.toml"
+
+    @property
+    def lora_shared_a_workflow(self) -> Path:
+        return self.root / "workflow_lora_shared_a.toml"
+
+    def workflow(self, mode: str) -> Path:
+        """`prompt`, `lora` or `lora_shared_a`."""
+        return self.root / f"workflow_{mode}.toml"
+
+    @property
+    def heldout_tasks(self) -> Path:
+        return self.root / "tasks" / "heldout.jsonl"
+
+    @property
+    def long_tasks(self) -> Path:
+        return self.root / "tasks" / "long.jsonl"
+
+    @property
+    def sample_traces(self) -> dict[str, Path]:
+        """`prompt_short`, `lora_short` (a few held-out tasks) and `prompt_long`, `lora_long` (a 3-hop task with
+        several thousand tokens of shared context) → trace file."""
+        return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in TRACE_NAMES}
+
+    @property
+    def training_record(self) -> Path:
+        return self.root / "training.json"
+
+    @property
+    def evaluation_record(self) -> Path:
+        return self.root / "evaluation.json"
+
+
+def demo_world(root: str | Path | None = None) -> DemoWorld:
+    """The shipped demo world (or one written by `python -m kvprof.demo.train --out ROOT`); refuses a folder without
+    the trained model."""
+    world = DemoWorld(Path(root) if root is not None else ASSETS)
+    missing = [p for p in (world.model / "config.json", world.model / "tokenizer.json", world.lora_workflow,
+                           world.prompt_workflow, world.heldout_tasks, *world.adapters.values()) if not p.exists()]
+    if missing:
+        raise KvprofError(f"the demo world at {world.root} is incomplete ({missing[0]} is missing); reinstall kvprof "
+                          "or rebuild it with `python -m kvprof.demo.train --out DIR`.")
+    return world

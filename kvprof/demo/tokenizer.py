@@ -1,0 +1,52 @@
+"""The demo world's BPE tokenizer, trained with the `tokenizers` library and saved for transformers' AutoTokenizer.
+
+Byte-level BPE (any text encodes, `decode(encode(text)) == text`). The world writes every name after a space, so a
+name is one token sequence wherever it occurs ("ĠTev", "ren"). A small vocabulary (1024) keeps template words whole
+while every invented name splits into 2–4 tokens (mostly 2).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from kvprof.demo.world import PERSON_FINALS, PLACE_FINALS, DemoTask, workflow_spec
+
+EOS = "<eos>"
+VOCAB_SIZE = 1024
+
+
+def corpus(tasks: Iterable[DemoTask]) -> Iterator[str]:
+    """Every text segment the runner tokenizes for these tasks, in both modes (prompts, question, cues,
+    observations, gold outputs), each on its own as the runner encodes it."""
+    for mode in ("prompt", "lora"):
+        spec = workflow_spec(mode)
+        if spec.system_prompt:
+            yield spec.system_prompt
+        for agent in spec.agents:
+            if agent.prompt:
+                yield agent.prompt
+    spec = workflow_spec("lora")
+    for task in tasks:
+        yield spec.question_template.format(question=task.task.question)
+        for text in task.task.documents.values():
+            yield spec.observation_template.format(observation=text)
+        for role, observations in task.schedule():
+            yield spec.cue_template.format(agent=role)
+            yield task.output(role, observations)
+
+
+def build_tokenizer(tasks: Iterable[DemoTask], vocab_size: int = VOCAB_SIZE):
+    """Train the BPE on `corpus(tasks)` and wrap it as a `PreTrainedTokenizerFast` (EOS doubles as padding)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    finals = Regex("|".join(sorted(PERSON_FINALS + PLACE_FINALS, key=len, reverse=True)))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(finals, behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(corpus(tasks), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS, model_max_length=32768,
+                                   clean_up_tokenization_spaces=False)

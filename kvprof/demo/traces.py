@@ -1,0 +1,63 @@
+"""Sample traces of the demo world, captured with `kvprof capture` in both modes.
+
+    python -m kvprof.demo.traces [--world DIR]
+
+`{prompt,lora}_short`: the first SHORT_TASKS held-out tasks. `{prompt,lora}_long`: the first long task (3 hops,
+paragraphs of ~100 distractor sentences: several thousand tokens of shared context). Paths in the headers (model,
+adapters) are rewritten relative to the traces' folder (see `kvprof.model.load_agents_for_trace`), so the committed files do not name this machine's folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvprof.demo.assets import ASSETS, DemoWorld
+
+SHORT_TASKS = 4
+
+
+def _relative_header(trace: Path, folder: Path) -> list[str]:
+    lines = trace.read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    header["model"]["path"] = Path(os.path.relpath(header["model"]["path"], folder)).as_posix()
+    for agent in header["workflow"]["agents"]:
+        if agent.get("adapter"):
+            agent["adapter"] = Path(os.path.relpath(agent["adapter"], folder)).as_posix()
+    return [json.dumps(header, ensure_ascii=False, separators=(",", ":"))] + lines[1:]
+
+
+def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
+    """Capture the four sample traces into WORLD/sample_traces; returns `name → {trajectories, tokens}`."""
+    from kvprof.commands import capture
+
+    root = world.root.resolve()
+    stats = {}
+    for mode in ("prompt", "lora"):
+        for kind, tasks, limit in (("short", world.heldout_tasks, SHORT_TASKS), ("long", world.long_tasks, 1)):
+            name = f"{mode}_{kind}"
+            with tempfile.TemporaryDirectory() as tmp:
+                capture.command(model=str(root / "model"), tasks=tasks, workflow=world.workflow(mode), limit=limit,
+                                out=Path(tmp), device=device, dtype="float32", seed=0)
+                summary = json.loads((Path(tmp) / "capture.json").read_text(encoding="utf-8"))["summary"]
+                target = world.sample_traces[name]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                lines = _relative_header(Path(tmp) / "trace.jsonl", target.parent.resolve())
+            target.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            stats[name] = {"trajectories": summary["trajectories"], "tokens": summary["distinct_tokens"],
+                           "shared_tokens": summary["shared_tokens"], "accuracy": summary["accuracy"]}
+    return stats
+
+
+def main(world_dir: Annotated[Optional[Path], typer.Option("--world", help="Demo world folder.")] = None) -> None:
+    """Re-capture the sample traces of a demo world."""
+    print(json.dumps(build(DemoWorld(world_dir or ASSETS)), indent=1))
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,416 @@
+"""Train the demo world from scratch on CPU: tokenizer, base model, role adapters, shared-A adapters.
+
+    python -m kvprof.demo.train [--out DIR] [--seed N]
+
+Phases (each with a progress bar; timings, losses and per-call held-out accuracy go to OUT/training.json):
+
+1. tokenizer — byte-level BPE on the training tasks' texts (`kvprof.demo.tokenizer`).
+2. base — a Llama model (GQA, RoPE, tied embeddings) trained in prompt mode, in three stages: a warm-up on copy
+   and recall drills (`warmup_stream`), the task (short paragraphs first) with drills mixed in, then the task with
+   every other batch a recall drill (`recall_stream`) — copying a name out of the last observation is what a
+   model this small learns last.
+3. lora — adapters plan / act / reflect (r=8 on q/k/v/o) trained on the frozen base under the neutral system
+   prompt: the only thing that tells an agent its role in lora mode.
+4. shared-A — the same three roles with one common, frozen, seeded A per layer and projection; only B is trained
+   (adapters for the BaseLRShared policy).
+5. world — workflow specs, held-out and long tasks.
+
+Deterministic for a fixed seed and thread count: tasks, example order and initialisation all derive from the seed.
+Training uses bf16 autocast (master weights stay fp32) and computes the loss on output tokens only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Callable, Iterator
+
+import torch
+import typer
+
+from kvprof.demo.data import IGNORE, Example, batches, collate, own_turn_examples, sample_examples
+from kvprof.demo.tokenizer import build_tokenizer
+from kvprof.demo.world import RELATION_WORDS, ROLES, make_task, make_tasks, workflow_spec, write_tasks, write_workflow_toml
+from kvprof.fileio import write_json
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides the weights (with the seed); recorded in training.json."""
+
+    seed: int = 0
+    threads: int = 2
+    tokenizer_tasks: int = 3000
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 768
+    max_positions: int = 32768
+    token_budget: int = 2048
+    pool_tasks: int = 64
+    warmup_steps: int = 300
+    warmup_batch: int = 24
+    warmup_every: int = 4
+    base_steps: int = 3000
+    short_steps: int = 1200
+    short_distractors: tuple[int, int] = (0, 2)
+    base_lr: float = 1e-3
+    recall_steps: int = 900
+    recall_rounds: int = 2
+    recall_every: int = 2
+    context_weight: float = 0.5
+    warmup: int = 30
+    adapter_rank: int = 8
+    adapter_steps: int = 200
+    adapter_lr: float = 3e-3
+    shared_a_lr: float = 5e-3
+    eval_tasks: int = 100
+    heldout_tasks: int = 250
+    long_tasks: int = 2
+
+
+def model_config(cfg: TrainConfig, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                       num_key_value_heads=cfg.kv_heads, head_dim=cfg.hidden // cfg.heads,
+                       max_position_embeddings=cfg.max_positions, rope_theta=10000.0,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+def example_stream(mode: str, tokenizer, roles: tuple[str, ...], cfg: TrainConfig, salt: str,
+                   distractors: tuple[int, int] | None = None) -> Iterator[list[Example]]:
+    """Endless batches of training examples: pool p draws training tasks p·P … (p+1)·P − 1 (with `distractors`
+    sentences per paragraph; None: the split's own), one example per role each, grouped by length
+    (`token_budget` padded tokens per batch)."""
+    spec = workflow_spec(mode)
+    pool = 0
+    while True:
+        rng = random.Random(f"{cfg.seed}/{salt}/{pool}")
+        tasks = make_tasks("train", cfg.pool_tasks, start=cfg.tokenizer_tasks + pool * cfg.pool_tasks,
+                           distractors=distractors)
+        examples = [ex for task in tasks for ex in sample_examples(spec, tokenizer, task, roles, rng)]
+        yield from batches(examples, cfg.token_budget, rng)
+        pool += 1
+
+
+RELATION_VALUE = re.compile(rf"\b({'|'.join(RELATION_WORDS)}) (\w+)")
+
+
+def recall_example(tokenizer, paragraph: str, rng: random.Random) -> Example:
+    """Associative recall on one paragraph: the paragraph as an observation, then " Plan:" and its relations in
+    random order, each followed by its value (" Plan: mentor Yarias, rival Kaias"); loss on the values. This is the
+    plan's lookup (the value after the relation word in the last observation) without the rest of the task."""
+    pairs = RELATION_VALUE.findall(paragraph)
+    rng.shuffle(pairs)
+    tokens = tokenizer.encode(f"Observation: {paragraph}\n", add_special_tokens=False)
+    targets = [False] * len(tokens)
+    for number, (relation, value) in enumerate(pairs):
+        key = tokenizer.encode(f" Plan: {relation}" if number == 0 else f", {relation}", add_special_tokens=False)
+        answer = tokenizer.encode(f" {value}", add_special_tokens=False)
+        tokens += key + answer
+        targets += [False] * len(key) + [True] * len(answer)
+    return Example(tokens=tokens, targets=targets, role="recall")
+
+
+def warmup_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
+    """Endless batches of two generic skills every role needs, as short dense examples (half each):
+
+    - copy: a window w (16–48 tokens) of a training paragraph, some other text (0–120 tokens), then w again; loss
+      on the repeat. This grows induction heads (continue what followed the earlier occurrence of this token).
+    - recall: `recall_example` on a paragraph with 0–3 distractor sentences.
+
+    Without this warm-up the task sits on a long plateau before copying appears."""
+    rng = random.Random(f"{cfg.seed}/warmup")
+    while True:
+        batch = []
+        for index in range(cfg.warmup_batch):
+            task = make_task("train", rng.randrange(10**6) + cfg.tokenizer_tasks, distractors=(0, 3))
+            text = rng.choice(list(task.task.documents.values()))
+            if index % 2 == 0:
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                width = rng.randint(16, 48)
+                start = rng.randint(0, max(0, len(ids) - width))
+                window = ids[start:start + width]
+                gap = tokenizer.encode(rng.choice(list(task.task.documents.values())),
+                                       add_special_tokens=False)[:rng.randint(0, 120)]
+                batch.append(Example(tokens=window + gap + window,
+                                     targets=[False] * (len(window) + len(gap)) + [True] * len(window), role="copy"))
+                continue
+            batch.append(recall_example(tokenizer, text, rng))
+        yield batch
+
+
+def recall_stream(tokenizer, cfg: TrainConfig, salt: str = "") -> Iterator[list[Example]]:
+    """Endless batches of `cfg.warmup_batch` recall examples on paragraphs with 0–6 distractor sentences."""
+    rng = random.Random(("recall" if cfg.seed == 0 else f"{cfg.seed}/recall") + salt)
+    while True:
+        batch = []
+        for _ in range(cfg.warmup_batch):
+            task = make_task("train", rng.randrange(10**6) + cfg.tokenizer_tasks, distractors=(0, 6))
+            batch.append(recall_example(tokenizer, rng.choice(list(task.task.documents.values())), rng))
+        yield batch
+
+
+def interleave(main: Iterator[list[Example]], extra: Iterator[list[Example]], every: int
+               ) -> Iterator[list[Example]]:
+    """`main`, with a batch of `extra` in place of every `every`-th one (keeps the warm-up skills general)."""
+    for step in itertools.count():
+        yield next(extra) if every and step % every == every - 1 else next(main)
+
+
+def output_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, real: torch.Tensor,
+                context_weight: float) -> torch.Tensor:
+    """Mean cross-entropy over target (output) tokens, plus `context_weight` × the mean over every other real token
+    (plain language modelling of the trajectory, which teaches copying early). `input_ids`, `labels`, `real`:
+    [B, T]; the LM head runs only where a loss is taken."""
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+    targets = labels[:, 1:]
+    is_output = targets != IGNORE
+    head = model.get_output_embeddings()
+    loss = torch.nn.functional.cross_entropy(head(hidden[is_output]).float(), targets[is_output])
+    if context_weight:
+        context = real[:, 1:] & ~is_output
+        lm = torch.nn.functional.cross_entropy(head(hidden[context]).float(), input_ids[:, 1:][context])
+        loss = loss + context_weight * lm
+    return loss
+
+
+def train_loop(model, params: list[torch.nn.Parameter], stream: Iterator[list[Example]], steps: int, lr: float,
+               warmup: int, pad_id: int, on_step: Callable[[int, float], None], context_weight: float = 0.0
+               ) -> list[float]:
+    """AdamW with linear warm-up and cosine decay to lr/10; returns the loss of every step."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    model.train()
+    losses = []
+    for step in range(steps):
+        input_ids, labels, real = collate(next(stream), pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = output_loss(model, input_ids, labels, real, context_weight)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        on_step(step, losses[-1])
+    model.eval()
+    return losses
+
+
+@torch.inference_mode()
+def per_call_accuracy(model, tokenizer, mode: str, tasks, activate: Callable[[str], object]) -> dict[str, float]:
+    """Held-out per-call exact match: the fraction of canonical turns whose whole gold output is the greedy
+    argmax at every position, teacher-forced on gold inputs (= greedy decoding reproduces it exactly)."""
+    spec = workflow_spec(mode)
+    by_role: dict[str, list[Example]] = {role: [] for role in ROLES}
+    for task in tasks:
+        for example in own_turn_examples(spec, tokenizer, task):
+            by_role[example.role].append(example)
+    result = {}
+    for role, examples in by_role.items():
+        correct = 0
+        with activate(role):
+            for group in batches(examples, 16384, random.Random(0)):
+                input_ids, labels, _ = collate(group, tokenizer.pad_token_id)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(input_ids=input_ids).logits[:, :-1]
+                hit = (logits.argmax(-1) == labels[:, 1:]) | (labels[:, 1:] == IGNORE)
+                correct += int(hit.all(dim=1).sum())
+        result[role] = correct / len(examples)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- phases
+
+
+class Trainer:
+    """Runs the phases in order, recording timings and metrics in `self.record`."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, bar):
+        self.out, self.cfg, self.bar = out, cfg, bar
+        self.record: dict = {"config": asdict(cfg), "phases": {}}
+        self.eval_tasks = make_tasks("heldout", cfg.eval_tasks, start=10_000)
+
+    def phase(self, name: str, total: int):
+        job = self.bar.add_task(name, total=total)
+        started = time.perf_counter()
+
+        def done(**metrics):
+            self.record["phases"][name] = {"seconds": round(time.perf_counter() - started, 1), **metrics}
+            self.bar.update(job, completed=total)
+
+        def step(index: int, loss: float) -> None:
+            self.bar.update(job, completed=index + 1, description=f"{name} loss {loss:.3f}")
+
+        return step, done
+
+    def tokenizer(self):
+        step, done = self.phase("tokenizer", 1)
+        tokenizer = build_tokenizer(make_tasks("train", self.cfg.tokenizer_tasks))
+        tokenizer.save_pretrained(self.out / "model")
+        done(vocab_size=len(tokenizer))
+        return tokenizer
+
+    def base(self, tokenizer):
+        from transformers import LlamaForCausalLM
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        config = model_config(cfg, tokenizer)
+        config._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(config)
+        params = list(model.parameters())
+        step, done = self.phase("warm-up", cfg.warmup_steps)
+        losses = train_loop(model, params, warmup_stream(tokenizer, cfg), cfg.warmup_steps, cfg.base_lr,
+                            cfg.warmup, tokenizer.pad_token_id, step)
+        done(final_loss=_tail(losses))
+        step, done = self.phase("base", cfg.base_steps)
+        short = example_stream("prompt", tokenizer, ROLES, cfg, "base-short", cfg.short_distractors)
+        stream = interleave(itertools.chain(itertools.islice(short, cfg.short_steps),
+                                            example_stream("prompt", tokenizer, ROLES, cfg, "base")),
+                            warmup_stream(tokenizer, cfg), cfg.warmup_every)
+        losses = train_loop(model, params, stream, cfg.base_steps, cfg.base_lr, cfg.warmup,
+                            tokenizer.pad_token_id, step, cfg.context_weight)
+        done(final_loss=_tail(losses),
+             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: _nothing()))
+        return model
+
+    def recall(self, model, tokenizer, round_: int):
+        """Recall round `round_` (0-based): the task with every `recall_every`-th batch a recall drill, a fresh
+        optimizer and schedule; saves the base model."""
+        cfg = self.cfg
+        salt = "" if round_ == 0 else f"/{round_}"
+        step, done = self.phase(f"recall {round_ + 1}", cfg.recall_steps)
+        stream = interleave(example_stream("prompt", tokenizer, ROLES, cfg, "cont" + salt),
+                            recall_stream(tokenizer, cfg, salt), cfg.recall_every)
+        losses = train_loop(model, list(model.parameters()), stream, cfg.recall_steps, cfg.base_lr, cfg.warmup,
+                            tokenizer.pad_token_id, step, cfg.context_weight)
+        model.save_pretrained(self.out / "model")
+        done(parameters=sum(p.numel() for p in model.parameters()), final_loss=_tail(losses),
+             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: _nothing()))
+        return model
+
+    def adapters(self, model, tokenizer, name: str, shared_a: bool):
+        from peft import LoraConfig, get_peft_model
+
+        cfg = self.cfg
+        config = LoraConfig(r=cfg.adapter_rank, lora_alpha=2 * cfg.adapter_rank, target_modules=list(LORA_TARGETS),
+                            lora_dropout=0.0)
+        torch.manual_seed(cfg.seed + (2 if shared_a else 1))
+        peft_model = get_peft_model(model, config, adapter_name=ROLES[0])
+        for role in ROLES[1:]:
+            peft_model.add_adapter(role, config)
+        if shared_a:
+            for module in peft_model.modules():
+                if hasattr(module, "lora_A") and ROLES[0] in module.lora_A:
+                    for role in ROLES[1:]:
+                        module.lora_A[role].weight.data.copy_(module.lora_A[ROLES[0]].weight.data)
+        metrics = {}
+        for role in ROLES:
+            peft_model.set_adapter(role)
+            params = []
+            for param_name, param in peft_model.named_parameters():
+                trainable = f".{role}." in param_name and (not shared_a or "lora_B" in param_name)
+                param.requires_grad_(trainable)
+                if trainable:
+                    params.append(param)
+            step, done = self.phase(f"{name}:{role}", cfg.adapter_steps)
+            stream = example_stream("lora", tokenizer, (role,), cfg, f"{name}/{role}")
+            losses = train_loop(peft_model, params, stream, cfg.adapter_steps,
+                                cfg.shared_a_lr if shared_a else cfg.adapter_lr, cfg.warmup // 3,
+                                tokenizer.pad_token_id, step)
+            done(trainable=sum(p.numel() for p in params), final_loss=_tail(losses))
+            metrics[role] = losses
+        peft_model.save_pretrained(self.out / "adapters" / name)
+        accuracy = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks,
+                                     lambda role: _adapter(peft_model, role))
+        with peft_model.disable_adapter():
+            disabled = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks, lambda role: _nothing())
+        self.record["phases"][f"{name}:eval"] = {"per_call_heldout": accuracy,
+                                                  "per_call_heldout_disabled": disabled}
+        return peft_model.unload()
+
+    def world(self):
+        step, done = self.phase("world", 1)
+        out = self.out
+        write_workflow_toml(out / "workflow_prompt.toml", workflow_spec("prompt"))
+        for name, file in (("lora", "workflow_lora.toml"), ("shared_a", "workflow_lora_shared_a.toml")):
+            adapters = {role: str((out / "adapters" / name / role).resolve()) for role in ROLES}
+            write_workflow_toml(out / file, workflow_spec("lora", adapters))
+        write_tasks(out / "tasks" / "heldout.jsonl", make_tasks("heldout", self.cfg.heldout_tasks))
+        write_tasks(out / "tasks" / "long.jsonl", make_tasks("long", self.cfg.long_tasks))
+        done()
+
+
+def _tail(losses: list[float], n: int = 20) -> float:
+    return round(sum(losses[-n:]) / len(losses[-n:]), 4)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _adapter(peft_model, role: str):
+    import contextlib
+
+    peft_model.set_adapter(role)
+    return contextlib.nullcontext()
+
+
+def run(out: Path, cfg: TrainConfig) -> dict:
+    """All phases into `out`; returns the training record (also written to OUT/training.json)."""
+    from kvprof.commands.common import progress
+
+    torch.set_num_threads(cfg.threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with progress() as bar:
+        trainer = Trainer(out, cfg, bar)
+        tokenizer = trainer.tokenizer()
+        model = trainer.base(tokenizer)
+        for round_ in range(cfg.recall_rounds):
+            model = trainer.recall(model, tokenizer, round_)
+        model = trainer.adapters(model, tokenizer, "lora", shared_a=False)
+        trainer.adapters(model, tokenizer, "shared_a", shared_a=True)
+        trainer.world()
+    trainer.record["seconds"] = round(time.perf_counter() - started, 1)
+    write_json(out / "training.json", trainer.record)
+    return trainer.record
+
+
+def main(
+    out: Annotated[Path, typer.Option("--out", help="Output directory (default: the packaged assets).")] = Path(
+        __file__).parent / "assets",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of every random choice.")] = 0,
+    base_steps: Annotated[int, typer.Option("--base-steps", help="Optimizer steps of the base model.")] = (
+        TrainConfig.base_steps),
+    adapter_steps: Annotated[int, typer.Option("--adapter-steps", help="Optimizer steps per adapter.")] = (
+        TrainConfig.adapter_steps),
+) -> None:
+    """Train the demo world (see module docstring) and print its per-call held-out accuracy."""
+    record = run(out, TrainConfig(seed=seed, base_steps=base_steps, adapter_steps=adapter_steps))
+    print(json.dumps(record["phases"], indent=1))
+
+
+if __name__ == "__main__":
+    typer.run(main)

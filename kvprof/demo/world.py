@@ -1,0 +1,327 @@
+"""The demo world's tasks: random knowledge bases of invented entities, multi-hop questions, a search tool.
+
+Every task draws its own small knowledge base: people and places with invented two-syllable names (two BPE tokens,
+initial and final syllable, so an answer is several tokens; the initial is distinct within a task, so the first
+token of a name identifies it there) and relations between them. A question follows a chain of 2 or 3
+relations from a start entity, written as a possessive chain in the order the hops are taken::
+
+    Question: What is Kalomir's rival's mentor's birthplace?
+
+`search[NAME]` returns NAME's paragraph: one fact sentence ("Kalomir is a painter with rival Tevren.") among
+distractor sentences that mention other entities of the task but use no relation word, as HotpotQA paragraphs mix
+the supporting fact with unrelated text. The fact sentence states the relation the question follows from NAME
+(`Shape.facts` relations in random order; 1 by default). The answer occurs only in that task's observations (never
+in the question, prompts or templates).
+
+Why one relation per fact: with all 4–5 relations listed, each hop is content-matched associative recall (find the
+relation word of the question among the listed ones, copy the name after it). The 4-layer model learned the format,
+the copies and the question lookups within minutes, but not that recall within the CPU budget: per-call plan
+accuracy stayed at 36 % after 3,300 steps; continued with 2 relations per fact it reached 63 %, with 1 relation 86 %
+after 600 more steps. Picking the fact's name out of a paragraph of distractor names is what remains.
+
+Agents and their outputs, as a function of how many observations `j` the trajectory holds (a task of `h` hops is
+solved by `h` searches and a finish)::
+
+    plan     j = 0: " Plan: find rival of Kalomir."
+             0 < j < h: " Plan: rival Tevren, find mentor of Tevren."
+             j = h: " Plan: birthplace Osmadal, finish."
+    act      " search[ Kalomir]" ... " finish[ Osmadal]"
+    reflect  j = h: " answer[ Osmadal]"
+
+Every token of an output is one lookup: the relation just resolved is the one the last plan asked for, its value
+follows that relation word in the last observation (as it does in the plan), and the next relation follows the
+resolved one in the question (a chain never repeats a relation word, so that lookup is unambiguous).
+
+Each output starts with a space (it follows the cue "Agent:") and ends with the stop string "\n". A name is always
+preceded by a space — also inside brackets — so it is the same byte-level BPE tokens wherever it occurs, and
+copying a name is copying tokens.
+
+Tasks are reproducible from `(split, index)`; the splits use different seeds, and a question's hash decides which
+split may hold it, so no question text occurs in two splits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvprof.spec import AgentSpec, WorkflowSpec
+from kvprof.workflow import Task
+
+# ----------------------------------------------------------------------------------------------------- vocabulary
+
+INITIALS = ("Ka", "Tev", "Mor", "Bri", "Os", "Zel", "Jup", "Fen", "Dra", "Lum", "Sar", "Vin", "Hal", "Ner", "Pel",
+            "Gor", "Ith", "Ulm", "Yar", "Cas", "Bel", "Dun", "Fal", "Ker", "Tam", "Ros", "Ves", "Wyn", "Xan", "Ael")
+PERSON_FINALS = ("mir", "ren", "oth", "ias", "wen", "dar", "los", "iel", "ric", "ane")
+PLACE_FINALS = ("vash", "dal", "heim", "gard", "mora", "ssa", "thal", "bury", "wick", "ford")
+
+PERSON, PLACE = "person", "place"
+RELATIONS = {
+    PERSON: {"rival": PERSON, "mentor": PERSON, "spouse": PERSON, "birthplace": PLACE, "residence": PLACE},
+    PLACE: {"founder": PERSON, "mayor": PERSON, "region": PLACE, "twin": PLACE},
+}
+RELATION_WORDS = sorted({word for fields in RELATIONS.values() for word in fields})
+KINDS = {PERSON: ("painter", "smith", "weaver", "sailor", "scholar", "baker", "herbalist", "mason"),
+         PLACE: ("town", "village", "harbour", "city", "fortress")}
+
+FILLERS = {
+    "goods": ("salt", "wool", "copper", "honey", "amber", "linen", "timber", "spices"),
+    "event": ("festival", "flood", "harvest", "fair", "storm", "trial", "race", "eclipse"),
+    "topic": ("weather", "taxes", "river", "comet", "war", "library", "roads"),
+    "building": ("bridge", "tower", "mill", "chapel", "granary", "lighthouse"),
+    "animal": ("goat", "hawk", "hound", "mule", "heron"),
+    "number": ("three", "five", "seven", "nine", "twelve"),
+}
+DISTRACTORS = (
+    "{P} once sold {goods} at the market of {L}.",
+    "In {L} the {event} lasted for {number} days.",
+    "{P} wrote a letter to {P2} about the {topic}.",
+    "Travellers from {L} often spoke of {P}.",
+    "The old {building} of {L} was rebuilt after the {event}.",
+    "{P} and {P2} met at the {event} in {L}.",
+    "Nobody in {L} remembers the {topic} of that year.",
+    "{P} kept a {animal} that followed {P2} everywhere.",
+    "A {building} near {L} is known for its {goods}.",
+    "Songs about the {event} are still sung in {L} and {L2}.",
+    "{P} argued with {P2} about the price of {goods}.",
+    "The road from {L} to {L2} is closed in winter.",
+)
+
+# ----------------------------------------------------------------------------------------------------- prompts
+
+SYSTEM_PROMPT = "Solve the question with the search tool.\n"
+CUE = "Agent:"
+ROLE_PROMPTS = {
+    "plan": "You are the planner. Say what the last observation found and what to search next.\n",
+    "act": ("You are the actor. Reply with exactly one action: search[ NAME] to read about an entity, "
+            "or finish[ ANSWER] once the last observation holds the answer. Copy names exactly.\n"),
+    "reflect": ("You are the reviewer. The team has searched a knowledge base step by step to answer the "
+                "question. Read the whole trajectory, check that every step followed the right relation, and "
+                "give the final answer in the form answer[ ANSWER], copying the name exactly as the "
+                "observation spells it.\n"),
+}
+ROLES = tuple(ROLE_PROMPTS)
+ROLE_FORMATS = {"plan": r" Plan: [^\n]+[.]\n", "act": r" (?:search|finish)\[ [^\]\n]+\]\n",
+                "reflect": r" answer\[ [^\]\n]+\]\n"}
+"""What a well-formed output of each role looks like (`re.fullmatch` on the decoded output)."""
+ANSWER_PATTERN = r"answer\[(.*?)\]"
+MAX_ROUNDS = 5
+MAX_NEW_TOKENS = {"plan": 24, "act": 12, "reflect": 12}
+
+# ----------------------------------------------------------------------------------------------------- splits
+
+SPLITS = {"train": 1, "heldout": 2, "long": 3}
+"""Seed of each split; `train` and `heldout` also partition question texts by hash (see `split_of`)."""
+HELDOUT_SHARE = 8  # 1 in 8 question texts may appear in held-out splits, the rest only in train
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a split's tasks look: hop counts with weights, distractor sentences per paragraph, and how many of the
+    entity's relations its fact sentence lists (the one the question follows and `facts - 1` others)."""
+
+    hops: tuple[tuple[int, float], ...] = ((2, 0.7), (3, 0.3))
+    distractors: tuple[int, int] = (1, 10)
+    facts: int = 1
+
+
+SHAPES = {"train": Shape(hops=((2, 0.5), (3, 0.5))), "heldout": Shape(), "long": Shape(hops=((3, 1.0),), distractors=(95, 110))}
+
+
+@dataclass
+class DemoTask:
+    """A task plus its solution path: `entities[0]` is the start, `entities[-1]` the answer, `relations[i]` the
+    hop from `entities[i]` to `entities[i + 1]`."""
+
+    task: Task
+    entities: list[str]
+    relations: list[str]
+    split: str
+
+    @property
+    def hops(self) -> int:
+        return len(self.relations)
+
+    def to_json(self) -> dict:
+        return {"id": self.task.id, "question": self.task.question, "answer": self.task.answer,
+                "documents": self.task.documents, "entities": self.entities, "relations": self.relations,
+                "split": self.split}
+
+    @classmethod
+    def from_json(cls, record: dict) -> "DemoTask":
+        task = Task(id=record["id"], question=record["question"], answer=record["answer"],
+                    documents=record["documents"])
+        return cls(task=task, entities=list(record["entities"]), relations=list(record["relations"]),
+                   split=record["split"])
+
+    # ------------------------------------------------------------------ gold outputs
+
+    def output(self, role: str, observations: int) -> str | None:
+        """The gold output text of `role` once the trajectory holds `observations` observations (None: `role` has
+        nothing to say yet — reflect before the answer is known)."""
+        j, h, e, r = observations, self.hops, self.entities, self.relations
+        if role == "plan":
+            if j == 0:
+                return f" Plan: find {r[0]} of {e[0]}.\n"
+            found = f" Plan: {r[j - 1]} {e[j]}"
+            return f"{found}, finish.\n" if j == h else f"{found}, find {r[j]} of {e[j]}.\n"
+        if role == "act":
+            return f" finish[ {e[h]}]\n" if j == h else f" search[ {e[j]}]\n"
+        if role == "reflect":
+            return f" answer[ {e[h]}]\n" if j == h else None
+        raise ValueError(f"unknown role {role!r}")
+
+    def schedule(self) -> list[tuple[str, int]]:
+        """The canonical `(role, observations)` of each turn: plan and act per round, then reflect."""
+        turns = [(role, j) for j in range(self.hops + 1) for role in ("plan", "act")]
+        return turns + [("reflect", self.hops)]
+
+
+@dataclass
+class _Entity:
+    name: str
+    type: str
+    kind: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def split_of(question: str) -> str:
+    """`heldout` for 1 in HELDOUT_SHARE question texts (by hash), else `train`: the two never share a question."""
+    digest = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16)
+    return "heldout" if digest % HELDOUT_SHARE == 0 else "train"
+
+
+def _knowledge_base(rng: random.Random) -> dict[str, _Entity]:
+    """8–12 people and 6–10 places; names are an initial syllable (distinct within the task) and a final one."""
+    n_people, n_places = rng.randint(8, 12), rng.randint(6, 10)
+    initials = rng.sample(INITIALS, n_people + n_places)
+    people = [_Entity(initial + rng.choice(PERSON_FINALS), PERSON, rng.choice(KINDS[PERSON]))
+              for initial in initials[:n_people]]
+    places = [_Entity(initial + rng.choice(PLACE_FINALS), PLACE, rng.choice(KINDS[PLACE]))
+              for initial in initials[n_people:]]
+    pools = {PERSON: people, PLACE: places}
+    for entity in people + places:
+        for relation, target_type in RELATIONS[entity.type].items():
+            entity.fields[relation] = rng.choice([o for o in pools[target_type] if o is not entity]).name
+    return {entity.name: entity for entity in people + places}
+
+
+def _paragraph(rng: random.Random, entity: _Entity, kb: dict[str, _Entity], asked: str, facts: int,
+               distractors: tuple[int, int]) -> str:
+    """One fact sentence (relation `asked` and `facts - 1` other relations, in random order) among distractor
+    sentences about other entities."""
+    others = [item for item in entity.fields.items() if item[0] != asked]
+    fields = [(asked, entity.fields[asked])] + rng.sample(others, facts - 1)
+    rng.shuffle(fields)
+    listed = [f"{relation} {value}" for relation, value in fields]
+    fact = f"{entity.name} is a {entity.kind} with {', '.join(listed[:-1])} and {listed[-1]}." if len(listed) > 1 \
+        else f"{entity.name} is a {entity.kind} with {listed[0]}."
+    people = [e.name for e in kb.values() if e.type == PERSON]
+    places = [e.name for e in kb.values() if e.type == PLACE]
+    sentences = []
+    for _ in range(rng.randint(*distractors)):
+        p, p2 = rng.sample(people, 2)
+        l, l2 = rng.sample(places, 2)
+        fillers = {key: rng.choice(values) for key, values in FILLERS.items()}
+        sentences.append(rng.choice(DISTRACTORS).format(P=p, P2=p2, L=l, L2=l2, **fillers))
+    sentences.insert(rng.randint(0, len(sentences)), fact)
+    return " ".join(sentences)
+
+
+def make_task(split: str, index: int, distractors: tuple[int, int] | None = None) -> DemoTask:
+    """Task `index` of `split` (deterministic; see module docstring); `distractors` overrides the split's range of
+    distractor sentences per paragraph."""
+    shape = SHAPES[split]
+    distractors = distractors or shape.distractors
+    rng = random.Random(f"kvprof-demo/{SPLITS[split]}/{index}")
+    hop_counts, weights = zip(*shape.hops)
+    while True:
+        kb = _knowledge_base(rng)
+        hops = rng.choices(hop_counts, weights)[0]
+        start = rng.choice(list(kb.values()))
+        entities, relations = [start.name], []
+        for _ in range(hops):
+            options = [r for r, v in kb[entities[-1]].fields.items() if v not in entities and r not in relations]
+            if not options:
+                break
+            relation = rng.choice(options)
+            relations.append(relation)
+            entities.append(kb[entities[-1]].fields[relation])
+        if len(relations) != hops:
+            continue
+        question = f"What is {entities[0]}'s " + "'s ".join(relations) + "?"
+        if split in ("train", "heldout") and split_of(question) != split:
+            continue
+        documents = {name: _paragraph(rng, kb[name], kb, relation, shape.facts, distractors)
+                     for name, relation in zip(entities, relations)}
+        task = Task(id=f"{split}-{index}", question=question, answer=entities[-1], documents=documents)
+        return DemoTask(task=task, entities=entities, relations=relations, split=split)
+
+
+def make_tasks(split: str, count: int, start: int = 0, distractors: tuple[int, int] | None = None
+               ) -> list[DemoTask]:
+    return [make_task(split, index, distractors) for index in range(start, start + count)]
+
+
+def write_tasks(path: str | Path, tasks: list[DemoTask]) -> Path:
+    """JSONL readable by `kvprof.workflow.load_tasks` (extra fields `entities`, `relations`, `split` are ignored
+    there and restore a `DemoTask` via `read_tasks`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for task in tasks:
+            handle.write(json.dumps(task.to_json(), ensure_ascii=False) + "\n")
+    return path
+
+
+def read_tasks(path: str | Path) -> list[DemoTask]:
+    with open(path, encoding="utf-8") as handle:
+        return [DemoTask.from_json(json.loads(line)) for line in handle if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------------- workflows
+
+
+def workflow_spec(mode: str, adapters: dict[str, str] | None = None) -> WorkflowSpec:
+    """The demo workflow: `prompt` mode (role prompts of different lengths) or `lora` mode (one neutral system
+    prompt; `adapters` maps role → adapter directory). The cue is role-neutral in both modes, so only the role
+    prompt or the adapter tells an agent which role it plays."""
+    if mode == "prompt":
+        agents = [AgentSpec(role, prompt=ROLE_PROMPTS[role], max_new_tokens=MAX_NEW_TOKENS[role]) for role in ROLES]
+        system = ""
+    else:
+        adapters = adapters or {}
+        agents = [AgentSpec(role, adapter=adapters.get(role), max_new_tokens=MAX_NEW_TOKENS[role]) for role in ROLES]
+        system = SYSTEM_PROMPT
+    return WorkflowSpec(mode=mode, agents=agents, system_prompt=system, cue_template=CUE, stop=["\n"],
+                        max_new_tokens=max(MAX_NEW_TOKENS.values()), max_rounds=MAX_ROUNDS,
+                        answer_pattern=ANSWER_PATTERN)
+
+
+def write_workflow_toml(path: str | Path, spec: WorkflowSpec) -> Path:
+    """Write `spec` as a TOML workflow file (adapter paths relative to the file's folder when inside it)."""
+    path = Path(path)
+    quote = json.dumps
+    lines = [f"mode = {quote(spec.mode)}", f"system_prompt = {quote(spec.system_prompt)}",
+             f"question_template = {quote(spec.question_template)}", f"cue_template = {quote(spec.cue_template)}",
+             f"observation_template = {quote(spec.observation_template)}",
+             f"stop = [{', '.join(quote(s) for s in spec.stop)}]", f"max_new_tokens = {spec.max_new_tokens}",
+             f"max_rounds = {spec.max_rounds}", f"action_pattern = {quote(spec.action_pattern)}",
+             f"answer_pattern = {quote(spec.answer_pattern)}"]
+    for agent in spec.agents:
+        lines.append(f"\n[agents.{agent.name}]")
+        if agent.adapter is not None:
+            adapter = Path(agent.adapter)
+            if adapter.is_absolute() and adapter.is_relative_to(path.parent.resolve()):
+                adapter = adapter.relative_to(path.parent.resolve())
+            lines.append(f"adapter = {quote(adapter.as_posix())}")
+        if agent.prompt is not None:
+            lines.append(f"prompt = {quote(agent.prompt)}")
+        if agent.max_new_tokens is not None:
+            lines.append(f"max_new_tokens = {agent.max_new_tokens}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
