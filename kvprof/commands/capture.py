@@ -57,7 +57,8 @@ def command(
         trace = import_shape_csv(shapes, tokenizer, tokenizer_identity(tokenizer), model, seed=seed, mode=mode)
         write_trace(trace_path, trace)
         _render(trace.trajectories)
-        write_result(out, "capture", {"trace": str(trace_path), "summary": _summary(trace.trajectories, 0.0)}, args)
+        write_result(out, "capture", {"trace": str(trace_path),
+                                      "summary": trajectory_summary(trace.trajectories, 0.0)}, args)
         console.print(f"wrote {trace_path}")
         return
     if tasks is None:
@@ -89,14 +90,14 @@ def command(
             bar.advance(job)
     elapsed = time.perf_counter() - started
     _render(captured)
-    summary = _summary(captured, elapsed)
+    summary = trajectory_summary(captured, elapsed)
     write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, args)
     if summary["accuracy"] is not None:
         console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
     console.print(f"wrote {trace_path} ({len(captured)} trajectories, {elapsed:.1f} s)")
 
 
-def _summary(trajectories: list[Trajectory], elapsed: float) -> dict:
+def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
     with_answer = [t for t in trajectories if t.answer is not None]
     correct = sum(exact_match(t.prediction, t.answer) for t in with_answer)
     per_agent: dict[str, dict] = defaultdict(lambda: {"turns": 0, "input_tokens": 0, "output_tokens": 0})
@@ -117,7 +118,7 @@ def _summary(trajectories: list[Trajectory], elapsed: float) -> dict:
 
 
 def _render(trajectories: list[Trajectory]) -> None:
-    summary = _summary(trajectories, 0.0)
+    summary = trajectory_summary(trajectories, 0.0)
     table = Table(title=f"trace: {summary['trajectories']} trajectories, {summary['distinct_tokens']} distinct tokens "
                         f"({summary['shared_tokens']} in segments read by several agents)")
     for column in ("agent", "turns", "mean input tokens", "mean output tokens"):

@@ -339,6 +339,7 @@ class Trainer:
             done(trainable=sum(p.numel() for p in params), final_loss=_tail(losses))
             metrics[role] = losses
         peft_model.save_pretrained(self.out / "adapters" / name)
+        _portable(self.out / "adapters" / name)
         accuracy = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks,
                                      lambda role: _adapter(peft_model, role))
         with peft_model.disable_adapter():
@@ -357,6 +358,15 @@ class Trainer:
         write_tasks(out / "tasks" / "heldout.jsonl", make_tasks("heldout", self.cfg.heldout_tasks))
         write_tasks(out / "tasks" / "long.jsonl", make_tasks("long", self.cfg.long_tasks))
         done()
+
+
+def _portable(folder: Path) -> None:
+    """Make saved adapters independent of this machine: base model path relative to each adapter, no model card."""
+    (folder / "README.md").unlink(missing_ok=True)
+    for config_path in folder.glob("*/adapter_config.json"):
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["base_model_name_or_path"] = "../../../model"
+        write_json(config_path, config)
 
 
 def _tail(losses: list[float], n: int = 20) -> float:

@@ -128,7 +128,8 @@ class Shape:
     facts: int = 1
 
 
-SHAPES = {"train": Shape(hops=((2, 0.5), (3, 0.5))), "heldout": Shape(), "long": Shape(hops=((3, 1.0),), distractors=(95, 110))}
+SHAPES = {"train": Shape(hops=((2, 0.5), (3, 0.5))), "heldout": Shape(),
+          "long": Shape(hops=((3, 1.0),), distractors=(125, 140))}
 
 
 @dataclass
