@@ -17,12 +17,6 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(PY) -m pytest -q
 
-# The whole pipeline on the tiny world built locally (until the trained demo world ships).
+# The whole pipeline on the shipped demo world (trained model, role prompts, LoRA adapters), on CPU.
 demo: setup
-	$(PY) -m kvprof.tiny runs/tiny
-	$(VENV)/bin/kvprof capture --model runs/tiny/model --workflow runs/tiny/workflow_lora.toml \
-		--tasks runs/tiny/tasks.jsonl --out runs/capture
-	$(VENV)/bin/kvprof rank-analysis runs/capture/trace.jsonl --out runs/rank
-	$(VENV)/bin/kvprof replay runs/capture/trace.jsonl --out runs/replay
-	$(VENV)/bin/kvprof report runs/capture/capture.json runs/rank/rank_analysis.json runs/replay/replay.json \
-		--out runs/report.html
+	$(VENV)/bin/kvprof demo --out runs/demo

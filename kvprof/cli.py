@@ -8,15 +8,12 @@ import click
 import typer
 
 import kvprof
-from kvprof.commands import capture, inspect, replay, report
-from kvprof.commands import rank_analysis
-from kvprof.commands import bench
+from kvprof.commands import bench, capture, demo, inspect, rank_analysis, replay, report
 from kvprof.errors import KvprofError
 
 app = typer.Typer(
     name="kvprof", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="Profile KV-cache sharing between LLM agents that share one base model (LoRA adapters or role prompts).")
-
 
 
 @app.callback()
@@ -32,6 +29,7 @@ app.command("replay")(replay.command)
 app.command("report")(report.command)
 app.command("rank-analysis")(rank_analysis.command)
 app.command("bench")(bench.command)
+app.command("demo")(demo.command)
 
 
 def _quiet_libraries() -> None:

@@ -72,12 +72,3 @@ def prompt_trace(tiny_world, tmp_path_factory):
     """A prompt-mode trace: shared segments sit after role prompts of different lengths."""
     return capture_tiny_trace(tiny_world, tiny_world.prompt_workflow,
                               tmp_path_factory.mktemp("prompt") / "trace.jsonl")
-
-
-@pytest.fixture
-def without_demo_world():
-    """Skip a test of the no-TRACE refusal where the demo world is installed (TRACE then defaults to it)."""
-    import importlib.util
-
-    if importlib.util.find_spec("kvprof.demo") is not None:
-        pytest.skip("the demo world is installed, so TRACE defaults to its sample trace")

@@ -150,11 +150,6 @@ def test_cli_is_deterministic(run_cli, prompt_trace, tmp_path):
     assert (tmp_path / "a/rank_analysis.html").read_text() == (tmp_path / "b/rank_analysis.html").read_text()
 
 
-def test_no_trace_without_the_demo_world_is_one_clear_error(run_cli, tmp_path, without_demo_world):
-    code, _, err = run_cli("rank-analysis", "--out", tmp_path)
-    assert code == 2 and err.startswith("error: no TRACE given and the demo world is not installed")
-
-
 def _rewrite(path, out, header=None, trajectories=None):
     trace = read_trace(path)
     return write_trace(out, Trace(header or trace.header, trajectories or trace.trajectories))

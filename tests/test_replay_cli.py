@@ -95,8 +95,3 @@ def test_report_refuses_non_results(run_cli, tmp_path):
     assert code == 2 and "is not a kvprof result" in err
     code, _, err = run_cli("report", tmp_path / "missing.json")
     assert code == 2 and "does not exist" in err
-
-
-def test_replay_without_trace_needs_the_demo_world(run_cli, tmp_path, without_demo_world):
-    code, _, err = run_cli("replay", "--out", tmp_path)
-    assert code == 2 and err.startswith("error: no TRACE given and the demo world is not installed")

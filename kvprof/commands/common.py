@@ -51,19 +51,10 @@ def write_result(out: Path, kind: str, payload: dict, args: dict) -> Path:
 
 
 def demo_trace(model: str | None) -> tuple[Path, str | None]:
-    """The demo world's sample trace (and its model, unless --model is given): the default when no TRACE is
-    passed."""
-    from kvprof.errors import KvprofError
+    """The demo world's short lora-mode sample trace (and its model, unless --model is given): the default when
+    no TRACE is passed."""
+    from kvprof.demo.assets import demo_world
 
-    try:
-        from kvprof.demo.assets import demo_world
-    except ImportError:
-        raise KvprofError("no TRACE given and the demo world is not installed; pass a trace file written by "
-                          "`kvprof capture`.") from None
     world = demo_world()
-    sample = getattr(world, "sample_trace", None)
-    if sample is None:
-        raise KvprofError("no TRACE given and the installed demo world has no sample trace; pass a trace file "
-                          "written by `kvprof capture`.")
-    return Path(sample), model or (str(world.model) if getattr(world, "model", None) else None)
+    return world.sample_traces["lora_short"], model or str(world.model)
 

@@ -1,0 +1,124 @@
+"""The shipped demo world: it loads, its adapters are what they claim, capture and `kvprof demo` run on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from kvprof.cli import app
+from kvprof.commands import capture
+from kvprof.demo.assets import demo_world
+from kvprof.demo.world import ROLES, read_tasks, workflow_spec
+from kvprof.errors import KvprofError
+from kvprof.model import load_agents
+from kvprof.spec import build_spec
+from kvprof.trace import read_trace, shared_segment_ids
+
+
+@pytest.fixture(scope="module")
+def world():
+    return demo_world()
+
+
+def test_world_files(world):
+    config = json.loads((world.model / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    assert config["head_dim"] >= 32 and config["max_position_embeddings"] >= 32768
+    assert len(read_tasks(world.heldout_tasks)) >= 200
+    for path in [*world.adapters.values(), *world.shared_a_adapters.values()]:
+        adapter = json.loads((path / "adapter_config.json").read_text())
+        assert adapter["r"] == 8 and set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_workflows_match_the_world(world):
+    assert build_spec(world.prompt_workflow) == workflow_spec("prompt")
+    lora = build_spec(world.lora_workflow)
+    assert [a.adapter for a in lora.agents] == [str(world.adapters[r].resolve()) for r in ROLES]
+    prompts = [a.prompt for a in build_spec(world.prompt_workflow).agents]
+    assert len({len(p) for p in prompts}) == len(prompts)
+
+
+def test_shared_a_adapters_share_a_and_differ_in_b(world):
+    weights = {role: load_file(str(path / "adapter_model.safetensors"))
+               for role, path in world.shared_a_adapters.items()}
+    keys_a = [k for k in weights["plan"] if "lora_A" in k]
+    keys_b = [k for k in weights["plan"] if "lora_B" in k]
+    assert keys_a and keys_b
+    for key in keys_a:
+        assert all(torch.equal(weights["plan"][key], weights[r][key]) for r in ROLES)
+    assert not all(torch.equal(weights["plan"][k], weights["act"][k]) for k in keys_b)
+    primary = {role: load_file(str(path / "adapter_model.safetensors")) for role, path in world.adapters.items()}
+    assert not torch.equal(primary["plan"][keys_a[0]], primary["act"][keys_a[0]])
+
+
+def test_sample_traces(world):
+    for name, path in world.sample_traces.items():
+        trace = read_trace(path)
+        assert trace.header.mode == name.split("_")[0]
+        assert trace.header.model["path"] == "../model"
+        if name.endswith("long"):
+            traj = trace.trajectories[0]
+            shared = sum(len(traj.segments[s]) for s in shared_segment_ids(traj))
+            assert shared >= 4000
+
+
+def test_capture_two_tasks(world, tmp_path):
+    for mode in ("prompt", "lora"):
+        out = tmp_path / mode
+        capture.command(model=str(world.model), tasks=world.heldout_tasks, workflow=world.workflow(mode), limit=2,
+                        out=out, device="cpu")
+        trace = read_trace(out / "trace.jsonl")
+        assert len(trace.trajectories) == 2 and all(t.prediction for t in trace.trajectories)
+
+
+def test_adapters_set_the_role(world):
+    """On one gold lora-mode input, the act adapter acts and the plan adapter plans."""
+    from kvprof.demo.data import oracle_trajectory
+    from kvprof.workflow import Sampling, generate
+
+    agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu")
+    task = read_tasks(world.heldout_tasks)[0]
+    traj = oracle_trajectory(agents.spec, agents.tokenizer, task)
+    act_turn = traj.turns[1]
+    ids = traj.input_tokens(act_turn)
+    as_act = agents.tokenizer.decode(generate(agents, "act", ids, 16, agents.spec, Sampling()))
+    as_plan = agents.tokenizer.decode(generate(agents, "plan", ids, 24, agents.spec, Sampling()))
+    assert as_act == task.output("act", 0)
+    assert as_plan.startswith(" Plan:")
+
+
+def test_demo_command(tmp_path):
+    from kvprof.commands.demo import STAGES
+
+    result = CliRunner().invoke(app, ["demo", "--tasks", "2", "--replay-tasks", "1", "--repeats", "1",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "demo.json").read_text())
+    assert list(record["stages"]) == [name for name, _ in STAGES]
+    captures = [stage for name, stage in record["stages"].items() if "accuracy" in stage]
+    assert len(captures) == 4 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
+    online = record["stages"]["replay"]["online_accuracy"]
+    assert {"dense", "fullshared", "baselrshared", "rebaseshared-lp"} <= set(online)
+    assert (tmp_path / "report.html").stat().st_size > 0
+
+
+def test_commands_default_to_the_demo_world(tmp_path):
+    """`kvprof replay --policy rebaseshared --schedule lp` and `kvprof rank-analysis` run as typed."""
+    result = CliRunner().invoke(app, ["replay", "--policy", "rebaseshared", "--schedule", "lp", "--limit", "1",
+                                      "--repeats", "1", "--out", str(tmp_path / "replay")])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    assert record["trace"] == str(demo_world().sample_traces["lora_short"])
+    assert list(record["policies"]) == ["rebaseshared-lp"]
+    result = CliRunner().invoke(app, ["rank-analysis", "--limit", "1", "--out", str(tmp_path / "rank")])
+    assert result.exit_code == 0, result.output
+
+
+def test_incomplete_world_is_refused(tmp_path):
+    with pytest.raises(KvprofError, match="incomplete"):
+        demo_world(tmp_path)
