@@ -110,7 +110,7 @@ def evaluate(world: DemoWorld, n_tasks: int, n_cross: int, conditions: tuple[str
     if n_tasks > len(tasks):
         raise typer.BadParameter(f"--tasks {n_tasks} exceeds the {len(tasks)} held-out tasks of {world.root}")
     tasks = tasks[:n_tasks]
-    result: dict = {"conditions": {}, "tasks_file": str(world.heldout_tasks)}
+    result: dict = {"conditions": {}, "tasks_file": world.heldout_tasks.relative_to(world.root).as_posix()}
     with progress() as bar:
         for condition in conditions:
             agents = load_condition(world, condition, device)
