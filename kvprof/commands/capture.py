@@ -13,7 +13,7 @@ from rich.table import Table
 from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
                                     write_result)
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
+from kvprof.model import AgentSet, load_agents, load_tokenizer, tokenizer_identity
 from kvprof.shapes import import_shape_csv
 from kvprof.spec import build_spec, check_react_roles
 from kvprof.trace import TraceHeader, TraceWriter, Trajectory, shared_segment_ids, write_trace
@@ -73,9 +73,7 @@ def command(
     agents = load_agents(spec, model, device=device, dtype=dtype, attn=attn)
     for name, info in agents.adapters.items():
         console.print(f"agent [bold]{name}[/]: adapter {info.path} ({info.describe()}, {info.layers} layers)")
-    header = TraceHeader(model={"path": model, "dtype": str(agents.base_model.dtype).removeprefix("torch."),
-                                "architecture": agents.config.architectures[0] if agents.config.architectures else ""},
-                         tokenizer=tokenizer_identity(agents.tokenizer), workflow=spec.to_dict())
+    header = trace_header(model, agents)
     tool = SearchTool()
     captured: list[Trajectory] = []
     started = time.perf_counter()
@@ -95,6 +93,13 @@ def command(
     if summary["accuracy"] is not None:
         console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
     console.print(f"wrote {trace_path} ({len(captured)} trajectories, {elapsed:.1f} s)")
+
+
+def trace_header(model: str, agents: AgentSet, **fields) -> TraceHeader:
+    """The header of a trace captured from `agents` (loaded from `model`); `fields`: other TraceHeader fields."""
+    return TraceHeader(model={"path": model, "dtype": str(agents.base_model.dtype).removeprefix("torch."),
+                              "architecture": agents.config.architectures[0] if agents.config.architectures else ""},
+                       tokenizer=tokenizer_identity(agents.tokenizer), workflow=agents.spec.to_dict(), **fields)
 
 
 def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:

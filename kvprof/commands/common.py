@@ -57,4 +57,3 @@ def demo_trace(model: str | None) -> tuple[Path, str | None]:
 
     world = demo_world()
     return world.sample_traces["lora_short"], model or str(world.model)
-

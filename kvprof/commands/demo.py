@@ -18,12 +18,13 @@ from rich.table import Table
 from kvprof.commands import capture, rank_analysis, replay, report
 from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
                                     write_result)
+from kvprof.commands.capture import trace_header
 from kvprof.demo.assets import DemoWorld, demo_world
+from kvprof.demo.evaluate import load_condition, run_tasks
+from kvprof.demo.world import read_tasks
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents, tokenizer_identity
-from kvprof.spec import build_spec
-from kvprof.trace import TraceHeader, TraceWriter
-from kvprof.workflow import Sampling, SearchTool, exact_match, generate, load_tasks, run_react
+from kvprof.trace import Trace, write_trace
+from kvprof.workflow import exact_match
 
 
 @dataclass
@@ -76,26 +77,17 @@ def capture_lora(ctx: DemoContext) -> StageResult:
 
 def lora_without_adapters(ctx: DemoContext) -> StageResult:
     """The lora workflow run by the base model with every adapter disabled: what the adapters are worth."""
-    spec = build_spec(ctx.world.lora_workflow)
-    agents = load_agents(spec, str(ctx.world.model), device=ctx.device, dtype=ctx.dtype)
-    tasks = load_tasks(ctx.world.heldout_tasks, ctx.tasks)
+    agents = load_condition(ctx.world, "lora_disabled", ctx.device, ctx.dtype)
+    tasks = read_tasks(ctx.world.heldout_tasks)[:ctx.tasks]
     path = ctx.out / "lora_no_adapters" / "trace.jsonl"
-    header = TraceHeader(model={"path": str(ctx.world.model), "dtype": str(agents.base_model.dtype)[6:],
-                                "architecture": agents.config.architectures[0]},
-                         tokenizer=tokenizer_identity(agents.tokenizer), workflow=spec.to_dict(),
-                         extra={"adapters": "disabled"})
-    correct = tokens = 0
-    with TraceWriter(path, header) as writer, progress() as bar:
+    with progress() as bar:
         job = bar.add_task("lora, adapters disabled", total=len(tasks))
-        for index, task in enumerate(tasks):
-            sampling = Sampling(seed=ctx.seed + index)
-            traj = run_react(spec, agents.tokenizer, task, SearchTool(),
-                             lambda agent, ids, max_new: generate(agents, None, ids, max_new, spec, sampling))
-            writer.write(traj)
-            correct += exact_match(traj.prediction, traj.answer)
-            tokens += traj.num_tokens
-            bar.advance(job)
+        trajectories = run_tasks(agents, "lora_disabled", tasks, lambda: bar.advance(job))
+    write_trace(path, Trace(trace_header(str(ctx.world.model), agents, extra={"adapters": "disabled"}),
+                            trajectories))
     ctx.traces["lora_no_adapters"] = path
+    correct = sum(exact_match(traj.prediction, traj.answer) for traj in trajectories)
+    tokens = sum(traj.num_tokens for traj in trajectories)
     return StageResult(f"exact match {correct / len(tasks):.1%} on {len(tasks)} tasks, {tokens} tokens", [path],
                        {"accuracy": correct / len(tasks), "tasks": len(tasks), "tokens": tokens})
 

@@ -21,6 +21,7 @@ Training uses bf16 autocast (master weights stay fp32) and computes the loss on 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -289,7 +290,7 @@ class Trainer:
         losses = train_loop(model, params, stream, cfg.base_steps, cfg.base_lr, cfg.warmup,
                             tokenizer.pad_token_id, step, cfg.context_weight)
         done(final_loss=_tail(losses),
-             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: _nothing()))
+             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: contextlib.nullcontext()))
         return model
 
     def recall(self, model, tokenizer, round_: int):
@@ -304,7 +305,7 @@ class Trainer:
                             tokenizer.pad_token_id, step, cfg.context_weight)
         model.save_pretrained(self.out / "model")
         done(parameters=sum(p.numel() for p in model.parameters()), final_loss=_tail(losses),
-             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: _nothing()))
+             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: contextlib.nullcontext()))
         return model
 
     def adapters(self, model, tokenizer, name: str, shared_a: bool):
@@ -343,7 +344,7 @@ class Trainer:
         accuracy = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks,
                                      lambda role: _adapter(peft_model, role))
         with peft_model.disable_adapter():
-            disabled = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks, lambda role: _nothing())
+            disabled = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks, lambda role: contextlib.nullcontext())
         self.record["phases"][f"{name}:eval"] = {"per_call_heldout": accuracy,
                                                   "per_call_heldout_disabled": disabled}
         return peft_model.unload()
@@ -373,15 +374,7 @@ def _tail(losses: list[float], n: int = 20) -> float:
     return round(sum(losses[-n:]) / len(losses[-n:]), 4)
 
 
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def _adapter(peft_model, role: str):
-    import contextlib
-
     peft_model.set_adapter(role)
     return contextlib.nullcontext()
 
