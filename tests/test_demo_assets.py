@@ -77,7 +77,8 @@ def test_capture_two_tasks(world, tmp_path):
 
 
 def test_adapters_set_the_role(world):
-    """On one gold lora-mode input, the act adapter acts and the plan adapter plans."""
+    """On one gold lora-mode input (an act turn), the act adapter acts, the plan adapter plans and the reflect
+    adapter says that the answer is not known yet."""
     from kvprof.demo.data import oracle_trajectory
     from kvprof.workflow import Sampling, generate
 
@@ -88,8 +89,10 @@ def test_adapters_set_the_role(world):
     ids = traj.input_tokens(act_turn)
     as_act = agents.tokenizer.decode(generate(agents, "act", ids, 16, agents.spec, Sampling()))
     as_plan = agents.tokenizer.decode(generate(agents, "plan", ids, 24, agents.spec, Sampling()))
+    as_reflect = agents.tokenizer.decode(generate(agents, "reflect", ids, 12, agents.spec, Sampling()))
     assert as_act == task.output("act", 0)
     assert as_plan.startswith(" Plan:")
+    assert as_reflect == task.output("reflect", 0)
 
 
 def test_demo_command(tmp_path):

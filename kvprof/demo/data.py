@@ -7,9 +7,10 @@ R on one trajectory prefix:
     tokens  = [R's role prompt (prompt mode)] + shared history up to turn k's cue + R's gold output at turn k
     targets = R's own earlier outputs in that history, and the final output
 
-Turn k is drawn at random among the turns where R has something to say, so R is asked both on its own turns and on
-other roles' turns ("off-schedule"): the position in the schedule never tells the model which role it plays — only
-the role prompt (prompt mode) or the adapter (lora mode) does.
+Turn k is drawn at random among all turns, so R is asked both on its own turns and on other roles' turns
+("off-schedule"; every role has an output at every turn, the reviewer's being "answer[ unknown]" until the answer is
+in the trajectory): the position in the schedule never tells the model which role it plays — only the role prompt
+(prompt mode) or the adapter (lora mode) does.
 """
 
 from __future__ import annotations
@@ -74,14 +75,9 @@ def role_example(traj: Trajectory, task: DemoTask, role: str, cutoff: int, token
 
 def sample_examples(spec: WorkflowSpec, tokenizer, task: DemoTask, roles: tuple[str, ...],
                     rng: random.Random) -> list[Example]:
-    """One example per role in `roles` for `task`, each on a random turn where that role has an output."""
+    """One example per role in `roles` for `task`, each on a random turn."""
     traj = oracle_trajectory(spec, tokenizer, task)
-    examples = []
-    for role in roles:
-        cutoffs = [k for k in range(len(traj.turns))
-                   if task.output(role, observations_seen(traj, k)) is not None]
-        examples.append(role_example(traj, task, role, rng.choice(cutoffs), tokenizer))
-    return examples
+    return [role_example(traj, task, role, rng.randrange(len(traj.turns)), tokenizer) for role in roles]
 
 
 def own_turn_examples(spec: WorkflowSpec, tokenizer, task: DemoTask) -> list[Example]:

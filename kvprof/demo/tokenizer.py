@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from kvprof.demo.world import PERSON_FINALS, PLACE_FINALS, DemoTask, workflow_spec
+from kvprof.demo.world import PERSON_FINALS, PLACE_FINALS, ROLES, DemoTask, workflow_spec
 
 EOS = "<eos>"
 VOCAB_SIZE = 1024
@@ -17,7 +17,7 @@ VOCAB_SIZE = 1024
 
 def corpus(tasks: Iterable[DemoTask]) -> Iterator[str]:
     """Every text segment the runner tokenizes for these tasks, in both modes (prompts, question, cues,
-    observations, gold outputs), each on its own as the runner encodes it."""
+    observations, every role's gold output at every turn), each on its own as the runner encodes it."""
     for mode in ("prompt", "lora"):
         spec = workflow_spec(mode)
         if spec.system_prompt:
@@ -32,7 +32,7 @@ def corpus(tasks: Iterable[DemoTask]) -> Iterator[str]:
             yield spec.observation_template.format(observation=text)
         for role, observations in task.schedule():
             yield spec.cue_template.format(agent=role)
-            yield task.output(role, observations)
+            yield from (task.output(any_role, observations) for any_role in ROLES)
 
 
 def build_tokenizer(tasks: Iterable[DemoTask], vocab_size: int = VOCAB_SIZE):

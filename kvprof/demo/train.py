@@ -158,7 +158,7 @@ def warmup_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
 
 def recall_stream(tokenizer, cfg: TrainConfig, salt: str = "") -> Iterator[list[Example]]:
     """Endless batches of `cfg.warmup_batch` recall examples on paragraphs with 0–6 distractor sentences."""
-    rng = random.Random(("recall" if cfg.seed == 0 else f"{cfg.seed}/recall") + salt)
+    rng = random.Random(f"{cfg.seed}/recall{salt}")
     while True:
         batch = []
         for _ in range(cfg.warmup_batch):

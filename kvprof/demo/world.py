@@ -26,7 +26,8 @@ solved by `h` searches and a finish)::
              0 < j < h: " Plan: rival Tevren, find mentor of Tevren."
              j = h: " Plan: birthplace Osmadal, finish."
     act      " search[ Kalomir]" ... " finish[ Osmadal]"
-    reflect  j = h: " answer[ Osmadal]"
+    reflect  j < h: " answer[ unknown]"   (asked before the answer is in the trajectory, the reviewer says so)
+             j = h: " answer[ Osmadal]"
 
 Every token of an output is one lookup: the relation just resolved is the one the last plan asked for, its value
 follows that relation word in the last observation (as it does in the plan), and the next relation follows the
@@ -101,13 +102,15 @@ ROLE_PROMPTS = {
     "reflect": ("You are the reviewer. The team has searched a knowledge base step by step to answer the "
                 "question. Read the whole trajectory, check that every step followed the right relation, and "
                 "give the final answer in the form answer[ ANSWER], copying the name exactly as the "
-                "observation spells it.\n"),
+                "observation spells it, or answer[ unknown] while no observation holds it yet.\n"),
 }
 ROLES = tuple(ROLE_PROMPTS)
 ROLE_FORMATS = {"plan": r" Plan: [^\n]+[.]\n", "act": r" (?:search|finish)\[ [^\]\n]+\]\n",
                 "reflect": r" answer\[ [^\]\n]+\]\n"}
 """What a well-formed output of each role looks like (`re.fullmatch` on the decoded output)."""
 ANSWER_PATTERN = r"answer\[(.*?)\]"
+UNKNOWN = "unknown"
+"""The reviewer's answer before the trajectory holds the answer (never an entity name: names are two syllables)."""
 MAX_ROUNDS = 5
 MAX_NEW_TOKENS = {"plan": 24, "act": 12, "reflect": 12}
 
@@ -160,9 +163,8 @@ class DemoTask:
 
     # ------------------------------------------------------------------ gold outputs
 
-    def output(self, role: str, observations: int) -> str | None:
-        """The gold output text of `role` once the trajectory holds `observations` observations (None: `role` has
-        nothing to say yet — reflect before the answer is known)."""
+    def output(self, role: str, observations: int) -> str:
+        """The gold output text of `role` once the trajectory holds `observations` observations."""
         j, h, e, r = observations, self.hops, self.entities, self.relations
         if role == "plan":
             if j == 0:
@@ -172,7 +174,7 @@ class DemoTask:
         if role == "act":
             return f" finish[ {e[h]}]\n" if j == h else f" search[ {e[j]}]\n"
         if role == "reflect":
-            return f" answer[ {e[h]}]\n" if j == h else None
+            return f" answer[ {e[h] if j == h else UNKNOWN}]\n"
         raise ValueError(f"unknown role {role!r}")
 
     def schedule(self) -> list[tuple[str, int]]:
