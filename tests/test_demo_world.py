@@ -9,7 +9,7 @@ import pytest
 
 from kvprof.demo.data import oracle_trajectory, own_turn_examples, role_example, sample_examples
 from kvprof.demo.tokenizer import build_tokenizer
-from kvprof.demo.world import (INITIALS, PERSON_FINALS, PLACE_FINALS, RELATION_WORDS, SHAPES, ROLE_FORMATS, ROLE_PROMPTS, ROLES, SYSTEM_PROMPT, DemoTask,
+from kvprof.demo.world import (INITIALS, PERSON_FINALS, PLACE_FINALS, RELATION_WORDS, SHAPES, ROLE_FORMATS, ROLE_PROMPTS, ROLES, SYSTEM_PROMPT, UNKNOWN, DemoTask,
                                make_task, make_tasks, read_tasks, split_of, workflow_spec, write_tasks,
                                write_workflow_toml)
 from kvprof.spec import build_spec
@@ -74,6 +74,8 @@ def test_gold_outputs_have_their_role_format():
             for wrong in other[role]:
                 text = t.output(wrong, observations)
                 assert not re.fullmatch(ROLE_FORMATS[role], text)
+        assert [t.output("reflect", j) for j in range(t.hops)] == [f" answer[ {UNKNOWN}]\n"] * t.hops
+        assert UNKNOWN not in t.entities
 
 
 def test_every_name_is_its_two_syllables(tokenizer):
