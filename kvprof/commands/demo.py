@@ -146,7 +146,7 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
 
 def command(
     tasks: Annotated[int, typer.Option("--tasks", help="Held-out demo tasks per capture.")] = 20,
-    replay_tasks: Annotated[int, typer.Option("--replay-tasks", help="Tasks replayed under every policy.")] = 4,
+    replay_tasks: Annotated[int, typer.Option("--replay-tasks", help="Tasks replayed under every policy.")] = 10,
     repeats: Annotated[int, typer.Option(
         "--repeats", min=1, help="Timed repeats of each replayed prefill (after a warm-up); TTFT is the median.")] = 2,
     world: Annotated[Optional[Path], typer.Option(
