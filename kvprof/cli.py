@@ -43,21 +43,28 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+INTERRUPTED = 130
+
+
 def main() -> None:
-    """Entry point: user mistakes (`KvprofError`) print one line and exit 2, without a traceback."""
+    """Entry point: user mistakes (`KvprofError`) print one line and exit 2, without a traceback; Ctrl-C exits 130."""
     _quiet_libraries()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer turns Ctrl-C inside a command into this return value
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except click.ClickException as usage:
         usage.show()
         sys.exit(usage.exit_code)
     except click.exceptions.Abort:
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     except KvprofError as err:
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        typer.echo("interrupted; nothing half-written was kept.", err=True)
-        sys.exit(130)
+        code = INTERRUPTED
+    if code == INTERRUPTED:
+        typer.echo("interrupted; nothing half-written was kept (capture and replay continue from their checkpoint "
+                   "with --resume).", err=True)
+    if isinstance(code, int) and code:
+        sys.exit(code)

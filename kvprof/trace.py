@@ -162,6 +162,44 @@ class TraceWriter:
         self._ctx.__exit__(exc_type, exc, tb)
 
 
+class PartialTrace:
+    """The checkpoint of a capture in progress: a trace file that grows by one trajectory at a time, each line
+    flushed to disk when written, so an interrupted capture can resume from it (`read_partial_trace`). Unlike
+    `TraceWriter` the file is visible while it grows: it is a checkpoint, never the result. `append=True` continues
+    an existing checkpoint (its header already written)."""
+
+    def __init__(self, path: str | os.PathLike, header: TraceHeader, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(self.path, "a" if append else "w", encoding="utf-8")
+        if not append:
+            self._append(header_record(header))
+
+    def _append(self, record: dict) -> None:
+        self._handle.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def write(self, traj: Trajectory) -> None:
+        self._append(trajectory_record(traj))
+
+    def __enter__(self) -> "PartialTrace":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._handle.close()
+
+
+def read_partial_trace(path: str | os.PathLike) -> Trace:
+    """Read a `PartialTrace` checkpoint, first cutting from the file a last line that the interruption tore."""
+    path = Path(path)
+    data = path.read_bytes()
+    complete = data[:data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        path.write_bytes(complete)
+    return read_trace(path)
+
+
 def write_trace(path: str | os.PathLike, trace: Trace) -> Path:
     with TraceWriter(path, trace.header) as writer:
         for traj in trace.trajectories:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvprof.tiny import build_adapter, tiny_config
-from kvprof.trace import read_trace, shared_segment_ids
+from kvprof.trace import read_partial_trace, read_trace, shared_segment_ids
 
 
 def _capture(run_cli, world, out, *extra):
@@ -110,3 +110,57 @@ def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
     _one_line_error(*run_cli("inspect", lora_trace, "--model", other_model), "captured with tokenizer",
                     "pass --model with the model the trace was captured with")
     assert not (tmp_path / "trace.jsonl").exists()  # nothing half-written
+
+
+
+def _count_tasks(monkeypatch, interrupt_at: int | None = None) -> list[str]:
+    """Wrap capture's runner: the returned list collects the ids of the tasks it runs; with `interrupt_at`, the
+    runner raises KeyboardInterrupt (as Ctrl-C does) on that task (1-based)."""
+    import kvprof.commands.capture as capture_module
+
+    monkeypatch.undo()
+    real_run_react, calls = capture_module.run_react, []
+
+    def run_react(spec, tokenizer, task, *rest, **kwargs):
+        calls.append(task.id)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        return real_run_react(spec, tokenizer, task, *rest, **kwargs)
+
+    monkeypatch.setattr(capture_module, "run_react", run_react)
+    return calls
+
+
+def test_interrupted_capture_resumes_to_the_same_trace(run_cli, tiny_world, tmp_path, monkeypatch):
+    """A capture interrupted at its third task leaves a checkpoint and no trace; `--resume` runs only the rest and
+    writes the trace an uninterrupted capture writes, byte for byte."""
+    args = ("--workflow", tiny_world.lora_workflow, "--temperature", "1.0", "--seed", "3")
+    assert _capture(run_cli, tiny_world, tmp_path / "whole", *args)[0] == 0
+    _count_tasks(monkeypatch, interrupt_at=3)
+    code, _, err = _capture(run_cli, tiny_world, tmp_path / "cut", *args)
+    assert code == 130 and "--resume" in err
+    assert not (tmp_path / "cut/trace.jsonl").exists()
+    checkpoint = tmp_path / "cut/trace.partial.jsonl"
+    with open(checkpoint, "a") as torn:
+        torn.write('{"record":"trajectory","id":"tor')
+    assert len(read_partial_trace(checkpoint).trajectories) == 2
+    calls = _count_tasks(monkeypatch)
+    code, out, err = _capture(run_cli, tiny_world, tmp_path / "cut", *args, "--resume")
+    assert code == 0, err
+    assert "resuming after 2 captured tasks" in out and len(calls) == 1
+    assert (tmp_path / "cut/trace.jsonl").read_bytes() == (tmp_path / "whole/trace.jsonl").read_bytes()
+    assert not checkpoint.exists()
+
+
+def test_resume_refuses_another_capture_s_checkpoint(run_cli, tiny_world, tmp_path, monkeypatch):
+    _count_tasks(monkeypatch, interrupt_at=2)
+    assert _capture(run_cli, tiny_world, tmp_path, "--workflow", tiny_world.lora_workflow)[0] == 130
+    monkeypatch.undo()
+    code, out, err = _capture(run_cli, tiny_world, tmp_path, "--workflow", tiny_world.lora_workflow, "--seed", "9",
+                              "--resume")
+    _one_line_error(code, out, err, "trace.partial.jsonl", "another model, tokenizer, workflow or sampling")
+    reordered = tmp_path / "reordered.jsonl"
+    reordered.write_text("".join(reversed(tiny_world.tasks.read_text().splitlines(keepends=True))))
+    code, out, err = run_cli("capture", "--model", tiny_world.model, "--tasks", reordered, "--out", tmp_path,
+                             "--device", "cpu", "--workflow", tiny_world.lora_workflow, "--resume")
+    _one_line_error(code, out, err, "trace.partial.jsonl", "not the first tasks of --tasks")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -16,7 +17,8 @@ from kvprof.errors import KvprofError
 from kvprof.model import AgentSet, load_agents, load_tokenizer, tokenizer_identity
 from kvprof.shapes import import_shape_csv
 from kvprof.spec import build_spec, check_react_roles
-from kvprof.trace import TraceHeader, TraceWriter, Trajectory, shared_segment_ids, write_trace
+from kvprof.trace import (PartialTrace, TraceHeader, TraceWriter, Trajectory, header_record, read_partial_trace,
+                          shared_segment_ids, write_trace)
 from kvprof.workflow import Sampling, SearchTool, exact_match, load_tasks, model_responder, run_react
 
 
@@ -42,6 +44,8 @@ def command(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass when sampling.")] = 1.0,
     attn: Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")] = "sdpa",
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted capture from OUT/trace.partial.jsonl.")] = False,
     out: OutOption = Path("runs/capture"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -73,19 +77,27 @@ def command(
     agents = load_agents(spec, model, device=device, dtype=dtype, attn=attn)
     for name, info in agents.adapters.items():
         console.print(f"agent [bold]{name}[/]: adapter {info.path} ({info.describe()}, {info.layers} layers)")
-    header = trace_header(model, agents)
+    header = trace_header(model, agents, extra={"sampling": {"temperature": temperature, "top_p": top_p,
+                                                             "seed": seed}})
+    checkpoint = out / "trace.partial.jsonl"
+    captured = _resumed(checkpoint, header, task_list) if resume else []
     tool = SearchTool()
-    captured: list[Trajectory] = []
     started = time.perf_counter()
-    with TraceWriter(trace_path, header) as writer, progress() as bar:
-        job = bar.add_task("capturing", total=len(task_list))
-        for index, task in enumerate(task_list):
+    with PartialTrace(checkpoint, header, append=bool(captured)) as partial, \
+            TraceWriter(trace_path, header) as writer, progress() as bar:
+        job = bar.add_task("capturing", total=len(task_list), completed=len(captured))
+        for traj in captured:
+            writer.write(traj)
+        for index, task in enumerate(task_list[len(captured):], start=len(captured)):
             bar.update(job, description=f"task {task.id}")
             respond = model_responder(agents, Sampling(temperature, top_p, seed + index))
-            traj = run_react(spec, agents.tokenizer, task, tool, respond, on_turn=lambda t, turn: bar.update(job, description=f"task {t.id}: {turn.agent}"))
+            traj = run_react(spec, agents.tokenizer, task, tool, respond,
+                             on_turn=lambda t, turn: bar.update(job, description=f"task {t.id}: {turn.agent}"))
             writer.write(traj)
+            partial.write(traj)
             captured.append(traj)
             bar.advance(job)
+    checkpoint.unlink()
     elapsed = time.perf_counter() - started
     _render(captured)
     summary = trajectory_summary(captured, elapsed)
@@ -93,6 +105,24 @@ def command(
     if summary["accuracy"] is not None:
         console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
     console.print(f"wrote {trace_path} ({len(captured)} trajectories, {elapsed:.1f} s)")
+
+
+def _resumed(checkpoint: Path, header: TraceHeader, tasks: list) -> list[Trajectory]:
+    """The trajectories an interrupted capture with the same header left in `checkpoint` (none if it is absent);
+    refuses a checkpoint of another model, workflow, sampling or task list."""
+    if not checkpoint.exists():
+        console.print(f"no checkpoint {checkpoint}: capturing from the first task")
+        return []
+    partial = read_partial_trace(checkpoint)
+    if header_record(partial.header) != json.loads(json.dumps(header_record(header))):
+        raise KvprofError(f"checkpoint {checkpoint} was captured with another model, tokenizer, workflow or sampling; "
+                          f"rerun with the options it was captured with, or delete it to start again.")
+    ids = [traj.id for traj in partial.trajectories]
+    if ids != [task.id for task in tasks[:len(ids)]]:
+        raise KvprofError(f"checkpoint {checkpoint} holds tasks {', '.join(ids[:3])}… that are not the first tasks "
+                          f"of --tasks; pass the --tasks and --limit it was captured with, or delete it.")
+    console.print(f"resuming after {len(ids)} captured tasks")
+    return partial.trajectories
 
 
 def trace_header(model: str, agents: AgentSet, **fields) -> TraceHeader:
