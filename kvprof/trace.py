@@ -119,6 +119,11 @@ class Trace:
 # ----------------------------------------------------------------------------------------------------- writing
 
 
+def record_line(record: dict) -> str:
+    """One JSONL line of a trace file (compact, UTF-8 kept), with its newline."""
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
 def header_record(header: TraceHeader) -> dict:
     record = {"record": "header", "schema": header.schema, "version": header.version, "model": header.model,
               "tokenizer": header.tokenizer, "workflow": header.workflow, "source": header.source}
@@ -150,7 +155,7 @@ class TraceWriter:
         self._write(header_record(header))
 
     def _write(self, record: dict) -> None:
-        self._handle.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._handle.write(record_line(record))
 
     def write(self, traj: Trajectory) -> None:
         self._write(trajectory_record(traj))
@@ -176,7 +181,7 @@ class PartialTrace:
             self._append(header_record(header))
 
     def _append(self, record: dict) -> None:
-        self._handle.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._handle.write(record_line(record))
         self._handle.flush()
         os.fsync(self._handle.fileno())
 

@@ -112,7 +112,6 @@ def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
     assert not (tmp_path / "trace.jsonl").exists()  # nothing half-written
 
 
-
 def _count_tasks(monkeypatch, interrupt_at: int | None = None) -> list[str]:
     """Wrap capture's runner: the returned list collects the ids of the tasks it runs; with `interrupt_at`, the
     runner raises KeyboardInterrupt (as Ctrl-C does) on that task (1-based)."""

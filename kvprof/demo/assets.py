@@ -45,21 +45,17 @@ class DemoWorld:
         """Role → adapter directory of the set that shares one A per projection (only B differs)."""
         return {role: self.root / "adapters" / "shared_a" / role for role in ROLES}
 
-    @property
-    def prompt_workflow(self) -> Path:
-        return self.root / "workflow_prompt.toml"
-
-    @property
-    def lora_workflow(self) -> Path:
-        return self.root / "workflow_lora.toml"
-
-    @property
-    def lora_shared_a_workflow(self) -> Path:
-        return self.root / "workflow_lora_shared_a.toml"
-
     def workflow(self, mode: str) -> Path:
         """`prompt`, `lora` or `lora_shared_a`."""
         return self.root / f"workflow_{mode}.toml"
+
+    @property
+    def prompt_workflow(self) -> Path:
+        return self.workflow("prompt")
+
+    @property
+    def lora_workflow(self) -> Path:
+        return self.workflow("lora")
 
     @property
     def heldout_tasks(self) -> Path:

@@ -24,19 +24,20 @@ import typer
 from kvprof.demo.assets import ASSETS, DemoWorld
 from kvprof.demo.world import read_tasks
 from kvprof.fileio import write_json
+from kvprof.trace import record_line
 
 SHORT_TASKS = 4
 
 
-def _relative_header(trace: Path, folder: Path) -> list[str]:
-    lines = trace.read_text(encoding="utf-8").splitlines()
+def _relative_header(trace: Path, folder: Path) -> str:
+    lines = trace.read_text(encoding="utf-8").splitlines(keepends=True)
     header = json.loads(lines[0])
     header["model"]["path"] = Path(os.path.relpath(header["model"]["path"], folder)).as_posix()
     header["tokenizer"]["name"] = header["model"]["path"]
     for agent in header["workflow"]["agents"]:
         if agent.get("adapter"):
             agent["adapter"] = Path(os.path.relpath(agent["adapter"], folder)).as_posix()
-    return [json.dumps(header, ensure_ascii=False, separators=(",", ":"))] + lines[1:]
+    return record_line(header) + "".join(lines[1:])
 
 
 def _gold_trace(world: DemoWorld, mode: str, tasks: list, out: Path) -> None:
@@ -75,8 +76,8 @@ def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
                 summary = json.loads((Path(tmp) / "capture.json").read_text(encoding="utf-8"))["summary"]
                 target = world.sample_traces[name]
                 target.parent.mkdir(parents=True, exist_ok=True)
-                lines = _relative_header(Path(tmp) / "trace.jsonl", target.parent.resolve())
-            target.write_text("\n".join(lines) + "\n", encoding="utf-8")
+                text = _relative_header(Path(tmp) / "trace.jsonl", target.parent.resolve())
+            target.write_text(text, encoding="utf-8")
             stats[name] = {"trajectories": summary["trajectories"], "tokens": summary["distinct_tokens"],
                            "shared_tokens": summary["shared_tokens"], "accuracy": summary["accuracy"]}
     return stats
