@@ -20,12 +20,12 @@ count as zero: see `noise_floor`); cross-agent cosine per token (mean) and of th
 ‖Δ‖/‖C_j‖ and ‖adapter output‖/‖C‖. Every (trajectory, pair) counts once in the per-layer means.
 
 Published claims checked (`claims()`):
-- LRAgent (shared/seeds/003): base caches of different agents on the same context have cosine similarity > 0.97,
+- LRAgent (arXiv:2602.01053): base caches of different agents on the same context have cosine similarity > 0.97,
   while the adapter outputs are largely decorrelated ("low similarity"; kvprof reads "nearly orthogonal" as
   |mean token cosine| < 0.1).
-- KVCMAS (shared/seeds/000): per-agent delta corrections have effective rank < 32, well below the KV feature
-  dimension; the caches they correct have a somewhat higher effective rank (kvprof compares the delta with the caches
-  C_i, C_j it is taken between).
+- KVCMAS (docs/design.md, "Sharing policies"): per-agent delta corrections have effective rank < 32, well below the
+  KV feature dimension; the caches they correct have a somewhat higher effective rank (kvprof compares the delta with
+  the caches C_i, C_j it is taken between).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import torch
 from kvprof import metrics
 from kvprof.cache import TurnCapture, capture_turn
 from kvprof.errors import KvprofError
-from kvprof.model import AgentSet
+from kvprof.model import AgentSet, head_dim
 from kvprof.rope import rotary_embedding, rotate_keys
 from kvprof.trace import Trace, Trajectory
 
-KV = ("K", "V")
+KV_NAMES = ("K", "V")  # the two cache tensors, as result keys
 SPECTRUM_LENGTH = 128  # leading entries of each mean energy spectrum kept in results
 LRAGENT_BASE_COSINE = 0.97
 LRAGENT_ORTHOGONAL = 0.1
@@ -296,7 +296,7 @@ class RankAnalysis:
         out: dict[int, dict[str, dict[str, float]]] = {}
         for layer in self.layers:
             out[layer] = {}
-            for kv in KV:
+            for kv in KV_NAMES:
                 records = self._records(layer, kv)
                 names = [name for name in METRICS if name in records[0].values]
                 out[layer][kv] = {name: sum(r.values[name] for r in records) / len(records) for name in names}
@@ -307,7 +307,7 @@ class RankAnalysis:
         out: dict[int, dict[str, dict[str, list[float]]]] = {}
         for layer in self.layers:
             out[layer] = {}
-            for kv in KV:
+            for kv in KV_NAMES:
                 records = self._records(layer, kv)
                 out[layer][kv] = {}
                 for quantity in records[0].spectra:
@@ -330,23 +330,23 @@ class RankAnalysis:
 
         claims = []
         if self.mode == "lora":
-            base = {kv: over_layers("base_cosine", kv) for kv in KV}
-            worst = min(((kv, layer, v) for kv in KV for layer, v in base[kv]), key=lambda item: item[2])
+            base = {kv: over_layers("base_cosine", kv) for kv in KV_NAMES}
+            worst = min(((kv, layer, v) for kv in KV_NAMES for layer, v in base[kv]), key=lambda item: item[2])
             claims.append(Claim(
                 "LRAgent", f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
-                all(mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV),
+                all(mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV_NAMES),
                 f"K {mean(base['K']):.4f}, V {mean(base['V']):.4f}",
                 f"mean token cosine over layers; lowest: layer {worst[1]} {worst[0]} {worst[2]:.4f}"))
-            adapter = {kv: over_layers("adapter_cosine", kv) for kv in KV}
-            worst = max(((kv, layer, v) for kv in KV for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
+            adapter = {kv: over_layers("adapter_cosine", kv) for kv in KV_NAMES}
+            worst = max(((kv, layer, v) for kv in KV_NAMES for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
             claims.append(Claim(
                 "LRAgent",
                 f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
-                all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV),
+                all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV_NAMES),
                 f"K {mean(adapter['K']):+.4f}, V {mean(adapter['V']):+.4f}",
                 f"mean token cosine over layers; largest |cosine|: layer {worst[1]} {worst[0]} {worst[2]:+.4f}"))
         else:
-            cache = {kv: mean(over_layers("cache_cosine", kv)) for kv in KV}
+            cache = {kv: mean(over_layers("cache_cosine", kv)) for kv in KV_NAMES}
             claims.append(Claim(
                 "LRAgent", "base caches agree across agents and adapter outputs are nearly orthogonal", None,
                 f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
@@ -354,17 +354,17 @@ class RankAnalysis:
         bound = max(pair.bound for pair in self.pairs)
         trivial = (f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
                    "little on this trace" if bound <= KVCMAS_DELTA_RANK else "")
-        delta = {kv: over_layers("delta_rank", kv) for kv in KV}
-        worst = max(((kv, layer, v) for kv in KV for layer, v in delta[kv]), key=lambda item: item[2])
+        delta = {kv: over_layers("delta_rank", kv) for kv in KV_NAMES}
+        worst = max(((kv, layer, v) for kv in KV_NAMES for layer, v in delta[kv]), key=lambda item: item[2])
         claims.append(Claim(
             "KVCMAS", f"deltas Δ_j←i have effective rank < {KVCMAS_DELTA_RANK:g}", worst[2] < KVCMAS_DELTA_RANK,
             f"K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
             f"mean over layers; highest: layer {worst[1]} {worst[0]} {worst[2]:.2f} (every layer must be < "
             f"{KVCMAS_DELTA_RANK:g}){trivial}"))
-        cache = {kv: mean(over_layers("cache_rank", kv)) for kv in KV}
+        cache = {kv: mean(over_layers("cache_rank", kv)) for kv in KV_NAMES}
         claims.append(Claim(
             "KVCMAS", "the caches have higher effective rank than their deltas",
-            all(cache[kv] > mean(delta[kv]) for kv in KV),
+            all(cache[kv] > mean(delta[kv]) for kv in KV_NAMES),
             f"C: K {cache['K']:.2f}, V {cache['V']:.2f}; Δ: K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
             "means over layers"))
         return claims
@@ -384,7 +384,7 @@ class RankAnalysis:
                                             for kv, by_q in spectra[layer].items()}} for layer in self.layers],
             "pairs": [{"trajectory": p.trajectory, "source": p.source, "target": p.target, "tokens": p.tokens,
                        "bound": p.bound, "segments": p.segments,
-                       "layers": [{"layer": layer, **{kv: rounded(p.layers[layer][kv].values) for kv in KV}}
+                       "layers": [{"layer": layer, **{kv: rounded(p.layers[layer][kv].values) for kv in KV_NAMES}}
                                   for layer in self.layers]} for p in self.pairs],
             "claims": [{"paper": c.paper, "statement": c.statement, "holds": c.holds, "measured": c.measured,
                         "detail": c.detail} for c in self.claims()],
@@ -421,12 +421,12 @@ def analyze_trace(agents: AgentSet, trace: Trace, agent_names: Sequence[str], la
     """
     mode = trace.header.mode
     config = agents.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = head_dim(config)
     result = RankAnalysis(mode=mode, agents=list(agent_names), layers=list(layers), per_head=per_head,
-                          head_dim=head_dim, kv_heads=config.num_key_value_heads)
+                          head_dim=dim, kv_heads=config.num_key_value_heads)
     inv_freq = rotary_embedding(agents.base_model).inv_freq
     parts = ("kv", "split") if mode == "lora" else ("kv",)
-    columns = head_dim if per_head else head_dim * config.num_key_value_heads
+    columns = dim if per_head else dim * config.num_key_value_heads
     for traj in trace.trajectories:
         sequences = {name: agent_sequence(traj, name, max_tokens) for name in agent_names}
         spans = []

@@ -32,7 +32,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.lora import decoder_layers
-from kvprof.model import AgentSet
+from kvprof.model import AgentSet, head_dim
 from kvprof.rope import rotary_embedding, rotate_half
 
 PARTS = ("kv", "split", "hidden", "lr")
@@ -206,9 +206,7 @@ class _Capture:
         rows = flat[0].float() if kept else self.span(flat[0], 0)
         if name not in PER_HEAD:
             return rows
-        config = self.agents.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_head = rows.view(rows.shape[0], -1, head_dim).transpose(0, 1)
+        per_head = rows.view(rows.shape[0], -1, head_dim(self.agents.config)).transpose(0, 1)
         if name in ROTATED:
             per_head = per_head * self.cos + rotate_half(per_head) * self.sin
         return per_head.contiguous()

@@ -24,7 +24,7 @@ CACHED_PROJECTIONS = ("k_proj", "v_proj")
 
 
 @dataclass
-class ProjectionSplit:
+class ProjectionWeights:
     """One cached projection (k_proj or v_proj) of one layer.
 
     base_weight: (H_kv·D, d_model); base_bias: (H_kv·D,) or None;
@@ -40,11 +40,6 @@ class ProjectionSplit:
         """X·W0ᵀ (+ bias): (..., L, d_model) → (..., L, H_kv·D)."""
         return torch.nn.functional.linear(hidden, self.base_weight, self.base_bias)
 
-    def low_rank(self, hidden: torch.Tensor, agent: str) -> torch.Tensor | None:
-        """X·Aᵀ for `agent`: (..., L, d_model) → (..., L, r); None when the agent does not adapt this projection."""
-        down = self.down.get(agent)
-        return None if down is None else hidden @ down.T
-
     def expand(self, low_rank: torch.Tensor, agent: str) -> torch.Tensor:
         """(X·Aᵀ)·s·Bᵀ: (..., L, r) → (..., L, H_kv·D)."""
         return low_rank @ self.up[agent].T
@@ -52,8 +47,8 @@ class ProjectionSplit:
 
 @dataclass
 class LayerSplit:
-    key: ProjectionSplit
-    value: ProjectionSplit
+    key: ProjectionWeights
+    value: ProjectionWeights
 
 
 def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,14 +57,14 @@ def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def layer_splits(agents) -> list[LayerSplit]:
-    """Per layer, the k/v projection weights of the base and of every agent's adapter (see `ProjectionSplit`)."""
+    """Per layer, the k/v projection weights of the base and of every agent's adapter (see `ProjectionWeights`)."""
     splits = []
     for layer in decoder_layers(agents.base_model):
         parts = {}
         for name in CACHED_PROJECTIONS:
             module = getattr(layer.self_attn, name)
             weight, bias = _linear_parts(module)
-            split = ProjectionSplit(weight, bias)
+            split = ProjectionWeights(weight, bias)
             for agent in getattr(module, "lora_A", {}):
                 if agent not in agents.spec.names:
                     continue

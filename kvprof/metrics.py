@@ -1,4 +1,4 @@
-"""Metric definitions shared by every command (DESIGN.md, "Metrics"): one definition, used everywhere.
+"""Metric definitions shared by every command (docs/design.md, "Metrics"): one definition, used everywhere.
 
 Cache error compares a policy's K or V with the dense (NonShared) one on the same span; output fidelity compares the
 next-token distributions of the two runs, teacher-forced on the trace's outputs.
@@ -36,7 +36,7 @@ def top1_agreement(dense_logits: torch.Tensor, policy_logits: torch.Tensor) -> t
     return (dense_logits.argmax(-1) == policy_logits.argmax(-1)).double()
 
 
-# ------------------------------------------------------------------------------------- rank and similarity (issue #3)
+# ----------------------------------------------------------------------------------------------- rank and similarity
 
 
 def singular_values(matrix: torch.Tensor) -> torch.Tensor:

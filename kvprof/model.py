@@ -21,7 +21,19 @@ from kvprof.spec import WorkflowSpec
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The canonical order of LoRA target module names (Llama-style decoders), used to list an adapter's targets.
+LORA_TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def head_dim(config) -> int:
+    """The size D of one attention head of a transformers model `config` (K/V are (..., H_kv, L, D)).
+
+    Not every config records it: some architectures (Qwen2, for one) always use hidden_size / num_attention_heads and
+    have no `head_dim` field, and older saved configs of others lack it or store None. Architectures that decouple
+    the two (Mistral-Nemo, Gemma, Qwen3) do record it. So: `config.head_dim` when set, else
+    hidden_size // num_attention_heads.
+    """
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -151,7 +163,7 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
                 layers.add(int(layer.group(1)))
     if not targets:
         raise KvprofError(f"adapter {path} holds no LoRA weights; pass a trained PEFT LoRA adapter.")
-    ordered = [p for p in PROJECTIONS if p in targets] + sorted(targets - set(PROJECTIONS))
+    ordered = [p for p in LORA_TARGET_ORDER if p in targets] + sorted(targets - set(LORA_TARGET_ORDER))
     return AdapterInfo(path=str(path), rank=int(config["r"]), alpha=float(config.get("lora_alpha", config["r"])),
                        targets=ordered, layers=len(layers))
 

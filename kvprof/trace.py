@@ -364,15 +364,6 @@ def read_trace(path: str | os.PathLike) -> Trace:
     return Trace(header=read_header(path), trajectories=trajectories)
 
 
-def validate_trace(path: str | os.PathLike) -> tuple[TraceHeader, int, int]:
-    """Validate a trace without keeping it in memory; returns (header, trajectories, turns)."""
-    n_traj = n_turns = 0
-    for traj in iter_trajectories(path):
-        n_traj += 1
-        n_turns += len(traj.turns)
-    return read_header(path), n_traj, n_turns
-
-
 def check_tokenizer(header: TraceHeader, identity: dict, trace_path: str | os.PathLike, model_name: str) -> None:
     """Refuse to use a trace with a tokenizer other than the one it was captured with."""
     if header.tokenizer.get("fingerprint") != identity["fingerprint"]:

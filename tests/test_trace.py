@@ -10,7 +10,7 @@ from kvprof.errors import KvprofError
 from kvprof.model import load_tokenizer, tokenizer_identity
 from kvprof.shapes import import_shape_csv
 from kvprof.tiny import build_tokenizer
-from kvprof.trace import check_tokenizer, read_header, read_trace, shared_segment_ids, validate_trace, write_trace
+from kvprof.trace import check_tokenizer, read_header, read_trace, shared_segment_ids, write_trace
 
 REACT_SHAPE = [("plan", 512, 32)] + [("plan", 4096, 32), ("plan", 8, 8), ("action", 8, 8)] * 4 + [
     ("reflect", 32, 32), ("reflect", 8, 8)]
@@ -89,9 +89,9 @@ def test_react_shape_csv_import(tiny_world, tmp_path):
     tokenizer = load_tokenizer(str(tiny_world.model))
     trace = import_shape_csv(csv_path, tokenizer, tokenizer_identity(tokenizer), str(tiny_world.model), seed=3)
     out = write_trace(tmp_path / "react.jsonl", trace)
-    header, n_traj, n_turns = validate_trace(out)
-    assert (n_traj, n_turns) == (1, len(REACT_SHAPE))
-    traj = read_trace(out).trajectories[0]
+    written = read_trace(out)
+    assert [len(t.turns) for t in written.trajectories] == [len(REACT_SHAPE)]
+    traj = written.trajectories[0]
     assert traj.num_tokens == sum(p + d for _, p, d in REACT_SHAPE) == 17264
     previous = 0
     for turn, (agent, prefill, decode) in zip(traj.turns, REACT_SHAPE):
@@ -101,7 +101,7 @@ def test_react_shape_csv_import(tiny_world, tmp_path):
         previous += prefill + decode
     again = import_shape_csv(csv_path, tokenizer, tokenizer_identity(tokenizer), str(tiny_world.model), seed=3)
     assert again.trajectories[0].segments == traj.segments
-    assert set(header.agent_names) == {"plan", "action", "reflect"}
+    assert set(written.header.agent_names) == {"plan", "action", "reflect"}
 
 
 def test_shape_csv_bad_rows(tiny_world, tmp_path):

@@ -72,10 +72,6 @@ class DemoWorld:
         return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in TRACE_NAMES}
 
     @property
-    def training_record(self) -> Path:
-        return self.root / "training.json"
-
-    @property
     def evaluation_record(self) -> Path:
         return self.root / "evaluation.json"
 
