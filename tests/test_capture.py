@@ -115,7 +115,7 @@ def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
 def _count_tasks(monkeypatch, interrupt_at: int | None = None) -> list[str]:
     """Wrap capture's runner: the returned list collects the ids of the tasks it runs; with `interrupt_at`, the
     runner raises KeyboardInterrupt (as Ctrl-C does) on that task (1-based)."""
-    import kvprof.commands.capture as capture_module
+    import kvprof.capture as capture_module
 
     monkeypatch.undo()
     real_run_react, calls = capture_module.run_react, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -108,6 +109,8 @@ def test_demo_command(tmp_path):
     online = record["stages"]["replay"]["online_accuracy"]
     assert {"dense", "fullshared", "baselrshared", "rebaseshared-lp"} <= set(online)
     assert (tmp_path / "report.html").stat().st_size > 0
+    recorded = json.loads((tmp_path / "capture_lora" / "capture.json").read_text())["args"]
+    assert list(recorded) == list(inspect.signature(capture.command).parameters)  # what `kvprof capture` records
 
 
 def test_commands_default_to_the_demo_world(tmp_path):

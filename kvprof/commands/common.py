@@ -1,34 +1,32 @@
-"""Options and helpers every command shares: --out, --device, --dtype, --seed, the console, result files."""
+"""Options and helpers every command shares: --out, --device, --dtype, --seed, the console (`kvprof.ui`, re-exported
+here), result files, dashboard sections on the terminal."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import platform
-import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Callable
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import kvprof
 from kvprof.fileio import write_json
+from kvprof.ui import console, progress
 
-console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
-progress_console = Console(stderr=True)
+if TYPE_CHECKING:
+    from kvprof.model import AgentSet
+    from kvprof.report import Section
+
+__all__ = ["DeviceOption", "DtypeOption", "OutOption", "SeedOption", "command_args", "console", "demo_trace",
+           "print_adapters", "print_sections", "progress", "result_envelope", "write_result"]
 
 OutOption = Annotated[Path, typer.Option("--out", help="Directory for results (created if missing).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N.")]
 DtypeOption = Annotated[str, typer.Option(
     "--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed; a fixed seed gives identical results.")]
-
-
-def progress() -> Progress:
-    """A rich progress bar on stderr (stdout stays clean for tables)."""
-    return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=progress_console, transient=False)
 
 
 def result_envelope(kind: str, payload: dict, args: dict) -> dict:
@@ -48,6 +46,32 @@ def result_envelope(kind: str, payload: dict, args: dict) -> dict:
 def write_result(out: Path, kind: str, payload: dict, args: dict) -> Path:
     """Write `OUT/<kind>.json` atomically and return its path."""
     return write_json(out / f"{kind}.json", result_envelope(kind, payload, args))
+
+
+def command_args(command: Callable, **given) -> dict:
+    """The `args` a result of `command` records when it runs with the options `given` and defaults for the rest:
+    what a stage of `kvprof demo` records for the command it stands for."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(command).parameters.items()}
+    unknown = given.keys() - defaults.keys()
+    if unknown:
+        raise TypeError(f"{command.__module__} has no options {', '.join(sorted(unknown))}")
+    return defaults | given
+
+
+def print_adapters(agents: AgentSet) -> None:
+    """One line per agent that runs a LoRA adapter: the adapter's folder, rank, alpha, projections and layers."""
+    for name, info in agents.adapters.items():
+        console.print(f"agent [bold]{name}[/]: adapter {info.path} ({info.describe()}, {info.layers} layers)")
+
+
+def print_sections(sections: list[Section]) -> None:
+    """Dashboard sections on the terminal: a rule with the title, then the text and the tables (not the figures)."""
+    for section in sections:
+        console.rule(section.title)
+        for line in section.text:
+            console.print(line)
+        for table in section.tables:
+            console.print(table.to_rich())
 
 
 def demo_trace(model: str | None) -> tuple[Path, str | None]:

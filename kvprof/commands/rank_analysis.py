@@ -1,28 +1,23 @@
 """`kvprof rank-analysis`: effective rank and cross-agent similarity of caches, adapter outputs and deltas, per layer.
 
-The maths lives in `kvprof.analysis`, the rendering of the JSON result in `kvprof.report.rank_analysis` (which
-`kvprof report` shares); this module parses options, shows progress and writes the result and the HTML report.
+The maths lives in `kvprof.analysis`, the run over a trace file in `kvprof.rank_analysis`, the rendering of the JSON
+result in `kvprof.report.rank_analysis` (which `kvprof report` shares); this module parses options, shows progress
+and writes the result and the HTML report.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import torch
 import typer
 
-from kvprof.analysis import analyze_trace, select_agents
-from kvprof.cache import resolve_layers
 from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, demo_trace,
                                     progress, write_result)
-from kvprof.lora import decoder_layers
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace
-from kvprof.report import write_html
-from kvprof.report.rank_analysis import layer_tables, sections, verdict_lines
-from kvprof.trace import read_trace
+from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 
 
 def command(
@@ -57,28 +52,20 @@ def command(
     if trace is None:
         trace, model = demo_trace(model)
         args.update(trace=trace, model=model)
-    loaded = read_trace(trace)
-    if limit is not None:
-        loaded.trajectories = loaded.trajectories[:limit]
-    names = select_agents(loaded, [name.strip() for name in agents.split(",") if name.strip()] if agents else None)
-    agent_set = load_agents_for_trace(trace, model=model, agent_flags=agent, device=device, dtype=dtype)
-    chosen = resolve_layers(parse_layers(layers), len(decoder_layers(agent_set.base_model)))
-    started = time.perf_counter()
+    setup = prepare_rank_analysis(
+        trace, model=model, agent_flags=agent, limit=limit, layers=parse_layers(layers), device=device, dtype=dtype,
+        agent_names=[name.strip() for name in agents.split(",") if name.strip()] if agents else None)
     with progress() as bar:
-        job = bar.add_task("capturing and comparing caches", total=len(loaded.trajectories))
-        result = analyze_trace(agent_set, loaded, names, chosen, max_tokens=max_tokens, per_head=per_head,
-                               on_trajectory=lambda traj: bar.advance(job))
-    elapsed = time.perf_counter() - started
-    payload = {"trace": str(trace), "model": agent_set.model_name, "seconds": round(elapsed, 3), **result.to_dict()}
+        job = bar.add_task("capturing and comparing caches", total=len(setup.trace.trajectories))
+        payload = run_rank_analysis(setup, max_tokens=max_tokens, per_head=per_head,
+                                    on_trajectory=lambda traj: bar.advance(job))
     for table in layer_tables(payload):
         console.print(table.to_rich())
     for line in verdict_lines(payload):
         console.print(line, markup=False)
     json_path = write_result(out, "rank_analysis", payload, args)
-    html_path = write_html(out / "rank_analysis.html", "kvprof rank-analysis", sections(payload),
-                           subtitle=f"{trace} · model {agent_set.model_name} · {result.mode} mode · "
-                                    f"{len(result.pairs)} (trajectory, pair) spans · matrices {result.matrix}")
-    console.print(f"wrote {json_path} and {html_path} ({elapsed:.1f} s)")
+    html_path = write_report(out / "rank_analysis.html", payload)
+    console.print(f"wrote {json_path} and {html_path} ({payload['seconds']:.1f} s)")
 
 
 def parse_layers(text: str | None) -> list[int] | None:

@@ -7,9 +7,8 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import console
-from kvprof.report import write_html
-from kvprof.report.dashboard import dashboard_sections
+from kvprof.commands.common import console, print_sections
+from kvprof.report.dashboard import dashboard_sections, write_dashboard
 
 
 def command(
@@ -19,11 +18,6 @@ def command(
 ) -> None:
     """Merge result files into one dashboard (plotly, offline) and print their tables."""
     sections = dashboard_sections(results)
-    for section in sections:
-        console.rule(section.title)
-        for line in section.text:
-            console.print(line)
-        for table in section.tables:
-            console.print(table.to_rich())
-    path = write_html(out, "kvprof report", sections, subtitle=", ".join(map(str, results)))
+    print_sections(sections)
+    path = write_dashboard(out, sections, results)
     console.print(f"wrote {path} ({len(sections)} sections from {len(results)} result files)")

@@ -30,6 +30,7 @@ from kvprof.fileio import write_json
 from kvprof.model import AgentSet, load_agents
 from kvprof.spec import build_spec
 from kvprof.trace import Trajectory
+from kvprof.ui import console, progress
 from kvprof.workflow import Responder, Sampling, SearchTool, exact_match, generate, model_responder, run_react
 
 CONDITIONS = ("prompt", "lora", "lora_shared_a", "lora_disabled")
@@ -104,8 +105,6 @@ def cross_role(agents: AgentSet, tasks: list[DemoTask], advance: Callable[[], No
 def evaluate(world: DemoWorld, n_tasks: int, n_cross: int, conditions: tuple[str, ...] = CONDITIONS,
              device: str = "cpu") -> dict:
     """All measurements of the module docstring, with progress bars; returns the result dictionary."""
-    from kvprof.commands.common import progress
-
     tasks = read_tasks(world.heldout_tasks)
     if n_tasks > len(tasks):
         raise typer.BadParameter(f"--tasks {n_tasks} exceeds the {len(tasks)} held-out tasks of {world.root}")
@@ -153,8 +152,6 @@ def main(
     threads: Annotated[int, typer.Option("--threads", help="CPU threads.")] = 2,
 ) -> None:
     """Evaluate the demo world (see module docstring), print the tables and write the JSON result."""
-    from kvprof.commands.common import console
-
     torch.set_num_threads(threads)
     world = demo_world(world_dir)
     result = evaluate(world, tasks, cross_tasks)

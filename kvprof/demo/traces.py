@@ -2,7 +2,8 @@
 
     python -m kvprof.demo.traces [--world DIR]
 
-`{prompt,lora}_short`: the first SHORT_TASKS held-out tasks, captured with `kvprof capture` (the agents generate).
+`{prompt,lora}_short`: the first SHORT_TASKS held-out tasks, captured as `kvprof capture` captures them (the agents
+generate, greedy).
 `{prompt,lora}_long`: the first long task (3 hops, paragraphs of ~130 distractor sentences: several thousand tokens
 of shared context) with the gold outputs (source `demo-oracle` in the header): the demo model was trained on
 paragraphs of at most 10 distractors and loses the thread in paragraphs ten times longer, so a captured long
@@ -21,10 +22,15 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trajectory_summary
 from kvprof.demo.assets import ASSETS, DemoWorld
-from kvprof.demo.world import read_tasks
-from kvprof.fileio import write_json
-from kvprof.trace import record_line
+from kvprof.demo.data import oracle_trajectory
+from kvprof.demo.world import DemoTask, read_tasks
+from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
+from kvprof.spec import build_spec
+from kvprof.trace import Trace, TraceHeader, Trajectory, record_line, write_trace
+from kvprof.ui import progress
+from kvprof.workflow import Sampling, Task, load_tasks
 
 SHORT_TASKS = 4
 
@@ -40,43 +46,46 @@ def _relative_header(trace: Path, folder: Path) -> str:
     return record_line(header) + "".join(lines[1:])
 
 
-def _gold_trace(world: DemoWorld, mode: str, tasks: list, out: Path) -> None:
-    """OUT/trace.jsonl and OUT/capture.json (as `kvprof capture` writes them) for `tasks` with gold outputs."""
-    from kvprof.commands.capture import trajectory_summary
-    from kvprof.demo.data import oracle_trajectory
-    from kvprof.model import load_tokenizer, tokenizer_identity
-    from kvprof.spec import build_spec
-    from kvprof.trace import Trace, TraceHeader, write_trace
-
+def _gold_trace(world: DemoWorld, mode: str, tasks: list[DemoTask], path: Path) -> list[Trajectory]:
+    """Write the trace of `tasks` with gold outputs to `path`; returns its trajectories."""
     spec = build_spec(world.workflow(mode))
     tokenizer = load_tokenizer(str(world.model.resolve()))
     trajectories = [oracle_trajectory(spec, tokenizer, task) for task in tasks]
     header = TraceHeader(model={"path": str(world.model.resolve()), "dtype": "float32",
                                 "architecture": "LlamaForCausalLM"},
                          tokenizer=tokenizer_identity(tokenizer), workflow=spec.to_dict(), source="demo-oracle")
-    write_trace(out / "trace.jsonl", Trace(header, trajectories))
-    write_json(out / "capture.json", {"summary": trajectory_summary(trajectories, 0.0)})
+    write_trace(path, Trace(header, trajectories))
+    return trajectories
+
+
+def _captured_trace(world: DemoWorld, mode: str, tasks: list[Task], path: Path, device: str) -> list[Trajectory]:
+    """Capture `tasks` into the trace `path` as `kvprof capture --workflow WORLD/workflow_<mode>.toml` does (greedy,
+    seed 0, float32); returns its trajectories."""
+    model = str(world.root.resolve() / "model")
+    agents = load_agents(capture_spec(world.workflow(mode)), model, device=device, dtype="float32")
+    sampling = Sampling()
+    with progress() as bar:
+        job = bar.add_task(f"capturing {mode}", total=len(tasks))
+        return capture_trajectories(agents, tasks, path, sampled_trace_header(model, agents, sampling), sampling,
+                                    on_trajectory=lambda traj: bar.advance(job))
 
 
 def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
     """Capture the four sample traces into WORLD/sample_traces; returns `name → {trajectories, tokens}`."""
-    from kvprof.commands import capture
-
-    root = world.root.resolve()
     stats = {}
     for mode in ("prompt", "lora"):
         for kind, tasks, limit in (("short", world.heldout_tasks, SHORT_TASKS), ("long", world.long_tasks, 1)):
             name = f"{mode}_{kind}"
             with tempfile.TemporaryDirectory() as tmp:
+                trace = Path(tmp) / "trace.jsonl"
                 if kind == "short":
-                    capture.command(model=str(root / "model"), tasks=tasks, workflow=world.workflow(mode),
-                                    limit=limit, out=Path(tmp), device=device, dtype="float32", seed=0)
+                    trajectories = _captured_trace(world, mode, load_tasks(tasks, limit), trace, device)
                 else:
-                    _gold_trace(world, mode, read_tasks(tasks)[:limit], Path(tmp))
-                summary = json.loads((Path(tmp) / "capture.json").read_text(encoding="utf-8"))["summary"]
+                    trajectories = _gold_trace(world, mode, read_tasks(tasks)[:limit], trace)
+                summary = trajectory_summary(trajectories, 0.0)
                 target = world.sample_traces[name]
                 target.parent.mkdir(parents=True, exist_ok=True)
-                text = _relative_header(Path(tmp) / "trace.jsonl", target.parent.resolve())
+                text = _relative_header(trace, target.parent.resolve())
             target.write_text(text, encoding="utf-8")
             stats[name] = {"trajectories": summary["trajectories"], "tokens": summary["distinct_tokens"],
                            "shared_tokens": summary["shared_tokens"], "accuracy": summary["accuracy"]}

@@ -39,6 +39,7 @@ from kvprof.demo.data import IGNORE, Example, batches, collate, own_turn_example
 from kvprof.demo.tokenizer import build_tokenizer
 from kvprof.demo.world import RELATION_WORDS, ROLES, make_task, make_tasks, workflow_spec, write_tasks, write_workflow_toml
 from kvprof.fileio import write_json
+from kvprof.ui import progress
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -381,8 +382,6 @@ def _adapter(peft_model, role: str):
 
 def run(out: Path, cfg: TrainConfig) -> dict:
     """All phases into `out`; returns the training record (also written to OUT/training.json)."""
-    from kvprof.commands.common import progress
-
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     out.mkdir(parents=True, exist_ok=True)

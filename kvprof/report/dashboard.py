@@ -1,18 +1,19 @@
-"""`kvprof report`'s core: result files (any command's JSON) → dashboard sections, by result kind.
+"""`kvprof report`'s core: results (any command's JSON, from files or in memory) → dashboard sections, by result kind.
 
 Each command that writes a result registers one function `dict → list[Section]` under its kind (the `schema`
-field is `kvprof.result.<kind>`). Several files of one kind are shown one after another, each titled by its path.
+field is `kvprof.result.<kind>`). Several results of one kind are shown one after another, each titled by the path
+of its file.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvprof.errors import KvprofError
 from kvprof.report import bench, capture, rank_analysis, replay
-from kvprof.report.html import Section
+from kvprof.report.html import Section, write_html
 
 SectionBuilder = Callable[[dict], list[Section]]
 
@@ -41,15 +42,24 @@ def load_result(path: Path) -> tuple[str, dict]:
     return schema.removeprefix("kvprof.result."), payload
 
 
-def dashboard_sections(paths: list[Path]) -> list[Section]:
-    sections: list[Section] = []
-    for path in paths:
-        kind, payload = load_result(path)
-        builder = BUILDERS.get(kind)
-        if builder is None:
-            raise KvprofError(f"{path} is a {kind!r} result, which `kvprof report` cannot show yet (it shows "
-                              f"{', '.join(sorted(BUILDERS))}); leave it out.")
-        for section in builder(payload):
-            section.title = f"{section.title} — {path}"
-            sections.append(section)
+def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
+    """The sections of one result of `kind` (a result file's JSON, or the payload written to it), each titled with
+    the `path` of its file."""
+    builder = BUILDERS.get(kind)
+    if builder is None:
+        raise KvprofError(f"{path} is a {kind!r} result, which `kvprof report` cannot show yet (it shows "
+                          f"{', '.join(sorted(BUILDERS))}); leave it out.")
+    sections = builder(result)
+    for section in sections:
+        section.title = f"{section.title} — {path}"
     return sections
+
+
+def dashboard_sections(paths: list[Path]) -> list[Section]:
+    """The sections of every result file in `paths`, in order."""
+    return [section for path in paths for section in result_sections(*load_result(path), path)]
+
+
+def write_dashboard(path: Path, sections: list[Section], sources: Sequence[Path]) -> Path:
+    """The dashboard page of `sections`, from the result files `sources`, at `path`."""
+    return write_html(path, "kvprof report", sections, subtitle=", ".join(map(str, sources)))

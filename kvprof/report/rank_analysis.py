@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from itertools import accumulate
+from pathlib import Path
 
 from kvprof.report.figures import heatmap_figure, line_figure
-from kvprof.report.html import Section
+from kvprof.report.html import Section, write_html
 from kvprof.report.tables import TableData
 
-KV = ("K", "V")
+KV_NAMES = ("K", "V")
 VERDICTS = {True: "holds", False: "does not hold", None: "n/a"}
 QUANTITIES = {"cache": "C", "base": "base X·W0", "adapter": "adapter output", "delta": "Δ"}
 
@@ -34,7 +35,7 @@ def layer_tables(result: dict) -> list[TableData]:
                            caption="cos = mean token cosine between the two agents' states (source keys re-aligned "
                                    "to the target's positions)")
     for entry in result["layer_means"]:
-        for kv in KV:
+        for kv in KV_NAMES:
             means, label = entry[kv], f"{entry['layer']} {kv}"
             if lora:
                 ranks.add_row(label, _rank(means, "cache"), _rank(means, "base"), _rank(means, "adapter"),
@@ -78,15 +79,15 @@ def sections(result: dict) -> list[Section]:
 
     curves = [
         line_figure(layers, {f"{label} {kv}": per_layer(f"{name}_rank", kv) for name, label in QUANTITIES.items()
-                             for kv in KV if f"{name}_rank" in present},
+                             for kv in KV_NAMES if f"{name}_rank" in present},
                     "entropy effective rank per layer", "layer", "effective rank"),
         line_figure(layers, {f"{label} {kv}": per_layer(metric, kv) for metric, label in
                              (("delta_relative", "‖Δ‖/‖C‖"), ("adapter_relative", "‖adapter‖/‖C‖"))
-                             for kv in KV if metric in present},
+                             for kv in KV_NAMES if metric in present},
                     "relative norms per layer", "layer", "ratio"),
     ]
     spectra = []
-    for kv in KV:
+    for kv in KV_NAMES:
         series = {f"layer {entry['layer']} {QUANTITIES[name]}": list(accumulate(entry[kv][name]))
                   for entry in result["spectra"] for name in ("cache", "delta")}
         longest = max(len(values) for values in series.values())
@@ -98,7 +99,7 @@ def sections(result: dict) -> list[Section]:
                                f"{kv}: mean token cosine of {labels[metric]} (mean over layers)",
                                zmin=-1.0, zmax=1.0, colorscale="RdBu")
                 for metric in (["base_cosine", "adapter_cosine"] if result["mode"] == "lora" else ["cache_cosine"])
-                for kv in KV]
+                for kv in KV_NAMES]
     return [
         Section("Cache rank and cross-agent similarity",
                 text=[f"Agents {', '.join(result['agents'])}; layers {', '.join(map(str, layers))}; "
@@ -109,3 +110,11 @@ def sections(result: dict) -> list[Section]:
                                           "low rank."], figures=spectra),
         Section("Similarity across agent pairs", figures=heatmaps),
     ]
+
+
+def write_report(path: Path, result: dict) -> Path:
+    """The HTML page of a rank-analysis result at `path`: its sections, under a line naming trace, model, mode,
+    spans and matrices."""
+    return write_html(path, "kvprof rank-analysis", sections(result),
+                      subtitle=f"{result['trace']} · model {result['model']} · {result['mode']} mode · "
+                               f"{len(result['pairs'])} (trajectory, pair) spans · matrices {result['matrix']}")

@@ -1,0 +1,17 @@
+"""The terminal: a rich console for results on stdout, and progress bars on stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+progress_console = Console(stderr=True)
+
+
+def progress() -> Progress:
+    """A rich progress bar on stderr (stdout stays clean for tables)."""
+    return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=progress_console, transient=False)
