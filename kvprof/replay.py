@@ -5,7 +5,7 @@ result is computed once, compared with each policy's, then released, so memory s
 Online replay (`replay_online`) re-runs the workflow under each policy: agents generate their own outputs and errors
 propagate to later agents, as the papers measure accuracy.
 
-Metrics (kvprof.metrics, DESIGN.md): per layer relative Frobenius error and mean token cosine of K and V on the
+Metrics (kvprof.metrics, docs/design.md): per layer relative Frobenius error and mean token cosine of K and V on the
 reused span; KL(dense ‖ policy), top-1 agreement and first-token match on the outputs; reuse ratio ρ per token, per
 call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT, latency, analytic memory.
 """
@@ -13,27 +13,20 @@ call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT,
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
 from kvprof.metrics import kl_divergence, mean_token_cosine, relative_frobenius, top1_agreement
 from kvprof.model import AgentSet
-from kvprof.policies import SharingPolicy, TurnRequest, TurnResult, make_policy
+from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
+from kvprof.profiling import gpu_memory
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory
-from kvprof.workflow import SearchTool, Task, exact_match, run_react
+from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
 
 DENSE = "dense"
-
-
-@dataclass
-class PolicyChoice:
-    """A policy name and its options, e.g. ("rebaseshared", {"schedule": "db"})."""
-
-    name: str
-    options: dict[str, str] = field(default_factory=dict)
 
 
 def compare_turn(result: TurnResult, dense: TurnResult) -> dict:
@@ -104,8 +97,15 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
     }
 
 
-def build_policies(runtime: Runtime, choices: Iterable[PolicyChoice]) -> list[SharingPolicy]:
-    return [make_policy(choice.name, runtime, **choice.options) for choice in choices]
+def build_policies(runtime: Runtime, variants: Iterable[PolicyVariant]) -> list[SharingPolicy]:
+    return [variant.build(runtime) for variant in variants]
+
+
+def policy_entry(policy: SharingPolicy) -> dict:
+    """What a result records of a policy besides its numbers: identity, options and published figures."""
+    return {"name": policy.name, "family": policy.family, "paper": policy.paper, "approximate": policy.approximate,
+            "modes": list(policy.modes), "options": dict(policy.values),
+            "published": [asdict(figure) | {"text": str(figure)} for figure in policy.published]}
 
 
 TurnHook = Callable[[Trajectory, int], None]
@@ -120,7 +120,7 @@ class ReplayProgress:
     memory_exact: dict[str, bool] = field(default_factory=dict)
 
 
-def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: list[PolicyChoice],
+def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], variants: list[PolicyVariant],
                  repeats: int = 1, on_turn: TurnHook | None = None, check_memory: bool = False,
                  progress: ReplayProgress | None = None,
                  on_trajectory: Callable[[ReplayProgress], None] | None = None, lora_attention: bool = False) -> dict:
@@ -131,7 +131,7 @@ def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: 
     """
     runtime = Runtime(agents, lora_attention)
     dense = NonShared(runtime)
-    policies = build_policies(runtime, choices)
+    policies = build_policies(runtime, variants)
     state = progress or ReplayProgress()
     for label in [DENSE] + [policy.label for policy in policies]:
         state.records.setdefault(label, [])
@@ -163,9 +163,8 @@ def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], choices: 
     for policy in policies:
         summary = summarise(state.records[policy.label])
         summary.update(relative_to_dense(summary, dense_summary))
-        result["policies"][policy.label] = {
-            "name": policy.name, "family": policy.family, "paper": policy.paper, "approximate": policy.approximate,
-            "options": policy.settings, "summary": summary, "turns": state.records[policy.label]}
+        result["policies"][policy.label] = policy_entry(policy) | {"summary": summary,
+                                                                    "turns": state.records[policy.label]}
         if check_memory:
             result["policies"][policy.label]["memory_accounting_exact"] = state.memory_exact[policy.label]
     return result
@@ -180,13 +179,13 @@ def policy_responder(policy: SharingPolicy):
     return respond
 
 
-def run_online(agents: AgentSet, tasks: list[Task], choices: list[PolicyChoice],
+def run_online(agents: AgentSet, tasks: list[Task], variants: list[PolicyVariant],
                on_task: Callable[[str, Task], None] | None = None,
                lora_attention: bool = False) -> dict[str, list[Trajectory]]:
     """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories."""
     runtime = Runtime(agents, lora_attention)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
-    runs.update({policy.label: policy for policy in build_policies(runtime, choices)})
+    runs.update({policy.label: policy for policy in build_policies(runtime, variants)})
     tool = SearchTool()
     trajectories: dict[str, list[Trajectory]] = {label: [] for label in runs}
     for label, policy in runs.items():
@@ -213,4 +212,32 @@ def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
                                  and dense_outputs[index] == outputs[index])
         result[label] = {"accuracy": correct / len(trajectories) if trajectories else None, "correct": correct,
                          "tasks": len(trajectories), "diverged_turns": diverged / max(total, 1)}
+    return result
+
+
+@dataclass
+class ReplayHooks:
+    """Progress callbacks of `run_replay`: after each teacher-forced turn, each online task, each trajectory."""
+
+    on_turn: TurnHook | None = None
+    on_task: Callable[[str, Task], None] | None = None
+    on_trajectory: Callable[[ReplayProgress], None] | None = None
+
+
+def run_replay(agents: AgentSet, trajectories: list[Trajectory], variants: list[PolicyVariant], repeats: int = 1,
+               online: bool = False, lora_attention: bool = False, progress: ReplayProgress | None = None,
+               hooks: ReplayHooks | None = None) -> dict:
+    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay, the online re-runs
+    when `online`, and the run's setting (mode, repeats, attention path, device, dtype, GPU memory)."""
+    hooks = hooks or ReplayHooks()
+    result = replay_trace(agents, trajectories, variants, repeats=repeats, on_turn=hooks.on_turn, progress=progress,
+                          on_trajectory=hooks.on_trajectory, lora_attention=lora_attention)
+    if online:
+        runs = run_online(agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task,
+                          lora_attention=lora_attention)
+        result["online"] = summarise_online(runs)
+    result.update(mode=agents.spec.mode, repeats=repeats,
+                  lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
+                  device=str(agents.device), dtype=str(agents.base_model.dtype).removeprefix("torch."),
+                  gpu_memory=gpu_memory(agents.device))
     return result

@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.lora import HiddenTap, layer_splits
-from kvprof.model import AgentSet
+from kvprof.model import AgentSet, head_dim
 from kvprof.rope import rotary_embedding
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -51,7 +51,7 @@ class Runtime:
         config = agents.config
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
         rotary = rotary_embedding(agents.base_model)
@@ -68,6 +68,11 @@ class Runtime:
         self._stop = StopStringCriteria(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
         self.linear_params = sum(p.numel() for name, p in agents.base_model.named_parameters()
                                  if p.dim() == 2 and "embed" not in name and "lora_" not in name)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in the cache, over all layers: 2·layers·H_kv·D·itemsize."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def prefix(self, agent: str) -> list[int]:
         """The agent's private prefix tokens (its role prompt in prompt mode)."""

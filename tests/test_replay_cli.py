@@ -8,7 +8,8 @@ from dataclasses import asdict
 import pytest
 
 from kvprof.model import load_agents_for_trace
-from kvprof.replay import PolicyChoice, ReplayProgress, replay_trace
+from kvprof.policies import PolicyVariant
+from kvprof.replay import ReplayProgress, replay_trace
 from kvprof.trace import read_trace
 
 
@@ -56,7 +57,7 @@ def test_replay_bad_input(run_cli, lora_trace, tmp_path, args, message):
 def test_resumed_replay_equals_uninterrupted(lora_trace, tmp_path):
     agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
     trajectories = read_trace(lora_trace).trajectories[:2]
-    choices = [PolicyChoice("fullshared")]
+    choices = [PolicyVariant("fullshared")]
     checkpoints = []
     full = replay_trace(agents, trajectories, choices,
                         on_trajectory=lambda state: checkpoints.append(json.loads(json.dumps(asdict(state)))))

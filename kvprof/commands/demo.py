@@ -1,30 +1,51 @@
 """`kvprof demo`: the kvprof pipeline on the embedded demo world, on CPU, in minutes.
 
 The demo is a list of stages; each is one function `(DemoContext) -> StageResult` appended to `STAGES`. A stage
-reads what earlier stages left in the context (e.g. `ctx.traces["lora"]`) and writes its files under `ctx.out`.
+runs the library functions of the command it stands for, prints what that command prints and writes its files under
+`ctx.out`. It reads what earlier stages left in the context (e.g. `ctx.traces["lora"]`) and adds the results it
+wrote to `ctx.results`, from which the report stage builds the dashboard.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
+import torch
 import typer
 from rich.table import Table
 
-from kvprof.commands import capture, rank_analysis, replay, report
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
-                                    write_result)
-from kvprof.commands.capture import trace_header
+from kvprof.capture import (capture_spec, capture_trajectories, sampled_trace_header, trace_header,
+                            trajectory_summary)
+from kvprof.commands import capture, rank_analysis, replay
+from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, command_args, console,
+                                    print_adapters, print_sections, progress, write_result)
 from kvprof.demo.assets import DemoWorld, demo_world
 from kvprof.demo.evaluate import load_condition, run_tasks
 from kvprof.demo.world import read_tasks
 from kvprof.errors import KvprofError
-from kvprof.trace import Trace, write_trace
-from kvprof.workflow import exact_match
+from kvprof.model import load_agents, load_agents_for_trace
+from kvprof.policies import enumerate_variants, runnable_variants
+from kvprof.policies.variants import ALL
+from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+from kvprof.report.capture import trace_table
+from kvprof.report.dashboard import result_sections, write_dashboard
+from kvprof.replay import ReplayHooks, run_replay
+from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
+from kvprof.runtime import Runtime
+from kvprof.trace import Trace, read_trace, write_trace
+from kvprof.workflow import Sampling, exact_match, load_tasks
+
+
+@dataclass
+class WrittenResult:
+    """A result file a stage wrote (`kvprof.result.<kind>`) and the payload it holds."""
+
+    path: Path
+    kind: str
+    payload: dict
 
 
 @dataclass
@@ -40,7 +61,15 @@ class DemoContext:
     replay_tasks: int
     repeats: int
     traces: dict[str, Path] = field(default_factory=dict)
-    results: list[Path] = field(default_factory=list)
+    results: list[WrittenResult] = field(default_factory=list)
+
+    def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
+        """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
+        it, and keep the payload for the report."""
+        path = write_result(out, kind, payload, command_args(command, **options, out=out, device=self.device,
+                                                                dtype=self.dtype, seed=self.seed))
+        self.results.append(WrittenResult(path, kind, payload))
+        return path
 
 
 @dataclass
@@ -54,13 +83,30 @@ class StageResult:
 
 def _capture(ctx: DemoContext, mode: str) -> StageResult:
     out = ctx.out / f"capture_{mode}"
-    capture.command(model=str(ctx.world.model), tasks=ctx.world.heldout_tasks, workflow=ctx.world.workflow(mode),
-                    limit=ctx.tasks, out=out, device=ctx.device, dtype=ctx.dtype, seed=ctx.seed)
-    ctx.traces[mode] = out / "trace.jsonl"
-    ctx.results.append(out / "capture.json")
-    summary = json.loads((out / "capture.json").read_text(encoding="utf-8"))["summary"]
+    model, workflow, trace_path = str(ctx.world.model), ctx.world.workflow(mode), out / "trace.jsonl"
+    spec = capture_spec(workflow)
+    tasks = load_tasks(ctx.world.heldout_tasks, ctx.tasks)
+    agents = load_agents(spec, model, device=ctx.device, dtype=ctx.dtype)
+    print_adapters(agents)
+    sampling = Sampling(seed=ctx.seed)
+    started = time.perf_counter()
+    with progress() as bar:
+        job = bar.add_task("capturing", total=len(tasks))
+        trajectories = capture_trajectories(
+            agents, tasks, trace_path, sampled_trace_header(model, agents, sampling), sampling,
+            on_task=lambda task: bar.update(job, description=f"task {task.id}"),
+            on_turn=lambda traj, turn: bar.update(job, description=f"task {traj.id}: {turn.agent}"),
+            on_trajectory=lambda traj: bar.advance(job))
+    elapsed = time.perf_counter() - started
+    summary = trajectory_summary(trajectories, elapsed)
+    console.print(trace_table(summary).to_rich())
+    result_path = ctx.write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, capture.command,
+                                   model=model, tasks=ctx.world.heldout_tasks, workflow=workflow, limit=ctx.tasks)
+    console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
+    console.print(f"wrote {trace_path} ({len(trajectories)} trajectories, {elapsed:.1f} s)")
+    ctx.traces[mode] = trace_path
     return StageResult(f"exact match {summary['accuracy']:.1%} on {summary['with_answer']} tasks, "
-                       f"{summary['distinct_tokens']} tokens", [ctx.traces[mode], out / "capture.json"],
+                       f"{summary['distinct_tokens']} tokens", [trace_path, result_path],
                        {"accuracy": summary["accuracy"], "tasks": summary["with_answer"],
                         "tokens": summary["distinct_tokens"], "turns": summary["turns"]})
 
@@ -101,14 +147,22 @@ def capture_lora_shared_a(ctx: DemoContext) -> StageResult:
 def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     """`kvprof rank-analysis` of the lora trace: effective rank and cross-agent similarity, per layer, with a
     verdict per published claim."""
-    out = ctx.out / "rank_analysis"
-    rank_analysis.command(trace=ctx.traces["lora"], limit=min(ctx.tasks, 4), out=out, device=ctx.device,
-                          dtype=ctx.dtype, seed=ctx.seed)
-    record = json.loads((out / "rank_analysis.json").read_text(encoding="utf-8"))
-    ctx.results.append(out / "rank_analysis.json")
+    out, trace, limit = ctx.out / "rank_analysis", ctx.traces["lora"], min(ctx.tasks, 4)
+    torch.manual_seed(ctx.seed)
+    setup = prepare_rank_analysis(trace, limit=limit, device=ctx.device, dtype=ctx.dtype)
+    with progress() as bar:
+        job = bar.add_task("capturing and comparing caches", total=len(setup.trace.trajectories))
+        record = run_rank_analysis(setup, on_trajectory=lambda traj: bar.advance(job))
+    for table in layer_tables(record):
+        console.print(table.to_rich())
+    for line in verdict_lines(record):
+        console.print(line, markup=False)
+    json_path = ctx.write_result(out, "rank_analysis", record, rank_analysis.command, trace=trace, limit=limit)
+    html_path = write_report(out / "rank_analysis.html", record)
+    console.print(f"wrote {json_path} and {html_path} ({record['seconds']:.1f} s)")
     holds = sum(claim["holds"] is True for claim in record["claims"])
     return StageResult(f"{holds} of {len(record['claims'])} published claims hold on this world",
-                       [out / "rank_analysis.json", out / "rank_analysis.html"],
+                       [json_path, html_path],
                        {"claims": {claim["statement"]: claim["holds"] for claim in record["claims"]}})
 
 
@@ -116,10 +170,23 @@ def replay_all(ctx: DemoContext) -> StageResult:
     """`kvprof replay --policy all --online` of the shared-A trace: teacher-forced error, fidelity and cost of
     every policy against the dense run, then task accuracy with each policy generating."""
     out = ctx.out / "replay"
-    replay.command(trace=ctx.traces["lora_shared_a"], policy=["all"], online=True, repeats=ctx.repeats,
-                   limit=ctx.replay_tasks, out=out, device=ctx.device, dtype=ctx.dtype, seed=ctx.seed)
-    record = json.loads((out / "replay.json").read_text(encoding="utf-8"))
-    ctx.results.append(out / "replay.json")
+    trace = ctx.traces["lora_shared_a"]
+    agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
+    variants, skipped = runnable_variants(enumerate_variants([ALL]), Runtime(agents), skip=True)
+    replay.print_skipped(skipped)
+    trajectories = read_trace(trace).trajectories[:ctx.replay_tasks]
+    with progress() as bar:
+        job = bar.add_task(f"replaying {len(variants)} policies", total=sum(len(t.turns) for t in trajectories))
+        online_job = bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1))
+        hooks = ReplayHooks(on_turn=lambda traj, index: bar.advance(job),
+                            on_task=lambda label, task: bar.advance(online_job))
+        record = run_replay(agents, trajectories, variants, repeats=ctx.repeats, online=True,
+                            lora_attention=agents.device.type == "cuda", hooks=hooks)
+    record.update(trace=str(trace), skipped=skipped)
+    replay.show(record)
+    ctx.write_result(out, "replay", record, replay.command, trace=trace, policy=[ALL], online=True,
+                     repeats=ctx.repeats, limit=ctx.replay_tasks)
+    replay.write_page(out, record)
     online = {name: row["accuracy"] for name, row in record["online"].items()}
     accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
     return StageResult(f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: "
@@ -127,10 +194,14 @@ def replay_all(ctx: DemoContext) -> StageResult:
 
 
 def report_all(ctx: DemoContext) -> StageResult:
-    """`kvprof report` over every result file the demo wrote: one HTML dashboard."""
-    path = ctx.out / "report.html"
-    report.command(results=ctx.results, out=path)
-    return StageResult(f"{len(ctx.results)} result files merged", [path])
+    """`kvprof report` over every result the demo wrote: one HTML dashboard."""
+    sources = [result.path for result in ctx.results]
+    sections = [section for result in ctx.results
+                for section in result_sections(result.kind, result.payload, result.path)]
+    print_sections(sections)
+    path = write_dashboard(ctx.out / "report.html", sections, sources)
+    console.print(f"wrote {path} ({len(sections)} sections from {len(sources)} result files)")
+    return StageResult(f"{len(sources)} result files merged", [path])
 
 
 STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [

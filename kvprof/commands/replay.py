@@ -14,53 +14,57 @@ from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOp
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace
-from kvprof.policies import REGISTRY, policy_class
-from kvprof.profiling import gpu_memory
-from kvprof.replay import PolicyChoice, ReplayProgress, replay_trace, run_online, summarise_online
+from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
+from kvprof.policies.variants import ALL
+from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
 from kvprof.report.replay import cost_table, fidelity_table, sections
 from kvprof.runtime import Runtime
 from kvprof.trace import iter_trajectories
-from kvprof.workflow import task_of
+
+SHORTHANDS = {"schedule": ("rebaseshared", "schedule"), "lr_prefill": ("baseshared", "lr_prefill")}
 
 
-def choose_policies(policy: list[str], schedule: str | None, lr_prefill: str | None,
-                    runtime: Runtime) -> tuple[list[PolicyChoice], dict[str, str]]:
-    """Policy names and knobs → the variants to replay; with `all`, those this setup cannot run are skipped."""
-    names = list(REGISTRY) if "all" in [p.lower() for p in policy] else [policy_class(p).name for p in policy]
-    choices, skipped = [], {}
-    for name in dict.fromkeys(names):
-        cls = REGISTRY[name]
-        options: list[dict[str, str]] = [{}]
-        if "schedule" in cls.options:
-            options = [{"schedule": s} for s in ([schedule] if schedule else
-                                                  (cls.options["schedule"] if "all" in policy else ["lp"]))]
-        if "lr_prefill" in cls.options and lr_prefill:
-            options = [{"lr_prefill": lr_prefill}]
-        for option in options:
-            try:
-                cls(runtime, **option)
-            except KvprofError as err:
-                if "all" not in policy:
-                    raise
-                skipped[name] = str(err)
-                break
-            choices.append(PolicyChoice(name, option))
-    if "nonshared" in [c.name for c in choices] and len(choices) > 1:
-        choices = [c for c in choices if c.name != "nonshared"] + [c for c in choices if c.name == "nonshared"]
-    return choices, skipped
+def _option_list() -> str:
+    """Every registered policy option as POLICY.KEY=VALUES, for --help."""
+    return "; ".join(f"{cls.name}.{key}={'|'.join(option.choices) if option.choices else option.help}"
+                     for cls in REGISTRY.values() for key, option in cls.options.items()) or "none"
+
+
+def choose_variants(policy: list[str], policy_options: list[str], schedule: str | None, lr_prefill: str | None,
+                    runtime: Runtime) -> tuple[list[PolicyVariant], dict[str, str]]:
+    """--policy / --policy-option / the documented shorthands → the variants to replay; with `all`, those this
+    setup cannot run are skipped (label → reason)."""
+    flags = list(policy_options)
+    for value, (name, key) in zip((schedule, lr_prefill), SHORTHANDS.values()):
+        if value:
+            flags.append(f"{name}.{key}={value}")
+    variants = enumerate_variants(policy, parse_policy_options(flags))
+    return runnable_variants(variants, runtime, skip=any(name.lower() == ALL for name in policy))
+
+
+def print_skipped(skipped: dict[str, str]) -> None:
+    """One line per refusal reason, naming the variants it skipped."""
+    for reason in dict.fromkeys(skipped.values()):
+        labels = ", ".join(label for label, why in skipped.items() if why == reason)
+        console.print(f"[yellow]skipped {labels}[/]: {reason}")
 
 
 def command(
     trace: Annotated[Optional[Path], typer.Argument(
         help="Trace (JSONL) from `kvprof capture` [default: the demo world's sample trace].")] = None,
     policy: Annotated[list[str], typer.Option(
-        "--policy", help=f"Policy to replay, repeatable, or 'all': {', '.join(REGISTRY)}.")] = ["all"],
+        "--policy", help=f"Policy to replay, repeatable, or 'all' (every policy, each option over its declared "
+                         f"sweep): {', '.join(REGISTRY)}.")] = ["all"],
+    policy_option: Annotated[Optional[list[str]], typer.Option(
+        "--policy-option", help="POLICY.KEY=VALUE: set a policy's option, repeatable (several values of one key "
+                                "are each replayed). Options: " + _option_list() + ".")] = None,
     schedule: Annotated[Optional[str], typer.Option(
-        "--schedule", help="ReBaseShared schedule: lp (lazy prefill) or db (double batching) [default: lp; both "
-                           "with --policy all].")] = None,
+        "--schedule", help="Shorthand for --policy-option rebaseshared.schedule=VALUE: lp (lazy prefill) or db "
+                           "(double batching); default lp, both with --policy all.")] = None,
     lr_prefill: Annotated[Optional[str], typer.Option(
-        "--lr-prefill", help="BaseShared LR prefill: full (published) or incremental.")] = None,
+        "--lr-prefill", help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: full (published) or "
+                             "incremental; default full, both with --policy all.")] = None,
     online: Annotated[bool, typer.Option(
         "--online", help="Also re-run the workflow under each policy (agents generate; errors propagate): "
                          "exact-match accuracy and output divergence.")] = False,
@@ -95,10 +99,9 @@ def command(
     if lora_attention not in ("auto", "kernel", "expand"):
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
     use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
-    choices, skipped = choose_policies(policy, schedule, lr_prefill, Runtime(agents))
-    for name, reason in skipped.items():
-        console.print(f"[yellow]skipped {name}[/]: {reason}")
-    if not choices:
+    variants, skipped = choose_variants(policy, policy_option or [], schedule, lr_prefill, Runtime(agents))
+    print_skipped(skipped)
+    if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
     trajectories = list(iter_trajectories(trace))[:limit]
     checkpoint = out / "replay.partial.json"
@@ -108,24 +111,29 @@ def command(
         console.print(f"resuming after {len(state.trajectories)} replayed trajectories")
     total_turns = sum(len(t.turns) for t in trajectories)
     with progress() as bar:
-        job = bar.add_task(f"replaying {len(choices)} policies", total=total_turns)
+        job = bar.add_task(f"replaying {len(variants)} policies", total=total_turns)
         bar.update(job, completed=sum(len(t.turns) for t in trajectories if state and t.id in state.trajectories))
-        result = replay_trace(agents, trajectories, choices, repeats=repeats,
-                              on_turn=lambda traj, index: bar.advance(job), progress=state,
-                              on_trajectory=lambda s: write_json(checkpoint, asdict(s)), lora_attention=use_kernel)
-        if online:
-            tasks = [task_of(t) for t in trajectories]
-            online_job = bar.add_task("online re-runs", total=len(tasks) * (len(choices) + 1))
-            runs = run_online(agents, tasks, choices, on_task=lambda label, task: bar.advance(online_job),
-                              lora_attention=use_kernel)
-            result["online"] = summarise_online(runs)
-    result.update(trace=str(trace), mode=agents.spec.mode, skipped=skipped, repeats=repeats,
-                  lora_attention="flash-lora-attention" if use_kernel else "expanded values + sdpa",
-                  device=str(agents.device), dtype=str(agents.base_model.dtype).removeprefix("torch."))
-    result["gpu_memory"] = gpu_memory(agents.device)
-    console.print(fidelity_table(result).to_rich())
-    console.print(cost_table(result).to_rich())
+        online_job = (bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1))
+                      if online else None)
+        hooks = ReplayHooks(on_turn=lambda traj, index: bar.advance(job),
+                            on_task=lambda label, task: bar.advance(online_job),
+                            on_trajectory=lambda s: write_json(checkpoint, asdict(s)))
+        result = run_replay(agents, trajectories, variants, repeats=repeats, online=online, lora_attention=use_kernel,
+                            progress=state, hooks=hooks)
+    result.update(trace=str(trace), skipped=skipped)
+    show(result)
     path = write_result(out, "replay", result, args)
-    html = write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=str(trace))
+    html = write_page(out, result)
     checkpoint.unlink(missing_ok=True)
     console.print(f"wrote {path} and {html}")
+
+
+def show(result: dict) -> None:
+    """The replay's terminal tables: fidelity, then cost."""
+    console.print(fidelity_table(result).to_rich())
+    console.print(cost_table(result).to_rich())
+
+
+def write_page(out: Path, result: dict) -> Path:
+    """OUT/replay.html: the replay's dashboard page."""
+    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result["trace"])

@@ -1,18 +1,21 @@
 """Sharing policies: one module per method, one line per method in `REGISTRY`.
 
-`make_policy(name, runtime, **options)` builds one; the test matrix runs every registered policy.
+Adding a policy is a new module with a `SharingPolicy` subclass (see `kvprof.policies.base`) plus one line here; the
+CLI's `--policy all`, the test matrix and the reports enumerate `REGISTRY` (`kvprof.policies.variants`).
 """
 
 from __future__ import annotations
 
 from kvprof.errors import KvprofError
-from kvprof.policies.base import SharingPolicy, TurnRequest, TurnResult
+from kvprof.policies.base import Option, Published, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.baselrshared import BaseLRShared
 from kvprof.policies.baseshared import BaseShared
 from kvprof.policies.fullshared import FullShared
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.policies.rebaseshared import ReBaseShared
+from kvprof.policies.variants import (PolicyVariant, enumerate_variants, parse_policy_options,
+                                      runnable_variants)
 
 REGISTRY: dict[str, type[SharingPolicy]] = {
     "nonshared": NonShared,
@@ -31,8 +34,5 @@ def policy_class(name: str) -> type[SharingPolicy]:
     return REGISTRY[key]
 
 
-def make_policy(name: str, runtime, **options: str) -> SharingPolicy:
-    return policy_class(name)(runtime, **options)
-
-
-__all__ = ["REGISTRY", "SharingPolicy", "TurnRequest", "TurnResult", "make_policy", "policy_class"]
+__all__ = ["REGISTRY", "Option", "PolicyVariant", "Published", "SharingPolicy", "TurnRequest", "TurnResult",
+           "enumerate_variants", "parse_policy_options", "policy_class", "runnable_variants"]

@@ -7,8 +7,14 @@ observations — everything every agent reads, in order). Policies store caches 
 input (the chunk) with its own adapter over that context, and its output tokens after it. `commit` lets the policy
 keep what it wants of the turn.
 
-A subclass implements `assemble` (build the context), `commit` (update stored state), `live_tensors` and
-`analytic_bytes` (memory), and declares `name`, `family`, `paper`, `approximate` and the modes it supports.
+A policy is one module: a subclass that declares its identity (`name`, `family`, `paper`, `approximate`, `modes`),
+its knobs (`options`: `Option`s, with the values `--policy all` sweeps) and its `published` figures, and implements
+`reset`, `assemble` (build the context; a policy that carries work from `assemble` to `commit` returns its own
+`Context` subclass), `commit`, `live_tensors` and `analytic_bytes`. Registering it is one line in
+`kvprof.policies.REGISTRY`; the CLI, the test matrix and the reports pick it up from there.
+
+The turn (`run_turn`) is three named steps: `prefill` (assemble + the chunk's forward: TTFT), `decode` (the output
+tokens, teacher-forced or greedy) and `commit`.
 """
 
 from __future__ import annotations
@@ -18,13 +24,60 @@ import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar, Generic, TypeVar
 
 import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
-from kvprof.runtime import KV, Runtime
+from kvprof.runtime import KV, ChunkForward, Runtime
+
+
+@dataclass(frozen=True)
+class Option:
+    """One knob of a policy. Values are strings on the command line; `parse` turns one into the setting.
+
+    choices: the allowed values (None: any value `parse` accepts); default: the published setting;
+    sweep: the values `--policy all` replays (empty: the default only).
+    """
+
+    default: str
+    choices: tuple[str, ...] | None = None
+    sweep: tuple[str, ...] = ()
+    help: str = ""
+    parse: Callable[[str], object] = str
+
+    def check(self, policy: str, key: str, value: str) -> object:
+        """The parsed setting, or a `KvprofError` naming the policy, the option and the allowed values."""
+        if self.choices is not None and value not in self.choices:
+            raise KvprofError(f"policy {policy} option {key}={value!r} is not allowed; use one of "
+                              f"{', '.join(self.choices)}.")
+        try:
+            return self.parse(value)
+        except ValueError:
+            raise KvprofError(f"policy {policy} option {key}={value!r} is not a valid "
+                              f"{getattr(self.parse, '__name__', 'value')}; {self.help or 'pass a valid value'}.") \
+                from None
+
+    def label(self, key: str, value: str) -> str:
+        """How the value shows in a variant's label: the value itself for a choice, key=value otherwise."""
+        return value if self.choices is not None else f"{key}={value}"
+
+
+@dataclass(frozen=True)
+class Published:
+    """A figure the method's paper reports, for side-by-side reading with kvprof's measurement.
+
+    paper: short citation; where: section / table / figure; setting: models, data, hardware; claim: the figure.
+    """
+
+    paper: str
+    where: str
+    setting: str
+    claim: str
+
+    def __str__(self) -> str:
+        return f"{self.paper}, {self.where} ({self.setting}): {self.claim}"
 
 
 @dataclass
@@ -47,6 +100,7 @@ class Context:
     extra_flops: analytic FLOPs of the policy's own work (LR prefill, down-projections, expansions, rotations).
     lora_values: per layer the rank-r value side (v_lr (1, reused, r), B (H_kv, r, D)) when the values in `kv`
     are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
+    A policy that carries work from `assemble` to `commit` subclasses this with typed fields.
     """
 
     kv: list[KV]
@@ -54,18 +108,20 @@ class Context:
     from_others: int
     extra_prefill: int = 0
     extra_flops: float = 0.0
-    pending: dict = field(default_factory=dict)
     lora_values: list[LoraValues | None] | None = None
 
 
+ContextT = TypeVar("ContextT", bound=Context)
+
+
 @dataclass
-class Chunk:
+class Chunk(Generic[ContextT]):
     """What the acting agent computed this turn, handed to `commit`.
 
     start: the shared-timeline index of the chunk's first token; ids: chunk input tokens then all output tokens;
     hidden: per layer the attention inputs X of those tokens, (B, n, d_model), when the policy asks for them;
     kv: per layer the (K, V) of the agent's whole sequence after the turn, (B, H_kv, len(prefix) + start + n, D);
-    context: the `Context` the turn ran on (its `pending` carries work done in `assemble` to `commit`).
+    context: the `Context` the turn ran on (a policy's own subclass carries its work to `commit`).
     """
 
     agent: str
@@ -73,7 +129,7 @@ class Chunk:
     ids: list[int]
     hidden: list[torch.Tensor] | None
     kv: list[KV]
-    context: Context
+    context: ContextT
 
 
 @dataclass
@@ -99,13 +155,35 @@ class TurnResult:
     memory: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class Prefill(Generic[ContextT]):
+    """The timed first step of a turn: the policy's context and the forward of the chunk over it (TTFT)."""
+
+    context: ContextT
+    forward: ChunkForward
+    start: int
+    seconds: float
+
+
+@dataclass
+class Decoded:
+    """The output tokens of a turn: ids, logits (n_out, vocab) fp32, the last forward (its cache holds the whole
+    sequence), the attention inputs of chunk + outputs when captured, and the decode time."""
+
+    output_ids: list[int]
+    logits: torch.Tensor
+    last: ChunkForward
+    hidden: list[torch.Tensor] | None
+    seconds: float
+
+
 def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-class SharingPolicy(ABC):
+class SharingPolicy(ABC, Generic[ContextT]):
     """Base class of every sharing policy (see module docstring)."""
 
     name: ClassVar[str]
@@ -113,23 +191,28 @@ class SharingPolicy(ABC):
     paper: ClassVar[str]
     approximate: ClassVar[bool]
     modes: ClassVar[tuple[str, ...]] = ("lora",)
-    needs_hidden: ClassVar[bool] = False
-    options: ClassVar[dict[str, tuple[str, ...]]] = {}
+    options: ClassVar[dict[str, Option]] = {}
+    published: ClassVar[tuple[Published, ...]] = ()
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
-        for option, value in options.items():
-            allowed = self.options.get(option)
-            if allowed is None or value not in allowed:
-                raise KvprofError(f"policy {self.name} has no option {option}={value!r}; "
-                                  f"its options are {self.options or 'none'}.")
-        self.settings = {option: options.get(option, allowed[0]) for option, allowed in self.options.items()}
+        unknown = set(options) - set(self.options)
+        if unknown:
+            raise KvprofError(f"policy {self.name} has no option {', '.join(sorted(unknown))}; its options are "
+                              f"{', '.join(self.options) or 'none'}.")
+        self.values = {key: options.get(key, option.default) for key, option in self.options.items()}
+        self.settings = {key: option.check(self.name, key, self.values[key]) for key, option in self.options.items()}
         self.check(runtime)
         self.reset()
 
     @property
     def label(self) -> str:
-        return self.name + "".join(f"-{value}" for value in self.settings.values())
+        return self.name + "".join(f"-{option.label(key, self.values[key])}" for key, option in self.options.items())
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether `commit` needs the attention inputs X of the turn's tokens (`Chunk.hidden`)."""
+        return False
 
     def check(self, runtime: Runtime) -> None:
         """Refuse a setting this policy cannot replay (mode, adapters)."""
@@ -144,11 +227,11 @@ class SharingPolicy(ABC):
         """Forget all state: a new trajectory starts."""
 
     @abstractmethod
-    def assemble(self, agent: str, shared: list[int]) -> Context:
+    def assemble(self, agent: str, shared: list[int]) -> ContextT:
         """Build the context for `agent` whose input is prefix + `shared`; must not change stored state."""
 
     @abstractmethod
-    def commit(self, chunk: Chunk) -> float:
+    def commit(self, chunk: Chunk[ContextT]) -> float:
         """Keep what the policy stores of the turn; returns the analytic FLOPs that took (0 if none)."""
 
     @abstractmethod
@@ -174,7 +257,91 @@ class SharingPolicy(ABC):
 
     # ---------------------------------------------------------------------------------------------- the turn
 
-    def _forward(self, agent: str, ids: list[int], cache, start: int, context: Context, prefill: bool = False):
+    def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
+        """Serve one agent call: `prefill` (timed: TTFT), `decode`, `commit`.
+
+        With `repeats` > 1 the prefill runs once as warm-up and then `repeats` times; TTFT is the median.
+        Decoding is teacher-forced on `request.output_ids`, or greedy when they are None.
+        """
+        runtime = self.runtime
+        shared = self._shared_input(request)
+        first = self.prefill(request.agent, shared, repeats)
+        decoded = self.decode(request, first)
+        commit_started = clock(runtime.device)
+        context = first.context
+        commit_flops = self.commit(Chunk(agent=request.agent, start=context.reused,
+                                         ids=shared[context.reused:] + decoded.output_ids, hidden=decoded.hidden,
+                                         kv=runtime.kv_of(decoded.last.cache), context=context))
+        commit_s = clock(runtime.device) - commit_started
+        chunk_len = len(shared) - context.reused
+        flops = runtime.flops(chunk_len, first.start) + runtime.flops(len(decoded.output_ids), len(request.input_ids))
+        return TurnResult(agent=request.agent, output_ids=decoded.output_ids, logits=decoded.logits,
+                          input_kv=[(keys[0], values[0]) for keys, values in runtime.kv_of(first.forward.cache)],
+                          prefix_len=first.start - context.reused, reused=context.reused,
+                          from_others=context.from_others, prefilled=chunk_len + context.extra_prefill,
+                          flops=flops + context.extra_flops + commit_flops, ttft_s=first.seconds,
+                          latency_s=first.seconds + decoded.seconds + commit_s, memory=self.analytic_bytes())
+
+    def _shared_input(self, request: TurnRequest) -> list[int]:
+        """The request's input after the agent's private prefix (refusing inputs that do not start with it)."""
+        prefix = self.runtime.prefix(request.agent)
+        if request.input_ids[:len(prefix)] != prefix:
+            raise KvprofError(f"agent {request.agent!r}'s input does not start with its role prompt; the trace was "
+                              "not captured with this workflow — pass the matching --workflow.")
+        shared = request.input_ids[len(prefix):]
+        if not shared:
+            raise KvprofError(f"agent {request.agent!r} has an empty input after its role prompt; the trace is "
+                              "malformed.")
+        return shared
+
+    def prefill(self, agent: str, shared: list[int], repeats: int = 1) -> Prefill[ContextT]:
+        """Assemble the context and run the chunk over it; timed (median of `repeats` after a warm-up)."""
+        timings, context, forward, start = [], None, None, 0
+        for _ in range(repeats + 1 if repeats > 1 else 1):
+            started = clock(self.runtime.device)
+            context = self.assemble(agent, shared)
+            if context.reused >= len(shared):
+                raise RuntimeError(f"{self.name} left no token of the input to compute")
+            start = len(self.runtime.prefix(agent)) + context.reused
+            forward = self._forward(agent, shared[context.reused:], self.runtime.cache_from(context.kv), start,
+                                    context, prefill=True)
+            timings.append(clock(self.runtime.device) - started)
+        assert context is not None and forward is not None
+        return Prefill(context=context, forward=forward, start=start,
+                       seconds=statistics.median(timings[1:] if repeats > 1 else timings))
+
+    def decode(self, request: TurnRequest, first: Prefill[ContextT]) -> Decoded:
+        """The output tokens after the prefill: teacher-forced on `request.output_ids` in one forward, or greedy
+        (transformers' stopping rules) one token at a time."""
+        runtime, agent = self.runtime, request.agent
+        started = clock(runtime.device)
+        hidden_parts = [first.forward.hidden] if first.forward.hidden is not None else []
+        if request.output_ids is not None:
+            outputs = list(request.output_ids)
+            last = self._forward(agent, outputs, first.forward.cache, len(request.input_ids), first.context)
+            logits = torch.cat([first.forward.logits[0, -1:], last.logits[0, :-1]])
+            if last.hidden is not None:
+                hidden_parts.append(last.hidden)
+        else:
+            outputs, rows, last = [], [first.forward.logits[0, -1]], first.forward
+            while True:
+                outputs.append(int(rows[-1].argmax()))
+                last = self._forward(agent, outputs[-1:], last.cache, len(request.input_ids) + len(outputs) - 1,
+                                     first.context)
+                if last.hidden is not None:
+                    hidden_parts.append(last.hidden)
+                if runtime.stops(request.input_ids + outputs, outputs, request.max_new_tokens):
+                    break
+                rows.append(last.logits[0, -1])
+            logits = torch.stack(rows)
+        hidden = None
+        if hidden_parts:
+            hidden = [torch.cat([part[layer] for part in hidden_parts], dim=1) for layer in range(runtime.num_layers)]
+        return Decoded(output_ids=outputs, logits=logits, last=last, hidden=hidden,
+                       seconds=clock(runtime.device) - started)
+
+    def _forward(self, agent: str, ids: list[int], cache, start: int, context: Context,
+                 prefill: bool = False) -> ChunkForward:
         rows = self.adapter_rows(agent)
         tokens = torch.tensor([ids] * (len(rows) if rows else 1), device=self.runtime.device)
         attention = contextlib.nullcontext()
@@ -184,69 +351,6 @@ class SharingPolicy(ABC):
         with attention:
             return self.runtime.forward(agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows,
                                         last_logits_only=prefill)
-
-    def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
-        """Serve one agent call: assemble, prefill the chunk (timed: TTFT), decode, commit.
-
-        With `repeats` > 1 the context assembly and prefill run once as warm-up and then `repeats` times; TTFT is
-        the median. Decoding is teacher-forced on `request.output_ids`, or greedy when they are None.
-        """
-        runtime, agent = self.runtime, request.agent
-        prefix = runtime.prefix(agent)
-        if request.input_ids[:len(prefix)] != prefix:
-            raise KvprofError(f"agent {agent!r}'s input does not start with its role prompt; the trace was not "
-                              "captured with this workflow — pass the matching --workflow.")
-        shared = request.input_ids[len(prefix):]
-        if not shared:
-            raise KvprofError(f"agent {agent!r} has an empty input after its role prompt; the trace is malformed.")
-        timings = []
-        for _ in range(repeats + 1 if repeats > 1 else 1):
-            started = clock(runtime.device)
-            context = self.assemble(agent, shared)
-            assert context.reused < len(shared), f"{self.name} left no token of the input to compute"
-            start = len(prefix) + context.reused
-            first = self._forward(agent, shared[context.reused:], runtime.cache_from(context.kv), start, context,
-                                  prefill=True)
-            timings.append(clock(runtime.device) - started)
-        ttft = statistics.median(timings[1:] if repeats > 1 else timings)
-        input_kv = [(keys[0], values[0]) for keys, values in runtime.kv_of(first.cache)]
-        decode_started = clock(runtime.device)
-        hidden_parts = [first.hidden] if first.hidden is not None else []
-        if request.output_ids is not None:
-            outputs = list(request.output_ids)
-            rest = self._forward(agent, outputs, first.cache, len(request.input_ids), context)
-            logits = torch.cat([first.logits[0, -1:], rest.logits[0, :-1]])
-            final = rest
-            if rest.hidden is not None:
-                hidden_parts.append(rest.hidden)
-        else:
-            outputs, rows, final = [], [first.logits[0, -1]], first
-            while True:
-                outputs.append(int(rows[-1].argmax()))
-                step = self._forward(agent, outputs[-1:], final.cache, len(request.input_ids) + len(outputs) - 1,
-                                     context)
-                final = step
-                if step.hidden is not None:
-                    hidden_parts.append(step.hidden)
-                if runtime.stops(request.input_ids + outputs, outputs, request.max_new_tokens):
-                    break
-                rows.append(step.logits[0, -1])
-            logits = torch.stack(rows)
-        decode_s = clock(runtime.device) - decode_started
-        hidden = None
-        if hidden_parts:
-            hidden = [torch.cat([part[layer] for part in hidden_parts], dim=1) for layer in range(runtime.num_layers)]
-        commit_started = clock(runtime.device)
-        commit_flops = self.commit(Chunk(agent=agent, start=context.reused, ids=shared[context.reused:] + outputs,
-                                         hidden=hidden, kv=runtime.kv_of(final.cache), context=context))
-        commit_s = clock(runtime.device) - commit_started
-        chunk_len = len(shared) - context.reused
-        flops = runtime.flops(chunk_len, start) + runtime.flops(len(outputs), len(request.input_ids))
-        return TurnResult(agent=agent, output_ids=outputs, logits=logits, input_kv=input_kv, prefix_len=len(prefix),
-                          reused=context.reused, from_others=context.from_others,
-                          prefilled=chunk_len + context.extra_prefill,
-                          flops=flops + context.extra_flops + commit_flops,
-                          ttft_s=ttft, latency_s=ttft + decode_s + commit_s, memory=self.analytic_bytes())
 
 
 def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraAttentionContext:

@@ -8,19 +8,29 @@ BaseLRShared, PreLRShared) or adapter-free ones (ReBaseShared) — is the policy
 `assemble` rebuilds what agent j attends to: K = K_base + RoPE((X·Aᵀ)·s·B_jᵀ) and V = V_base + (X·Aᵀ)·s·B_jᵀ.
 The value expansion is the torch reference of Flash-LoRA-Attention's O = P·V_base + (P·V_lr)·B (same result); the
 key expansion is inherent to LoRA on k_proj (RoPE does not commute with the rank-r factorisation).
+
+Dtypes, per operation, so that half-precision models (bfloat16 / float16, the CUDA default) replay as peft runs
+them: peft keeps adapter factors in float32 and computes a LoRA branch by upcasting X, so the down-projections X·Aᵀ
+and the expansions (X·Aᵀ)·s·Bᵀ run in the adapter's dtype (float32 for peft's default) and each sum
+base + low-rank is formed in float32 before it is cast to the model's dtype, as peft adds its branch. The stored
+caches (base and LR) are kept in the model's dtype, as a server keeps them; Flash-LoRA-Attention gets V_lr and B in
+the model's dtype and accumulates in float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import ClassVar
+
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.lora import base_kv, heads
+from kvprof.policies.base import Context, ContextT, SharingPolicy
 from kvprof.rope import apply_rope
 from kvprof.runtime import KV, Runtime
 
-PROJECTIONS = ("key", "value")
+SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
 
 
 class LowRankStore:
@@ -58,18 +68,20 @@ class LowRankStore:
                          ) -> dict[str, list[dict[str, torch.Tensor]]]:
         """X·A_kᵀ for every agent k in one GEMM per projection (PReCache's precomputation).
 
-        hidden: per layer (1, n, d_model) → {agent: per layer {"key"|"value": (1, n, r)}}.
+        hidden: per layer (1, n, d_model) → {agent: per layer {"key"|"value": (1, n, r)}}. Computed in the adapter
+        factors' dtype (X upcast, as peft does), returned in X's dtype (the LR cache's storage dtype).
         """
         result: dict[str, list[dict[str, torch.Tensor]]] = {agent: [] for agent in agents}
         for split, x in zip(runtime.splits, hidden):
             parts: dict[str, dict[str, torch.Tensor]] = {agent: {} for agent in agents}
-            for projection in PROJECTIONS:
+            for projection in SPLIT_SIDES:
                 proj = getattr(split, projection)
                 adapted = [agent for agent in agents if agent in proj.down]
                 if not adapted:
                     continue
                 stacked = torch.cat([proj.down[agent] for agent in adapted])
-                outputs = torch.split(x @ stacked.T, [proj.down[agent].shape[0] for agent in adapted], dim=-1)
+                products = (x.to(stacked.dtype) @ stacked.T).to(x.dtype)
+                outputs = torch.split(products, [proj.down[agent].shape[0] for agent in adapted], dim=-1)
                 for agent, out in zip(adapted, outputs):
                     parts[agent][projection] = out
             for agent in agents:
@@ -91,7 +103,8 @@ class LowRankStore:
         the LR cache `low_rank` (per layer {"key"|"value": (1, ≥length, r)}); with `low_rank=None`, the base alone.
 
         With `expand_values=False` the values stay V_base and the rank-r part is returned per layer as
-        `LoraValues(v_lr (1, length, r), lora_b (H_kv, r, D))` for Flash-LoRA-Attention. Returns
+        `LoraValues(v_lr (1, length, r), lora_b (H_kv, r, D))`, both in the cache's dtype, for
+        Flash-LoRA-Attention. Expansions run in the adapter's dtype; sums in float32, cast to the cache's. Returns
         (kv, expansion FLOPs, lora values or None)."""
         runtime = self.runtime
         if not self.base:
@@ -103,20 +116,22 @@ class LowRankStore:
             keys, values = keys[:, :, :length], values[:, :, :length]
             layer_lora = None
             if agent is not None and low_rank is not None:
-                for projection in PROJECTIONS:
+                for projection in SPLIT_SIDES:
                     proj = getattr(split, projection)
                     if agent not in proj.up or projection not in low_rank[layer]:
                         continue
                     factors = low_rank[layer][projection][:, :length]
                     if projection == "value" and not expand_values:
-                        layer_lora = LoraValues(factors, lora_b_per_head(proj.up[agent], runtime.kv_heads, 1.0))
+                        lora_b = lora_b_per_head(proj.up[agent], runtime.kv_heads, 1.0).to(values.dtype)
+                        layer_lora = LoraValues(factors, lora_b)
                         continue
-                    expanded = heads(proj.expand(factors, agent), runtime.head_dim)
+                    expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim)
                     flops += 2.0 * expanded.numel() * factors.shape[-1]
                     if projection == "key":
-                        keys = keys + apply_rope(expanded, positions, runtime.inv_freq, runtime.attention_scaling)
+                        rotated = apply_rope(expanded, positions, runtime.inv_freq, runtime.attention_scaling)
+                        keys = (keys.float() + rotated.float()).to(keys.dtype)
                     else:
-                        values = values + expanded
+                        values = (values.float() + expanded.float()).to(values.dtype)
             kv.append((keys, values))
             lora_values.append(layer_lora)
         return kv, flops, (lora_values if any(v is not None for v in lora_values) else None)
@@ -132,10 +147,46 @@ class LowRankStore:
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
         itemsize = runtime.dtype.itemsize
-        sizes = {"base cache": 2 * runtime.num_layers * runtime.kv_heads * runtime.head_dim * len(self) * itemsize}
+        sizes = {"base cache": runtime.kv_bytes_per_token * len(self)}
         for name in self.low_rank:
             agent = name if name in runtime.agents.spec.names else runtime.agents.spec.names[0]
-            rank_sum = sum(getattr(split, p).down[agent].shape[0] for split in runtime.splits for p in PROJECTIONS
+            rank_sum = sum(getattr(split, p).down[agent].shape[0] for split in runtime.splits for p in SPLIT_SIDES
                            if agent in getattr(split, p).down)
             sizes[f"LR cache:{name}"] = rank_sum * self.lr_length(name) * itemsize
         return sizes
+
+
+class LowRankPolicy(SharingPolicy[ContextT]):
+    """Shared base of the policies that keep a `LowRankStore` (lora mode): the store, its memory, and the context
+    an agent gets from it (base cache plus its B applied to the LR cache it reads)."""
+
+    modes: ClassVar[tuple[str, ...]] = ("lora",)
+
+    def reset(self) -> None:
+        self.store = LowRankStore(self.runtime)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return True
+
+    def reused_span(self, shared: list[int]) -> int:
+        """Shared tokens the store can serve to an input of `shared` tokens (at least one is left to compute)."""
+        return min(len(self.store), len(shared) - 1)
+
+    def store_context(self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int,
+                      from_others: int) -> Context:
+        """The context of `agent` from the store: base cache + `agent`'s B over `low_rank` on `reused` tokens,
+        values expanded or handed to Flash-LoRA-Attention as the runtime says."""
+        kv, flops, lora_values = self.store.assemble(agent, low_rank, reused,
+                                                     expand_values=not self.runtime.lora_attention)
+        return Context(kv=kv, reused=reused, from_others=from_others, extra_flops=flops, lora_values=lora_values)
+
+    def from_others(self, agent: str, reused: int) -> int:
+        """Reused tokens whose store entries another agent produced."""
+        return sum(producer != agent for producer in self.store.producers[:reused])
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.store.live_tensors()
+
+    def analytic_bytes(self) -> dict[str, int]:
+        return self.store.analytic_bytes()

@@ -11,7 +11,7 @@ from kvprof.policies.base import Chunk, Context, SharingPolicy
 from kvprof.runtime import KV
 
 
-class NonShared(SharingPolicy):
+class NonShared(SharingPolicy[Context]):
     name = "nonshared"
     family = "baseline"
     paper = "the dense baseline of LRAgent and PReCache"
@@ -31,7 +31,7 @@ class NonShared(SharingPolicy):
         end = len(self.runtime.prefix(agent)) + reused
         return Context(kv=[(k[:, :, :end], v[:, :, :end]) for k, v in self.own[agent]], reused=reused, from_others=0)
 
-    def commit(self, chunk: Chunk) -> float:
+    def commit(self, chunk: Chunk[Context]) -> float:
         self.own[chunk.agent] = chunk.kv
         self.seen[chunk.agent] = chunk.start + len(chunk.ids)
         return 0.0
@@ -41,5 +41,5 @@ class NonShared(SharingPolicy):
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
-        per_token = 2 * runtime.num_layers * runtime.kv_heads * runtime.head_dim * runtime.dtype.itemsize
-        return {f"cache:{agent}": per_token * (len(runtime.prefix(agent)) + self.seen[agent]) for agent in self.own}
+        return {f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
+                for agent in self.own}

@@ -6,16 +6,6 @@ from kvprof.report.figures import line_figure
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
 
-# Published headline figures, for side-by-side reading (LRAgent; PReCache). GPU, 8B models, their traces.
-PUBLISHED = {
-    "fullshared": "LRAgent: up to −5.3 points accuracy",
-    "baseshared": "LRAgent: ≤ 0.7 points accuracy drop, throughput up to 1.42×",
-    "baselrshared": "LRAgent: ≤ 1.5 points drop, TTFT up to 4.44× lower",
-    "prelrshared": "PReCache: 1.0–3.3 points drop, TTFT up to 3.1× lower",
-    "rebaseshared": "PReCache: ~1.1 points drop, LP TTFT up to 3.0× lower",
-}
-
-
 def _num(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -93,12 +83,16 @@ def layer_table(result: dict) -> TableData:
 
 
 def notes(result: dict) -> list[str]:
+    """One line per policy: its paper, whether it is exact, and the figures its paper publishes (recorded in the
+    result from the policy class), then the skipped policies."""
     lines = []
     for label, entry in result["policies"].items():
-        published = PUBLISHED.get(entry["name"])
         exactness = "approximate" if entry["approximate"] else "exact"
+        published = "; ".join(figure["claim"] for figure in entry.get("published", []))
         lines.append(f"{label}: {entry['paper']}, {exactness}" + (f"; published: {published}" if published else ""))
     lines += [f"skipped {name}: {reason}" for name, reason in result.get("skipped", {}).items()]
+    settings = {figure["setting"] for entry in result["policies"].values() for figure in entry.get("published", [])}
+    lines += [f"published figures measured on: {setting}" for setting in sorted(settings)]
     return lines
 
 

@@ -1,0 +1,110 @@
+"""Policy variants as data: which (policy, options) pairs a replay runs, with their labels.
+
+One function, `enumerate_variants`, turns a selection (`all`, or policy names) and option values into variants; the
+CLI (`--policy`, `--policy-option POLICY.KEY=VALUE`), the test matrix and the reports all use it. `--policy all`
+replays, for every registered policy, the product of each option's declared `sweep` values; a named policy runs
+with its published defaults. Option values given for a policy replace its sweep (several values: each is replayed).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from kvprof.errors import KvprofError
+from kvprof.policies.base import SharingPolicy
+from kvprof.runtime import Runtime
+
+ALL = "all"
+OptionValues = dict[str, dict[str, list[str]]]  # policy name → option key → values to replay
+
+
+@dataclass(frozen=True)
+class PolicyVariant:
+    """One policy with one value per option, e.g. PolicyVariant("rebaseshared", {"schedule": "db"})."""
+
+    name: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def policy(self) -> type[SharingPolicy]:
+        from kvprof.policies import policy_class
+
+        return policy_class(self.name)
+
+    @property
+    def label(self) -> str:
+        """The name results are keyed by: the policy name, then each option's value in declaration order."""
+        cls = self.policy
+        return cls.name + "".join(f"-{option.label(key, self.options.get(key, option.default))}"
+                                  for key, option in cls.options.items())
+
+    def build(self, runtime: Runtime) -> SharingPolicy:
+        return self.policy(runtime, **self.options)
+
+
+def parse_policy_options(flags: Iterable[str]) -> OptionValues:
+    """`POLICY.KEY=VALUE` flags → {policy: {key: [values]}}, checked against the policies' declared options."""
+    from kvprof.policies import policy_class
+
+    values: OptionValues = {}
+    for flag in flags:
+        target, sep, value = flag.partition("=")
+        name, dot, key = target.partition(".")
+        if not sep or not dot or not name or not key or not value:
+            raise KvprofError(f"--policy-option {flag!r} is not POLICY.KEY=VALUE; write e.g. "
+                              "--policy-option rebaseshared.schedule=db.")
+        cls = policy_class(name)
+        option = cls.options.get(key)
+        if option is None:
+            raise KvprofError(f"--policy-option {flag!r}: policy {cls.name} has no option {key!r}; its options are "
+                              f"{', '.join(cls.options) or 'none'}.")
+        option.check(cls.name, key, value)
+        chosen = values.setdefault(cls.name, {}).setdefault(key, [])
+        if value not in chosen:
+            chosen.append(value)
+    return values
+
+
+def enumerate_variants(selection: Sequence[str] = (ALL,), option_values: OptionValues | None = None
+                       ) -> list[PolicyVariant]:
+    """The variants a selection replays (registry order; nonshared last when others run, as a same-run check of
+    the dense baseline). `selection`: policy names or `all`; `option_values`: from `parse_policy_options`."""
+    from kvprof.policies import REGISTRY, policy_class
+
+    sweep = any(name.lower() == ALL for name in selection)
+    classes = list(REGISTRY.values()) if sweep else [policy_class(name) for name in selection]
+    classes = list(dict.fromkeys(classes))
+    option_values = option_values or {}
+    unselected = sorted(set(option_values) - {cls.name for cls in classes})
+    if unselected:
+        raise KvprofError(f"options are given for policy {', '.join(unselected)}, which is not selected; add "
+                          f"--policy {unselected[0]} (or --policy all) or drop its options.")
+    variants = []
+    for cls in classes:
+        given = option_values.get(cls.name, {})
+        axes = [given.get(key) or (list(option.sweep or (option.default,)) if sweep else [option.default])
+                for key, option in cls.options.items()]
+        for values in itertools.product(*axes):
+            variants.append(PolicyVariant(cls.name, dict(zip(cls.options, values))))
+    if len(variants) > 1:
+        variants = [v for v in variants if v.name != "nonshared"] + [v for v in variants if v.name == "nonshared"]
+    return variants
+
+
+def runnable_variants(variants: Sequence[PolicyVariant], runtime: Runtime, skip: bool
+                      ) -> tuple[list[PolicyVariant], dict[str, str]]:
+    """The variants this runtime (mode, adapters) can replay, and {label: reason} for the others. With
+    `skip=False` the first refusal is raised instead (a policy the user named explicitly)."""
+    runnable, skipped = [], {}
+    for variant in variants:
+        try:
+            variant.build(runtime)
+        except KvprofError as err:
+            if not skip:
+                raise
+            skipped[variant.label] = str(err)
+            continue
+        runnable.append(variant)
+    return runnable, skipped

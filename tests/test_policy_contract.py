@@ -1,0 +1,126 @@
+"""The policy contract: one module plus one registry line is all a policy needs to be enumerated by `--policy all`,
+replayed, checked against the dense run and reported; options reach any policy through `--policy-option`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from kvprof.errors import KvprofError
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options
+from kvprof.replay import replay_trace
+from kvprof.trace import read_trace
+from kvprof.runtime import Runtime
+from test_policies import check_variant
+
+THROWAWAY = '''"""Throwaway: a test policy that keeps each agent's own cache (exact), with one swept option."""
+
+from kvprof.policies.base import Option, Published
+from kvprof.policies.nonshared import NonShared
+
+
+class Throwaway(NonShared):
+    name = "throwaway"
+    family = "test"
+    paper = "The Throwaway Paper (2026)"
+    approximate = False
+    options = {"flavour": Option("plain", ("plain", "salted"), sweep=("plain", "salted"))}
+    published = (Published("The Throwaway Paper (2026)", "Table 9", "a tiny world", "nothing is lost"),)
+'''
+
+
+@pytest.fixture
+def throwaway(tmp_path, monkeypatch):
+    """Write the policy module to disk, import it, and add its one registry line."""
+    path = tmp_path / "throwaway_policy.py"
+    path.write_text(THROWAWAY)
+    spec = importlib.util.spec_from_file_location("throwaway_policy", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "throwaway_policy", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(REGISTRY, "throwaway", module.Throwaway)
+    return module.Throwaway
+
+
+def test_a_new_policy_module_is_enumerated_replayed_checked_and_reported(throwaway, run_cli, lora_trace, tmp_path):
+    labels = [variant.label for variant in enumerate_variants()]
+    assert {"throwaway-plain", "throwaway-salted"} <= set(labels)
+    code, out, err = run_cli("replay", lora_trace, "--policy", "all", "--limit", "1", "--repeats", "1",
+                             "--out", tmp_path, "--device", "cpu")
+    assert code == 0, err
+    assert "throwaway-plain" in out and "throwaway-salted" in out
+    result = json.loads((tmp_path / "replay.json").read_text())
+    for label in ("throwaway-plain", "throwaway-salted"):
+        entry = result["policies"][label]
+        assert entry["options"] == {"flavour": label.split("-")[1]}
+        check_variant(entry, result["dense"], memory_checked=False)
+    agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
+    checked = replay_trace(agents, read_trace(lora_trace).trajectories,
+                           [v for v in enumerate_variants() if v.name == "throwaway"], check_memory=True)
+    for entry in checked["policies"].values():
+        check_variant(entry, checked["dense"])
+    assert result["policies"]["throwaway-salted"]["published"][0]["claim"] == "nothing is lost"
+    html = (tmp_path / "replay.html").read_text()
+    assert "The Throwaway Paper (2026)" in html and "nothing is lost" in html
+    code, out, err = run_cli("report", tmp_path / "replay.json", "--out", tmp_path / "dash.html")
+    assert code == 0, err
+    assert "throwaway-salted" in out and "nothing is lost" in (tmp_path / "dash.html").read_text()
+
+
+def test_policy_option_selects_values_of_any_policy(throwaway, run_cli, lora_trace, tmp_path):
+    code, _, err = run_cli("replay", lora_trace, "--policy", "throwaway", "--policy-option",
+                           "throwaway.flavour=salted", "--limit", "1", "--repeats", "1", "--out", tmp_path)
+    assert code == 0, err
+    assert list(json.loads((tmp_path / "replay.json").read_text())["policies"]) == ["throwaway-salted"]
+
+
+def test_policy_all_sweeps_every_declared_option_value():
+    labels = [variant.label for variant in enumerate_variants()]
+    for cls in REGISTRY.values():
+        for key, option in cls.options.items():
+            for value in option.sweep or (option.default,):
+                assert any(label.startswith(cls.name) and f"-{option.label(key, value)}" in label
+                           for label in labels), (cls.name, key, value)
+    assert "baseshared-incremental" in labels and "rebaseshared-db" in labels
+    assert labels[-1] == "nonshared"
+
+
+def test_named_policy_runs_its_published_defaults_and_shorthands_still_work(run_cli, lora_trace, tmp_path):
+    assert [v.label for v in enumerate_variants(["rebaseshared"])] == ["rebaseshared-lp"]
+    assert [v.label for v in enumerate_variants(["baseshared"])] == ["baseshared-full"]
+    both = parse_policy_options(["rebaseshared.schedule=lp", "rebaseshared.schedule=db"])
+    assert [v.label for v in enumerate_variants(["rebaseshared"], both)] == ["rebaseshared-lp", "rebaseshared-db"]
+    code, _, err = run_cli("replay", lora_trace, "--policy", "rebaseshared", "--schedule", "db", "--limit", "1",
+                           "--repeats", "1", "--out", tmp_path)
+    assert code == 0, err
+    assert list(json.loads((tmp_path / "replay.json").read_text())["policies"]) == ["rebaseshared-db"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--policy-option", "rebaseshared.schedule"), "is not POLICY.KEY=VALUE"),
+    (("--policy-option", "rebaseshared.speed=fast"), "policy rebaseshared has no option 'speed'"),
+    (("--policy-option", "rebaseshared.schedule=xx"), "option schedule='xx' is not allowed; use one of lp, db"),
+    (("--policy-option", "magic.schedule=lp"), "unknown policy 'magic'"),
+    (("--policy", "fullshared", "--schedule", "db"), "options are given for policy rebaseshared, which is not "
+                                                      "selected"),
+])
+def test_bad_policy_options_are_one_sentence(run_cli, lora_trace, tmp_path, args, message):
+    code, _, err = run_cli("replay", lora_trace, *args, "--out", tmp_path)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1
+    assert not (tmp_path / "replay.json").exists()
+
+
+def test_variant_labels_match_built_policies(lora_trace):
+    runtime = Runtime(load_agents_for_trace(lora_trace, device="cpu", dtype="float32"))
+    for variant in enumerate_variants():
+        if variant.name == "baselrshared":
+            with pytest.raises(KvprofError, match="share their down-projection A"):
+                variant.build(runtime)
+            continue
+        assert variant.build(runtime).label == variant.label
+    assert PolicyVariant("rebaseshared", {"schedule": "db"}).label == "rebaseshared-db"
