@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo
+.PHONY: setup test lint demo
 
 setup: $(VENV)/.installed
 
@@ -16,6 +16,12 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff (lint rules and formatting) and mypy, as configured in pyproject.toml.
+lint: setup
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
 
 # The whole pipeline on the shipped demo world (trained model, role prompts, LoRA adapters), on CPU.
 demo: setup

@@ -30,8 +30,8 @@ Published claims checked (`claims()`):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -114,8 +114,15 @@ def pair_span(traj: Trajectory, source: AgentSequence, target: AgentSequence) ->
         target_rows.extend(range(t_start, t_start + count))
     source_idx = torch.tensor(source_rows, dtype=torch.long)
     target_idx = torch.tensor(target_rows, dtype=torch.long)
-    return PairSpan(trajectory=traj.id, source=source.agent, target=target.agent, source_rows=source_idx,
-                    target_rows=target_idx, shift=target_idx - source_idx, segments=segments)
+    return PairSpan(
+        trajectory=traj.id,
+        source=source.agent,
+        target=target.agent,
+        source_rows=source_idx,
+        target_rows=target_idx,
+        shift=target_idx - source_idx,
+        segments=segments,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- statistics
@@ -177,21 +184,33 @@ class PairLayer:
 
 def _rank_metrics(prefix: str, stats: list[dict]) -> dict[str, float]:
     """`prefix`_rank / _energy90 / _energy99, averaged over `stats` (one per agent, or the delta's alone)."""
-    return {f"{prefix}_{suffix}": sum(s[key] for s in stats) / len(stats)
-            for suffix, key in (("rank", "effective"), ("energy90", "energy90"), ("energy99", "energy99"))}
+    return {
+        f"{prefix}_{suffix}": sum(s[key] for s in stats) / len(stats)
+        for suffix, key in (("rank", "effective"), ("energy90", "energy90"), ("energy99", "energy99"))
+    }
 
 
 METRICS = {
-    **{f"{q}_{suffix}": f"{label} of {what}" for q, what in (
-        ("cache", "C (mean of the two agents)"), ("delta", "Δ_j←i"),
-        ("base", "the base part X·W0 (mean of the two agents)"),
-        ("adapter", "the adapter output s·X·A·B (mean of the two agents)"))
-       for suffix, label in (("rank", "entropy effective rank"), ("energy90", "energy rank (90 %)"),
-                             ("energy99", "energy rank (99 %)"))},
+    **{
+        f"{q}_{suffix}": f"{label} of {what}"
+        for q, what in (
+            ("cache", "C (mean of the two agents)"),
+            ("delta", "Δ_j←i"),
+            ("base", "the base part X·W0 (mean of the two agents)"),
+            ("adapter", "the adapter output s·X·A·B (mean of the two agents)"),
+        )
+        for suffix, label in (
+            ("rank", "entropy effective rank"),
+            ("energy90", "energy rank (90 %)"),
+            ("energy99", "energy rank (99 %)"),
+        )
+    },
     "delta_relative": "‖Δ‖/‖C_j‖",
     "adapter_relative": "‖adapter output‖/‖C‖ (mean of the two agents)",
-    "cache_cosine": "mean token cosine of C_i, C_j", "cache_cosine_flat": "cosine of flattened C_i, C_j",
-    "base_cosine": "mean token cosine of the base parts", "base_cosine_flat": "cosine of flattened base parts",
+    "cache_cosine": "mean token cosine of C_i, C_j",
+    "cache_cosine_flat": "cosine of flattened C_i, C_j",
+    "base_cosine": "mean token cosine of the base parts",
+    "base_cosine_flat": "cosine of flattened base parts",
     "adapter_cosine": "mean token cosine of the adapter outputs",
     "adapter_cosine_flat": "cosine of flattened adapter outputs",
 }
@@ -204,8 +223,15 @@ def _align(states: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor, is
     return rotate_keys(states, shift.to(states.device), inv_freq)
 
 
-def compare_pair(source: TurnCapture, target: TurnCapture, span: PairSpan, layer: int, inv_freq: torch.Tensor,
-                 per_head: bool, dtype: torch.dtype = torch.float32) -> dict[str, PairLayer]:
+def compare_pair(
+    source: TurnCapture,
+    target: TurnCapture,
+    span: PairSpan,
+    layer: int,
+    inv_freq: torch.Tensor,
+    per_head: bool,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, PairLayer]:
     """Statistics of one pair at one layer, {"K": PairLayer, "V": PairLayer} (see `METRICS`), computed in fp64.
 
     dtype: the model's dtype, for the noise floor of the ranks (`noise_floor`, from the target's cache C_j).
@@ -215,13 +241,19 @@ def compare_pair(source: TurnCapture, target: TurnCapture, span: PairSpan, layer
     out = {}
     for kv, projection in (("K", "k_proj"), ("V", "v_proj")):
         is_key = kv == "K"
-        pairs = {"cache": (_align((src.keys if is_key else src.values)[:, rows_s].double(), span.shift, inv_freq,
-                                  is_key), (dst.keys if is_key else dst.values)[:, rows_t].double())}
+        pairs = {
+            "cache": (
+                _align((src.keys if is_key else src.values)[:, rows_s].double(), span.shift, inv_freq, is_key),
+                (dst.keys if is_key else dst.values)[:, rows_t].double(),
+            )
+        }
         if projection in src.split and projection in dst.split:
             split_s, split_t = src.split[projection], dst.split[projection]
             for name in ("base", "adapter"):
-                pairs[name] = (_align(getattr(split_s, name)[:, rows_s].double(), span.shift, inv_freq, is_key),
-                               getattr(split_t, name)[:, rows_t].double())
+                pairs[name] = (
+                    _align(getattr(split_s, name)[:, rows_s].double(), span.shift, inv_freq, is_key),
+                    getattr(split_t, name)[:, rows_t].double(),
+                )
         cache_s, cache_t = pairs["cache"]
         delta = cache_t - cache_s
         floor = noise_floor(cache_t, per_head, dtype)
@@ -233,8 +265,10 @@ def compare_pair(source: TurnCapture, target: TurnCapture, span: PairSpan, layer
             values[f"{name}_cosine"], values[f"{name}_cosine_flat"] = similarity(*states, per_head)
         values.update(_rank_metrics("delta", stats["delta"]))
         if "adapter" in pairs:
-            values["adapter_relative"] = (metrics.relative_norm(pairs["adapter"][0], cache_s)
-                                          + metrics.relative_norm(pairs["adapter"][1], cache_t)) / 2
+            values["adapter_relative"] = (
+                metrics.relative_norm(pairs["adapter"][0], cache_s)
+                + metrics.relative_norm(pairs["adapter"][1], cache_t)
+            ) / 2
         spectra = {name: (sum(s["spectrum"] for s in group) / len(group)).cpu() for name, group in stats.items()}
         out[kv] = PairLayer(values=values, spectra=spectra)
     return out
@@ -332,62 +366,122 @@ class RankAnalysis:
         if self.mode == "lora":
             base = {kv: over_layers("base_cosine", kv) for kv in KV_NAMES}
             worst = min(((kv, layer, v) for kv in KV_NAMES for layer, v in base[kv]), key=lambda item: item[2])
-            claims.append(Claim(
-                "LRAgent", f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
-                all(mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV_NAMES),
-                f"K {mean(base['K']):.4f}, V {mean(base['V']):.4f}",
-                f"mean token cosine over layers; lowest: layer {worst[1]} {worst[0]} {worst[2]:.4f}"))
+            claims.append(
+                Claim(
+                    "LRAgent",
+                    f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
+                    all(mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV_NAMES),
+                    f"K {mean(base['K']):.4f}, V {mean(base['V']):.4f}",
+                    f"mean token cosine over layers; lowest: layer {worst[1]} {worst[0]} {worst[2]:.4f}",
+                )
+            )
             adapter = {kv: over_layers("adapter_cosine", kv) for kv in KV_NAMES}
             worst = max(((kv, layer, v) for kv in KV_NAMES for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
-            claims.append(Claim(
-                "LRAgent",
-                f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
-                all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV_NAMES),
-                f"K {mean(adapter['K']):+.4f}, V {mean(adapter['V']):+.4f}",
-                f"mean token cosine over layers; largest |cosine|: layer {worst[1]} {worst[0]} {worst[2]:+.4f}"))
+            claims.append(
+                Claim(
+                    "LRAgent",
+                    f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
+                    all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV_NAMES),
+                    f"K {mean(adapter['K']):+.4f}, V {mean(adapter['V']):+.4f}",
+                    f"mean token cosine over layers; largest |cosine|: layer {worst[1]} {worst[0]} {worst[2]:+.4f}",
+                )
+            )
         else:
             cache = {kv: mean(over_layers("cache_cosine", kv)) for kv in KV_NAMES}
-            claims.append(Claim(
-                "LRAgent", "base caches agree across agents and adapter outputs are nearly orthogonal", None,
-                f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
-                "not applicable: prompt-mode agents have no adapters (the cache cosine after re-alignment is shown)"))
+            claims.append(
+                Claim(
+                    "LRAgent",
+                    "base caches agree across agents and adapter outputs are nearly orthogonal",
+                    None,
+                    f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
+                    "not applicable: prompt-mode agents have no adapters "
+                    "(the cache cosine after re-alignment is shown)",
+                )
+            )
         bound = max(pair.bound for pair in self.pairs)
-        trivial = (f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
-                   "little on this trace" if bound <= KVCMAS_DELTA_RANK else "")
+        trivial = (
+            f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
+            "little on this trace"
+            if bound <= KVCMAS_DELTA_RANK
+            else ""
+        )
         delta = {kv: over_layers("delta_rank", kv) for kv in KV_NAMES}
         worst = max(((kv, layer, v) for kv in KV_NAMES for layer, v in delta[kv]), key=lambda item: item[2])
-        claims.append(Claim(
-            "KVCMAS", f"deltas Δ_j←i have effective rank < {KVCMAS_DELTA_RANK:g}", worst[2] < KVCMAS_DELTA_RANK,
-            f"K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
-            f"mean over layers; highest: layer {worst[1]} {worst[0]} {worst[2]:.2f} (every layer must be < "
-            f"{KVCMAS_DELTA_RANK:g}){trivial}"))
+        claims.append(
+            Claim(
+                "KVCMAS",
+                f"deltas Δ_j←i have effective rank < {KVCMAS_DELTA_RANK:g}",
+                worst[2] < KVCMAS_DELTA_RANK,
+                f"K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
+                f"mean over layers; highest: layer {worst[1]} {worst[0]} {worst[2]:.2f} (every layer must be < "
+                f"{KVCMAS_DELTA_RANK:g}){trivial}",
+            )
+        )
         cache = {kv: mean(over_layers("cache_rank", kv)) for kv in KV_NAMES}
-        claims.append(Claim(
-            "KVCMAS", "the caches have higher effective rank than their deltas",
-            all(cache[kv] > mean(delta[kv]) for kv in KV_NAMES),
-            f"C: K {cache['K']:.2f}, V {cache['V']:.2f}; Δ: K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
-            "means over layers"))
+        claims.append(
+            Claim(
+                "KVCMAS",
+                "the caches have higher effective rank than their deltas",
+                all(cache[kv] > mean(delta[kv]) for kv in KV_NAMES),
+                f"C: K {cache['K']:.2f}, V {cache['V']:.2f}; Δ: K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
+                "means over layers",
+            )
+        )
         return claims
 
     def to_dict(self) -> dict:
         """JSON-ready results: settings, per-layer means and spectra, per-pair values, claims."""
+
         def rounded(values: dict[str, float]) -> dict[str, float]:
             return {name: round(value, 6) for name, value in values.items()}
 
         spectra = self.layer_spectra()
         return {
-            "mode": self.mode, "agents": self.agents, "layers": self.layers, "per_head": self.per_head,
-            "matrix": self.matrix, "metrics": METRICS,
-            "layer_means": [{"layer": layer, **{kv: rounded(values) for kv, values in by_kv.items()}}
-                            for layer, by_kv in self.layer_means().items()],
-            "spectra": [{"layer": layer, **{kv: {q: [round(x, 6) for x in s] for q, s in by_q.items()}
-                                            for kv, by_q in spectra[layer].items()}} for layer in self.layers],
-            "pairs": [{"trajectory": p.trajectory, "source": p.source, "target": p.target, "tokens": p.tokens,
-                       "bound": p.bound, "segments": p.segments,
-                       "layers": [{"layer": layer, **{kv: rounded(p.layers[layer][kv].values) for kv in KV_NAMES}}
-                                  for layer in self.layers]} for p in self.pairs],
-            "claims": [{"paper": c.paper, "statement": c.statement, "holds": c.holds, "measured": c.measured,
-                        "detail": c.detail} for c in self.claims()],
+            "mode": self.mode,
+            "agents": self.agents,
+            "layers": self.layers,
+            "per_head": self.per_head,
+            "matrix": self.matrix,
+            "metrics": METRICS,
+            "layer_means": [
+                {"layer": layer, **{kv: rounded(values) for kv, values in by_kv.items()}}
+                for layer, by_kv in self.layer_means().items()
+            ],
+            "spectra": [
+                {
+                    "layer": layer,
+                    **{
+                        kv: {q: [round(x, 6) for x in s] for q, s in by_q.items()}
+                        for kv, by_q in spectra[layer].items()
+                    },
+                }
+                for layer in self.layers
+            ],
+            "pairs": [
+                {
+                    "trajectory": p.trajectory,
+                    "source": p.source,
+                    "target": p.target,
+                    "tokens": p.tokens,
+                    "bound": p.bound,
+                    "segments": p.segments,
+                    "layers": [
+                        {"layer": layer, **{kv: rounded(p.layers[layer][kv].values) for kv in KV_NAMES}}
+                        for layer in self.layers
+                    ],
+                }
+                for p in self.pairs
+            ],
+            "claims": [
+                {
+                    "paper": c.paper,
+                    "statement": c.statement,
+                    "holds": c.holds,
+                    "measured": c.measured,
+                    "detail": c.detail,
+                }
+                for c in self.claims()
+            ],
         }
 
 
@@ -400,20 +494,30 @@ def select_agents(trace: Trace, names: Sequence[str] | None) -> list[str]:
     if names:
         unknown = [name for name in names if name not in declared]
         if unknown:
-            raise KvprofError(f"--agents names {', '.join(map(repr, unknown))}, which the trace does not have; "
-                              f"its agents are {', '.join(declared)}.")
+            raise KvprofError(
+                f"--agents names {', '.join(map(repr, unknown))}, which the trace does not have; "
+                f"its agents are {', '.join(declared)}."
+            )
         chosen = [name for name in declared if name in names]
     else:
         chosen = list(declared)
     if len(chosen) < 2:
-        raise KvprofError(f"rank analysis compares agent pairs, but only {', '.join(chosen) or 'no agent'} is "
-                          "selected; pass a trace with two or more agents (and --agents with at least two names).")
+        raise KvprofError(
+            f"rank analysis compares agent pairs, but only {', '.join(chosen) or 'no agent'} is "
+            "selected; pass a trace with two or more agents (and --agents with at least two names)."
+        )
     return chosen
 
 
-def analyze_trace(agents: AgentSet, trace: Trace, agent_names: Sequence[str], layers: Sequence[int],
-                  max_tokens: int | None = None, per_head: bool = False,
-                  on_trajectory: Callable[[Trajectory], None] | None = None) -> RankAnalysis:
+def analyze_trace(
+    agents: AgentSet,
+    trace: Trace,
+    agent_names: Sequence[str],
+    layers: Sequence[int],
+    max_tokens: int | None = None,
+    per_head: bool = False,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> RankAnalysis:
     """Capture every selected agent's cache on each trajectory and compare all pairs on their shared spans.
 
     layers: resolved layer indices (`kvprof.cache.resolve_layers`). Raises `KvprofError` if no pair of selected agents
@@ -422,8 +526,14 @@ def analyze_trace(agents: AgentSet, trace: Trace, agent_names: Sequence[str], la
     mode = trace.header.mode
     config = agents.config
     dim = head_dim(config)
-    result = RankAnalysis(mode=mode, agents=list(agent_names), layers=list(layers), per_head=per_head,
-                          head_dim=dim, kv_heads=config.num_key_value_heads)
+    result = RankAnalysis(
+        mode=mode,
+        agents=list(agent_names),
+        layers=list(layers),
+        per_head=per_head,
+        head_dim=dim,
+        kv_heads=config.num_key_value_heads,
+    )
     inv_freq = rotary_embedding(agents.base_model).inv_freq
     parts = ("kv", "split") if mode == "lora" else ("kv",)
     columns = dim if per_head else dim * config.num_key_value_heads
@@ -431,7 +541,7 @@ def analyze_trace(agents: AgentSet, trace: Trace, agent_names: Sequence[str], la
         sequences = {name: agent_sequence(traj, name, max_tokens) for name in agent_names}
         spans = []
         for i, source in enumerate(agent_names):
-            for target in agent_names[i + 1:]:
+            for target in agent_names[i + 1 :]:
                 if sequences[source] is None or sequences[target] is None:
                     continue
                 span = pair_span(traj, sequences[source], sequences[target])
@@ -439,18 +549,40 @@ def analyze_trace(agents: AgentSet, trace: Trace, agent_names: Sequence[str], la
                     spans.append(span)
         if spans:
             needed = {span.source for span in spans} | {span.target for span in spans}
-            captures = {name: capture_turn(agents, name, sequences[name].tokens, layers=layers, parts=parts)
-                        for name in agent_names if name in needed}
+            captures = {
+                name: capture_turn(agents, name, sequences[name].tokens, layers=layers, parts=parts)
+                for name in agent_names
+                if name in needed
+            }
             for span in spans:
-                result.pairs.append(PairResult(
-                    trajectory=traj.id, source=span.source, target=span.target, tokens=len(span),
-                    bound=min(len(span), columns), segments=span.segments,
-                    layers={layer: compare_pair(captures[span.source], captures[span.target], span, layer, inv_freq,
-                                                per_head, agents.base_model.dtype) for layer in layers}))
+                result.pairs.append(
+                    PairResult(
+                        trajectory=traj.id,
+                        source=span.source,
+                        target=span.target,
+                        tokens=len(span),
+                        bound=min(len(span), columns),
+                        segments=span.segments,
+                        layers={
+                            layer: compare_pair(
+                                captures[span.source],
+                                captures[span.target],
+                                span,
+                                layer,
+                                inv_freq,
+                                per_head,
+                                agents.base_model.dtype,
+                            )
+                            for layer in layers
+                        },
+                    )
+                )
         if on_trajectory:
             on_trajectory(traj)
     if not result.pairs:
-        raise KvprofError(f"no shared segment is held by two of the agents {', '.join(agent_names)} in any trajectory "
-                          "of this trace, so there is nothing to compare; pass a trace whose agents read common "
-                          "context (segments with scope 'shared').")
+        raise KvprofError(
+            f"no shared segment is held by two of the agents {', '.join(agent_names)} in any trajectory "
+            "of this trace, so there is nothing to compare; pass a trace whose agents read common "
+            "context (segments with scope 'shared')."
+        )
     return result

@@ -25,8 +25,8 @@ LoRA variants (DoRA) and merged adapters have no separate adapter output and are
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 
@@ -102,12 +102,14 @@ def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
     """Sorted distinct layer indices; None means all. Refuses indices outside [0, num_layers)."""
     if layers is None:
         return list(range(num_layers))
-    chosen = sorted(set(int(layer) for layer in layers))
+    chosen = sorted({int(layer) for layer in layers})
     bad = [layer for layer in chosen if not 0 <= layer < num_layers]
     if bad:
         what = f"layer {bad[0]} is" if len(bad) == 1 else f"layers {', '.join(map(str, bad))} are"
-        raise KvprofError(f"{what} out of range: this model has {num_layers} layers (0-{num_layers - 1}); "
-                          "pass --layers within that range.")
+        raise KvprofError(
+            f"{what} out of range: this model has {num_layers} layers (0-{num_layers - 1}); "
+            "pass --layers within that range."
+        )
     if not chosen:
         raise KvprofError("no layers selected; pass --layers with at least one layer index.")
     return chosen
@@ -117,8 +119,10 @@ def _projection(layer: torch.nn.Module, name: str, index: int) -> torch.nn.Modul
     """The module named `name` (e.g. k_proj) inside one decoder layer: a peft LoRA layer or a plain Linear."""
     found = [(path, module) for path, module in layer.named_modules() if path.rsplit(".", 1)[-1] == name]
     if not found:
-        raise KvprofError(f"layer {index} has no projection {name!r}; pass projections this model has "
-                          "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).")
+        raise KvprofError(
+            f"layer {index} has no projection {name!r}; pass projections this model has "
+            "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."
+        )
     return min(found, key=lambda item: len(item[0]))[1]
 
 
@@ -129,18 +133,24 @@ def _is_lora(module: torch.nn.Module) -> bool:
 def _check_norm(attention: torch.nn.Module, name: str, index: int) -> None:
     norm = NORMS.get(name)
     if norm and getattr(attention, norm, None) is not None:
-        raise KvprofError(f"layer {index} normalises {name} per head ({norm}) before caching, so its output does not "
-                          "split into base + adapter; capture without the 'split' part for this model.")
+        raise KvprofError(
+            f"layer {index} normalises {name} per head ({norm}) before caching, so its output does not "
+            "split into base + adapter; capture without the 'split' part for this model."
+        )
 
 
 def _check_plain_lora(module: torch.nn.Module, name: str, index: int) -> None:
     if _is_lora(module):
         if getattr(module, "merged", False):
-            raise KvprofError(f"layer {index} {name}: the LoRA adapter is merged into the weights, so its output "
-                              "cannot be split; load the adapters unmerged.")
+            raise KvprofError(
+                f"layer {index} {name}: the LoRA adapter is merged into the weights, so its output "
+                "cannot be split; load the adapters unmerged."
+            )
         if getattr(module, "lora_variant", None):
-            raise KvprofError(f"layer {index} {name}: a LoRA variant ({', '.join(module.lora_variant)}, e.g. DoRA) "
-                              "has no separate adapter output; kvprof splits plain LoRA adapters only.")
+            raise KvprofError(
+                f"layer {index} {name}: a LoRA variant ({', '.join(module.lora_variant)}, e.g. DoRA) "
+                "has no separate adapter output; kvprof splits plain LoRA adapters only."
+            )
 
 
 class _LayerRecorder:
@@ -174,20 +184,29 @@ class _LayerRecorder:
         def hook(module, args, output):
             self.inputs[name] = args[0]
             self.base[name] = output
+
         return hook
 
     def _on_lora_b(self, name: str, scaling: float):
         def hook(module, args, output):
             part = output[:, self.keep].float() * scaling  # kept tokens only, summed in fp32
             self.adapter[name] = self.adapter[name] + part if name in self.adapter else part
+
         return hook
 
 
 class _Capture:
     """State shared by the hooks of one `capture_turn` call."""
 
-    def __init__(self, agents: AgentSet, keep: slice, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, last_layer: int):
+    def __init__(
+        self,
+        agents: AgentSet,
+        keep: slice,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        last_layer: int,
+    ):
         self.agents, self.keep, self.positions = agents, keep, positions
         self.cos, self.sin, self.last_layer = cos, sin, last_layer
 
@@ -212,10 +231,17 @@ class _Capture:
         return per_head.contiguous()
 
 
-def capture_turn(agents: AgentSet, agent: str | None, input_ids: Sequence[int] | torch.Tensor,
-                 layers: Iterable[int] | None = None, parts: Sequence[str] | None = None,
-                 projections: Sequence[str] = ("k_proj", "v_proj"), positions: torch.Tensor | None = None,
-                 keep: tuple[int, int] | None = None, lr_adapters: Sequence[str] | None = None) -> TurnCapture:
+def capture_turn(
+    agents: AgentSet,
+    agent: str | None,
+    input_ids: Sequence[int] | torch.Tensor,
+    layers: Iterable[int] | None = None,
+    parts: Sequence[str] | None = None,
+    projections: Sequence[str] = ("k_proj", "v_proj"),
+    positions: torch.Tensor | None = None,
+    keep: tuple[int, int] | None = None,
+    lr_adapters: Sequence[str] | None = None,
+) -> TurnCapture:
     """Prefill `input_ids` as `agent` (None: adapters disabled) and capture the requested `parts` (see module doc).
 
     input_ids: (L,) token ids (a list or a (L,) / (1, L) tensor). layers: indices to keep (None: all).
@@ -268,22 +294,30 @@ def capture_turn(agents: AgentSet, agent: str | None, input_ids: Sequence[int] |
                 handles += recorder.hooks(projections, "split" in parts)
             if "hidden" in parts:
                 handles.append(block.register_forward_pre_hook(_hidden_hook(state, recorder), with_kwargs=True))
-            handles.append(block.register_forward_hook(_finish_hook(state, recorder, cache, parts, projections,
-                                                                    adapter_names)))
+            handles.append(
+                block.register_forward_hook(_finish_hook(state, recorder, cache, parts, projections, adapter_names))
+            )
         with agents.activate(agent), torch.no_grad():  # not inference_mode: callers may update the tensors
             try:
-                agents.base_model.get_decoder()(input_ids=ids[None], position_ids=pos[None], cache=cache,
-                                                use_cache=True)
+                agents.base_model.get_decoder()(
+                    input_ids=ids[None], position_ids=pos[None], cache=cache, use_cache=True
+                )
             except _Stop:
                 pass
     except torch.OutOfMemoryError:
-        raise KvprofError(f"capturing a {length}-token input ran out of memory; select fewer --layers, lower "
-                          "--max-tokens, or use a larger device.") from None
+        raise KvprofError(
+            f"capturing a {length}-token input ran out of memory; select fewer --layers, lower "
+            "--max-tokens, or use a larger device."
+        ) from None
     finally:
         for handle in handles:
             handle.remove()
-    return TurnCapture(agent=agent, token_ids=ids[start:end].clone(), positions=pos[start:end].clone(),
-                       layers={index: recorders[index].result for index in chosen})
+    return TurnCapture(
+        agent=agent,
+        token_ids=ids[start:end].clone(),
+        positions=pos[start:end].clone(),
+        layers={index: recorders[index].result for index in chosen},
+    )
 
 
 def _down_projection(module: torch.nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
@@ -296,11 +330,18 @@ def _hidden_hook(state: _Capture, recorder: _LayerRecorder):
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         recorder.result.hidden = state.span(hidden[0], 0)
+
     return hook
 
 
-def _finish_hook(state: _Capture, recorder: _LayerRecorder, cache, parts: Sequence[str],
-                 projections: Sequence[str], adapter_names: Sequence[str]):
+def _finish_hook(
+    state: _Capture,
+    recorder: _LayerRecorder,
+    cache,
+    parts: Sequence[str],
+    projections: Sequence[str],
+    adapter_names: Sequence[str],
+):
     """After a selected layer: copy its K/V from the cache, build the splits and LR activations, drop the rest."""
 
     def hook(module, args, output):
@@ -308,22 +349,30 @@ def _finish_hook(state: _Capture, recorder: _LayerRecorder, cache, parts: Sequen
         if "kv" in parts:
             cached = cache.layers[index]
             if cached.keys.shape[-2] != state.positions.numel():
-                raise KvprofError(f"layer {index} keeps only {cached.keys.shape[-2]} of the {state.positions.numel()} "
-                                  "input tokens in its cache (sliding window); pass a shorter input (--max-tokens).")
+                raise KvprofError(
+                    f"layer {index} keeps only {cached.keys.shape[-2]} of the {state.positions.numel()} "
+                    "input tokens in its cache (sliding window); pass a shorter input (--max-tokens)."
+                )
             result.keys = state.span(cached.keys[0], 1)
             result.values = state.span(cached.values[0], 1)
         for name, module_ in recorder.modules.items():
             if "split" in parts:
                 base = state.shape(recorder.base[name], name)
                 adapter = recorder.adapter.get(name)  # already cut to the kept tokens
-                result.split[name] = ProjectionSplit(base=base, adapter=torch.zeros_like(base) if adapter is None
-                                                     else state.shape(adapter, name, kept=True))
+                result.split[name] = ProjectionSplit(
+                    base=base,
+                    adapter=torch.zeros_like(base) if adapter is None else state.shape(adapter, name, kept=True),
+                )
             if "lr" in parts and _is_lora(module_):
-                result.lr[name] = {adapter: state.span(_down_projection(module_, adapter, recorder.inputs[name])[0], 0)
-                                   for adapter in adapter_names if adapter in module_.lora_A}
+                result.lr[name] = {
+                    adapter: state.span(_down_projection(module_, adapter, recorder.inputs[name])[0], 0)
+                    for adapter in adapter_names
+                    if adapter in module_.lora_A
+                }
         recorder.inputs.clear()
         recorder.base.clear()
         recorder.adapter.clear()
         if index == state.last_layer:
             raise _Stop
+
     return hook

@@ -9,21 +9,33 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvprof.errors import KvprofError
 from kvprof.model import AgentSet, tokenizer_identity
 from kvprof.spec import WorkflowSpec, build_spec, check_react_roles
-from kvprof.trace import (PartialTrace, TraceHeader, TraceWriter, Trajectory, Turn, header_record, read_partial_trace,
-                          shared_segment_ids)
+from kvprof.trace import (
+    PartialTrace,
+    TraceHeader,
+    TraceWriter,
+    Trajectory,
+    Turn,
+    header_record,
+    read_partial_trace,
+    shared_segment_ids,
+)
 from kvprof.workflow import Sampling, SearchTool, Task, exact_match, model_responder, run_react
 
 
-def capture_spec(workflow: Path | None = None, agent_flags: list[str] | None = None,
-                 role_flags: list[str] | None = None, max_rounds: int | None = None,
-                 max_new_tokens: int | None = None) -> WorkflowSpec:
+def capture_spec(
+    workflow: Path | None = None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    max_rounds: int | None = None,
+    max_new_tokens: int | None = None,
+) -> WorkflowSpec:
     """The workflow a capture runs: a TOML file and agent/role flags (`kvprof.spec.build_spec`), with its limits
     replaced where given; refuses agents the ReAct schedule has no role for."""
     spec = build_spec(workflow, agent_flags, role_flags)
@@ -37,9 +49,16 @@ def capture_spec(workflow: Path | None = None, agent_flags: list[str] | None = N
 
 def trace_header(model: str, agents: AgentSet, **fields) -> TraceHeader:
     """The header of a trace captured from `agents` (loaded from `model`); `fields`: other TraceHeader fields."""
-    return TraceHeader(model={"path": model, "dtype": str(agents.base_model.dtype).removeprefix("torch."),
-                              "architecture": agents.config.architectures[0] if agents.config.architectures else ""},
-                       tokenizer=tokenizer_identity(agents.tokenizer), workflow=agents.spec.to_dict(), **fields)
+    return TraceHeader(
+        model={
+            "path": model,
+            "dtype": str(agents.base_model.dtype).removeprefix("torch."),
+            "architecture": agents.config.architectures[0] if agents.config.architectures else "",
+        },
+        tokenizer=tokenizer_identity(agents.tokenizer),
+        workflow=agents.spec.to_dict(),
+        **fields,
+    )
 
 
 def sampled_trace_header(model: str, agents: AgentSet, sampling: Sampling) -> TraceHeader:
@@ -57,20 +76,30 @@ def resumed_trajectories(checkpoint: Path, header: TraceHeader, tasks: Sequence[
     another model, workflow or sampling (another `header`) or of other leading `tasks`."""
     partial = read_partial_trace(checkpoint)
     if header_record(partial.header) != json.loads(json.dumps(header_record(header))):
-        raise KvprofError(f"checkpoint {checkpoint} was captured with another model, tokenizer, workflow or sampling; "
-                          f"rerun with the options it was captured with, or delete it to start again.")
+        raise KvprofError(
+            f"checkpoint {checkpoint} was captured with another model, tokenizer, workflow or sampling; "
+            f"rerun with the options it was captured with, or delete it to start again."
+        )
     ids = [traj.id for traj in partial.trajectories]
-    if ids != [task.id for task in tasks[:len(ids)]]:
-        raise KvprofError(f"checkpoint {checkpoint} holds tasks {', '.join(ids[:3])}… that are not the first tasks "
-                          f"of --tasks; pass the --tasks and --limit it was captured with, or delete it.")
+    if ids != [task.id for task in tasks[: len(ids)]]:
+        raise KvprofError(
+            f"checkpoint {checkpoint} holds tasks {', '.join(ids[:3])}… that are not the first tasks "
+            f"of --tasks; pass the --tasks and --limit it was captured with, or delete it."
+        )
     return partial.trajectories
 
 
-def capture_trajectories(agents: AgentSet, tasks: Sequence[Task], trace_path: Path, header: TraceHeader,
-                         sampling: Sampling, resumed: Sequence[Trajectory] = (),
-                         on_task: Callable[[Task], None] | None = None,
-                         on_turn: Callable[[Trajectory, Turn], None] | None = None,
-                         on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+def capture_trajectories(
+    agents: AgentSet,
+    tasks: Sequence[Task],
+    trace_path: Path,
+    header: TraceHeader,
+    sampling: Sampling,
+    resumed: Sequence[Trajectory] = (),
+    on_task: Callable[[Task], None] | None = None,
+    on_turn: Callable[[Trajectory, Turn], None] | None = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
     """Run `agents.spec`'s ReAct workflow on the `tasks` after the `resumed` ones (the trajectories of the first
     tasks, from `resumed_trajectories`) and write them all to `trace_path`; returns them in task order.
 
@@ -84,7 +113,7 @@ def capture_trajectories(agents: AgentSet, tasks: Sequence[Task], trace_path: Pa
     with PartialTrace(checkpoint, header, append=bool(captured)) as partial, TraceWriter(trace_path, header) as writer:
         for traj in captured:
             writer.write(traj)
-        for index, task in enumerate(tasks[len(captured):], start=len(captured)):
+        for index, task in enumerate(tasks[len(captured) :], start=len(captured)):
             if on_task:
                 on_task(task)
             respond = model_responder(agents, replace(sampling, seed=sampling.seed + index))
@@ -114,7 +143,13 @@ def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
             stats["turns"] += 1
             stats["input_tokens"] += len(traj.input_tokens(turn))
             stats["output_tokens"] += len(traj.segments[turn.output])
-    return {"trajectories": len(trajectories), "turns": sum(s["turns"] for s in per_agent.values()),
-            "distinct_tokens": total_tokens, "shared_tokens": shared_tokens, "with_answer": len(with_answer),
-            "accuracy": correct / len(with_answer) if with_answer else None, "seconds": round(elapsed, 3),
-            "agents": dict(per_agent)}
+    return {
+        "trajectories": len(trajectories),
+        "turns": sum(s["turns"] for s in per_agent.values()),
+        "distinct_tokens": total_tokens,
+        "shared_tokens": shared_tokens,
+        "with_answer": len(with_answer),
+        "accuracy": correct / len(with_answer) if with_answer else None,
+        "seconds": round(elapsed, 3),
+        "agents": dict(per_agent),
+    }

@@ -12,8 +12,12 @@ from kvprof.commands import bench, capture, demo, inspect, rank_analysis, replay
 from kvprof.errors import KvprofError
 
 app = typer.Typer(
-    name="kvprof", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    help="Profile KV-cache sharing between LLM agents that share one base model (LoRA adapters or role prompts).")
+    name="kvprof",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Profile KV-cache sharing between LLM agents that share one base model (LoRA adapters or role prompts).",
+)
 
 
 @app.callback()
@@ -64,7 +68,10 @@ def main() -> None:
     except KeyboardInterrupt:
         code = INTERRUPTED
     if code == INTERRUPTED:
-        typer.echo("interrupted; nothing half-written was kept (capture and replay continue from their checkpoint "
-                   "with --resume).", err=True)
+        typer.echo(
+            "interrupted; nothing half-written was kept (capture and replay continue from their checkpoint "
+            "with --resume).",
+            err=True,
+        )
     if isinstance(code, int) and code:
         sys.exit(code)

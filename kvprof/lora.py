@@ -12,8 +12,8 @@ LoRA on k_proj; kvprof supports it at that cost).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -81,8 +81,10 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     model too)."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise KvprofError(f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof "
-                          "supports Llama-style decoders (Llama, Qwen2, Mistral).")
+        raise KvprofError(
+            f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof "
+            "supports Llama-style decoders (Llama, Qwen2, Mistral)."
+        )
     return layers
 
 
@@ -109,14 +111,16 @@ class HiddenTap:
         self.hidden: list[torch.Tensor | None] = [None] * len(self.layers)
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator["HiddenTap"]:
+    def capture(self) -> Iterator[HiddenTap]:
         def hook(index):
             def grab(module, args, kwargs):
                 self.hidden[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
             return grab
 
-        handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
-                   for i, layer in enumerate(self.layers)]
+        handles = [
+            layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(self.layers)
+        ]
         try:
             yield self
         finally:
@@ -130,8 +134,14 @@ def heads(flat: torch.Tensor, head_dim: int) -> torch.Tensor:
     return flat.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
 
 
-def base_kv(split: LayerSplit, hidden: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-            attention_scaling: float, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def base_kv(
+    split: LayerSplit,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Base cache of tokens with attention inputs `hidden` (B, L, d_model) at `positions` (L,):
     K_base = RoPE(X·W0_kᵀ), V_base = X·W0_vᵀ, each (B, H_kv, L, D)."""
     keys = heads(split.key.base(hidden), head_dim)

@@ -10,17 +10,23 @@ import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from kvprof.errors import KvprofError
 from kvprof.spec import WorkflowSpec
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 # The canonical order of LoRA target module names (Llama-style decoders), used to list an adapter's targets.
 LORA_TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -59,10 +65,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def _load_error(what: str, name: str, err: Exception) -> KvprofError:
     if Path(name).exists():
-        return KvprofError(f"could not load the {what} from {name} ({type(err).__name__}: {str(err).splitlines()[0]}); "
-                           "check that it is a complete Hugging Face model directory.")
-    return KvprofError(f"model {name!r} is not a local directory and could not be fetched from the hub "
-                       f"(this machine may be offline); pass --model with a local model directory.")
+        return KvprofError(
+            f"could not load the {what} from {name} ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "check that it is a complete Hugging Face model directory."
+        )
+    return KvprofError(
+        f"model {name!r} is not a local directory and could not be fetched from the hub "
+        f"(this machine may be offline); pass --model with a local model directory."
+    )
 
 
 def load_tokenizer(name: str):
@@ -89,13 +99,15 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
     except (OSError, ValueError) as err:
         raise _load_error("model", name, err) from None
     except torch.OutOfMemoryError:
-        raise KvprofError(f"model {name!r} does not fit in memory on {device}; use a smaller --dtype "
-                          "(bfloat16) or another --device.") from None
+        raise KvprofError(
+            f"model {name!r} does not fit in memory on {device}; use a smaller --dtype (bfloat16) or another --device."
+        ) from None
     try:
         return model.to(device).eval()
     except torch.OutOfMemoryError:
-        raise KvprofError(f"model {name!r} does not fit in {device} memory; use --dtype bfloat16, "
-                          "a smaller model, or --device cpu.") from None
+        raise KvprofError(
+            f"model {name!r} does not fit in {device} memory; use --dtype bfloat16, a smaller model, or --device cpu."
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------- adapters
@@ -126,8 +138,10 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
     adapter_dir = Path(path)
     config_path = adapter_dir / "adapter_config.json"
     if not config_path.is_file():
-        raise KvprofError(f"adapter {path} has no adapter_config.json; pass a PEFT adapter directory "
-                          "(the folder written by save_pretrained).")
+        raise KvprofError(
+            f"adapter {path} has no adapter_config.json; pass a PEFT adapter directory "
+            "(the folder written by save_pretrained)."
+        )
     config = json.loads(config_path.read_text())
     if config.get("peft_type") != "LORA":
         raise KvprofError(f"adapter {path} is a {config.get('peft_type')} adapter; kvprof profiles LoRA adapters.")
@@ -146,17 +160,21 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
             module_name, which = match.groups()
             module = modules.get(module_name)
             if module is None or not hasattr(module, "in_features"):
-                raise KvprofError(f"adapter {path} targets {module_name}, which the base model does not have "
-                                  f"(adapter trained for {base_name or 'another base model'}); pass an adapter "
-                                  "trained on this --model.")
+                raise KvprofError(
+                    f"adapter {path} targets {module_name}, which the base model does not have "
+                    f"(adapter trained for {base_name or 'another base model'}); pass an adapter "
+                    "trained on this --model."
+                )
             shape = tuple(handle.get_slice(key).get_shape())
             expected_dim = module.in_features if which == "A" else module.out_features
             actual_dim = shape[1] if which == "A" else shape[0]
             if actual_dim != expected_dim:
-                raise KvprofError(f"adapter {path} was trained for another base model "
-                                  f"({base_name or 'unknown'}): {module_name}.lora_{which} has dimension "
-                                  f"{actual_dim} where this model's {module_name} has {expected_dim}; pass an "
-                                  "adapter trained on this --model.")
+                raise KvprofError(
+                    f"adapter {path} was trained for another base model "
+                    f"({base_name or 'unknown'}): {module_name}.lora_{which} has dimension "
+                    f"{actual_dim} where this model's {module_name} has {expected_dim}; pass an "
+                    "adapter trained on this --model."
+                )
             targets.add(module_name.rsplit(".", 1)[-1])
             layer = re.search(r"layers\.(\d+)\.", module_name)
             if layer:
@@ -164,8 +182,13 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
     if not targets:
         raise KvprofError(f"adapter {path} holds no LoRA weights; pass a trained PEFT LoRA adapter.")
     ordered = [p for p in LORA_TARGET_ORDER if p in targets] + sorted(targets - set(LORA_TARGET_ORDER))
-    return AdapterInfo(path=str(path), rank=int(config["r"]), alpha=float(config.get("lora_alpha", config["r"])),
-                       targets=ordered, layers=len(layers))
+    return AdapterInfo(
+        path=str(path),
+        rank=int(config["r"]),
+        alpha=float(config.get("lora_alpha", config["r"])),
+        targets=ordered,
+        layers=len(layers),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- agent set
@@ -220,8 +243,9 @@ class AgentSet:
         yield
 
 
-def load_agents(spec: WorkflowSpec, model_name: str, device: str = "auto", dtype: str = "auto",
-                attn: str = "sdpa") -> AgentSet:
+def load_agents(
+    spec: WorkflowSpec, model_name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa"
+) -> AgentSet:
     """Load tokenizer, base model and every agent of `spec`."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -236,9 +260,16 @@ def _beside(folder: Path, path: str) -> str:
     return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
 
 
-def load_agents_for_trace(trace_path, model: str | None = None, workflow=None, agent_flags: list[str] | None = None,
-                          role_flags: list[str] | None = None, device: str = "auto", dtype: str = "auto",
-                          attn: str = "sdpa") -> AgentSet:
+def load_agents_for_trace(
+    trace_path,
+    model: str | None = None,
+    workflow=None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+) -> AgentSet:
     """Load the model and agents a trace was captured with; `model` and the agent flags override the header.
 
     Refuses a model whose tokenizer differs from the trace's. Relative model and adapter paths in the header
@@ -261,8 +292,10 @@ def load_agents_for_trace(trace_path, model: str | None = None, workflow=None, a
     spec = build_spec(workflow, agent_flags, role_flags, base=base)
     unknown = set(spec.names) - set(header.agent_names)
     if unknown:
-        raise KvprofError(f"unknown agent name {', '.join(map(repr, sorted(unknown)))} for trace {trace_path}; "
-                          f"its agents are {', '.join(header.agent_names)}.")
+        raise KvprofError(
+            f"unknown agent name {', '.join(map(repr, sorted(unknown)))} for trace {trace_path}; "
+            f"its agents are {', '.join(header.agent_names)}."
+        )
     model_name = model or header.model.get("path")
     if not model_name:
         raise KvprofError(f"trace {trace_path} does not record its model; pass --model.")

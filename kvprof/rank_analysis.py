@@ -8,9 +8,9 @@ reads, checks and loads; `run_rank_analysis` captures and compares the caches.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvprof.analysis import analyze_trace, select_agents
 from kvprof.cache import resolve_layers
@@ -31,9 +31,16 @@ class RankAnalysisSetup:
     layers: list[int]
 
 
-def prepare_rank_analysis(trace_path: Path, model: str | None = None, agent_flags: list[str] | None = None,
-                          agent_names: Sequence[str] | None = None, layers: Sequence[int] | None = None,
-                          limit: int | None = None, device: str = "auto", dtype: str = "auto") -> RankAnalysisSetup:
+def prepare_rank_analysis(
+    trace_path: Path,
+    model: str | None = None,
+    agent_flags: list[str] | None = None,
+    agent_names: Sequence[str] | None = None,
+    layers: Sequence[int] | None = None,
+    limit: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> RankAnalysisSetup:
     """Read the first `limit` trajectories of the trace, check the `agent_names` to compare (default: all) and
     load the agents (`model` and `agent_flags` override the trace's); `layers`: indices, default all."""
     trace = read_trace(trace_path)
@@ -45,15 +52,30 @@ def prepare_rank_analysis(trace_path: Path, model: str | None = None, agent_flag
     return RankAnalysisSetup(trace_path, trace, agents, names, chosen)
 
 
-def run_rank_analysis(setup: RankAnalysisSetup, max_tokens: int | None = 2048, per_head: bool = False,
-                      on_trajectory: Callable[[Trajectory], None] | None = None) -> dict:
+def run_rank_analysis(
+    setup: RankAnalysisSetup,
+    max_tokens: int | None = 2048,
+    per_head: bool = False,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> dict:
     """The rank-analysis record of `setup`: trace, model, seconds and `kvprof.analysis.RankAnalysis.to_dict()`.
 
     max_tokens: at most this many first tokens per agent; per_head: one (tokens, D) matrix per KV head instead of
     one flattened (tokens, H_kv·D) matrix per layer; `on_trajectory` is called after each trajectory.
     """
     started = time.perf_counter()
-    result = analyze_trace(setup.agents, setup.trace, setup.agent_names, setup.layers, max_tokens=max_tokens,
-                           per_head=per_head, on_trajectory=on_trajectory)
-    return {"trace": str(setup.trace_path), "model": setup.agents.model_name,
-            "seconds": round(time.perf_counter() - started, 3), **result.to_dict()}
+    result = analyze_trace(
+        setup.agents,
+        setup.trace,
+        setup.agent_names,
+        setup.layers,
+        max_tokens=max_tokens,
+        per_head=per_head,
+        on_trajectory=on_trajectory,
+    )
+    return {
+        "trace": str(setup.trace_path),
+        "model": setup.agents.model_name,
+        "seconds": round(time.perf_counter() - started, 3),
+        **result.to_dict(),
+    }

@@ -13,8 +13,8 @@ call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT,
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 from kvprof.metrics import kl_divergence, mean_token_cosine, relative_frobenius, top1_agreement
 from kvprof.model import AgentSet
@@ -32,25 +32,36 @@ DENSE = "dense"
 def compare_turn(result: TurnResult, dense: TurnResult) -> dict:
     """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced)."""
     record = {
-        "agent": result.agent, "input_tokens": result.input_kv[0][0].shape[1],
-        "output_tokens": len(result.output_ids), "reused": result.reused, "from_others": result.from_others,
-        "prefilled": result.prefilled, "flops": result.flops, "ttft_s": result.ttft_s,
-        "latency_s": result.latency_s, "memory_bytes": sum(result.memory.values()),
+        "agent": result.agent,
+        "input_tokens": result.input_kv[0][0].shape[1],
+        "output_tokens": len(result.output_ids),
+        "reused": result.reused,
+        "from_others": result.from_others,
+        "prefilled": result.prefilled,
+        "flops": result.flops,
+        "ttft_s": result.ttft_s,
+        "latency_s": result.latency_s,
+        "memory_bytes": sum(result.memory.values()),
     }
     kl = kl_divergence(dense.logits, result.logits)
-    record.update(kl=float(kl.mean()), kl_sum=float(kl.sum()), top1_sum=float(top1_agreement(dense.logits,
-                                                                                           result.logits).sum()),
-                  first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()))
+    record.update(
+        kl=float(kl.mean()),
+        kl_sum=float(kl.sum()),
+        top1_sum=float(top1_agreement(dense.logits, result.logits).sum()),
+        first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()),
+    )
     layers = []
     if result.reused:
         begin, end = result.prefix_len, result.prefix_len + result.reused
         for (keys, values), (dense_keys, dense_values) in zip(result.input_kv, dense.input_kv):
-            layers.append({
-                "k_error": relative_frobenius(keys[:, begin:end], dense_keys[:, begin:end]),
-                "k_cosine": mean_token_cosine(keys[:, begin:end], dense_keys[:, begin:end]),
-                "v_error": relative_frobenius(values[:, begin:end], dense_values[:, begin:end]),
-                "v_cosine": mean_token_cosine(values[:, begin:end], dense_values[:, begin:end]),
-            })
+            layers.append(
+                {
+                    "k_error": relative_frobenius(keys[:, begin:end], dense_keys[:, begin:end]),
+                    "k_cosine": mean_token_cosine(keys[:, begin:end], dense_keys[:, begin:end]),
+                    "v_error": relative_frobenius(values[:, begin:end], dense_values[:, begin:end]),
+                    "v_cosine": mean_token_cosine(values[:, begin:end], dense_values[:, begin:end]),
+                }
+            )
     record["layers"] = layers
     return record
 
@@ -66,16 +77,19 @@ def summarise(turns: list[dict]) -> dict:
         rows = [t["layers"][layer] for t in reusable]
         per_layer.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0]})
     summary = {
-        "turns": len(turns), "input_tokens": inputs, "output_tokens": outputs,
+        "turns": len(turns),
+        "input_tokens": inputs,
+        "output_tokens": outputs,
         "kl": sum(t["kl_sum"] for t in turns) / max(outputs, 1),
         "top1": sum(t["top1_sum"] for t in turns) / max(outputs, 1),
         "first_token_match": statistics.fmean(t["first_token_match"] for t in turns) if turns else None,
         "reuse_per_token": sum(t["from_others"] for t in turns) / max(inputs, 1),
         "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
-        "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable)
-                                       if reusable else None),
-        "prefilled": sum(t["prefilled"] for t in turns), "flops": sum(t["flops"] for t in turns),
-        "ttft_s": sum(t["ttft_s"] for t in turns), "latency_s": sum(t["latency_s"] for t in turns),
+        "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
+        "prefilled": sum(t["prefilled"] for t in turns),
+        "flops": sum(t["flops"] for t in turns),
+        "ttft_s": sum(t["ttft_s"] for t in turns),
+        "latency_s": sum(t["latency_s"] for t in turns),
         "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
         "layers": per_layer,
         "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
@@ -92,8 +106,9 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
         "latency_speedup": dense["latency_s"] / summary["latency_s"] if summary["latency_s"] else None,
         "prefill_speedup_implied": dense["prefilled"] / summary["prefilled"] if summary["prefilled"] else None,
         "flops_ratio": summary["flops"] / dense["flops"] if dense["flops"] else None,
-        "memory_ratio": (summary["peak_memory_bytes"] / dense["peak_memory_bytes"]
-                         if dense["peak_memory_bytes"] else None),
+        "memory_ratio": (
+            summary["peak_memory_bytes"] / dense["peak_memory_bytes"] if dense["peak_memory_bytes"] else None
+        ),
     }
 
 
@@ -103,9 +118,15 @@ def build_policies(runtime: Runtime, variants: Iterable[PolicyVariant]) -> list[
 
 def policy_entry(policy: SharingPolicy) -> dict:
     """What a result records of a policy besides its numbers: identity, options and published figures."""
-    return {"name": policy.name, "family": policy.family, "paper": policy.paper, "approximate": policy.approximate,
-            "modes": list(policy.modes), "options": dict(policy.values),
-            "published": [asdict(figure) | {"text": str(figure)} for figure in policy.published]}
+    return {
+        "name": policy.name,
+        "family": policy.family,
+        "paper": policy.paper,
+        "approximate": policy.approximate,
+        "modes": list(policy.modes),
+        "options": dict(policy.values),
+        "published": [asdict(figure) | {"text": str(figure)} for figure in policy.published],
+    }
 
 
 TurnHook = Callable[[Trajectory, int], None]
@@ -120,10 +141,17 @@ class ReplayProgress:
     memory_exact: dict[str, bool] = field(default_factory=dict)
 
 
-def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], variants: list[PolicyVariant],
-                 repeats: int = 1, on_turn: TurnHook | None = None, check_memory: bool = False,
-                 progress: ReplayProgress | None = None,
-                 on_trajectory: Callable[[ReplayProgress], None] | None = None, lora_attention: bool = False) -> dict:
+def replay_trace(
+    agents: AgentSet,
+    trajectories: Iterable[Trajectory],
+    variants: list[PolicyVariant],
+    repeats: int = 1,
+    on_turn: TurnHook | None = None,
+    check_memory: bool = False,
+    progress: ReplayProgress | None = None,
+    on_trajectory: Callable[[ReplayProgress], None] | None = None,
+    lora_attention: bool = False,
+) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
 
     With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped. With
@@ -142,8 +170,9 @@ def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], variants:
         for policy in policies:
             policy.reset()
         for index, turn in enumerate(traj.turns):
-            request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn),
-                                  output_ids=traj.output_tokens(turn))
+            request = TurnRequest(
+                agent=turn.agent, input_ids=traj.input_tokens(turn), output_ids=traj.output_tokens(turn)
+            )
             dense_result = dense.run_turn(request, repeats)
             where = {"trajectory": traj.id, "turn": index}
             state.records[DENSE].append(compare_turn(dense_result, dense_result) | where)
@@ -163,8 +192,10 @@ def replay_trace(agents: AgentSet, trajectories: Iterable[Trajectory], variants:
     for policy in policies:
         summary = summarise(state.records[policy.label])
         summary.update(relative_to_dense(summary, dense_summary))
-        result["policies"][policy.label] = policy_entry(policy) | {"summary": summary,
-                                                                    "turns": state.records[policy.label]}
+        result["policies"][policy.label] = policy_entry(policy) | {
+            "summary": summary,
+            "turns": state.records[policy.label],
+        }
         if check_memory:
             result["policies"][policy.label]["memory_accounting_exact"] = state.memory_exact[policy.label]
     return result
@@ -179,9 +210,13 @@ def policy_responder(policy: SharingPolicy):
     return respond
 
 
-def run_online(agents: AgentSet, tasks: list[Task], variants: list[PolicyVariant],
-               on_task: Callable[[str, Task], None] | None = None,
-               lora_attention: bool = False) -> dict[str, list[Trajectory]]:
+def run_online(
+    agents: AgentSet,
+    tasks: list[Task],
+    variants: list[PolicyVariant],
+    on_task: Callable[[str, Task], None] | None = None,
+    lora_attention: bool = False,
+) -> dict[str, list[Trajectory]]:
     """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories."""
     runtime = Runtime(agents, lora_attention)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
@@ -208,10 +243,15 @@ def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
             outputs = [traj.output_tokens(turn) for turn in traj.turns]
             for index in range(max(len(dense_outputs), len(outputs))):
                 total += 1
-                diverged += not (index < len(dense_outputs) and index < len(outputs)
-                                 and dense_outputs[index] == outputs[index])
-        result[label] = {"accuracy": correct / len(trajectories) if trajectories else None, "correct": correct,
-                         "tasks": len(trajectories), "diverged_turns": diverged / max(total, 1)}
+                diverged += not (
+                    index < len(dense_outputs) and index < len(outputs) and dense_outputs[index] == outputs[index]
+                )
+        result[label] = {
+            "accuracy": correct / len(trajectories) if trajectories else None,
+            "correct": correct,
+            "tasks": len(trajectories),
+            "diverged_turns": diverged / max(total, 1),
+        }
     return result
 
 
@@ -224,20 +264,40 @@ class ReplayHooks:
     on_trajectory: Callable[[ReplayProgress], None] | None = None
 
 
-def run_replay(agents: AgentSet, trajectories: list[Trajectory], variants: list[PolicyVariant], repeats: int = 1,
-               online: bool = False, lora_attention: bool = False, progress: ReplayProgress | None = None,
-               hooks: ReplayHooks | None = None) -> dict:
+def run_replay(
+    agents: AgentSet,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    repeats: int = 1,
+    online: bool = False,
+    lora_attention: bool = False,
+    progress: ReplayProgress | None = None,
+    hooks: ReplayHooks | None = None,
+) -> dict:
     """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay, the online re-runs
     when `online`, and the run's setting (mode, repeats, attention path, device, dtype, GPU memory)."""
     hooks = hooks or ReplayHooks()
-    result = replay_trace(agents, trajectories, variants, repeats=repeats, on_turn=hooks.on_turn, progress=progress,
-                          on_trajectory=hooks.on_trajectory, lora_attention=lora_attention)
+    result = replay_trace(
+        agents,
+        trajectories,
+        variants,
+        repeats=repeats,
+        on_turn=hooks.on_turn,
+        progress=progress,
+        on_trajectory=hooks.on_trajectory,
+        lora_attention=lora_attention,
+    )
     if online:
-        runs = run_online(agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task,
-                          lora_attention=lora_attention)
+        runs = run_online(
+            agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task, lora_attention=lora_attention
+        )
         result["online"] = summarise_online(runs)
-    result.update(mode=agents.spec.mode, repeats=repeats,
-                  lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
-                  device=str(agents.device), dtype=str(agents.base_model.dtype).removeprefix("torch."),
-                  gpu_memory=gpu_memory(agents.device))
+    result.update(
+        mode=agents.spec.mode,
+        repeats=repeats,
+        lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
+        device=str(agents.device),
+        dtype=str(agents.base_model.dtype).removeprefix("torch."),
+        gpu_memory=gpu_memory(agents.device),
+    )
     return result

@@ -19,11 +19,15 @@ def rotary_embedding(model) -> torch.nn.Module:
     for name, module in model.named_modules():
         if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
             if getattr(module, "rope_type", "default") == "dynamic":
-                raise KvprofError("this model uses dynamic RoPE scaling, which cannot be re-aligned by a fixed "
-                                  "rotation; use a model with static rope scaling.")
+                raise KvprofError(
+                    "this model uses dynamic RoPE scaling, which cannot be re-aligned by a fixed "
+                    "rotation; use a model with static rope scaling."
+                )
             return module
-    raise KvprofError("the model has no rotary embedding (rotary_emb with inv_freq); kvprof needs a RoPE model "
-                      "such as Llama, Qwen2 or Mistral.")
+    raise KvprofError(
+        "the model has no rotary embedding (rotary_emb with inv_freq); kvprof needs a RoPE model "
+        "such as Llama, Qwen2 or Mistral."
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +50,9 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     return rotated.to(keys.dtype)
 
 
-def apply_rope(states: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               attention_scaling: float = 1.0) -> torch.Tensor:
+def apply_rope(
+    states: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0
+) -> torch.Tensor:
     """RoPE of un-rotated states (B, H, L, D) at absolute `positions` (L,), as the model applies it to keys
     (including its `attention_scaling`, 1.0 for plain RoPE)."""
     rotated = rotate_keys(states, positions, inv_freq)

@@ -63,11 +63,15 @@ class Runtime:
         self.device = agents.device
         self.prefixes: dict[str, list[int]] = {}
         if agents.spec.mode == "prompt":
-            self.prefixes = {a.name: agents.tokenizer.encode(a.prompt, add_special_tokens=False)
-                             for a in agents.spec.agents}
+            self.prefixes = {
+                a.name: agents.tokenizer.encode(a.prompt, add_special_tokens=False) for a in agents.spec.agents
+            }
         self._stop = StopStringCriteria(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
-        self.linear_params = sum(p.numel() for name, p in agents.base_model.named_parameters()
-                                 if p.dim() == 2 and "embed" not in name and "lora_" not in name)
+        self.linear_params = sum(
+            p.numel()
+            for name, p in agents.base_model.named_parameters()
+            if p.dim() == 2 and "embed" not in name and "lora_" not in name
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -98,9 +102,16 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ forwards
 
-    def forward(self, agent: str | None, ids: list[int] | torch.Tensor, cache: DynamicCache, start: int,
-                capture: bool = False, adapter_names: list[str] | None = None,
-                last_logits_only: bool = False) -> ChunkForward:
+    def forward(
+        self,
+        agent: str | None,
+        ids: list[int] | torch.Tensor,
+        cache: DynamicCache,
+        start: int,
+        capture: bool = False,
+        adapter_names: list[str] | None = None,
+        last_logits_only: bool = False,
+    ) -> ChunkForward:
         """Run `ids` (n tokens, or a (B, n) tensor) at positions start..start+n−1 over `cache`.
 
         `agent` selects the adapter (None: adapters disabled); `adapter_names` instead gives one adapter per batch
@@ -117,8 +128,10 @@ class Runtime:
                 with self.agents.activate(agent) if adapter_names is None else contextlib.nullcontext():
                     out = self.model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, **kwargs)
         except torch.OutOfMemoryError:
-            raise KvprofError(f"out of memory replaying a {tokens.shape[1]}-token chunk at position {start}; "
-                              "replay fewer trajectories, use --dtype bfloat16, or a larger device.") from None
+            raise KvprofError(
+                f"out of memory replaying a {tokens.shape[1]}-token chunk at position {start}; "
+                "replay fewer trajectories, use --dtype bfloat16, or a larger device."
+            ) from None
         hidden = [h.detach() for h in self.tap.hidden] if capture else None
         return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache)
 
@@ -135,4 +148,3 @@ class Runtime:
         linear layers plus 4·H_q·D per attended key per layer (QKᵀ and PV)."""
         attended = tokens * context + tokens * (tokens + 1) / 2
         return 2.0 * self.linear_params * tokens + 4.0 * self.num_layers * self.query_heads * self.head_dim * attended
-

@@ -27,8 +27,10 @@ def read_shape_rows(path: str | Path) -> list[tuple[str, str, int, int]]:
     with open(path, newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or not set(COLUMNS) <= {name.strip() for name in reader.fieldnames}:
-            raise KvprofError(f"shape CSV {path} needs the header agent,prefill_len,decode_len "
-                              f"(found {reader.fieldnames}); add that header line.")
+            raise KvprofError(
+                f"shape CSV {path} needs the header agent,prefill_len,decode_len "
+                f"(found {reader.fieldnames}); add that header line."
+            )
         rows = []
         for row in reader:
             row = {key.strip(): (value or "").strip() for key, value in row.items() if key}
@@ -36,19 +38,24 @@ def read_shape_rows(path: str | Path) -> list[tuple[str, str, int, int]]:
             try:
                 prefill, decode = int(row["prefill_len"]), int(row["decode_len"])
             except ValueError:
-                raise KvprofError(f"shape CSV {path} line {line}: prefill_len and decode_len must be integers "
-                                  f"(got {row['prefill_len']!r}, {row['decode_len']!r}); fix that line.") from None
+                raise KvprofError(
+                    f"shape CSV {path} line {line}: prefill_len and decode_len must be integers "
+                    f"(got {row['prefill_len']!r}, {row['decode_len']!r}); fix that line."
+                ) from None
             if prefill < 0 or decode < 1 or not row["agent"]:
-                raise KvprofError(f"shape CSV {path} line {line}: needs an agent name, prefill_len ≥ 0 and "
-                                  "decode_len ≥ 1; fix that line.")
+                raise KvprofError(
+                    f"shape CSV {path} line {line}: needs an agent name, prefill_len ≥ 0 and "
+                    "decode_len ≥ 1; fix that line."
+                )
             rows.append((row.get("trajectory") or "shape0", row["agent"], prefill, decode))
     if not rows:
         raise KvprofError(f"shape CSV {path} has no rows; add agent,prefill_len,decode_len lines.")
     return rows
 
 
-def import_shape_csv(path: str | Path, tokenizer, identity: dict, model_name: str, seed: int = 0,
-                     mode: str = "lora") -> Trace:
+def import_shape_csv(
+    path: str | Path, tokenizer, identity: dict, model_name: str, seed: int = 0, mode: str = "lora"
+) -> Trace:
     """Build a trace from a shape CSV (see module docstring)."""
     rows = read_shape_rows(path)
     special = set(tokenizer.all_special_ids)
@@ -67,17 +74,24 @@ def import_shape_csv(path: str | Path, tokenizer, identity: dict, model_name: st
             traj.segments[seg_id] = _synthetic(ordinary, prefill, generator, tokenizer, "synthetic")
             inputs.append(seg_id)
         if not inputs:
-            raise KvprofError(f"shape CSV {path}: the first turn of trajectory {traj_id!r} has prefill_len 0, so it "
-                              "would read nothing; give it a positive prefill_len.")
+            raise KvprofError(
+                f"shape CSV {path}: the first turn of trajectory {traj_id!r} has prefill_len 0, so it "
+                "would read nothing; give it a positive prefill_len."
+            )
         output = f"out:{agent}:{index}"
         traj.segments[output] = _synthetic(ordinary, decode, generator, tokenizer, "output", producer=agent)
         traj.turns.append(Turn(agent=agent, input=inputs, output=output))
-    header = TraceHeader(model={"path": model_name}, tokenizer=identity, source=f"shape-csv:{Path(path).name}",
-                         workflow={"mode": mode, "agents": [{"name": name} for name in agents]})
+    header = TraceHeader(
+        model={"path": model_name},
+        tokenizer=identity,
+        source=f"shape-csv:{Path(path).name}",
+        workflow={"mode": mode, "agents": [{"name": name} for name in agents]},
+    )
     return Trace(header=header, trajectories=list(trajectories.values()))
 
 
-def _synthetic(ordinary: torch.Tensor, length: int, generator: torch.Generator, tokenizer, kind: str,
-               producer: str | None = None) -> Segment:
+def _synthetic(
+    ordinary: torch.Tensor, length: int, generator: torch.Generator, tokenizer, kind: str, producer: str | None = None
+) -> Segment:
     tokens = ordinary[torch.randint(len(ordinary), (length,), generator=generator)].tolist()
     return Segment(kind=kind, scope="shared", tokens=tokens, text=tokenizer.decode(tokens), producer=producer)

@@ -26,9 +26,10 @@ shared segments sit after role prompts of different lengths, so at different pos
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import tomllib
 
 from kvprof.errors import KvprofError
 
@@ -73,7 +74,7 @@ class WorkflowSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "WorkflowSpec":
+    def from_dict(cls, data: dict) -> WorkflowSpec:
         fields = dict(data)
         fields["agents"] = [AgentSpec(**agent) for agent in data["agents"]]
         return cls(**fields)
@@ -90,22 +91,30 @@ def _infer_mode(agents: list[AgentSpec], declared: str | None) -> str:
     with_adapter = [a.name for a in agents if a.adapter]
     with_prompt = [a.name for a in agents if a.prompt is not None]
     if with_adapter and with_prompt:
-        raise KvprofError(f"agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
-                          "prompts; give every agent an adapter (lora mode) or every agent a role prompt "
-                          "(prompt mode).")
+        raise KvprofError(
+            f"agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
+            "prompts; give every agent an adapter (lora mode) or every agent a role prompt "
+            "(prompt mode)."
+        )
     mode = declared or ("prompt" if with_prompt else "lora")
     if mode not in ("lora", "prompt"):
         raise KvprofError(f"mode {mode!r} is not 'lora' or 'prompt'; set mode to one of them.")
     if mode == "prompt" and len(with_prompt) != len(agents):
         missing = [a.name for a in agents if a.prompt is None]
-        raise KvprofError(f"prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
-                          "pass --role NAME=PROMPT for each.")
+        raise KvprofError(
+            f"prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
+            "pass --role NAME=PROMPT for each."
+        )
     return mode
 
 
-def build_spec(workflow_file: str | Path | None = None, agent_flags: list[str] | None = None,
-               role_flags: list[str] | None = None, base: WorkflowSpec | None = None,
-               require_adapters: bool = True) -> WorkflowSpec:
+def build_spec(
+    workflow_file: str | Path | None = None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    base: WorkflowSpec | None = None,
+    require_adapters: bool = True,
+) -> WorkflowSpec:
     """Combine a base spec (e.g. a trace's), a TOML file and CLI flags, later ones overriding earlier ones."""
     data: dict = base.to_dict() if base else {}
     agents: dict[str, AgentSpec] = {a.name: a for a in (base.agents if base else [])}
@@ -120,18 +129,23 @@ def build_spec(workflow_file: str | Path | None = None, agent_flags: list[str] |
             raise KvprofError(f"workflow file {path} is not valid TOML ({err}); fix the file.") from None
         unknown = set(raw) - set(WorkflowSpec.__dataclass_fields__)
         if unknown:
-            raise KvprofError(f"workflow file {path} has unknown keys {', '.join(sorted(unknown))}; "
-                              f"allowed: {', '.join(WorkflowSpec.__dataclass_fields__)}.")
+            raise KvprofError(
+                f"workflow file {path} has unknown keys {', '.join(sorted(unknown))}; "
+                f"allowed: {', '.join(WorkflowSpec.__dataclass_fields__)}."
+            )
         for name, fields in raw.pop("agents", {}).items():
             extra = set(fields) - {"adapter", "prompt", "max_new_tokens"}
             if extra:
-                raise KvprofError(f"workflow file {path}: agent {name!r} has unknown keys {', '.join(sorted(extra))}; "
-                                  "allowed: adapter, prompt, max_new_tokens.")
+                raise KvprofError(
+                    f"workflow file {path}: agent {name!r} has unknown keys {', '.join(sorted(extra))}; "
+                    "allowed: adapter, prompt, max_new_tokens."
+                )
             adapter = fields.get("adapter")
             if adapter is not None and not Path(adapter).is_absolute():
                 adapter = str((path.parent / adapter).resolve())
-            agents[name] = AgentSpec(name=name, adapter=adapter, prompt=fields.get("prompt"),
-                                     max_new_tokens=fields.get("max_new_tokens"))
+            agents[name] = AgentSpec(
+                name=name, adapter=adapter, prompt=fields.get("prompt"), max_new_tokens=fields.get("max_new_tokens")
+            )
         declared_mode = raw.get("mode", declared_mode)
         data.update(raw)
     for value in agent_flags or []:
@@ -144,22 +158,28 @@ def build_spec(workflow_file: str | Path | None = None, agent_flags: list[str] |
         if prompt.startswith("@"):
             prompt_path = Path(prompt[1:])
             if not prompt_path.is_file():
-                raise KvprofError(f"role prompt file {prompt_path} does not exist; pass --role {name}=@FILE "
-                                  "with an existing file, or the prompt text itself.")
+                raise KvprofError(
+                    f"role prompt file {prompt_path} does not exist; pass --role {name}=@FILE "
+                    "with an existing file, or the prompt text itself."
+                )
             prompt = prompt_path.read_text(encoding="utf-8")
         previous = agents.get(name, AgentSpec(name))
         agents[name] = replace(previous, prompt=prompt, adapter=None)
         declared_mode = None
     if not agents:
-        raise KvprofError("no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
-                          "(prompt mode) or --workflow FILE.")
+        raise KvprofError(
+            "no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
+            "(prompt mode) or --workflow FILE."
+        )
     agent_list = list(agents.values())
     mode = _infer_mode(agent_list, declared_mode)
     if mode == "lora" and require_adapters:
         missing = [a.name for a in agent_list if not a.adapter]
         if missing:
-            raise KvprofError(f"lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
-                              "pass --agent NAME=ADAPTER_DIR for each.")
+            raise KvprofError(
+                f"lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
+                "pass --agent NAME=ADAPTER_DIR for each."
+            )
     fields = {key: value for key, value in data.items() if key not in ("agents", "mode")}
     return WorkflowSpec(mode=mode, agents=agent_list, **fields)
 
@@ -168,8 +188,11 @@ def check_react_roles(spec: WorkflowSpec) -> None:
     """The ReAct schedule knows the roles plan, act and reflect; `act` is required."""
     unknown = [name for name in spec.names if name not in ROLES]
     if unknown:
-        raise KvprofError(f"unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
-                          f"{', '.join(ROLES)} — rename the agent to one of them.")
+        raise KvprofError(
+            f"unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
+            f"{', '.join(ROLES)} — rename the agent to one of them."
+        )
     if "act" not in spec.names:
-        raise KvprofError("the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR "
-                          "(or --role act=PROMPT).")
+        raise KvprofError(
+            "the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR (or --role act=PROMPT)."
+        )

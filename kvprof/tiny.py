@@ -61,8 +61,12 @@ def build_tokenizer(vocab_size: int = 384):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(CORPUS * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
 
@@ -70,14 +74,29 @@ def build_tokenizer(vocab_size: int = 384):
 def tiny_config(vocab_size: int, eos_id: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=4096, eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        pad_token_id=eos_id,
+        tie_word_embeddings=False,
+    )
 
 
-def build_adapter(model, path: Path, seed: int, rank: int = 4,
-                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), shared_a_seed: int | None = None):
+def build_adapter(
+    model,
+    path: Path,
+    seed: int,
+    rank: int = 4,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    shared_a_seed: int | None = None,
+):
     """Save a LoRA adapter with random, non-zero A and B (`init_lora_weights=False`).
 
     With `shared_a_seed`, A comes from that seed (adapters built with the same one share A; only B differs).
@@ -85,13 +104,16 @@ def build_adapter(model, path: Path, seed: int, rank: int = 4,
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
-                                                  init_lora_weights=False))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
+    )
     if shared_a_seed is not None:
         generator = torch.Generator().manual_seed(shared_a_seed)
         for name, module in peft_model.named_modules():
             if name.endswith("lora_A.default"):
-                module.weight.data = torch.randn(module.weight.shape, generator=generator) / module.weight.shape[1] ** 0.5
+                module.weight.data = (
+                    torch.randn(module.weight.shape, generator=generator) / module.weight.shape[1] ** 0.5
+                )
     peft_model.save_pretrained(path)
     return peft_model.unload()
 
@@ -112,17 +134,28 @@ def build_tiny_world(root: str | Path, seed: int = 0) -> TinyWorld:
     for index, name in enumerate(AGENTS):
         model = build_adapter(model, world.shared_a_adapter(name), seed=seed + 11 + index, shared_a_seed=seed + 10)
     with open(world.tasks, "w", encoding="utf-8") as handle:
-        for index, (person, place) in enumerate([("Kalomir", "Norvash"), ("Tevren", "Osmadal"),
-                                                  ("Brinoth", "Quessa")]):
-            handle.write(json.dumps({
-                "id": f"tiny{index}", "question": f"Where was {person} born?", "answer": place,
-                "documents": {person: f"{person} is a painter with birthplace {place}."}}) + "\n")
+        for index, (person, place) in enumerate([("Kalomir", "Norvash"), ("Tevren", "Osmadal"), ("Brinoth", "Quessa")]):
+            handle.write(
+                json.dumps(
+                    {
+                        "id": f"tiny{index}",
+                        "question": f"Where was {person} born?",
+                        "answer": place,
+                        "documents": {person: f"{person} is a painter with birthplace {place}."},
+                    }
+                )
+                + "\n"
+            )
     agents_lora = "".join(f'[agents.{name}]\nadapter = "adapters/{name}"\n' for name in AGENTS)
-    world.lora_workflow.write_text('system_prompt = "Answer with the search tool.\\n"\nmax_new_tokens = 8\n'
-                                   f"max_rounds = 2\n{agents_lora}")
-    prompts = {"plan": "You plan the next search step.\n", "act": "You act: search[NAME] or finish[ANSWER].\n",
-               "reflect": "You are the reviewer. Give the final answer as answer[ANSWER] after checking.\n"}
-    agents_prompt = "".join(f'[agents.{name}]\nprompt = {json.dumps(text)}\n' for name, text in prompts.items())
+    world.lora_workflow.write_text(
+        f'system_prompt = "Answer with the search tool.\\n"\nmax_new_tokens = 8\nmax_rounds = 2\n{agents_lora}'
+    )
+    prompts = {
+        "plan": "You plan the next search step.\n",
+        "act": "You act: search[NAME] or finish[ANSWER].\n",
+        "reflect": "You are the reviewer. Give the final answer as answer[ANSWER] after checking.\n",
+    }
+    agents_prompt = "".join(f"[agents.{name}]\nprompt = {json.dumps(text)}\n" for name, text in prompts.items())
     world.prompt_workflow.write_text(f"max_new_tokens = 8\nmax_rounds = 2\n{agents_prompt}")
     return world
 

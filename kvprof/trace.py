@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import atomic_open
@@ -125,8 +125,15 @@ def record_line(record: dict) -> str:
 
 
 def header_record(header: TraceHeader) -> dict:
-    record = {"record": "header", "schema": header.schema, "version": header.version, "model": header.model,
-              "tokenizer": header.tokenizer, "workflow": header.workflow, "source": header.source}
+    record = {
+        "record": "header",
+        "schema": header.schema,
+        "version": header.version,
+        "model": header.model,
+        "tokenizer": header.tokenizer,
+        "workflow": header.workflow,
+        "source": header.source,
+    }
     if header.extra:
         record["extra"] = header.extra
     return record
@@ -134,10 +141,14 @@ def header_record(header: TraceHeader) -> dict:
 
 def trajectory_record(traj: Trajectory) -> dict:
     return {
-        "record": "trajectory", "id": traj.id, "question": traj.question, "answer": traj.answer,
+        "record": "trajectory",
+        "id": traj.id,
+        "question": traj.question,
+        "answer": traj.answer,
         "prediction": traj.prediction,
-        "segments": {seg_id: {k: v for k, v in asdict(seg).items() if v is not None}
-                     for seg_id, seg in traj.segments.items()},
+        "segments": {
+            seg_id: {k: v for k, v in asdict(seg).items() if v is not None} for seg_id, seg in traj.segments.items()
+        },
         "turns": [asdict(turn) for turn in traj.turns],
     } | ({"documents": traj.documents} if traj.documents else {})
 
@@ -160,7 +171,7 @@ class TraceWriter:
     def write(self, traj: Trajectory) -> None:
         self._write(trajectory_record(traj))
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -188,7 +199,7 @@ class PartialTrace:
     def write(self, traj: Trajectory) -> None:
         self._append(trajectory_record(traj))
 
-    def __enter__(self) -> "PartialTrace":
+    def __enter__(self) -> PartialTrace:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -199,7 +210,7 @@ def read_partial_trace(path: str | os.PathLike) -> Trace:
     """Read a `PartialTrace` checkpoint, first cutting from the file a last line that the interruption tore."""
     path = Path(path)
     data = path.read_bytes()
-    complete = data[:data.rfind(b"\n") + 1]
+    complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         path.write_bytes(complete)
     return read_trace(path)
@@ -237,11 +248,13 @@ def _require(where: _Where, record: dict, name: str, kind: type | tuple[type, ..
 
 def _parse_header(where: _Where, record: dict) -> TraceHeader:
     if record.get("record") != "header":
-        raise where.fail("record", "the first line must be the trace header",
-                         "pass a file written by `kvprof capture` (or its CSV import)")
+        raise where.fail(
+            "record",
+            "the first line must be the trace header",
+            "pass a file written by `kvprof capture` (or its CSV import)",
+        )
     if record.get("schema") != SCHEMA:
-        raise where.fail("schema", f"is {record.get('schema')!r}, not {SCHEMA!r}",
-                         "pass a kvprof trace file")
+        raise where.fail("schema", f"is {record.get('schema')!r}, not {SCHEMA!r}", "pass a kvprof trace file")
     version = _require(where, record, "version", int)
     if version > VERSION:
         raise where.fail("version", f"is {version}, newer than this kvprof reads ({VERSION})", "upgrade kvprof")
@@ -256,8 +269,14 @@ def _parse_header(where: _Where, record: dict) -> TraceHeader:
         raise where.fail("workflow.agents", "must be a non-empty list of {name, ...} objects")
     if workflow.get("mode") not in ("lora", "prompt"):
         raise where.fail("workflow.mode", f"is {workflow.get('mode')!r}, not 'lora' or 'prompt'")
-    return TraceHeader(model=model, tokenizer=tokenizer, workflow=workflow,
-                       source=record.get("source", "capture"), version=version, extra=record.get("extra", {}))
+    return TraceHeader(
+        model=model,
+        tokenizer=tokenizer,
+        workflow=workflow,
+        source=record.get("source", "capture"),
+        version=version,
+        extra=record.get("extra", {}),
+    )
 
 
 def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Trajectory:
@@ -294,8 +313,10 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
             raise where.fail(name, "should be an object")
         agent = raw.get("agent")
         if agent not in agents:
-            raise where.fail(f"{name}.agent", f"names agent {agent!r}, which the header does not declare "
-                             f"(declared: {', '.join(sorted(agents))})")
+            raise where.fail(
+                f"{name}.agent",
+                f"names agent {agent!r}, which the header does not declare (declared: {', '.join(sorted(agents))})",
+            )
         inputs = raw.get("input")
         if not isinstance(inputs, list) or not inputs:
             raise where.fail(f"{name}.input", "should be a non-empty list of segment ids")
@@ -312,8 +333,15 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
     documents = record.get("documents", {})
     if not isinstance(documents, dict) or not all(isinstance(v, str) for v in documents.values()):
         raise where.fail("documents", "should map names to texts")
-    return Trajectory(id=traj_id, segments=segments, turns=turns, question=record.get("question", ""),
-                      answer=record.get("answer"), prediction=record.get("prediction"), documents=documents)
+    return Trajectory(
+        id=traj_id,
+        segments=segments,
+        turns=turns,
+        question=record.get("question", ""),
+        answer=record.get("answer"),
+        prediction=record.get("prediction"),
+        documents=documents,
+    )
 
 
 def _records(path: Path) -> Iterator[tuple[_Where, dict]]:
@@ -371,7 +399,8 @@ def check_tokenizer(header: TraceHeader, identity: dict, trace_path: str | os.Pa
             f"trace {trace_path} was captured with tokenizer {header.tokenizer.get('name')!r} "
             f"(vocabulary {header.tokenizer.get('vocab_size')}), but model {model_name!r} uses a different tokenizer "
             f"(vocabulary {identity['vocab_size']}); pass --model with the model the trace was captured with "
-            f"({header.model.get('path')!r}).")
+            f"({header.model.get('path')!r})."
+        )
 
 
 def shared_segment_ids(traj: Trajectory) -> set[str]:
@@ -381,4 +410,3 @@ def shared_segment_ids(traj: Trajectory) -> set[str]:
         for seg_id in turn.input:
             readers.setdefault(seg_id, set()).add(turn.agent)
     return {seg_id for seg_id, agents in readers.items() if len(agents) > 1}
-

@@ -13,5 +13,12 @@ progress_console = Console(stderr=True)
 
 def progress() -> Progress:
     """A rich progress bar on stderr (stdout stays clean for tables)."""
-    return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=progress_console, transient=False)
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=progress_console,
+        transient=False,
+    )

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -43,8 +44,10 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
     """Read `{"id", "question", "answer"?, "documents"?}` per line; refuse malformed lines with their number."""
     path = Path(path)
     if not path.is_file():
-        raise KvprofError(f"tasks file {path} does not exist; pass a JSONL file with one "
-                          '{"id", "question", "answer"} object per line.')
+        raise KvprofError(
+            f"tasks file {path} does not exist; pass a JSONL file with one "
+            '{"id", "question", "answer"} object per line.'
+        )
     tasks: list[Task] = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
@@ -55,14 +58,21 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
             except json.JSONDecodeError as err:
                 raise KvprofError(f"{path} line {number} is not valid JSON ({err.msg}); fix that line.") from None
             if not isinstance(record, dict) or not isinstance(record.get("question"), str):
-                raise KvprofError(f"{path} line {number} has no string field 'question'; "
-                                  'each line needs {"id", "question"}.')
+                raise KvprofError(
+                    f'{path} line {number} has no string field \'question\'; each line needs {{"id", "question"}}.'
+                )
             documents = record.get("documents", {})
             if not isinstance(documents, dict):
                 raise KvprofError(f"{path} line {number}, field 'documents' should map names to texts.")
             answer = record.get("answer")
-            tasks.append(Task(id=str(record.get("id", f"task{number}")), question=record["question"],
-                              answer=None if answer is None else str(answer), documents=documents))
+            tasks.append(
+                Task(
+                    id=str(record.get("id", f"task{number}")),
+                    question=record["question"],
+                    answer=None if answer is None else str(answer),
+                    documents=documents,
+                )
+            )
             if limit is not None and len(tasks) >= limit:
                 break
     if not tasks:
@@ -103,8 +113,14 @@ class TrajectoryBuilder:
 
     def __init__(self, tokenizer, task: Task):
         self.tokenizer = tokenizer
-        self.trajectory = Trajectory(id=task.id, segments={}, turns=[], question=task.question, answer=task.answer,
-                                     documents=dict(task.documents))
+        self.trajectory = Trajectory(
+            id=task.id,
+            segments={},
+            turns=[],
+            question=task.question,
+            answer=task.answer,
+            documents=dict(task.documents),
+        )
 
     def add_text(self, seg_id: str, kind: str, scope: str, text: str) -> str:
         tokens = self.tokenizer.encode(text, add_special_tokens=False)
@@ -113,13 +129,15 @@ class TrajectoryBuilder:
 
     def add_output(self, seg_id: str, agent: str, tokens: list[int]) -> str:
         text = self.tokenizer.decode(tokens)
-        self.trajectory.segments[seg_id] = Segment(kind="output", scope="shared", tokens=tokens, text=text,
-                                                   producer=agent)
+        self.trajectory.segments[seg_id] = Segment(
+            kind="output", scope="shared", tokens=tokens, text=text, producer=agent
+        )
         return seg_id
 
 
-def generate(agents: AgentSet, agent: str, input_ids: list[int], max_new_tokens: int, spec: WorkflowSpec,
-             sampling: Sampling) -> list[int]:
+def generate(
+    agents: AgentSet, agent: str, input_ids: list[int], max_new_tokens: int, spec: WorkflowSpec, sampling: Sampling
+) -> list[int]:
     """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included)."""
     tokenizer = agents.tokenizer
     ids = torch.tensor([input_ids], device=agents.device)
@@ -131,12 +149,19 @@ def generate(agents: AgentSet, agent: str, input_ids: list[int], max_new_tokens:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
         with agents.activate(agent), torch.inference_mode():
-            out = agents.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                        max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs)
+            out = agents.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                **kwargs,
+            )
     except torch.OutOfMemoryError:
-        raise KvprofError(f"agent {agent!r} ran out of memory on a {len(input_ids)}-token input; use fewer "
-                          "--max-rounds, a smaller --dtype, or a larger device.") from None
-    return out[0, len(input_ids):].tolist()
+        raise KvprofError(
+            f"agent {agent!r} ran out of memory on a {len(input_ids)}-token input; use fewer "
+            "--max-rounds, a smaller --dtype, or a larger device."
+        ) from None
+    return out[0, len(input_ids) :].tolist()
 
 
 def parse_action(spec: WorkflowSpec, text: str) -> tuple[str, str] | None:
@@ -160,8 +185,14 @@ def model_responder(agents: AgentSet, sampling: Sampling) -> Responder:
     return lambda agent, input_ids, max_new: generate(agents, agent, input_ids, max_new, agents.spec, sampling)
 
 
-def run_react(spec: WorkflowSpec, tokenizer, task: Task, tool: ToolEnvironment, respond: Responder,
-              on_turn: TurnCallback | None = None) -> Trajectory:
+def run_react(
+    spec: WorkflowSpec,
+    tokenizer,
+    task: Task,
+    tool: ToolEnvironment,
+    respond: Responder,
+    on_turn: TurnCallback | None = None,
+) -> Trajectory:
     """Run one task through the ReAct schedule and return its trajectory (see module docstring).
 
     `respond` decides each output: the model for capture, a sharing policy for online replay, or scripted gold
@@ -172,12 +203,12 @@ def run_react(spec: WorkflowSpec, tokenizer, task: Task, tool: ToolEnvironment, 
     history: list[str] = []
     if spec.mode == "lora" and spec.system_prompt:
         history.append(builder.add_text("system", "system", "shared", spec.system_prompt))
-    history.append(builder.add_text("question", "question", "shared",
-                                    spec.question_template.format(question=task.question)))
+    history.append(
+        builder.add_text("question", "question", "shared", spec.question_template.format(question=task.question))
+    )
     prefixes = {}
     if spec.mode == "prompt":
-        prefixes = {a.name: builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
-                    for a in spec.agents}
+        prefixes = {a.name: builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt) for a in spec.agents}
     counts: dict[str, int] = {}
 
     def call(agent: str) -> str:
@@ -210,8 +241,14 @@ def run_react(spec: WorkflowSpec, tokenizer, task: Task, tool: ToolEnvironment, 
             observation = tool.observe(task, *action)
             if observation is None:
                 observation = f"Unknown action {action[0]}."
-        history.append(builder.add_text(f"obs:{observations}", "observation", "shared",
-                                        spec.observation_template.format(observation=observation)))
+        history.append(
+            builder.add_text(
+                f"obs:{observations}",
+                "observation",
+                "shared",
+                spec.observation_template.format(observation=observation),
+            )
+        )
         observations += 1
     if "reflect" in names:
         answer = parse_answer(spec, call("reflect"))

@@ -54,10 +54,13 @@ def capture_tiny_trace(world: TinyWorld, workflow, path):
 
     spec = build_spec(workflow)
     agents = load_agents(spec, str(world.model), device="cpu", dtype="float32")
-    trajectories = [run_react(spec, agents.tokenizer, task, SearchTool(), model_responder(agents, Sampling()))
-                    for task in load_tasks(world.tasks)]
-    header = TraceHeader(model={"path": str(world.model)}, tokenizer=tokenizer_identity(agents.tokenizer),
-                         workflow=spec.to_dict())
+    trajectories = [
+        run_react(spec, agents.tokenizer, task, SearchTool(), model_responder(agents, Sampling()))
+        for task in load_tasks(world.tasks)
+    ]
+    header = TraceHeader(
+        model={"path": str(world.model)}, tokenizer=tokenizer_identity(agents.tokenizer), workflow=spec.to_dict()
+    )
     return write_trace(path, Trace(header, trajectories))
 
 
@@ -70,5 +73,4 @@ def lora_trace(tiny_world, tmp_path_factory):
 @pytest.fixture(scope="session")
 def prompt_trace(tiny_world, tmp_path_factory):
     """A prompt-mode trace: shared segments sit after role prompts of different lengths."""
-    return capture_tiny_trace(tiny_world, tiny_world.prompt_workflow,
-                              tmp_path_factory.mktemp("prompt") / "trace.jsonl")
+    return capture_tiny_trace(tiny_world, tiny_world.prompt_workflow, tmp_path_factory.mktemp("prompt") / "trace.jsonl")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvprof.cache import capture_turn
-from kvprof.lora import decoder_layers
 from kvprof.errors import KvprofError
+from kvprof.lora import decoder_layers
 from kvprof.model import load_agents
 from kvprof.rope import rotary_embedding, rotate_keys
 from kvprof.spec import build_spec
@@ -130,13 +130,16 @@ def test_prompt_mode_captures_kv_but_refuses_split(prompt_agents):
         capture_turn(prompt_agents, "plan", TOKENS, parts=("kv", "split"))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"layers": [0, 5]}, "layer 5 is out of range: this model has 2 layers"),
-    ({"parts": ("kv", "attention")}, "unknown capture part attention"),
-    ({"keep": (50, 70)}, "not a token range"),
-    ({"lr_adapters": ["critic"]}, "unknown adapter critic"),
-    ({"projections": ("x_proj",)}, "has no projection 'x_proj'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"layers": [0, 5]}, "layer 5 is out of range: this model has 2 layers"),
+        ({"parts": ("kv", "attention")}, "unknown capture part attention"),
+        ({"keep": (50, 70)}, "not a token range"),
+        ({"lr_adapters": ["critic"]}, "unknown adapter critic"),
+        ({"projections": ("x_proj",)}, "has no projection 'x_proj'"),
+    ],
+)
 def test_bad_arguments_are_one_clear_error(lora_agents, kwargs, message):
     with pytest.raises(KvprofError, match=message):
         capture_turn(lora_agents, "plan", TOKENS, **kwargs)

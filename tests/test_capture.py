@@ -15,9 +15,19 @@ def _capture(run_cli, world, out, *extra):
 
 
 def test_capture_lora_mode(run_cli, tiny_world, tmp_path):
-    code, out, err = _capture(run_cli, tiny_world, tmp_path, "--agent", f"plan={tiny_world.adapter('plan')}",
-                              "--agent", f"act={tiny_world.adapter('act')}", "--max-rounds", "2",
-                              "--max-new-tokens", "6")
+    code, out, err = _capture(
+        run_cli,
+        tiny_world,
+        tmp_path,
+        "--agent",
+        f"plan={tiny_world.adapter('plan')}",
+        "--agent",
+        f"act={tiny_world.adapter('act')}",
+        "--max-rounds",
+        "2",
+        "--max-new-tokens",
+        "6",
+    )
     assert code == 0, err
     assert "r=4, alpha=8, on q/k/v/o" in out
     trace = read_trace(tmp_path / "trace.jsonl")
@@ -41,7 +51,7 @@ def test_capture_prompt_mode_positions_differ(run_cli, tiny_world, tmp_path):
     starts = {}
     for turn in traj.turns:
         assert traj.segments[turn.input[0]].scope == "private" and turn.input[0] == f"prompt:{turn.agent}"
-        starts[turn.agent] = dict((s, a) for s, a, _ in traj.segment_spans(turn))["question"]
+        starts[turn.agent] = {s: a for s, a, _ in traj.segment_spans(turn)}["question"]
     assert len(set(starts.values())) == len(starts) == 3  # role prompts of different lengths
     assert "question" in shared_segment_ids(traj)
 
@@ -86,29 +96,71 @@ def _one_line_error(code, out, err, *fragments):
 def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
     plan = f"plan={tiny_world.adapter('plan')}"
     act = f"act={tiny_world.adapter('act')}"
-    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--agent", act,
-                              "--tasks", tmp_path / "missing.jsonl"), "missing.jsonl does not exist")
+    _one_line_error(
+        *_capture(
+            run_cli, tiny_world, tmp_path, "--agent", plan, "--agent", act, "--tasks", tmp_path / "missing.jsonl"
+        ),
+        "missing.jsonl does not exist",
+    )
     bad_tasks = tmp_path / "tasks.jsonl"
     bad_tasks.write_text('{"id": 1, "question": "q"}\n{"id": 2, "question": \n')
-    _one_line_error(*run_cli("capture", "--model", tiny_world.model, "--tasks", bad_tasks, "--agent", plan,
-                             "--agent", act, "--out", tmp_path), "line 2 is not valid JSON")
-    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", f"act={foreign_adapter}"),
-                    "trained for another base model", "pass an adapter trained on this --model")
-    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--agent", act,
-                              "--agent", f"critic={tiny_world.adapter('reflect')}"), "unknown agent name 'critic'")
-    _one_line_error(*_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--role", "act=You act."),
-                    "have adapters but act have role prompts")
-    _one_line_error(*run_cli("capture", "--model", tmp_path / "nomodel", "--tasks", tiny_world.tasks,
-                             "--agent", act), "nomodel", "pass --model with a local model directory")
+    _one_line_error(
+        *run_cli(
+            "capture",
+            "--model",
+            tiny_world.model,
+            "--tasks",
+            bad_tasks,
+            "--agent",
+            plan,
+            "--agent",
+            act,
+            "--out",
+            tmp_path,
+        ),
+        "line 2 is not valid JSON",
+    )
+    _one_line_error(
+        *_capture(run_cli, tiny_world, tmp_path, "--agent", f"act={foreign_adapter}"),
+        "trained for another base model",
+        "pass an adapter trained on this --model",
+    )
+    _one_line_error(
+        *_capture(
+            run_cli,
+            tiny_world,
+            tmp_path,
+            "--agent",
+            plan,
+            "--agent",
+            act,
+            "--agent",
+            f"critic={tiny_world.adapter('reflect')}",
+        ),
+        "unknown agent name 'critic'",
+    )
+    _one_line_error(
+        *_capture(run_cli, tiny_world, tmp_path, "--agent", plan, "--role", "act=You act."),
+        "have adapters but act have role prompts",
+    )
+    _one_line_error(
+        *run_cli("capture", "--model", tmp_path / "nomodel", "--tasks", tiny_world.tasks, "--agent", act),
+        "nomodel",
+        "pass --model with a local model directory",
+    )
     broken = tmp_path / "broken.jsonl"
     broken.write_text(lora_trace.read_text().splitlines()[0] + "\n{oops\n")
     _one_line_error(*run_cli("inspect", broken), "broken.jsonl line 2")
     _one_line_error(*run_cli("inspect", tmp_path / "nothing.jsonl"), "does not exist")
     other_model = tmp_path / "other"
     from kvprof.tiny import build_tokenizer
+
     build_tokenizer(vocab_size=300).save_pretrained(other_model)
-    _one_line_error(*run_cli("inspect", lora_trace, "--model", other_model), "captured with tokenizer",
-                    "pass --model with the model the trace was captured with")
+    _one_line_error(
+        *run_cli("inspect", lora_trace, "--model", other_model),
+        "captured with tokenizer",
+        "pass --model with the model the trace was captured with",
+    )
     assert not (tmp_path / "trace.jsonl").exists()  # nothing half-written
 
 
@@ -155,11 +207,24 @@ def test_resume_refuses_another_capture_s_checkpoint(run_cli, tiny_world, tmp_pa
     _count_tasks(monkeypatch, interrupt_at=2)
     assert _capture(run_cli, tiny_world, tmp_path, "--workflow", tiny_world.lora_workflow)[0] == 130
     monkeypatch.undo()
-    code, out, err = _capture(run_cli, tiny_world, tmp_path, "--workflow", tiny_world.lora_workflow, "--seed", "9",
-                              "--resume")
+    code, out, err = _capture(
+        run_cli, tiny_world, tmp_path, "--workflow", tiny_world.lora_workflow, "--seed", "9", "--resume"
+    )
     _one_line_error(code, out, err, "trace.partial.jsonl", "another model, tokenizer, workflow or sampling")
     reordered = tmp_path / "reordered.jsonl"
     reordered.write_text("".join(reversed(tiny_world.tasks.read_text().splitlines(keepends=True))))
-    code, out, err = run_cli("capture", "--model", tiny_world.model, "--tasks", reordered, "--out", tmp_path,
-                             "--device", "cpu", "--workflow", tiny_world.lora_workflow, "--resume")
+    code, out, err = run_cli(
+        "capture",
+        "--model",
+        tiny_world.model,
+        "--tasks",
+        reordered,
+        "--out",
+        tmp_path,
+        "--device",
+        "cpu",
+        "--workflow",
+        tiny_world.lora_workflow,
+        "--resume",
+    )
     _one_line_error(code, out, err, "trace.partial.jsonl", "not the first tasks of --tasks")

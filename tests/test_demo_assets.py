@@ -45,8 +45,9 @@ def test_workflows_match_the_world(world):
 
 
 def test_shared_a_adapters_share_a_and_differ_in_b(world):
-    weights = {role: load_file(str(path / "adapter_model.safetensors"))
-               for role, path in world.shared_a_adapters.items()}
+    weights = {
+        role: load_file(str(path / "adapter_model.safetensors")) for role, path in world.shared_a_adapters.items()
+    }
     keys_a = [k for k in weights["plan"] if "lora_A" in k]
     keys_b = [k for k in weights["plan"] if "lora_B" in k]
     assert keys_a and keys_b
@@ -71,8 +72,14 @@ def test_sample_traces(world):
 def test_capture_two_tasks(world, tmp_path):
     for mode in ("prompt", "lora"):
         out = tmp_path / mode
-        capture.command(model=str(world.model), tasks=world.heldout_tasks, workflow=world.workflow(mode), limit=2,
-                        out=out, device="cpu")
+        capture.command(
+            model=str(world.model),
+            tasks=world.heldout_tasks,
+            workflow=world.workflow(mode),
+            limit=2,
+            out=out,
+            device="cpu",
+        )
         trace = read_trace(out / "trace.jsonl")
         assert len(trace.trajectories) == 2 and all(t.prediction for t in trace.trajectories)
 
@@ -99,8 +106,9 @@ def test_adapters_set_the_role(world):
 def test_demo_command(tmp_path):
     from kvprof.commands.demo import STAGES
 
-    result = CliRunner().invoke(app, ["demo", "--tasks", "2", "--replay-tasks", "1", "--repeats", "1",
-                                      "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["demo", "--tasks", "2", "--replay-tasks", "1", "--repeats", "1", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "demo.json").read_text())
     assert list(record["stages"]) == [name for name, _ in STAGES]
@@ -115,8 +123,22 @@ def test_demo_command(tmp_path):
 
 def test_commands_default_to_the_demo_world(tmp_path):
     """`kvprof replay --policy rebaseshared --schedule lp` and `kvprof rank-analysis` run as typed."""
-    result = CliRunner().invoke(app, ["replay", "--policy", "rebaseshared", "--schedule", "lp", "--limit", "1",
-                                      "--repeats", "1", "--out", str(tmp_path / "replay")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "replay",
+            "--policy",
+            "rebaseshared",
+            "--schedule",
+            "lp",
+            "--limit",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "replay"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "replay" / "replay.json").read_text())
     assert record["trace"] == str(demo_world().sample_traces["lora_short"])

@@ -9,9 +9,26 @@ import pytest
 
 from kvprof.demo.data import oracle_trajectory, own_turn_examples, role_example, sample_examples
 from kvprof.demo.tokenizer import build_tokenizer
-from kvprof.demo.world import (INITIALS, PERSON_FINALS, PLACE_FINALS, RELATION_WORDS, SHAPES, ROLE_FORMATS, ROLE_PROMPTS, ROLES, SYSTEM_PROMPT, UNKNOWN, DemoTask,
-                               make_task, make_tasks, read_tasks, split_of, workflow_spec, write_tasks,
-                               write_workflow_toml)
+from kvprof.demo.world import (
+    INITIALS,
+    PERSON_FINALS,
+    PLACE_FINALS,
+    RELATION_WORDS,
+    ROLE_FORMATS,
+    ROLE_PROMPTS,
+    ROLES,
+    SHAPES,
+    SYSTEM_PROMPT,
+    UNKNOWN,
+    DemoTask,
+    make_task,
+    make_tasks,
+    read_tasks,
+    split_of,
+    workflow_spec,
+    write_tasks,
+    write_workflow_toml,
+)
 from kvprof.spec import build_spec
 from kvprof.workflow import SearchTool, load_tasks
 
@@ -58,8 +75,9 @@ def test_each_hop_is_associative_recall():
         for entity, relation, target in zip(t.entities, t.relations, t.entities[1:]):
             paragraph = t.task.documents[entity]
             assert re.search(rf"\b{relation} {target}\b", paragraph)
-            with_relations = [s for s in paragraph.split(". ")
-                              if any(re.search(rf"\b{word}\b", s) for word in RELATION_WORDS)]
+            with_relations = [
+                s for s in paragraph.split(". ") if any(re.search(rf"\b{word}\b", s) for word in RELATION_WORDS)
+            ]
             assert len(with_relations) == 1 and with_relations[0].startswith(f"{entity} is a")
             listed = re.findall(rf"\b({'|'.join(RELATION_WORDS)}) ", with_relations[0])
             assert relation in listed and len(listed) == SHAPES["heldout"].facts
@@ -107,10 +125,10 @@ def test_training_examples_are_runner_inputs(tokenizer):
         examples = own_turn_examples(spec, tokenizer, t)
         for turn, example in zip(traj.turns, examples):
             assert example.tokens == traj.input_tokens(turn) + traj.output_tokens(turn)
-            assert example.targets[-len(traj.output_tokens(turn)):] == [True] * len(traj.output_tokens(turn))
+            assert example.targets[-len(traj.output_tokens(turn)) :] == [True] * len(traj.output_tokens(turn))
         # off-schedule: plan asked at act's first turn answers plan's gold output of that state
         off = role_example(traj, t, "plan", 1, tokenizer)
-        assert tokenizer.decode(off.tokens[-len(tokenizer.encode(t.output("plan", 0))):]) == t.output("plan", 0)
+        assert tokenizer.decode(off.tokens[-len(tokenizer.encode(t.output("plan", 0))) :]) == t.output("plan", 0)
         sampled = sample_examples(spec, tokenizer, t, ROLES, random.Random(0))
         assert [e.role for e in sampled] == list(ROLES)
 
@@ -120,8 +138,10 @@ def test_files_round_trip(tmp_path):
     path = write_tasks(tmp_path / "tasks.jsonl", tasks)
     assert [t.to_json() for t in read_tasks(path)] == [t.to_json() for t in tasks]
     loaded = load_tasks(path)
-    assert SearchTool().observe(loaded[0], "search", f" {tasks[0].entities[0]}") == \
-        tasks[0].task.documents[tasks[0].entities[0]]
+    assert (
+        SearchTool().observe(loaded[0], "search", f" {tasks[0].entities[0]}")
+        == tasks[0].task.documents[tasks[0].entities[0]]
+    )
     for role in ROLES:
         (tmp_path / "adapters" / role).mkdir(parents=True)
     adapters = {role: str((tmp_path / "adapters" / role).resolve()) for role in ROLES}

@@ -35,8 +35,9 @@ def _replay(trace, world, dtype, lora_attention=False):
     agents = _agents(trace, world, dtype)
     variants, skipped = runnable_variants(enumerate_variants(), Runtime(agents), skip=True)
     assert not skipped, skipped
-    return replay_trace(agents, read_trace(trace).trajectories, variants, check_memory=True,
-                        lora_attention=lora_attention)
+    return replay_trace(
+        agents, read_trace(trace).trajectories, variants, check_memory=True, lora_attention=lora_attention
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,9 @@ def float32_run(lora_trace, tiny_world):
 
 @pytest.mark.parametrize("lora_attention", [False, True], ids=["expanded-values", "flash-lora-attention"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_every_policy_runs_in_half_precision_and_matches_float32(lora_trace, tiny_world, float32_run, dtype,
-                                                                  lora_attention):
+def test_every_policy_runs_in_half_precision_and_matches_float32(
+    lora_trace, tiny_world, float32_run, dtype, lora_attention
+):
     half = _replay(lora_trace, tiny_world, dtype, lora_attention)
     reference = float32_run[lora_attention]
     assert half["policies"].keys() == reference["policies"].keys()

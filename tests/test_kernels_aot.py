@@ -30,21 +30,38 @@ def shipped_configurations() -> list[dict]:
     configurations = []
     for (dtype, head_dim, regime), config in ATTENTION_CONFIGS.items():
         for rank_pad in RANK_PADS:
-            configurations.append(dict(
-                kernel="flash_lora_attention_fwd", dtype=dtype, regime=regime,
-                constexprs=dict(HEAD_DIM=head_dim, RANK_PAD=rank_pad, BLOCK_M=config.block_m,
-                                BLOCK_N=config.block_n),
-                options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+            configurations.append(
+                dict(
+                    kernel="flash_lora_attention_fwd",
+                    dtype=dtype,
+                    regime=regime,
+                    constexprs=dict(
+                        HEAD_DIM=head_dim, RANK_PAD=rank_pad, BLOCK_M=config.block_m, BLOCK_N=config.block_n
+                    ),
+                    options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+                )
+            )
     for dtype in TRITON_TYPES:
         for head_dim in sorted({key[1] for key in ATTENTION_CONFIGS}):
-            configurations.append(dict(
-                kernel="combine_splits", dtype=dtype, regime="split-KV",
-                constexprs=dict(HEAD_DIM=head_dim, BLOCK_M=COMBINE_BLOCK_M), options=dict(num_warps=COMBINE_NUM_WARPS)))
+            configurations.append(
+                dict(
+                    kernel="combine_splits",
+                    dtype=dtype,
+                    regime="split-KV",
+                    constexprs=dict(HEAD_DIM=head_dim, BLOCK_M=COMBINE_BLOCK_M),
+                    options=dict(num_warps=COMBINE_NUM_WARPS),
+                )
+            )
     for (dtype, head_dim), config in CORRECTION_CONFIGS.items():
-        configurations.append(dict(
-            kernel="low_rank_correction_fwd", dtype=dtype, regime="correction",
-            constexprs=dict(HEAD_DIM=head_dim, BLOCK_L=config.block_l, RANK_CHUNK=RANK_CHUNK),
-            options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+        configurations.append(
+            dict(
+                kernel="low_rank_correction_fwd",
+                dtype=dtype,
+                regime="correction",
+                constexprs=dict(HEAD_DIM=head_dim, BLOCK_L=config.block_l, RANK_CHUNK=RANK_CHUNK),
+                options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+            )
+        )
     return configurations
 
 
@@ -83,13 +100,20 @@ def _compile(configuration: dict) -> dict:
         constexprs["PRECISION"] = attention_triton.dot_precision(getattr(torch, configuration["dtype"]))
     try:
         compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=_signature(fn, configuration["dtype"], constexprs),
-                                      constexprs=constexprs),
-            target=GPUTarget("cuda", 90, 32), options={**configuration["options"], "enable_fp_fusion": True})
+            triton.compiler.ASTSource(
+                fn=fn, signature=_signature(fn, configuration["dtype"], constexprs), constexprs=constexprs
+            ),
+            target=GPUTarget("cuda", 90, 32),
+            options={**configuration["options"], "enable_fp_fusion": True},
+        )
     except Exception as err:  # any compiler failure is this test's finding, reported per configuration
         return {"error": f"{type(err).__name__}: {err}"[-3000:]}
-    return {"error": None, "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
-            "cubin_bytes": len(compiled.asm["cubin"])}
+    return {
+        "error": None,
+        "shared": compiled.metadata.shared,
+        "num_warps": compiled.metadata.num_warps,
+        "cubin_bytes": len(compiled.asm["cubin"]),
+    }
 
 
 def _worker_init() -> None:
@@ -106,8 +130,9 @@ def _config_id(configuration: dict) -> str:
 
 @pytest.fixture(scope="module")
 def compiled_configurations() -> dict:
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_worker_init) as pool:
+    with ProcessPoolExecutor(
+        max_workers=2, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+    ) as pool:
         return dict(zip(map(_config_id, CONFIGURATIONS), pool.map(_compile, CONFIGURATIONS)))
 
 

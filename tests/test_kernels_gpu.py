@@ -29,9 +29,13 @@ def _inputs(dtype, head_dim, rank, q_len, kv_len, group=4, kv_heads=2, batch=2, 
         return (torch.randn(*shape, generator=generator, device="cuda") * std).to(dtype)
 
     lr_shape = (batch, kv_len, rank) if shared else (batch, kv_heads, kv_len, rank)
-    return (normal(batch, kv_heads * group, q_len, head_dim), normal(batch, kv_heads, kv_len, head_dim),
-            normal(batch, kv_heads, kv_len, head_dim), normal(*lr_shape),
-            normal(kv_heads, rank, head_dim, std=rank ** -0.5))
+    return (
+        normal(batch, kv_heads * group, q_len, head_dim),
+        normal(batch, kv_heads, kv_len, head_dim),
+        normal(batch, kv_heads, kv_len, head_dim),
+        normal(*lr_shape),
+        normal(kv_heads, rank, head_dim, std=rank**-0.5),
+    )
 
 
 def _check(out, ref_low, ref_fp32):
@@ -88,12 +92,13 @@ def test_low_rank_correction_into_cache(dtype, head_dim):
     heads, length, anchors, rank = 8, 1000, 10, 32
     c_src = torch.randn(heads, length, head_dim, generator=generator, device="cuda").to(dtype)
     u = torch.randn(anchors, heads, length, rank, generator=generator, device="cuda").to(dtype)
-    v = (torch.randn(anchors, heads, rank, head_dim, generator=generator, device="cuda") / rank ** 0.5).to(dtype)
+    v = (torch.randn(anchors, heads, rank, head_dim, generator=generator, device="cuda") / rank**0.5).to(dtype)
     w = torch.softmax(torch.randn(anchors, generator=generator, device="cuda"), 0)
     cache = torch.zeros(2, heads, length + 24, head_dim, dtype=dtype, device="cuda")
     out = low_rank_correction(c_src, u, v, w, out=cache[1, :, 24:])
-    _check(out, low_rank_correction_ref(c_src, u, v, w), low_rank_correction_ref(c_src.float(), u.float(),
-                                                                                   v.float(), w))
+    _check(
+        out, low_rank_correction_ref(c_src, u, v, w), low_rank_correction_ref(c_src.float(), u.float(), v.float(), w)
+    )
     assert torch.all(cache[0] == 0) and torch.all(cache[1, :, :24] == 0)
 
 
@@ -108,8 +113,15 @@ def test_bench_times_all_methods_with_do_bench():
 
     case = BenchCase("decode", 8192, 16, 1, 32, 8, 128, "shared")
     peak = DEVICE_PEAKS.get(torch.cuda.get_device_name())
-    rows = run_case(case, torch.bfloat16, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0),
-                    warmup_ms=10, rep_ms=30, peak=peak)
+    rows = run_case(
+        case,
+        torch.bfloat16,
+        torch.device("cuda"),
+        torch.Generator(device="cuda").manual_seed(0),
+        warmup_ms=10,
+        rep_ms=30,
+        peak=peak,
+    )
     assert [row["method"] for row in rows] == ["flash_lora", "naive", "sdpa"]
     for row in rows:
         assert row["runs"] >= 1 and 0 < row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]

@@ -27,12 +27,31 @@ SHAPES = ((1, 37), (5, 37), (37, 37), (16, 64), (3, 3))
 
 
 def _attention_cases() -> list[dict]:
-    base = dict(batch=2, kv_heads=2, group=2, head_dim=32, rank=8, shared=False, splits=1, causal=True,
-                mask=None, blocks=(16, 16))
+    base = dict(
+        batch=2,
+        kv_heads=2,
+        group=2,
+        head_dim=32,
+        rank=8,
+        shared=False,
+        splits=1,
+        causal=True,
+        mask=None,
+        blocks=(16, 16),
+    )
     cases = []
     for index, (dtype, (q_len, kv_len)) in enumerate((d, s) for d in DTYPES for s in SHAPES):
-        cases.append({**base, "dtype": dtype, "q_len": q_len, "kv_len": kv_len, "group": (1, 2, 4)[index % 3],
-                      "rank": (8, 16, 40, 64)[index % 4], "shared": index % 2 == 0})
+        cases.append(
+            {
+                **base,
+                "dtype": dtype,
+                "q_len": q_len,
+                "kv_len": kv_len,
+                "group": (1, 2, 4)[index % 3],
+                "rank": (8, 16, 40, 64)[index % 4],
+                "shared": index % 2 == 0,
+            }
+        )
     decode, chunk = dict(q_len=1, kv_len=70), dict(q_len=6, kv_len=70)
     for dtype in DTYPES:
         cases += [
@@ -44,15 +63,20 @@ def _attention_cases() -> list[dict]:
             {**base, "q_len": 33, "kv_len": 33, "dtype": dtype, "blocks": None, "group": 4, "rank": 32},
             {**base, **decode, "dtype": dtype, "blocks": None, "group": 8, "rank": 16, "shared": True},
         ]
-    cases += [{**base, "q_len": 9, "kv_len": 20, "dtype": dtype, "head_dim": head_dim, "blocks": None}
-              for dtype in ("float32", "bfloat16") for head_dim in (64, 128)]
+    cases += [
+        {**base, "q_len": 9, "kv_len": 20, "dtype": dtype, "head_dim": head_dim, "blocks": None}
+        for dtype in ("float32", "bfloat16")
+        for head_dim in (64, 128)
+    ]
     return cases
 
 
 def _correction_cases() -> list[dict]:
-    return [dict(dtype=dtype, rank=rank, anchors=anchors, length=70, head_dim=head_dim, in_place=in_place)
-            for dtype in DTYPES
-            for rank, anchors, head_dim, in_place in ((4, 1, 32, False), (16, 3, 64, True), (40, 2, 32, False))]
+    return [
+        dict(dtype=dtype, rank=rank, anchors=anchors, length=70, head_dim=head_dim, in_place=in_place)
+        for dtype in DTYPES
+        for rank, anchors, head_dim, in_place in ((4, 1, 32, False), (16, 3, 64, True), (40, 2, 32, False))
+    ]
 
 
 ATTENTION_CASES = _attention_cases()
@@ -86,8 +110,9 @@ def _run_attention(case: dict) -> dict:
     q = normal(batch, q_heads, case["q_len"], head_dim)
     k = normal(batch, kv_heads, case["kv_len"], head_dim)
     v_base = normal(batch, kv_heads, case["kv_len"], head_dim)
-    lr_shape = (batch, case["kv_len"], case["rank"]) if case["shared"] else (batch, kv_heads, case["kv_len"],
-                                                                              case["rank"])
+    lr_shape = (
+        (batch, case["kv_len"], case["rank"]) if case["shared"] else (batch, kv_heads, case["kv_len"], case["rank"])
+    )
     v_lr = normal(*lr_shape)
     lora_b = normal(kv_heads, case["rank"], head_dim, std=case["rank"] ** -0.5)
     mask = None
@@ -95,11 +120,13 @@ def _run_attention(case: dict) -> dict:
         mask = torch.rand(batch, 1, case["q_len"], case["kv_len"], generator=generator) > 0.4
         mask[1, 0, 0] = False
     config = AttentionConfig(*case["blocks"], 4, 1) if case["blocks"] else None
-    out = flash_lora_attention_triton(q, k, v_base, v_lr, lora_b, causal=case["causal"], attn_mask=mask,
-                                      config=config, num_splits=case["splits"])
+    out = flash_lora_attention_triton(
+        q, k, v_base, v_lr, lora_b, causal=case["causal"], attn_mask=mask, config=config, num_splits=case["splits"]
+    )
     ref_low = flash_lora_attention_ref(q, k, v_base, v_lr, lora_b, causal=case["causal"], attn_mask=mask)
-    ref_fp32 = flash_lora_attention_ref(q.float(), k.float(), v_base.float(), v_lr.float(), lora_b.float(),
-                                        causal=case["causal"], attn_mask=mask)
+    ref_fp32 = flash_lora_attention_ref(
+        q.float(), k.float(), v_base.float(), v_lr.float(), lora_b.float(), causal=case["causal"], attn_mask=mask
+    )
     result = _tolerance_check(out, ref_low, ref_fp32)
     result["masked_row_zero"] = bool(mask is None or torch.all(out[1, :, 0] == 0))
     return result
@@ -116,19 +143,19 @@ def _run_correction(case: dict) -> dict:
     heads, length, head_dim, rank = 2, case["length"], case["head_dim"], case["rank"]
     c_src = torch.randn(heads, length, head_dim, generator=generator).to(dtype)
     u = torch.randn(case["anchors"], heads, length, rank, generator=generator).to(dtype)
-    v = (torch.randn(case["anchors"], heads, rank, head_dim, generator=generator) * rank ** -0.5).to(dtype)
+    v = (torch.randn(case["anchors"], heads, rank, head_dim, generator=generator) * rank**-0.5).to(dtype)
     w = torch.softmax(torch.randn(case["anchors"], generator=generator), 0)
     ref_low = low_rank_correction_ref(c_src, u, v, w)
     ref_fp32 = low_rank_correction_ref(c_src.float(), u.float(), v.float(), w)
     cache = torch.full((2, heads, length + 10, head_dim), 3.0, dtype=dtype)
     if case["in_place"]:
-        cache[1, :, 4:4 + length] = c_src
-        source = cache[1, :, 4:4 + length]
+        cache[1, :, 4 : 4 + length] = c_src
+        source = cache[1, :, 4 : 4 + length]
     else:
         source = c_src
-    out = low_rank_correction_triton(source, u, v, w, out=cache[1, :, 4:4 + length])
+    out = low_rank_correction_triton(source, u, v, w, out=cache[1, :, 4 : 4 + length])
     result = _tolerance_check(out, ref_low, ref_fp32)
-    untouched = torch.cat([cache[0].flatten(), cache[1, :, :4].flatten(), cache[1, :, 4 + length:].flatten()])
+    untouched = torch.cat([cache[0].flatten(), cache[1, :, :4].flatten(), cache[1, :, 4 + length :].flatten()])
     result["rest_untouched"] = bool(torch.all(untouched == 3.0))
     return result
 
@@ -153,9 +180,9 @@ def _run_rounding() -> dict:
 
 
 def _worker(results_path: str) -> None:
-    from kvprof.kernels.attention import triton_path_available
-
     import torch
+
+    from kvprof.kernels.attention import triton_path_available
 
     assert triton_path_available(torch.zeros(1)), "the worker must run with TRITON_INTERPRET=1"
     results = {
@@ -170,10 +197,14 @@ def _worker(results_path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory) -> dict:
     results_path = tmp_path_factory.mktemp("interpreter") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, __file__, str(results_path)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, __file__, str(results_path)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(results_path.read_text())
 

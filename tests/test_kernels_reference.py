@@ -9,23 +9,35 @@ import pytest
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import (bottom_right_causal_mask, expand_lora_values, flash_lora_attention,
-                                      flash_lora_attention_ref, lora_b_per_head, naive_lora_attention,
-                                      plain_attention)
+from kvprof.kernels.attention import (
+    bottom_right_causal_mask,
+    expand_lora_values,
+    flash_lora_attention,
+    flash_lora_attention_ref,
+    lora_b_per_head,
+    naive_lora_attention,
+    plain_attention,
+)
 from kvprof.kernels.benchmark import BenchCase, build_cases, time_cpu
 from kvprof.kernels.correction import low_rank_correction, low_rank_correction_ref
 
 
-def _inputs(batch=2, q_heads=4, kv_heads=2, q_len=5, kv_len=11, head_dim=16, rank=8, shared=True,
-            dtype=torch.float32, seed=0):
+def _inputs(
+    batch=2, q_heads=4, kv_heads=2, q_len=5, kv_len=11, head_dim=16, rank=8, shared=True, dtype=torch.float32, seed=0
+):
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
 
     v_lr = normal(batch, kv_len, rank) if shared else normal(batch, kv_heads, kv_len, rank)
-    return (normal(batch, q_heads, q_len, head_dim), normal(batch, kv_heads, kv_len, head_dim),
-            normal(batch, kv_heads, kv_len, head_dim), v_lr, normal(kv_heads, rank, head_dim))
+    return (
+        normal(batch, q_heads, q_len, head_dim),
+        normal(batch, kv_heads, kv_len, head_dim),
+        normal(batch, kv_heads, kv_len, head_dim),
+        v_lr,
+        normal(kv_heads, rank, head_dim),
+    )
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-head"])
@@ -54,8 +66,10 @@ def test_bottom_right_causality_matches_the_tail_of_a_full_prefill():
     decode = flash_lora_attention_ref(q[:, :, 10:], k, v_base, v_lr, lora_b)
     torch.testing.assert_close(chunk, full[:, :, 7:], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(decode, full[:, :, 10:], atol=1e-6, rtol=1e-6)
-    assert bottom_right_causal_mask(2, 4, torch.device("cpu")).tolist() == [[True, True, True, False],
-                                                                           [True, True, True, True]]
+    assert bottom_right_causal_mask(2, 4, torch.device("cpu")).tolist() == [
+        [True, True, True, False],
+        [True, True, True, True],
+    ]
 
 
 def test_mask_replaces_causality_and_fully_masked_rows_are_zero():
@@ -98,15 +112,18 @@ def test_lora_b_per_head_matches_the_peft_v_proj_delta():
     torch.testing.assert_close(rebuilt, delta)
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda t: t.update(lora_b=torch.zeros(2, 7, 16)), "lora_b (2, 7, 16) must be (H_kv=2, r=8, D=16)"),
-    (lambda t: t.update(q=torch.zeros(2, 3, 5, 16)), "not a multiple of the 2 KV heads"),
-    (lambda t: t.update(q=torch.zeros(2, 4, 12, 16)), "q has 12 positions but k only 11"),
-    (lambda t: t.update(v_lr=torch.zeros(2, 10, 8)), "v_lr (2, 10, 8) must be"),
-    (lambda t: t.update(v_lr=torch.zeros(2, 11, 80), lora_b=torch.zeros(2, 80, 16)), "LoRA rank 80 is outside"),
-    (lambda t: t.update(lora_b=torch.zeros(2, 8, 16, dtype=torch.float16)), "cast lora_b to torch.float32"),
-    (lambda t: t.update(k=torch.zeros(2, 2, 11, 8)), "k (2, 2, 11, 8) and v_base"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda t: t.update(lora_b=torch.zeros(2, 7, 16)), "lora_b (2, 7, 16) must be (H_kv=2, r=8, D=16)"),
+        (lambda t: t.update(q=torch.zeros(2, 3, 5, 16)), "not a multiple of the 2 KV heads"),
+        (lambda t: t.update(q=torch.zeros(2, 4, 12, 16)), "q has 12 positions but k only 11"),
+        (lambda t: t.update(v_lr=torch.zeros(2, 10, 8)), "v_lr (2, 10, 8) must be"),
+        (lambda t: t.update(v_lr=torch.zeros(2, 11, 80), lora_b=torch.zeros(2, 80, 16)), "LoRA rank 80 is outside"),
+        (lambda t: t.update(lora_b=torch.zeros(2, 8, 16, dtype=torch.float16)), "cast lora_b to torch.float32"),
+        (lambda t: t.update(k=torch.zeros(2, 2, 11, 8)), "k (2, 2, 11, 8) and v_base"),
+    ],
+)
 def test_input_mistakes_name_the_input_and_the_fix(change, message):
     q, k, v_base, v_lr, lora_b = _inputs()
     tensors = dict(q=q, k=k, v_base=v_base, v_lr=v_lr, lora_b=lora_b)
@@ -131,10 +148,12 @@ def test_triton_launcher_refuses_unsupported_head_dim():
 
 def _correction_inputs(heads=2, length=9, head_dim=8, anchors=3, rank=4, dtype=torch.float32):
     generator = torch.Generator().manual_seed(2)
-    return (torch.randn(heads, length, head_dim, generator=generator).to(dtype),
-            torch.randn(anchors, heads, length, rank, generator=generator).to(dtype),
-            torch.randn(anchors, heads, rank, head_dim, generator=generator).to(dtype),
-            torch.softmax(torch.randn(anchors, generator=generator), 0))
+    return (
+        torch.randn(heads, length, head_dim, generator=generator).to(dtype),
+        torch.randn(anchors, heads, length, rank, generator=generator).to(dtype),
+        torch.randn(anchors, heads, rank, head_dim, generator=generator).to(dtype),
+        torch.softmax(torch.randn(anchors, generator=generator), 0),
+    )
 
 
 def test_correction_reference_is_the_weighted_sum_of_products():
@@ -154,11 +173,14 @@ def test_correction_writes_into_the_target_cache_slice_only():
     assert torch.all(cache[0, :, :5] == 7.0) and torch.all(cache[0, :, 14:] == 7.0)
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda t: t.update(v=torch.zeros(3, 2, 5, 8)), "v (3, 2, 5, 8) must be (N=3, H=2, r=4, D=8)"),
-    (lambda t: t.update(w=torch.zeros(2)), "w (2,) must be (3,)"),
-    (lambda t: t.update(u=torch.zeros(3, 2, 8, 4)), "u (3, 2, 8, 4) must be (N, H=2, L=9, r)"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda t: t.update(v=torch.zeros(3, 2, 5, 8)), "v (3, 2, 5, 8) must be (N=3, H=2, r=4, D=8)"),
+        (lambda t: t.update(w=torch.zeros(2)), "w (2,) must be (3,)"),
+        (lambda t: t.update(u=torch.zeros(3, 2, 8, 4)), "u (3, 2, 8, 4) must be (N, H=2, L=9, r)"),
+    ],
+)
 def test_correction_mistakes_name_the_input(change, message):
     c_src, u, v, w = _correction_inputs()
     tensors = dict(c_src=c_src, u=u, v=v, w=w)
@@ -197,9 +219,27 @@ def test_bench_cases_refuse_bad_options():
 
 
 def test_bench_command_on_cpu(run_cli, tmp_path):
-    code, out, err = run_cli("bench", "--device", "cpu", "--seq-lens", "16,32", "--ranks", "4,16", "--q-heads", "4",
-                             "--kv-heads", "2", "--head-dim", "32", "--warmup-ms", "0", "--rep-ms", "0",
-                             "--out", tmp_path)
+    code, out, err = run_cli(
+        "bench",
+        "--device",
+        "cpu",
+        "--seq-lens",
+        "16,32",
+        "--ranks",
+        "4,16",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "32",
+        "--warmup-ms",
+        "0",
+        "--rep-ms",
+        "0",
+        "--out",
+        tmp_path,
+    )
     assert code == 0, err
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["schema"] == "kvprof.result.bench" and result["timer"] == "time.perf_counter"
@@ -207,7 +247,8 @@ def test_bench_command_on_cpu(run_cli, tmp_path):
     rows = result["results"]
     assert len(rows) == 2 * 2 * 2 * 3
     assert {(row["mode"], row["seq_len"], row["rank"]) for row in rows} == {
-        (mode, length, rank) for mode in ("prefill", "decode") for length in (16, 32) for rank in (4, 16)}
+        (mode, length, rank) for mode in ("prefill", "decode") for length in (16, 32) for rank in (4, 16)
+    }
     for row in rows:
         assert row["runs"] >= 5 and row["median_ms"] > 0 and row["fraction_of_peak_flops"] is None
         assert row["max_abs_diff_flash_vs_naive"] < 1e-4
@@ -215,11 +256,14 @@ def test_bench_command_on_cpu(run_cli, tmp_path):
     assert "torch reference" in out + err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--seq-lens", "1k"], "--seq-lens '1k' is not a comma-separated list of integers"),
-    (["--lr-layout", "diagonal"], "--lr-layout 'diagonal' is unknown"),
-    (["--seq-lens", "100000"], "pass smaller --seq-lens"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seq-lens", "1k"], "--seq-lens '1k' is not a comma-separated list of integers"),
+        (["--lr-layout", "diagonal"], "--lr-layout 'diagonal' is unknown"),
+        (["--seq-lens", "100000"], "pass smaller --seq-lens"),
+    ],
+)
 def test_bench_command_refuses_bad_options(run_cli, tmp_path, args, message):
     code, out, err = run_cli("bench", "--device", "cpu", "--out", tmp_path, *args)
     assert code == 2 and message in err

@@ -14,8 +14,13 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.transformers_attention import (LORA_ATTENTION, LoraAttentionContext, lora_attention_forward,
-                                                   register_lora_attention, use_lora_attention)
+from kvprof.kernels.transformers_attention import (
+    LORA_ATTENTION,
+    LoraAttentionContext,
+    lora_attention_forward,
+    register_lora_attention,
+    use_lora_attention,
+)
 
 LAYERS, HEADS, KV_HEADS, RANK, VOCAB = 2, 4, 2, 8, 101
 
@@ -23,9 +28,16 @@ LAYERS, HEADS, KV_HEADS, RANK, VOCAB = 2, 4, 2, 8, 101
 def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """The same random weights twice: under "sdpa" and under "kvprof_lora"."""
     register_lora_attention()
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * head_dim, intermediate_size=2 * HEADS * head_dim,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=128, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HEADS * head_dim,
+        intermediate_size=2 * HEADS * head_dim,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     sdpa_model = LlamaForCausalLM(config).eval()
     lora_model = copy.deepcopy(sdpa_model)
@@ -36,9 +48,13 @@ def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
 def lora_values(total_len: int, head_dim: int, batch: int = 1, seed: int = 1) -> dict[int, tuple]:
     """Per layer: V_lr (B, L, r) shared by the KV heads and B (H_kv, r, D)."""
     generator = torch.Generator().manual_seed(seed)
-    return {layer: (torch.randn(batch, total_len, RANK, generator=generator),
-                    0.5 * torch.randn(KV_HEADS, RANK, head_dim, generator=generator) / RANK ** 0.5)
-            for layer in range(LAYERS)}
+    return {
+        layer: (
+            torch.randn(batch, total_len, RANK, generator=generator),
+            0.5 * torch.randn(KV_HEADS, RANK, head_dim, generator=generator) / RANK**0.5,
+        )
+        for layer in range(LAYERS)
+    }
 
 
 class ExpandedValueHooks:
@@ -49,8 +65,13 @@ class ExpandedValueHooks:
         self.handles = []
         for layer, (v_lr, lora_b) in values.items():
             delta = torch.einsum("blr,hrd->blhd", v_lr, lora_b).flatten(2)
-            self.handles.append(model.model.layers[layer].self_attn.v_proj.register_forward_hook(
-                lambda module, args, output, delta=delta: output + delta[:, self.start:self.start + output.shape[1]]))
+            self.handles.append(
+                model.model.layers[layer].self_attn.v_proj.register_forward_hook(
+                    lambda module, args, output, delta=delta: (
+                        output + delta[:, self.start : self.start + output.shape[1]]
+                    )
+                )
+            )
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -61,8 +82,9 @@ def continuation_errors(head_dim: int, device: str = "cpu") -> list[float]:
     """Max |logits(kvprof_lora) − logits(expanded sdpa)| for a prefill of 10, a chunk of 5 and a decode step."""
     sdpa_model, lora_model = (model.to(device) for model in tiny_llama_pair(head_dim))
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
-    values = {layer: (v_lr.to(device), lora_b.to(device))
-              for layer, (v_lr, lora_b) in lora_values(16, head_dim).items()}
+    values = {
+        layer: (v_lr.to(device), lora_b.to(device)) for layer, (v_lr, lora_b) in lora_values(16, head_dim).items()
+    }
     hooks = ExpandedValueHooks(sdpa_model, values)
     expected_cache, actual_cache = DynamicCache(), DynamicCache()
     errors = []

@@ -23,7 +23,9 @@ def _imported_modules(path: Path) -> set[str]:
 
 def test_only_the_command_line_imports_commands():
     command_line = {PACKAGE / "cli.py", *(PACKAGE / "commands").rglob("*.py")}
-    offenders = {str(path.relative_to(PACKAGE)): sorted(m for m in _imported_modules(path)
-                                                        if m.startswith("kvprof.commands"))
-                 for path in PACKAGE.rglob("*.py") if path not in command_line}
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(m for m in _imported_modules(path) if m.startswith("kvprof.commands"))
+        for path in PACKAGE.rglob("*.py")
+        if path not in command_line
+    }
     assert not {path: modules for path, modules in offenders.items() if modules}

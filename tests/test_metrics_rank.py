@@ -29,8 +29,9 @@ def test_ranks_match_numpy_scipy(shape, decay):
     assert metrics.entropy_effective_rank(sigma) == pytest.approx(effective, abs=1e-6)
     assert metrics.energy_rank(sigma, 0.90) == e90
     assert metrics.energy_rank(sigma, 0.99) == e99
-    np.testing.assert_allclose(metrics.energy_spectrum(sigma).numpy(), sigma.numpy() ** 2 / np.sum(sigma.numpy() ** 2),
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        metrics.energy_spectrum(sigma).numpy(), sigma.numpy() ** 2 / np.sum(sigma.numpy() ** 2), atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("rank", [1, 5, 12])
@@ -64,6 +65,7 @@ def test_cosines_and_relative_norm_match_numpy():
     token = np.mean(np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1))
     assert metrics.mean_token_cosine(torch.from_numpy(a), torch.from_numpy(b)) == pytest.approx(token, abs=1e-12)
     assert metrics.relative_norm(torch.from_numpy(a), torch.from_numpy(b)) == pytest.approx(
-        np.linalg.norm(a) / np.linalg.norm(b), abs=1e-12)
+        np.linalg.norm(a) / np.linalg.norm(b), abs=1e-12
+    )
     assert metrics.flat_cosine(torch.zeros(3), torch.ones(3)) == 0.0
     assert metrics.relative_norm(torch.ones(3), torch.zeros(3)) == float("inf")

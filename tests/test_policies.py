@@ -96,8 +96,10 @@ def test_sharing_saves_prefill_and_memory(matrix):
     assert policies["prelrshared"]["summary"]["prefilled"] == policies["fullshared"]["summary"]["prefilled"]
     assert policies["baseshared-full"]["summary"]["prefilled"] > dense["prefilled"]  # the LR prefill
     assert policies["fullshared"]["summary"]["memory_ratio"] < 1.0
-    assert policies["baselrshared"]["summary"]["peak_memory_bytes"] < policies["prelrshared"]["summary"][
-        "peak_memory_bytes"]  # one LR cache instead of one per agent
+    assert (
+        policies["baselrshared"]["summary"]["peak_memory_bytes"]
+        < policies["prelrshared"]["summary"]["peak_memory_bytes"]
+    )  # one LR cache instead of one per agent
 
 
 def test_baselrshared_equals_prelrshared_with_shared_a(matrix):
@@ -116,14 +118,16 @@ def test_baselrshared_refuses_different_a(lora_trace, tiny_world):
 
 def test_fullshared_identical_adapters_is_exact(lora_trace, tiny_world):
     same = tiny_world.adapter("act")
-    agents = load_agents_for_trace(lora_trace, agent_flags=[f"{n}={same}" for n in ("plan", "act", "reflect")],
-                                   device="cpu", dtype="float32")
+    agents = load_agents_for_trace(
+        lora_trace, agent_flags=[f"{n}={same}" for n in ("plan", "act", "reflect")], device="cpu", dtype="float32"
+    )
     result = replay_trace(agents, read_trace(lora_trace).trajectories[:1], [PolicyVariant("fullshared")])
     summary = result["policies"]["fullshared"]["summary"]
     assert summary["reuse_per_token"] > 0.3
     assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-8
-    different = replay_trace(_agents(lora_trace, tiny_world), read_trace(lora_trace).trajectories[:1],
-                             [PolicyVariant("fullshared")])["policies"]["fullshared"]["summary"]
+    different = replay_trace(
+        _agents(lora_trace, tiny_world), read_trace(lora_trace).trajectories[:1], [PolicyVariant("fullshared")]
+    )["policies"]["fullshared"]["summary"]
     assert different["v_error"] > 1e-2
 
 
@@ -152,8 +156,12 @@ def _attention_inputs(agents, agent, ids):
     """X entering every layer's v_proj, captured from peft's own base layer (independent of kvprof.lora)."""
     captured = {}
     layers = decoder_layers(agents.base_model)
-    handles = [layer.self_attn.v_proj.base_layer.register_forward_pre_hook(
-        lambda module, args, i=i: captured.__setitem__(i, args[0])) for i, layer in enumerate(layers)]
+    handles = [
+        layer.self_attn.v_proj.base_layer.register_forward_pre_hook(
+            lambda module, args, i=i: captured.__setitem__(i, args[0])
+        )
+        for i, layer in enumerate(layers)
+    ]
     try:
         with torch.inference_mode(), agents.activate(agent):
             agents.model(input_ids=torch.tensor([ids]))
@@ -190,27 +198,39 @@ def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
         result = policy.run_turn(TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn)))
     second = traj.turns[1]
     assert second.agent != traj.turns[0].agent and result.reused > 0
-    context = traj.input_tokens(second)[:result.reused]
+    context = traj.input_tokens(second)[: result.reused]
     hidden, layers = _attention_inputs(agents, second.agent, context)
     for index, layer in enumerate(layers):
         with torch.inference_mode():
             expected = layer.self_attn.v_proj.lora_A[second.agent](hidden[index])
-        stored = policy.store.low_rank[second.agent][index]["value"][:, :result.reused]
+        stored = policy.store.low_rank[second.agent][index]["value"][:, : result.reused]
         torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("workflow", ["lora_workflow", "prompt_workflow"])
 def test_nonshared_online_replay_reproduces_generate(tiny_world, tmp_path, run_cli, workflow):
     """The captured trace came from transformers' generate; NonShared online replay must regenerate it exactly."""
-    code, _, err = run_cli("capture", "--model", tiny_world.model, "--workflow", getattr(tiny_world, workflow),
-                           "--tasks", tiny_world.tasks, "--out", tmp_path, "--device", "cpu")
+    code, _, err = run_cli(
+        "capture",
+        "--model",
+        tiny_world.model,
+        "--workflow",
+        getattr(tiny_world, workflow),
+        "--tasks",
+        tiny_world.tasks,
+        "--out",
+        tmp_path,
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     trace = read_trace(tmp_path / "trace.jsonl")
     agents = load_agents_for_trace(tmp_path / "trace.jsonl", device="cpu", dtype="float32")
     runs = run_online(agents, load_tasks(tiny_world.tasks), [PolicyVariant("fullshared")])
     for captured, replayed in zip(trace.trajectories, runs[DENSE]):
-        assert [captured.output_tokens(t) for t in captured.turns] == [replayed.output_tokens(t)
-                                                                       for t in replayed.turns]
+        assert [captured.output_tokens(t) for t in captured.turns] == [
+            replayed.output_tokens(t) for t in replayed.turns
+        ]
         assert captured.prediction == replayed.prediction
     summary = summarise_online(runs)
     assert summary[DENSE]["diverged_turns"] == 0.0
@@ -221,8 +241,11 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
     """Low-rank policies attending through the registered Flash-LoRA-Attention (torch reference on CPU) must give
     what expanded values give."""
     trajectories = read_trace(lora_trace).trajectories[:1]
-    choices = [PolicyVariant("prelrshared"), PolicyVariant("baselrshared"),
-               PolicyVariant("rebaseshared", {"schedule": "db"})]
+    choices = [
+        PolicyVariant("prelrshared"),
+        PolicyVariant("baselrshared"),
+        PolicyVariant("rebaseshared", {"schedule": "db"}),
+    ]
     expanded = replay_trace(shared_a_agents, trajectories, choices)
     kernel = replay_trace(shared_a_agents, trajectories, choices, lora_attention=True)
     for label in expanded["policies"]:

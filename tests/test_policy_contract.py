@@ -8,14 +8,14 @@ import json
 import sys
 
 import pytest
+from test_policies import check_variant
 
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options
 from kvprof.replay import replay_trace
-from kvprof.trace import read_trace
 from kvprof.runtime import Runtime
-from test_policies import check_variant
+from kvprof.trace import read_trace
 
 THROWAWAY = '''"""Throwaway: a test policy that keeps each agent's own cache (exact), with one swept option."""
 
@@ -49,8 +49,9 @@ def throwaway(tmp_path, monkeypatch):
 def test_a_new_policy_module_is_enumerated_replayed_checked_and_reported(throwaway, run_cli, lora_trace, tmp_path):
     labels = [variant.label for variant in enumerate_variants()]
     assert {"throwaway-plain", "throwaway-salted"} <= set(labels)
-    code, out, err = run_cli("replay", lora_trace, "--policy", "all", "--limit", "1", "--repeats", "1",
-                             "--out", tmp_path, "--device", "cpu")
+    code, out, err = run_cli(
+        "replay", lora_trace, "--policy", "all", "--limit", "1", "--repeats", "1", "--out", tmp_path, "--device", "cpu"
+    )
     assert code == 0, err
     assert "throwaway-plain" in out and "throwaway-salted" in out
     result = json.loads((tmp_path / "replay.json").read_text())
@@ -59,8 +60,12 @@ def test_a_new_policy_module_is_enumerated_replayed_checked_and_reported(throwaw
         assert entry["options"] == {"flavour": label.split("-")[1]}
         check_variant(entry, result["dense"], memory_checked=False)
     agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
-    checked = replay_trace(agents, read_trace(lora_trace).trajectories,
-                           [v for v in enumerate_variants() if v.name == "throwaway"], check_memory=True)
+    checked = replay_trace(
+        agents,
+        read_trace(lora_trace).trajectories,
+        [v for v in enumerate_variants() if v.name == "throwaway"],
+        check_memory=True,
+    )
     for entry in checked["policies"].values():
         check_variant(entry, checked["dense"])
     assert result["policies"]["throwaway-salted"]["published"][0]["claim"] == "nothing is lost"
@@ -72,8 +77,20 @@ def test_a_new_policy_module_is_enumerated_replayed_checked_and_reported(throwaw
 
 
 def test_policy_option_selects_values_of_any_policy(throwaway, run_cli, lora_trace, tmp_path):
-    code, _, err = run_cli("replay", lora_trace, "--policy", "throwaway", "--policy-option",
-                           "throwaway.flavour=salted", "--limit", "1", "--repeats", "1", "--out", tmp_path)
+    code, _, err = run_cli(
+        "replay",
+        lora_trace,
+        "--policy",
+        "throwaway",
+        "--policy-option",
+        "throwaway.flavour=salted",
+        "--limit",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        tmp_path,
+    )
     assert code == 0, err
     assert list(json.loads((tmp_path / "replay.json").read_text())["policies"]) == ["throwaway-salted"]
 
@@ -83,8 +100,9 @@ def test_policy_all_sweeps_every_declared_option_value():
     for cls in REGISTRY.values():
         for key, option in cls.options.items():
             for value in option.sweep or (option.default,):
-                assert any(label.startswith(cls.name) and f"-{option.label(key, value)}" in label
-                           for label in labels), (cls.name, key, value)
+                assert any(
+                    label.startswith(cls.name) and f"-{option.label(key, value)}" in label for label in labels
+                ), (cls.name, key, value)
     assert "baseshared-incremental" in labels and "rebaseshared-db" in labels
     assert labels[-1] == "nonshared"
 
@@ -94,20 +112,37 @@ def test_named_policy_runs_its_published_defaults_and_shorthands_still_work(run_
     assert [v.label for v in enumerate_variants(["baseshared"])] == ["baseshared-full"]
     both = parse_policy_options(["rebaseshared.schedule=lp", "rebaseshared.schedule=db"])
     assert [v.label for v in enumerate_variants(["rebaseshared"], both)] == ["rebaseshared-lp", "rebaseshared-db"]
-    code, _, err = run_cli("replay", lora_trace, "--policy", "rebaseshared", "--schedule", "db", "--limit", "1",
-                           "--repeats", "1", "--out", tmp_path)
+    code, _, err = run_cli(
+        "replay",
+        lora_trace,
+        "--policy",
+        "rebaseshared",
+        "--schedule",
+        "db",
+        "--limit",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        tmp_path,
+    )
     assert code == 0, err
     assert list(json.loads((tmp_path / "replay.json").read_text())["policies"]) == ["rebaseshared-db"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--policy-option", "rebaseshared.schedule"), "is not POLICY.KEY=VALUE"),
-    (("--policy-option", "rebaseshared.speed=fast"), "policy rebaseshared has no option 'speed'"),
-    (("--policy-option", "rebaseshared.schedule=xx"), "option schedule='xx' is not allowed; use one of lp, db"),
-    (("--policy-option", "magic.schedule=lp"), "unknown policy 'magic'"),
-    (("--policy", "fullshared", "--schedule", "db"), "options are given for policy rebaseshared, which is not "
-                                                      "selected"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--policy-option", "rebaseshared.schedule"), "is not POLICY.KEY=VALUE"),
+        (("--policy-option", "rebaseshared.speed=fast"), "policy rebaseshared has no option 'speed'"),
+        (("--policy-option", "rebaseshared.schedule=xx"), "option schedule='xx' is not allowed; use one of lp, db"),
+        (("--policy-option", "magic.schedule=lp"), "unknown policy 'magic'"),
+        (
+            ("--policy", "fullshared", "--schedule", "db"),
+            "options are given for policy rebaseshared, which is not selected",
+        ),
+    ],
+)
 def test_bad_policy_options_are_one_sentence(run_cli, lora_trace, tmp_path, args, message):
     code, _, err = run_cli("replay", lora_trace, *args, "--out", tmp_path)
     assert code == 2 and message in err and "Traceback" not in err

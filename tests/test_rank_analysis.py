@@ -59,15 +59,25 @@ def test_lora_values_match_an_independent_computation(lora_analysis):
     assert pair.tokens == common
     for layer in (0, 1):
         for kv, attr in (("K", "keys"), ("V", "values")):
-            flat = {name: getattr(caches[name].layers[layer], attr)[0, :, :common].permute(1, 0, 2)
-                    .reshape(common, -1).numpy().astype(np.float64) for name in caches}
+            flat = {
+                name: getattr(caches[name].layers[layer], attr)[0, :, :common]
+                .permute(1, 0, 2)
+                .reshape(common, -1)
+                .numpy()
+                .astype(np.float64)
+                for name in caches
+            }
             delta = flat["act"] - flat["plan"]
             values = pair.layers[layer][kv].values
             assert values["delta_rank"] == pytest.approx(_numpy_effective_rank(delta, flat["act"]), abs=1e-6)
-            assert values["delta_relative"] == pytest.approx(np.linalg.norm(delta) / np.linalg.norm(flat["act"]),
-                                                             rel=1e-9)
-            cos = np.sum(flat["act"] * flat["plan"], 1) / np.linalg.norm(flat["act"], axis=1) / \
-                np.linalg.norm(flat["plan"], axis=1)
+            assert values["delta_relative"] == pytest.approx(
+                np.linalg.norm(delta) / np.linalg.norm(flat["act"]), rel=1e-9
+            )
+            cos = (
+                np.sum(flat["act"] * flat["plan"], 1)
+                / np.linalg.norm(flat["act"], axis=1)
+                / np.linalg.norm(flat["plan"], axis=1)
+            )
             assert values["cache_cosine"] == pytest.approx(cos.mean(), abs=1e-9)
 
 
@@ -141,8 +151,21 @@ def test_cli_prints_tables_verdicts_and_writes_results(run_cli, lora_trace, tmp_
 
 def test_cli_is_deterministic(run_cli, prompt_trace, tmp_path):
     for name in ("a", "b"):
-        assert run_cli("rank-analysis", prompt_trace, "--out", tmp_path / name, "--layers", "1", "--device", "cpu",
-                       "--seed", "3")[0] == 0
+        assert (
+            run_cli(
+                "rank-analysis",
+                prompt_trace,
+                "--out",
+                tmp_path / name,
+                "--layers",
+                "1",
+                "--device",
+                "cpu",
+                "--seed",
+                "3",
+            )[0]
+            == 0
+        )
     first, second = (json.loads((tmp_path / name / "rank_analysis.json").read_text()) for name in ("a", "b"))
     for key in ("created", "seconds", "args"):  # args differ by --out only
         first.pop(key), second.pop(key)
@@ -157,9 +180,13 @@ def _rewrite(path, out, header=None, trajectories=None):
 
 def test_bad_input_is_one_clear_error(run_cli, lora_trace, prompt_trace, tmp_path):
     trace = read_trace(lora_trace)
-    one_agent = replace(trace.header, workflow={**trace.header.workflow,
-                                                "agents": [a for a in trace.header.workflow["agents"]
-                                                           if a["name"] == "plan"]})
+    one_agent = replace(
+        trace.header,
+        workflow={
+            **trace.header.workflow,
+            "agents": [a for a in trace.header.workflow["agents"] if a["name"] == "plan"],
+        },
+    )
     first_turns = [replace(t, turns=t.turns[:1]) for t in trace.trajectories]
     single = _rewrite(lora_trace, tmp_path / "single.jsonl", one_agent, first_turns)
     private = read_trace(prompt_trace)

@@ -14,8 +14,22 @@ from kvprof.trace import read_trace
 
 
 def test_replay_writes_json_and_html(run_cli, lora_trace, tmp_path):
-    code, out, err = run_cli("replay", lora_trace, "--policy", "fullshared", "--policy", "prelrshared",
-                             "--limit", "1", "--repeats", "2", "--out", tmp_path, "--device", "cpu")
+    code, out, err = run_cli(
+        "replay",
+        lora_trace,
+        "--policy",
+        "fullshared",
+        "--policy",
+        "prelrshared",
+        "--limit",
+        "1",
+        "--repeats",
+        "2",
+        "--out",
+        tmp_path,
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     assert "fidelity:" in out and "cost:" in out and "prelrshared" in out
     result = json.loads((tmp_path / "replay.json").read_text())
@@ -29,8 +43,22 @@ def test_replay_writes_json_and_html(run_cli, lora_trace, tmp_path):
 
 def test_policy_all_on_prompt_trace_skips_lora_policies(run_cli, tiny_world, tmp_path):
     trace_dir = tmp_path / "capture"
-    assert run_cli("capture", "--model", tiny_world.model, "--workflow", tiny_world.prompt_workflow, "--tasks",
-                   tiny_world.tasks, "--limit", "1", "--out", trace_dir)[0] == 0
+    assert (
+        run_cli(
+            "capture",
+            "--model",
+            tiny_world.model,
+            "--workflow",
+            tiny_world.prompt_workflow,
+            "--tasks",
+            tiny_world.tasks,
+            "--limit",
+            "1",
+            "--out",
+            trace_dir,
+        )[0]
+        == 0
+    )
     code, out, err = run_cli("replay", trace_dir / "trace.jsonl", "--repeats", "1", "--out", tmp_path / "replay")
     assert code == 0, err
     result = json.loads((tmp_path / "replay" / "replay.json").read_text())
@@ -42,11 +70,14 @@ def test_policy_all_on_prompt_trace_skips_lora_policies(run_cli, tiny_world, tmp
     assert code == 2 and "replays lora-mode traces" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--policy", "magic"), "unknown policy 'magic'"),
-    (("--policy", "baselrshared"), "share their down-projection A"),
-    (("--agent", "critic=x"), "unknown agent name 'critic'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--policy", "magic"), "unknown policy 'magic'"),
+        (("--policy", "baselrshared"), "share their down-projection A"),
+        (("--agent", "critic=x"), "unknown agent name 'critic'"),
+    ],
+)
 def test_replay_bad_input(run_cli, lora_trace, tmp_path, args, message):
     code, out, err = run_cli("replay", lora_trace, *args, "--out", tmp_path)
     assert code == 2 and message in err and "Traceback" not in err
@@ -59,22 +90,55 @@ def test_resumed_replay_equals_uninterrupted(lora_trace, tmp_path):
     trajectories = read_trace(lora_trace).trajectories[:2]
     choices = [PolicyVariant("fullshared")]
     checkpoints = []
-    full = replay_trace(agents, trajectories, choices,
-                        on_trajectory=lambda state: checkpoints.append(json.loads(json.dumps(asdict(state)))))
+    full = replay_trace(
+        agents,
+        trajectories,
+        choices,
+        on_trajectory=lambda state: checkpoints.append(json.loads(json.dumps(asdict(state)))),
+    )
     assert [len(c["trajectories"]) for c in checkpoints] == [1, 2]
     resumed = replay_trace(agents, trajectories, choices, progress=ReplayProgress(**checkpoints[0]))
     for key in ("kl", "k_error", "v_error", "prefilled", "turns"):
         assert resumed["policies"]["fullshared"]["summary"][key] == pytest.approx(
-            full["policies"]["fullshared"]["summary"][key])
+            full["policies"]["fullshared"]["summary"][key]
+        )
 
 
 def test_report_merges_results(run_cli, lora_trace, tmp_path):
-    assert run_cli("replay", lora_trace, "--policy", "fullshared", "--limit", "1", "--repeats", "1",
-                   "--out", tmp_path / "replay")[0] == 0
-    assert run_cli("capture", "--model", read_trace(lora_trace).header.model["path"], "--shapes",
-                   _shape_csv(tmp_path), "--out", tmp_path / "capture")[0] == 0
-    code, out, err = run_cli("report", tmp_path / "capture" / "capture.json", tmp_path / "replay" / "replay.json",
-                             "--out", tmp_path / "dash.html")
+    assert (
+        run_cli(
+            "replay",
+            lora_trace,
+            "--policy",
+            "fullshared",
+            "--limit",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            tmp_path / "replay",
+        )[0]
+        == 0
+    )
+    assert (
+        run_cli(
+            "capture",
+            "--model",
+            read_trace(lora_trace).header.model["path"],
+            "--shapes",
+            _shape_csv(tmp_path),
+            "--out",
+            tmp_path / "capture",
+        )[0]
+        == 0
+    )
+    code, out, err = run_cli(
+        "report",
+        tmp_path / "capture" / "capture.json",
+        tmp_path / "replay" / "replay.json",
+        "--out",
+        tmp_path / "dash.html",
+    )
     assert code == 0, err
     assert "Captured trajectories" in out and "fidelity:" in out
     assert (tmp_path / "dash.html").read_text().count("<section>") == 2

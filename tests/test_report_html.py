@@ -13,10 +13,14 @@ from kvprof.report import Section, TableData, heatmap_figure, line_figure, rende
 def _sections():
     table = TableData(title="t <1>", columns=["layer", "value"], caption="a & b")
     table.add_row("0 K", "1.5")
-    figures = [line_figure([0, 1], {"a": [1.0, 2.0]}, "lines", "layer", "v"),
-               heatmap_figure([[1.0, None], [0.5, 1.0]], ["x", "y"], ["x", "y"], "heat", zmin=-1, zmax=1)]
-    return [Section("first", text=["plain <b>text</b>"], tables=[table], figures=figures[:1]),
-            Section("second", figures=figures[1:])]
+    figures = [
+        line_figure([0, 1], {"a": [1.0, 2.0]}, "lines", "layer", "v"),
+        heatmap_figure([[1.0, None], [0.5, 1.0]], ["x", "y"], ["x", "y"], "heat", zmin=-1, zmax=1),
+    ]
+    return [
+        Section("first", text=["plain <b>text</b>"], tables=[table], figures=figures[:1]),
+        Section("second", figures=figures[1:]),
+    ]
 
 
 def test_html_is_offline_and_embeds_plotly_once(tmp_path):

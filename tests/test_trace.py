@@ -12,8 +12,11 @@ from kvprof.shapes import import_shape_csv
 from kvprof.tiny import build_tokenizer
 from kvprof.trace import check_tokenizer, read_header, read_trace, shared_segment_ids, write_trace
 
-REACT_SHAPE = [("plan", 512, 32)] + [("plan", 4096, 32), ("plan", 8, 8), ("action", 8, 8)] * 4 + [
-    ("reflect", 32, 32), ("reflect", 8, 8)]
+REACT_SHAPE = (
+    [("plan", 512, 32)]
+    + [("plan", 4096, 32), ("plan", 8, 8), ("action", 8, 8)] * 4
+    + [("reflect", 32, 32), ("reflect", 8, 8)]
+)
 
 
 def test_round_trip_is_exact(lora_trace, tmp_path):
@@ -41,13 +44,16 @@ def test_validator_names_file_line_and_field(lora_trace, tmp_path):
         read_trace(broken)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r["segments"]["question"].update(tokens=[1, "x"]), "segments.question.tokens"),
-    (lambda r: r["segments"]["question"].update(tokens=[10**6]), "outside the tokenizer's vocabulary"),
-    (lambda r: r["turns"][0]["input"].append("obs:99"), "does not define"),
-    (lambda r: r["turns"][0].update(output="question"), "is not an output segment"),
-    (lambda r: r["segments"]["question"].update(scope="public"), "not 'shared' or 'private'"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r["segments"]["question"].update(tokens=[1, "x"]), "segments.question.tokens"),
+        (lambda r: r["segments"]["question"].update(tokens=[10**6]), "outside the tokenizer's vocabulary"),
+        (lambda r: r["turns"][0]["input"].append("obs:99"), "does not define"),
+        (lambda r: r["turns"][0].update(output="question"), "is not an output segment"),
+        (lambda r: r["segments"]["question"].update(scope="public"), "not 'shared' or 'private'"),
+    ],
+)
 def test_validator_rejects_bad_records(lora_trace, tmp_path, mutate, message):
     header, first = lora_trace.read_text().splitlines()[:2]
     record = json.loads(first)

@@ -7,17 +7,15 @@ progress and renders the table, the JSON result and the HTML plot.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
 
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, progress,
-                                    write_result)
+from kvprof.commands.common import DeviceOption, DtypeOption, OutOption, SeedOption, console, progress, write_result
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS
-from kvprof.kernels.benchmark import (DEVICE_PEAKS, METHODS, build_cases, check_cpu_case_fits, implementations,
-                                      run_case)
+from kvprof.kernels.benchmark import DEVICE_PEAKS, METHODS, build_cases, check_cpu_case_fits, implementations, run_case
 from kvprof.model import resolve_device, resolve_dtype
 from kvprof.report import write_html
 from kvprof.report.bench import results_table, sections
@@ -26,29 +24,48 @@ DEFAULT_SEQ_LENS = {"cuda": "1024,4096,16384,32768", "cpu": "128,512"}
 
 
 def command(
-    seq_lens: Annotated[Optional[str], typer.Option(
-        "--seq-lens", help="Comma-separated context lengths L in tokens (prefill: Lq = Lk = L; decode: Lq = 1, "
-                           f"Lk = L). Default: {DEFAULT_SEQ_LENS['cuda']} on CUDA, {DEFAULT_SEQ_LENS['cpu']} "
-                           "on CPU.")] = None,
+    seq_lens: Annotated[
+        str | None,
+        typer.Option(
+            "--seq-lens",
+            help="Comma-separated context lengths L in tokens (prefill: Lq = Lk = L; decode: Lq = 1, "
+            f"Lk = L). Default: {DEFAULT_SEQ_LENS['cuda']} on CUDA, {DEFAULT_SEQ_LENS['cpu']} "
+            "on CPU.",
+        ),
+    ] = None,
     ranks: Annotated[str, typer.Option("--ranks", help="Comma-separated LoRA ranks r (1-64).")] = "16",
-    modes: Annotated[str, typer.Option(
-        "--modes", help="Comma-separated: prefill (causal), decode.")] = "prefill,decode",
+    modes: Annotated[
+        str, typer.Option("--modes", help="Comma-separated: prefill (causal), decode.")
+    ] = "prefill,decode",
     batch: Annotated[int, typer.Option("--batch", help="Sequences per call (B).")] = 1,
     q_heads: Annotated[int, typer.Option("--q-heads", help="Query heads H_q (Llama-3.1-8B: 32).")] = 32,
     kv_heads: Annotated[int, typer.Option("--kv-heads", help="Key/value heads H_kv (Llama-3.1-8B: 8).")] = 8,
-    head_dim: Annotated[int, typer.Option(
-        "--head-dim", help="Head dimension D; the Triton kernel supports 32, 64 and 128.")] = 128,
-    lr_layout: Annotated[str, typer.Option(
-        "--lr-layout", help="V_lr layout: shared (B, L, r), as LoRA on v_proj gives, or per-head (B, H_kv, L, r)."
-    )] = "shared",
-    warmup_ms: Annotated[float, typer.Option(
-        "--warmup-ms", help="Warm-up time per method and case, in milliseconds.")] = 25.0,
-    rep_ms: Annotated[float, typer.Option(
-        "--rep-ms", help="Timed repeats per method and case, in milliseconds (at least 5 runs on CPU); the "
-                         "median is reported.")] = 100.0,
-    threads: Annotated[int, typer.Option(
-        "--threads", help="CPU threads torch may use (0 = torch's default); 1 gives steadier CPU timings on a "
-                          "busy machine.")] = 0,
+    head_dim: Annotated[
+        int, typer.Option("--head-dim", help="Head dimension D; the Triton kernel supports 32, 64 and 128.")
+    ] = 128,
+    lr_layout: Annotated[
+        str,
+        typer.Option(
+            "--lr-layout", help="V_lr layout: shared (B, L, r), as LoRA on v_proj gives, or per-head (B, H_kv, L, r)."
+        ),
+    ] = "shared",
+    warmup_ms: Annotated[
+        float, typer.Option("--warmup-ms", help="Warm-up time per method and case, in milliseconds.")
+    ] = 25.0,
+    rep_ms: Annotated[
+        float,
+        typer.Option(
+            "--rep-ms",
+            help="Timed repeats per method and case, in milliseconds (at least 5 runs on CPU); the median is reported.",
+        ),
+    ] = 100.0,
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads",
+            help="CPU threads torch may use (0 = torch's default); 1 gives steadier CPU timings on a busy machine.",
+        ),
+    ] = 0,
     out: OutOption = Path("runs/bench"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -63,11 +80,13 @@ def command(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if torch_device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
-        raise KvprofError(f"--head-dim {head_dim} has no Triton kernel; use one of "
-                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}.")
+        raise KvprofError(
+            f"--head-dim {head_dim} has no Triton kernel; use one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))}."
+        )
     lengths = _int_list("--seq-lens", seq_lens or DEFAULT_SEQ_LENS["cuda" if torch_device.type == "cuda" else "cpu"])
-    cases = build_cases(_names(modes), lengths, _int_list("--ranks", ranks), batch, q_heads, kv_heads, head_dim,
-                        lr_layout)
+    cases = build_cases(
+        _names(modes), lengths, _int_list("--ranks", ranks), batch, q_heads, kv_heads, head_dim, lr_layout
+    )
     if torch_device.type == "cuda":
         device_name = torch.cuda.get_device_name(torch_device)
     else:
@@ -83,19 +102,36 @@ def command(
     with progress() as bar:
         job = bar.add_task(f"timing on {device_name}", total=len(cases) * len(METHODS))
         for case in cases:
-            rows.extend(run_case(case, torch_dtype, torch_device, generator, warmup_ms, rep_ms, peak,
-                                 on_method_done=lambda: bar.advance(job)))
-    payload = {"device": device_name, "dtype": str(torch_dtype).removeprefix("torch."),
-               "timer": "triton.testing.do_bench" if torch_device.type == "cuda" else "time.perf_counter",
-               "cpu_threads": torch.get_num_threads(),
-               "implementations": timed,
-               "peak": None if peak is None else {"flops_16bit": peak.flops_16bit, "bytes_per_s": peak.bytes_per_s},
-               "results": rows}
+            rows.extend(
+                run_case(
+                    case,
+                    torch_dtype,
+                    torch_device,
+                    generator,
+                    warmup_ms,
+                    rep_ms,
+                    peak,
+                    on_method_done=lambda: bar.advance(job),
+                )
+            )
+    payload = {
+        "device": device_name,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "timer": "triton.testing.do_bench" if torch_device.type == "cuda" else "time.perf_counter",
+        "cpu_threads": torch.get_num_threads(),
+        "implementations": timed,
+        "peak": None if peak is None else {"flops_16bit": peak.flops_16bit, "bytes_per_s": peak.bytes_per_s},
+        "results": rows,
+    }
     console.print(results_table(payload).to_rich())
     json_path = write_result(out, "bench", payload, args)
-    html_path = write_html(out / "bench.html", "kvprof bench", sections(payload),
-                           subtitle=f"{device_name} · {payload['dtype']} · B={batch}, H_q={q_heads}, H_kv={kv_heads}, "
-                                    f"D={head_dim}, V_lr {lr_layout}")
+    html_path = write_html(
+        out / "bench.html",
+        "kvprof bench",
+        sections(payload),
+        subtitle=f"{device_name} · {payload['dtype']} · B={batch}, H_q={q_heads}, H_kv={kv_heads}, "
+        f"D={head_dim}, V_lr {lr_layout}",
+    )
     console.print(f"wrote {json_path} and {html_path}")
 
 
@@ -107,8 +143,9 @@ def _int_list(option: str, text: str) -> list[int]:
     try:
         values = [int(piece) for piece in _names(text)]
     except ValueError:
-        raise KvprofError(f"{option} {text!r} is not a comma-separated list of integers; e.g. {option} 1024,4096.") \
-            from None
+        raise KvprofError(
+            f"{option} {text!r} is not a comma-separated list of integers; e.g. {option} 1024,4096."
+        ) from None
     if not values:
         raise KvprofError(f"{option} is empty; give at least one value, e.g. {option} 1024.")
     return values

@@ -7,14 +7,28 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from kvprof.capture import (capture_spec, capture_trajectories, checkpoint_path, resumed_trajectories,
-                            sampled_trace_header, trajectory_summary)
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, print_adapters,
-                                    progress, write_result)
+from kvprof.capture import (
+    capture_spec,
+    capture_trajectories,
+    checkpoint_path,
+    resumed_trajectories,
+    sampled_trace_header,
+    trajectory_summary,
+)
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    OutOption,
+    SeedOption,
+    console,
+    print_adapters,
+    progress,
+    write_result,
+)
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
 from kvprof.report.capture import trace_table
@@ -25,28 +39,43 @@ from kvprof.workflow import Sampling, Task, load_tasks
 
 def command(
     model: Annotated[str, typer.Option("--model", help="Base model: a local directory or a hub id.")],
-    tasks: Annotated[Optional[Path], typer.Option(
-        "--tasks", help='JSONL tasks, one {"id", "question", "answer"?, "documents"?} per line.')] = None,
-    agent: Annotated[Optional[list[str]], typer.Option(
-        "--agent", help="NAME=ADAPTER_DIR: a LoRA agent (lora mode). Repeat per agent.")] = None,
-    role: Annotated[Optional[list[str]], typer.Option(
-        "--role", help="NAME=PROMPT or NAME=@FILE: a role-prompt agent (prompt mode). Repeat per agent.")] = None,
-    workflow: Annotated[Optional[Path], typer.Option(
-        "--workflow", help="TOML workflow spec (agents, templates, limits); flags override it.")] = None,
-    shapes: Annotated[Optional[Path], typer.Option(
-        "--shapes", help="Import a shape-only CSV (agent,prefill_len,decode_len) instead of running agents; "
-                         "tokens are synthesised from --seed.")] = None,
+    tasks: Annotated[
+        Path | None,
+        typer.Option("--tasks", help='JSONL tasks, one {"id", "question", "answer"?, "documents"?} per line.'),
+    ] = None,
+    agent: Annotated[
+        list[str] | None, typer.Option("--agent", help="NAME=ADAPTER_DIR: a LoRA agent (lora mode). Repeat per agent.")
+    ] = None,
+    role: Annotated[
+        list[str] | None,
+        typer.Option("--role", help="NAME=PROMPT or NAME=@FILE: a role-prompt agent (prompt mode). Repeat per agent."),
+    ] = None,
+    workflow: Annotated[
+        Path | None,
+        typer.Option("--workflow", help="TOML workflow spec (agents, templates, limits); flags override it."),
+    ] = None,
+    shapes: Annotated[
+        Path | None,
+        typer.Option(
+            "--shapes",
+            help="Import a shape-only CSV (agent,prefill_len,decode_len) instead of running agents; "
+            "tokens are synthesised from --seed.",
+        ),
+    ] = None,
     mode: Annotated[str, typer.Option("--mode", help="Mode recorded for a --shapes import: lora or prompt.")] = "lora",
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N tasks.")] = None,
-    max_rounds: Annotated[Optional[int], typer.Option(
-        "--max-rounds", help="Most plan/act rounds per task (default: the workflow's, 4).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(
-        "--max-new-tokens", help="Most tokens per agent call (default: the workflow's, 32).")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N tasks.")] = None,
+    max_rounds: Annotated[
+        int | None, typer.Option("--max-rounds", help="Most plan/act rounds per task (default: the workflow's, 4).")
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option("--max-new-tokens", help="Most tokens per agent call (default: the workflow's, 32).")
+    ] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass when sampling.")] = 1.0,
     attn: Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")] = "sdpa",
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue an interrupted capture from OUT/trace.partial.jsonl.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted capture from OUT/trace.partial.jsonl.")
+    ] = False,
     out: OutOption = Path("runs/capture"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -79,10 +108,16 @@ def command(
     with progress() as bar:
         job = bar.add_task("capturing", total=len(task_list), completed=len(resumed))
         captured = capture_trajectories(
-            agents, task_list, trace_path, header, sampling, resumed,
+            agents,
+            task_list,
+            trace_path,
+            header,
+            sampling,
+            resumed,
             on_task=lambda task: bar.update(job, description=f"task {task.id}"),
             on_turn=lambda traj, turn: bar.update(job, description=f"task {traj.id}: {turn.agent}"),
-            on_trajectory=lambda traj: bar.advance(job))
+            on_trajectory=lambda traj: bar.advance(job),
+        )
     elapsed = time.perf_counter() - started
     summary = trajectory_summary(captured, elapsed)
     console.print(trace_table(summary).to_rich())

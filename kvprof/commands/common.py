@@ -6,8 +6,9 @@ from __future__ import annotations
 import datetime as _dt
 import inspect
 import platform
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Callable
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,13 +20,27 @@ if TYPE_CHECKING:
     from kvprof.model import AgentSet
     from kvprof.report import Section
 
-__all__ = ["DeviceOption", "DtypeOption", "OutOption", "SeedOption", "command_args", "console", "demo_trace",
-           "print_adapters", "print_sections", "progress", "result_envelope", "write_result"]
+__all__ = [
+    "DeviceOption",
+    "DtypeOption",
+    "OutOption",
+    "SeedOption",
+    "command_args",
+    "console",
+    "demo_trace",
+    "print_adapters",
+    "print_sections",
+    "progress",
+    "result_envelope",
+    "write_result",
+]
 
 OutOption = Annotated[Path, typer.Option("--out", help="Directory for results (created if missing).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N.")]
-DtypeOption = Annotated[str, typer.Option(
-    "--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.")]
+DtypeOption = Annotated[
+    str,
+    typer.Option("--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."),
+]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed; a fixed seed gives identical results.")]
 
 
@@ -34,10 +49,15 @@ def result_envelope(kind: str, payload: dict, args: dict) -> dict:
     import torch
 
     return {
-        "schema": f"kvprof.result.{kind}", "version": 1, "kvprof": kvprof.__version__,
+        "schema": f"kvprof.result.{kind}",
+        "version": 1,
+        "kvprof": kvprof.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
         **payload,
     }

@@ -9,19 +9,29 @@ wrote to `ctx.results`, from which the report stage builds the dashboard.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated
 
 import torch
 import typer
 from rich.table import Table
 
-from kvprof.capture import (capture_spec, capture_trajectories, sampled_trace_header, trace_header,
-                            trajectory_summary)
+from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trace_header, trajectory_summary
 from kvprof.commands import capture, rank_analysis, replay
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, command_args, console,
-                                    print_adapters, print_sections, progress, write_result)
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    OutOption,
+    SeedOption,
+    command_args,
+    console,
+    print_adapters,
+    print_sections,
+    progress,
+    write_result,
+)
 from kvprof.demo.assets import DemoWorld, demo_world
 from kvprof.demo.evaluate import load_condition, run_tasks
 from kvprof.demo.world import read_tasks
@@ -30,9 +40,9 @@ from kvprof.model import load_agents, load_agents_for_trace
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+from kvprof.replay import ReplayHooks, run_replay
 from kvprof.report.capture import trace_table
 from kvprof.report.dashboard import result_sections, write_dashboard
-from kvprof.replay import ReplayHooks, run_replay
 from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 from kvprof.runtime import Runtime
 from kvprof.trace import Trace, read_trace, write_trace
@@ -66,8 +76,12 @@ class DemoContext:
     def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
         """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
         it, and keep the payload for the report."""
-        path = write_result(out, kind, payload, command_args(command, **options, out=out, device=self.device,
-                                                                dtype=self.dtype, seed=self.seed))
+        path = write_result(
+            out,
+            kind,
+            payload,
+            command_args(command, **options, out=out, device=self.device, dtype=self.dtype, seed=self.seed),
+        )
         self.results.append(WrittenResult(path, kind, payload))
         return path
 
@@ -93,22 +107,41 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
     with progress() as bar:
         job = bar.add_task("capturing", total=len(tasks))
         trajectories = capture_trajectories(
-            agents, tasks, trace_path, sampled_trace_header(model, agents, sampling), sampling,
+            agents,
+            tasks,
+            trace_path,
+            sampled_trace_header(model, agents, sampling),
+            sampling,
             on_task=lambda task: bar.update(job, description=f"task {task.id}"),
             on_turn=lambda traj, turn: bar.update(job, description=f"task {traj.id}: {turn.agent}"),
-            on_trajectory=lambda traj: bar.advance(job))
+            on_trajectory=lambda traj: bar.advance(job),
+        )
     elapsed = time.perf_counter() - started
     summary = trajectory_summary(trajectories, elapsed)
     console.print(trace_table(summary).to_rich())
-    result_path = ctx.write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, capture.command,
-                                   model=model, tasks=ctx.world.heldout_tasks, workflow=workflow, limit=ctx.tasks)
+    result_path = ctx.write_result(
+        out,
+        "capture",
+        {"trace": str(trace_path), "summary": summary},
+        capture.command,
+        model=model,
+        tasks=ctx.world.heldout_tasks,
+        workflow=workflow,
+        limit=ctx.tasks,
+    )
     console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
     console.print(f"wrote {trace_path} ({len(trajectories)} trajectories, {elapsed:.1f} s)")
     ctx.traces[mode] = trace_path
-    return StageResult(f"exact match {summary['accuracy']:.1%} on {summary['with_answer']} tasks, "
-                       f"{summary['distinct_tokens']} tokens", [trace_path, result_path],
-                       {"accuracy": summary["accuracy"], "tasks": summary["with_answer"],
-                        "tokens": summary["distinct_tokens"], "turns": summary["turns"]})
+    return StageResult(
+        f"exact match {summary['accuracy']:.1%} on {summary['with_answer']} tasks, {summary['distinct_tokens']} tokens",
+        [trace_path, result_path],
+        {
+            "accuracy": summary["accuracy"],
+            "tasks": summary["with_answer"],
+            "tokens": summary["distinct_tokens"],
+            "turns": summary["turns"],
+        },
+    )
 
 
 def capture_prompt(ctx: DemoContext) -> StageResult:
@@ -124,18 +157,20 @@ def capture_lora(ctx: DemoContext) -> StageResult:
 def lora_without_adapters(ctx: DemoContext) -> StageResult:
     """The lora workflow run by the base model with every adapter disabled: what the adapters are worth."""
     agents = load_condition(ctx.world, "lora_disabled", ctx.device, ctx.dtype)
-    tasks = read_tasks(ctx.world.heldout_tasks)[:ctx.tasks]
+    tasks = read_tasks(ctx.world.heldout_tasks)[: ctx.tasks]
     path = ctx.out / "lora_no_adapters" / "trace.jsonl"
     with progress() as bar:
         job = bar.add_task("lora, adapters disabled", total=len(tasks))
         trajectories = run_tasks(agents, "lora_disabled", tasks, lambda: bar.advance(job))
-    write_trace(path, Trace(trace_header(str(ctx.world.model), agents, extra={"adapters": "disabled"}),
-                            trajectories))
+    write_trace(path, Trace(trace_header(str(ctx.world.model), agents, extra={"adapters": "disabled"}), trajectories))
     ctx.traces["lora_no_adapters"] = path
     correct = sum(exact_match(traj.prediction, traj.answer) for traj in trajectories)
     tokens = sum(traj.num_tokens for traj in trajectories)
-    return StageResult(f"exact match {correct / len(tasks):.1%} on {len(tasks)} tasks, {tokens} tokens", [path],
-                       {"accuracy": correct / len(tasks), "tasks": len(tasks), "tokens": tokens})
+    return StageResult(
+        f"exact match {correct / len(tasks):.1%} on {len(tasks)} tasks, {tokens} tokens",
+        [path],
+        {"accuracy": correct / len(tasks), "tasks": len(tasks), "tokens": tokens},
+    )
 
 
 def capture_lora_shared_a(ctx: DemoContext) -> StageResult:
@@ -161,9 +196,11 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     html_path = write_report(out / "rank_analysis.html", record)
     console.print(f"wrote {json_path} and {html_path} ({record['seconds']:.1f} s)")
     holds = sum(claim["holds"] is True for claim in record["claims"])
-    return StageResult(f"{holds} of {len(record['claims'])} published claims hold on this world",
-                       [json_path, html_path],
-                       {"claims": {claim["statement"]: claim["holds"] for claim in record["claims"]}})
+    return StageResult(
+        f"{holds} of {len(record['claims'])} published claims hold on this world",
+        [json_path, html_path],
+        {"claims": {claim["statement"]: claim["holds"] for claim in record["claims"]}},
+    )
 
 
 def replay_all(ctx: DemoContext) -> StageResult:
@@ -174,30 +211,51 @@ def replay_all(ctx: DemoContext) -> StageResult:
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
     variants, skipped = runnable_variants(enumerate_variants([ALL]), Runtime(agents), skip=True)
     replay.print_skipped(skipped)
-    trajectories = read_trace(trace).trajectories[:ctx.replay_tasks]
+    trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     with progress() as bar:
         job = bar.add_task(f"replaying {len(variants)} policies", total=sum(len(t.turns) for t in trajectories))
         online_job = bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1))
-        hooks = ReplayHooks(on_turn=lambda traj, index: bar.advance(job),
-                            on_task=lambda label, task: bar.advance(online_job))
-        record = run_replay(agents, trajectories, variants, repeats=ctx.repeats, online=True,
-                            lora_attention=agents.device.type == "cuda", hooks=hooks)
+        hooks = ReplayHooks(
+            on_turn=lambda traj, index: bar.advance(job), on_task=lambda label, task: bar.advance(online_job)
+        )
+        record = run_replay(
+            agents,
+            trajectories,
+            variants,
+            repeats=ctx.repeats,
+            online=True,
+            lora_attention=agents.device.type == "cuda",
+            hooks=hooks,
+        )
     record.update(trace=str(trace), skipped=skipped)
     replay.show(record)
-    ctx.write_result(out, "replay", record, replay.command, trace=trace, policy=[ALL], online=True,
-                     repeats=ctx.repeats, limit=ctx.replay_tasks)
+    ctx.write_result(
+        out,
+        "replay",
+        record,
+        replay.command,
+        trace=trace,
+        policy=[ALL],
+        online=True,
+        repeats=ctx.repeats,
+        limit=ctx.replay_tasks,
+    )
     replay.write_page(out, record)
     online = {name: row["accuracy"] for name, row in record["online"].items()}
     accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
-    return StageResult(f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: "
-                       f"{accuracy}", [out / "replay.json", out / "replay.html"], {"online_accuracy": online})
+    return StageResult(
+        f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
+        [out / "replay.json", out / "replay.html"],
+        {"online_accuracy": online},
+    )
 
 
 def report_all(ctx: DemoContext) -> StageResult:
     """`kvprof report` over every result the demo wrote: one HTML dashboard."""
     sources = [result.path for result in ctx.results]
-    sections = [section for result in ctx.results
-                for section in result_sections(result.kind, result.payload, result.path)]
+    sections = [
+        section for result in ctx.results for section in result_sections(result.kind, result.payload, result.path)
+    ]
     print_sections(sections)
     path = write_dashboard(ctx.out / "report.html", sections, sources)
     console.print(f"wrote {path} ({len(sections)} sections from {len(sources)} result files)")
@@ -218,10 +276,17 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
 def command(
     tasks: Annotated[int, typer.Option("--tasks", help="Held-out demo tasks per capture.")] = 20,
     replay_tasks: Annotated[int, typer.Option("--replay-tasks", help="Tasks replayed under every policy.")] = 10,
-    repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, help="Timed repeats of each replayed prefill (after a warm-up); TTFT is the median.")] = 2,
-    world: Annotated[Optional[Path], typer.Option(
-        "--world", help="A demo world folder written by `python -m kvprof.demo.train` (default: the shipped one).")
+    repeats: Annotated[
+        int,
+        typer.Option(
+            "--repeats", min=1, help="Timed repeats of each replayed prefill (after a warm-up); TTFT is the median."
+        ),
+    ] = 2,
+    world: Annotated[
+        Path | None,
+        typer.Option(
+            "--world", help="A demo world folder written by `python -m kvprof.demo.train` (default: the shipped one)."
+        ),
     ] = None,
     out: OutOption = Path("runs/demo"),
     device: DeviceOption = "cpu",
@@ -232,8 +297,16 @@ def command(
     args = dict(locals())
     if tasks < 1 or replay_tasks < 1:
         raise KvprofError(f"--tasks {tasks} / --replay-tasks {replay_tasks}: pass 1 or more tasks to each.")
-    ctx = DemoContext(world=demo_world(world), out=out, tasks=tasks, device=device, dtype=dtype, seed=seed,
-                      replay_tasks=min(replay_tasks, tasks), repeats=repeats)
+    ctx = DemoContext(
+        world=demo_world(world),
+        out=out,
+        tasks=tasks,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        replay_tasks=min(replay_tasks, tasks),
+        repeats=repeats,
+    )
     console.print(f"demo world: {ctx.world.root}")
     results: dict[str, dict] = {}
     rows = []
@@ -243,8 +316,12 @@ def command(
         stage_started = time.perf_counter()
         result = stage(ctx)
         seconds = time.perf_counter() - stage_started
-        results[name] = {"summary": result.summary, "seconds": round(seconds, 1), **result.metrics,
-                         "outputs": [str(p) for p in result.outputs]}
+        results[name] = {
+            "summary": result.summary,
+            "seconds": round(seconds, 1),
+            **result.metrics,
+            "outputs": [str(p) for p in result.outputs],
+        }
         rows.append((name, result.summary, seconds, result.outputs))
     total = time.perf_counter() - started
     table = Table(title=f"kvprof demo ({total:.0f} s)")
@@ -253,6 +330,7 @@ def command(
     for name, summary, seconds, outputs in rows:
         table.add_row(name, summary, f"{seconds:.1f}", "\n".join(str(p) for p in outputs))
     console.print(table)
-    path = write_result(out, "demo", {"world": str(ctx.world.root), "stages": results, "seconds": round(total, 1)},
-                        args)
+    path = write_result(
+        out, "demo", {"world": str(ctx.world.root), "stages": results, "seconds": round(total, 1)}, args
+    )
     console.print(f"wrote {path}")

@@ -8,35 +8,57 @@ and writes the result and the HTML report.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
 
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, demo_trace,
-                                    progress, write_result)
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    OutOption,
+    SeedOption,
+    console,
+    demo_trace,
+    progress,
+    write_result,
+)
 from kvprof.errors import KvprofError
 from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
 from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 
 
 def command(
-    trace: Annotated[Optional[Path], typer.Argument(
-        help="Trace file from `kvprof capture` (default: the demo world's sample trace).")] = None,
-    model: Annotated[Optional[str], typer.Option(
-        "--model", help="Base model directory (default: the one recorded in the trace).")] = None,
-    agent: Annotated[Optional[list[str]], typer.Option(
-        "--agent", help="NAME=ADAPTER_DIR: override an agent's adapter (lora mode). Repeat per agent.")] = None,
-    agents: Annotated[Optional[str], typer.Option(
-        "--agents", help="Comma-separated agents to compare (default: all in the trace), e.g. plan,act.")] = None,
-    layers: Annotated[Optional[str], typer.Option(
-        "--layers", help="Layers to analyse: 0,2 or 0-3 or a mix (default: all).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(
-        "--max-tokens", help="Use at most the first N tokens each agent holds (default: 2048).")] = 2048,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N trajectories.")] = None,
-    per_head: Annotated[bool, typer.Option(
-        "--per-head", help="One (tokens, D) matrix per KV head, averaged over heads, instead of one flattened "
-                           "(tokens, H_kv·D) matrix per layer.")] = False,
+    trace: Annotated[
+        Path | None, typer.Argument(help="Trace file from `kvprof capture` (default: the demo world's sample trace).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Base model directory (default: the one recorded in the trace).")
+    ] = None,
+    agent: Annotated[
+        list[str] | None,
+        typer.Option("--agent", help="NAME=ADAPTER_DIR: override an agent's adapter (lora mode). Repeat per agent."),
+    ] = None,
+    agents: Annotated[
+        str | None,
+        typer.Option("--agents", help="Comma-separated agents to compare (default: all in the trace), e.g. plan,act."),
+    ] = None,
+    layers: Annotated[
+        str | None, typer.Option("--layers", help="Layers to analyse: 0,2 or 0-3 or a mix (default: all).")
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", help="Use at most the first N tokens each agent holds (default: 2048)."),
+    ] = 2048,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")] = None,
+    per_head: Annotated[
+        bool,
+        typer.Option(
+            "--per-head",
+            help="One (tokens, D) matrix per KV head, averaged over heads, instead of one flattened "
+            "(tokens, H_kv·D) matrix per layer.",
+        ),
+    ] = False,
     out: OutOption = Path("runs/rank-analysis"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -53,12 +75,20 @@ def command(
         trace, model = demo_trace(model)
         args.update(trace=trace, model=model)
     setup = prepare_rank_analysis(
-        trace, model=model, agent_flags=agent, limit=limit, layers=parse_layers(layers), device=device, dtype=dtype,
-        agent_names=[name.strip() for name in agents.split(",") if name.strip()] if agents else None)
+        trace,
+        model=model,
+        agent_flags=agent,
+        limit=limit,
+        layers=parse_layers(layers),
+        device=device,
+        dtype=dtype,
+        agent_names=[name.strip() for name in agents.split(",") if name.strip()] if agents else None,
+    )
     with progress() as bar:
         job = bar.add_task("capturing and comparing caches", total=len(setup.trace.trajectories))
-        payload = run_rank_analysis(setup, max_tokens=max_tokens, per_head=per_head,
-                                    on_trajectory=lambda traj: bar.advance(job))
+        payload = run_rank_analysis(
+            setup, max_tokens=max_tokens, per_head=per_head, on_trajectory=lambda traj: bar.advance(job)
+        )
     for table in layer_tables(payload):
         console.print(table.to_rich())
     for line in verdict_lines(payload):
@@ -87,6 +117,7 @@ def parse_layers(text: str | None) -> list[int] | None:
             else:
                 chosen.append(int(piece))
         except ValueError:
-            raise KvprofError(f"--layers {text!r} is not a list of layer indices or ranges; "
-                              "use e.g. --layers 0,2 or --layers 0-3.") from None
+            raise KvprofError(
+                f"--layers {text!r} is not a list of layer indices or ranges; use e.g. --layers 0,2 or --layers 0-3."
+            ) from None
     return chosen

@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import (DeviceOption, DtypeOption, OutOption, SeedOption, console, demo_trace,
-                                    progress, write_result)
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    OutOption,
+    SeedOption,
+    console,
+    demo_trace,
+    progress,
+    write_result,
+)
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace
@@ -27,12 +35,19 @@ SHORTHANDS = {"schedule": ("rebaseshared", "schedule"), "lr_prefill": ("baseshar
 
 def _option_list() -> str:
     """Every registered policy option as POLICY.KEY=VALUES, for --help."""
-    return "; ".join(f"{cls.name}.{key}={'|'.join(option.choices) if option.choices else option.help}"
-                     for cls in REGISTRY.values() for key, option in cls.options.items()) or "none"
+    return (
+        "; ".join(
+            f"{cls.name}.{key}={'|'.join(option.choices) if option.choices else option.help}"
+            for cls in REGISTRY.values()
+            for key, option in cls.options.items()
+        )
+        or "none"
+    )
 
 
-def choose_variants(policy: list[str], policy_options: list[str], schedule: str | None, lr_prefill: str | None,
-                    runtime: Runtime) -> tuple[list[PolicyVariant], dict[str, str]]:
+def choose_variants(
+    policy: list[str], policy_options: list[str], schedule: str | None, lr_prefill: str | None, runtime: Runtime
+) -> tuple[list[PolicyVariant], dict[str, str]]:
     """--policy / --policy-option / the documented shorthands → the variants to replay; with `all`, those this
     setup cannot run are skipped (label → reason)."""
     flags = list(policy_options)
@@ -51,36 +66,75 @@ def print_skipped(skipped: dict[str, str]) -> None:
 
 
 def command(
-    trace: Annotated[Optional[Path], typer.Argument(
-        help="Trace (JSONL) from `kvprof capture` [default: the demo world's sample trace].")] = None,
-    policy: Annotated[list[str], typer.Option(
-        "--policy", help=f"Policy to replay, repeatable, or 'all' (every policy, each option over its declared "
-                         f"sweep): {', '.join(REGISTRY)}.")] = ["all"],
-    policy_option: Annotated[Optional[list[str]], typer.Option(
-        "--policy-option", help="POLICY.KEY=VALUE: set a policy's option, repeatable (several values of one key "
-                                "are each replayed). Options: " + _option_list() + ".")] = None,
-    schedule: Annotated[Optional[str], typer.Option(
-        "--schedule", help="Shorthand for --policy-option rebaseshared.schedule=VALUE: lp (lazy prefill) or db "
-                           "(double batching); default lp, both with --policy all.")] = None,
-    lr_prefill: Annotated[Optional[str], typer.Option(
-        "--lr-prefill", help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: full (published) or "
-                             "incremental; default full, both with --policy all.")] = None,
-    online: Annotated[bool, typer.Option(
-        "--online", help="Also re-run the workflow under each policy (agents generate; errors propagate): "
-                         "exact-match accuracy and output divergence.")] = False,
-    lora_attention: Annotated[str, typer.Option(
-        "--lora-attention", help="How low-rank policies attend: kernel (Flash-LoRA-Attention: Triton on CUDA, its "
-                                 "torch reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on "
-                                 "CUDA, expand on CPU).")] = "auto",
-    repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median.")] = 3,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue an interrupted replay from OUT/replay.partial.json.")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", help="Override the trace's base model.")] = None,
-    agent: Annotated[Optional[list[str]], typer.Option(
-        "--agent", help="NAME=ADAPTER_DIR: override an agent's adapter (e.g. a shared-A set).")] = None,
-    role: Annotated[Optional[list[str]], typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Argument(help="Trace (JSONL) from `kvprof capture` [default: the demo world's sample trace]."),
+    ] = None,
+    policy: Annotated[
+        list[str],
+        typer.Option(
+            "--policy",
+            help=f"Policy to replay, repeatable, or 'all' (every policy, each option over its declared "
+            f"sweep): {', '.join(REGISTRY)}.",
+        ),
+    ] = ["all"],
+    policy_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy-option",
+            help="POLICY.KEY=VALUE: set a policy's option, repeatable (several values of one key "
+            "are each replayed). Options: " + _option_list() + ".",
+        ),
+    ] = None,
+    schedule: Annotated[
+        str | None,
+        typer.Option(
+            "--schedule",
+            help="Shorthand for --policy-option rebaseshared.schedule=VALUE: lp (lazy prefill) or db "
+            "(double batching); default lp, both with --policy all.",
+        ),
+    ] = None,
+    lr_prefill: Annotated[
+        str | None,
+        typer.Option(
+            "--lr-prefill",
+            help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: full (published) or "
+            "incremental; default full, both with --policy all.",
+        ),
+    ] = None,
+    online: Annotated[
+        bool,
+        typer.Option(
+            "--online",
+            help="Also re-run the workflow under each policy (agents generate; errors propagate): "
+            "exact-match accuracy and output divergence.",
+        ),
+    ] = False,
+    lora_attention: Annotated[
+        str,
+        typer.Option(
+            "--lora-attention",
+            help="How low-rank policies attend: kernel (Flash-LoRA-Attention: Triton on CUDA, its "
+            "torch reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on "
+            "CUDA, expand on CPU).",
+        ),
+    ] = "auto",
+    repeats: Annotated[
+        int,
+        typer.Option(
+            "--repeats", min=1, help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median."
+        ),
+    ] = 3,
+    limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted replay from OUT/replay.partial.json.")
+    ] = False,
+    model: Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")] = None,
+    agent: Annotated[
+        list[str] | None,
+        typer.Option("--agent", help="NAME=ADAPTER_DIR: override an agent's adapter (e.g. a shared-A set)."),
+    ] = None,
+    role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
     out: OutOption = Path("runs/replay"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -94,8 +148,7 @@ def command(
     torch.manual_seed(seed)
     if trace is None:
         trace, model = demo_trace(model)
-    agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device,
-                                   dtype=dtype)
+    agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device, dtype=dtype)
     if lora_attention not in ("auto", "kernel", "expand"):
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
     use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
@@ -113,13 +166,22 @@ def command(
     with progress() as bar:
         job = bar.add_task(f"replaying {len(variants)} policies", total=total_turns)
         bar.update(job, completed=sum(len(t.turns) for t in trajectories if state and t.id in state.trajectories))
-        online_job = (bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1))
-                      if online else None)
-        hooks = ReplayHooks(on_turn=lambda traj, index: bar.advance(job),
-                            on_task=lambda label, task: bar.advance(online_job),
-                            on_trajectory=lambda s: write_json(checkpoint, asdict(s)))
-        result = run_replay(agents, trajectories, variants, repeats=repeats, online=online, lora_attention=use_kernel,
-                            progress=state, hooks=hooks)
+        online_job = bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1)) if online else None
+        hooks = ReplayHooks(
+            on_turn=lambda traj, index: bar.advance(job),
+            on_task=lambda label, task: bar.advance(online_job),
+            on_trajectory=lambda s: write_json(checkpoint, asdict(s)),
+        )
+        result = run_replay(
+            agents,
+            trajectories,
+            variants,
+            repeats=repeats,
+            online=online,
+            lora_attention=use_kernel,
+            progress=state,
+            hooks=hooks,
+        )
     result.update(trace=str(trace), skipped=skipped)
     show(result)
     path = write_result(out, "replay", result, args)

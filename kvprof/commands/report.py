@@ -13,8 +13,7 @@ from kvprof.report.dashboard import dashboard_sections, write_dashboard
 
 def command(
     results: Annotated[list[Path], typer.Argument(help="Result JSON files written by kvprof commands.")],
-    out: Annotated[Path, typer.Option("--out", help="Path of the HTML dashboard to write.")] = Path(
-        "runs/report.html"),
+    out: Annotated[Path, typer.Option("--out", help="Path of the HTML dashboard to write.")] = Path("runs/report.html"),
 ) -> None:
     """Merge result files into one dashboard (plotly, offline) and print their tables."""
     sections = dashboard_sections(results)

@@ -80,9 +80,21 @@ def demo_world(root: str | Path | None = None) -> DemoWorld:
     """The shipped demo world (or one written by `python -m kvprof.demo.train --out ROOT`); refuses a folder without
     the trained model."""
     world = DemoWorld(Path(root) if root is not None else ASSETS)
-    missing = [p for p in (world.model / "config.json", world.model / "tokenizer.json", world.lora_workflow,
-                           world.prompt_workflow, world.heldout_tasks, *world.adapters.values()) if not p.exists()]
+    missing = [
+        p
+        for p in (
+            world.model / "config.json",
+            world.model / "tokenizer.json",
+            world.lora_workflow,
+            world.prompt_workflow,
+            world.heldout_tasks,
+            *world.adapters.values(),
+        )
+        if not p.exists()
+    ]
     if missing:
-        raise KvprofError(f"the demo world at {world.root} is incomplete ({missing[0]} is missing); reinstall kvprof "
-                          "or rebuild it with `python -m kvprof.demo.train --out DIR`.")
+        raise KvprofError(
+            f"the demo world at {world.root} is incomplete ({missing[0]} is missing); reinstall kvprof "
+            "or rebuild it with `python -m kvprof.demo.train --out DIR`."
+        )
     return world

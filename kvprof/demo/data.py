@@ -73,8 +73,9 @@ def role_example(traj: Trajectory, task: DemoTask, role: str, cutoff: int, token
     return Example(tokens=tokens + output, targets=targets + [True] * len(output), role=role)
 
 
-def sample_examples(spec: WorkflowSpec, tokenizer, task: DemoTask, roles: tuple[str, ...],
-                    rng: random.Random) -> list[Example]:
+def sample_examples(
+    spec: WorkflowSpec, tokenizer, task: DemoTask, roles: tuple[str, ...], rng: random.Random
+) -> list[Example]:
     """One example per role in `roles` for `task`, each on a random turn."""
     traj = oracle_trajectory(spec, tokenizer, task)
     return [role_example(traj, task, role, rng.randrange(len(traj.turns)), tokenizer) for role in roles]
@@ -114,8 +115,8 @@ def collate(batch: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tens
     real = torch.zeros((len(batch), width), dtype=torch.bool)
     for row, example in enumerate(batch):
         ids = torch.tensor(example.tokens, dtype=torch.long)
-        input_ids[row, :len(example)] = ids
+        input_ids[row, : len(example)] = ids
         mask = torch.tensor(example.targets, dtype=torch.bool)
-        labels[row, :len(example)] = torch.where(mask, ids, torch.full_like(ids, IGNORE))
-        real[row, :len(example)] = True
+        labels[row, : len(example)] = torch.where(mask, ids, torch.full_like(ids, IGNORE))
+        real[row, : len(example)] = True
     return input_ids, labels, real

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated
 
 import torch
 import typer
@@ -68,8 +69,9 @@ def score(trajectories: list[Trajectory]) -> dict:
     }
 
 
-def run_tasks(agents: AgentSet, condition: str, tasks: list[DemoTask],
-              advance: Callable[[], None] = lambda: None) -> list[Trajectory]:
+def run_tasks(
+    agents: AgentSet, condition: str, tasks: list[DemoTask], advance: Callable[[], None] = lambda: None
+) -> list[Trajectory]:
     respond = responder(agents, condition)
     trajectories = []
     for task in tasks:
@@ -91,19 +93,21 @@ def cross_role(agents: AgentSet, tasks: list[DemoTask], advance: Callable[[], No
             gold = traj.output_tokens(turn)
             max_new = agents.spec.agent(turn.agent).max_new_tokens or agents.spec.max_new_tokens
             for adapter in adapters:
-                out = generate(agents, None if adapter == "none" else adapter, ids, max_new, agents.spec,
-                               Sampling())
+                out = generate(agents, None if adapter == "none" else adapter, ids, max_new, agents.spec, Sampling())
                 cell = counts[adapter][turn.agent]
                 cell[0] += well_formed(turn.agent, agents.tokenizer.decode(out))
                 cell[1] += out == gold
                 cell[2] += 1
         advance()
-    return {key: {x: {y: c[index] / c[2] for y, c in row.items()} for x, row in counts.items()}
-            for index, key in enumerate(("well_formed", "exact"))}
+    return {
+        key: {x: {y: c[index] / c[2] for y, c in row.items()} for x, row in counts.items()}
+        for index, key in enumerate(("well_formed", "exact"))
+    }
 
 
-def evaluate(world: DemoWorld, n_tasks: int, n_cross: int, conditions: tuple[str, ...] = CONDITIONS,
-             device: str = "cpu") -> dict:
+def evaluate(
+    world: DemoWorld, n_tasks: int, n_cross: int, conditions: tuple[str, ...] = CONDITIONS, device: str = "cpu"
+) -> dict:
     """All measurements of the module docstring, with progress bars; returns the result dictionary."""
     tasks = read_tasks(world.heldout_tasks)
     if n_tasks > len(tasks):
@@ -115,9 +119,11 @@ def evaluate(world: DemoWorld, n_tasks: int, n_cross: int, conditions: tuple[str
             agents = load_condition(world, condition, device)
             job = bar.add_task(condition, total=len(tasks))
             started = time.perf_counter()
-            trajectories = run_tasks(agents, condition, tasks, lambda: bar.advance(job))
-            result["conditions"][condition] = {**score(trajectories),
-                                               "seconds": round(time.perf_counter() - started, 1)}
+            trajectories = run_tasks(agents, condition, tasks, lambda job=job: bar.advance(job))
+            result["conditions"][condition] = {
+                **score(trajectories),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
         agents = load_condition(world, "lora", device)
         job = bar.add_task("cross-role", total=n_cross)
         started = time.perf_counter()
@@ -132,10 +138,17 @@ def render(result: dict) -> list[Table]:
     for column in ("condition", "tasks", "exact match", "well-formed turns", "mean tokens", "seconds"):
         table.add_column(column, justify="left" if column == "condition" else "right")
     for name, row in result["conditions"].items():
-        table.add_row(name, str(row["tasks"]), f"{row['accuracy']:.1%}", f"{row['well_formed_turns']:.1%}",
-                      f"{row['mean_tokens']:.0f}", f"{row['seconds']:.0f}")
-    cross = Table(title="cross-role check (lora, gold inputs): well-formed / exact output of role Y's turn "
-                        "with adapter X")
+        table.add_row(
+            name,
+            str(row["tasks"]),
+            f"{row['accuracy']:.1%}",
+            f"{row['well_formed_turns']:.1%}",
+            f"{row['mean_tokens']:.0f}",
+            f"{row['seconds']:.0f}",
+        )
+    cross = Table(
+        title="cross-role check (lora, gold inputs): well-formed / exact output of role Y's turn with adapter X"
+    )
     cross.add_column("adapter X \\ turn Y")
     for role in ROLES:
         cross.add_column(role, justify="right")
@@ -145,10 +158,10 @@ def render(result: dict) -> list[Table]:
 
 
 def main(
-    world_dir: Annotated[Optional[Path], typer.Option("--world", help="Demo world folder (default: shipped).")] = None,
+    world_dir: Annotated[Path | None, typer.Option("--world", help="Demo world folder (default: shipped).")] = None,
     tasks: Annotated[int, typer.Option("--tasks", help="Held-out tasks per condition.")] = 200,
     cross_tasks: Annotated[int, typer.Option("--cross-tasks", help="Tasks for the cross-role check.")] = 40,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Result JSON (default: WORLD/evaluation.json).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Result JSON (default: WORLD/evaluation.json).")] = None,
     threads: Annotated[int, typer.Option("--threads", help="CPU threads.")] = 2,
 ) -> None:
     """Evaluate the demo world (see module docstring), print the tables and write the JSON result."""

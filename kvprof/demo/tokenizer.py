@@ -7,7 +7,7 @@ while every invented name splits into 2–4 tokens (mostly 2).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from kvprof.demo.world import PERSON_FINALS, PLACE_FINALS, ROLES, DemoTask, workflow_spec
 
@@ -42,11 +42,17 @@ def build_tokenizer(tasks: Iterable[DemoTask], vocab_size: int = VOCAB_SIZE):
 
     bpe = Tokenizer(models.BPE())
     finals = Regex("|".join(sorted(PERSON_FINALS + PLACE_FINALS, key=len, reverse=True)))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(finals, behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(finals, behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(corpus(tasks), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS, model_max_length=32768,
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=EOS, pad_token=EOS, model_max_length=32768, clean_up_tokenization_spaces=False
+    )

@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -51,9 +51,12 @@ def _gold_trace(world: DemoWorld, mode: str, tasks: list[DemoTask], path: Path) 
     spec = build_spec(world.workflow(mode))
     tokenizer = load_tokenizer(str(world.model.resolve()))
     trajectories = [oracle_trajectory(spec, tokenizer, task) for task in tasks]
-    header = TraceHeader(model={"path": str(world.model.resolve()), "dtype": "float32",
-                                "architecture": "LlamaForCausalLM"},
-                         tokenizer=tokenizer_identity(tokenizer), workflow=spec.to_dict(), source="demo-oracle")
+    header = TraceHeader(
+        model={"path": str(world.model.resolve()), "dtype": "float32", "architecture": "LlamaForCausalLM"},
+        tokenizer=tokenizer_identity(tokenizer),
+        workflow=spec.to_dict(),
+        source="demo-oracle",
+    )
     write_trace(path, Trace(header, trajectories))
     return trajectories
 
@@ -66,8 +69,14 @@ def _captured_trace(world: DemoWorld, mode: str, tasks: list[Task], path: Path, 
     sampling = Sampling()
     with progress() as bar:
         job = bar.add_task(f"capturing {mode}", total=len(tasks))
-        return capture_trajectories(agents, tasks, path, sampled_trace_header(model, agents, sampling), sampling,
-                                    on_trajectory=lambda traj: bar.advance(job))
+        return capture_trajectories(
+            agents,
+            tasks,
+            path,
+            sampled_trace_header(model, agents, sampling),
+            sampling,
+            on_trajectory=lambda traj: bar.advance(job),
+        )
 
 
 def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
@@ -87,12 +96,16 @@ def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 text = _relative_header(trace, target.parent.resolve())
             target.write_text(text, encoding="utf-8")
-            stats[name] = {"trajectories": summary["trajectories"], "tokens": summary["distinct_tokens"],
-                           "shared_tokens": summary["shared_tokens"], "accuracy": summary["accuracy"]}
+            stats[name] = {
+                "trajectories": summary["trajectories"],
+                "tokens": summary["distinct_tokens"],
+                "shared_tokens": summary["shared_tokens"],
+                "accuracy": summary["accuracy"],
+            }
     return stats
 
 
-def main(world_dir: Annotated[Optional[Path], typer.Option("--world", help="Demo world folder.")] = None) -> None:
+def main(world_dir: Annotated[Path | None, typer.Option("--world", help="Demo world folder.")] = None) -> None:
     """Re-capture the sample traces of a demo world."""
     print(json.dumps(build(DemoWorld(world_dir or ASSETS)), indent=1))
 

@@ -28,16 +28,25 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Callable, Iterator
+from typing import Annotated
 
 import torch
 import typer
 
 from kvprof.demo.data import IGNORE, Example, batches, collate, own_turn_examples, sample_examples
 from kvprof.demo.tokenizer import build_tokenizer
-from kvprof.demo.world import RELATION_WORDS, ROLES, make_task, make_tasks, workflow_spec, write_tasks, write_workflow_toml
+from kvprof.demo.world import (
+    RELATION_WORDS,
+    ROLES,
+    make_task,
+    make_tasks,
+    workflow_spec,
+    write_tasks,
+    write_workflow_toml,
+)
 from kvprof.fileio import write_json
 from kvprof.ui import progress
 
@@ -83,19 +92,34 @@ class TrainConfig:
 def model_config(cfg: TrainConfig, tokenizer):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                       num_key_value_heads=cfg.kv_heads, head_dim=cfg.hidden // cfg.heads,
-                       max_position_embeddings=cfg.max_positions, rope_theta=10000.0,
-                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.hidden // cfg.heads,
+        max_position_embeddings=cfg.max_positions,
+        rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
 
 
-def example_stream(mode: str, tokenizer, roles: tuple[str, ...], cfg: TrainConfig, salt: str,
-                   distractors: tuple[int, int] | None = None) -> Iterator[list[Example]]:
+def example_stream(
+    mode: str,
+    tokenizer,
+    roles: tuple[str, ...],
+    cfg: TrainConfig,
+    salt: str,
+    distractors: tuple[int, int] | None = None,
+) -> Iterator[list[Example]]:
     """Endless batches of training examples: pool p draws training tasks p·P … (p+1)·P − 1 (with `distractors`
     sentences per paragraph; None: the split's own), one example per role each, grouped by length
     (`token_budget` padded tokens per batch)."""
@@ -103,8 +127,9 @@ def example_stream(mode: str, tokenizer, roles: tuple[str, ...], cfg: TrainConfi
     pool = 0
     while True:
         rng = random.Random(f"{cfg.seed}/{salt}/{pool}")
-        tasks = make_tasks("train", cfg.pool_tasks, start=cfg.tokenizer_tasks + pool * cfg.pool_tasks,
-                           distractors=distractors)
+        tasks = make_tasks(
+            "train", cfg.pool_tasks, start=cfg.tokenizer_tasks + pool * cfg.pool_tasks, distractors=distractors
+        )
         examples = [ex for task in tasks for ex in sample_examples(spec, tokenizer, task, roles, rng)]
         yield from batches(examples, cfg.token_budget, rng)
         pool += 1
@@ -147,11 +172,17 @@ def warmup_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 width = rng.randint(16, 48)
                 start = rng.randint(0, max(0, len(ids) - width))
-                window = ids[start:start + width]
-                gap = tokenizer.encode(rng.choice(list(task.task.documents.values())),
-                                       add_special_tokens=False)[:rng.randint(0, 120)]
-                batch.append(Example(tokens=window + gap + window,
-                                     targets=[False] * (len(window) + len(gap)) + [True] * len(window), role="copy"))
+                window = ids[start : start + width]
+                gap = tokenizer.encode(rng.choice(list(task.task.documents.values())), add_special_tokens=False)[
+                    : rng.randint(0, 120)
+                ]
+                batch.append(
+                    Example(
+                        tokens=window + gap + window,
+                        targets=[False] * (len(window) + len(gap)) + [True] * len(window),
+                        role="copy",
+                    )
+                )
                 continue
             batch.append(recall_example(tokenizer, text, rng))
         yield batch
@@ -168,15 +199,15 @@ def recall_stream(tokenizer, cfg: TrainConfig, salt: str = "") -> Iterator[list[
         yield batch
 
 
-def interleave(main: Iterator[list[Example]], extra: Iterator[list[Example]], every: int
-               ) -> Iterator[list[Example]]:
+def interleave(main: Iterator[list[Example]], extra: Iterator[list[Example]], every: int) -> Iterator[list[Example]]:
     """`main`, with a batch of `extra` in place of every `every`-th one (keeps the warm-up skills general)."""
     for step in itertools.count():
         yield next(extra) if every and step % every == every - 1 else next(main)
 
 
-def output_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, real: torch.Tensor,
-                context_weight: float) -> torch.Tensor:
+def output_loss(
+    model, input_ids: torch.Tensor, labels: torch.Tensor, real: torch.Tensor, context_weight: float
+) -> torch.Tensor:
     """Mean cross-entropy over target (output) tokens, plus `context_weight` × the mean over every other real token
     (plain language modelling of the trajectory, which teaches copying early). `input_ids`, `labels`, `real`:
     [B, T]; the LM head runs only where a loss is taken."""
@@ -192,13 +223,22 @@ def output_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, real: torc
     return loss
 
 
-def train_loop(model, params: list[torch.nn.Parameter], stream: Iterator[list[Example]], steps: int, lr: float,
-               warmup: int, pad_id: int, on_step: Callable[[int, float], None], context_weight: float = 0.0
-               ) -> list[float]:
+def train_loop(
+    model,
+    params: list[torch.nn.Parameter],
+    stream: Iterator[list[Example]],
+    steps: int,
+    lr: float,
+    warmup: int,
+    pad_id: int,
+    on_step: Callable[[int, float], None],
+    context_weight: float = 0.0,
+) -> list[float]:
     """AdamW with linear warm-up and cosine decay to lr/10; returns the loss of every step."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    )
     model.train()
     losses = []
     for step in range(steps):
@@ -280,18 +320,43 @@ class Trainer:
         model = LlamaForCausalLM(config)
         params = list(model.parameters())
         step, done = self.phase("warm-up", cfg.warmup_steps)
-        losses = train_loop(model, params, warmup_stream(tokenizer, cfg), cfg.warmup_steps, cfg.base_lr,
-                            cfg.warmup, tokenizer.pad_token_id, step)
+        losses = train_loop(
+            model,
+            params,
+            warmup_stream(tokenizer, cfg),
+            cfg.warmup_steps,
+            cfg.base_lr,
+            cfg.warmup,
+            tokenizer.pad_token_id,
+            step,
+        )
         done(final_loss=_tail(losses))
         step, done = self.phase("base", cfg.base_steps)
         short = example_stream("prompt", tokenizer, ROLES, cfg, "base-short", cfg.short_distractors)
-        stream = interleave(itertools.chain(itertools.islice(short, cfg.short_steps),
-                                            example_stream("prompt", tokenizer, ROLES, cfg, "base")),
-                            warmup_stream(tokenizer, cfg), cfg.warmup_every)
-        losses = train_loop(model, params, stream, cfg.base_steps, cfg.base_lr, cfg.warmup,
-                            tokenizer.pad_token_id, step, cfg.context_weight)
-        done(final_loss=_tail(losses),
-             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: contextlib.nullcontext()))
+        stream = interleave(
+            itertools.chain(
+                itertools.islice(short, cfg.short_steps), example_stream("prompt", tokenizer, ROLES, cfg, "base")
+            ),
+            warmup_stream(tokenizer, cfg),
+            cfg.warmup_every,
+        )
+        losses = train_loop(
+            model,
+            params,
+            stream,
+            cfg.base_steps,
+            cfg.base_lr,
+            cfg.warmup,
+            tokenizer.pad_token_id,
+            step,
+            cfg.context_weight,
+        )
+        done(
+            final_loss=_tail(losses),
+            per_call_heldout=per_call_accuracy(
+                model, tokenizer, "prompt", self.eval_tasks, lambda role: contextlib.nullcontext()
+            ),
+        )
         return model
 
     def recall(self, model, tokenizer, round_: int):
@@ -300,21 +365,39 @@ class Trainer:
         cfg = self.cfg
         salt = "" if round_ == 0 else f"/{round_}"
         step, done = self.phase(f"recall {round_ + 1}", cfg.recall_steps)
-        stream = interleave(example_stream("prompt", tokenizer, ROLES, cfg, "cont" + salt),
-                            recall_stream(tokenizer, cfg, salt), cfg.recall_every)
-        losses = train_loop(model, list(model.parameters()), stream, cfg.recall_steps, cfg.base_lr, cfg.warmup,
-                            tokenizer.pad_token_id, step, cfg.context_weight)
+        stream = interleave(
+            example_stream("prompt", tokenizer, ROLES, cfg, "cont" + salt),
+            recall_stream(tokenizer, cfg, salt),
+            cfg.recall_every,
+        )
+        losses = train_loop(
+            model,
+            list(model.parameters()),
+            stream,
+            cfg.recall_steps,
+            cfg.base_lr,
+            cfg.warmup,
+            tokenizer.pad_token_id,
+            step,
+            cfg.context_weight,
+        )
         model.save_pretrained(self.out / "model")
-        done(parameters=sum(p.numel() for p in model.parameters()), final_loss=_tail(losses),
-             per_call_heldout=per_call_accuracy(model, tokenizer, "prompt", self.eval_tasks, lambda role: contextlib.nullcontext()))
+        done(
+            parameters=sum(p.numel() for p in model.parameters()),
+            final_loss=_tail(losses),
+            per_call_heldout=per_call_accuracy(
+                model, tokenizer, "prompt", self.eval_tasks, lambda role: contextlib.nullcontext()
+            ),
+        )
         return model
 
     def adapters(self, model, tokenizer, name: str, shared_a: bool):
         from peft import LoraConfig, get_peft_model
 
         cfg = self.cfg
-        config = LoraConfig(r=cfg.adapter_rank, lora_alpha=2 * cfg.adapter_rank, target_modules=list(LORA_TARGETS),
-                            lora_dropout=0.0)
+        config = LoraConfig(
+            r=cfg.adapter_rank, lora_alpha=2 * cfg.adapter_rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0
+        )
         torch.manual_seed(cfg.seed + (2 if shared_a else 1))
         peft_model = get_peft_model(model, config, adapter_name=ROLES[0])
         for role in ROLES[1:]:
@@ -335,19 +418,28 @@ class Trainer:
                     params.append(param)
             step, done = self.phase(f"{name}:{role}", cfg.adapter_steps)
             stream = example_stream("lora", tokenizer, (role,), cfg, f"{name}/{role}")
-            losses = train_loop(peft_model, params, stream, cfg.adapter_steps,
-                                cfg.shared_a_lr if shared_a else cfg.adapter_lr, cfg.warmup // 3,
-                                tokenizer.pad_token_id, step)
+            losses = train_loop(
+                peft_model,
+                params,
+                stream,
+                cfg.adapter_steps,
+                cfg.shared_a_lr if shared_a else cfg.adapter_lr,
+                cfg.warmup // 3,
+                tokenizer.pad_token_id,
+                step,
+            )
             done(trainable=sum(p.numel() for p in params), final_loss=_tail(losses))
             metrics[role] = losses
         peft_model.save_pretrained(self.out / "adapters" / name)
         _portable(self.out / "adapters" / name)
-        accuracy = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks,
-                                     lambda role: _adapter(peft_model, role))
+        accuracy = per_call_accuracy(
+            peft_model, tokenizer, "lora", self.eval_tasks, lambda role: _adapter(peft_model, role)
+        )
         with peft_model.disable_adapter():
-            disabled = per_call_accuracy(peft_model, tokenizer, "lora", self.eval_tasks, lambda role: contextlib.nullcontext())
-        self.record["phases"][f"{name}:eval"] = {"per_call_heldout": accuracy,
-                                                  "per_call_heldout_disabled": disabled}
+            disabled = per_call_accuracy(
+                peft_model, tokenizer, "lora", self.eval_tasks, lambda role: contextlib.nullcontext()
+            )
+        self.record["phases"][f"{name}:eval"] = {"per_call_heldout": accuracy, "per_call_heldout_disabled": disabled}
         return peft_model.unload()
 
     def world(self):
@@ -402,12 +494,16 @@ def run(out: Path, cfg: TrainConfig) -> dict:
 
 def main(
     out: Annotated[Path, typer.Option("--out", help="Output directory (default: the packaged assets).")] = Path(
-        __file__).parent / "assets",
+        __file__
+    ).parent
+    / "assets",
     seed: Annotated[int, typer.Option("--seed", help="Seed of every random choice.")] = 0,
     base_steps: Annotated[int, typer.Option("--base-steps", help="Optimizer steps of the base model.")] = (
-        TrainConfig.base_steps),
+        TrainConfig.base_steps
+    ),
     adapter_steps: Annotated[int, typer.Option("--adapter-steps", help="Optimizer steps per adapter.")] = (
-        TrainConfig.adapter_steps),
+        TrainConfig.adapter_steps
+    ),
 ) -> None:
     """Train the demo world (see module docstring) and print its per-call held-out accuracy."""
     record = run(out, TrainConfig(seed=seed, base_steps=base_steps, adapter_steps=adapter_steps))

@@ -54,8 +54,38 @@ from kvprof.workflow import Task
 
 # ----------------------------------------------------------------------------------------------------- vocabulary
 
-INITIALS = ("Ka", "Tev", "Mor", "Bri", "Os", "Zel", "Jup", "Fen", "Dra", "Lum", "Sar", "Vin", "Hal", "Ner", "Pel",
-            "Gor", "Ith", "Ulm", "Yar", "Cas", "Bel", "Dun", "Fal", "Ker", "Tam", "Ros", "Ves", "Wyn", "Xan", "Ael")
+INITIALS = (
+    "Ka",
+    "Tev",
+    "Mor",
+    "Bri",
+    "Os",
+    "Zel",
+    "Jup",
+    "Fen",
+    "Dra",
+    "Lum",
+    "Sar",
+    "Vin",
+    "Hal",
+    "Ner",
+    "Pel",
+    "Gor",
+    "Ith",
+    "Ulm",
+    "Yar",
+    "Cas",
+    "Bel",
+    "Dun",
+    "Fal",
+    "Ker",
+    "Tam",
+    "Ros",
+    "Ves",
+    "Wyn",
+    "Xan",
+    "Ael",
+)
 PERSON_FINALS = ("mir", "ren", "oth", "ias", "wen", "dar", "los", "iel", "ric", "ane")
 PLACE_FINALS = ("vash", "dal", "heim", "gard", "mora", "ssa", "thal", "bury", "wick", "ford")
 
@@ -65,8 +95,10 @@ RELATIONS = {
     PLACE: {"founder": PERSON, "mayor": PERSON, "region": PLACE, "twin": PLACE},
 }
 RELATION_WORDS = sorted({word for fields in RELATIONS.values() for word in fields})
-KINDS = {PERSON: ("painter", "smith", "weaver", "sailor", "scholar", "baker", "herbalist", "mason"),
-         PLACE: ("town", "village", "harbour", "city", "fortress")}
+KINDS = {
+    PERSON: ("painter", "smith", "weaver", "sailor", "scholar", "baker", "herbalist", "mason"),
+    PLACE: ("town", "village", "harbour", "city", "fortress"),
+}
 
 FILLERS = {
     "goods": ("salt", "wool", "copper", "honey", "amber", "linen", "timber", "spices"),
@@ -97,16 +129,23 @@ SYSTEM_PROMPT = "Solve the question with the search tool.\n"
 CUE = "Agent:"
 ROLE_PROMPTS = {
     "plan": "You are the planner. Say what the last observation found and what to search next.\n",
-    "act": ("You are the actor. Reply with exactly one action: search[ NAME] to read about an entity, "
-            "or finish[ ANSWER] once the last observation holds the answer. Copy names exactly.\n"),
-    "reflect": ("You are the reviewer. The team has searched a knowledge base step by step to answer the "
-                "question. Read the whole trajectory, check that every step followed the right relation, and "
-                "give the final answer in the form answer[ ANSWER], copying the name exactly as the "
-                "observation spells it, or answer[ unknown] while no observation holds it yet.\n"),
+    "act": (
+        "You are the actor. Reply with exactly one action: search[ NAME] to read about an entity, "
+        "or finish[ ANSWER] once the last observation holds the answer. Copy names exactly.\n"
+    ),
+    "reflect": (
+        "You are the reviewer. The team has searched a knowledge base step by step to answer the "
+        "question. Read the whole trajectory, check that every step followed the right relation, and "
+        "give the final answer in the form answer[ ANSWER], copying the name exactly as the "
+        "observation spells it, or answer[ unknown] while no observation holds it yet.\n"
+    ),
 }
 ROLES = tuple(ROLE_PROMPTS)
-ROLE_FORMATS = {"plan": r" Plan: [^\n]+[.]\n", "act": r" (?:search|finish)\[ [^\]\n]+\]\n",
-                "reflect": r" answer\[ [^\]\n]+\]\n"}
+ROLE_FORMATS = {
+    "plan": r" Plan: [^\n]+[.]\n",
+    "act": r" (?:search|finish)\[ [^\]\n]+\]\n",
+    "reflect": r" answer\[ [^\]\n]+\]\n",
+}
 """What a well-formed output of each role looks like (`re.fullmatch` on the decoded output)."""
 ANSWER_PATTERN = r"answer\[(.*?)\]"
 UNKNOWN = "unknown"
@@ -131,8 +170,11 @@ class Shape:
     facts: int = 1
 
 
-SHAPES = {"train": Shape(hops=((2, 0.5), (3, 0.5))), "heldout": Shape(),
-          "long": Shape(hops=((3, 1.0),), distractors=(125, 140))}
+SHAPES = {
+    "train": Shape(hops=((2, 0.5), (3, 0.5))),
+    "heldout": Shape(),
+    "long": Shape(hops=((3, 1.0),), distractors=(125, 140)),
+}
 
 
 @dataclass
@@ -150,16 +192,24 @@ class DemoTask:
         return len(self.relations)
 
     def to_json(self) -> dict:
-        return {"id": self.task.id, "question": self.task.question, "answer": self.task.answer,
-                "documents": self.task.documents, "entities": self.entities, "relations": self.relations,
-                "split": self.split}
+        return {
+            "id": self.task.id,
+            "question": self.task.question,
+            "answer": self.task.answer,
+            "documents": self.task.documents,
+            "entities": self.entities,
+            "relations": self.relations,
+            "split": self.split,
+        }
 
     @classmethod
-    def from_json(cls, record: dict) -> "DemoTask":
-        task = Task(id=record["id"], question=record["question"], answer=record["answer"],
-                    documents=record["documents"])
-        return cls(task=task, entities=list(record["entities"]), relations=list(record["relations"]),
-                   split=record["split"])
+    def from_json(cls, record: dict) -> DemoTask:
+        task = Task(
+            id=record["id"], question=record["question"], answer=record["answer"], documents=record["documents"]
+        )
+        return cls(
+            task=task, entities=list(record["entities"]), relations=list(record["relations"]), split=record["split"]
+        )
 
     # ------------------------------------------------------------------ gold outputs
 
@@ -201,10 +251,13 @@ def _knowledge_base(rng: random.Random) -> dict[str, _Entity]:
     """8–12 people and 6–10 places; names are an initial syllable (distinct within the task) and a final one."""
     n_people, n_places = rng.randint(8, 12), rng.randint(6, 10)
     initials = rng.sample(INITIALS, n_people + n_places)
-    people = [_Entity(initial + rng.choice(PERSON_FINALS), PERSON, rng.choice(KINDS[PERSON]))
-              for initial in initials[:n_people]]
-    places = [_Entity(initial + rng.choice(PLACE_FINALS), PLACE, rng.choice(KINDS[PLACE]))
-              for initial in initials[n_people:]]
+    people = [
+        _Entity(initial + rng.choice(PERSON_FINALS), PERSON, rng.choice(KINDS[PERSON]))
+        for initial in initials[:n_people]
+    ]
+    places = [
+        _Entity(initial + rng.choice(PLACE_FINALS), PLACE, rng.choice(KINDS[PLACE])) for initial in initials[n_people:]
+    ]
     pools = {PERSON: people, PLACE: places}
     for entity in people + places:
         for relation, target_type in RELATIONS[entity.type].items():
@@ -212,24 +265,28 @@ def _knowledge_base(rng: random.Random) -> dict[str, _Entity]:
     return {entity.name: entity for entity in people + places}
 
 
-def _paragraph(rng: random.Random, entity: _Entity, kb: dict[str, _Entity], asked: str, facts: int,
-               distractors: tuple[int, int]) -> str:
+def _paragraph(
+    rng: random.Random, entity: _Entity, kb: dict[str, _Entity], asked: str, facts: int, distractors: tuple[int, int]
+) -> str:
     """One fact sentence (relation `asked` and `facts - 1` other relations, in random order) among distractor
     sentences about other entities."""
     others = [item for item in entity.fields.items() if item[0] != asked]
     fields = [(asked, entity.fields[asked])] + rng.sample(others, facts - 1)
     rng.shuffle(fields)
     listed = [f"{relation} {value}" for relation, value in fields]
-    fact = f"{entity.name} is a {entity.kind} with {', '.join(listed[:-1])} and {listed[-1]}." if len(listed) > 1 \
+    fact = (
+        f"{entity.name} is a {entity.kind} with {', '.join(listed[:-1])} and {listed[-1]}."
+        if len(listed) > 1
         else f"{entity.name} is a {entity.kind} with {listed[0]}."
+    )
     people = [e.name for e in kb.values() if e.type == PERSON]
     places = [e.name for e in kb.values() if e.type == PLACE]
     sentences = []
     for _ in range(rng.randint(*distractors)):
         p, p2 = rng.sample(people, 2)
-        l, l2 = rng.sample(places, 2)
+        place, place2 = rng.sample(places, 2)
         fillers = {key: rng.choice(values) for key, values in FILLERS.items()}
-        sentences.append(rng.choice(DISTRACTORS).format(P=p, P2=p2, L=l, L2=l2, **fillers))
+        sentences.append(rng.choice(DISTRACTORS).format(P=p, P2=p2, L=place, L2=place2, **fillers))
     sentences.insert(rng.randint(0, len(sentences)), fact)
     return " ".join(sentences)
 
@@ -258,14 +315,15 @@ def make_task(split: str, index: int, distractors: tuple[int, int] | None = None
         question = f"What is {entities[0]}'s " + "'s ".join(relations) + "?"
         if split in ("train", "heldout") and split_of(question) != split:
             continue
-        documents = {name: _paragraph(rng, kb[name], kb, relation, shape.facts, distractors)
-                     for name, relation in zip(entities, relations)}
+        documents = {
+            name: _paragraph(rng, kb[name], kb, relation, shape.facts, distractors)
+            for name, relation in zip(entities, relations)
+        }
         task = Task(id=f"{split}-{index}", question=question, answer=entities[-1], documents=documents)
         return DemoTask(task=task, entities=entities, relations=relations, split=split)
 
 
-def make_tasks(split: str, count: int, start: int = 0, distractors: tuple[int, int] | None = None
-               ) -> list[DemoTask]:
+def make_tasks(split: str, count: int, start: int = 0, distractors: tuple[int, int] | None = None) -> list[DemoTask]:
     return [make_task(split, index, distractors) for index in range(start, start + count)]
 
 
@@ -299,21 +357,34 @@ def workflow_spec(mode: str, adapters: dict[str, str] | None = None) -> Workflow
         adapters = adapters or {}
         agents = [AgentSpec(role, adapter=adapters.get(role), max_new_tokens=MAX_NEW_TOKENS[role]) for role in ROLES]
         system = SYSTEM_PROMPT
-    return WorkflowSpec(mode=mode, agents=agents, system_prompt=system, cue_template=CUE, stop=["\n"],
-                        max_new_tokens=max(MAX_NEW_TOKENS.values()), max_rounds=MAX_ROUNDS,
-                        answer_pattern=ANSWER_PATTERN)
+    return WorkflowSpec(
+        mode=mode,
+        agents=agents,
+        system_prompt=system,
+        cue_template=CUE,
+        stop=["\n"],
+        max_new_tokens=max(MAX_NEW_TOKENS.values()),
+        max_rounds=MAX_ROUNDS,
+        answer_pattern=ANSWER_PATTERN,
+    )
 
 
 def write_workflow_toml(path: str | Path, spec: WorkflowSpec) -> Path:
     """Write `spec` as a TOML workflow file (adapter paths relative to the file's folder when inside it)."""
     path = Path(path)
     quote = json.dumps
-    lines = [f"mode = {quote(spec.mode)}", f"system_prompt = {quote(spec.system_prompt)}",
-             f"question_template = {quote(spec.question_template)}", f"cue_template = {quote(spec.cue_template)}",
-             f"observation_template = {quote(spec.observation_template)}",
-             f"stop = [{', '.join(quote(s) for s in spec.stop)}]", f"max_new_tokens = {spec.max_new_tokens}",
-             f"max_rounds = {spec.max_rounds}", f"action_pattern = {quote(spec.action_pattern)}",
-             f"answer_pattern = {quote(spec.answer_pattern)}"]
+    lines = [
+        f"mode = {quote(spec.mode)}",
+        f"system_prompt = {quote(spec.system_prompt)}",
+        f"question_template = {quote(spec.question_template)}",
+        f"cue_template = {quote(spec.cue_template)}",
+        f"observation_template = {quote(spec.observation_template)}",
+        f"stop = [{', '.join(quote(s) for s in spec.stop)}]",
+        f"max_new_tokens = {spec.max_new_tokens}",
+        f"max_rounds = {spec.max_rounds}",
+        f"action_pattern = {quote(spec.action_pattern)}",
+        f"answer_pattern = {quote(spec.answer_pattern)}",
+    ]
     for agent in spec.agents:
         lines.append(f"\n[agents.{agent.name}]")
         if agent.adapter is not None:

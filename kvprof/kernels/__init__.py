@@ -11,9 +11,21 @@ Every kernel has a torch reference that is also its CPU path; the Triton version
     benchmark                 `kvprof bench`: cases, timers, FLOP and byte models
 """
 
-from kvprof.kernels.attention import (flash_lora_attention, flash_lora_attention_ref, lora_b_per_head,
-                                      naive_lora_attention, plain_attention)
+from kvprof.kernels.attention import (
+    flash_lora_attention,
+    flash_lora_attention_ref,
+    lora_b_per_head,
+    naive_lora_attention,
+    plain_attention,
+)
 from kvprof.kernels.correction import low_rank_correction, low_rank_correction_ref
 
-__all__ = ["flash_lora_attention", "flash_lora_attention_ref", "lora_b_per_head", "low_rank_correction",
-           "low_rank_correction_ref", "naive_lora_attention", "plain_attention"]
+__all__ = [
+    "flash_lora_attention",
+    "flash_lora_attention_ref",
+    "lora_b_per_head",
+    "low_rank_correction",
+    "low_rank_correction_ref",
+    "naive_lora_attention",
+    "plain_attention",
+]

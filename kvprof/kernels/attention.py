@@ -40,23 +40,37 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_lora_attention_inputs(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
-                                lora_b: torch.Tensor, attn_mask: torch.Tensor | None = None) -> None:
+def check_lora_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+) -> None:
     """Raise `KvprofError` naming the offending input when the shapes, dtypes or devices do not fit together."""
     if q.dim() != 4 or k.dim() != 4 or v_base.dim() != 4:
-        raise KvprofError(f"q, k and v_base must be 4-D (B, H, L, D); got {tuple(q.shape)}, {tuple(k.shape)} and "
-                          f"{tuple(v_base.shape)}: transpose the (B, L, H, D) layout to (B, H, L, D).")
+        raise KvprofError(
+            f"q, k and v_base must be 4-D (B, H, L, D); got {tuple(q.shape)}, {tuple(k.shape)} and "
+            f"{tuple(v_base.shape)}: transpose the (B, L, H, D) layout to (B, H, L, D)."
+        )
     batch, q_heads, q_len, head_dim = q.shape
     _, kv_heads, kv_len, _ = k.shape
     if k.shape != v_base.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-        raise KvprofError(f"k {tuple(k.shape)} and v_base {tuple(v_base.shape)} must both be (B={batch}, H_kv, Lk, "
-                          f"D={head_dim}) to match q {tuple(q.shape)}; pass the base cache of the same layer.")
+        raise KvprofError(
+            f"k {tuple(k.shape)} and v_base {tuple(v_base.shape)} must both be (B={batch}, H_kv, Lk, "
+            f"D={head_dim}) to match q {tuple(q.shape)}; pass the base cache of the same layer."
+        )
     if q_heads % kv_heads:
-        raise KvprofError(f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads of k; pass the "
-                          "query and key heads of the same attention layer.")
+        raise KvprofError(
+            f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads of k; pass the "
+            "query and key heads of the same attention layer."
+        )
     if q_len > kv_len:
-        raise KvprofError(f"q has {q_len} positions but k only {kv_len}; the keys must include the queries "
-                          "(Lq ≤ Lk): append the new tokens to the cache before attending.")
+        raise KvprofError(
+            f"q has {q_len} positions but k only {kv_len}; the keys must include the queries "
+            "(Lq ≤ Lk): append the new tokens to the cache before attending."
+        )
     if v_lr.dim() == 3:
         lr_ok = v_lr.shape[:2] == (batch, kv_len)
     elif v_lr.dim() == 4:
@@ -64,17 +78,23 @@ def check_lora_attention_inputs(q: torch.Tensor, k: torch.Tensor, v_base: torch.
     else:
         lr_ok = False
     if not lr_ok:
-        raise KvprofError(f"v_lr {tuple(v_lr.shape)} must be (B={batch}, Lk={kv_len}, r) shared by the KV heads or "
-                          f"(B={batch}, H_kv={kv_heads}, Lk={kv_len}, r) per head; pass the LR cache of the same "
-                          "tokens as k.")
+        raise KvprofError(
+            f"v_lr {tuple(v_lr.shape)} must be (B={batch}, Lk={kv_len}, r) shared by the KV heads or "
+            f"(B={batch}, H_kv={kv_heads}, Lk={kv_len}, r) per head; pass the LR cache of the same "
+            "tokens as k."
+        )
     rank = v_lr.shape[-1]
     if lora_b.dim() != 3 or lora_b.shape != (kv_heads, rank, head_dim):
-        raise KvprofError(f"lora_b {tuple(lora_b.shape)} must be (H_kv={kv_heads}, r={rank}, D={head_dim}) to match "
-                          f"v_lr's rank {rank}; pass the B of the adapter whose A produced v_lr "
-                          "(see `lora_b_per_head`).")
+        raise KvprofError(
+            f"lora_b {tuple(lora_b.shape)} must be (H_kv={kv_heads}, r={rank}, D={head_dim}) to match "
+            f"v_lr's rank {rank}; pass the B of the adapter whose A produced v_lr "
+            "(see `lora_b_per_head`)."
+        )
     if not 1 <= rank <= MAX_RANK:
-        raise KvprofError(f"LoRA rank {rank} is outside 1..{MAX_RANK}; Flash-LoRA-Attention supports ranks up to "
-                          f"{MAX_RANK}: use the naive expansion for larger adapters.")
+        raise KvprofError(
+            f"LoRA rank {rank} is outside 1..{MAX_RANK}; Flash-LoRA-Attention supports ranks up to "
+            f"{MAX_RANK}: use the naive expansion for larger adapters."
+        )
     tensors = {"q": q, "k": k, "v_base": v_base, "v_lr": v_lr, "lora_b": lora_b}
     for name, tensor in tensors.items():
         if tensor.dtype != q.dtype:
@@ -85,13 +105,17 @@ def check_lora_attention_inputs(q: torch.Tensor, k: torch.Tensor, v_base: torch.
         raise KvprofError(f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32.")
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
-            raise KvprofError(f"attn_mask is {attn_mask.dtype}; pass a boolean mask (True = attend), as "
-                              "transformers' sdpa mask function builds.")
+            raise KvprofError(
+                f"attn_mask is {attn_mask.dtype}; pass a boolean mask (True = attend), as "
+                "transformers' sdpa mask function builds."
+            )
         try:
             torch.broadcast_shapes(attn_mask.shape, (batch, q_heads, q_len, kv_len))
         except RuntimeError:
-            raise KvprofError(f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, H_q, Lq, Lk) = "
-                              f"{(batch, q_heads, q_len, kv_len)}; build it for these query and key lengths.") from None
+            raise KvprofError(
+                f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, H_q, Lq, Lk) = "
+                f"{(batch, q_heads, q_len, kv_len)}; build it for these query and key lengths."
+            ) from None
 
 
 def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -101,8 +125,9 @@ def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> t
     return cols <= rows + (kv_len - q_len)
 
 
-def _attention_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-                             attn_mask: torch.Tensor | None) -> torch.Tensor:
+def _attention_probabilities(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
     """Softmax probabilities P (B, H_q, Lq, Lk) in q's dtype; rows with no visible key are all zero."""
     group = q.shape[1] // k.shape[1]
     keys = k.repeat_interleave(group, dim=1)
@@ -118,9 +143,16 @@ def _attention_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, cau
     return torch.nan_to_num(probs, nan=0.0).to(q.dtype)
 
 
-def flash_lora_attention_ref(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
-                             lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
-                             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def flash_lora_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Torch reference of Flash-LoRA-Attention (LRAgent, arXiv:2602.01053), also the CPU path.
 
     Computes O = P·V_base + (P·V_lr)·B in q's dtype, with the softmax in float32 (as transformers' eager
@@ -146,8 +178,14 @@ def expand_lora_values(v_base: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.T
     return v_base + torch.matmul(v_lr, lora_b)
 
 
-def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                    causal: bool = True, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention without LoRA through torch's `scaled_dot_product_attention`, with GQA and bottom-right causality.
 
     q (B, H_q, Lq, D); k, v (B, H_kv, Lk, D); returns (B, H_q, Lq, D). Lq = Lk causal and Lq = 1 use SDPA's own
@@ -165,13 +203,21 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     group = q.shape[1] // k.shape[1]
     if group > 1 and q.is_cuda and (mask is not None or q.dtype == torch.float32):
         k, v, group = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=group > 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
+    )
 
 
-def naive_lora_attention(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
-                         lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
-                         attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def naive_lora_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The baseline Flash-LoRA-Attention replaces: expand V = V_base + V_lr·B, then SDPA. Same shapes as
     `flash_lora_attention_ref`."""
     check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
@@ -182,8 +228,10 @@ def lora_b_per_head(lora_b_weight: torch.Tensor, num_kv_heads: int, scaling: flo
     """PEFT's `lora_B.weight` of a `v_proj` (H_kv·D, r) times the LoRA scaling, as (H_kv, r, D)."""
     out_features, rank = lora_b_weight.shape
     if out_features % num_kv_heads:
-        raise KvprofError(f"lora_B has {out_features} output features, not a multiple of {num_kv_heads} KV heads; "
-                          "pass the B of a v_proj adapter and the model's num_key_value_heads.")
+        raise KvprofError(
+            f"lora_B has {out_features} output features, not a multiple of {num_kv_heads} KV heads; "
+            "pass the B of a v_proj adapter and the model's num_key_value_heads."
+        )
     head_dim = out_features // num_kv_heads
     return (scaling * lora_b_weight).T.reshape(rank, num_kv_heads, head_dim).transpose(0, 1).contiguous()
 
@@ -198,9 +246,16 @@ def triton_path_available(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or bool(triton.knobs.runtime.interpret)
 
 
-def flash_lora_attention(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
-                         lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
-                         attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def flash_lora_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Flash-LoRA-Attention (LRAgent, arXiv:2602.01053): the Triton kernel on CUDA, the torch reference elsewhere.
 
     q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);

@@ -64,10 +64,35 @@ def round_to(x, dtype: tl.constexpr, INTERPRETING: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr_head_ptr, mask_row_ptrs,
-                  start_n, keys_end, q_pos, mask_rows, diagonal, causal, rank, qk_scale,
-                  stride_kn, stride_vn, stride_lrn, stride_mk, offs_d, offs_r, offs_n0,
-                  MASKED: tl.constexpr, INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_block(
+    acc,
+    acc_lr,
+    row_max,
+    row_sum,
+    q,
+    k_head_ptr,
+    v_head_ptr,
+    v_lr_head_ptr,
+    mask_row_ptrs,
+    start_n,
+    keys_end,
+    q_pos,
+    mask_rows,
+    diagonal,
+    causal,
+    rank,
+    qk_scale,
+    stride_kn,
+    stride_vn,
+    stride_lrn,
+    stride_mk,
+    offs_d,
+    offs_r,
+    offs_n0,
+    MASKED: tl.constexpr,
+    INTERPRETING: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Fold keys [start_n, start_n + BLOCK_N) into the online-softmax state of one tile."""
     offs_n = start_n + offs_n0
     lr_cols = offs_r[None, :] < rank
@@ -79,8 +104,14 @@ def _attend_block(acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr
     qk = dot_accumulate(q, k, None, INTERPRETING, PRECISION) * qk_scale
     if MASKED:
         causal_ok = (offs_n[None, :] <= q_pos[:, None] + diagonal) | (causal == 0)
-        user_ok = tl.load(mask_row_ptrs[:, None] + offs_n[None, :] * stride_mk,
-                          mask=mask_rows[:, None] & key_valid[None, :], other=1) != 0
+        user_ok = (
+            tl.load(
+                mask_row_ptrs[:, None] + offs_n[None, :] * stride_mk,
+                mask=mask_rows[:, None] & key_valid[None, :],
+                other=1,
+            )
+            != 0
+        )
         qk = tl.where(key_valid[None, :] & causal_ok & user_ok, qk, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(qk, 1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -91,8 +122,9 @@ def _attend_block(acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr
     acc_lr = acc_lr * alpha[:, None]
     if MASKED:
         v = tl.load(v_head_ptr + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_valid[:, None], other=0.0)
-        v_lr = tl.load(v_lr_head_ptr + offs_n[:, None] * stride_lrn + offs_r[None, :],
-                       mask=key_valid[:, None] & lr_cols, other=0.0)
+        v_lr = tl.load(
+            v_lr_head_ptr + offs_n[:, None] * stride_lrn + offs_r[None, :], mask=key_valid[:, None] & lr_cols, other=0.0
+        )
     else:
         v = tl.load(v_head_ptr + offs_n[:, None] * stride_vn + offs_d[None, :])
         v_lr = tl.load(v_lr_head_ptr + offs_n[:, None] * stride_lrn + offs_r[None, :], mask=lr_cols, other=0.0)
@@ -103,30 +135,89 @@ def _attend_block(acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr
 
 
 @triton.jit
-def _epilogue(acc, acc_lr, row_sum, lora_b_head_ptr, stride_br, rank, offs_r, offs_d,
-              INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
+def _epilogue(
+    acc,
+    acc_lr,
+    row_sum,
+    lora_b_head_ptr,
+    stride_br,
+    rank,
+    offs_r,
+    offs_d,
+    INTERPRETING: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """O = acc / l + (acc_lr / l)·B for one tile, in float32; rows that saw no key give zeros."""
     inv_sum = 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum)
-    lora_b = tl.load(lora_b_head_ptr + offs_r[:, None] * stride_br + offs_d[None, :], mask=offs_r[:, None] < rank,
-                     other=0.0)
+    lora_b = tl.load(
+        lora_b_head_ptr + offs_r[:, None] * stride_br + offs_d[None, :], mask=offs_r[:, None] < rank, other=0.0
+    )
     out_lr = round_to(acc_lr * inv_sum[:, None], lora_b.dtype, INTERPRETING)
     return dot_accumulate(out_lr, lora_b, acc * inv_sum[:, None], INTERPRETING, PRECISION)
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "group", "q_len", "kv_len", "rank", "causal", "has_mask",
-                               "num_splits", "split_len"])
+@triton.jit(
+    do_not_specialize=[
+        "num_kv_heads",
+        "group",
+        "q_len",
+        "kv_len",
+        "rank",
+        "causal",
+        "has_mask",
+        "num_splits",
+        "split_len",
+    ]
+)
 def flash_lora_attention_fwd(
-        q_ptr, k_ptr, v_ptr, v_lr_ptr, lora_b_ptr, mask_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-        stride_qb, stride_qh, stride_qm,
-        stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn,
-        stride_lrb, stride_lrh, stride_lrn,
-        stride_bh, stride_br,
-        stride_mb, stride_mh, stride_mq, stride_mk,
-        stride_ob, stride_oh, stride_om,
-        num_kv_heads, group, q_len, kv_len, rank, qk_scale, causal, has_mask, num_splits, split_len,
-        HEAD_DIM: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    v_lr_ptr,
+    lora_b_ptr,
+    mask_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_lrb,
+    stride_lrh,
+    stride_lrn,
+    stride_bh,
+    stride_br,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_kv_heads,
+    group,
+    q_len,
+    kv_len,
+    rank,
+    qk_scale,
+    causal,
+    has_mask,
+    num_splits,
+    split_len,
+    HEAD_DIM: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRETING: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One (query tile, batch·KV head, key split) program. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv, num_splits).
 
     With num_splits == 1 it writes O; otherwise its key range's own output (float32) and softmax statistics
@@ -149,8 +240,11 @@ def flash_lora_attention_fwd(
     offs_r = tl.arange(0, RANK_PAD)
     offs_n0 = tl.arange(0, BLOCK_N)
 
-    q = tl.load(q_ptr + batch * stride_qb + q_head[:, None] * stride_qh + q_pos[:, None] * stride_qm
-                + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + batch * stride_qb + q_head[:, None] * stride_qh + q_pos[:, None] * stride_qm + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
     k_head_ptr = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_head_ptr = v_ptr + batch * stride_vb + kv_head * stride_vh
     v_lr_head_ptr = v_lr_ptr + batch * stride_lrb + kv_head * stride_lrh
@@ -173,20 +267,72 @@ def flash_lora_attention_fwd(
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in range(split_start, unmasked_end, BLOCK_N):
         acc, acc_lr, row_max, row_sum = _attend_block(
-            acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr_head_ptr, mask_row_ptrs,
-            start_n, split_end, q_pos, mask_rows, diagonal, causal, rank, qk_scale,
-            stride_kn, stride_vn, stride_lrn, stride_mk, offs_d, offs_r, offs_n0, False, INTERPRETING, PRECISION)
+            acc,
+            acc_lr,
+            row_max,
+            row_sum,
+            q,
+            k_head_ptr,
+            v_head_ptr,
+            v_lr_head_ptr,
+            mask_row_ptrs,
+            start_n,
+            split_end,
+            q_pos,
+            mask_rows,
+            diagonal,
+            causal,
+            rank,
+            qk_scale,
+            stride_kn,
+            stride_vn,
+            stride_lrn,
+            stride_mk,
+            offs_d,
+            offs_r,
+            offs_n0,
+            False,
+            INTERPRETING,
+            PRECISION,
+        )
     for start_n in range(unmasked_end, split_end, BLOCK_N):
         acc, acc_lr, row_max, row_sum = _attend_block(
-            acc, acc_lr, row_max, row_sum, q, k_head_ptr, v_head_ptr, v_lr_head_ptr, mask_row_ptrs,
-            start_n, split_end, q_pos, mask_rows, diagonal, causal, rank, qk_scale,
-            stride_kn, stride_vn, stride_lrn, stride_mk, offs_d, offs_r, offs_n0, True, INTERPRETING, PRECISION)
+            acc,
+            acc_lr,
+            row_max,
+            row_sum,
+            q,
+            k_head_ptr,
+            v_head_ptr,
+            v_lr_head_ptr,
+            mask_row_ptrs,
+            start_n,
+            split_end,
+            q_pos,
+            mask_rows,
+            diagonal,
+            causal,
+            rank,
+            qk_scale,
+            stride_kn,
+            stride_vn,
+            stride_lrn,
+            stride_mk,
+            offs_d,
+            offs_r,
+            offs_n0,
+            True,
+            INTERPRETING,
+            PRECISION,
+        )
 
-    out = _epilogue(acc, acc_lr, row_sum, lora_b_ptr + kv_head * stride_bh, stride_br, rank, offs_r, offs_d,
-                    INTERPRETING, PRECISION)
+    out = _epilogue(
+        acc, acc_lr, row_sum, lora_b_ptr + kv_head * stride_bh, stride_br, rank, offs_r, offs_d, INTERPRETING, PRECISION
+    )
     if num_splits == 1:
-        out_ptrs = (out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om
-                    + offs_d[None, :])
+        out_ptrs = (
+            out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om + offs_d[None, :]
+        )
         tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty, INTERPRETING), mask=row_valid[:, None])
     else:
         part = (pid_bh * num_splits + pid_split).to(tl.int64) * rows_total + rows
@@ -196,9 +342,22 @@ def flash_lora_attention_fwd(
 
 
 @triton.jit(do_not_specialize=["num_kv_heads", "group", "q_len", "num_splits"])
-def combine_splits(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob, stride_oh, stride_om,
-                   num_kv_heads, group, q_len, num_splits,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRETING: tl.constexpr):
+def combine_splits(
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_kv_heads,
+    group,
+    q_len,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    INTERPRETING: tl.constexpr,
+):
     """Merge the per-split outputs of `flash_lora_attention_fwd`, each weighted by its share of the softmax mass
     2^(m_s − M)·l_s. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv)."""
     pid_m = tl.program_id(0)
@@ -224,8 +383,9 @@ def combine_splits(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_ob,
         keep = tl.math.exp2(run_max - shift) * run_mass
         take = tl.math.exp2(part_max - shift) * part_sum
         run_mass = keep + take
-        part_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None],
-                           other=0.0)
+        part_out = tl.load(
+            part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None], other=0.0
+        )
         out = (out * keep[:, None] + part_out * take[:, None]) / tl.where(run_mass == 0.0, 1.0, run_mass)[:, None]
         run_max = new_max
     out_ptrs = out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om + offs_d[None, :]
@@ -246,12 +406,20 @@ class AttentionConfig:
 # fused-attention tutorial; they have not been tuned on hardware. 16-bit "decode" tiles (Lq·g ≤ 16 rows) keep
 # 16 rows; float32 (3xTF32 dots, a correctness path) has one tile for every shape.
 ATTENTION_CONFIGS: dict[tuple[str, int, str], AttentionConfig] = {
-    **{(dtype, head_dim, "prefill"): AttentionConfig(128, 64, 8 if head_dim == 128 else 4, 3)
-       for dtype in ("float16", "bfloat16") for head_dim in SUPPORTED_HEAD_DIMS},
-    **{(dtype, head_dim, "decode"): AttentionConfig(16, 64, 4, 3)
-       for dtype in ("float16", "bfloat16") for head_dim in SUPPORTED_HEAD_DIMS},
-    **{("float32", head_dim, "any"): AttentionConfig(64, 64 if head_dim == 32 else 32, 4, 2)
-       for head_dim in SUPPORTED_HEAD_DIMS},
+    **{
+        (dtype, head_dim, "prefill"): AttentionConfig(128, 64, 8 if head_dim == 128 else 4, 3)
+        for dtype in ("float16", "bfloat16")
+        for head_dim in SUPPORTED_HEAD_DIMS
+    },
+    **{
+        (dtype, head_dim, "decode"): AttentionConfig(16, 64, 4, 3)
+        for dtype in ("float16", "bfloat16")
+        for head_dim in SUPPORTED_HEAD_DIMS
+    },
+    **{
+        ("float32", head_dim, "any"): AttentionConfig(64, 64 if head_dim == 32 else 32, 4, 2)
+        for head_dim in SUPPORTED_HEAD_DIMS
+    },
 }
 RANK_PADS = (16, 32, 64)
 
@@ -272,12 +440,12 @@ def pick_config(dtype: torch.dtype, head_dim: int, rows: int) -> AttentionConfig
     return ATTENTION_CONFIGS[(dtype_name(dtype), head_dim, "decode" if rows <= DECODE_MAX_ROWS else "prefill")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A one-element tensor passed for pointers the launch does not use (no mask, no split-KV partials)."""
     return torch.zeros((1,), dtype=dtype, device=device)
@@ -302,10 +470,18 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def flash_lora_attention_triton(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor, v_lr: torch.Tensor,
-                                lora_b: torch.Tensor, scale: float | None = None, causal: bool = True,
-                                attn_mask: torch.Tensor | None = None, config: AttentionConfig | None = None,
-                                num_splits: int | None = None) -> torch.Tensor:
+def flash_lora_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Launch Flash-LoRA-Attention (LRAgent, arXiv:2602.01053) and return O (B, H_q, Lq, D).
 
     q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);
@@ -316,9 +492,11 @@ def flash_lora_attention_triton(q: torch.Tensor, k: torch.Tensor, v_base: torch.
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise KvprofError(f"head_dim {head_dim} has no Flash-LoRA-Attention kernel; supported: "
-                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}. Use the torch reference "
-                          "(flash_lora_attention_ref) for other head sizes.")
+        raise KvprofError(
+            f"head_dim {head_dim} has no Flash-LoRA-Attention kernel; supported: "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}. Use the torch reference "
+            "(flash_lora_attention_ref) for other head sizes."
+        )
     q, k, v_base, v_lr, lora_b = map(_last_dim_contiguous, (q, k, v_base, v_lr, lora_b))
     group = q_heads // kv_heads
     rank = v_lr.shape[-1]
@@ -353,24 +531,69 @@ def flash_lora_attention_triton(q: torch.Tensor, k: torch.Tensor, v_base: torch.
     precision = dot_precision(q.dtype)
 
     flash_lora_attention_fwd[(m_blocks, batch * kv_heads, num_splits)](
-        q, k, v_base, v_lr, lora_b, mask, out, part_out, part_max, part_sum,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v_base.stride(0), v_base.stride(1), v_base.stride(2),
+        q,
+        k,
+        v_base,
+        v_lr,
+        lora_b,
+        mask,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v_base.stride(0),
+        v_base.stride(1),
+        v_base.stride(2),
         *lr_strides,
-        lora_b.stride(0), lora_b.stride(1),
+        lora_b.stride(0),
+        lora_b.stride(1),
         *mask_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        kv_heads, group, q_len, kv_len, rank, scale * LOG2_E, int(causal and attn_mask is None),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        kv_heads,
+        group,
+        q_len,
+        kv_len,
+        rank,
+        scale * LOG2_E,
+        int(causal and attn_mask is None),
         int(attn_mask is not None),
-        num_splits, split_len,
-        HEAD_DIM=head_dim, RANK_PAD=padded_rank, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        INTERPRETING=interpreting, PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
-        enable_fp_fusion=True)
+        num_splits,
+        split_len,
+        HEAD_DIM=head_dim,
+        RANK_PAD=padded_rank,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        INTERPRETING=interpreting,
+        PRECISION=precision,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=True,
+    )
     if num_splits > 1:
         combine_splits[(triton.cdiv(rows, COMBINE_BLOCK_M), batch * kv_heads)](
-            part_out, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2),
-            kv_heads, group, q_len, num_splits,
-            HEAD_DIM=head_dim, BLOCK_M=COMBINE_BLOCK_M, INTERPRETING=interpreting, num_warps=COMBINE_NUM_WARPS,
-            enable_fp_fusion=True)
+            part_out,
+            part_max,
+            part_sum,
+            out,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            kv_heads,
+            group,
+            q_len,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_M=COMBINE_BLOCK_M,
+            INTERPRETING=interpreting,
+            num_warps=COMBINE_NUM_WARPS,
+            enable_fp_fusion=True,
+        )
     return out

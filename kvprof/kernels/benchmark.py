@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
@@ -75,7 +75,8 @@ class BenchCase:
         attention = 4.0 * self.batch * self.q_heads * self.head_dim * self.visible_pairs
         if method == "flash_lora":
             return attention + 2.0 * self.batch * self.q_heads * self.rank * (
-                self.visible_pairs + self.q_len * self.head_dim)
+                self.visible_pairs + self.q_len * self.head_dim
+            )
         if method == "naive":
             return attention + 2.0 * self.batch * self.kv_heads * self.seq_len * self.rank * self.head_dim
         return attention
@@ -87,9 +88,11 @@ class BenchCase:
         cache = self.batch * self.kv_heads * self.seq_len * self.head_dim
         lr_heads = self.kv_heads if self.lr_layout == "per-head" else 1
         lora = self.batch * lr_heads * self.seq_len * self.rank + self.kv_heads * self.rank * self.head_dim
-        elements = {"sdpa": query_and_out + 2 * cache,
-                     "flash_lora": query_and_out + 2 * cache + lora,
-                     "naive": query_and_out + 2 * cache + lora + 2 * cache}[method]
+        elements = {
+            "sdpa": query_and_out + 2 * cache,
+            "flash_lora": query_and_out + 2 * cache + lora,
+            "naive": query_and_out + 2 * cache + lora + 2 * cache,
+        }[method]
         return float(elements * element_size)
 
 
@@ -141,9 +144,11 @@ def implementations(device: torch.device) -> dict[str, str]:
         flash = "Triton kernel flash_lora_attention_fwd (kvprof.kernels.attention_triton)"
     else:
         flash = "torch reference flash_lora_attention_ref (P·V_base + (P·V_lr)·B); the Triton kernel needs CUDA"
-    return {"flash_lora": flash,
-            "naive": "torch: V = V_base + V_lr·B, then torch.nn.functional.scaled_dot_product_attention",
-            "sdpa": "torch.nn.functional.scaled_dot_product_attention over V_base (no LoRA)"}
+    return {
+        "flash_lora": flash,
+        "naive": "torch: V = V_base + V_lr·B, then torch.nn.functional.scaled_dot_product_attention",
+        "sdpa": "torch.nn.functional.scaled_dot_product_attention over V_base (no LoRA)",
+    }
 
 
 def _inputs(case: BenchCase, dtype: torch.dtype, device: torch.device, generator: torch.Generator):
@@ -153,37 +158,52 @@ def _inputs(case: BenchCase, dtype: torch.dtype, device: torch.device, generator
     q = normal(case.batch, case.q_heads, case.q_len, case.head_dim)
     k = normal(case.batch, case.kv_heads, case.seq_len, case.head_dim)
     v_base = normal(case.batch, case.kv_heads, case.seq_len, case.head_dim)
-    lr_shape = (case.batch, case.seq_len, case.rank) if case.lr_layout == "shared" else (
-        case.batch, case.kv_heads, case.seq_len, case.rank)
+    lr_shape = (
+        (case.batch, case.seq_len, case.rank)
+        if case.lr_layout == "shared"
+        else (case.batch, case.kv_heads, case.seq_len, case.rank)
+    )
     v_lr = normal(*lr_shape)
-    lora_b = normal(case.kv_heads, case.rank, case.head_dim, std=case.rank ** -0.5)
+    lora_b = normal(case.kv_heads, case.rank, case.head_dim, std=case.rank**-0.5)
     return q, k, v_base, v_lr, lora_b
 
 
-def method_functions(case: BenchCase, dtype: torch.dtype, device: torch.device,
-                     generator: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
+def method_functions(
+    case: BenchCase, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> dict[str, Callable[[], torch.Tensor]]:
     """The three methods as no-argument callables over one set of random inputs."""
     q, k, v_base, v_lr, lora_b = _inputs(case, dtype, device, generator)
     if device.type == "cuda":
         from kvprof.kernels.attention_triton import flash_lora_attention_triton as flash
     else:
         flash = flash_lora_attention_ref
-    return {"flash_lora": lambda: flash(q, k, v_base, v_lr, lora_b, causal=True),
-            "naive": lambda: naive_lora_attention(q, k, v_base, v_lr, lora_b, causal=True),
-            "sdpa": lambda: plain_attention(q, k, v_base, causal=True)}
+    return {
+        "flash_lora": lambda: flash(q, k, v_base, v_lr, lora_b, causal=True),
+        "naive": lambda: naive_lora_attention(q, k, v_base, v_lr, lora_b, causal=True),
+        "sdpa": lambda: plain_attention(q, k, v_base, causal=True),
+    }
 
 
 def check_cpu_case_fits(case: BenchCase) -> None:
     """The CPU reference materialises the (B, H_q, Lq, Lk) scores; refuse cases whose scores exceed 2 GiB."""
     score_bytes = case.batch * case.q_heads * case.q_len * case.seq_len * 8
     if score_bytes > CPU_SCORE_BYTES_LIMIT:
-        raise KvprofError(f"{case.mode} at L={case.seq_len} needs {score_bytes / 1024**3:.1f} GiB of attention scores "
-                          "in the CPU reference; pass smaller --seq-lens (or run on CUDA).")
+        raise KvprofError(
+            f"{case.mode} at L={case.seq_len} needs {score_bytes / 1024**3:.1f} GiB of attention scores "
+            "in the CPU reference; pass smaller --seq-lens (or run on CUDA)."
+        )
 
 
-def run_case(case: BenchCase, dtype: torch.dtype, device: torch.device, generator: torch.Generator,
-             warmup_ms: float, rep_ms: float, peak: DevicePeak | None,
-             on_method_done: Callable[[], None] = lambda: None) -> list[dict]:
+def run_case(
+    case: BenchCase,
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+    warmup_ms: float,
+    rep_ms: float,
+    peak: DevicePeak | None,
+    on_method_done: Callable[[], None] = lambda: None,
+) -> list[dict]:
     """Time the three methods on one case, side by side; one result row per method."""
     functions = method_functions(case, dtype, device, generator)
     with torch.no_grad():
@@ -205,20 +225,34 @@ def run_case(case: BenchCase, dtype: torch.dtype, device: torch.device, generato
         seconds = timing.median_ms / 1e3
         flops_per_s = case.flops(method) / seconds
         bytes_per_s = case.bytes_moved(method, element_size) / seconds
-        rows.append({
-            **asdict(case), "q_len": case.q_len, "method": method, **asdict(timing),
-            "tflops": flops_per_s / 1e12, "gbps": bytes_per_s / 1e9,
-            "fraction_of_peak_flops": flops_per_s / peak_flops if peak_flops else None,
-            "fraction_of_peak_bandwidth": bytes_per_s / peak.bytes_per_s if peak is not None else None,
-            "speedup_vs_naive": timings["naive"].median_ms / timing.median_ms,
-            "throughput_vs_sdpa": timings["sdpa"].median_ms / timing.median_ms,
-            "max_abs_diff_flash_vs_naive": max_abs_diff,
-        })
+        rows.append(
+            {
+                **asdict(case),
+                "q_len": case.q_len,
+                "method": method,
+                **asdict(timing),
+                "tflops": flops_per_s / 1e12,
+                "gbps": bytes_per_s / 1e9,
+                "fraction_of_peak_flops": flops_per_s / peak_flops if peak_flops else None,
+                "fraction_of_peak_bandwidth": bytes_per_s / peak.bytes_per_s if peak is not None else None,
+                "speedup_vs_naive": timings["naive"].median_ms / timing.median_ms,
+                "throughput_vs_sdpa": timings["sdpa"].median_ms / timing.median_ms,
+                "max_abs_diff_flash_vs_naive": max_abs_diff,
+            }
+        )
     return rows
 
 
-def build_cases(modes: list[str], seq_lens: list[int], ranks: list[int], batch: int, q_heads: int, kv_heads: int,
-                head_dim: int, lr_layout: str) -> list[BenchCase]:
+def build_cases(
+    modes: list[str],
+    seq_lens: list[int],
+    ranks: list[int],
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    lr_layout: str,
+) -> list[BenchCase]:
     """The cross product of modes × sequence lengths × ranks, with the user's mistakes named."""
     for mode in modes:
         if mode not in MODES:
@@ -232,5 +266,9 @@ def build_cases(modes: list[str], seq_lens: list[int], ranks: list[int], batch: 
     for rank in ranks:
         if not 1 <= rank <= MAX_RANK:
             raise KvprofError(f"--ranks has {rank}; Flash-LoRA-Attention supports ranks 1 to {MAX_RANK}.")
-    return [BenchCase(mode, length, rank, batch, q_heads, kv_heads, head_dim, lr_layout)
-            for mode in modes for length in seq_lens for rank in ranks]
+    return [
+        BenchCase(mode, length, rank, batch, q_heads, kv_heads, head_dim, lr_layout)
+        for mode in modes
+        for length in seq_lens
+        for rank in ranks
+    ]

@@ -25,24 +25,30 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.attention import MAX_RANK, SUPPORTED_DTYPES, triton_path_available
 
 
-def check_correction_inputs(c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                            out: torch.Tensor | None = None) -> None:
+def check_correction_inputs(
+    c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
     """Raise `KvprofError` naming the offending input when the shapes, dtypes or devices do not fit together."""
     if c_src.dim() != 3:
         raise KvprofError(f"c_src {tuple(c_src.shape)} must be (H, L, D): pass one batch element of one layer.")
     heads, length, head_dim = c_src.shape
     if u.dim() != 4 or u.shape[1:3] != (heads, length):
-        raise KvprofError(f"u {tuple(u.shape)} must be (N, H={heads}, L={length}, r) to match c_src "
-                          f"{tuple(c_src.shape)}; pass the left factors of the same segment.")
+        raise KvprofError(
+            f"u {tuple(u.shape)} must be (N, H={heads}, L={length}, r) to match c_src "
+            f"{tuple(c_src.shape)}; pass the left factors of the same segment."
+        )
     anchors, rank = u.shape[0], u.shape[3]
     if v.shape != (anchors, heads, rank, head_dim):
-        raise KvprofError(f"v {tuple(v.shape)} must be (N={anchors}, H={heads}, r={rank}, D={head_dim}) to match u "
-                          f"{tuple(u.shape)}; pass the right factors of the same anchors and rank.")
+        raise KvprofError(
+            f"v {tuple(v.shape)} must be (N={anchors}, H={heads}, r={rank}, D={head_dim}) to match u "
+            f"{tuple(u.shape)}; pass the right factors of the same anchors and rank."
+        )
     if w.shape != (anchors,):
         raise KvprofError(f"w {tuple(w.shape)} must be ({anchors},), one weight per anchor in u and v.")
     if not 1 <= rank <= MAX_RANK:
-        raise KvprofError(f"anchor rank {rank} is outside 1..{MAX_RANK}; refit the anchors with a rank up to "
-                          f"{MAX_RANK}.")
+        raise KvprofError(
+            f"anchor rank {rank} is outside 1..{MAX_RANK}; refit the anchors with a rank up to {MAX_RANK}."
+        )
     if c_src.dtype not in SUPPORTED_DTYPES:
         raise KvprofError(f"c_src is {c_src.dtype}; use float16, bfloat16 or float32.")
     for name, tensor in {"u": u, "v": v}.items():
@@ -52,8 +58,10 @@ def check_correction_inputs(c_src: torch.Tensor, u: torch.Tensor, v: torch.Tenso
         if tensor.device != c_src.device:
             raise KvprofError(f"{name} is on {tensor.device} but c_src is on {c_src.device}; move {name} there.")
     if out is not None and (out.shape != c_src.shape or out.dtype != c_src.dtype or out.device != c_src.device):
-        raise KvprofError(f"out {tuple(out.shape)} {out.dtype} must match c_src {tuple(c_src.shape)} {c_src.dtype} "
-                          f"on {c_src.device}; pass the target cache slice of the same segment.")
+        raise KvprofError(
+            f"out {tuple(out.shape)} {out.dtype} must match c_src {tuple(c_src.shape)} {c_src.dtype} "
+            f"on {c_src.device}; pass the target cache slice of the same segment."
+        )
 
 
 def low_rank_correction_ref(c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -64,8 +72,9 @@ def low_rank_correction_ref(c_src: torch.Tensor, u: torch.Tensor, v: torch.Tenso
     return (c_src.float() + correction).to(c_src.dtype)
 
 
-def low_rank_correction(c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+def low_rank_correction(
+    c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """C_src + Σ_n w_n·U_n·V_n into `out` (allocated when None) and return it: the fused Triton kernel on CUDA,
     the torch reference elsewhere. c_src (H, L, D), u (N, H, L, r), v (N, H, r, D), w (N,), out (H, L, D)."""
     check_correction_inputs(c_src, u, v, w, out)

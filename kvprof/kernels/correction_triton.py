@@ -23,14 +23,30 @@ RANK_CHUNK = 16
 
 @triton.jit(do_not_specialize=["seq_len", "rank", "num_anchors"])
 def low_rank_correction_fwd(
-        c_src_ptr, u_ptr, v_ptr, w_ptr, out_ptr,
-        stride_ch, stride_cl,
-        stride_un, stride_uh, stride_ul,
-        stride_vn, stride_vh, stride_vr,
-        stride_oh, stride_ol,
-        seq_len, rank, num_anchors,
-        HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, RANK_CHUNK: tl.constexpr,
-        INTERPRETING: tl.constexpr, PRECISION: tl.constexpr):
+    c_src_ptr,
+    u_ptr,
+    v_ptr,
+    w_ptr,
+    out_ptr,
+    stride_ch,
+    stride_cl,
+    stride_un,
+    stride_uh,
+    stride_ul,
+    stride_vn,
+    stride_vh,
+    stride_vr,
+    stride_oh,
+    stride_ol,
+    seq_len,
+    rank,
+    num_anchors,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    RANK_CHUNK: tl.constexpr,
+    INTERPRETING: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Grid: (cdiv(L, BLOCK_L), H). Every pointer's last dimension is contiguous; w is float32."""
     pid_l = tl.program_id(0)
     head = tl.program_id(1)
@@ -39,8 +55,9 @@ def low_rank_correction_fwd(
     offs_r = tl.arange(0, RANK_CHUNK)
     row_valid = offs_l < seq_len
 
-    acc = tl.load(c_src_ptr + head * stride_ch + offs_l[:, None] * stride_cl + offs_d[None, :],
-                  mask=row_valid[:, None], other=0.0).to(tl.float32)
+    acc = tl.load(
+        c_src_ptr + head * stride_ch + offs_l[:, None] * stride_cl + offs_d[None, :], mask=row_valid[:, None], other=0.0
+    ).to(tl.float32)
     for anchor in range(0, num_anchors):
         u_rows = u_ptr + anchor * stride_un + head * stride_uh + offs_l * stride_ul
         v_head = v_ptr + anchor * stride_vn + head * stride_vh
@@ -67,35 +84,59 @@ class CorrectionConfig:
 # Not tuned on hardware: the kernel streams C_src, U and V once, so one moderate tile per dtype and head_dim.
 CORRECTION_CONFIGS: dict[tuple[str, int], CorrectionConfig] = {
     (dtype, head_dim): CorrectionConfig(64, 4, 2)
-    for dtype in ("float16", "bfloat16", "float32") for head_dim in SUPPORTED_HEAD_DIMS
+    for dtype in ("float16", "bfloat16", "float32")
+    for head_dim in SUPPORTED_HEAD_DIMS
 }
 
 
-def low_rank_correction_triton(c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+def low_rank_correction_triton(
+    c_src: torch.Tensor, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Launch the fused correction; `out` (H, L, D) may be a strided view into the target cache or c_src itself
     (each tile is read before it is written). Returns `out`."""
     check_correction_inputs(c_src, u, v, w, out)
     heads, length, head_dim = c_src.shape
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise KvprofError(f"head_dim {head_dim} has no low-rank correction kernel; supported: "
-                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}. Use low_rank_correction_ref instead.")
+        raise KvprofError(
+            f"head_dim {head_dim} has no low-rank correction kernel; supported: "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}. Use low_rank_correction_ref instead."
+        )
     if out is None:
         out = torch.empty_like(c_src, memory_format=torch.contiguous_format)
     if out.stride(-1) != 1:
-        raise KvprofError("out must have a contiguous last (head_dim) dimension, as a cache slice "
-                          "cache[b, :, start:end, :] has; pass such a view.")
+        raise KvprofError(
+            "out must have a contiguous last (head_dim) dimension, as a cache slice "
+            "cache[b, :, start:end, :] has; pass such a view."
+        )
     c_src, u, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (c_src, u, v))
     weights = w.to(torch.float32).contiguous()
     config = CORRECTION_CONFIGS[(dtype_name(c_src.dtype), head_dim)]
     low_rank_correction_fwd[(triton.cdiv(length, config.block_l), heads)](
-        c_src, u, v, weights, out,
-        c_src.stride(0), c_src.stride(1),
-        u.stride(0), u.stride(1), u.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1),
-        length, u.shape[3], u.shape[0],
-        HEAD_DIM=head_dim, BLOCK_L=config.block_l, RANK_CHUNK=RANK_CHUNK,
-        INTERPRETING=bool(triton.knobs.runtime.interpret), PRECISION=dot_precision(c_src.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True)
+        c_src,
+        u,
+        v,
+        weights,
+        out,
+        c_src.stride(0),
+        c_src.stride(1),
+        u.stride(0),
+        u.stride(1),
+        u.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        length,
+        u.shape[3],
+        u.shape[0],
+        HEAD_DIM=head_dim,
+        BLOCK_L=config.block_l,
+        RANK_CHUNK=RANK_CHUNK,
+        INTERPRETING=bool(triton.knobs.runtime.interpret),
+        PRECISION=dot_precision(c_src.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=True,
+    )
     return out

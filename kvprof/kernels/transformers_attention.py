@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -59,7 +59,8 @@ class LoraAttentionContext:
 
 
 _active_context: contextvars.ContextVar[LoraAttentionContext | None] = contextvars.ContextVar(
-    "kvprof_lora_attention_context", default=None)
+    "kvprof_lora_attention_context", default=None
+)
 
 
 @contextlib.contextmanager
@@ -72,9 +73,16 @@ def use_lora_attention(context: LoraAttentionContext) -> Iterator[LoraAttentionC
         _active_context.reset(token)
 
 
-def lora_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           **kwargs) -> tuple[torch.Tensor, None]:
+def lora_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H_q, Lq, D), key/value (B, H_kv, Lk, D) → (B, Lq, H_q, D).
 
     Without an active context entry for `module.layer_idx` this is transformers' sdpa attention. With one, it is
@@ -84,26 +92,30 @@ def lora_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     context = _active_context.get()
     lora = context.get(module.layer_idx) if context is not None else None
     if lora is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if dropout:
         raise KvprofError(f"attention dropout {dropout} is not supported by {LORA_ATTENTION!r}; call model.eval().")
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise KvprofError(f"{LORA_ATTENTION!r} supports neither logit soft-capping nor position biases; load this "
-                          "model with attn_implementation='sdpa' instead.")
+        raise KvprofError(
+            f"{LORA_ATTENTION!r} supports neither logit soft-capping nor position biases; load this "
+            "model with attn_implementation='sdpa' instead."
+        )
     v_lr, lora_b = lora.v_lr, lora.lora_b
     kv_len = key.shape[2]
     if v_lr.shape[-2] != kv_len:
-        raise KvprofError(f"layer {module.layer_idx} attends {kv_len} keys but its V_lr covers {v_lr.shape[-2]}; "
-                          "give the context the LR cache of every cached and new token.")
+        raise KvprofError(
+            f"layer {module.layer_idx} attends {kv_len} keys but its V_lr covers {v_lr.shape[-2]}; "
+            "give the context the LR cache of every cached and new token."
+        )
     q_len = query.shape[2]
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
     if attention_mask is None and causal and 1 < q_len < kv_len:
         key, value, v_lr = key[:, :, :q_len], value[:, :, :q_len], v_lr[..., :q_len, :]
-    out = flash_lora_attention(query, key, value, v_lr, lora_b, scale=scaling, causal=causal,
-                               attn_mask=attention_mask)
+    out = flash_lora_attention(query, key, value, v_lr, lora_b, scale=scaling, causal=causal, attn_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 

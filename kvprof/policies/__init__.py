@@ -14,8 +14,7 @@ from kvprof.policies.fullshared import FullShared
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.policies.rebaseshared import ReBaseShared
-from kvprof.policies.variants import (PolicyVariant, enumerate_variants, parse_policy_options,
-                                      runnable_variants)
+from kvprof.policies.variants import PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
 
 REGISTRY: dict[str, type[SharingPolicy]] = {
     "nonshared": NonShared,
@@ -34,5 +33,16 @@ def policy_class(name: str) -> type[SharingPolicy]:
     return REGISTRY[key]
 
 
-__all__ = ["REGISTRY", "Option", "PolicyVariant", "Published", "SharingPolicy", "TurnRequest", "TurnResult",
-           "enumerate_variants", "parse_policy_options", "policy_class", "runnable_variants"]
+__all__ = [
+    "REGISTRY",
+    "Option",
+    "PolicyVariant",
+    "Published",
+    "SharingPolicy",
+    "TurnRequest",
+    "TurnResult",
+    "enumerate_variants",
+    "parse_policy_options",
+    "policy_class",
+    "runnable_variants",
+]

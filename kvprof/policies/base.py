@@ -23,8 +23,9 @@ import contextlib
 import statistics
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -50,14 +51,16 @@ class Option:
     def check(self, policy: str, key: str, value: str) -> object:
         """The parsed setting, or a `KvprofError` naming the policy, the option and the allowed values."""
         if self.choices is not None and value not in self.choices:
-            raise KvprofError(f"policy {policy} option {key}={value!r} is not allowed; use one of "
-                              f"{', '.join(self.choices)}.")
+            raise KvprofError(
+                f"policy {policy} option {key}={value!r} is not allowed; use one of {', '.join(self.choices)}."
+            )
         try:
             return self.parse(value)
         except ValueError:
-            raise KvprofError(f"policy {policy} option {key}={value!r} is not a valid "
-                              f"{getattr(self.parse, '__name__', 'value')}; {self.help or 'pass a valid value'}.") \
-                from None
+            raise KvprofError(
+                f"policy {policy} option {key}={value!r} is not a valid "
+                f"{getattr(self.parse, '__name__', 'value')}; {self.help or 'pass a valid value'}."
+            ) from None
 
     def label(self, key: str, value: str) -> str:
         """How the value shows in a variant's label: the value itself for a choice, key=value otherwise."""
@@ -198,8 +201,10 @@ class SharingPolicy(ABC, Generic[ContextT]):
         self.runtime = runtime
         unknown = set(options) - set(self.options)
         if unknown:
-            raise KvprofError(f"policy {self.name} has no option {', '.join(sorted(unknown))}; its options are "
-                              f"{', '.join(self.options) or 'none'}.")
+            raise KvprofError(
+                f"policy {self.name} has no option {', '.join(sorted(unknown))}; its options are "
+                f"{', '.join(self.options) or 'none'}."
+            )
         self.values = {key: options.get(key, option.default) for key, option in self.options.items()}
         self.settings = {key: option.check(self.name, key, self.values[key]) for key, option in self.options.items()}
         self.check(runtime)
@@ -218,9 +223,11 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """Refuse a setting this policy cannot replay (mode, adapters)."""
         mode = runtime.agents.spec.mode
         if mode not in self.modes:
-            raise KvprofError(f"policy {self.name} replays {' or '.join(self.modes)}-mode traces (agents that differ "
-                              f"by {'adapter' if 'lora' in self.modes else 'prompt'}), not {mode} mode; pick another "
-                              "policy or trace.")
+            raise KvprofError(
+                f"policy {self.name} replays {' or '.join(self.modes)}-mode traces (agents that differ "
+                f"by {'adapter' if 'lora' in self.modes else 'prompt'}), not {mode} mode; pick another "
+                "policy or trace."
+            )
 
     @abstractmethod
     def reset(self) -> None:
@@ -269,29 +276,47 @@ class SharingPolicy(ABC, Generic[ContextT]):
         decoded = self.decode(request, first)
         commit_started = clock(runtime.device)
         context = first.context
-        commit_flops = self.commit(Chunk(agent=request.agent, start=context.reused,
-                                         ids=shared[context.reused:] + decoded.output_ids, hidden=decoded.hidden,
-                                         kv=runtime.kv_of(decoded.last.cache), context=context))
+        commit_flops = self.commit(
+            Chunk(
+                agent=request.agent,
+                start=context.reused,
+                ids=shared[context.reused :] + decoded.output_ids,
+                hidden=decoded.hidden,
+                kv=runtime.kv_of(decoded.last.cache),
+                context=context,
+            )
+        )
         commit_s = clock(runtime.device) - commit_started
         chunk_len = len(shared) - context.reused
         flops = runtime.flops(chunk_len, first.start) + runtime.flops(len(decoded.output_ids), len(request.input_ids))
-        return TurnResult(agent=request.agent, output_ids=decoded.output_ids, logits=decoded.logits,
-                          input_kv=[(keys[0], values[0]) for keys, values in runtime.kv_of(first.forward.cache)],
-                          prefix_len=first.start - context.reused, reused=context.reused,
-                          from_others=context.from_others, prefilled=chunk_len + context.extra_prefill,
-                          flops=flops + context.extra_flops + commit_flops, ttft_s=first.seconds,
-                          latency_s=first.seconds + decoded.seconds + commit_s, memory=self.analytic_bytes())
+        return TurnResult(
+            agent=request.agent,
+            output_ids=decoded.output_ids,
+            logits=decoded.logits,
+            input_kv=[(keys[0], values[0]) for keys, values in runtime.kv_of(first.forward.cache)],
+            prefix_len=first.start - context.reused,
+            reused=context.reused,
+            from_others=context.from_others,
+            prefilled=chunk_len + context.extra_prefill,
+            flops=flops + context.extra_flops + commit_flops,
+            ttft_s=first.seconds,
+            latency_s=first.seconds + decoded.seconds + commit_s,
+            memory=self.analytic_bytes(),
+        )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:
         """The request's input after the agent's private prefix (refusing inputs that do not start with it)."""
         prefix = self.runtime.prefix(request.agent)
-        if request.input_ids[:len(prefix)] != prefix:
-            raise KvprofError(f"agent {request.agent!r}'s input does not start with its role prompt; the trace was "
-                              "not captured with this workflow — pass the matching --workflow.")
-        shared = request.input_ids[len(prefix):]
+        if request.input_ids[: len(prefix)] != prefix:
+            raise KvprofError(
+                f"agent {request.agent!r}'s input does not start with its role prompt; the trace was "
+                "not captured with this workflow — pass the matching --workflow."
+            )
+        shared = request.input_ids[len(prefix) :]
         if not shared:
-            raise KvprofError(f"agent {request.agent!r} has an empty input after its role prompt; the trace is "
-                              "malformed.")
+            raise KvprofError(
+                f"agent {request.agent!r} has an empty input after its role prompt; the trace is malformed."
+            )
         return shared
 
     def prefill(self, agent: str, shared: list[int], repeats: int = 1) -> Prefill[ContextT]:
@@ -303,12 +328,17 @@ class SharingPolicy(ABC, Generic[ContextT]):
             if context.reused >= len(shared):
                 raise RuntimeError(f"{self.name} left no token of the input to compute")
             start = len(self.runtime.prefix(agent)) + context.reused
-            forward = self._forward(agent, shared[context.reused:], self.runtime.cache_from(context.kv), start,
-                                    context, prefill=True)
+            forward = self._forward(
+                agent, shared[context.reused :], self.runtime.cache_from(context.kv), start, context, prefill=True
+            )
             timings.append(clock(self.runtime.device) - started)
         assert context is not None and forward is not None
-        return Prefill(context=context, forward=forward, start=start,
-                       seconds=statistics.median(timings[1:] if repeats > 1 else timings))
+        return Prefill(
+            context=context,
+            forward=forward,
+            start=start,
+            seconds=statistics.median(timings[1:] if repeats > 1 else timings),
+        )
 
     def decode(self, request: TurnRequest, first: Prefill[ContextT]) -> Decoded:
         """The output tokens after the prefill: teacher-forced on `request.output_ids` in one forward, or greedy
@@ -326,8 +356,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
             outputs, rows, last = [], [first.forward.logits[0, -1]], first.forward
             while True:
                 outputs.append(int(rows[-1].argmax()))
-                last = self._forward(agent, outputs[-1:], last.cache, len(request.input_ids) + len(outputs) - 1,
-                                     first.context)
+                last = self._forward(
+                    agent, outputs[-1:], last.cache, len(request.input_ids) + len(outputs) - 1, first.context
+                )
                 if last.hidden is not None:
                     hidden_parts.append(last.hidden)
                 if runtime.stops(request.input_ids + outputs, outputs, request.max_new_tokens):
@@ -337,20 +368,24 @@ class SharingPolicy(ABC, Generic[ContextT]):
         hidden = None
         if hidden_parts:
             hidden = [torch.cat([part[layer] for part in hidden_parts], dim=1) for layer in range(runtime.num_layers)]
-        return Decoded(output_ids=outputs, logits=logits, last=last, hidden=hidden,
-                       seconds=clock(runtime.device) - started)
+        return Decoded(
+            output_ids=outputs, logits=logits, last=last, hidden=hidden, seconds=clock(runtime.device) - started
+        )
 
-    def _forward(self, agent: str, ids: list[int], cache, start: int, context: Context,
-                 prefill: bool = False) -> ChunkForward:
+    def _forward(
+        self, agent: str, ids: list[int], cache, start: int, context: Context, prefill: bool = False
+    ) -> ChunkForward:
         rows = self.adapter_rows(agent)
         tokens = torch.tensor([ids] * (len(rows) if rows else 1), device=self.runtime.device)
         attention = contextlib.nullcontext()
         if context.lora_values is not None:
-            attention = use_lora_attention(lora_context(context.lora_values, tokens.shape[0],
-                                                        cache.get_seq_length() + len(ids)))
+            attention = use_lora_attention(
+                lora_context(context.lora_values, tokens.shape[0], cache.get_seq_length() + len(ids))
+            )
         with attention:
-            return self.runtime.forward(agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows,
-                                        last_logits_only=prefill)
+            return self.runtime.forward(
+                agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows, last_logits_only=prefill
+            )
 
 
 def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraAttentionContext:
@@ -362,7 +397,7 @@ def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraA
         if entry is None:
             continue
         v_lr = torch.zeros(rows, keys, entry.v_lr.shape[-1], dtype=entry.v_lr.dtype, device=entry.v_lr.device)
-        v_lr[:1, :entry.v_lr.shape[1]] = entry.v_lr
+        v_lr[:1, : entry.v_lr.shape[1]] = entry.v_lr
         context.set(layer, v_lr, entry.lora_b)
     return context
 

@@ -22,19 +22,27 @@ class BaseLRShared(PreLRShared):
     name = "baselrshared"
     family = "LRAgent"
     paper = f"{LRAGENT}, BaseLRShared"
-    published = (Published(LRAGENT, "main results, accuracy", LRAGENT_SETTING,
-                           "mean accuracy drop ≤ 1.5 points against NonShared"),
-                 Published(LRAGENT, "main results, latency and throughput", LRAGENT_SETTING,
-                           "TTFT up to 4.44× lower than NonShared; throughput up to 2.46× with "
-                           "Flash-LoRA-Attention"))
+    published = (
+        Published(
+            LRAGENT, "main results, accuracy", LRAGENT_SETTING, "mean accuracy drop ≤ 1.5 points against NonShared"
+        ),
+        Published(
+            LRAGENT,
+            "main results, latency and throughput",
+            LRAGENT_SETTING,
+            "TTFT up to 4.44× lower than NonShared; throughput up to 2.46× with Flash-LoRA-Attention",
+        ),
+    )
 
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
         names = runtime.agents.spec.names
         if not shared_down_projection(runtime.splits, names):
-            raise KvprofError("policy baselrshared needs adapters that share their down-projection A (only B "
-                              f"differs), but the adapters of {', '.join(names)} have different A; use adapters "
-                              "trained with a shared A, or policy prelrshared.")
+            raise KvprofError(
+                "policy baselrshared needs adapters that share their down-projection A (only B "
+                f"differs), but the adapters of {', '.join(names)} have different A; use adapters "
+                "trained with a shared A, or policy prelrshared."
+            )
 
     def lr_name(self, agent: str) -> str:
         return SHARED

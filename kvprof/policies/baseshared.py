@@ -32,13 +32,21 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
     family = "LRAgent"
     paper = f"{LRAGENT}, BaseShared"
     approximate = True
-    options = {"lr_prefill": Option("full", ("full", "incremental"), sweep=("full", "incremental"),
-                                    help="full: the published LR prefill over the whole context; incremental: "
-                                         "only the tokens the agent has not down-projected yet")}
-    published = (Published(LRAGENT, "main results, accuracy", LRAGENT_SETTING,
-                           "mean accuracy drop ≤ 0.7 points against NonShared"),
-                 Published(LRAGENT, "main results, throughput", LRAGENT_SETTING,
-                           "throughput up to 1.42× NonShared"))
+    options = {
+        "lr_prefill": Option(
+            "full",
+            ("full", "incremental"),
+            sweep=("full", "incremental"),
+            help="full: the published LR prefill over the whole context; incremental: "
+            "only the tokens the agent has not down-projected yet",
+        )
+    }
+    published = (
+        Published(
+            LRAGENT, "main results, accuracy", LRAGENT_SETTING, "mean accuracy drop ≤ 0.7 points against NonShared"
+        ),
+        Published(LRAGENT, "main results, throughput", LRAGENT_SETTING, "throughput up to 1.42× NonShared"),
+    )
 
     def assemble(self, agent: str, shared: list[int]) -> BaseSharedContext:
         runtime, store = self.runtime, self.store
@@ -48,18 +56,28 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         low_rank, flops = own, 0.0
         if reused > have:
             view, view_flops, _ = store.assemble(agent, own, have)
-            out = runtime.forward(agent, shared[have:reused], runtime.cache_from(view), have, capture=True,
-                                  last_logits_only=True)
+            out = runtime.forward(
+                agent, shared[have:reused], runtime.cache_from(view), have, capture=True, last_logits_only=True
+            )
             assert out.hidden is not None
             gap = LowRankStore.down_projections(runtime, out.hidden, [agent])[agent]
-            low_rank = gap if have == 0 or own is None else [
-                {p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap)]
+            low_rank = (
+                gap
+                if have == 0 or own is None
+                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap)]
+            )
             rank = sum(t.shape[-1] for layer in gap for t in layer.values())
             flops = view_flops + runtime.flops(reused - have, have) + 2.0 * (reused - have) * runtime.hidden_size * rank
         base = self.store_context(agent, low_rank, reused, self.from_others(agent, reused))
-        return BaseSharedContext(kv=base.kv, reused=reused, from_others=base.from_others, extra_prefill=reused - have,
-                                 extra_flops=flops + base.extra_flops, lora_values=base.lora_values,
-                                 low_rank=low_rank)
+        return BaseSharedContext(
+            kv=base.kv,
+            reused=reused,
+            from_others=base.from_others,
+            extra_prefill=reused - have,
+            extra_flops=flops + base.extra_flops,
+            lora_values=base.lora_values,
+            low_rank=low_rank,
+        )
 
     def commit(self, chunk: Chunk[BaseSharedContext]) -> float:
         store, hidden = self.store, chunk.hidden
@@ -71,7 +89,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         new = LowRankStore.down_projections(self.runtime, hidden, [chunk.agent])[chunk.agent]
         earlier = chunk.context.low_rank
         if earlier is not None and chunk.start:
-            new = [{p: torch.cat([old[p][:, :chunk.start], add[p]], 1) for p in add} for old, add in zip(earlier, new)]
+            new = [{p: torch.cat([old[p][:, : chunk.start], add[p]], 1) for p in add} for old, add in zip(earlier, new)]
         store.low_rank[chunk.agent] = new
         rank = sum(t.shape[-1] for t in new[0].values()) * self.runtime.num_layers
         return flops + 2.0 * hidden[0].shape[1] * self.runtime.hidden_size * rank

@@ -32,8 +32,11 @@ class FullShared(SharingPolicy[FullSharedContext]):
     paper = "naive sharing baseline of LRAgent / PReCache / KVCOMM"
     approximate = True
     modes = ("lora", "prompt")
-    published = (Published(LRAGENT, "main results, accuracy", LRAGENT_SETTING,
-                           "accuracy drop up to 5.3 points against NonShared"),)
+    published = (
+        Published(
+            LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 5.3 points against NonShared"
+        ),
+    )
 
     def reset(self) -> None:
         self.shared_kv: list[KV] | None = None  # per layer (K, V), (1, H_kv, N, D), keys at producer positions
@@ -60,8 +63,14 @@ class FullShared(SharingPolicy[FullSharedContext]):
                     flops += 6.0 * keys.numel()
                 kv.append((torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, values[:, :, :reused]], 2)))
         from_others = sum(producer != agent for producer in self.producers[:reused])
-        return FullSharedContext(kv=kv, reused=reused, from_others=from_others, extra_prefill=extra_prefill,
-                                 extra_flops=flops, prefix=prefix_kv)
+        return FullSharedContext(
+            kv=kv,
+            reused=reused,
+            from_others=from_others,
+            extra_prefill=extra_prefill,
+            extra_flops=flops,
+            prefix=prefix_kv,
+        )
 
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
         prefix_len = len(self.runtime.prefix(chunk.agent))
@@ -73,8 +82,9 @@ class FullShared(SharingPolicy[FullSharedContext]):
         if self.shared_kv is None:
             self.shared_kv = new
         else:
-            self.shared_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                              for (k, v), (nk, nv) in zip(self.shared_kv, new)]
+            self.shared_kv = [
+                (torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.shared_kv, new)
+            ]
         added = chunk.start + len(chunk.ids) - known
         self.offsets += [prefix_len] * added
         self.producers += [chunk.agent] * added

@@ -19,9 +19,9 @@ the model's dtype and accumulates in float32.
 
 from __future__ import annotations
 
-import torch
-
 from typing import ClassVar
+
+import torch
 
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
@@ -56,16 +56,22 @@ class LowRankStore:
         runtime, start = self.runtime, len(self)
         count = hidden[0].shape[1]
         positions = torch.arange(start, start + count, device=hidden[0].device)
-        new = [base_kv(split, x, positions, runtime.inv_freq, runtime.attention_scaling, runtime.head_dim)
-               for split, x in zip(runtime.splits, hidden)]
-        self.base = new if not self.base else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                                               for (k, v), (nk, nv) in zip(self.base, new)]
+        new = [
+            base_kv(split, x, positions, runtime.inv_freq, runtime.attention_scaling, runtime.head_dim)
+            for split, x in zip(runtime.splits, hidden)
+        ]
+        self.base = (
+            new
+            if not self.base
+            else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.base, new)]
+        )
         self.producers += [producer] * count
         return 2.0 * count * runtime.hidden_size * 2 * runtime.kv_heads * runtime.head_dim * runtime.num_layers
 
     @staticmethod
-    def down_projections(runtime: Runtime, hidden: list[torch.Tensor], agents: list[str]
-                         ) -> dict[str, list[dict[str, torch.Tensor]]]:
+    def down_projections(
+        runtime: Runtime, hidden: list[torch.Tensor], agents: list[str]
+    ) -> dict[str, list[dict[str, torch.Tensor]]]:
         """X·A_kᵀ for every agent k in one GEMM per projection (PReCache's precomputation).
 
         hidden: per layer (1, n, d_model) → {agent: per layer {"key"|"value": (1, n, r)}}. Computed in the adapter
@@ -97,8 +103,9 @@ class LowRankStore:
 
     # ------------------------------------------------------------------------------------------- reading
 
-    def assemble(self, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None,
-                 length: int, expand_values: bool = True) -> tuple[list[KV], float, list[LoraValues | None] | None]:
+    def assemble(
+        self, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None, length: int, expand_values: bool = True
+    ) -> tuple[list[KV], float, list[LoraValues | None] | None]:
         """Per layer (K, V) of the first `length` tokens as `agent` sees them: the base plus `agent`'s B applied to
         the LR cache `low_rank` (per layer {"key"|"value": (1, ≥length, r)}); with `low_rank=None`, the base alone.
 
@@ -150,8 +157,12 @@ class LowRankStore:
         sizes = {"base cache": runtime.kv_bytes_per_token * len(self)}
         for name in self.low_rank:
             agent = name if name in runtime.agents.spec.names else runtime.agents.spec.names[0]
-            rank_sum = sum(getattr(split, p).down[agent].shape[0] for split in runtime.splits for p in SPLIT_SIDES
-                           if agent in getattr(split, p).down)
+            rank_sum = sum(
+                getattr(split, p).down[agent].shape[0]
+                for split in runtime.splits
+                for p in SPLIT_SIDES
+                if agent in getattr(split, p).down
+            )
             sizes[f"LR cache:{name}"] = rank_sum * self.lr_length(name) * itemsize
         return sizes
 
@@ -173,12 +184,14 @@ class LowRankPolicy(SharingPolicy[ContextT]):
         """Shared tokens the store can serve to an input of `shared` tokens (at least one is left to compute)."""
         return min(len(self.store), len(shared) - 1)
 
-    def store_context(self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int,
-                      from_others: int) -> Context:
+    def store_context(
+        self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int, from_others: int
+    ) -> Context:
         """The context of `agent` from the store: base cache + `agent`'s B over `low_rank` on `reused` tokens,
         values expanded or handed to Flash-LoRA-Attention as the runtime says."""
-        kv, flops, lora_values = self.store.assemble(agent, low_rank, reused,
-                                                     expand_values=not self.runtime.lora_attention)
+        kv, flops, lora_values = self.store.assemble(
+            agent, low_rank, reused, expand_values=not self.runtime.lora_attention
+        )
         return Context(kv=kv, reused=reused, from_others=from_others, extra_flops=flops, lora_values=lora_values)
 
     def from_others(self, agent: str, reused: int) -> int:

@@ -25,8 +25,9 @@ class NonShared(SharingPolicy[Context]):
     def assemble(self, agent: str, shared: list[int]) -> Context:
         if agent not in self.own:
             kv, flops = self.prefix_context(agent)
-            return Context(kv=kv, reused=0, from_others=0, extra_prefill=len(self.runtime.prefix(agent)),
-                           extra_flops=flops)
+            return Context(
+                kv=kv, reused=0, from_others=0, extra_prefill=len(self.runtime.prefix(agent)), extra_flops=flops
+            )
         reused = min(self.seen[agent], len(shared) - 1)
         end = len(self.runtime.prefix(agent)) + reused
         return Context(kv=[(k[:, :, :end], v[:, :, :end]) for k, v in self.own[agent]], reused=reused, from_others=0)
@@ -41,5 +42,7 @@ class NonShared(SharingPolicy[Context]):
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
-        return {f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
-                for agent in self.own}
+        return {
+            f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
+            for agent in self.own
+        }

@@ -7,10 +7,15 @@ reports can print a published figure beside kvprof's measurement of the same qua
 from __future__ import annotations
 
 LRAGENT = "LRAgent (Jeon, Ha, Kim, 2026; arXiv:2602.01053)"
-LRAGENT_SETTING = ("LLaMA-3.1-8B-Instruct and Ministral-8B-Instruct, HotpotQA and ScienceQA multi-hop trajectories "
-                   "of plan / action / reflect LoRA agents")
+LRAGENT_SETTING = (
+    "LLaMA-3.1-8B-Instruct and Ministral-8B-Instruct, HotpotQA and ScienceQA multi-hop trajectories "
+    "of plan / action / reflect LoRA agents"
+)
 
-PRECACHE = ("PReCache: Efficient KV Cache Sharing for Multi-LoRA Agents via Low-Rank Precomputation and Neutral "
-            "Reconstruction")
-PRECACHE_SETTING = ("LLaMA-3.1-8B-Instruct and Ministral-8B-Instruct, AutoAct plan / act / reflect agents on HotpotQA "
-                    "and ScienceQA, LoRA r=8 on q and v, trajectories of 1.9k–66.4k tokens, single stream on an A6000")
+PRECACHE = (
+    "PReCache: Efficient KV Cache Sharing for Multi-LoRA Agents via Low-Rank Precomputation and Neutral Reconstruction"
+)
+PRECACHE_SETTING = (
+    "LLaMA-3.1-8B-Instruct and Ministral-8B-Instruct, AutoAct plan / act / reflect agents on HotpotQA "
+    "and ScienceQA, LoRA r=8 on q and v, trajectories of 1.9k–66.4k tokens, single stream on an A6000"
+)

@@ -18,10 +18,17 @@ class PreLRShared(LowRankPolicy[Context]):
     family = "PReCache"
     paper = f"{PRECACHE}, PreLRShared"
     approximate = True
-    published = (Published(PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING,
-                           "mean accuracy drop 1.0–3.3 points against NonShared"),
-                 Published(PRECACHE, "single-stream efficiency", PRECACHE_SETTING,
-                           "TTFT up to 3.1× lower than NonShared, per-request throughput up to 2.3×"))
+    published = (
+        Published(
+            PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING, "mean accuracy drop 1.0–3.3 points against NonShared"
+        ),
+        Published(
+            PRECACHE,
+            "single-stream efficiency",
+            PRECACHE_SETTING,
+            "TTFT up to 3.1× lower than NonShared, per-request throughput up to 2.3×",
+        ),
+    )
 
     def lr_name(self, agent: str) -> str:
         """The LR cache agent `agent` reads."""
@@ -33,8 +40,9 @@ class PreLRShared(LowRankPolicy[Context]):
 
     def assemble(self, agent: str, shared: list[int]) -> Context:
         reused = self.reused_span(shared)
-        return self.store_context(agent, self.store.low_rank.get(self.lr_name(agent)), reused,
-                                  self.from_others(agent, reused))
+        return self.store_context(
+            agent, self.store.low_rank.get(self.lr_name(agent)), reused, self.from_others(agent, reused)
+        )
 
     def commit(self, chunk: Chunk[Context]) -> float:
         assert chunk.hidden is not None

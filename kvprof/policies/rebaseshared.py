@@ -24,12 +24,20 @@ class ReBaseShared(LowRankPolicy[Context]):
     family = "PReCache"
     paper = f"{PRECACHE}, ReBaseShared"
     approximate = True
-    options = {"schedule": Option("lp", ("lp", "db"), sweep=("lp", "db"),
-                                  help="lp: lazy prefill after decoding; db: double batching")}
-    published = (Published(PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING,
-                           "mean accuracy drop 1.1 points against NonShared"),
-                 Published(PRECACHE, "single-stream efficiency", PRECACHE_SETTING,
-                           "LP: TTFT up to 3.0× lower than NonShared, throughput up to 1.6×"))
+    options = {
+        "schedule": Option(
+            "lp", ("lp", "db"), sweep=("lp", "db"), help="lp: lazy prefill after decoding; db: double batching"
+        )
+    }
+    published = (
+        Published(PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING, "mean accuracy drop 1.1 points against NonShared"),
+        Published(
+            PRECACHE,
+            "single-stream efficiency",
+            PRECACHE_SETTING,
+            "LP: TTFT up to 3.0× lower than NonShared, throughput up to 1.6×",
+        ),
+    )
 
     @property
     def needs_hidden(self) -> bool:
@@ -54,8 +62,9 @@ class ReBaseShared(LowRankPolicy[Context]):
             return 0.0
         if self.settings["schedule"] == "lp":
             base, _, _ = store.assemble(None, None, len(store))
-            out = runtime.forward(None, new_ids, runtime.cache_from(base), len(store), capture=True,
-                                  last_logits_only=True)
+            out = runtime.forward(
+                None, new_ids, runtime.cache_from(base), len(store), capture=True, last_logits_only=True
+            )
             hidden = out.hidden
         else:
             assert chunk.hidden is not None

@@ -9,8 +9,8 @@ with its published defaults. Option values given for a policy replace its sweep 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from kvprof.errors import KvprofError
 from kvprof.policies.base import SharingPolicy
@@ -37,8 +37,9 @@ class PolicyVariant:
     def label(self) -> str:
         """The name results are keyed by: the policy name, then each option's value in declaration order."""
         cls = self.policy
-        return cls.name + "".join(f"-{option.label(key, self.options.get(key, option.default))}"
-                                  for key, option in cls.options.items())
+        return cls.name + "".join(
+            f"-{option.label(key, self.options.get(key, option.default))}" for key, option in cls.options.items()
+        )
 
     def build(self, runtime: Runtime) -> SharingPolicy:
         return self.policy(runtime, **self.options)
@@ -53,13 +54,17 @@ def parse_policy_options(flags: Iterable[str]) -> OptionValues:
         target, sep, value = flag.partition("=")
         name, dot, key = target.partition(".")
         if not sep or not dot or not name or not key or not value:
-            raise KvprofError(f"--policy-option {flag!r} is not POLICY.KEY=VALUE; write e.g. "
-                              "--policy-option rebaseshared.schedule=db.")
+            raise KvprofError(
+                f"--policy-option {flag!r} is not POLICY.KEY=VALUE; write e.g. "
+                "--policy-option rebaseshared.schedule=db."
+            )
         cls = policy_class(name)
         option = cls.options.get(key)
         if option is None:
-            raise KvprofError(f"--policy-option {flag!r}: policy {cls.name} has no option {key!r}; its options are "
-                              f"{', '.join(cls.options) or 'none'}.")
+            raise KvprofError(
+                f"--policy-option {flag!r}: policy {cls.name} has no option {key!r}; its options are "
+                f"{', '.join(cls.options) or 'none'}."
+            )
         option.check(cls.name, key, value)
         chosen = values.setdefault(cls.name, {}).setdefault(key, [])
         if value not in chosen:
@@ -67,8 +72,9 @@ def parse_policy_options(flags: Iterable[str]) -> OptionValues:
     return values
 
 
-def enumerate_variants(selection: Sequence[str] = (ALL,), option_values: OptionValues | None = None
-                       ) -> list[PolicyVariant]:
+def enumerate_variants(
+    selection: Sequence[str] = (ALL,), option_values: OptionValues | None = None
+) -> list[PolicyVariant]:
     """The variants a selection replays (registry order; nonshared last when others run, as a same-run check of
     the dense baseline). `selection`: policy names or `all`; `option_values`: from `parse_policy_options`."""
     from kvprof.policies import REGISTRY, policy_class
@@ -79,13 +85,17 @@ def enumerate_variants(selection: Sequence[str] = (ALL,), option_values: OptionV
     option_values = option_values or {}
     unselected = sorted(set(option_values) - {cls.name for cls in classes})
     if unselected:
-        raise KvprofError(f"options are given for policy {', '.join(unselected)}, which is not selected; add "
-                          f"--policy {unselected[0]} (or --policy all) or drop its options.")
+        raise KvprofError(
+            f"options are given for policy {', '.join(unselected)}, which is not selected; add "
+            f"--policy {unselected[0]} (or --policy all) or drop its options."
+        )
     variants = []
     for cls in classes:
         given = option_values.get(cls.name, {})
-        axes = [given.get(key) or (list(option.sweep or (option.default,)) if sweep else [option.default])
-                for key, option in cls.options.items()]
+        axes = [
+            given.get(key) or (list(option.sweep or (option.default,)) if sweep else [option.default])
+            for key, option in cls.options.items()
+        ]
         for values in itertools.product(*axes):
             variants.append(PolicyVariant(cls.name, dict(zip(cls.options, values))))
     if len(variants) > 1:
@@ -93,8 +103,9 @@ def enumerate_variants(selection: Sequence[str] = (ALL,), option_values: OptionV
     return variants
 
 
-def runnable_variants(variants: Sequence[PolicyVariant], runtime: Runtime, skip: bool
-                      ) -> tuple[list[PolicyVariant], dict[str, str]]:
+def runnable_variants(
+    variants: Sequence[PolicyVariant], runtime: Runtime, skip: bool
+) -> tuple[list[PolicyVariant], dict[str, str]]:
     """The variants this runtime (mode, adapters) can replay, and {label: reason} for the others. With
     `skip=False` the first refusal is raised instead (a policy the user named explicitly)."""
     runnable, skipped = [], {}

@@ -21,12 +21,22 @@ def results_table(result: dict) -> TableData:
         title=f"kvprof bench on {result['device']} ({result['dtype']}), median of repeats",
         columns=["mode", "L", "r", "method", "median ms", "TFLOP/s", "GB/s", *peak_columns, "vs naive", "vs sdpa"],
         caption="vs naive = t_naive / t (speed-up over expanding V); vs sdpa = t_sdpa / t (throughput relative to "
-                "attention without LoRA). FLOPs and bytes are analytic minimums.")
+        "attention without LoRA). FLOPs and bytes are analytic minimums.",
+    )
     for row in rows:
         peaks = [_fraction(row["fraction_of_peak_flops"]), _fraction(row["fraction_of_peak_bandwidth"])]
-        table.add_row(row["mode"], row["seq_len"], row["rank"], row["method"], f"{row['median_ms']:.3f}",
-                      f"{row['tflops']:.3f}", f"{row['gbps']:.1f}", *(peaks if peak_known else []),
-                      f"{row['speedup_vs_naive']:.2f}×", f"{row['throughput_vs_sdpa']:.2f}×")
+        table.add_row(
+            row["mode"],
+            row["seq_len"],
+            row["rank"],
+            row["method"],
+            f"{row['median_ms']:.3f}",
+            f"{row['tflops']:.3f}",
+            f"{row['gbps']:.1f}",
+            *(peaks if peak_known else []),
+            f"{row['speedup_vs_naive']:.2f}×",
+            f"{row['throughput_vs_sdpa']:.2f}×",
+        )
     return table
 
 
@@ -36,15 +46,24 @@ def figures(rows: list[dict]) -> list:
     for mode, rank in dict.fromkeys((row["mode"], row["rank"]) for row in rows):
         chosen = [row for row in rows if row["mode"] == mode and row["rank"] == rank]
         lengths = list(dict.fromkeys(row["seq_len"] for row in chosen))
-        series = {method: [next(row["median_ms"] for row in chosen if row["seq_len"] == length and
-                                row["method"] == method) for length in lengths] for method in METHODS}
-        result.append(line_figure(lengths, series, f"{mode}, r = {rank}", "L (tokens)", "median time (ms)",
-                                  log_y=True))
+        series = {
+            method: [
+                next(row["median_ms"] for row in chosen if row["seq_len"] == length and row["method"] == method)
+                for length in lengths
+            ]
+            for method in METHODS
+        }
+        result.append(line_figure(lengths, series, f"{mode}, r = {rank}", "L (tokens)", "median time (ms)", log_y=True))
     return result
 
 
 def sections(result: dict) -> list[Section]:
     """The bench dashboard section, from the JSON result."""
-    return [Section("Flash-LoRA-Attention vs naive expansion vs plain SDPA",
-                    text=[f"{method}: {description}" for method, description in result["implementations"].items()],
-                    tables=[results_table(result)], figures=figures(result["results"]))]
+    return [
+        Section(
+            "Flash-LoRA-Attention vs naive expansion vs plain SDPA",
+            text=[f"{method}: {description}" for method, description in result["implementations"].items()],
+            tables=[results_table(result)],
+            figures=figures(result["results"]),
+        )
+    ]

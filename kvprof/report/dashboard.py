@@ -8,8 +8,8 @@ of its file.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvprof.errors import KvprofError
 from kvprof.report import bench, capture, rank_analysis, replay
@@ -28,17 +28,22 @@ BUILDERS: dict[str, SectionBuilder] = {
 def load_result(path: Path) -> tuple[str, dict]:
     """Read a result file and return (kind, payload); refuses files that are not kvprof results."""
     if not path.is_file():
-        raise KvprofError(f"result file {path} does not exist; pass JSON files written by kvprof commands "
-                          "(e.g. runs/replay/replay.json).")
+        raise KvprofError(
+            f"result file {path} does not exist; pass JSON files written by kvprof commands "
+            "(e.g. runs/replay/replay.json)."
+        )
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise KvprofError(f"result file {path} is not valid JSON ({err.msg} at line {err.lineno}); "
-                          "pass a file written by a kvprof command.") from None
+        raise KvprofError(
+            f"result file {path} is not valid JSON ({err.msg} at line {err.lineno}); "
+            "pass a file written by a kvprof command."
+        ) from None
     schema = payload.get("schema", "") if isinstance(payload, dict) else ""
     if not schema.startswith("kvprof.result."):
-        raise KvprofError(f"{path} is not a kvprof result (no 'kvprof.result.*' schema); pass JSON files written "
-                          "by kvprof commands.")
+        raise KvprofError(
+            f"{path} is not a kvprof result (no 'kvprof.result.*' schema); pass JSON files written by kvprof commands."
+        )
     return schema.removeprefix("kvprof.result."), payload
 
 
@@ -47,8 +52,10 @@ def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
     the `path` of its file."""
     builder = BUILDERS.get(kind)
     if builder is None:
-        raise KvprofError(f"{path} is a {kind!r} result, which `kvprof report` cannot show yet (it shows "
-                          f"{', '.join(sorted(BUILDERS))}); leave it out.")
+        raise KvprofError(
+            f"{path} is a {kind!r} result, which `kvprof report` cannot show yet (it shows "
+            f"{', '.join(sorted(BUILDERS))}); leave it out."
+        )
     sections = builder(result)
     for section in sections:
         section.title = f"{section.title} — {path}"

@@ -38,17 +38,20 @@ class Section:
 
 def _table_html(table: TableData) -> str:
     head = "".join(f"<th>{html.escape(column)}</th>" for column in table.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
-                   for row in table.rows)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table.rows)
     caption = f'<p class="note">{html.escape(table.caption)}</p>' if table.caption else ""
-    return (f"<table><caption>{html.escape(table.title)}</caption><thead><tr>{head}</tr></thead>"
-            f"<tbody>{body}</tbody></table>{caption}")
+    return (
+        f"<table><caption>{html.escape(table.title)}</caption><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table>{caption}"
+    )
 
 
 def render_html(title: str, sections: list[Section], subtitle: str = "") -> str:
     """The whole page as a string; figure i gets the element id `fig-i`, so the output is deterministic."""
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+    ]
     if subtitle:
         parts.append(f'<p class="subtitle">{html.escape(subtitle)}</p>')
     count = 0
@@ -59,8 +62,14 @@ def render_html(title: str, sections: list[Section], subtitle: str = "") -> str:
         if section.figures:
             parts.append('<div class="figures">')
             for figure in section.figures:
-                parts.append(figure.to_html(full_html=False, include_plotlyjs=count == 0, div_id=f"fig-{count}",
-                                            config={"displaylogo": False}))
+                parts.append(
+                    figure.to_html(
+                        full_html=False,
+                        include_plotlyjs=count == 0,
+                        div_id=f"fig-{count}",
+                        config={"displaylogo": False},
+                    )
+                )
                 count += 1
             parts.append("</div>")
         parts.append("</section>")

@@ -26,23 +26,38 @@ def layer_tables(result: dict) -> list[TableData]:
     """
     lora = result["mode"] == "lora"
     spans = f"means over {len(result['pairs'])} (trajectory, agent pair) spans"
-    ranks = TableData(title=f"effective rank per layer, {result['mode']} mode ({spans})",
-                      columns=["layer", "C", *(["base X·W0", "adapter"] if lora else []), "Δ_j←i"],
-                      caption=f"entropy effective rank (energy rank 90 %/99 %); matrices {result['matrix']}")
-    similarity = TableData(title=f"norms and cross-agent similarity per layer ({spans})",
-                           columns=["layer", "‖Δ‖/‖C‖", *(["‖adapter‖/‖C‖"] if lora else []), "cos C",
-                                    *(["cos base", "cos adapter"] if lora else [])],
-                           caption="cos = mean token cosine between the two agents' states (source keys re-aligned "
-                                   "to the target's positions)")
+    ranks = TableData(
+        title=f"effective rank per layer, {result['mode']} mode ({spans})",
+        columns=["layer", "C", *(["base X·W0", "adapter"] if lora else []), "Δ_j←i"],
+        caption=f"entropy effective rank (energy rank 90 %/99 %); matrices {result['matrix']}",
+    )
+    similarity = TableData(
+        title=f"norms and cross-agent similarity per layer ({spans})",
+        columns=[
+            "layer",
+            "‖Δ‖/‖C‖",
+            *(["‖adapter‖/‖C‖"] if lora else []),
+            "cos C",
+            *(["cos base", "cos adapter"] if lora else []),
+        ],
+        caption="cos = mean token cosine between the two agents' states (source keys re-aligned "
+        "to the target's positions)",
+    )
     for entry in result["layer_means"]:
         for kv in KV_NAMES:
             means, label = entry[kv], f"{entry['layer']} {kv}"
             if lora:
-                ranks.add_row(label, _rank(means, "cache"), _rank(means, "base"), _rank(means, "adapter"),
-                              _rank(means, "delta"))
-                similarity.add_row(label, f"{means['delta_relative']:.3f}", f"{means['adapter_relative']:.3f}",
-                                   f"{means['cache_cosine']:.4f}", f"{means['base_cosine']:.4f}",
-                                   f"{means['adapter_cosine']:+.4f}")
+                ranks.add_row(
+                    label, _rank(means, "cache"), _rank(means, "base"), _rank(means, "adapter"), _rank(means, "delta")
+                )
+                similarity.add_row(
+                    label,
+                    f"{means['delta_relative']:.3f}",
+                    f"{means['adapter_relative']:.3f}",
+                    f"{means['cache_cosine']:.4f}",
+                    f"{means['base_cosine']:.4f}",
+                    f"{means['adapter_cosine']:+.4f}",
+                )
             else:
                 ranks.add_row(label, _rank(means, "cache"), _rank(means, "delta"))
                 similarity.add_row(label, f"{means['delta_relative']:.3f}", f"{means['cache_cosine']:.4f}")
@@ -51,8 +66,10 @@ def layer_tables(result: dict) -> list[TableData]:
 
 def verdict_lines(result: dict) -> list[str]:
     """One line per published claim: paper, claim, verdict, measured value and detail."""
-    return [f"{c['paper']}: {c['statement']} — {VERDICTS[c['holds']]} (measured {c['measured']}; {c['detail']})"
-            for c in result["claims"]]
+    return [
+        f"{c['paper']}: {c['statement']} — {VERDICTS[c['holds']]} (measured {c['measured']}; {c['detail']})"
+        for c in result["claims"]
+    ]
 
 
 def _pair_grid(result: dict, metric: str, kv: str) -> list[list[float | None]]:
@@ -69,8 +86,9 @@ def sections(result: dict) -> list[Section]:
     """Dashboard sections: verdicts and tables, per-layer rank and norm curves, spectra, agent-pair heatmaps."""
     verdicts = TableData(title="published claims", columns=["paper", "claim", "verdict", "measured", "detail"])
     for claim in result["claims"]:
-        verdicts.add_row(claim["paper"], claim["statement"], VERDICTS[claim["holds"]], claim["measured"],
-                         claim["detail"])
+        verdicts.add_row(
+            claim["paper"], claim["statement"], VERDICTS[claim["holds"]], claim["measured"], claim["detail"]
+        )
     layers = [entry["layer"] for entry in result["layer_means"]]
     present = result["layer_means"][0]["K"]
 
@@ -78,36 +96,77 @@ def sections(result: dict) -> list[Section]:
         return [entry[kv][metric] for entry in result["layer_means"]]
 
     curves = [
-        line_figure(layers, {f"{label} {kv}": per_layer(f"{name}_rank", kv) for name, label in QUANTITIES.items()
-                             for kv in KV_NAMES if f"{name}_rank" in present},
-                    "entropy effective rank per layer", "layer", "effective rank"),
-        line_figure(layers, {f"{label} {kv}": per_layer(metric, kv) for metric, label in
-                             (("delta_relative", "‖Δ‖/‖C‖"), ("adapter_relative", "‖adapter‖/‖C‖"))
-                             for kv in KV_NAMES if metric in present},
-                    "relative norms per layer", "layer", "ratio"),
+        line_figure(
+            layers,
+            {
+                f"{label} {kv}": per_layer(f"{name}_rank", kv)
+                for name, label in QUANTITIES.items()
+                for kv in KV_NAMES
+                if f"{name}_rank" in present
+            },
+            "entropy effective rank per layer",
+            "layer",
+            "effective rank",
+        ),
+        line_figure(
+            layers,
+            {
+                f"{label} {kv}": per_layer(metric, kv)
+                for metric, label in (("delta_relative", "‖Δ‖/‖C‖"), ("adapter_relative", "‖adapter‖/‖C‖"))
+                for kv in KV_NAMES
+                if metric in present
+            },
+            "relative norms per layer",
+            "layer",
+            "ratio",
+        ),
     ]
     spectra = []
     for kv in KV_NAMES:
-        series = {f"layer {entry['layer']} {QUANTITIES[name]}": list(accumulate(entry[kv][name]))
-                  for entry in result["spectra"] for name in ("cache", "delta")}
+        series = {
+            f"layer {entry['layer']} {QUANTITIES[name]}": list(accumulate(entry[kv][name]))
+            for entry in result["spectra"]
+            for name in ("cache", "delta")
+        }
         longest = max(len(values) for values in series.values())
-        spectra.append(line_figure(list(range(1, longest + 1)), series,
-                                   f"{kv}: cumulative energy of the singular spectrum (mean)",
-                                   "singular directions k", "Σ_{i≤k} σ_i² / Σσ²"))
+        spectra.append(
+            line_figure(
+                list(range(1, longest + 1)),
+                series,
+                f"{kv}: cumulative energy of the singular spectrum (mean)",
+                "singular directions k",
+                "Σ_{i≤k} σ_i² / Σσ²",
+            )
+        )
     labels = {"base_cosine": "base caches", "adapter_cosine": "adapter outputs", "cache_cosine": "caches"}
-    heatmaps = [heatmap_figure(_pair_grid(result, metric, kv), result["agents"], result["agents"],
-                               f"{kv}: mean token cosine of {labels[metric]} (mean over layers)",
-                               zmin=-1.0, zmax=1.0, colorscale="RdBu")
-                for metric in (["base_cosine", "adapter_cosine"] if result["mode"] == "lora" else ["cache_cosine"])
-                for kv in KV_NAMES]
+    heatmaps = [
+        heatmap_figure(
+            _pair_grid(result, metric, kv),
+            result["agents"],
+            result["agents"],
+            f"{kv}: mean token cosine of {labels[metric]} (mean over layers)",
+            zmin=-1.0,
+            zmax=1.0,
+            colorscale="RdBu",
+        )
+        for metric in (["base_cosine", "adapter_cosine"] if result["mode"] == "lora" else ["cache_cosine"])
+        for kv in KV_NAMES
+    ]
     return [
-        Section("Cache rank and cross-agent similarity",
-                text=[f"Agents {', '.join(result['agents'])}; layers {', '.join(map(str, layers))}; "
-                      f"{result['mode']} mode; matrices {result['matrix']}."],
-                tables=[verdicts, *layer_tables(result)]),
+        Section(
+            "Cache rank and cross-agent similarity",
+            text=[
+                f"Agents {', '.join(result['agents'])}; layers {', '.join(map(str, layers))}; "
+                f"{result['mode']} mode; matrices {result['matrix']}."
+            ],
+            tables=[verdicts, *layer_tables(result)],
+        ),
         Section("Rank and norms per layer", figures=curves),
-        Section("Singular spectra", text=["Mean over (trajectory, pair) spans; a curve that reaches 1 early means "
-                                          "low rank."], figures=spectra),
+        Section(
+            "Singular spectra",
+            text=["Mean over (trajectory, pair) spans; a curve that reaches 1 early means low rank."],
+            figures=spectra,
+        ),
         Section("Similarity across agent pairs", figures=heatmaps),
     ]
 
@@ -115,6 +174,10 @@ def sections(result: dict) -> list[Section]:
 def write_report(path: Path, result: dict) -> Path:
     """The HTML page of a rank-analysis result at `path`: its sections, under a line naming trace, model, mode,
     spans and matrices."""
-    return write_html(path, "kvprof rank-analysis", sections(result),
-                      subtitle=f"{result['trace']} · model {result['model']} · {result['mode']} mode · "
-                               f"{len(result['pairs'])} (trajectory, pair) spans · matrices {result['matrix']}")
+    return write_html(
+        path,
+        "kvprof rank-analysis",
+        sections(result),
+        subtitle=f"{result['trace']} · model {result['model']} · {result['mode']} mode · "
+        f"{len(result['pairs'])} (trajectory, pair) spans · matrices {result['matrix']}",
+    )
