@@ -101,7 +101,9 @@ def agent_sequence(traj: Trajectory, agent: str, max_tokens: int | None = None) 
 
 def pair_span(traj: Trajectory, source: AgentSequence, target: AgentSequence) -> PairSpan:
     """The shared segments both sequences hold (in the target's order), token by token (see `PairSpan`)."""
-    source_rows, target_rows, segments = [], [], []
+    source_rows: list[int] = []
+    target_rows: list[int] = []
+    segments: list[str] = []
     for seg_id, (t_start, t_end) in target.spans.items():
         if traj.segments[seg_id].scope != "shared" or seg_id not in source.spans:
             continue
@@ -237,6 +239,9 @@ def compare_pair(
     dtype: the model's dtype, for the noise floor of the ranks (`noise_floor`, from the target's cache C_j).
     """
     src, dst = source.layers[layer], target.layers[layer]
+    # Captures compared here are taken with parts including "kv" (`run_rank_analysis`), so keys and values are set.
+    assert src.keys is not None and src.values is not None, "source capture lacks keys/values"
+    assert dst.keys is not None and dst.values is not None, "target capture lacks keys/values"
     rows_s, rows_t = span.source_rows.to(src.keys.device), span.target_rows.to(src.keys.device)
     out = {}
     for kv, projection in (("K", "k_proj"), ("V", "v_proj")):
@@ -538,11 +543,14 @@ def analyze_trace(
     parts = ("kv", "split") if mode == "lora" else ("kv",)
     columns = dim if per_head else dim * config.num_key_value_heads
     for traj in trace.trajectories:
-        sequences = {name: agent_sequence(traj, name, max_tokens) for name in agent_names}
+        # Agents that never act in this trajectory hold nothing there and are left out.
+        sequences = {
+            name: sequence for name in agent_names if (sequence := agent_sequence(traj, name, max_tokens)) is not None
+        }
         spans = []
         for i, source in enumerate(agent_names):
             for target in agent_names[i + 1 :]:
-                if sequences[source] is None or sequences[target] is None:
+                if source not in sequences or target not in sequences:
                     continue
                 span = pair_span(traj, sequences[source], sequences[target])
                 if len(span):

@@ -212,6 +212,8 @@ class AgentSet:
             from peft import PeftModel
 
             for agent in spec.agents:
+                # A lora-mode spec names an adapter for every agent (`kvprof.spec.build_spec` refuses one without).
+                assert agent.adapter is not None, f"lora-mode agent {agent.name!r} has no adapter"
                 self.adapters[agent.name] = inspect_adapter(agent.adapter, base_model)
             for index, agent in enumerate(spec.agents):
                 if index == 0:

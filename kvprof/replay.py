@@ -149,7 +149,7 @@ def replay_trace(
     on_turn: TurnHook | None = None,
     check_memory: bool = False,
     progress: ReplayProgress | None = None,
-    on_trajectory: Callable[[ReplayProgress], None] | None = None,
+    on_trajectory: Callable[[ReplayProgress], object] | None = None,
     lora_attention: bool = False,
 ) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
@@ -177,8 +177,8 @@ def replay_trace(
             where = {"trajectory": traj.id, "turn": index}
             state.records[DENSE].append(compare_turn(dense_result, dense_result) | where)
             for policy in policies:
-                result = policy.run_turn(request, repeats)
-                state.records[policy.label].append(compare_turn(result, dense_result) | where)
+                turn_result = policy.run_turn(request, repeats)
+                state.records[policy.label].append(compare_turn(turn_result, dense_result) | where)
                 if check_memory:
                     exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
                     state.memory_exact[policy.label] = state.memory_exact.get(policy.label, True) and exact
@@ -188,17 +188,17 @@ def replay_trace(
         if on_trajectory:
             on_trajectory(state)
     dense_summary = summarise(state.records[DENSE])
-    result = {"dense": {"summary": dense_summary, "turns": state.records[DENSE]}, "policies": {}}
+    entries: dict[str, dict] = {}
     for policy in policies:
         summary = summarise(state.records[policy.label])
         summary.update(relative_to_dense(summary, dense_summary))
-        result["policies"][policy.label] = policy_entry(policy) | {
+        entries[policy.label] = policy_entry(policy) | {
             "summary": summary,
             "turns": state.records[policy.label],
         }
         if check_memory:
-            result["policies"][policy.label]["memory_accounting_exact"] = state.memory_exact[policy.label]
-    return result
+            entries[policy.label]["memory_accounting_exact"] = state.memory_exact[policy.label]
+    return {"dense": {"summary": dense_summary, "turns": state.records[DENSE]}, "policies": entries}
 
 
 def policy_responder(policy: SharingPolicy):
@@ -261,7 +261,7 @@ class ReplayHooks:
 
     on_turn: TurnHook | None = None
     on_task: Callable[[str, Task], None] | None = None
-    on_trajectory: Callable[[ReplayProgress], None] | None = None
+    on_trajectory: Callable[[ReplayProgress], object] | None = None
 
 
 def run_replay(

@@ -120,7 +120,7 @@ class Runtime:
         """
         tokens = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand(tokens.shape[0], -1)
-        kwargs = {"logits_to_keep": 1} if last_logits_only else {}
+        kwargs: dict[str, int | list[str]] = {"logits_to_keep": 1} if last_logits_only else {}
         if adapter_names is not None:
             kwargs["adapter_names"] = adapter_names
         try:
@@ -132,7 +132,13 @@ class Runtime:
                 f"out of memory replaying a {tokens.shape[1]}-token chunk at position {start}; "
                 "replay fewer trajectories, use --dtype bfloat16, or a larger device."
             ) from None
-        hidden = [h.detach() for h in self.tap.hidden] if capture else None
+        hidden: list[torch.Tensor] | None = None
+        if capture:
+            hidden = []
+            for h in self.tap.hidden:
+                # The forward above ran every decoder layer inside tap.capture(), whose pre-hooks set each entry.
+                assert h is not None
+                hidden.append(h.detach())
         return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache)
 
     def stops(self, sequence: list[int], new_tokens: list[int], max_new: int) -> bool:

@@ -136,12 +136,19 @@ class TrajectoryBuilder:
 
 
 def generate(
-    agents: AgentSet, agent: str, input_ids: list[int], max_new_tokens: int, spec: WorkflowSpec, sampling: Sampling
+    agents: AgentSet,
+    agent: str | None,
+    input_ids: list[int],
+    max_new_tokens: int,
+    spec: WorkflowSpec,
+    sampling: Sampling,
 ) -> list[int]:
-    """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included)."""
+    """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included).
+
+    `agent` None runs the base model with adapters disabled (`AgentSet.activate`)."""
     tokenizer = agents.tokenizer
     ids = torch.tensor([input_ids], device=agents.device)
-    kwargs = {"do_sample": sampling.temperature > 0}
+    kwargs: dict[str, object] = {"do_sample": sampling.temperature > 0}
     if sampling.temperature > 0:
         kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
     if spec.stop:
@@ -206,9 +213,12 @@ def run_react(
     history.append(
         builder.add_text("question", "question", "shared", spec.question_template.format(question=task.question))
     )
-    prefixes = {}
+    prefixes: dict[str, str] = {}
     if spec.mode == "prompt":
-        prefixes = {a.name: builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt) for a in spec.agents}
+        for a in spec.agents:
+            # A prompt-mode spec gives every agent a role prompt (`kvprof.spec` refuses one that does not).
+            assert a.prompt is not None, f"prompt-mode agent {a.name!r} has no role prompt"
+            prefixes[a.name] = builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
     counts: dict[str, int] = {}
 
     def call(agent: str) -> str:
@@ -238,9 +248,8 @@ def run_react(
             answer = action[1].strip()
             break
         else:
-            observation = tool.observe(task, *action)
-            if observation is None:
-                observation = f"Unknown action {action[0]}."
+            observed = tool.observe(task, *action)
+            observation = observed if observed is not None else f"Unknown action {action[0]}."
         history.append(
             builder.add_text(
                 f"obs:{observations}",

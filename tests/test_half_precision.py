@@ -1,5 +1,5 @@
-"""Half precision (bfloat16, the CUDA default, and float16): every policy variant replays, and its cache error and
-KL match the float32 run's within stated tolerances.
+"""Half precision (bfloat16, the CUDA default, and float16): every policy variant replays, on the tiny world and on
+the shipped demo trace, and its cache error and KL match the float32 run's within stated tolerances.
 
 Tolerances, relative to the float32 value of the same policy on the same trace (measured on the tiny world: bfloat16
 moves K/V error by ≤ 2.2 % and KL by ≤ 2.4 %, float16 by ≤ 0.3 %):
@@ -12,8 +12,11 @@ moves K/V error by ≤ 2.2 % and KL by ≤ 2.4 %, float16 by ≤ 0.3 %):
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from kvprof.cache import capture_turn
 from kvprof.model import load_agents_for_trace
@@ -82,3 +85,52 @@ def test_cache_split_in_half_precision(lora_trace, tiny_world, dtype):
             error = float((split.total - cached).norm() / cached.norm())
             assert error < 8 * eps, (name, error)
         assert set(layer.lr["v_proj"]) == {"plan", "act", "reflect"}
+
+
+@pytest.fixture(scope="module")
+def demo_replays(tmp_path_factory):
+    """`kvprof replay` of the shipped demo trace (first trajectory, shared-A adapters so every policy runs) in each
+    dtype, through the CLI: {dtype: result JSON}."""
+    from kvprof.cli import app
+    from kvprof.demo.assets import demo_world
+
+    world = demo_world()
+    flags = [arg for role, path in world.shared_a_adapters.items() for arg in ("--agent", f"{role}={path}")]
+    runner, results = CliRunner(), {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        out = tmp_path_factory.mktemp(f"demo_{dtype}")
+        done = runner.invoke(
+            app,
+            [
+                "replay",
+                "--dtype",
+                dtype,
+                "--device",
+                "cpu",
+                "--limit",
+                "1",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+                *flags,
+            ],
+        )
+        assert done.exit_code == 0, done.output
+        results[dtype] = json.loads((out / "replay.json").read_text())
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_demo_trace_replays_every_policy_in_half_precision(demo_replays, dtype):
+    half, reference = demo_replays[dtype], demo_replays["float32"]
+    assert half["dtype"] == dtype and not half["skipped"]
+    assert half["policies"].keys() == reference["policies"].keys() and len(half["policies"]) >= 8
+    for label, entry in half["policies"].items():
+        summary, expected = entry["summary"], reference["policies"][label]["summary"]
+        if not entry["approximate"]:
+            assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0, label
+            continue
+        for key in ("k_error", "v_error", "kl"):
+            assert summary[key] == pytest.approx(expected[key], rel=TOLERANCE[dtype]), (label, key)
+        assert abs(summary["top1"] - expected["top1"]) <= TOP1_TOLERANCE, label

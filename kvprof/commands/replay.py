@@ -169,7 +169,8 @@ def command(
         online_job = bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1)) if online else None
         hooks = ReplayHooks(
             on_turn=lambda traj, index: bar.advance(job),
-            on_task=lambda label, task: bar.advance(online_job),
+            # online_job is None only without --online, when no online task runs (and on_task is never called).
+            on_task=(lambda label, task: bar.advance(online_job)) if online_job is not None else None,
             on_trajectory=lambda s: write_json(checkpoint, asdict(s)),
         )
         result = run_replay(

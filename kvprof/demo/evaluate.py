@@ -14,6 +14,7 @@ Measures, on held-out tasks (questions never seen in training):
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -119,7 +120,7 @@ def evaluate(
             agents = load_condition(world, condition, device)
             job = bar.add_task(condition, total=len(tasks))
             started = time.perf_counter()
-            trajectories = run_tasks(agents, condition, tasks, lambda job=job: bar.advance(job))
+            trajectories = run_tasks(agents, condition, tasks, functools.partial(bar.advance, job))
             result["conditions"][condition] = {
                 **score(trajectories),
                 "seconds": round(time.perf_counter() - started, 1),

@@ -257,7 +257,9 @@ def train_loop(
 
 
 @torch.inference_mode()
-def per_call_accuracy(model, tokenizer, mode: str, tasks, activate: Callable[[str], object]) -> dict[str, float]:
+def per_call_accuracy(
+    model, tokenizer, mode: str, tasks, activate: Callable[[str], contextlib.AbstractContextManager[object]]
+) -> dict[str, float]:
     """Held-out per-call exact match: the fraction of canonical turns whose whole gold output is the greedy
     argmax at every position, teacher-forced on gold inputs (= greedy decoding reproduces it exactly)."""
     spec = workflow_spec(mode)
@@ -467,7 +469,7 @@ def _tail(losses: list[float], n: int = 20) -> float:
     return round(sum(losses[-n:]) / len(losses[-n:]), 4)
 
 
-def _adapter(peft_model, role: str):
+def _adapter(peft_model, role: str) -> contextlib.nullcontext[None]:
     peft_model.set_adapter(role)
     return contextlib.nullcontext()
 

@@ -173,6 +173,8 @@ def method_functions(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The three methods as no-argument callables over one set of random inputs."""
     q, k, v_base, v_lr, lora_b = _inputs(case, dtype, device, generator)
+    # Both implementations take (q, k, v_base, v_lr, lora_b, ..., causal=...); the Triton one has extra tuning options.
+    flash: Callable[..., torch.Tensor]
     if device.type == "cuda":
         from kvprof.kernels.attention_triton import flash_lora_attention_triton as flash
     else:

@@ -377,7 +377,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     ) -> ChunkForward:
         rows = self.adapter_rows(agent)
         tokens = torch.tensor([ids] * (len(rows) if rows else 1), device=self.runtime.device)
-        attention = contextlib.nullcontext()
+        attention: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if context.lora_values is not None:
             attention = use_lora_attention(
                 lora_context(context.lora_values, tokens.shape[0], cache.get_seq_length() + len(ids))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
 
 def line_figure(
-    x: Sequence, series: dict[str, Sequence[float]], title: str, x_title: str, y_title: str, log_y: bool = False
+    x: Sequence, series: Mapping[str, Sequence[float]], title: str, x_title: str, y_title: str, log_y: bool = False
 ) -> go.Figure:
     """One line (with markers) per entry of `series`, all against `x`."""
     figure = go.Figure()
