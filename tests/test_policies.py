@@ -84,6 +84,21 @@ def test_policy_matrix(matrices, mode, variant):
     check_variant(result["policies"][variant.label], result["dense"])
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_records_count_the_traces_tokens(matrices, request, mode):
+    """Each turn's record counts the turn's input and output tokens as the trace holds them (the input is what the
+    agent attended to before decoding)."""
+    trace = read_trace(request.getfixturevalue("lora_trace" if mode == "lora" else "prompt_trace"))
+    expected = [
+        (len(traj.input_tokens(turn)), len(traj.output_tokens(turn)))
+        for traj in trace.trajectories
+        for turn in traj.turns
+    ]
+    result = matrices(mode)
+    for records in [result["dense"]["turns"], *(entry["turns"] for entry in result["policies"].values())]:
+        assert [(turn["input_tokens"], turn["output_tokens"]) for turn in records] == expected
+
+
 @pytest.fixture(scope="module")
 def matrix(matrices):
     return matrices("lora")

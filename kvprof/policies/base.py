@@ -160,10 +160,15 @@ class TurnResult:
 
 @dataclass
 class Prefill(Generic[ContextT]):
-    """The timed first step of a turn: the policy's context and the forward of the chunk over it (TTFT)."""
+    """The timed first step of a turn: the policy's context and the forward of the chunk over it (TTFT).
+
+    input_kv: per layer (K, V), (H_kv, T_in, D), of row 0 over the whole input, taken before decoding appends to
+    the forward's cache; start: the position of the chunk's first token.
+    """
 
     context: ContextT
     forward: ChunkForward
+    input_kv: list[KV]
     start: int
     seconds: float
 
@@ -293,7 +298,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             agent=request.agent,
             output_ids=decoded.output_ids,
             logits=decoded.logits,
-            input_kv=[(keys[0], values[0]) for keys, values in runtime.kv_of(first.forward.cache)],
+            input_kv=first.input_kv,
             prefix_len=first.start - context.reused,
             reused=context.reused,
             from_others=context.from_others,
@@ -336,6 +341,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         return Prefill(
             context=context,
             forward=forward,
+            input_kv=[(keys[0], values[0]) for keys, values in self.runtime.kv_of(forward.cache)],
             start=start,
             seconds=statistics.median(timings[1:] if repeats > 1 else timings),
         )
