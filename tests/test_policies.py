@@ -254,7 +254,8 @@ def test_nonshared_online_replay_reproduces_generate(tiny_world, tmp_path, run_c
 
 def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_agents):
     """Low-rank policies attending through the registered Flash-LoRA-Attention (torch reference on CPU) must give
-    what expanded values give."""
+    what expanded values give: the same outputs, and the same cache error (the values attention effectively uses,
+    V_base + V_lr·B, not the V_base the cache holds)."""
     trajectories = read_trace(lora_trace).trajectories[:1]
     choices = [
         PolicyVariant("prelrshared"),
@@ -267,4 +268,7 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
         for a, b in zip(expanded["policies"][label]["turns"], kernel["policies"][label]["turns"]):
             assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
             assert b["top1_sum"] == a["top1_sum"]
+            for layer_a, layer_b in zip(a["layers"], b["layers"], strict=True):
+                for key in ("k_error", "v_error", "k_cosine", "v_cosine"):
+                    assert layer_b[key] == pytest.approx(layer_a[key], rel=1e-4, abs=1e-6), key
     assert kernel["dense"]["summary"]["kl"] == 0.0

@@ -341,7 +341,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         return Prefill(
             context=context,
             forward=forward,
-            input_kv=[(keys[0], values[0]) for keys, values in self.runtime.kv_of(forward.cache)],
+            input_kv=attended_kv(self.runtime.kv_of(forward.cache), context, start - context.reused),
             start=start,
             seconds=statistics.median(timings[1:] if repeats > 1 else timings),
         )
@@ -392,6 +392,26 @@ class SharingPolicy(ABC, Generic[ContextT]):
             return self.runtime.forward(
                 agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows, last_logits_only=prefill
             )
+
+
+def attended_kv(kv: list[KV], context: Context, prefix_len: int) -> list[KV]:
+    """Per layer (K, V), (H_kv, T_in, D), of batch row 0 as attention effectively uses them: under
+    Flash-LoRA-Attention the cache holds V_base on the reused span and attention adds (P·V_lr)·B, so the values
+    measured there are V_base + V_lr·B (formed in float32, returned in the cache's dtype) — the same values the
+    expanded path caches. For metrics only: outside the timed prefill."""
+    rows = [(keys[0], values[0]) for keys, values in kv]
+    if context.lora_values is None:
+        return rows
+    span = slice(prefix_len, prefix_len + context.reused)
+    for layer, entry in enumerate(context.lora_values):
+        if entry is None:
+            continue
+        keys, values = rows[layer]
+        low_rank = torch.einsum("lr,hrd->hld", entry.v_lr[0].float(), entry.lora_b.float())
+        values = values.clone()
+        values[:, span] = (values[:, span].float() + low_rank).to(values.dtype)
+        rows[layer] = (keys, values)
+    return rows
 
 
 def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraAttentionContext:
