@@ -14,18 +14,29 @@ re-alignment, identity in lora mode); in lora mode the base parts and adapter ou
 matrix over the span's n tokens, either **flattened** (n, H_kv·D), one row per token with all KV heads side by side
 (the default), or **per head** (n, D) for each KV head, with the statistics averaged over heads (`per_head=True`).
 
+Prompt mode adds KVCMAS's own quantity, the delta against the **context-free reference**: every shared segment of a
+pair span is also encoded on its own (its tokens alone at positions 0..n−1, no role prompt, nothing before it), and
+for each agent j holding it, Δ_j = C_{j,seg} − R(C_{ref,seg}), the agent's cache of the segment minus the
+context-free one with its keys re-aligned to the agent's positions. One record per (trajectory, agent, segment).
+Δ_{j←i} = Δ_j − R(Δ_i), so rank(Δ_{j←i}) can reach rank(Δ_j) + rank(Δ_i): the delta between agents is not the
+quantity the paper's rank claim is about.
+
 Statistics (kvprof.metrics): entropy effective rank exp(H(σ/Σσ)), energy ranks at 90 % and 99 % of Σσ², the energy
 spectrum σ²/Σσ² (singular values below the rounding-noise floor of the cache, set as numpy's matrix_rank sets it,
 count as zero: see `noise_floor`); cross-agent cosine per token (mean) and of the flattened matrices; relative norms
-‖Δ‖/‖C_j‖ and ‖adapter output‖/‖C‖. Every (trajectory, pair) counts once in the per-layer means.
+‖Δ‖/‖C_j‖ and ‖adapter output‖/‖C‖. Every (trajectory, pair), and every (trajectory, agent, segment), counts once in
+the per-layer means.
 
 Published claims checked (`claims()`):
 - LRAgent (arXiv:2602.01053): base caches of different agents on the same context have cosine similarity > 0.97,
   while the adapter outputs are largely decorrelated ("low similarity"; kvprof reads "nearly orthogonal" as
   |mean token cosine| < 0.1).
 - KVCMAS (docs/design.md, "Sharing policies"): per-agent delta corrections have effective rank < 32, well below the
-  KV feature dimension; the caches they correct have a somewhat higher effective rank (kvprof compares the delta with
-  the caches C_i, C_j it is taken between).
+  KV feature dimension; the caches they correct have a somewhat higher effective rank. Prompt mode checks both on the
+  context-free deltas Δ_j (the caches: C_{j,seg}), on the records of more than 32 tokens when there are any (shorter
+  segments cannot reach rank 32). Lora-mode agents read the shared span after identical tokens, with no prefix for a
+  context-free reference to leave out: there both are checked on Δ_{j←i} against C_i, C_j, kvprof's extension (not
+  the paper's quantity), and the claims say so.
 """
 
 from __future__ import annotations
@@ -47,6 +58,16 @@ SPECTRUM_LENGTH = 128  # leading entries of each mean energy spectrum kept in re
 LRAGENT_BASE_COSINE = 0.97
 LRAGENT_ORTHOGONAL = 0.1
 KVCMAS_DELTA_RANK = 32.0
+EXTENSION = "kvprof's extension (not the paper's quantity)"
+CONTEXT_FREE_QUANTITY = (
+    "Δ_j = C_j,seg − R(C_ref,seg): an agent's cache of a shared segment minus the segment encoded context-free "
+    "(alone, no prefix), keys re-aligned to the agent's positions (the paper's quantity)"
+)
+BETWEEN_AGENTS_QUANTITY = (
+    "Δ_j←i = C_j − C_i: the difference of two agents' caches of their shared span, "
+    f"{EXTENSION}; the paper's Δ_j is against the context-free encoding of a segment read after an agent's prefix, "
+    "and lora-mode agents read the shared span after identical tokens"
+)
 
 
 # ------------------------------------------------------------------------------------------------- spans
@@ -279,6 +300,77 @@ def compare_pair(
     return out
 
 
+# ------------------------------------------------------------------------------------------------- context-free
+
+
+CONTEXT_FREE_METRICS = {
+    **{
+        f"{q}_{suffix}": f"{label} of {what}"
+        for q, what in (
+            ("cache", "C_j,seg, the agent's cache of the segment"),
+            ("delta", "Δ_j = C_j,seg − R(C_ref,seg), against the context-free encoding"),
+        )
+        for suffix, label in (
+            ("rank", "entropy effective rank"),
+            ("energy90", "energy rank (90 %)"),
+            ("energy99", "energy rank (99 %)"),
+        )
+    },
+    "delta_relative": "‖Δ_j‖/‖C_j,seg‖",
+    "reference_cosine": "mean token cosine of C_j,seg and R(C_ref,seg)",
+}
+
+
+def reference_captures(
+    agents: AgentSet, traj: Trajectory, lengths: dict[str, int], layers: Sequence[int]
+) -> dict[str, TurnCapture]:
+    """The context-free encoding of each segment: its first `lengths[segment id]` tokens alone, at positions
+    0..n−1, with nothing before them and no adapter; {segment id: capture with keys and values (H_kv, n, D)}."""
+    return {
+        seg_id: capture_turn(agents, None, traj.segments[seg_id].tokens[:count], layers=layers, parts=("kv",))
+        for seg_id, count in lengths.items()
+    }
+
+
+def compare_reference(
+    agent: TurnCapture,
+    reference: TurnCapture,
+    start: int,
+    count: int,
+    layer: int,
+    inv_freq: torch.Tensor,
+    per_head: bool,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, PairLayer]:
+    """Δ_j = C_j,seg − R(C_ref,seg) of one agent's segment at one layer, {"K": PairLayer, "V": PairLayer} (see
+    `CONTEXT_FREE_METRICS`), computed in fp64.
+
+    The segment is the agent's rows start..start+count−1; the reference's first `count` rows have their keys rotated
+    by `start` positions onto them. dtype: the model's dtype, for the noise floor (`noise_floor`, from C_j,seg).
+    """
+    own, ref = agent.layers[layer], reference.layers[layer]
+    # Both captures are taken with the "kv" part (`analyze_trace`, `reference_captures`).
+    assert own.keys is not None and own.values is not None, "agent capture lacks keys/values"
+    assert ref.keys is not None and ref.values is not None, "reference capture lacks keys/values"
+    shift = torch.full((count,), start, dtype=torch.long)
+    out = {}
+    for kv in KV_NAMES:
+        is_key = kv == "K"
+        cache = (own.keys if is_key else own.values)[:, start : start + count].double()
+        aligned = _align((ref.keys if is_key else ref.values)[:, :count].double(), shift, inv_freq, is_key)
+        delta = cache - aligned
+        floor = noise_floor(cache, per_head, dtype)
+        stats = {"cache": rank_stats(cache, per_head, floor), "delta": rank_stats(delta, per_head, floor)}
+        values = {
+            **_rank_metrics("cache", [stats["cache"]]),
+            **_rank_metrics("delta", [stats["delta"]]),
+            "delta_relative": metrics.relative_norm(delta, cache),
+            "reference_cosine": similarity(cache, aligned, per_head)[0],
+        }
+        out[kv] = PairLayer(values=values, spectra={name: s["spectrum"].cpu() for name, s in stats.items()})
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- results
 
 
@@ -299,19 +391,94 @@ class PairResult:
 
 
 @dataclass
+class SegmentResult:
+    """One agent's cache of one shared segment against the segment's context-free encoding, in one trajectory, and
+    the per-layer statistics {layer: {"K"|"V": PairLayer}} (see `compare_reference`).
+
+    start: the segment's first position in the agent's sequence; bound: min(tokens, columns), the largest rank any
+    matrix of this record can have.
+    """
+
+    trajectory: str
+    agent: str
+    segment: str
+    start: int
+    tokens: int
+    bound: int
+    layers: dict[int, dict[str, PairLayer]]
+
+
+@dataclass
 class Claim:
-    """A published claim and whether this model, these agents and this trace reproduce it (None: not applicable)."""
+    """A published claim and whether this model, these agents and this trace reproduce it (None: not applicable).
+
+    quantity: what was measured to test it, and whether that is the paper's quantity.
+    """
 
     paper: str
     statement: str
     holds: bool | None
     measured: str
     detail: str = ""
+    quantity: str = ""
+
+
+def _layer_means(
+    results: Sequence[PairResult | SegmentResult], layers: Sequence[int], names: dict[str, str]
+) -> dict[int, dict[str, dict[str, float]]]:
+    """{layer: {"K"|"V": {metric: mean over `results`}}}, metrics in the order of `names` (those present)."""
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for layer in layers:
+        out[layer] = {}
+        for kv in KV_NAMES:
+            records = [result.layers[layer][kv] for result in results]
+            present = [name for name in names if name in records[0].values]
+            out[layer][kv] = {name: sum(r.values[name] for r in records) / len(records) for name in present}
+    return out
+
+
+def _layer_spectra(
+    results: Sequence[PairResult | SegmentResult], layers: Sequence[int]
+) -> dict[int, dict[str, dict[str, list[float]]]]:
+    """{layer: {"K"|"V": {quantity: mean energy spectrum over `results`, first SPECTRUM_LENGTH entries}}}."""
+    out: dict[int, dict[str, dict[str, list[float]]]] = {}
+    for layer in layers:
+        out[layer] = {}
+        for kv in KV_NAMES:
+            records = [result.layers[layer][kv] for result in results]
+            out[layer][kv] = {}
+            for quantity in records[0].spectra:
+                width = max(r.spectra[quantity].numel() for r in records)
+                total = torch.zeros(width, dtype=torch.float64)
+                for r in records:
+                    total[: r.spectra[quantity].numel()] += r.spectra[quantity]
+                out[layer][kv][quantity] = (total / len(records))[:SPECTRUM_LENGTH].tolist()
+    return out
+
+
+def _rounded(values: dict[str, float]) -> dict[str, float]:
+    return {name: round(value, 6) for name, value in values.items()}
+
+
+def _layer_records(
+    means: dict[int, dict[str, dict[str, float]]], spectra: dict[int, dict[str, dict[str, list[float]]]]
+) -> tuple[list[dict], list[dict]]:
+    """Per-layer means and spectra as JSON lists: [{"layer", "K": {...}, "V": {...}}] each."""
+    return (
+        [{"layer": layer, **{kv: _rounded(values) for kv, values in by_kv.items()}} for layer, by_kv in means.items()],
+        [
+            {
+                "layer": layer,
+                **{kv: {q: [round(x, 6) for x in s] for q, s in by_q.items()} for kv, by_q in by_kv.items()},
+            }
+            for layer, by_kv in spectra.items()
+        ],
+    )
 
 
 @dataclass
 class RankAnalysis:
-    """All results of one rank analysis (see module docstring)."""
+    """All results of one rank analysis (see module docstring). segments: the context-free records (prompt mode)."""
 
     mode: str
     agents: list[str]
@@ -320,6 +487,7 @@ class RankAnalysis:
     head_dim: int
     kv_heads: int
     pairs: list[PairResult] = field(default_factory=list)
+    segments: list[SegmentResult] = field(default_factory=list)
 
     @property
     def matrix(self) -> str:
@@ -327,73 +495,59 @@ class RankAnalysis:
             return f"per KV head: (tokens, D={self.head_dim}), statistics averaged over {self.kv_heads} heads"
         return f"flattened: (tokens, H_kv·D={self.kv_heads * self.head_dim}), one row per token"
 
-    def _records(self, layer: int, kv: str) -> list[PairLayer]:
-        return [pair.layers[layer][kv] for pair in self.pairs]
-
     def layer_means(self) -> dict[int, dict[str, dict[str, float]]]:
         """{layer: {"K"|"V": {metric: mean over (trajectory, pair)}}}."""
-        out: dict[int, dict[str, dict[str, float]]] = {}
-        for layer in self.layers:
-            out[layer] = {}
-            for kv in KV_NAMES:
-                records = self._records(layer, kv)
-                names = [name for name in METRICS if name in records[0].values]
-                out[layer][kv] = {name: sum(r.values[name] for r in records) / len(records) for name in names}
-        return out
+        return _layer_means(self.pairs, self.layers, METRICS)
 
     def layer_spectra(self) -> dict[int, dict[str, dict[str, list[float]]]]:
         """{layer: {"K"|"V": {quantity: mean energy spectrum, first SPECTRUM_LENGTH entries}}}."""
-        out: dict[int, dict[str, dict[str, list[float]]]] = {}
-        for layer in self.layers:
-            out[layer] = {}
-            for kv in KV_NAMES:
-                records = self._records(layer, kv)
-                out[layer][kv] = {}
-                for quantity in records[0].spectra:
-                    width = max(r.spectra[quantity].numel() for r in records)
-                    total = torch.zeros(width, dtype=torch.float64)
-                    for r in records:
-                        total[: r.spectra[quantity].numel()] += r.spectra[quantity]
-                    out[layer][kv][quantity] = (total / len(records))[:SPECTRUM_LENGTH].tolist()
-        return out
+        return _layer_spectra(self.pairs, self.layers)
+
+    def context_free_means(
+        self, records: Sequence[SegmentResult] | None = None
+    ) -> dict[int, dict[str, dict[str, float]]]:
+        """{layer: {"K"|"V": {metric: mean over (trajectory, agent, segment)}}} of `records` (default: all)."""
+        return _layer_means(self.segments if records is None else records, self.layers, CONTEXT_FREE_METRICS)
 
     def claims(self) -> list[Claim]:
         """Verdicts for the LRAgent and KVCMAS claims (see module docstring), with the measured values."""
-        means = self.layer_means()
-
-        def over_layers(metric: str, kv: str) -> list[tuple[int, float]]:
-            return [(layer, means[layer][kv][metric]) for layer in self.layers if metric in means[layer][kv]]
-
-        def mean(pairs: list[tuple[int, float]]) -> float:
-            return sum(v for _, v in pairs) / len(pairs)
-
-        claims = []
-        if self.mode == "lora":
-            base = {kv: over_layers("base_cosine", kv) for kv in KV_NAMES}
-            worst = min(((kv, layer, v) for kv in KV_NAMES for layer, v in base[kv]), key=lambda item: item[2])
-            claims.append(
-                Claim(
-                    "LRAgent",
-                    f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
-                    all(mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV_NAMES),
-                    f"K {mean(base['K']):.4f}, V {mean(base['V']):.4f}",
-                    f"mean token cosine over layers; lowest: layer {worst[1]} {worst[0]} {worst[2]:.4f}",
-                )
+        claims = self._lragent_claims(self.layer_means())
+        if self.mode == "prompt":
+            testable = [record for record in self.segments if record.bound > KVCMAS_DELTA_RANK]
+            records = testable or self.segments
+            scope = (
+                f"the {len(testable)} of {len(self.segments)} (trajectory, agent, segment) records of more than "
+                f"{KVCMAS_DELTA_RANK:g} tokens"
+                if testable
+                else f"all {len(records)} (trajectory, agent, segment) records"
             )
-            adapter = {kv: over_layers("adapter_cosine", kv) for kv in KV_NAMES}
-            worst = max(((kv, layer, v) for kv in KV_NAMES for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
-            claims.append(
-                Claim(
-                    "LRAgent",
-                    f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
-                    all(abs(mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV_NAMES),
-                    f"K {mean(adapter['K']):+.4f}, V {mean(adapter['V']):+.4f}",
-                    f"mean token cosine over layers; largest |cosine|: layer {worst[1]} {worst[0]} {worst[2]:+.4f}",
-                )
+            claims += _kvcmas_claims(
+                self.context_free_means(records),
+                self.layers,
+                bound=max(record.bound for record in records),
+                scope=scope,
+                delta="deltas against the context-free reference, Δ_j = C_j,seg − R(C_ref,seg),",
+                cache="the caches C_j,seg",
+                quantity=CONTEXT_FREE_QUANTITY,
             )
         else:
-            cache = {kv: mean(over_layers("cache_cosine", kv)) for kv in KV_NAMES}
-            claims.append(
+            claims += _kvcmas_claims(
+                self.layer_means(),
+                self.layers,
+                bound=max(pair.bound for pair in self.pairs),
+                scope=f"{len(self.pairs)} (trajectory, agent pair) spans",
+                delta="deltas Δ_j←i between agents",
+                cache="the caches C_i, C_j",
+                quantity=BETWEEN_AGENTS_QUANTITY,
+                label=f" [{EXTENSION}]",
+            )
+        return claims
+
+    def _lragent_claims(self, means: dict[int, dict[str, dict[str, float]]]) -> list[Claim]:
+        """LRAgent's two claims in lora mode; one not-applicable claim in prompt mode."""
+        if self.mode != "lora":
+            cache = {kv: _mean(_over_layers(means, self.layers, "cache_cosine", kv)) for kv in KV_NAMES}
+            return [
                 Claim(
                     "LRAgent",
                     "base caches agree across agents and adapter outputs are nearly orthogonal",
@@ -401,46 +555,36 @@ class RankAnalysis:
                     f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
                     "not applicable: prompt-mode agents have no adapters "
                     "(the cache cosine after re-alignment is shown)",
+                    "the caches C_i, C_j of two agents on their shared span, keys re-aligned",
                 )
-            )
-        bound = max(pair.bound for pair in self.pairs)
-        trivial = (
-            f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
-            "little on this trace"
-            if bound <= KVCMAS_DELTA_RANK
-            else ""
-        )
-        delta = {kv: over_layers("delta_rank", kv) for kv in KV_NAMES}
-        worst = max(((kv, layer, v) for kv in KV_NAMES for layer, v in delta[kv]), key=lambda item: item[2])
-        claims.append(
+            ]
+        base = {kv: _over_layers(means, self.layers, "base_cosine", kv) for kv in KV_NAMES}
+        lowest = min(((kv, layer, v) for kv in KV_NAMES for layer, v in base[kv]), key=lambda item: item[2])
+        adapter = {kv: _over_layers(means, self.layers, "adapter_cosine", kv) for kv in KV_NAMES}
+        largest = max(((kv, layer, v) for kv in KV_NAMES for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
+        return [
             Claim(
-                "KVCMAS",
-                f"deltas Δ_j←i have effective rank < {KVCMAS_DELTA_RANK:g}",
-                worst[2] < KVCMAS_DELTA_RANK,
-                f"K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
-                f"mean over layers; highest: layer {worst[1]} {worst[0]} {worst[2]:.2f} (every layer must be < "
-                f"{KVCMAS_DELTA_RANK:g}){trivial}",
-            )
-        )
-        cache = {kv: mean(over_layers("cache_rank", kv)) for kv in KV_NAMES}
-        claims.append(
+                "LRAgent",
+                f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
+                all(_mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV_NAMES),
+                f"K {_mean(base['K']):.4f}, V {_mean(base['V']):.4f}",
+                f"mean token cosine over layers; lowest: layer {lowest[1]} {lowest[0]} {lowest[2]:.4f}",
+                "the base parts X·W0 of two agents' caches on their shared span (the paper's quantity)",
+            ),
             Claim(
-                "KVCMAS",
-                "the caches have higher effective rank than their deltas",
-                all(cache[kv] > mean(delta[kv]) for kv in KV_NAMES),
-                f"C: K {cache['K']:.2f}, V {cache['V']:.2f}; Δ: K {mean(delta['K']):.2f}, V {mean(delta['V']):.2f}",
-                "means over layers",
-            )
-        )
-        return claims
+                "LRAgent",
+                f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
+                all(abs(_mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV_NAMES),
+                f"K {_mean(adapter['K']):+.4f}, V {_mean(adapter['V']):+.4f}",
+                f"mean token cosine over layers; largest |cosine|: layer {largest[1]} {largest[0]} {largest[2]:+.4f}",
+                "the adapter outputs s·X·A·B of two agents on their shared span (the paper's quantity)",
+            ),
+        ]
 
     def to_dict(self) -> dict:
-        """JSON-ready results: settings, per-layer means and spectra, per-pair values, claims."""
-
-        def rounded(values: dict[str, float]) -> dict[str, float]:
-            return {name: round(value, 6) for name, value in values.items()}
-
-        spectra = self.layer_spectra()
+        """JSON-ready results: settings, per-layer means and spectra, per-pair values, context-free records (prompt
+        mode; None in lora mode), claims."""
+        layer_means, spectra = _layer_records(self.layer_means(), self.layer_spectra())
         return {
             "mode": self.mode,
             "agents": self.agents,
@@ -448,20 +592,8 @@ class RankAnalysis:
             "per_head": self.per_head,
             "matrix": self.matrix,
             "metrics": METRICS,
-            "layer_means": [
-                {"layer": layer, **{kv: rounded(values) for kv, values in by_kv.items()}}
-                for layer, by_kv in self.layer_means().items()
-            ],
-            "spectra": [
-                {
-                    "layer": layer,
-                    **{
-                        kv: {q: [round(x, 6) for x in s] for q, s in by_q.items()}
-                        for kv, by_q in spectra[layer].items()
-                    },
-                }
-                for layer in self.layers
-            ],
+            "layer_means": layer_means,
+            "spectra": spectra,
             "pairs": [
                 {
                     "trajectory": p.trajectory,
@@ -470,13 +602,11 @@ class RankAnalysis:
                     "tokens": p.tokens,
                     "bound": p.bound,
                     "segments": p.segments,
-                    "layers": [
-                        {"layer": layer, **{kv: rounded(p.layers[layer][kv].values) for kv in KV_NAMES}}
-                        for layer in self.layers
-                    ],
+                    "layers": _per_layer(p, self.layers),
                 }
                 for p in self.pairs
             ],
+            "context_free": self._context_free_dict() if self.segments else None,
             "claims": [
                 {
                     "paper": c.paper,
@@ -484,10 +614,92 @@ class RankAnalysis:
                     "holds": c.holds,
                     "measured": c.measured,
                     "detail": c.detail,
+                    "quantity": c.quantity,
                 }
                 for c in self.claims()
             ],
         }
+
+    def _context_free_dict(self) -> dict:
+        layer_means, spectra = _layer_records(self.context_free_means(), _layer_spectra(self.segments, self.layers))
+        return {
+            "quantity": CONTEXT_FREE_QUANTITY,
+            "metrics": CONTEXT_FREE_METRICS,
+            "layer_means": layer_means,
+            "spectra": spectra,
+            "segments": [
+                {
+                    "trajectory": r.trajectory,
+                    "agent": r.agent,
+                    "segment": r.segment,
+                    "start": r.start,
+                    "tokens": r.tokens,
+                    "bound": r.bound,
+                    "layers": _per_layer(r, self.layers),
+                }
+                for r in self.segments
+            ],
+        }
+
+
+def _per_layer(result: PairResult | SegmentResult, layers: Sequence[int]) -> list[dict]:
+    return [{"layer": layer, **{kv: _rounded(result.layers[layer][kv].values) for kv in KV_NAMES}} for layer in layers]
+
+
+def _over_layers(
+    means: dict[int, dict[str, dict[str, float]]], layers: Sequence[int], metric: str, kv: str
+) -> list[tuple[int, float]]:
+    return [(layer, means[layer][kv][metric]) for layer in layers if metric in means[layer][kv]]
+
+
+def _mean(values: list[tuple[int, float]]) -> float:
+    return sum(v for _, v in values) / len(values)
+
+
+def _kvcmas_claims(
+    means: dict[int, dict[str, dict[str, float]]],
+    layers: Sequence[int],
+    bound: int,
+    scope: str,
+    delta: str,
+    cache: str,
+    quantity: str,
+    label: str = "",
+) -> list[Claim]:
+    """KVCMAS's two claims on per-layer `means` (with "delta_rank" and "cache_rank") over the records `scope` names.
+
+    bound: the largest rank any of those matrices can have; delta, cache: how the statements name the two quantities;
+    label: appended to both statements.
+    """
+    trivial = (
+        f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
+        "little on this trace"
+        if bound <= KVCMAS_DELTA_RANK
+        else ""
+    )
+    deltas = {kv: _over_layers(means, layers, "delta_rank", kv) for kv in KV_NAMES}
+    highest = max(((kv, layer, v) for kv in KV_NAMES for layer, v in deltas[kv]), key=lambda item: item[2])
+    caches = {kv: _mean(_over_layers(means, layers, "cache_rank", kv)) for kv in KV_NAMES}
+    delta_means = {kv: _mean(deltas[kv]) for kv in KV_NAMES}
+    return [
+        Claim(
+            "KVCMAS",
+            f"{delta} have effective rank < {KVCMAS_DELTA_RANK:g}{label}",
+            highest[2] < KVCMAS_DELTA_RANK,
+            f"K {delta_means['K']:.2f}, V {delta_means['V']:.2f}",
+            f"mean over layers of {scope}; highest: layer {highest[1]} {highest[0]} {highest[2]:.2f} (every layer "
+            f"must be < {KVCMAS_DELTA_RANK:g}){trivial}",
+            quantity,
+        ),
+        Claim(
+            "KVCMAS",
+            f"{cache} have higher effective rank than their deltas{label}",
+            all(caches[kv] > delta_means[kv] for kv in KV_NAMES),
+            f"C: K {caches['K']:.2f}, V {caches['V']:.2f}; Δ: K {delta_means['K']:.2f}, V {delta_means['V']:.2f}",
+            f"means over layers of {scope}",
+            quantity,
+        ),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -512,6 +724,55 @@ def select_agents(trace: Trace, names: Sequence[str] | None) -> list[str]:
             "selected; pass a trace with two or more agents (and --agents with at least two names)."
         )
     return chosen
+
+
+def _context_free_records(
+    agents: AgentSet,
+    traj: Trajectory,
+    spans: Sequence[PairSpan],
+    sequences: dict[str, AgentSequence],
+    captures: dict[str, TurnCapture],
+    layers: Sequence[int],
+    inv_freq: torch.Tensor,
+    per_head: bool,
+    columns: int,
+) -> list[SegmentResult]:
+    """For each captured agent and each segment of its pair spans, its cache of the segment against the segment's
+    context-free encoding (see module docstring): one `SegmentResult` each, agents in `captures` order, segments in
+    the agent's order. columns: of each matrix (H_kv·D flattened, D per head)."""
+    rows: dict[tuple[str, str], tuple[int, int]] = {}
+    for name in captures:
+        held = {seg for span in spans if name in (span.source, span.target) for seg in span.segments}
+        for seg in sorted(held, key=sequences[name].spans.__getitem__):
+            rows[name, seg] = sequences[name].spans[seg]
+    lengths: dict[str, int] = {}
+    for (_, seg), (start, stop) in rows.items():
+        lengths[seg] = max(lengths.get(seg, 0), stop - start)
+    references = reference_captures(agents, traj, lengths, layers)
+    return [
+        SegmentResult(
+            trajectory=traj.id,
+            agent=name,
+            segment=seg,
+            start=start,
+            tokens=stop - start,
+            bound=min(stop - start, columns),
+            layers={
+                layer: compare_reference(
+                    captures[name],
+                    references[seg],
+                    start,
+                    stop - start,
+                    layer,
+                    inv_freq,
+                    per_head,
+                    agents.base_model.dtype,
+                )
+                for layer in layers
+            },
+        )
+        for (name, seg), (start, stop) in rows.items()
+    ]
 
 
 def analyze_trace(
@@ -584,6 +845,10 @@ def analyze_trace(
                             for layer in layers
                         },
                     )
+                )
+            if mode == "prompt":
+                result.segments += _context_free_records(
+                    agents, traj, spans, sequences, captures, layers, inv_freq, per_head, columns
                 )
         if on_trajectory:
             on_trajectory(traj)

@@ -4,27 +4,35 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 import kvprof
 from kvprof.commands import bench, capture, demo, inspect, rank_analysis, replay, report
 from kvprof.errors import KvprofError
 
+USAGE = 2  # exit code of a usage error or a user mistake
+INTERRUPTED = 130
+
 app = typer.Typer(
     name="kvprof",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     help="Profile KV-cache sharing between LLM agents that share one base model (LoRA adapters or role prompts).",
 )
 
 
-@app.callback()
-def _root(version: bool = typer.Option(False, "--version", help="Print the kvprof version and exit.")) -> None:
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="Print the kvprof version and exit."),
+) -> None:
+    """`--version` prints the version; without a command, the help is shown (exit 2: no command ran)."""
     if version:
         typer.echo(f"kvprof {kvprof.__version__}")
         raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(USAGE)
 
 
 app.command("capture")(capture.command)
@@ -47,24 +55,30 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-INTERRUPTED = 130
+def usage_line(err: typer.TyperException) -> str:
+    """A usage error (unknown command or option, bad or missing value) as one line: typer's own message, then
+    where the command's help is."""
+    message = " ".join(err.format_message().split())
+    ctx = getattr(err, "ctx", None)
+    if ctx is None:
+        return f"error: {message}"
+    return f"error: {message}{'' if message.endswith('.') else '.'} See '{ctx.command_path} --help'."
 
 
 def main() -> None:
-    """Entry point: user mistakes (`KvprofError`) print one line and exit 2, without a traceback; Ctrl-C exits 130."""
+    """Entry point: usage errors and user mistakes (`KvprofError`) print one line and exit 2, without a traceback;
+    Ctrl-C exits 130."""
     _quiet_libraries()
     try:
-        code = app(standalone_mode=False)  # typer turns Ctrl-C inside a command into this return value
-    except click.exceptions.Exit as done:
-        sys.exit(done.exit_code)
-    except click.ClickException as usage:
-        usage.show()
-        sys.exit(usage.exit_code)
-    except click.exceptions.Abort:
+        code = app(standalone_mode=False)  # typer turns Ctrl-C inside a command and `typer.Exit` into this value
+    except typer.TyperException as usage:
+        typer.echo(usage_line(usage), err=True)
+        sys.exit(USAGE)
+    except typer.Abort:
         sys.exit(INTERRUPTED)
     except KvprofError as err:
         typer.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        sys.exit(USAGE)
     except KeyboardInterrupt:
         code = INTERRUPTED
     if code == INTERRUPTED:

@@ -24,6 +24,14 @@ def mean_token_cosine(approx: torch.Tensor, dense: torch.Tensor) -> float:
     return float(cos.mean())
 
 
+def reused_from_others(producers: list[str], agent: str, reused: int) -> int:
+    """Reuse, one definition for every policy: of the first `reused` tokens of the shared timeline that a policy
+    served `agent` from stored caches, those another agent processed first (`producers[i]`: the agent whose turn
+    first held timeline token i). Tokens the agent processed itself count as its own, whatever cache serves them;
+    a policy whose agents only attend to caches they computed themselves (NonShared) reuses nothing from others."""
+    return sum(producer != agent for producer in producers[:reused])
+
+
 def kl_divergence(dense_logits: torch.Tensor, policy_logits: torch.Tensor) -> torch.Tensor:
     """Per-position KL(dense ‖ policy) in nats. Logits: (T, vocab) → (T,)."""
     dense_logp = torch.log_softmax(dense_logits.double(), dim=-1)

@@ -76,12 +76,23 @@ def _load_error(what: str, name: str, err: Exception) -> KvprofError:
 
 
 def load_tokenizer(name: str):
+    """The tokenizer of model `name`; refuses one that cannot turn text into token ids and back (kvprof decodes
+    generated tokens to find stop strings and to record each output's text)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
         raise _load_error("tokenizer", name, err) from None
+    try:
+        tokenizer.decode(tokenizer.encode("Question: search[X]\n", add_special_tokens=False))
+    except Exception as err:  # whatever the tokenizer raises, it cannot round-trip text
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
+        raise KvprofError(
+            f"the tokenizer of {name} cannot turn token ids back into text ({reason}), which kvprof needs to find "
+            "stop strings and record outputs; pass --model with a model whose tokenizer decodes."
+        ) from None
+    return tokenizer
 
 
 def tokenizer_identity(tokenizer) -> dict:

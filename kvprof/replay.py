@@ -16,7 +16,14 @@ import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from kvprof.metrics import kl_divergence, mean_token_cosine, relative_frobenius, top1_agreement
+from kvprof.errors import KvprofError
+from kvprof.metrics import (
+    kl_divergence,
+    mean_token_cosine,
+    relative_frobenius,
+    reused_from_others,
+    top1_agreement,
+)
 from kvprof.model import AgentSet
 from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.base import tensor_bytes
@@ -29,26 +36,61 @@ from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
 DENSE = "dense"
 
 
-def compare_turn(result: TurnResult, dense: TurnResult) -> dict:
-    """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced)."""
+class Timeline:
+    """The shared timeline of one trajectory as replay sees it: token ids and, per token, the agent whose turn held
+    it first. Every turn's input after the agent's prefix must extend it: policies serve stored caches by position,
+    so a turn whose tokens differ from the timeline's would be silently mis-replayed — it is refused instead."""
+
+    def __init__(self, trajectory: str):
+        self.trajectory = trajectory
+        self.ids: list[int] = []
+        self.producers: list[str] = []
+
+    def check(self, index: int, agent: str, shared: list[int]) -> None:
+        known = min(len(shared), len(self.ids))
+        if shared[:known] != self.ids[:known]:
+            at = next(i for i in range(known) if shared[i] != self.ids[i])
+            raise KvprofError(
+                f"trajectory {self.trajectory!r} turn {index} ({agent}): its input differs from the tokens earlier "
+                f"turns read at shared position {at}, so its agents do not read one growing timeline; kvprof replays "
+                "traces whose turns extend one shared context — recapture it with kvprof capture."
+            )
+
+    def extend(self, agent: str, tokens: list[int]) -> None:
+        """Record a turn's shared input and outputs (`tokens`, starting at timeline position 0)."""
+        added = tokens[len(self.ids) :]
+        self.ids += added
+        self.producers += [agent] * len(added)
+
+
+def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_outputs: list[int]) -> dict:
+    """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced on
+    `trace_outputs`). `from_others`: reused tokens another agent processed first (`reused_from_others`)."""
     record = {
         "agent": result.agent,
         "input_tokens": result.input_kv[0][0].shape[1],
         "output_tokens": len(result.output_ids),
         "reused": result.reused,
-        "from_others": result.from_others,
+        "from_others": from_others,
+        "adapter_free": result.adapter_free,
         "prefilled": result.prefilled,
         "flops": result.flops,
         "ttft_s": result.ttft_s,
+        "decode_s": result.decode_s,
+        "decode_steps": result.decode_steps,
         "latency_s": result.latency_s,
         "memory_bytes": sum(result.memory.values()),
+        "working_peak_bytes": max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values())),
+        "cuda_peak_bytes": result.cuda_peak_bytes,
     }
     kl = kl_divergence(dense.logits, result.logits)
+    predicted = result.logits.argmax(-1).tolist()
     record.update(
-        kl=float(kl.mean()),
+        kl=float(kl.mean()) if len(kl) else 0.0,
         kl_sum=float(kl.sum()),
         top1_sum=float(top1_agreement(dense.logits, result.logits).sum()),
-        first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()),
+        first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()) if len(kl) else True,
+        trace_agreement_sum=sum(a == b for a, b in zip(predicted, trace_outputs)),
     )
     layers = []
     if result.reused:
@@ -76,6 +118,9 @@ def summarise(turns: list[dict]) -> dict:
     for layer in range(layer_count):
         rows = [t["layers"][layer] for t in reusable]
         per_layer.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0]})
+    decode_s = sum(t["decode_s"] for t in turns)
+    decode_steps = sum(t["decode_steps"] for t in turns)
+    cuda_peaks = [t["cuda_peak_bytes"] for t in turns if t["cuda_peak_bytes"] is not None]
     summary = {
         "turns": len(turns),
         "input_tokens": inputs,
@@ -83,14 +128,21 @@ def summarise(turns: list[dict]) -> dict:
         "kl": sum(t["kl_sum"] for t in turns) / max(outputs, 1),
         "top1": sum(t["top1_sum"] for t in turns) / max(outputs, 1),
         "first_token_match": statistics.fmean(t["first_token_match"] for t in turns) if turns else None,
+        "trace_agreement": sum(t["trace_agreement_sum"] for t in turns) / max(outputs, 1),
         "reuse_per_token": sum(t["from_others"] for t in turns) / max(inputs, 1),
         "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
         "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
+        "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
         "prefilled": sum(t["prefilled"] for t in turns),
         "flops": sum(t["flops"] for t in turns),
         "ttft_s": sum(t["ttft_s"] for t in turns),
+        "decode_s": decode_s,
+        "tpot_s": decode_s / decode_steps if decode_steps else None,
+        "decode_tokens_per_s": decode_steps / decode_s if decode_s else None,
         "latency_s": sum(t["latency_s"] for t in turns),
         "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
+        "peak_working_bytes": max((t["working_peak_bytes"] for t in turns), default=0),
+        "cuda_peak_bytes": max(cuda_peaks) if cuda_peaks else None,
         "layers": per_layer,
         "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
         "v_error": statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
@@ -100,15 +152,19 @@ def summarise(turns: list[dict]) -> dict:
 
 
 def relative_to_dense(summary: dict, dense: dict) -> dict:
-    """Speed-ups and memory ratio against the dense run measured in the same replay."""
+    """Speed-ups and memory ratios against the dense run measured in the same replay."""
+
+    def ratio(numerator, denominator):
+        return numerator / denominator if numerator is not None and denominator else None
+
     return {
-        "ttft_speedup": dense["ttft_s"] / summary["ttft_s"] if summary["ttft_s"] else None,
-        "latency_speedup": dense["latency_s"] / summary["latency_s"] if summary["latency_s"] else None,
-        "prefill_speedup_implied": dense["prefilled"] / summary["prefilled"] if summary["prefilled"] else None,
-        "flops_ratio": summary["flops"] / dense["flops"] if dense["flops"] else None,
-        "memory_ratio": (
-            summary["peak_memory_bytes"] / dense["peak_memory_bytes"] if dense["peak_memory_bytes"] else None
-        ),
+        "ttft_speedup": ratio(dense["ttft_s"], summary["ttft_s"]),
+        "tpot_speedup": ratio(dense["tpot_s"], summary["tpot_s"]),
+        "latency_speedup": ratio(dense["latency_s"], summary["latency_s"]),
+        "prefill_speedup_implied": ratio(dense["prefilled"], summary["prefilled"]),
+        "flops_ratio": ratio(summary["flops"], dense["flops"]),
+        "memory_ratio": ratio(summary["peak_memory_bytes"], dense["peak_memory_bytes"]),
+        "working_memory_ratio": ratio(summary["peak_working_bytes"], dense["peak_working_bytes"]),
     }
 
 
@@ -169,19 +225,29 @@ def replay_trace(
         dense.reset()
         for policy in policies:
             policy.reset()
+        timeline = Timeline(traj.id)
         for index, turn in enumerate(traj.turns):
-            request = TurnRequest(
-                agent=turn.agent, input_ids=traj.input_tokens(turn), output_ids=traj.output_tokens(turn)
-            )
+            outputs = traj.output_tokens(turn)
+            request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn), output_ids=outputs)
+            shared = request.input_ids[len(runtime.prefix(turn.agent)) :]
+            timeline.check(index, turn.agent, shared)
             dense_result = dense.run_turn(request, repeats)
             where = {"trajectory": traj.id, "turn": index}
-            state.records[DENSE].append(compare_turn(dense_result, dense_result) | where)
+            state.records[DENSE].append(compare_turn(dense_result, dense_result, 0, outputs) | where)
             for policy in policies:
                 turn_result = policy.run_turn(request, repeats)
-                state.records[policy.label].append(compare_turn(turn_result, dense_result) | where)
+                from_others = (
+                    reused_from_others(timeline.producers, turn.agent, turn_result.reused)
+                    if policy.serves_others
+                    else 0
+                )
+                state.records[policy.label].append(
+                    compare_turn(turn_result, dense_result, from_others, outputs) | where
+                )
                 if check_memory:
                     exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
                     state.memory_exact[policy.label] = state.memory_exact.get(policy.label, True) and exact
+            timeline.extend(turn.agent, shared + outputs)
             if on_turn:
                 on_turn(traj, index)
         state.trajectories.append(traj.id)

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.generation.stopping_criteria import StopStringCriteria
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.lora import HiddenTap, layer_splits
 from kvprof.model import AgentSet, head_dim
 from kvprof.rope import rotary_embedding
+from kvprof.stopping import StopStrings
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -66,7 +66,7 @@ class Runtime:
             self.prefixes = {
                 a.name: agents.tokenizer.encode(a.prompt, add_special_tokens=False) for a in agents.spec.agents
             }
-        self._stop = StopStringCriteria(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
+        self._stop = StopStrings(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
         self.linear_params = sum(
             p.numel()
             for name, p in agents.base_model.named_parameters()
@@ -77,6 +77,11 @@ class Runtime:
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in the cache, over all layers: 2·layers·H_kv·D·itemsize."""
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        """Bytes of one token's captured attention inputs X over all layers: layers·d_model·itemsize."""
+        return self.num_layers * self.hidden_size * self.dtype.itemsize
 
     def prefix(self, agent: str) -> list[int]:
         """The agent's private prefix tokens (its role prompt in prompt mode)."""
@@ -141,13 +146,12 @@ class Runtime:
                 hidden.append(h.detach())
         return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache)
 
-    def stops(self, sequence: list[int], new_tokens: list[int], max_new: int) -> bool:
-        """transformers' own stopping rules for greedy generation: EOS, a stop string, or the token budget."""
+    def stops(self, new_tokens: list[int], max_new: int) -> bool:
+        """Capture's stopping rules, for greedy generation: EOS, a stop string in the text of `new_tokens`
+        (`kvprof.stopping`), or the token budget."""
         if len(new_tokens) >= max_new or new_tokens[-1] == self.agents.tokenizer.eos_token_id:
             return True
-        if self._stop is None:
-            return False
-        return bool(self._stop(torch.tensor([sequence]), None)[0])
+        return self._stop is not None and self._stop.found(new_tokens)
 
     def flops(self, tokens: int, context: int) -> float:
         """Analytic forward FLOPs of `tokens` new tokens after `context` cached ones: 2·params per token in the

@@ -1,9 +1,10 @@
 """Import shape-only traces: CSV rows `agent,prefill_len,decode_len` (the form public efficiency benchmarks use).
 
 Each row is one turn: `prefill_len` new input tokens appended to the shared context (segment `in:K`), then
-`decode_len` output tokens (segment `out:AGENT:K`); the turn reads everything before it. An optional fourth column
-`trajectory` splits rows into several trajectories. Tokens are synthesised deterministically from the seed, drawn
-from the tokenizer's ordinary (non-special) ids.
+`decode_len` output tokens (segment `out:AGENT:K`); the turn reads every shared segment before it, after the agent's
+role prompt (a private segment `prompt:AGENT`) when the agents of a prompt-mode workflow are given. An optional
+fourth column `trajectory` splits rows into several trajectories. Tokens are synthesised deterministically from the
+seed, drawn from the tokenizer's ordinary (non-special) ids.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.spec import AgentSpec, WorkflowSpec
 from kvprof.trace import Segment, Trace, TraceHeader, Trajectory, Turn
 
 COLUMNS = ("agent", "prefill_len", "decode_len")
@@ -54,10 +56,25 @@ def read_shape_rows(path: str | Path) -> list[tuple[str, str, int, int]]:
 
 
 def import_shape_csv(
-    path: str | Path, tokenizer, identity: dict, model_name: str, seed: int = 0, mode: str = "lora"
+    path: str | Path,
+    tokenizer,
+    identity: dict,
+    model_name: str,
+    seed: int = 0,
+    mode: str = "lora",
+    spec: WorkflowSpec | None = None,
 ) -> Trace:
-    """Build a trace from a shape CSV (see module docstring)."""
+    """Build a trace from a shape CSV (see module docstring). Its header declares the CSV's agents by name, in
+    `mode`; with `spec` (the agents' workflow: adapters or role prompts), it records that workflow instead, as a
+    capture does, so that replay finds the agents' adapters; every agent of the CSV must then be one of its agents."""
     rows = read_shape_rows(path)
+    if spec is not None:
+        unknown = sorted({agent for _, agent, _, _ in rows} - set(spec.names))
+        if unknown:
+            raise KvprofError(
+                f"shape CSV {path} has turns of agent {', '.join(map(repr, unknown))}, which the workflow does not "
+                f"define (its agents: {', '.join(spec.names)}); rename them in the CSV or add them to the workflow."
+            )
     special = set(tokenizer.all_special_ids)
     ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     generator = torch.Generator().manual_seed(seed)
@@ -68,7 +85,7 @@ def import_shape_csv(
             agents.append(agent)
         traj = trajectories.setdefault(traj_id, Trajectory(id=traj_id, segments={}, turns=[]))
         index = len(traj.turns)
-        inputs = list(traj.segments)  # every earlier segment, in creation order
+        inputs = [seg_id for seg_id, seg in traj.segments.items() if seg.scope == "shared"]  # in creation order
         if prefill:
             seg_id = f"in:{index}"
             traj.segments[seg_id] = _synthetic(ordinary, prefill, generator, tokenizer, "synthetic")
@@ -78,6 +95,8 @@ def import_shape_csv(
                 f"shape CSV {path}: the first turn of trajectory {traj_id!r} has prefill_len 0, so it "
                 "would read nothing; give it a positive prefill_len."
             )
+        if spec is not None and spec.mode == "prompt":
+            inputs.insert(0, _role_prompt(traj, spec.agent(agent), tokenizer))
         output = f"out:{agent}:{index}"
         traj.segments[output] = _synthetic(ordinary, decode, generator, tokenizer, "output", producer=agent)
         traj.turns.append(Turn(agent=agent, input=inputs, output=output))
@@ -85,9 +104,20 @@ def import_shape_csv(
         model={"path": model_name},
         tokenizer=identity,
         source=f"shape-csv:{Path(path).name}",
-        workflow={"mode": mode, "agents": [{"name": name} for name in agents]},
+        workflow=spec.to_dict() if spec is not None else {"mode": mode, "agents": [{"name": name} for name in agents]},
     )
     return Trace(header=header, trajectories=list(trajectories.values()))
+
+
+def _role_prompt(traj: Trajectory, agent: AgentSpec, tokenizer) -> str:
+    """The id of `agent`'s role prompt segment in `traj`, added on its first turn as a capture lays it out."""
+    seg_id = f"prompt:{agent.name}"
+    if seg_id not in traj.segments:
+        # A prompt-mode spec gives every agent a role prompt (`kvprof.spec` refuses one that does not).
+        assert agent.prompt is not None, f"prompt-mode agent {agent.name!r} has no role prompt"
+        tokens = tokenizer.encode(agent.prompt, add_special_tokens=False)
+        traj.segments[seg_id] = Segment(kind="prompt", scope="private", tokens=tokens, text=agent.prompt)
+    return seg_id
 
 
 def _synthetic(

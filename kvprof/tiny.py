@@ -1,11 +1,19 @@
-"""A tiny, untrained world built locally from a config: tokenizer, Llama model, LoRA adapters, tasks, workflows.
+"""A tiny, untrained world built locally from a config: tokenizer, model, LoRA adapters, tasks, workflows.
 
 For tests and for trying commands without the demo world: nothing is downloaded. Outputs of an untrained model are
 noise, but every code path (loading, adapters, generation, traces) is real.
 
-    python -m kvprof.tiny DIR      # writes DIR/model, DIR/adapters/{plan,act,reflect}, DIR/adapters_shared_a/...,
-                                   # DIR/tasks.jsonl,
-                                   # DIR/workflow_lora.toml, DIR/workflow_prompt.toml
+The model is one of `ARCHITECTURES` (same sizes, tokenizer, adapters, tasks and workflows for each):
+
+- `llama` (the default): no projection biases, RoPE θ = 10⁴.
+- `qwen2`: q/k/v projections with biases, drawn random normal after init (an initialised Qwen2 has zero biases, which
+  would leave every bias code path untested); RoPE θ = 10⁶, as Qwen2 ships.
+- `mistral`: sliding-window attention with a window (`MISTRAL_WINDOW`) longer than any tiny sequence, so results equal
+  full attention while the model runs its sliding-window masks and cache layers; RoPE θ = 10⁶.
+
+    python -m kvprof.tiny DIR [ARCH]   # writes DIR/model, DIR/adapters/{plan,act,reflect}, DIR/adapters_shared_a/...,
+                                       # DIR/tasks.jsonl,
+                                       # DIR/workflow_lora.toml, DIR/workflow_prompt.toml
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from pathlib import Path
 import torch
 
 AGENTS = ("plan", "act", "reflect")
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+MISTRAL_WINDOW = 4096  # tokens; longer than any sequence the tiny world produces
+BIAS_STD = 0.1  # of the random q/k/v biases, comparable to X·W0 (std ≈ 0.16 in the tiny model)
 CORPUS = [
     "Question: Where was the father of Kalomir born? plan: search Kalomir, then his father.",
     "act: search[Kalomir] Observation: Kalomir is a painter with father Tevren and birthplace Norvash.",
@@ -71,10 +82,19 @@ def build_tokenizer(vocab_size: int = 384):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
 
 
-def tiny_config(vocab_size: int, eos_id: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
-    from transformers import LlamaConfig
+def tiny_config(
+    vocab_size: int,
+    eos_id: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    arch: str = "llama",
+):
+    """The transformers config of a tiny model of architecture `arch` (one of `ARCHITECTURES`)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    return LlamaConfig(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -87,6 +107,27 @@ def tiny_config(vocab_size: int, eos_id: int, hidden: int = 64, layers: int = 2,
         pad_token_id=eos_id,
         tie_word_embeddings=False,
     )
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_parameters=rope)
+    if arch == "mistral":
+        return MistralConfig(**common, head_dim=hidden // heads, sliding_window=MISTRAL_WINDOW, rope_parameters=rope)
+    raise ValueError(f"unknown architecture {arch!r}; use one of {', '.join(ARCHITECTURES)}")
+
+
+def build_model(config):
+    """An initialised causal LM for `config` (seeded by the caller), with non-zero random q/k/v biases if it has
+    biases (see module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                parameter.normal_(0.0, BIAS_STD)
+    return model
 
 
 def build_adapter(
@@ -118,15 +159,13 @@ def build_adapter(
     return peft_model.unload()
 
 
-def build_tiny_world(root: str | Path, seed: int = 0) -> TinyWorld:
-    """Write the tiny world under `root` (see module docstring) and return its paths."""
-    from transformers import LlamaForCausalLM
-
+def build_tiny_world(root: str | Path, seed: int = 0, arch: str = "llama") -> TinyWorld:
+    """Write the tiny world of architecture `arch` under `root` (see module docstring) and return its paths."""
     world = TinyWorld(Path(root))
     world.root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(len(tokenizer), tokenizer.eos_token_id)).eval()
+    model = build_model(tiny_config(len(tokenizer), tokenizer.eos_token_id, arch=arch))
     model.save_pretrained(world.model)
     tokenizer.save_pretrained(world.model)
     for index, name in enumerate(AGENTS):
@@ -161,6 +200,6 @@ def build_tiny_world(root: str | Path, seed: int = 0) -> TinyWorld:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m kvprof.tiny DIR")
-    print(build_tiny_world(sys.argv[1]).root)
+    if len(sys.argv) not in (2, 3) or sys.argv[2:] and sys.argv[2] not in ARCHITECTURES:
+        sys.exit(f"usage: python -m kvprof.tiny DIR [{'|'.join(ARCHITECTURES)}]")
+    print(build_tiny_world(sys.argv[1], arch=sys.argv[2] if len(sys.argv) == 3 else "llama").root)

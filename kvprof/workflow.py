@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from transformers import StoppingCriteriaList
 
 from kvprof.errors import KvprofError
 from kvprof.model import AgentSet
 from kvprof.spec import WorkflowSpec
+from kvprof.stopping import StopStrings
 from kvprof.trace import Segment, Trajectory, Turn
 
 
@@ -143,7 +145,8 @@ def generate(
     spec: WorkflowSpec,
     sampling: Sampling,
 ) -> list[int]:
-    """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included).
+    """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included); a
+    stop string ends the call once the generated text contains it (`kvprof.stopping`).
 
     `agent` None runs the base model with adapters disabled (`AgentSet.activate`)."""
     tokenizer = agents.tokenizer
@@ -152,7 +155,7 @@ def generate(
     if sampling.temperature > 0:
         kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
     if spec.stop:
-        kwargs.update(stop_strings=list(spec.stop), tokenizer=tokenizer)
+        kwargs.update(stopping_criteria=StoppingCriteriaList([StopStrings(tokenizer, spec.stop, len(input_ids))]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
         with agents.activate(agent), torch.inference_mode():

@@ -228,3 +228,112 @@ def test_resume_refuses_another_capture_s_checkpoint(run_cli, tiny_world, tmp_pa
         "--resume",
     )
     _one_line_error(code, out, err, "trace.partial.jsonl", "not the first tasks of --tasks")
+
+
+def _model_with_tokenizer(tokenizer, path):
+    """A tiny untrained model directory with `tokenizer` (vocabulary and EOS sized to it)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config(len(tokenizer), tokenizer.eos_token_id)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _tokenizer_without_newline():
+    """A Metaspace BPE whose vocabulary has no "\\n" (it encodes as <unk>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvprof.tiny import CORPUS
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.decoder = decoders.Metaspace()
+    bpe.train_from_iterator(
+        CORPUS * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"], show_progress=False)
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
+    assert "\n" not in tokenizer.decode(tokenizer.encode("a\nb"))
+    return tokenizer
+
+
+def _tokenizer_without_decoder():
+    """A byte-level BPE without a decoder: transformers' StopStringCriteria cannot map its vocabulary to text."""
+    from kvprof.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.backend_tokenizer.decoder = None
+    return tokenizer
+
+
+@pytest.mark.parametrize("make_tokenizer", [_tokenizer_without_decoder, _tokenizer_without_newline])
+def test_capture_and_replay_with_any_tokenizer(run_cli, tiny_world, tmp_path, make_tokenizer):
+    """Stop strings are found in the decoded text, so tokenizers transformers' stop-string matching fails on
+    capture (transformers' generate) and replay online (greedy decoding in the runtime)."""
+    model = _model_with_tokenizer(make_tokenizer(), tmp_path / "model")
+    code, _, err = run_cli(
+        "capture", "--model", model, "--tasks", tiny_world.tasks, "--workflow", tiny_world.prompt_workflow,
+        "--limit", "1", "--out", tmp_path / "capture", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, err
+    trace = tmp_path / "capture" / "trace.jsonl"
+    assert run_cli("inspect", trace, "--model", model)[0] == 0
+    code, _, err = run_cli(
+        "replay", trace, "--policy", "fullshared", "--online", "--repeats", "1", "--out", tmp_path / "replay",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, err
+
+
+def test_capture_refuses_a_tokenizer_that_cannot_decode(run_cli, tiny_world, tmp_path, monkeypatch):
+    from kvprof.model import load_tokenizer
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("this tokenizer has no decoder")
+
+    monkeypatch.setattr(type(load_tokenizer(str(tiny_world.model))), "decode", decode)
+    _one_line_error(
+        *_capture(run_cli, tiny_world, tmp_path, "--workflow", tiny_world.lora_workflow),
+        "cannot turn token ids back into text (NotImplementedError: this tokenizer has no decoder)",
+        "pass --model with a model whose tokenizer decodes",
+    )
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_shape_import_records_the_workflow_s_agents(run_cli, tiny_world, tmp_path):
+    """With --workflow, a --shapes trace records the agents' adapters (or role prompts), so replay needs no
+    --agent; CSV agents the workflow does not define, and a contradicting --mode, are refused."""
+    csv_path = tmp_path / "s.csv"
+    csv_path.write_text("agent,prefill_len,decode_len\nplan,20,4\nact,6,3\nreflect,5,2\n")
+    for mode, workflow in (("lora", tiny_world.lora_workflow), ("prompt", tiny_world.prompt_workflow)):
+        out = tmp_path / mode
+        code, _, err = run_cli(
+            "capture", "--model", tiny_world.model, "--shapes", csv_path, "--workflow", workflow, "--out", out
+        )
+        assert code == 0, err
+        trace = read_trace(out / "trace.jsonl")
+        assert trace.header.mode == mode and trace.header.source == "shape-csv:s.csv"
+        if mode == "lora":
+            adapters = {agent["name"]: agent["adapter"] for agent in trace.header.workflow["agents"]}
+            assert adapters["act"] == str(tiny_world.adapter("act").resolve())
+        else:
+            turn = trace.trajectories[0].turns[1]
+            assert turn.input[0] == "prompt:act" and "prompt:plan" not in turn.input
+        code, _, err = run_cli(
+            "replay", out / "trace.jsonl", "--policy", "fullshared", "--limit", "1", "--repeats", "1",
+            "--out", out / "replay", "--device", "cpu",
+        )  # fmt: skip
+        assert code == 0, err
+    csv_path.write_text("agent,prefill_len,decode_len\ncritic,20,4\n")
+    shapes = ("capture", "--model", tiny_world.model, "--shapes", csv_path, "--out", tmp_path / "bad")
+    _one_line_error(
+        *run_cli(*shapes, "--workflow", tiny_world.lora_workflow),
+        "has turns of agent 'critic', which the workflow does not define (its agents: plan, act, reflect)",
+    )
+    _one_line_error(
+        *run_cli(*shapes, "--workflow", tiny_world.prompt_workflow, "--mode", "lora"),
+        "--mode lora contradicts the agents, which are in prompt mode",
+    )
+    assert not (tmp_path / "bad").exists()

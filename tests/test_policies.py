@@ -270,5 +270,5 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
             assert b["top1_sum"] == a["top1_sum"]
             for layer_a, layer_b in zip(a["layers"], b["layers"], strict=True):
                 for key in ("k_error", "v_error", "k_cosine", "v_cosine"):
-                    assert layer_b[key] == pytest.approx(layer_a[key], rel=1e-4, abs=1e-6), key
+                    assert layer_b[key] == pytest.approx(layer_a[key], rel=0, abs=1e-5), key
     assert kernel["dense"]["summary"]["kl"] == 0.0

@@ -100,9 +100,11 @@ def test_policy_all_sweeps_every_declared_option_value():
     for cls in REGISTRY.values():
         for key, option in cls.options.items():
             for value in option.sweep or (option.default,):
-                assert any(
-                    label.startswith(cls.name) and f"-{option.label(key, value)}" in label for label in labels
-                ), (cls.name, key, value)
+                assert any(label.startswith(cls.name) and option.label(key, value) in label for label in labels), (
+                    cls.name,
+                    key,
+                    value,
+                )
     assert "baseshared-incremental" in labels and "rebaseshared-db" in labels
     assert labels[-1] == "nonshared"
 
@@ -159,3 +161,4 @@ def test_variant_labels_match_built_policies(lora_trace):
             continue
         assert variant.build(runtime).label == variant.label
     assert PolicyVariant("rebaseshared", {"schedule": "db"}).label == "rebaseshared-db"
+    assert PolicyVariant("rebaseshared", {"own_lr": "neutral"}).label == "rebaseshared-lp-neutral"

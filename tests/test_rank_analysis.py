@@ -11,10 +11,11 @@ import scipy.linalg
 import scipy.stats
 import torch
 
-from kvprof.analysis import agent_sequence, analyze_trace, pair_span, select_agents
+from kvprof.analysis import EXTENSION, agent_sequence, analyze_trace, pair_span, select_agents
 from kvprof.commands.rank_analysis import parse_layers
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
+from kvprof.rope import rotary_embedding, rotate_keys
 from kvprof.trace import Trace, read_trace, write_trace
 
 
@@ -115,6 +116,70 @@ def test_prompt_mode_realigns_keys_before_subtracting(prompt_analysis):
     assert len(lragent) == 1 and lragent[0].holds is None
 
 
+def _flat(states: torch.Tensor) -> np.ndarray:
+    """(H, n, D) → (n, H·D) float64, one row per token."""
+    return states.permute(1, 0, 2).reshape(states.shape[1], -1).numpy().astype(np.float64)
+
+
+def test_prompt_mode_deltas_against_the_context_free_reference(prompt_analysis):
+    agents, trace, result = prompt_analysis
+    # one record per agent and segment of its pair spans, at the segment's offset in what the agent holds
+    expected = {(p.trajectory, name, seg) for p in result.pairs for name in (p.source, p.target) for seg in p.segments}
+    assert {(r.trajectory, r.agent, r.segment) for r in result.segments} == expected
+    trajectories = {traj.id: traj for traj in trace.trajectories}
+    for record in result.segments:
+        assert agent_sequence(trajectories[record.trajectory], record.agent).spans[record.segment] == (
+            record.start,
+            record.start + record.tokens,
+        )
+    means = result.context_free_means()
+    for kv in ("K", "V"):
+        # layer 0 sees only token embeddings: the segment's cache is its context-free encoding, re-aligned
+        assert means[0][kv]["delta_rank"] == 0.0 and means[0][kv]["delta_relative"] < 1e-5
+        assert means[0][kv]["reference_cosine"] == pytest.approx(1.0, abs=1e-6) and means[0][kv]["cache_rank"] > 1
+        # layer 1 attends over the role prompt and the context before the segment, which the reference lacks
+        assert means[1][kv]["delta_relative"] > 1e-3 and means[1][kv]["delta_rank"] > 1
+    # one record, computed independently: the agent's own prefill against the segment prefilled alone
+    record = max(result.segments, key=lambda r: (r.start > 0, r.tokens))
+    traj = trajectories[record.trajectory]
+    turn = [t for t in traj.turns if t.agent == record.agent][-1]
+    with torch.no_grad():
+        own = agents.model(input_ids=torch.tensor([traj.input_tokens(turn) + traj.output_tokens(turn)])).cache
+        alone = agents.model(input_ids=torch.tensor([traj.segments[record.segment].tokens[: record.tokens]])).cache
+    inv_freq = rotary_embedding(agents.base_model).inv_freq
+    rows = slice(record.start, record.start + record.tokens)
+    for kv, attr in (("K", "keys"), ("V", "values")):
+        cache = getattr(own.layers[1], attr)[0, :, rows]
+        reference = getattr(alone.layers[1], attr)[0]
+        if kv == "K":
+            reference = rotate_keys(reference, record.start, inv_freq)
+        delta = _flat(cache) - _flat(reference)
+        values = record.layers[1][kv].values
+        assert values["delta_rank"] == pytest.approx(_numpy_effective_rank(delta, _flat(cache)), abs=1e-5)
+        assert values["delta_relative"] == pytest.approx(np.linalg.norm(delta) / np.linalg.norm(_flat(cache)), rel=1e-5)
+    # the KVCMAS verdicts name the context-free delta, the paper's quantity; the tiny world's segments are short
+    kvcmas = [c for c in result.claims() if c.paper == "KVCMAS"]
+    assert len(kvcmas) == 2
+    assert all("context-free" in c.quantity and "the paper's quantity" in c.quantity for c in kvcmas)
+    assert "context-free reference" in kvcmas[0].statement and EXTENSION not in kvcmas[0].statement
+    layer_mean = {kv: sum(means[layer][kv]["delta_rank"] for layer in (0, 1)) / 2 for kv in ("K", "V")}
+    assert kvcmas[0].measured == f"K {layer_mean['K']:.2f}, V {layer_mean['V']:.2f}"
+    assert "all" in kvcmas[0].detail and "no matrix here can have rank above" in kvcmas[0].detail
+    payload = result.to_dict()["context_free"]
+    assert [entry["layer"] for entry in payload["layer_means"]] == [0, 1]
+    assert len(payload["segments"]) == len(result.segments) and "delta_rank" in payload["metrics"]
+
+
+def test_lora_mode_labels_the_delta_between_agents_as_kvprofs_extension(lora_analysis):
+    _, _, result = lora_analysis
+    assert result.segments == [] and result.to_dict()["context_free"] is None
+    for claim in result.claims():
+        if claim.paper == "KVCMAS":
+            assert claim.statement.endswith(f"[{EXTENSION}]") and EXTENSION in claim.quantity
+        else:
+            assert "the paper's quantity" in claim.quantity
+
+
 def test_per_head_max_tokens_and_agent_subset(lora_trace):
     _, _, result = _analyze(lora_trace, names=["plan", "reflect"], layers=[1], max_tokens=40, per_head=True)
     assert result.layers == [1] and result.agents == ["plan", "reflect"]
@@ -140,6 +205,7 @@ def test_cli_prints_tables_verdicts_and_writes_results(run_cli, lora_trace, tmp_
     assert result["schema"] == "kvprof.result.rank_analysis" and result["layers"] == [0, 1]
     assert result["mode"] == "lora" and len(result["claims"]) == 4 and len(result["layer_means"]) == 2
     assert {"delta_rank", "base_cosine", "adapter_cosine"} <= set(result["layer_means"][0]["K"])
+    assert result["context_free"] is None and all(claim["quantity"] for claim in result["claims"])
     page = (tmp_path / "rank_analysis.html").read_text()
     assert page.count("Plotly.newPlot") == 8 and "published claims" in page  # 2 curves, 2 spectra, 4 heatmaps
     # `kvprof report` renders the same result file
@@ -151,22 +217,14 @@ def test_cli_prints_tables_verdicts_and_writes_results(run_cli, lora_trace, tmp_
 
 def test_cli_is_deterministic(run_cli, prompt_trace, tmp_path):
     for name in ("a", "b"):
-        assert (
-            run_cli(
-                "rank-analysis",
-                prompt_trace,
-                "--out",
-                tmp_path / name,
-                "--layers",
-                "1",
-                "--device",
-                "cpu",
-                "--seed",
-                "3",
-            )[0]
-            == 0
+        code, out, err = run_cli(
+            "rank-analysis", prompt_trace, "--out", tmp_path / name, "--layers", "1", "--device", "cpu", "--seed", "3"
         )
+        assert code == 0, err
+        assert "delta against the context-free reference per layer, prompt mode" in out
+        assert out.count("KVCMAS: deltas against the context-free reference") == 1
     first, second = (json.loads((tmp_path / name / "rank_analysis.json").read_text()) for name in ("a", "b"))
+    assert [entry["layer"] for entry in first["context_free"]["layer_means"]] == [1]
     for key in ("created", "seconds", "args"):  # args differ by --out only
         first.pop(key), second.pop(key)
     assert first == second

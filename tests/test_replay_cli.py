@@ -160,3 +160,37 @@ def test_report_refuses_non_results(run_cli, tmp_path):
     assert code == 2 and "is not a kvprof result" in err
     code, _, err = run_cli("report", tmp_path / "missing.json")
     assert code == 2 and "does not exist" in err
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(run_cli, lora_trace, tmp_path, monkeypatch):
+    """A replay interrupted after its first trajectory resumes only with the settings its checkpoint was made
+    with; with them it completes, replaying only the rest."""
+    import kvprof.commands.replay as replay_command
+
+    write_json = replay_command.write_json
+
+    def write_then_interrupt(path, payload):
+        write_json(path, payload)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_command, "write_json", write_then_interrupt)
+    args = ("replay", lora_trace, "--limit", "2", "--out", tmp_path, "--device", "cpu")
+    code, _, err = run_cli(*args, "--policy", "fullshared", "--repeats", "1")
+    checkpoint = tmp_path / "replay.partial.json"
+    assert code == 130 and checkpoint.exists() and not (tmp_path / "replay.json").exists()
+    monkeypatch.undo()
+    for other, difference in (
+        (("--policy", "prelrshared", "--repeats", "1"), "(--policy fullshared, not prelrshared)"),
+        (("--policy", "fullshared", "--repeats", "2"), "(--repeats 1, not 2)"),
+        (("--policy", "fullshared", "--repeats", "1", "--dtype", "bfloat16"), "(--dtype float32, not bfloat16)"),
+    ):
+        code, out, err = run_cli(*args, *other, "--resume")
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and "Traceback" not in out + err and len(lines) == 1, err
+        assert f"replay.partial.json was made with other settings {difference}" in lines[0]
+    code, out, err = run_cli(*args, "--policy", "fullshared", "--repeats", "1", "--resume")
+    assert code == 0, err
+    assert "resuming after 1 replayed trajectories" in out and not checkpoint.exists()
+    trajectories = read_trace(lora_trace).trajectories[:2]
+    result = json.loads((tmp_path / "replay.json").read_text())
+    assert len(result["policies"]["fullshared"]["turns"]) == sum(len(t.turns) for t in trajectories)

@@ -33,6 +33,7 @@ from kvprof.errors import KvprofError
 from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
 from kvprof.report.capture import trace_table
 from kvprof.shapes import import_shape_csv
+from kvprof.spec import build_spec
 from kvprof.trace import TraceHeader, Trajectory, write_trace
 from kvprof.workflow import Sampling, Task, load_tasks
 
@@ -62,7 +63,14 @@ def command(
             "tokens are synthesised from --seed.",
         ),
     ] = None,
-    mode: Annotated[str, typer.Option("--mode", help="Mode recorded for a --shapes import: lora or prompt.")] = "lora",
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            "--mode",
+            help="Mode recorded for a --shapes import without agents: lora (default) or prompt; with --workflow, "
+            "--agent or --role, the workflow's mode, and the trace records the agents' adapters or role prompts.",
+        ),
+    ] = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N tasks.")] = None,
     max_rounds: Annotated[
         int | None, typer.Option("--max-rounds", help="Most plan/act rounds per task (default: the workflow's, 4).")
@@ -85,10 +93,17 @@ def command(
     args = dict(locals())
     trace_path = out / "trace.jsonl"
     if shapes is not None:
-        if mode not in ("lora", "prompt"):
+        agents_spec = build_spec(workflow, agent, role) if workflow or agent or role else None
+        if mode not in (None, "lora", "prompt"):
             raise KvprofError(f"--mode {mode!r} is not lora or prompt; pass one of them.")
+        if agents_spec is not None and mode is not None and mode != agents_spec.mode:
+            raise KvprofError(
+                f"--mode {mode} contradicts the agents, which are in {agents_spec.mode} mode; drop --mode."
+            )
         tokenizer = load_tokenizer(model)
-        trace = import_shape_csv(shapes, tokenizer, tokenizer_identity(tokenizer), model, seed=seed, mode=mode)
+        trace = import_shape_csv(
+            shapes, tokenizer, tokenizer_identity(tokenizer), model, seed=seed, mode=mode or "lora", spec=agents_spec
+        )
         write_trace(trace_path, trace)
         summary = trajectory_summary(trace.trajectories, 0.0)
         console.print(trace_table(summary).to_rich())

@@ -45,7 +45,7 @@ from kvprof.report.capture import trace_table
 from kvprof.report.dashboard import result_sections, write_dashboard
 from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 from kvprof.runtime import Runtime
-from kvprof.trace import Trace, read_trace, write_trace
+from kvprof.trace import Trace, read_header, read_trace, write_trace
 from kvprof.workflow import Sampling, exact_match, load_tasks
 
 
@@ -227,7 +227,7 @@ def replay_all(ctx: DemoContext) -> StageResult:
             lora_attention=agents.device.type == "cuda",
             hooks=hooks,
         )
-    record.update(trace=str(trace), skipped=skipped)
+    record.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     replay.show(record)
     ctx.write_result(
         out,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -21,14 +22,14 @@ from kvprof.commands.common import (
 )
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
-from kvprof.model import load_agents_for_trace
+from kvprof.model import AgentSet, load_agents_for_trace
 from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
-from kvprof.report.replay import cost_table, fidelity_table, sections
+from kvprof.report.replay import cost_table, dense_check, fidelity_table, reuse_table, sections
 from kvprof.runtime import Runtime
-from kvprof.trace import iter_trajectories
+from kvprof.trace import iter_trajectories, read_header
 
 SHORTHANDS = {"schedule": ("rebaseshared", "schedule"), "lr_prefill": ("baseshared", "lr_prefill")}
 
@@ -56,6 +57,77 @@ def choose_variants(
             flags.append(f"{name}.{key}={value}")
     variants = enumerate_variants(policy, parse_policy_options(flags))
     return runnable_variants(variants, runtime, skip=any(name.lower() == ALL for name in policy))
+
+
+# How a refusal to resume names each setting a replay checkpoint records (`checkpoint_identity`); the values of
+# the trace (a digest) and of the agents are not shown.
+SETTINGS = {
+    "trace": "another trace",
+    "model": "--model",
+    "agents": "other agents (--agent/--role)",
+    "policies": "--policy",
+    "repeats": "--repeats",
+    "dtype": "--dtype",
+    "device": "--device",
+    "lora_attention": "--lora-attention",
+}
+UNSHOWN = ("trace", "agents")
+
+
+def checkpoint_identity(
+    trace: Path, agents: AgentSet, variants: list[PolicyVariant], repeats: int, use_kernel: bool
+) -> dict:
+    """The settings a replay's records depend on, which its checkpoint records: the trace's content,
+    the model and agents, the policy variants with their options, repeats, dtype, device and attention path."""
+    return {
+        "trace": "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(),
+        "model": agents.model_name,
+        "agents": [asdict(agent) for agent in agents.spec.agents],
+        "policies": {variant.label: variant.options for variant in variants},
+        "repeats": repeats,
+        "dtype": str(agents.base_model.dtype).removeprefix("torch."),
+        "device": str(agents.device),
+        "lora_attention": "kernel" if use_kernel else "expand",
+    }
+
+
+def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str]) -> ReplayProgress:
+    """The progress an interrupted replay left in `checkpoint`; refuses one made with other settings than
+    `identity` (its records would be mixed with incomparable ones) or of trajectories outside `trajectory_ids`."""
+    try:
+        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        saved = None
+    if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict) or "progress" not in saved:
+        raise KvprofError(
+            f"{checkpoint} is not a checkpoint of this kvprof's replay; delete it to start the replay again."
+        )
+    differences = [
+        _difference(key, saved["identity"].get(key), value)
+        for key, value in identity.items()
+        if saved["identity"].get(key) != value
+    ]
+    if differences:
+        raise KvprofError(
+            f"checkpoint {checkpoint} was made with other settings ({'; '.join(differences)}); resume with the "
+            "options it was made with, or delete it to start again."
+        )
+    state = ReplayProgress(**saved["progress"])
+    foreign = [traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids]
+    if foreign:
+        raise KvprofError(
+            f"checkpoint {checkpoint} holds trajectories {', '.join(foreign[:3])} that this replay does not include; "
+            "pass the --limit it was made with, or delete it to start again."
+        )
+    return state
+
+
+def _difference(key: str, saved, current) -> str:
+    """A setting of a checkpoint that differs from this run's, for the refusal: its value there and here."""
+    if key in UNSHOWN:
+        return SETTINGS[key]
+    shown = [", ".join(value) if isinstance(value, dict) else str(value) for value in (saved, current)]
+    return f"{SETTINGS[key]} {shown[0]}, not {shown[1]}"
 
 
 def print_skipped(skipped: dict[str, str]) -> None:
@@ -158,9 +230,10 @@ def command(
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
     trajectories = list(iter_trajectories(trace))[:limit]
     checkpoint = out / "replay.partial.json"
+    identity = checkpoint_identity(trace, agents, variants, repeats, use_kernel)
     state = None
     if resume and checkpoint.exists():
-        state = ReplayProgress(**json.loads(checkpoint.read_text()))
+        state = read_checkpoint(checkpoint, identity, [t.id for t in trajectories])
         console.print(f"resuming after {len(state.trajectories)} replayed trajectories")
     total_turns = sum(len(t.turns) for t in trajectories)
     with progress() as bar:
@@ -171,7 +244,7 @@ def command(
             on_turn=lambda traj, index: bar.advance(job),
             # online_job is None only without --online, when no online task runs (and on_task is never called).
             on_task=(lambda label, task: bar.advance(online_job)) if online_job is not None else None,
-            on_trajectory=lambda s: write_json(checkpoint, asdict(s)),
+            on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
         )
         result = run_replay(
             agents,
@@ -183,7 +256,7 @@ def command(
             progress=state,
             hooks=hooks,
         )
-    result.update(trace=str(trace), skipped=skipped)
+    result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     show(result)
     path = write_result(out, "replay", result, args)
     html = write_page(out, result)
@@ -192,8 +265,13 @@ def command(
 
 
 def show(result: dict) -> None:
-    """The replay's terminal tables: fidelity, then cost."""
+    """The replay's terminal output: a warning when the dense run does not reproduce a captured trace, then the
+    fidelity, reuse and cost tables."""
+    check = dense_check(result)
+    if check.startswith("WARNING"):
+        console.print(f"[bold red]{check}[/]")
     console.print(fidelity_table(result).to_rich())
+    console.print(reuse_table(result).to_rich())
     console.print(cost_table(result).to_rich())
 
 

@@ -13,8 +13,18 @@ its knobs (`options`: `Option`s, with the values `--policy all` sweeps) and its 
 `Context` subclass), `commit`, `live_tensors` and `analytic_bytes`. Registering it is one line in
 `kvprof.policies.REGISTRY`; the CLI, the test matrix and the reports pick it up from there.
 
-The turn (`run_turn`) is three named steps: `prefill` (assemble + the chunk's forward: TTFT), `decode` (the output
-tokens, teacher-forced or greedy) and `commit`.
+The turn (`run_turn`) is three named steps, and a policy's work is charged to the phase a serving system pays it in:
+
+- `prefill` (timed: TTFT): `assemble` (the context: copies, expansions, re-rotations, an LR prefill), the chunk's
+  forward, then `on_prefill` (work on the chunk's own hidden states that serving does during prefill, e.g. the
+  down-projections X·A_k of PReCache);
+- `decode` (timed per step: TPOT): one forward per output token over the growing cache, as serving decodes —
+  teacher-forced on the trace's tokens or greedy — each followed by `on_decode_step` (the same per-token work);
+- `commit` (after the turn, inside end-to-end latency): what the policy stores, and work serving defers past the
+  turn (ReBaseShared's lazy prefill).
+
+Work done in `on_prefill` / `on_decode_step` is kept in the turn's `Context` (a policy's own subclass) and only
+stored by `commit`, so a timed prefill can repeat without changing the policy's state.
 """
 
 from __future__ import annotations
@@ -63,8 +73,17 @@ class Option:
             ) from None
 
     def label(self, key: str, value: str) -> str:
-        """How the value shows in a variant's label: the value itself for a choice, key=value otherwise."""
+        """How the value shows in a variant's label: the value itself for a choice, key=value otherwise; empty for
+        the default of an option that is not swept (labels name what a sweep varies, and any departure from it)."""
+        if not self.sweep and value == self.default:
+            return ""
         return value if self.choices is not None else f"{key}={value}"
+
+
+def variant_label(name: str, options: dict[str, Option], values: dict[str, str]) -> str:
+    """A variant's label: the policy name, then `-value` for each option that shows (`Option.label`)."""
+    parts = [option.label(key, values.get(key, option.default)) for key, option in options.items()]
+    return name + "".join(f"-{part}" for part in parts if part)
 
 
 @dataclass(frozen=True)
@@ -98,19 +117,23 @@ class Context:
     """The cache a policy hands the acting agent before its chunk.
 
     kv: per layer (K, V), each (B, H_kv, len(prefix) + reused, D); B is 1, or 2 for a double-batched policy.
-    reused: shared tokens served from stored caches; from_others: of those, tokens this agent did not compute
-    itself with its own adapter. extra_prefill: tokens pushed through the full backbone besides the chunk;
-    extra_flops: analytic FLOPs of the policy's own work (LR prefill, down-projections, expansions, rotations).
+    reused: shared tokens served from stored caches (which of them another agent processed is the replay engine's
+    count, one definition for every policy: `kvprof.metrics.reused_from_others`); adapter_free: of the reused
+    tokens, those served from an adapter-free cache. extra_prefill: tokens pushed through the full backbone besides
+    the chunk; extra_flops: analytic FLOPs of the policy's own work in `assemble` (LR prefill, expansions,
+    rotations). working_bytes: bytes of transient structures the policy's own work holds during the turn beyond
+    the turn's cache (e.g. an LR prefill's cache and hidden states).
     lora_values: per layer the rank-r value side (v_lr (1, reused, r), B (H_kv, r, D)) when the values in `kv`
     are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
-    A policy that carries work from `assemble` to `commit` subclasses this with typed fields.
+    A policy that carries work to `commit` subclasses this with typed fields.
     """
 
     kv: list[KV]
     reused: int
-    from_others: int
+    adapter_free: int = 0
     extra_prefill: int = 0
     extra_flops: float = 0.0
+    working_bytes: int = 0
     lora_values: list[LoraValues | None] | None = None
 
 
@@ -122,15 +145,13 @@ class Chunk(Generic[ContextT]):
     """What the acting agent computed this turn, handed to `commit`.
 
     start: the shared-timeline index of the chunk's first token; ids: chunk input tokens then all output tokens;
-    hidden: per layer the attention inputs X of those tokens, (B, n, d_model), when the policy asks for them;
     kv: per layer the (K, V) of the agent's whole sequence after the turn, (B, H_kv, len(prefix) + start + n, D);
-    context: the `Context` the turn ran on (a policy's own subclass carries its work to `commit`).
+    context: the `Context` the turn ran on (a policy's own subclass carries its prefill and decode work).
     """
 
     agent: str
     start: int
     ids: list[int]
-    hidden: list[torch.Tensor] | None
     kv: list[KV]
     context: ContextT
 
@@ -141,7 +162,11 @@ class TurnResult:
 
     logits: (n_out, vocab) fp32, row j predicting output token j; input_kv: per layer (K, V), (H_kv, T_in, D),
     what the agent attended to over its whole input; reused span = input positions
-    [prefix_len, prefix_len + reused).
+    [prefix_len, prefix_len + reused). decode_s / decode_steps: time and count of the decode forwards (one per
+    output token). memory: analytic bytes of each stored structure after the turn; stored_before_bytes: their sum
+    before it; transient_bytes: the turn's working set (its cache, captured hidden states, the policy's own
+    transients); cuda_peak_bytes: on CUDA, the allocator's peak during the turn above what was allocated before it,
+    plus the policy's stored bytes (None elsewhere).
     """
 
     agent: str
@@ -150,12 +175,17 @@ class TurnResult:
     input_kv: list[KV]
     prefix_len: int
     reused: int
-    from_others: int
+    adapter_free: int
     prefilled: int
     flops: float
     ttft_s: float
+    decode_s: float
+    decode_steps: int
     latency_s: float
     memory: dict[str, int] = field(default_factory=dict)
+    stored_before_bytes: int = 0
+    transient_bytes: int = 0
+    cuda_peak_bytes: int | None = None
 
 
 @dataclass
@@ -163,7 +193,7 @@ class Prefill(Generic[ContextT]):
     """The timed first step of a turn: the policy's context and the forward of the chunk over it (TTFT).
 
     input_kv: per layer (K, V), (H_kv, T_in, D), of row 0 over the whole input, taken before decoding appends to
-    the forward's cache; start: the position of the chunk's first token.
+    the forward's cache; start: the position of the chunk's first token; flops: the FLOPs of `on_prefill`.
     """
 
     context: ContextT
@@ -171,18 +201,20 @@ class Prefill(Generic[ContextT]):
     input_kv: list[KV]
     start: int
     seconds: float
+    flops: float
 
 
 @dataclass
 class Decoded:
     """The output tokens of a turn: ids, logits (n_out, vocab) fp32, the last forward (its cache holds the whole
-    sequence), the attention inputs of chunk + outputs when captured, and the decode time."""
+    sequence), the decode time of `steps` forwards (one per output token) and the FLOPs of the per-step work."""
 
     output_ids: list[int]
     logits: torch.Tensor
     last: ChunkForward
-    hidden: list[torch.Tensor] | None
     seconds: float
+    steps: int
+    flops: float
 
 
 def clock(device: torch.device) -> float:
@@ -201,6 +233,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     modes: ClassVar[tuple[str, ...]] = ("lora",)
     options: ClassVar[dict[str, Option]] = {}
     published: ClassVar[tuple[Published, ...]] = ()
+    serves_others: ClassVar[bool] = True  # False: an agent only ever attends to caches it computed itself
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
@@ -217,11 +250,11 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @property
     def label(self) -> str:
-        return self.name + "".join(f"-{option.label(key, self.values[key])}" for key, option in self.options.items())
+        return variant_label(self.name, self.options, self.values)
 
     @property
     def needs_hidden(self) -> bool:
-        """Whether `commit` needs the attention inputs X of the turn's tokens (`Chunk.hidden`)."""
+        """Whether the turn's forwards capture their attention inputs X (`ChunkForward.hidden`) for the hooks."""
         return False
 
     def check(self, runtime: Runtime) -> None:
@@ -267,16 +300,29 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """Per-row adapters for a batched forward (None: one row with `agent`'s adapter)."""
         return None
 
+    def on_prefill(self, agent: str, context: ContextT, forward: ChunkForward, start: int) -> float:
+        """Work serving does during `agent`'s prefill on the chunk just computed (timed into TTFT); keep results in
+        `context`. `forward.hidden` holds the chunk's attention inputs (per layer (B, n, d_model)) when
+        `needs_hidden`; `start` is the timeline index of its first token. Returns the work's analytic FLOPs."""
+        return 0.0
+
+    def on_decode_step(self, agent: str, context: ContextT, forward: ChunkForward, start: int) -> float:
+        """The same for one decode step (timed into the step): `forward` computed the token at timeline index
+        `start`. Returns analytic FLOPs."""
+        return 0.0
+
     # ---------------------------------------------------------------------------------------------- the turn
 
     def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
-        """Serve one agent call: `prefill` (timed: TTFT), `decode`, `commit`.
+        """Serve one agent call: `prefill` (timed: TTFT), `decode` (timed per step), `commit`.
 
         With `repeats` > 1 the prefill runs once as warm-up and then `repeats` times; TTFT is the median.
         Decoding is teacher-forced on `request.output_ids`, or greedy when they are None.
         """
         runtime = self.runtime
         shared = self._shared_input(request)
+        stored_before = sum(self.analytic_bytes().values())
+        meter = CudaPeak(runtime.device, sum(tensor_bytes(self.live_tensors()).values()))
         first = self.prefill(request.agent, shared, repeats)
         decoded = self.decode(request, first)
         commit_started = clock(runtime.device)
@@ -286,7 +332,6 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 agent=request.agent,
                 start=context.reused,
                 ids=shared[context.reused :] + decoded.output_ids,
-                hidden=decoded.hidden,
                 kv=runtime.kv_of(decoded.last.cache),
                 context=context,
             )
@@ -294,6 +339,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
         commit_s = clock(runtime.device) - commit_started
         chunk_len = len(shared) - context.reused
         flops = runtime.flops(chunk_len, first.start) + runtime.flops(len(decoded.output_ids), len(request.input_ids))
+        rows = len(self.adapter_rows(request.agent) or [None])
+        turn_cache = runtime.kv_bytes_per_token * rows * (len(request.input_ids) + len(decoded.output_ids))
+        hidden = runtime.hidden_bytes_per_token * rows * chunk_len if self.needs_hidden else 0
         return TurnResult(
             agent=request.agent,
             output_ids=decoded.output_ids,
@@ -301,12 +349,17 @@ class SharingPolicy(ABC, Generic[ContextT]):
             input_kv=first.input_kv,
             prefix_len=first.start - context.reused,
             reused=context.reused,
-            from_others=context.from_others,
+            adapter_free=context.adapter_free,
             prefilled=chunk_len + context.extra_prefill,
-            flops=flops + context.extra_flops + commit_flops,
+            flops=flops + context.extra_flops + first.flops + decoded.flops + commit_flops,
             ttft_s=first.seconds,
+            decode_s=decoded.seconds,
+            decode_steps=decoded.steps,
             latency_s=first.seconds + decoded.seconds + commit_s,
             memory=self.analytic_bytes(),
+            stored_before_bytes=stored_before,
+            transient_bytes=turn_cache + hidden + context.working_bytes,
+            cuda_peak_bytes=meter.peak(),
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:
@@ -326,7 +379,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     def prefill(self, agent: str, shared: list[int], repeats: int = 1) -> Prefill[ContextT]:
         """Assemble the context and run the chunk over it; timed (median of `repeats` after a warm-up)."""
-        timings, context, forward, start = [], None, None, 0
+        timings, context, forward, start, flops = [], None, None, 0, 0.0
         for _ in range(repeats + 1 if repeats > 1 else 1):
             started = clock(self.runtime.device)
             context = self.assemble(agent, shared)
@@ -336,6 +389,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             forward = self._forward(
                 agent, shared[context.reused :], self.runtime.cache_from(context.kv), start, context, prefill=True
             )
+            flops = self.on_prefill(agent, context, forward, context.reused)
             timings.append(clock(self.runtime.device) - started)
         assert context is not None and forward is not None
         return Prefill(
@@ -344,39 +398,32 @@ class SharingPolicy(ABC, Generic[ContextT]):
             input_kv=attended_kv(self.runtime.kv_of(forward.cache), context, start - context.reused),
             start=start,
             seconds=statistics.median(timings[1:] if repeats > 1 else timings),
+            flops=flops,
         )
 
     def decode(self, request: TurnRequest, first: Prefill[ContextT]) -> Decoded:
-        """The output tokens after the prefill: teacher-forced on `request.output_ids` in one forward, or greedy
-        (transformers' stopping rules) one token at a time."""
-        runtime, agent = self.runtime, request.agent
+        """The output tokens after the prefill, one forward per token over the growing cache as serving decodes:
+        teacher-forced (the trace's next token is fed, the logits before it are kept) on `request.output_ids`, or
+        greedy with transformers' stopping rules. The last forward writes the last token's K/V."""
+        runtime, agent, context = self.runtime, request.agent, first.context
+        forced = request.output_ids
+        outputs: list[int] = []
+        rows = [first.forward.logits[0, -1]]
+        last, flops = first.forward, 0.0
+        shared_len = len(request.input_ids) - (first.start - context.reused)
         started = clock(runtime.device)
-        hidden_parts = [first.forward.hidden] if first.forward.hidden is not None else []
-        if request.output_ids is not None:
-            outputs = list(request.output_ids)
-            last = self._forward(agent, outputs, first.forward.cache, len(request.input_ids), first.context)
-            logits = torch.cat([first.forward.logits[0, -1:], last.logits[0, :-1]])
-            if last.hidden is not None:
-                hidden_parts.append(last.hidden)
-        else:
-            outputs, rows, last = [], [first.forward.logits[0, -1]], first.forward
-            while True:
-                outputs.append(int(rows[-1].argmax()))
-                last = self._forward(
-                    agent, outputs[-1:], last.cache, len(request.input_ids) + len(outputs) - 1, first.context
-                )
-                if last.hidden is not None:
-                    hidden_parts.append(last.hidden)
-                if runtime.stops(request.input_ids + outputs, outputs, request.max_new_tokens):
-                    break
-                rows.append(last.logits[0, -1])
-            logits = torch.stack(rows)
-        hidden = None
-        if hidden_parts:
-            hidden = [torch.cat([part[layer] for part in hidden_parts], dim=1) for layer in range(runtime.num_layers)]
-        return Decoded(
-            output_ids=outputs, logits=logits, last=last, hidden=hidden, seconds=clock(runtime.device) - started
-        )
+        while forced is None or len(outputs) < len(forced):
+            outputs.append(forced[len(outputs)] if forced is not None else int(rows[-1].argmax()))
+            position = len(request.input_ids) + len(outputs) - 1
+            last = self._forward(agent, outputs[-1:], last.cache, position, context)
+            flops += self.on_decode_step(agent, context, last, shared_len + len(outputs) - 1)
+            done = len(outputs) == len(forced) if forced is not None else runtime.stops(outputs, request.max_new_tokens)
+            if done:
+                break
+            rows.append(last.logits[0, -1])
+        seconds = clock(runtime.device) - started
+        logits = torch.stack(rows[: len(outputs)]) if outputs else first.forward.logits[0, :0]
+        return Decoded(output_ids=outputs, logits=logits, last=last, seconds=seconds, steps=len(outputs), flops=flops)
 
     def _forward(
         self, agent: str, ids: list[int], cache, start: int, context: Context, prefill: bool = False
@@ -426,6 +473,25 @@ def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraA
         v_lr[:1, : entry.v_lr.shape[1]] = entry.v_lr
         context.set(layer, v_lr, entry.lora_b)
     return context
+
+
+class CudaPeak:
+    """The CUDA allocator's peak during a turn above what was allocated when it started, plus the policy's stored
+    bytes (`stored`): the memory the policy's own work needs at its worst. None off CUDA."""
+
+    def __init__(self, device: torch.device, stored: int):
+        self.device, self.stored = device, stored
+        self.start = 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = torch.cuda.memory_allocated(device)
+
+    def peak(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return self.stored + torch.cuda.max_memory_allocated(self.device) - self.start
 
 
 def tensor_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:

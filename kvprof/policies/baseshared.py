@@ -6,25 +6,33 @@ LR prefill, `lr_prefill=full`); `lr_prefill=incremental` only passes the tokens 
 its own view of the earlier ones (a kvprof extra). Agent j attends to V = X_i·W0 + s·(X_j·A_j)·B_j. Compute ≥
 NonShared with the full LR prefill; memory ≈ 1× + N·r/d. Approximate: the base part was shaped by agent i.
 Paper: LRAgent (BaseShared).
+
+Phases: TTFT — the LR prefill (its cache and hidden states are the turn's transients), the context, the chunk's
+forward, and the chunk's own down-projections and base K/V; each decode step — the same for its token; after the
+turn — storing them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvprof.policies.base import Chunk, Context, Option, Published
-from kvprof.policies.lowrank import LowRankPolicy, LowRankStore
+from kvprof.policies.base import Chunk, Option, Published
+from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
+from kvprof.runtime import ChunkForward
+
+LowRank = list[dict[str, torch.Tensor]]  # per layer {"key"|"value": (1, n, r)}
 
 
 @dataclass
-class BaseSharedContext(Context):
-    """low_rank: the acting agent's LR cache over the reused span after its LR prefill, per layer
-    {"key"|"value": (1, reused, r)} (None before it has any), which `commit` extends with the turn's tokens."""
+class BaseSharedContext(LowRankContext):
+    """low_rank: the acting agent's LR cache over the reused span after its LR prefill (None before it has any);
+    own: its down-projections of the turn's tokens (chunk, then each output token), which `commit` appends."""
 
-    low_rank: list[dict[str, torch.Tensor]] | None = None
+    low_rank: LowRank | None = None
+    own: list[LowRank] = field(default_factory=list)
 
 
 class BaseShared(LowRankPolicy[BaseSharedContext]):
@@ -37,8 +45,8 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
             "full",
             ("full", "incremental"),
             sweep=("full", "incremental"),
-            help="full: the published LR prefill over the whole context; incremental: "
-            "only the tokens the agent has not down-projected yet",
+            help="full: the published LR prefill over the whole context; incremental: only the tokens the agent "
+            "has not down-projected yet",
         )
     }
     published = (
@@ -53,43 +61,60 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         reused = self.reused_span(shared)
         own = store.low_rank.get(agent)
         have = 0 if self.settings["lr_prefill"] == "full" else min(store.lr_length(agent), reused)
-        low_rank, flops = own, 0.0
+        low_rank, flops, working = own, 0.0, 0
         if reused > have:
-            view, view_flops, _ = store.assemble(agent, own, have)
+            own_view, view_flops, _ = store.assemble(agent, own, have)
             out = runtime.forward(
-                agent, shared[have:reused], runtime.cache_from(view), have, capture=True, last_logits_only=True
+                agent, shared[have:reused], runtime.cache_from(own_view), have, capture=True, last_logits_only=True
             )
-            assert out.hidden is not None
-            gap = LowRankStore.down_projections(runtime, out.hidden, [agent])[agent]
+            assert out.hidden is not None  # captured: capture=True
+            gap = LowRankStore.down_projections(runtime, out.hidden, [agent])
             low_rank = (
-                gap
+                gap[agent]
                 if have == 0 or own is None
-                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap)]
+                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap[agent])]
             )
-            rank = sum(t.shape[-1] for layer in gap for t in layer.values())
-            flops = view_flops + runtime.flops(reused - have, have) + 2.0 * (reused - have) * runtime.hidden_size * rank
-        base = self.store_context(agent, low_rank, reused, self.from_others(agent, reused))
+            flops = view_flops + runtime.flops(reused - have, have) + LowRankStore.down_projection_flops(runtime, gap)
+            working = runtime.kv_bytes_per_token * reused + runtime.hidden_bytes_per_token * (reused - have)
+        view = self.store_view(agent, low_rank, reused)
         return BaseSharedContext(
-            kv=base.kv,
+            kv=view.kv,
             reused=reused,
-            from_others=base.from_others,
             extra_prefill=reused - have,
-            extra_flops=flops + base.extra_flops,
-            lora_values=base.lora_values,
+            extra_flops=flops + view.extra_flops,
+            working_bytes=working,
+            lora_values=view.lora_values,
             low_rank=low_rank,
         )
 
+    def on_prefill(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
+        return self._down_project(agent, context, forward, start)
+
+    def on_decode_step(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
+        return self._down_project(agent, context, forward, start)
+
+    def _down_project(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
+        """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet."""
+        assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
+        own = LowRankStore.down_projections(self.runtime, forward.hidden, [agent])
+        context.own.append(own[agent])
+        flops = LowRankStore.down_projection_flops(self.runtime, own)
+        hidden = self.new_tokens(context, forward.hidden, start)
+        count = hidden[0].shape[1]
+        if count:
+            update, base_flops = self.store.base_update(hidden, start + forward.hidden[0].shape[1] - count, agent)
+            context.updates.append(update)
+            flops += base_flops
+        return flops
+
     def commit(self, chunk: Chunk[BaseSharedContext]) -> float:
-        store, hidden = self.store, chunk.hidden
-        assert hidden is not None
-        skip = len(store) - chunk.start
-        flops = 0.0
-        if hidden[0].shape[1] > skip:
-            flops += store.append_base([x[:, skip:] for x in hidden], chunk.agent)
-        new = LowRankStore.down_projections(self.runtime, hidden, [chunk.agent])[chunk.agent]
-        earlier = chunk.context.low_rank
-        if earlier is not None and chunk.start:
-            new = [{p: torch.cat([old[p][:, : chunk.start], add[p]], 1) for p in add} for old, add in zip(earlier, new)]
-        store.low_rank[chunk.agent] = new
-        rank = sum(t.shape[-1] for t in new[0].values()) * self.runtime.num_layers
-        return flops + 2.0 * hidden[0].shape[1] * self.runtime.hidden_size * rank
+        self.store.apply(chunk.context.updates)
+        earlier, own = chunk.context.low_rank, chunk.context.own
+        pieces = ([[{p: t[:, : chunk.start] for p, t in layer.items()} for layer in earlier]] if earlier else []) + own
+        if chunk.start and not earlier:
+            raise RuntimeError("baseshared reused tokens without an LR cache for them")
+        self.store.low_rank[chunk.agent] = [
+            {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
+            for layer in range(self.runtime.num_layers)
+        ]
+        return 0.0

@@ -4,6 +4,10 @@ Each shared token's K/V is computed once, by the first agent that processes it (
 that agent's role prompt) and reused by every other agent as is. In prompt mode the keys are re-rotated from the
 producer's positions to the reader's (`kvprof.rope.rotate_keys`). Approximate: another agent's adapter and prefix
 shaped those K/V. Memory 1× plus each agent's private prefix. The naive-sharing baseline of LRAgent and PReCache.
+
+Phases: TTFT — the agent's role prompt on its first turn, the copy of the shared cache (keys re-rotated in prompt
+mode) and the chunk's forward; each decode step — one token; after the turn — appending the turn's new K/V to the
+shared cache.
 """
 
 from __future__ import annotations
@@ -62,11 +66,9 @@ class FullShared(SharingPolicy[FullSharedContext]):
                     keys = rotate_keys(keys, delta.to(keys.device), self.runtime.inv_freq)
                     flops += 6.0 * keys.numel()
                 kv.append((torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, values[:, :, :reused]], 2)))
-        from_others = sum(producer != agent for producer in self.producers[:reused])
         return FullSharedContext(
             kv=kv,
             reused=reused,
-            from_others=from_others,
             extra_prefill=extra_prefill,
             extra_flops=flops,
             prefix=prefix_kv,

@@ -19,18 +19,38 @@ the model's dtype and accumulates in float32.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import torch
 
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.lora import base_kv, heads
-from kvprof.policies.base import Context, ContextT, SharingPolicy
+from kvprof.policies.base import Chunk, Context, SharingPolicy
 from kvprof.rope import apply_rope
 from kvprof.runtime import KV, Runtime
 
 SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
+
+
+@dataclass
+class StoreUpdate:
+    """Base K/V and LR caches of consecutive timeline tokens, computed during a turn (in the phase serving computes
+    them) and appended by the policy's `commit`.
+
+    start: timeline index of the first token; producer: who processed them (an agent, or "neutral");
+    base: per layer (K_base, V_base), each (1, H_kv, n, D); low_rank: LR cache name → per layer
+    {"key"|"value": (1, n, r)}.
+    """
+
+    start: int
+    producer: str
+    base: list[KV]
+    low_rank: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.base[0][0].shape[2]) if self.base else 0
 
 
 class LowRankStore:
@@ -51,22 +71,37 @@ class LowRankStore:
 
     # ------------------------------------------------------------------------------------------- writing
 
-    def append_base(self, hidden: list[torch.Tensor], producer: str) -> float:
-        """Append the base K/V of tokens with attention inputs `hidden` (per layer (1, n, d_model)); returns FLOPs."""
-        runtime, start = self.runtime, len(self)
+    def base_update(self, hidden: list[torch.Tensor], start: int, producer: str) -> tuple[StoreUpdate, float]:
+        """The base K/V of tokens at timeline indices start.. with attention inputs `hidden` (per layer
+        (1, n, d_model)), as an update (the store is not changed), and its FLOPs."""
+        runtime = self.runtime
         count = hidden[0].shape[1]
         positions = torch.arange(start, start + count, device=hidden[0].device)
-        new = [
+        base = [
             base_kv(split, x, positions, runtime.inv_freq, runtime.attention_scaling, runtime.head_dim)
             for split, x in zip(runtime.splits, hidden)
         ]
-        self.base = (
-            new
-            if not self.base
-            else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.base, new)]
-        )
-        self.producers += [producer] * count
-        return 2.0 * count * runtime.hidden_size * 2 * runtime.kv_heads * runtime.head_dim * runtime.num_layers
+        flops = 2.0 * count * runtime.hidden_size * 2 * runtime.kv_heads * runtime.head_dim * runtime.num_layers
+        return StoreUpdate(start=start, producer=producer, base=base), flops
+
+    def apply(self, updates: list[StoreUpdate]) -> None:
+        """Append the updates' tokens the store does not hold yet, in timeline order (each update must start at or
+        before the store's end)."""
+        for update in sorted(updates, key=lambda u: u.start):
+            skip = len(self) - update.start
+            if skip < 0:
+                raise RuntimeError(f"store update at {update.start} leaves a gap after {len(self)} tokens")
+            if skip >= len(update):
+                continue
+            base = [(k[:, :, skip:], v[:, :, skip:]) for k, v in update.base]
+            self.base = (
+                base
+                if not self.base
+                else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.base, base)]
+            )
+            for name, layers in update.low_rank.items():
+                self.append_low_rank(name, [{p: t[:, skip:] for p, t in layer.items()} for layer in layers])
+            self.producers += [update.producer] * (len(update) - skip)
 
     @staticmethod
     def down_projections(
@@ -93,6 +128,16 @@ class LowRankStore:
             for agent in agents:
                 result[agent].append(parts[agent])
         return result
+
+    @staticmethod
+    def down_projection_flops(runtime: Runtime, projections: dict[str, list[dict[str, torch.Tensor]]]) -> float:
+        """Analytic FLOPs of `down_projections`' result: 2·n·d_model per output column."""
+        return sum(
+            2.0 * t.shape[1] * runtime.hidden_size * t.shape[-1]
+            for layers in projections.values()
+            for layer in layers
+            for t in layer.values()
+        )
 
     def append_low_rank(self, name: str, layers: list[dict[str, torch.Tensor]]) -> None:
         current = self.low_rank.get(name)
@@ -167,9 +212,23 @@ class LowRankStore:
         return sizes
 
 
-class LowRankPolicy(SharingPolicy[ContextT]):
-    """Shared base of the policies that keep a `LowRankStore` (lora mode): the store, its memory, and the context
-    an agent gets from it (base cache plus its B applied to the LR cache it reads)."""
+@dataclass
+class LowRankContext(Context):
+    """updates: the store updates the turn computed in `on_prefill` / `on_decode_step`, appended by `commit`."""
+
+    updates: list[StoreUpdate] = field(default_factory=list)
+
+
+LowRankContextT = TypeVar("LowRankContextT", bound=LowRankContext)
+
+
+class LowRankPolicy(SharingPolicy[LowRankContextT]):
+    """Shared base of the policies that keep a `LowRankStore` (lora mode): the store, its memory, the context an
+    agent gets from it (base cache plus its B applied to the LR cache it reads), and the turn's store updates.
+
+    Phases: the base K/V and LR caches of the tokens a turn adds to the timeline are computed from the hidden states
+    of the forward that processed them — during prefill for the chunk, at each decode step for an output token —
+    and appended after the turn by `commit`."""
 
     modes: ClassVar[tuple[str, ...]] = ("lora",)
 
@@ -184,19 +243,23 @@ class LowRankPolicy(SharingPolicy[ContextT]):
         """Shared tokens the store can serve to an input of `shared` tokens (at least one is left to compute)."""
         return min(len(self.store), len(shared) - 1)
 
-    def store_context(
-        self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int, from_others: int
-    ) -> Context:
+    def store_view(self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int) -> LowRankContext:
         """The context of `agent` from the store: base cache + `agent`'s B over `low_rank` on `reused` tokens,
         values expanded or handed to Flash-LoRA-Attention as the runtime says."""
         kv, flops, lora_values = self.store.assemble(
             agent, low_rank, reused, expand_values=not self.runtime.lora_attention
         )
-        return Context(kv=kv, reused=reused, from_others=from_others, extra_flops=flops, lora_values=lora_values)
+        return LowRankContext(kv=kv, reused=reused, extra_flops=flops, lora_values=lora_values)
 
-    def from_others(self, agent: str, reused: int) -> int:
-        """Reused tokens whose store entries another agent produced."""
-        return sum(producer != agent for producer in self.store.producers[:reused])
+    def new_tokens(self, context: LowRankContext, hidden: list[torch.Tensor], start: int) -> list[torch.Tensor]:
+        """The part of `hidden` (per layer (B, n, d_model), tokens at timeline indices start..) that neither the
+        store nor an earlier update of this turn holds."""
+        known = max([len(self.store)] + [u.start + len(u) for u in context.updates])
+        return [x[:, max(known - start, 0) :] for x in hidden]
+
+    def commit(self, chunk: Chunk[LowRankContextT]) -> float:
+        self.store.apply(chunk.context.updates)
+        return 0.0
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         return self.store.live_tensors()

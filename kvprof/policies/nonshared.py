@@ -1,6 +1,9 @@
 """NonShared: every agent keeps its own cache and prefills every token it has not processed itself.
 
 The dense baseline every other policy is measured against (exact; memory grows N× with N agents).
+
+Phases: TTFT — the agent's role prompt on its first turn, then the chunk of the input it has not processed itself;
+each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ class NonShared(SharingPolicy[Context]):
     paper = "the dense baseline of LRAgent and PReCache"
     approximate = False
     modes = ("lora", "prompt")
+    serves_others = False
 
     def reset(self) -> None:
         self.own: dict[str, list[KV]] = {}  # agent -> per layer (K, V), (1, H_kv, L_agent, D)
@@ -25,12 +29,10 @@ class NonShared(SharingPolicy[Context]):
     def assemble(self, agent: str, shared: list[int]) -> Context:
         if agent not in self.own:
             kv, flops = self.prefix_context(agent)
-            return Context(
-                kv=kv, reused=0, from_others=0, extra_prefill=len(self.runtime.prefix(agent)), extra_flops=flops
-            )
+            return Context(kv=kv, reused=0, extra_prefill=len(self.runtime.prefix(agent)), extra_flops=flops)
         reused = min(self.seen[agent], len(shared) - 1)
         end = len(self.runtime.prefix(agent)) + reused
-        return Context(kv=[(k[:, :, :end], v[:, :, :end]) for k, v in self.own[agent]], reused=reused, from_others=0)
+        return Context(kv=[(k[:, :, :end], v[:, :, :end]) for k, v in self.own[agent]], reused=reused)
 
     def commit(self, chunk: Chunk[Context]) -> float:
         self.own[chunk.agent] = chunk.kv

@@ -4,16 +4,21 @@ When agent i processes tokens, it stores their base K/V (X_i·W0) and, in one GE
 X_i·A_k for every agent k. Agent j later reuses the base cache and X_i·A_j, applying its own B_j at attention time:
 V = X_i·W0 + s·(X_i·A_j)·B_j. Only new tokens go through the backbone. Approximate: X_i carries agent i's adapter
 effects from earlier layers. Paper: PReCache (PreLRShared).
+
+Phases: TTFT — the context from the store (expansions of the LR caches, or Flash-LoRA-Attention's rank-r values),
+the chunk's forward, and the chunk's base K/V and down-projections for every agent (serving computes them while
+prefilling the chunk); each decode step — the same for its token; after the turn — appending them to the store.
 """
 
 from __future__ import annotations
 
-from kvprof.policies.base import Chunk, Context, Published
-from kvprof.policies.lowrank import LowRankPolicy, LowRankStore
+from kvprof.policies.base import Published
+from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.runtime import ChunkForward
 
 
-class PreLRShared(LowRankPolicy[Context]):
+class PreLRShared(LowRankPolicy[LowRankContext]):
     name = "prelrshared"
     family = "PReCache"
     paper = f"{PRECACHE}, PreLRShared"
@@ -38,22 +43,27 @@ class PreLRShared(LowRankPolicy[Context]):
         """The LR caches a processed token extends: cache name → the agent whose A computes it."""
         return {agent: agent for agent in self.runtime.agents.spec.names}
 
-    def assemble(self, agent: str, shared: list[int]) -> Context:
+    def assemble(self, agent: str, shared: list[int]) -> LowRankContext:
         reused = self.reused_span(shared)
-        return self.store_context(
-            agent, self.store.low_rank.get(self.lr_name(agent)), reused, self.from_others(agent, reused)
-        )
+        return self.store_view(agent, self.store.low_rank.get(self.lr_name(agent)), reused)
 
-    def commit(self, chunk: Chunk[Context]) -> float:
-        assert chunk.hidden is not None
-        skip = len(self.store) - chunk.start
-        hidden = [x[:, skip:] for x in chunk.hidden]
-        if hidden[0].shape[1] == 0:
+    def on_prefill(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
+        return self._precompute(agent, context, forward, start)
+
+    def on_decode_step(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
+        return self._precompute(agent, context, forward, start)
+
+    def _precompute(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
+        """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet."""
+        assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
+        hidden = self.new_tokens(context, forward.hidden, start)
+        count = hidden[0].shape[1]
+        if count == 0:
             return 0.0
-        flops = self.store.append_base(hidden, chunk.agent)
+        first = start + forward.hidden[0].shape[1] - count
+        update, flops = self.store.base_update(hidden, first, agent)
         caches = self.lr_caches()
-        projections = LowRankStore.down_projections(self.runtime, hidden, list(caches.values()))
-        for name, agent in caches.items():
-            self.store.append_low_rank(name, projections[agent])
-        rank_total = sum(t.shape[-1] for layers in projections.values() for layer in layers for t in layer.values())
-        return flops + 2.0 * hidden[0].shape[1] * self.runtime.hidden_size * rank_total
+        projections = LowRankStore.down_projections(self.runtime, hidden, list(dict.fromkeys(caches.values())))
+        update.low_rank = {name: projections[source] for name, source in caches.items()}
+        context.updates.append(update)
+        return flops + LowRankStore.down_projection_flops(self.runtime, projections)

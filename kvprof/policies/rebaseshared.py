@@ -1,25 +1,42 @@
 """ReBaseShared (PReCache): a neutral base cache and LR caches from adapter-free hidden states.
 
 The shared context is also processed with adapters disabled, giving neutral hidden states X_neut; the store keeps
-X_neut·W0 (the neutral base cache) and X_neut·A_k for every agent k. Agent j attends to
-V = X_neut·W0 + s·(X_neut·A_j)·B_j — no dependence on which agent processed a token first. Schedules:
-`lp` (lazy prefill): after the turn's decoding, its tokens are re-processed once adapter-free (outside TTFT, inside
-end-to-end latency); `db` (double batching): the adapted row and an adapter-free row run in one 2-row batch during
-prefill and decode. Both give the same cache state. Approximate (X_neut ≠ X_j). Paper: PReCache (ReBaseShared).
+X_neut·W0 (the neutral base cache) and, for every other agent k, X_neut·A_k. The agent that processed a token keeps
+its own LR cache from its own adapted hidden states (X_i·A_i, computed by its LoRA forward anyway), as the paper does
+(`own_lr=adapted`); `own_lr=neutral` builds it from X_neut too (a kvprof variant). Agent j attends to
+V = X_neut·W0 + s·(X·A_j)·B_j — the base part does not depend on which agent processed a token first.
+Approximate (X_neut ≠ X_j). Paper: PReCache (ReBaseShared).
+
+Schedules and phases: `lp` (lazy prefill) — TTFT holds the context, the chunk's forward and the acting agent's own
+down-projections; after the turn (outside TTFT, inside end-to-end latency) its tokens are re-processed once
+adapter-free and the neutral base and other agents' LR caches stored. `db` (double batching) — the adapted row and
+an adapter-free row run in one 2-row batch during prefill and at every decode step, and the neutral base and LR
+caches of each forward's tokens are computed right after it (inside TTFT / the step). Both give the same cache state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from kvprof.policies.base import Chunk, Context, Option, Published
-from kvprof.policies.lowrank import LowRankPolicy, LowRankStore
+from kvprof.policies.base import Chunk, Option, Published
+from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore, StoreUpdate
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.runtime import ChunkForward
 
 NEUTRAL = "neutral"
 
 
-class ReBaseShared(LowRankPolicy[Context]):
+@dataclass
+class ReBaseSharedContext(LowRankContext):
+    """own: the acting agent's own down-projections X_i·A_i of the turn's new tokens, per forward, in timeline order
+    (per layer {"key"|"value": (1, n, r)}); the lazy-prefill schedule stores them with the after-turn pass."""
+
+    own: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
     name = "rebaseshared"
     family = "PReCache"
     paper = f"{PRECACHE}, ReBaseShared"
@@ -27,7 +44,13 @@ class ReBaseShared(LowRankPolicy[Context]):
     options = {
         "schedule": Option(
             "lp", ("lp", "db"), sweep=("lp", "db"), help="lp: lazy prefill after decoding; db: double batching"
-        )
+        ),
+        "own_lr": Option(
+            "adapted",
+            ("adapted", "neutral"),
+            help="adapted: the processing agent's own LR cache from its adapted hidden states (the paper); "
+            "neutral: from the adapter-free ones",
+        ),
     }
     published = (
         Published(PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING, "mean accuracy drop 1.1 points against NonShared"),
@@ -41,40 +64,87 @@ class ReBaseShared(LowRankPolicy[Context]):
 
     @property
     def needs_hidden(self) -> bool:
-        return self.settings["schedule"] == "db"
+        return self.settings["schedule"] == "db" or self.settings["own_lr"] == "adapted"
 
     def adapter_rows(self, agent: str) -> list[str] | None:
         return [agent, "__base__"] if self.settings["schedule"] == "db" else None
 
-    def assemble(self, agent: str, shared: list[int]) -> Context:
+    def assemble(self, agent: str, shared: list[int]) -> ReBaseSharedContext:
         reused = self.reused_span(shared)
-        context = self.store_context(agent, self.store.low_rank.get(agent), reused, from_others=reused)
+        view = self.store_view(agent, self.store.low_rank.get(agent), reused)
+        kv = view.kv
         if self.settings["schedule"] == "db":
             neutral, _, _ = self.store.assemble(None, None, reused)
-            context.kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(context.kv, neutral)]
-        return context
+            kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(kv, neutral)]
+        return ReBaseSharedContext(
+            kv=kv, reused=reused, adapter_free=reused, extra_flops=view.extra_flops, lora_values=view.lora_values
+        )
 
-    def commit(self, chunk: Chunk[Context]) -> float:
+    def on_prefill(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
+        return self._new_tokens(agent, context, forward, start)
+
+    def on_decode_step(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
+        return self._new_tokens(agent, context, forward, start)
+
+    def _new_tokens(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
+        """For the forward's tokens new to the store: the agent's own X_i·A_i (own_lr=adapted), and with double
+        batching the neutral base and LR caches from the adapter-free row."""
+        if forward.hidden is None:
+            return 0.0
+        hidden = self.new_tokens(context, forward.hidden, start)
+        count = hidden[0].shape[1]
+        if count == 0:
+            return 0.0
+        first = start + forward.hidden[0].shape[1] - count
+        flops = 0.0
+        own = None
+        if self.settings["own_lr"] == "adapted":
+            own = LowRankStore.down_projections(self.runtime, [x[:1] for x in hidden], [agent])
+            flops += LowRankStore.down_projection_flops(self.runtime, own)
+            context.own.append(own[agent])
+        if self.settings["schedule"] == "db":
+            update, neutral_flops = self._neutral_update([x[1:2] for x in hidden], first, agent, own)
+            context.updates.append(update)
+            flops += neutral_flops
+        return flops
+
+    def _neutral_update(
+        self, neutral: list[torch.Tensor], start: int, agent: str, own: dict | None
+    ) -> tuple[StoreUpdate, float]:
+        """The neutral base cache and LR caches of tokens with adapter-free attention inputs `neutral` (per layer
+        (1, n, d_model)); `agent`'s own LR cache is `own` when given (computed from its adapted hidden states)."""
+        update, flops = self.store.base_update(neutral, start, NEUTRAL)
+        names = self.runtime.agents.spec.names
+        others = [name for name in names if own is None or name != agent]
+        projections = LowRankStore.down_projections(self.runtime, neutral, others)
+        flops += LowRankStore.down_projection_flops(self.runtime, projections)
+        update.low_rank = {
+            name: (own[agent] if own is not None and name == agent else projections[name]) for name in names
+        }
+        return update, flops
+
+    def commit(self, chunk: Chunk[ReBaseSharedContext]) -> float:
+        if self.settings["schedule"] == "db":
+            self.store.apply(chunk.context.updates)
+            return 0.0
         runtime, store = self.runtime, self.store
         skip = len(store) - chunk.start
         new_ids = chunk.ids[skip:]
         if not new_ids:
             return 0.0
-        if self.settings["schedule"] == "lp":
-            base, _, _ = store.assemble(None, None, len(store))
-            out = runtime.forward(
-                None, new_ids, runtime.cache_from(base), len(store), capture=True, last_logits_only=True
-            )
-            hidden = out.hidden
-        else:
-            assert chunk.hidden is not None
-            hidden = [x[1:2, skip:] for x in chunk.hidden]
-        assert hidden is not None
-        flops = runtime.flops(len(new_ids), len(store))
-        flops += store.append_base(hidden, NEUTRAL)
-        names = runtime.agents.spec.names
-        projections = LowRankStore.down_projections(runtime, hidden, names)
-        for agent in names:
-            store.append_low_rank(agent, projections[agent])
-        rank = sum(t.shape[-1] for layers in projections.values() for layer in layers for t in layer.values())
-        return flops + 2.0 * len(new_ids) * runtime.hidden_size * rank
+        context_len = len(store)
+        base, _, _ = store.assemble(None, None, context_len)
+        out = runtime.forward(None, new_ids, runtime.cache_from(base), context_len, capture=True, last_logits_only=True)
+        assert out.hidden is not None  # captured: capture=True
+        own = None
+        if chunk.context.own:
+            pieces = chunk.context.own
+            own = {
+                chunk.agent: [
+                    {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
+                    for layer in range(runtime.num_layers)
+                ]
+            }
+        update, flops = self._neutral_update(out.hidden, context_len, chunk.agent, own)
+        store.apply([update])
+        return flops + runtime.flops(len(new_ids), context_len)

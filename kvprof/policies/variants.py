@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvprof.errors import KvprofError
-from kvprof.policies.base import SharingPolicy
+from kvprof.policies.base import SharingPolicy, variant_label
 from kvprof.runtime import Runtime
 
 ALL = "all"
@@ -35,11 +35,9 @@ class PolicyVariant:
 
     @property
     def label(self) -> str:
-        """The name results are keyed by: the policy name, then each option's value in declaration order."""
+        """The name results are keyed by (`variant_label`), e.g. rebaseshared-db."""
         cls = self.policy
-        return cls.name + "".join(
-            f"-{option.label(key, self.options.get(key, option.default))}" for key, option in cls.options.items()
-        )
+        return variant_label(cls.name, cls.options, self.options)
 
     def build(self, runtime: Runtime) -> SharingPolicy:
         return self.policy(runtime, **self.options)

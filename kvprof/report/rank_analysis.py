@@ -12,6 +12,7 @@ from kvprof.report.tables import TableData
 KV_NAMES = ("K", "V")
 VERDICTS = {True: "holds", False: "does not hold", None: "n/a"}
 QUANTITIES = {"cache": "C", "base": "base X·W0", "adapter": "adapter output", "delta": "Δ"}
+CONTEXT_FREE_DELTA = "Δ vs context-free"  # label of the prompt-mode delta against the context-free reference
 
 
 def _rank(means: dict[str, float], name: str) -> str:
@@ -22,7 +23,8 @@ def _rank(means: dict[str, float], name: str) -> str:
 def layer_tables(result: dict) -> list[TableData]:
     """Per-layer means over (trajectory, agent pair) spans: ranks, then norms and cross-agent similarities.
 
-    lora mode adds the base part X·W0 and the adapter output; prompt mode has neither.
+    lora mode adds the base part X·W0 and the adapter output; prompt mode has neither, and adds a third table: the
+    deltas against the context-free reference (results written before kvprof measured them have no such table).
     """
     lora = result["mode"] == "lora"
     spans = f"means over {len(result['pairs'])} (trajectory, agent pair) spans"
@@ -61,7 +63,32 @@ def layer_tables(result: dict) -> list[TableData]:
             else:
                 ranks.add_row(label, _rank(means, "cache"), _rank(means, "delta"))
                 similarity.add_row(label, f"{means['delta_relative']:.3f}", f"{means['cache_cosine']:.4f}")
-    return [ranks, similarity]
+    context_free = result.get("context_free")
+    return [ranks, similarity, *([context_free_table(context_free)] if context_free else [])]
+
+
+def context_free_table(context_free: dict) -> TableData:
+    """Per-layer means of the prompt-mode deltas against the context-free reference (`result["context_free"]`)."""
+    table = TableData(
+        title="delta against the context-free reference per layer, prompt mode (means over "
+        f"{len(context_free['segments'])} (trajectory, agent, segment) records)",
+        columns=["layer", "C_j,seg", "Δ_j", "‖Δ_j‖/‖C_j,seg‖", "cos C, ref"],
+        caption="Δ_j = C_j,seg − R(C_ref,seg): an agent's cache of a shared segment minus the segment encoded alone "
+        "(no prefix), keys re-aligned to the agent's positions; entropy effective rank (energy rank 90 %/99 %); "
+        "every record counts once, short segments as much as long ones (the KVCMAS verdict takes the records "
+        "of more than 32 tokens when there are any)",
+    )
+    for entry in context_free["layer_means"]:
+        for kv in KV_NAMES:
+            means = entry[kv]
+            table.add_row(
+                f"{entry['layer']} {kv}",
+                _rank(means, "cache"),
+                _rank(means, "delta"),
+                f"{means['delta_relative']:.3f}",
+                f"{means['reference_cosine']:.4f}",
+            )
+    return table
 
 
 def verdict_lines(result: dict) -> list[str]:
@@ -84,16 +111,33 @@ def _pair_grid(result: dict, metric: str, kv: str) -> list[list[float | None]]:
 
 def sections(result: dict) -> list[Section]:
     """Dashboard sections: verdicts and tables, per-layer rank and norm curves, spectra, agent-pair heatmaps."""
-    verdicts = TableData(title="published claims", columns=["paper", "claim", "verdict", "measured", "detail"])
+    verdicts = TableData(
+        title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
+    )
     for claim in result["claims"]:
         verdicts.add_row(
-            claim["paper"], claim["statement"], VERDICTS[claim["holds"]], claim["measured"], claim["detail"]
+            claim["paper"],
+            claim["statement"],
+            VERDICTS[claim["holds"]],
+            claim["measured"],
+            claim["detail"],
+            claim.get("quantity", ""),
         )
     layers = [entry["layer"] for entry in result["layer_means"]]
     present = result["layer_means"][0]["K"]
+    context_free = result.get("context_free")
 
     def per_layer(metric: str, kv: str) -> list[float]:
         return [entry[kv][metric] for entry in result["layer_means"]]
+
+    reference_ranks = (
+        {
+            f"{CONTEXT_FREE_DELTA} {kv}": [entry[kv]["delta_rank"] for entry in context_free["layer_means"]]
+            for kv in KV_NAMES
+        }
+        if context_free
+        else {}
+    )
 
     curves = [
         line_figure(
@@ -103,7 +147,8 @@ def sections(result: dict) -> list[Section]:
                 for name, label in QUANTITIES.items()
                 for kv in KV_NAMES
                 if f"{name}_rank" in present
-            },
+            }
+            | reference_ranks,
             "entropy effective rank per layer",
             "layer",
             "effective rank",
@@ -128,6 +173,11 @@ def sections(result: dict) -> list[Section]:
             for entry in result["spectra"]
             for name in ("cache", "delta")
         }
+        if context_free:
+            series |= {
+                f"layer {entry['layer']} {CONTEXT_FREE_DELTA}": list(accumulate(entry[kv]["delta"]))
+                for entry in context_free["spectra"]
+            }
         longest = max(len(values) for values in series.values())
         spectra.append(
             line_figure(

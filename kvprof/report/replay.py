@@ -19,7 +19,17 @@ def _rows(result: dict) -> list[tuple[str, dict, dict, dict | None]]:
     """(label, summary, ratios to dense, online result) for the dense run and each policy."""
     online = result.get("online") or {}
     dense = result["dense"]["summary"]
-    unit = {"ttft_speedup": 1.0, "prefill_speedup_implied": 1.0, "latency_speedup": 1.0, "memory_ratio": 1.0}
+    unit = dict.fromkeys(
+        (
+            "ttft_speedup",
+            "tpot_speedup",
+            "prefill_speedup_implied",
+            "latency_speedup",
+            "memory_ratio",
+            "working_memory_ratio",
+        ),
+        1.0,
+    )
     rows = [("dense (NonShared)", dense, unit, online.get("dense"))]
     rows += [
         (label, entry["summary"], entry["summary"], online.get(label)) for label, entry in result["policies"].items()
@@ -27,10 +37,31 @@ def _rows(result: dict) -> list[tuple[str, dict, dict, dict | None]]:
     return rows
 
 
+def dense_check(result: dict) -> str:
+    """How much of the trace's outputs the dense run reproduces (greedy argmax, teacher-forced): the oracle's own
+    check. A trace captured from this model must give 100 %; less means other weights, dtype or library versions."""
+    agreement = result["dense"]["summary"].get("trace_agreement")
+    if agreement is None:
+        return ""
+    text = f"dense run reproduces {agreement:.1%} of the trace's output tokens"
+    source = result.get("trace_source", "capture")
+    if source != "capture":
+        return text + f" (the trace's outputs are not this model's own: source {source!r})"
+    if agreement < 1.0:
+        return (
+            "WARNING: "
+            + text
+            + ", but the trace was captured from this model: it is replayed with other weights, dtype or library "
+            "versions than it was captured with, so every figure below is measured against a different oracle"
+        )
+    return text
+
+
 def fidelity_table(result: dict) -> TableData:
     """Policy × cache error and output fidelity (and online accuracy when measured)."""
     online = bool(result.get("online"))
     columns = ["policy", "K err", "V err", "KL", "top-1", "1st tok"] + (["accuracy", "diverged"] if online else [])
+    check = dense_check(result)
     table = TableData(
         title=f"fidelity: {result['dense']['summary']['turns']} turns of {result.get('trace', 'the trace')}, "
         "teacher-forced, against the dense (NonShared) run",
@@ -43,7 +74,8 @@ def fidelity_table(result: dict) -> TableData:
             if online
             else ""
         )
-        + ".",
+        + "."
+        + (f" {check[0].upper()}{check[1:]}." if check else ""),
     )
     for label, summary, _, accuracy in _rows(result):
         cells = [
@@ -63,30 +95,15 @@ def fidelity_table(result: dict) -> TableData:
     return table
 
 
-def cost_table(result: dict) -> TableData:
-    """Policy × reuse, prefill, measured speed-ups and memory."""
+def reuse_table(result: dict) -> TableData:
+    """Policy × reuse ratios and tokens prefilled."""
     table = TableData(
-        title=f"cost: {result.get('device', '')} {result.get('dtype', '')}, TTFT = median of "
-        f"{result.get('repeats', 1)} repeats per turn"
-        + (" after a warm-up" if result.get("repeats", 1) > 1 else " (no warm-up)"),
-        columns=[
-            "policy",
-            "ρ tok",
-            "ρ call",
-            "ρ call*",
-            "prefilled",
-            "TTFT s",
-            "TTFT ×",
-            "implied ×",
-            "latency s",
-            "latency ×",
-            "memory ×",
-            "peak MiB",
-        ],
-        caption="ρ: share of input tokens (tok) / of calls (call) served from another agent's or an adapter-free "
-        "cache, call* excluding source hops; TTFT s / latency s: summed over turns; × = dense ÷ policy (TTFT "
-        "and latency measured side by side in this run; implied: tokens prefilled); memory = policy ÷ dense "
-        "peak of analytic cache bytes.",
+        title="reuse: tokens served from stored caches instead of prefilled",
+        columns=["policy", "ρ tok", "ρ call", "ρ call*", "adapter-free tok", "prefilled", "implied ×"],
+        caption="ρ: share of input tokens (tok) / of calls (call) reused from caches of tokens another agent "
+        "processed first — one definition for every policy — call* excluding source hops; adapter-free tok: share "
+        "of input tokens served from an adapter-free cache; prefilled: tokens through the backbone (chunks, LR "
+        "prefills, prefixes); implied × = dense ÷ policy tokens prefilled.",
     )
     for label, summary, ratios, _ in _rows(result):
         table.add_row(
@@ -94,15 +111,47 @@ def cost_table(result: dict) -> TableData:
             _num(summary["reuse_per_token"], ".2f"),
             _num(summary["reuse_per_call"], ".2f"),
             _num(summary["reuse_per_call_excl_source"], ".2f"),
+            _num(summary.get("adapter_free_per_token"), ".2f"),
             str(summary["prefilled"]),
+            _num(ratios["prefill_speedup_implied"], ".2f"),
+        )
+    return table
+
+
+def cost_table(result: dict) -> TableData:
+    """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
+    cuda = any(summary.get("cuda_peak_bytes") is not None for _, summary, _, _ in _rows(result))
+    columns = ["policy", "TTFT s", "TTFT ×", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB", "stored ×"]
+    columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else [])
+    table = TableData(
+        title=f"cost: {result.get('device', '')} {result.get('dtype', '')}, TTFT = median of "
+        f"{result.get('repeats', 1)} repeats per turn"
+        + (" after a warm-up" if result.get("repeats", 1) > 1 else " (no warm-up)"),
+        columns=columns,
+        caption="TTFT s / latency s: summed over turns; TPOT: decode time per output token (one forward per token "
+        "over the cache); × = dense ÷ policy, measured side by side in this run (memory: policy ÷ dense); stored: "
+        "peak analytic bytes of what the policy keeps between turns; working: peak during a turn, adding its "
+        "transients (the turn's cache, captured hidden states, an LR prefill's working set)"
+        + ("; CUDA: allocator peak of the policy's own turns plus its stored bytes" if cuda else "")
+        + ".",
+    )
+    for label, summary, ratios, _ in _rows(result):
+        cells = [
+            label,
             _num(summary["ttft_s"], ".3f"),
             _num(ratios["ttft_speedup"], ".2f"),
-            _num(ratios["prefill_speedup_implied"], ".2f"),
+            _num(summary.get("tpot_s") and summary["tpot_s"] * 1e3, ".2f"),
+            _num(ratios.get("tpot_speedup"), ".2f"),
             _num(summary["latency_s"], ".3f"),
             _num(ratios["latency_speedup"], ".2f"),
-            _num(ratios["memory_ratio"], ".2f"),
             _mib(summary["peak_memory_bytes"]),
-        )
+            _num(ratios["memory_ratio"], ".2f"),
+            _mib(summary.get("peak_working_bytes", 0)),
+            _num(ratios.get("working_memory_ratio"), ".2f"),
+        ]
+        if cuda:
+            cells.append(_num(summary.get("cuda_peak_bytes") and summary["cuda_peak_bytes"] / 2**20, ".2f"))
+        table.add_row(*cells)
     return table
 
 
@@ -127,7 +176,8 @@ def layer_table(result: dict) -> TableData:
 def notes(result: dict) -> list[str]:
     """One line per policy: its paper, whether it is exact, and the figures its paper publishes (recorded in the
     result from the policy class), then the skipped policies."""
-    lines = []
+    check = dense_check(result)
+    lines = [check] if check else []
     for label, entry in result["policies"].items():
         exactness = "approximate" if entry["approximate"] else "exact"
         published = "; ".join(figure["claim"] for figure in entry.get("published", []))
@@ -190,7 +240,7 @@ def sections(result: dict) -> list[Section]:
         Section(
             title="Sharing policies against the dense run",
             text=notes(result),
-            tables=[fidelity_table(result), cost_table(result), layer_table(result)],
+            tables=[fidelity_table(result), reuse_table(result), cost_table(result), layer_table(result)],
             figures=figures,
         )
     ]

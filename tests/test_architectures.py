@@ -1,0 +1,133 @@
+"""kvprof on architectures beyond Llama: tiny Qwen2 (q/k/v biases) and Mistral (sliding-window attention) worlds,
+through the command line: capture, rank-analysis and replay, in lora and prompt mode (Llama: the other tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvprof.cache import capture_turn
+from kvprof.lora import HiddenTap, base_kv, layer_splits
+from kvprof.model import head_dim, load_agents
+from kvprof.policies import enumerate_variants
+from kvprof.rope import rotary_embedding
+from kvprof.spec import build_spec
+from kvprof.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
+
+DEVICE = ("--device", "cpu")
+
+
+@pytest.fixture(scope="module", params=["qwen2", "mistral"])
+def world(request, tmp_path_factory) -> TinyWorld:
+    """The tiny world of each architecture, built once per module."""
+    return build_tiny_world(tmp_path_factory.mktemp(f"tiny_{request.param}"), arch=request.param)
+
+
+def _capture(run_cli, world: TinyWorld, workflow, out) -> str:
+    code, _, err = run_cli(
+        "capture",
+        "--model",
+        world.model,
+        "--workflow",
+        workflow,
+        "--tasks",
+        world.tasks,
+        "--limit",
+        "1",
+        "--out",
+        out,
+        *DEVICE,
+    )
+    assert code == 0, err
+    return str(out / "trace.jsonl")
+
+
+def _replay(run_cli, trace: str, out, *args: str) -> dict:
+    code, _, err = run_cli("replay", trace, "--repeats", "1", "--out", out, *DEVICE, *args)
+    assert code == 0, err
+    return json.loads((out / "replay.json").read_text())
+
+
+def _check_exact_and_shared(result: dict) -> None:
+    """The dense run reproduces the captured outputs; NonShared is exact, FullShared is not."""
+    assert result["dense"]["summary"]["trace_agreement"] == 1.0
+    nonshared = result["policies"]["nonshared"]["summary"]
+    fullshared = result["policies"]["fullshared"]["summary"]
+    assert nonshared["k_error"] == 0.0 and nonshared["v_error"] == 0.0
+    assert fullshared["k_error"] > 0 and fullshared["v_error"] > 0
+
+
+def test_cache_split_and_base_kv_carry_the_biases(world):
+    """base + adapter is the cached K/V, and the base part from the weights (kvprof.lora) equals the captured one:
+    with Qwen2's biases, both must include the bias (before RoPE for keys)."""
+    agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu", dtype="float32")
+    ids = agents.tokenizer.encode("Question: Where was Kalomir born?\nplan:", add_special_tokens=False)
+    splits = layer_splits(agents)
+    assert agents.config.model_type in ("qwen2", "mistral")
+    if agents.config.model_type == "mistral":
+        assert agents.config.sliding_window == MISTRAL_WINDOW
+    biased = agents.config.model_type == "qwen2"
+    assert all((split.key.base_bias is not None) == biased for split in splits)
+    if biased:
+        assert all(float(split.value.base_bias.abs().mean()) > 0.01 for split in splits)
+    rotary = rotary_embedding(agents.base_model)
+    tap = HiddenTap(agents.base_model)
+    positions = torch.arange(len(ids))
+    for agent in AGENTS:
+        captured = capture_turn(agents, agent, ids, parts=("kv", "split"))
+        with tap.capture(), agents.activate(agent), torch.no_grad():
+            agents.model(input_ids=torch.tensor([ids]))
+        for index, layer in captured.layers.items():
+            keys, values = layer.split["k_proj"], layer.split["v_proj"]
+            torch.testing.assert_close(keys.total, layer.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(values.total, layer.values, rtol=1e-4, atol=1e-5)
+            hidden = tap.hidden[index]
+            assert hidden is not None
+            base_k, base_v = base_kv(
+                splits[index],
+                hidden,
+                positions,
+                rotary.inv_freq,
+                float(getattr(rotary, "attention_scaling", 1.0)),
+                head_dim(agents.config),
+            )
+            torch.testing.assert_close(base_k[0], keys.base, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(base_v[0], values.base, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_capture_rank_analysis_and_replay(world, run_cli, tmp_path):
+    trace = _capture(run_cli, world, world.lora_workflow, tmp_path / "capture")
+    code, _, err = run_cli("rank-analysis", trace, "--out", tmp_path / "rank", *DEVICE)
+    assert code == 0, err
+    analysis = json.loads((tmp_path / "rank" / "rank_analysis.json").read_text())
+    for kv in ("K", "V"):  # every agent feeds the same embeddings into layer 0: identical base parts
+        assert analysis["layer_means"][0][kv]["base_cosine"] == pytest.approx(1.0, abs=1e-6)
+    result = _replay(run_cli, trace, tmp_path / "replay", "--online")
+    variants = {variant.label for variant in enumerate_variants()}
+    assert set(result["skipped"]) == {"baselrshared"}  # the adapters do not share A
+    assert set(result["policies"]) == variants - {"baselrshared"}
+    assert set(result["online"]) == set(result["policies"]) | {"dense"}
+    _check_exact_and_shared(result)
+    # adapters that share A: BaseLRShared runs too
+    shared_a = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.shared_a_adapter(name)}")]
+    result = _replay(run_cli, trace, tmp_path / "shared_a", "--policy", "baselrshared", *shared_a)
+    assert set(result["policies"]) == {"baselrshared"} and not result.get("skipped")
+    assert result["policies"]["baselrshared"]["summary"]["k_error"] > 0
+
+
+def test_prompt_capture_rank_analysis_and_replay(world, run_cli, tmp_path):
+    trace = _capture(run_cli, world, world.prompt_workflow, tmp_path / "capture")
+    code, _, err = run_cli("rank-analysis", trace, "--out", tmp_path / "rank", *DEVICE)
+    assert code == 0, err
+    context_free = json.loads((tmp_path / "rank" / "rank_analysis.json").read_text())["context_free"]
+    for kv in ("K", "V"):  # layer 0: a segment's cache is its context-free encoding, re-aligned (RoPE θ = 10⁶)
+        assert context_free["layer_means"][0][kv]["delta_rank"] == 0.0
+        assert context_free["layer_means"][0][kv]["delta_relative"] < 1e-5
+    result = _replay(run_cli, trace, tmp_path / "replay", "--online")
+    prompt = {variant.label for variant in enumerate_variants() if "prompt" in variant.policy.modes}
+    assert set(result["policies"]) == prompt == {"fullshared", "nonshared"}
+    assert all("lora-mode" in reason for reason in result["skipped"].values())
+    assert set(result["online"]) == prompt | {"dense"}
+    _check_exact_and_shared(result)
