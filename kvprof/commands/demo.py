@@ -18,6 +18,7 @@ import torch
 import typer
 from rich.table import Table
 
+from kvprof.analysis import EXTENSION
 from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trace_header, trajectory_summary
 from kvprof.commands import capture, rank_analysis, replay
 from kvprof.commands.common import (
@@ -195,9 +196,14 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     json_path = ctx.write_result(out, "rank_analysis", record, rank_analysis.command, trace=trace, limit=limit)
     html_path = write_report(out / "rank_analysis.html", record)
     console.print(f"wrote {json_path} and {html_path} ({record['seconds']:.1f} s)")
-    holds = sum(claim["holds"] is True for claim in record["claims"])
+    claims = record["claims"]
+    paper = [claim for claim in claims if EXTENSION not in claim.get("quantity", "")]
+    extensions = [claim for claim in claims if claim not in paper]
+    summary = f"{sum(c['holds'] is True for c in paper)} of {len(paper)} published claims hold on this world"
+    if extensions:
+        summary += f"; {sum(c['holds'] is True for c in extensions)} of {len(extensions)} on kvprof's extension"
     return StageResult(
-        f"{holds} of {len(record['claims'])} published claims hold on this world",
+        summary,
         [json_path, html_path],
         {"claims": {claim["statement"]: claim["holds"] for claim in record["claims"]}},
     )
