@@ -70,7 +70,9 @@ def main() -> None:
     Ctrl-C exits 130."""
     _quiet_libraries()
     try:
-        code = app(standalone_mode=False)  # typer turns Ctrl-C inside a command and `typer.Exit` into this value
+        # typer turns Ctrl-C inside a command and `typer.Exit` into this value; the program is "kvprof" however it
+        # was started (click would otherwise name it after `python -m ...`)
+        code = app(prog_name="kvprof", standalone_mode=False)
     except typer.TyperException as usage:
         typer.echo(usage_line(usage), err=True)
         sys.exit(USAGE)
