@@ -75,6 +75,7 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         "adapter_free": result.adapter_free,
         "prefilled": result.prefilled,
         "flops": result.flops,
+        "ttft_flops": result.ttft_flops,
         "ttft_s": result.ttft_s,
         "decode_s": result.decode_s,
         "decode_steps": result.decode_steps,
@@ -135,6 +136,7 @@ def summarise(turns: list[dict]) -> dict:
         "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
         "prefilled": sum(t["prefilled"] for t in turns),
         "flops": sum(t["flops"] for t in turns),
+        "ttft_flops": sum(t["ttft_flops"] for t in turns),
         "ttft_s": sum(t["ttft_s"] for t in turns),
         "decode_s": decode_s,
         "tpot_s": decode_s / decode_steps if decode_steps else None,
@@ -163,6 +165,10 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
         "latency_speedup": ratio(dense["latency_s"], summary["latency_s"]),
         "prefill_speedup_implied": ratio(dense["prefilled"], summary["prefilled"]),
         "flops_ratio": ratio(summary["flops"], dense["flops"]),
+        "ttft_speedup_implied_flops": ratio(dense["ttft_flops"], summary["ttft_flops"]),
+        "harness_efficiency": ratio(
+            ratio(dense["ttft_s"], summary["ttft_s"]), ratio(dense["ttft_flops"], summary["ttft_flops"])
+        ),
         "memory_ratio": ratio(summary["peak_memory_bytes"], dense["peak_memory_bytes"]),
         "working_memory_ratio": ratio(summary["peak_working_bytes"], dense["peak_working_bytes"]),
     }

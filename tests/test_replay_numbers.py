@@ -120,3 +120,17 @@ def test_timeline_records_who_processed_each_token_first():
     timeline.check(2, "plan", [1, 2])
     with pytest.raises(KvprofError, match="shared position 1"):
         timeline.check(3, "plan", [1, 9, 3])
+
+
+def test_ttft_flops_give_the_speed_up_the_work_allows(lora):
+    policies = lora["policies"]
+    for label, entry in policies.items():
+        summary = entry["summary"]
+        assert 0 < summary["ttft_flops"] <= summary["flops"], label
+        implied = lora["dense"]["summary"]["ttft_flops"] / summary["ttft_flops"]
+        assert summary["ttft_speedup_implied_flops"] == pytest.approx(implied)
+        assert summary["harness_efficiency"] == pytest.approx(summary["ttft_speedup"] / implied)
+    # double batching computes both rows in the prefill; lazy prefill defers the adapter-free pass past the turn
+    lazy, batched = policies["rebaseshared-lp"]["summary"], policies["rebaseshared-db"]["summary"]
+    assert batched["ttft_flops"] > 1.5 * lazy["ttft_flops"]
+    assert policies["nonshared"]["summary"]["ttft_flops"] == lora["dense"]["summary"]["ttft_flops"]

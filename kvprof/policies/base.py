@@ -162,11 +162,12 @@ class TurnResult:
 
     logits: (n_out, vocab) fp32, row j predicting output token j; input_kv: per layer (K, V), (H_kv, T_in, D),
     what the agent attended to over its whole input; reused span = input positions
-    [prefix_len, prefix_len + reused). decode_s / decode_steps: time and count of the decode forwards (one per
-    output token). memory: analytic bytes of each stored structure after the turn; stored_before_bytes: their sum
-    before it; transient_bytes: the turn's working set (its cache, captured hidden states, the policy's own
-    transients); cuda_peak_bytes: on CUDA, the allocator's peak during the turn above what was allocated before it,
-    plus the policy's stored bytes (None elsewhere).
+    [prefix_len, prefix_len + reused). flops: analytic FLOPs of the whole turn, every batch row counted;
+    ttft_flops: those of the prefill phase (context, chunk forward, prefill-phase work). decode_s / decode_steps:
+    time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
+    after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
+    captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
+    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere).
     """
 
     agent: str
@@ -178,6 +179,7 @@ class TurnResult:
     adapter_free: int
     prefilled: int
     flops: float
+    ttft_flops: float
     ttft_s: float
     decode_s: float
     decode_steps: int
@@ -338,8 +340,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
         )
         commit_s = clock(runtime.device) - commit_started
         chunk_len = len(shared) - context.reused
-        flops = runtime.flops(chunk_len, first.start) + runtime.flops(len(decoded.output_ids), len(request.input_ids))
         rows = len(self.adapter_rows(request.agent) or [None])
+        ttft_flops = rows * runtime.flops(chunk_len, first.start) + context.extra_flops + first.flops
+        decode_flops = rows * runtime.flops(len(decoded.output_ids), len(request.input_ids)) + decoded.flops
         turn_cache = runtime.kv_bytes_per_token * rows * (len(request.input_ids) + len(decoded.output_ids))
         hidden = runtime.hidden_bytes_per_token * rows * chunk_len if self.needs_hidden else 0
         return TurnResult(
@@ -351,7 +354,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
             reused=context.reused,
             adapter_free=context.adapter_free,
             prefilled=chunk_len + context.extra_prefill,
-            flops=flops + context.extra_flops + first.flops + decoded.flops + commit_flops,
+            flops=ttft_flops + decode_flops + commit_flops,
+            ttft_flops=ttft_flops,
             ttft_s=first.seconds,
             decode_s=decoded.seconds,
             decode_steps=decoded.steps,

@@ -24,6 +24,8 @@ def _rows(result: dict) -> list[tuple[str, dict, dict, dict | None]]:
             "ttft_speedup",
             "tpot_speedup",
             "prefill_speedup_implied",
+            "ttft_speedup_implied_flops",
+            "harness_efficiency",
             "latency_speedup",
             "memory_ratio",
             "working_memory_ratio",
@@ -99,11 +101,12 @@ def reuse_table(result: dict) -> TableData:
     """Policy × reuse ratios and tokens prefilled."""
     table = TableData(
         title="reuse: tokens served from stored caches instead of prefilled",
-        columns=["policy", "ρ tok", "ρ call", "ρ call*", "adapter-free tok", "prefilled", "implied ×"],
+        columns=["policy", "ρ tok", "ρ call", "ρ call*", "adapter-free tok", "prefilled", "implied ×", "FLOP ×"],
         caption="ρ: share of input tokens (tok) / of calls (call) reused from caches of tokens another agent "
         "processed first — one definition for every policy — call* excluding source hops; adapter-free tok: share "
         "of input tokens served from an adapter-free cache; prefilled: tokens through the backbone (chunks, LR "
-        "prefills, prefixes); implied × = dense ÷ policy tokens prefilled.",
+        "prefills, prefixes); implied × = dense ÷ policy tokens prefilled; FLOP × = dense ÷ policy analytic FLOPs of "
+        "the TTFT phase (every batch row counted): the TTFT speed-up the work allows.",
     )
     for label, summary, ratios, _ in _rows(result):
         table.add_row(
@@ -114,6 +117,7 @@ def reuse_table(result: dict) -> TableData:
             _num(summary.get("adapter_free_per_token"), ".2f"),
             str(summary["prefilled"]),
             _num(ratios["prefill_speedup_implied"], ".2f"),
+            _num(ratios.get("ttft_speedup_implied_flops"), ".2f"),
         )
     return table
 
@@ -121,17 +125,19 @@ def reuse_table(result: dict) -> TableData:
 def cost_table(result: dict) -> TableData:
     """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
     cuda = any(summary.get("cuda_peak_bytes") is not None for _, summary, _, _ in _rows(result))
-    columns = ["policy", "TTFT s", "TTFT ×", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB", "stored ×"]
+    columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
     columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else [])
     table = TableData(
         title=f"cost: {result.get('device', '')} {result.get('dtype', '')}, TTFT = median of "
         f"{result.get('repeats', 1)} repeats per turn"
         + (" after a warm-up" if result.get("repeats", 1) > 1 else " (no warm-up)"),
         columns=columns,
-        caption="TTFT s / latency s: summed over turns; TPOT: decode time per output token (one forward per token "
-        "over the cache); × = dense ÷ policy, measured side by side in this run (memory: policy ÷ dense); stored: "
-        "peak analytic bytes of what the policy keeps between turns; working: peak during a turn, adding its "
-        "transients (the turn's cache, captured hidden states, an LR prefill's working set)"
+        caption="TTFT s / latency s: summed over turns; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up "
+        "the work allows that the replay realises; below 1, the harness or fixed per-turn costs eat it); TPOT: "
+        "decode time per output token (one forward per token over the cache); × = dense ÷ policy, measured side by "
+        "side in this run (working ×: policy ÷ dense); stored: peak analytic bytes of what the policy keeps between "
+        "turns; working: peak during a turn, adding its transients (the turn's cache, captured hidden states, an LR "
+        "prefill's working set)"
         + ("; CUDA: allocator peak of the policy's own turns plus its stored bytes" if cuda else "")
         + ".",
     )
@@ -140,12 +146,12 @@ def cost_table(result: dict) -> TableData:
             label,
             _num(summary["ttft_s"], ".3f"),
             _num(ratios["ttft_speedup"], ".2f"),
+            _num(ratios.get("harness_efficiency"), ".2f"),
             _num(summary.get("tpot_s") and summary["tpot_s"] * 1e3, ".2f"),
             _num(ratios.get("tpot_speedup"), ".2f"),
             _num(summary["latency_s"], ".3f"),
             _num(ratios["latency_speedup"], ".2f"),
             _mib(summary["peak_memory_bytes"]),
-            _num(ratios["memory_ratio"], ".2f"),
             _mib(summary.get("peak_working_bytes", 0)),
             _num(ratios.get("working_memory_ratio"), ".2f"),
         ]
