@@ -1,8 +1,30 @@
-"""GPU memory readings next to kvprof's analytic accounting: the allocator's peak and the device's own count."""
+"""The hardware a measurement ran on: the CPU (name and the matrix extensions that decide which dtype is fast on
+it), and GPU memory readings next to kvprof's analytic accounting (the allocator's peak, the device's own count)."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import torch
+
+CPU_MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and which of `CPU_MATRIX_FLAGS` it has (bfloat16 is fast on CPU only with AMX or
+    AVX512-BF16; on AVX2-only CPUs it is far slower than float32), from /proc/cpuinfo where there is one."""
+    name, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    return {"name": name, "matrix_flags": [flag for flag in CPU_MATRIX_FLAGS if flag in flags]}
 
 
 def gpu_memory(device: torch.device) -> dict | None:

@@ -28,7 +28,7 @@ from kvprof.model import AgentSet
 from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
-from kvprof.profiling import gpu_memory
+from kvprof.profiling import cpu_description, gpu_memory
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory
 from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
@@ -347,7 +347,7 @@ def run_replay(
     hooks: ReplayHooks | None = None,
 ) -> dict:
     """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay, the online re-runs
-    when `online`, and the run's setting (mode, repeats, attention path, device, dtype, GPU memory)."""
+    when `online`, and the run's setting (mode, repeats, attention path, device, CPU, dtype, GPU memory)."""
     hooks = hooks or ReplayHooks()
     result = replay_trace(
         agents,
@@ -369,6 +369,7 @@ def run_replay(
         repeats=repeats,
         lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
         device=str(agents.device),
+        cpu=cpu_description(),
         dtype=str(agents.base_model.dtype).removeprefix("torch."),
         gpu_memory=gpu_memory(agents.device),
     )

@@ -4,6 +4,7 @@ identity checked before anything is reused."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -134,3 +135,32 @@ def test_ttft_flops_give_the_speed_up_the_work_allows(lora):
     lazy, batched = policies["rebaseshared-lp"]["summary"], policies["rebaseshared-db"]["summary"]
     assert batched["ttft_flops"] > 1.5 * lazy["ttft_flops"]
     assert policies["nonshared"]["summary"]["ttft_flops"] == lora["dense"]["summary"]["ttft_flops"]
+
+
+def test_results_name_the_cpu_they_were_measured_on(run_cli, lora_trace, tmp_path):
+    code, out, err = run_cli(
+        "replay",
+        lora_trace,
+        "--policy",
+        "fullshared",
+        "--limit",
+        "1",
+        "--repeats",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        tmp_path,
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay.json").read_text())
+    assert result["cpu"]["name"] and result["environment"]["cpu"] == result["cpu"]
+    assert set(result["cpu"]["matrix_flags"]) <= {
+        "amx_bf16",
+        "amx_tile",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx512f",
+        "avx2",
+    }
+    assert f"cost: cpu ({result['cpu']['name']}" in out

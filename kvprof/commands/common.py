@@ -14,6 +14,7 @@ import typer
 
 import kvprof
 from kvprof.fileio import write_json
+from kvprof.profiling import cpu_description
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ def result_envelope(kind: str, payload: dict, args: dict) -> dict:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpu": cpu_description(),
+            "cpu_threads": torch.get_num_threads(),
         },
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
         **payload,

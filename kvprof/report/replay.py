@@ -15,6 +15,15 @@ def _mib(value: float) -> str:
     return f"{value / 2**20:.2f}"
 
 
+def _device(result: dict) -> str:
+    """The device a replay ran on; for the CPU its name and matrix extensions (they decide which dtype is fast)."""
+    device = result.get("device", "")
+    cpu = result.get("cpu")
+    if device != "cpu" or not cpu:
+        return device
+    return f"cpu ({cpu['name']}; {', '.join(cpu['matrix_flags']) or 'no AVX2'})"
+
+
 def _rows(result: dict) -> list[tuple[str, dict, dict, dict | None]]:
     """(label, summary, ratios to dense, online result) for the dense run and each policy."""
     online = result.get("online") or {}
@@ -128,7 +137,7 @@ def cost_table(result: dict) -> TableData:
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
     columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else [])
     table = TableData(
-        title=f"cost: {result.get('device', '')} {result.get('dtype', '')}, TTFT = median of "
+        title=f"cost: {_device(result)} {result.get('dtype', '')}, TTFT = median of "
         f"{result.get('repeats', 1)} repeats per turn"
         + (" after a warm-up" if result.get("repeats", 1) > 1 else " (no warm-up)"),
         columns=columns,
