@@ -8,7 +8,9 @@
 # 2. `kvprof bench` at Llama-3.1-8B attention shapes (H_q 32, H_kv 8, D 128), r = 16, bfloat16, L up to 32k;
 # 3. `kvprof replay` of the demo trace with the CUDA defaults (dtype auto = bfloat16, Flash-LoRA-Attention through
 #    the Triton kernel): every policy, on the shared-A adapters so BaseLRShared runs too;
-# 4. the H200 targets, read from the benchmark's JSON:
+# 4. scripts/react_bench.sh at full scale (PReCache's 17.3k-token ReAct shape) on CUDA: measured TTFT speed-ups
+#    against the ones the prefill-phase FLOPs allow;
+# 5. the H200 targets, read from the benchmark's JSON:
 #      prefill (causal, Lq = Lk = 32768): Flash-LoRA throughput ≥ 85 % of plain SDPA (t_sdpa / t_flash ≥ 0.85)
 #      decode  (Lq = 1, Lk = 32768):      Flash-LoRA ≥ 1.5× faster than naive expansion (t_naive / t_flash ≥ 1.5)
 # Everything is written under OUT_DIR; the exit status is non-zero when a step failed or a target was missed.
@@ -53,6 +55,10 @@ world="kvprof/demo/assets"
 python -c "from kvprof.cli import main; main()" replay --device cuda --repeats 3 --out "$out/replay" \
     --agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act" \
     --agent "reflect=$world/adapters/shared_a/reflect" 2>&1 | tee "$out/replay.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== ReAct-shape replay (CUDA defaults)"
+scripts/react_bench.sh "$out/react" 1 --device cuda 2>&1 | tee "$out/react.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== H200 targets"

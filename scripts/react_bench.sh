@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Replay the PReCache ReAct trajectory shape on the shipped demo model under every policy, and print how much of the
+# TTFT speed-up each policy's prefill-phase FLOPs allow the replay actually measures (the "FLOP ×" and "eff." columns
+# of `kvprof replay`). The shape, in agent turns (new input tokens + output tokens):
+#   plan 512+32, then 4 × [plan 4096+32, plan 8+8, act 8+8], then reflect 32+32 and reflect 8+8  (17.3k tokens)
+#
+#   scripts/react_bench.sh OUT_DIR [SCALE] [extra kvprof replay options...]
+#
+# SCALE (default 1) divides the long prefills (512 and 4096) so a CPU run stays short (SCALE 8: ~2.3k tokens).
+# Tokens are synthesised deterministically (kvprof capture --shapes); the demo world's shared-A adapters are used,
+# so BaseLRShared runs too. On CUDA pass e.g. `--device cuda` (bfloat16 and the Triton kernel are its defaults).
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+    echo "usage: scripts/react_bench.sh OUT_DIR [SCALE] [kvprof replay options...]" >&2
+    exit 2
+fi
+out="$(mkdir -p "$1" && cd "$1" && pwd)"
+scale="${2:-1}"
+shift $(( $# >= 2 ? 2 : 1 ))
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+kvprof() { python -c "from kvprof.cli import main; main()" "$@"; }
+
+world="kvprof/demo/assets"
+{
+    echo "agent,prefill_len,decode_len"
+    echo "plan,$(( 512 / scale )),32"
+    for _ in 1 2 3 4; do
+        echo "plan,$(( 4096 / scale )),32"
+        echo "plan,8,8"
+        echo "act,8,8"
+    done
+    echo "reflect,32,32"
+    echo "reflect,8,8"
+} > "$out/react_shape.csv"
+
+agents=(--agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act"
+        --agent "reflect=$world/adapters/shared_a/reflect")
+kvprof capture --model "$world/model" --shapes "$out/react_shape.csv" "${agents[@]}" --out "$out/capture"
+kvprof replay "$out/capture/trace.jsonl" --policy all --repeats 3 --out "$out/replay" "$@"
