@@ -252,7 +252,8 @@ class AgentSet:
                 yield
             return
         self.spec.agent(agent)
-        self.model.set_adapter(agent)
+        if self.model.active_adapter != agent:  # peft's set_adapter walks every module: only switch when needed
+            self.model.set_adapter(agent)
         yield
 
 
