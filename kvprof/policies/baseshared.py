@@ -87,22 +87,15 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
             low_rank=low_rank,
         )
 
-    def on_prefill(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
-        return self._down_project(agent, context, forward, start)
-
-    def on_decode_step(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
-        return self._down_project(agent, context, forward, start)
-
-    def _down_project(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
+    def on_forward(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
         """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet."""
         assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
         own = LowRankStore.down_projections(self.runtime, forward.hidden, [agent])
         context.own.append(own[agent])
         flops = LowRankStore.down_projection_flops(self.runtime, own)
-        hidden = self.new_tokens(context, forward.hidden, start)
-        count = hidden[0].shape[1]
-        if count:
-            update, base_flops = self.store.base_update(hidden, start + forward.hidden[0].shape[1] - count, agent)
+        new = self.new_tokens(context, forward.hidden, start)
+        if new is not None:
+            update, base_flops = self.store.base_update(*new, agent)
             context.updates.append(update)
             flops += base_flops
         return flops

@@ -29,7 +29,7 @@ from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.lora import base_kv, heads
 from kvprof.policies.base import Chunk, Context, SharingPolicy
 from kvprof.rope import apply_rope
-from kvprof.runtime import KV, Runtime
+from kvprof.runtime import KV, ChunkForward, Runtime
 
 SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
 
@@ -251,11 +251,28 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         )
         return LowRankContext(kv=kv, reused=reused, extra_flops=flops, lora_values=lora_values)
 
-    def new_tokens(self, context: LowRankContext, hidden: list[torch.Tensor], start: int) -> list[torch.Tensor]:
+    def new_tokens(
+        self, context: LowRankContext, hidden: list[torch.Tensor], start: int
+    ) -> tuple[list[torch.Tensor], int] | None:
         """The part of `hidden` (per layer (B, n, d_model), tokens at timeline indices start..) that neither the
-        store nor an earlier update of this turn holds."""
+        store nor an earlier update of this turn holds, and the timeline index of its first token; None when every
+        token is known."""
         known = max([len(self.store)] + [u.start + len(u) for u in context.updates])
-        return [x[:, max(known - start, 0) :] for x in hidden]
+        skip = max(known - start, 0)
+        if skip >= hidden[0].shape[1]:
+            return None
+        return [x[:, skip:] for x in hidden], start + skip
+
+    def on_prefill(self, agent: str, context: LowRankContextT, forward: ChunkForward, start: int) -> float:
+        return self.on_forward(agent, context, forward, start)
+
+    def on_decode_step(self, agent: str, context: LowRankContextT, forward: ChunkForward, start: int) -> float:
+        return self.on_forward(agent, context, forward, start)
+
+    def on_forward(self, agent: str, context: LowRankContextT, forward: ChunkForward, start: int) -> float:
+        """The store work on the tokens one forward of the turn computed (the chunk in prefill, one token per decode
+        step: the same work in both phases); returns its analytic FLOPs."""
+        return 0.0
 
     def commit(self, chunk: Chunk[LowRankContextT]) -> float:
         self.store.apply(chunk.context.updates)

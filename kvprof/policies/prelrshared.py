@@ -47,20 +47,13 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
         reused = self.reused_span(shared)
         return self.store_view(agent, self.store.low_rank.get(self.lr_name(agent)), reused)
 
-    def on_prefill(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
-        return self._precompute(agent, context, forward, start)
-
-    def on_decode_step(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
-        return self._precompute(agent, context, forward, start)
-
-    def _precompute(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
+    def on_forward(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
         """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet."""
         assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
-        hidden = self.new_tokens(context, forward.hidden, start)
-        count = hidden[0].shape[1]
-        if count == 0:
+        new = self.new_tokens(context, forward.hidden, start)
+        if new is None:
             return 0.0
-        first = start + forward.hidden[0].shape[1] - count
+        hidden, first = new
         update, flops = self.store.base_update(hidden, first, agent)
         caches = self.lr_caches()
         projections = LowRankStore.down_projections(self.runtime, hidden, list(dict.fromkeys(caches.values())))

@@ -80,22 +80,15 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
             kv=kv, reused=reused, adapter_free=reused, extra_flops=view.extra_flops, lora_values=view.lora_values
         )
 
-    def on_prefill(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
-        return self._new_tokens(agent, context, forward, start)
-
-    def on_decode_step(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
-        return self._new_tokens(agent, context, forward, start)
-
-    def _new_tokens(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
+    def on_forward(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
         """For the forward's tokens new to the store: the agent's own X_i·A_i (own_lr=adapted), and with double
         batching the neutral base and LR caches from the adapter-free row."""
         if forward.hidden is None:
             return 0.0
-        hidden = self.new_tokens(context, forward.hidden, start)
-        count = hidden[0].shape[1]
-        if count == 0:
+        new = self.new_tokens(context, forward.hidden, start)
+        if new is None:
             return 0.0
-        first = start + forward.hidden[0].shape[1] - count
+        hidden, first = new
         flops = 0.0
         own = None
         if self.settings["own_lr"] == "adapted":
