@@ -6,6 +6,7 @@ The capture itself lives in `kvprof.capture`; this module parses options, shows 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -30,7 +31,7 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
+from kvprof.model import AgentSet, load_agents, load_tokenizer, tokenizer_identity
 from kvprof.report.capture import trace_table
 from kvprof.shapes import import_shape_csv
 from kvprof.spec import build_spec
@@ -119,12 +120,29 @@ def command(
     sampling = Sampling(temperature, top_p, seed)
     header = sampled_trace_header(model, agents, sampling)
     resumed = _resumed(checkpoint_path(trace_path), header, task_list) if resume else []
+    captured, summary = capture_with_progress(agents, task_list, trace_path, header, sampling, resumed)
+    write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, args)
+    if summary["accuracy"] is not None:
+        console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
+    console.print(f"wrote {trace_path} ({len(captured)} trajectories, {summary['seconds']:.1f} s)")
+
+
+def capture_with_progress(
+    agents: AgentSet,
+    tasks: list[Task],
+    trace_path: Path,
+    header: TraceHeader,
+    sampling: Sampling,
+    resumed: Sequence[Trajectory] = (),
+) -> tuple[list[Trajectory], dict]:
+    """`capture_trajectories` under a progress bar, timed; prints the trace table. Returns the trajectories and
+    their `trajectory_summary`."""
     started = time.perf_counter()
     with progress() as bar:
-        job = bar.add_task("capturing", total=len(task_list), completed=len(resumed))
+        job = bar.add_task("capturing", total=len(tasks), completed=len(resumed))
         captured = capture_trajectories(
             agents,
-            task_list,
+            tasks,
             trace_path,
             header,
             sampling,
@@ -133,13 +151,9 @@ def command(
             on_turn=lambda traj, turn: bar.update(job, description=f"task {traj.id}: {turn.agent}"),
             on_trajectory=lambda traj: bar.advance(job),
         )
-    elapsed = time.perf_counter() - started
-    summary = trajectory_summary(captured, elapsed)
+    summary = trajectory_summary(captured, time.perf_counter() - started)
     console.print(trace_table(summary).to_rich())
-    write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, args)
-    if summary["accuracy"] is not None:
-        console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
-    console.print(f"wrote {trace_path} ({len(captured)} trajectories, {elapsed:.1f} s)")
+    return captured, summary
 
 
 def _resumed(checkpoint: Path, header: TraceHeader, tasks: list[Task]) -> list[Trajectory]:

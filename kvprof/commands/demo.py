@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 
 from kvprof.analysis import EXTENSION
-from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trace_header, trajectory_summary
+from kvprof.capture import capture_spec, sampled_trace_header, trace_header
 from kvprof.commands import capture, rank_analysis, replay
 from kvprof.commands.common import (
     DeviceOption,
@@ -41,12 +41,10 @@ from kvprof.model import load_agents, load_agents_for_trace
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
-from kvprof.replay import ReplayHooks, run_replay
-from kvprof.report.capture import trace_table
 from kvprof.report.dashboard import result_sections, write_dashboard
 from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 from kvprof.runtime import Runtime
-from kvprof.trace import Trace, read_header, read_trace, write_trace
+from kvprof.trace import Trace, read_trace, write_trace
 from kvprof.workflow import Sampling, exact_match, load_tasks
 
 
@@ -104,22 +102,9 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
     agents = load_agents(spec, model, device=ctx.device, dtype=ctx.dtype)
     print_adapters(agents)
     sampling = Sampling(seed=ctx.seed)
-    started = time.perf_counter()
-    with progress() as bar:
-        job = bar.add_task("capturing", total=len(tasks))
-        trajectories = capture_trajectories(
-            agents,
-            tasks,
-            trace_path,
-            sampled_trace_header(model, agents, sampling),
-            sampling,
-            on_task=lambda task: bar.update(job, description=f"task {task.id}"),
-            on_turn=lambda traj, turn: bar.update(job, description=f"task {traj.id}: {turn.agent}"),
-            on_trajectory=lambda traj: bar.advance(job),
-        )
-    elapsed = time.perf_counter() - started
-    summary = trajectory_summary(trajectories, elapsed)
-    console.print(trace_table(summary).to_rich())
+    trajectories, summary = capture.capture_with_progress(
+        agents, tasks, trace_path, sampled_trace_header(model, agents, sampling), sampling
+    )
     result_path = ctx.write_result(
         out,
         "capture",
@@ -131,7 +116,7 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
         limit=ctx.tasks,
     )
     console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
-    console.print(f"wrote {trace_path} ({len(trajectories)} trajectories, {elapsed:.1f} s)")
+    console.print(f"wrote {trace_path} ({len(trajectories)} trajectories, {summary['seconds']:.1f} s)")
     ctx.traces[mode] = trace_path
     return StageResult(
         f"exact match {summary['accuracy']:.1%} on {summary['with_answer']} tasks, {summary['distinct_tokens']} tokens",
@@ -218,22 +203,16 @@ def replay_all(ctx: DemoContext) -> StageResult:
     variants, skipped = runnable_variants(enumerate_variants([ALL]), Runtime(agents), skip=True)
     replay.print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
-    with progress() as bar:
-        job = bar.add_task(f"replaying {len(variants)} policies", total=sum(len(t.turns) for t in trajectories))
-        online_job = bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1))
-        hooks = ReplayHooks(
-            on_turn=lambda traj, index: bar.advance(job), on_task=lambda label, task: bar.advance(online_job)
-        )
-        record = run_replay(
-            agents,
-            trajectories,
-            variants,
-            repeats=ctx.repeats,
-            online=True,
-            lora_attention=agents.device.type == "cuda",
-            hooks=hooks,
-        )
-    record.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
+    record = replay.replay_with_progress(
+        trace,
+        agents,
+        trajectories,
+        variants,
+        skipped,
+        repeats=ctx.repeats,
+        online=True,
+        lora_attention=agents.device.type == "cuda",
+    )
     replay.show(record)
     ctx.write_result(
         out,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -29,7 +30,7 @@ from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
 from kvprof.report.replay import cost_table, dense_check, fidelity_table, reuse_table, sections
 from kvprof.runtime import Runtime
-from kvprof.trace import iter_trajectories, read_header
+from kvprof.trace import Trajectory, iter_trajectories, read_header
 
 SHORTHANDS = {"schedule": ("rebaseshared", "schedule"), "lr_prefill": ("baseshared", "lr_prefill")}
 
@@ -235,16 +236,48 @@ def command(
     if resume and checkpoint.exists():
         state = read_checkpoint(checkpoint, identity, [t.id for t in trajectories])
         console.print(f"resuming after {len(state.trajectories)} replayed trajectories")
-    total_turns = sum(len(t.turns) for t in trajectories)
+    result = replay_with_progress(
+        trace,
+        agents,
+        trajectories,
+        variants,
+        skipped,
+        repeats=repeats,
+        online=online,
+        lora_attention=use_kernel,
+        state=state,
+        on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
+    )
+    show(result)
+    path = write_result(out, "replay", result, args)
+    html = write_page(out, result)
+    checkpoint.unlink(missing_ok=True)
+    console.print(f"wrote {path} and {html}")
+
+
+def replay_with_progress(
+    trace: Path,
+    agents: AgentSet,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    skipped: dict[str, str],
+    repeats: int,
+    online: bool,
+    lora_attention: bool,
+    state: ReplayProgress | None = None,
+    on_trajectory: Callable[[ReplayProgress], object] | None = None,
+) -> dict:
+    """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`;
+    the result names its trace, the trace's source and the variants `skipped`."""
     with progress() as bar:
-        job = bar.add_task(f"replaying {len(variants)} policies", total=total_turns)
+        job = bar.add_task(f"replaying {len(variants)} policies", total=sum(len(t.turns) for t in trajectories))
         bar.update(job, completed=sum(len(t.turns) for t in trajectories if state and t.id in state.trajectories))
         online_job = bar.add_task("online re-runs", total=len(trajectories) * (len(variants) + 1)) if online else None
         hooks = ReplayHooks(
             on_turn=lambda traj, index: bar.advance(job),
             # online_job is None only without --online, when no online task runs (and on_task is never called).
             on_task=(lambda label, task: bar.advance(online_job)) if online_job is not None else None,
-            on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
+            on_trajectory=on_trajectory,
         )
         result = run_replay(
             agents,
@@ -252,16 +285,12 @@ def command(
             variants,
             repeats=repeats,
             online=online,
-            lora_attention=use_kernel,
+            lora_attention=lora_attention,
             progress=state,
             hooks=hooks,
         )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
-    show(result)
-    path = write_result(out, "replay", result, args)
-    html = write_page(out, result)
-    checkpoint.unlink(missing_ok=True)
-    console.print(f"wrote {path} and {html}")
+    return result
 
 
 def show(result: dict) -> None:
