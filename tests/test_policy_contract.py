@@ -33,6 +33,13 @@ class Throwaway(NonShared):
 '''
 
 
+def _replayed(run_cli, trace, out, *args) -> list[str]:
+    """`kvprof replay TRACE ARGS` on one trajectory, one repeat; the labels of the policies it replayed."""
+    code, _, err = run_cli("replay", trace, *args, "--limit", "1", "--repeats", "1", "--out", out)
+    assert code == 0, err
+    return list(json.loads((out / "replay.json").read_text())["policies"])
+
+
 @pytest.fixture
 def throwaway(tmp_path, monkeypatch):
     """Write the policy module to disk, import it, and add its one registry line."""
@@ -77,22 +84,9 @@ def test_a_new_policy_module_is_enumerated_replayed_checked_and_reported(throwaw
 
 
 def test_policy_option_selects_values_of_any_policy(throwaway, run_cli, lora_trace, tmp_path):
-    code, _, err = run_cli(
-        "replay",
-        lora_trace,
-        "--policy",
-        "throwaway",
-        "--policy-option",
-        "throwaway.flavour=salted",
-        "--limit",
-        "1",
-        "--repeats",
-        "1",
-        "--out",
-        tmp_path,
-    )
-    assert code == 0, err
-    assert list(json.loads((tmp_path / "replay.json").read_text())["policies"]) == ["throwaway-salted"]
+    assert _replayed(
+        run_cli, lora_trace, tmp_path, "--policy", "throwaway", "--policy-option", "throwaway.flavour=salted"
+    ) == ["throwaway-salted"]
 
 
 def test_policy_all_sweeps_every_declared_option_value():
@@ -114,22 +108,9 @@ def test_named_policy_runs_its_published_defaults_and_shorthands_still_work(run_
     assert [v.label for v in enumerate_variants(["baseshared"])] == ["baseshared-full"]
     both = parse_policy_options(["rebaseshared.schedule=lp", "rebaseshared.schedule=db"])
     assert [v.label for v in enumerate_variants(["rebaseshared"], both)] == ["rebaseshared-lp", "rebaseshared-db"]
-    code, _, err = run_cli(
-        "replay",
-        lora_trace,
-        "--policy",
-        "rebaseshared",
-        "--schedule",
-        "db",
-        "--limit",
-        "1",
-        "--repeats",
-        "1",
-        "--out",
-        tmp_path,
-    )
-    assert code == 0, err
-    assert list(json.loads((tmp_path / "replay.json").read_text())["policies"]) == ["rebaseshared-db"]
+    assert _replayed(run_cli, lora_trace, tmp_path, "--policy", "rebaseshared", "--schedule", "db") == [
+        "rebaseshared-db"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -324,7 +324,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         runtime = self.runtime
         shared = self._shared_input(request)
         stored_before = sum(self.analytic_bytes().values())
-        meter = CudaPeak(runtime.device, sum(tensor_bytes(self.live_tensors()).values()))
+        meter = CudaPeak(runtime.device, stored_before)
         first = self.prefill(request.agent, shared, repeats)
         decoded = self.decode(request, first)
         commit_started = clock(runtime.device)
@@ -481,7 +481,8 @@ def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraA
 
 class CudaPeak:
     """The CUDA allocator's peak during a turn above what was allocated when it started, plus the policy's stored
-    bytes (`stored`): the memory the policy's own work needs at its worst. None off CUDA."""
+    bytes before the turn (`stored`, its analytic bytes, which equal its live tensors' bytes): the memory the
+    policy's own work needs at its worst. None off CUDA."""
 
     def __init__(self, device: torch.device, stored: int):
         self.device, self.stored = device, stored
