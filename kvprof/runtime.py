@@ -2,13 +2,15 @@
 
 A `Runtime` wraps an `AgentSet` and knows the shapes every policy needs: layers, KV heads `H_kv`, head size `D`,
 the rotary frequencies, the per-layer LoRA splits (`kvprof.lora`), and each agent's private prefix (its role
-prompt in prompt mode; empty in lora mode). Caches handed to the model are transformers `DynamicCache`s built
-from per-layer `(K, V)` tensors of shape (B, H_kv, L, D); keys post-RoPE, as transformers stores them.
+prompt in prompt mode; empty in lora mode). Caches handed to the model are `BufferCache`s
+(`kvprof.kv_buffer`: transformers `DynamicCache`s that append in place) over per-layer `(K, V)` of shape
+(B, H_kv, L, D); keys post-RoPE, as transformers stores them.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ from transformers import DynamicCache
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
+from kvprof.kv_buffer import BufferCache, KVBuffer
 from kvprof.lora import HiddenTap, layer_splits
 from kvprof.model import AgentSet, head_dim
 from kvprof.rope import rotary_embedding
@@ -38,15 +41,21 @@ class ChunkForward:
 
 
 class Runtime:
-    """See module docstring. With `lora_attention`, the model attends through the registered "kvprof_lora"
-    implementation (Flash-LoRA-Attention: the Triton kernel on CUDA, its torch reference elsewhere) and the
-    low-rank policies hand it V_base and V_lr instead of expanded values; it behaves as sdpa otherwise."""
+    """See module docstring. The runtime's forwards attend through kvprof's registered attention implementation
+    ("kvprof_lora", switched on for each forward and back after it): sdpa, with chunks after a cache attended
+    without an explicit mask (`kvprof.kernels.chunk_attention`). With `lora_attention` the low-rank policies hand it
+    V_base and V_lr instead of expanded values (Flash-LoRA-Attention: the Triton kernel on CUDA, its torch
+    reference elsewhere).
 
-    def __init__(self, agents: AgentSet, lora_attention: bool = False):
+    `fast_paths=False` is the plain path the tests hold the fast one to: every turn copies its context into a
+    fresh cache (no in-place appends to stored buffers) and, without `lora_attention`, the model attends with its
+    own implementation (sdpa with transformers' explicit masks)."""
+
+    def __init__(self, agents: AgentSet, lora_attention: bool = False, fast_paths: bool = True):
         self.agents = agents
         self.lora_attention = lora_attention
-        if lora_attention:
-            agents.base_model.set_attn_implementation(register_lora_attention())
+        self.fast_paths = fast_paths
+        self.attention = register_lora_attention()
         self.model = agents.model
         config = agents.config
         self.num_layers = config.num_hidden_layers
@@ -55,7 +64,8 @@ class Runtime:
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
         rotary = rotary_embedding(agents.base_model)
-        self.inv_freq = rotary.inv_freq.detach().float()
+        self.inv_freq = rotary.inv_freq.detach().float().to(agents.device)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.splits = layer_splits(agents) if agents.spec.mode == "lora" else []
         self.tap = HiddenTap(agents.base_model)
@@ -73,6 +83,18 @@ class Runtime:
             if p.dim() == 2 and "embed" not in name and "lora_" not in name
         )
 
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the model's RoPE at positions 0..length−1, each (length, D) fp32, attention scaling
+        included: computed once for the longest context asked for and sliced after (policies that rotate a whole
+        context every turn would otherwise recompute the same angles)."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            size = max(length, 2 * self._rope[0].shape[0] if self._rope is not None else length)
+            angles = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            self._rope = (angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling)
+        cos, sin = self._rope
+        return cos[:length], sin[:length]
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in the cache, over all layers: 2·layers·H_kv·D·itemsize."""
@@ -89,13 +111,23 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ caches
 
-    def cache_from(self, layers: list[KV]) -> DynamicCache:
-        """A fresh DynamicCache holding `layers[i] = (K, V)`, each (B, H_kv, L, D). The tensors are not copied;
-        the model's appends create new tensors, so the inputs stay untouched."""
-        cache = DynamicCache()
-        for index, (keys, values) in enumerate(layers):
-            cache.update(keys, values, index)
-        return cache
+    def cache_from(self, layers: list[KV], spare: int = 0) -> BufferCache:
+        """A cache holding copies of `layers[i] = (K, V)`, each (B, H_kv, L, D), in fresh buffers with room for
+        `spare` more tokens; the model's appends write in place (`kvprof.kv_buffer`), the inputs stay untouched."""
+        return BufferCache([KVBuffer.of(keys, values, spare) for keys, values in layers], int(layers[0][0].shape[2]))
+
+    def cache_over(self, kv: list[KV], buffers: list[KVBuffer] | None, spare: int = 0) -> BufferCache:
+        """A cache whose context is `kv` (per layer (K, V), (B, H_kv, L, D)): when `buffers` holds them (kv are
+        their first L tokens), in place — not copied, the model's appends write after them; otherwise a copy
+        (`cache_from`) with room for `spare` more tokens."""
+        if buffers is None or not self.fast_paths:
+            return self.cache_from(kv, spare)
+        return BufferCache(buffers, int(kv[0][0].shape[2]))
+
+    @staticmethod
+    def buffers_of(cache: BufferCache) -> list[KVBuffer]:
+        """The buffers a cache's layers write to."""
+        return [layer.buffer for layer in cache.layers]
 
     def empty_kv(self, batch: int = 1) -> list[KV]:
         empty = torch.zeros(batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -129,9 +161,14 @@ class Runtime:
         if adapter_names is not None:
             kwargs["adapter_names"] = adapter_names
         try:
-            with torch.inference_mode(), self.tap.capture() if capture else contextlib.nullcontext():
-                with self.agents.activate(agent) if adapter_names is None else contextlib.nullcontext():
-                    out = self.model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, **kwargs)
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(torch.inference_mode())
+                scope.enter_context(self.kvprof_attention())
+                if capture:
+                    scope.enter_context(self.tap.capture())
+                if adapter_names is None:
+                    scope.enter_context(self.agents.activate(agent))
+                out = self.model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, **kwargs)
         except torch.OutOfMemoryError:
             raise KvprofError(
                 f"out of memory replaying a {tokens.shape[1]}-token chunk at position {start}; "
@@ -145,6 +182,21 @@ class Runtime:
                 assert h is not None
                 hidden.append(h.detach())
         return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache)
+
+    @contextlib.contextmanager
+    def kvprof_attention(self) -> Iterator[None]:
+        """The model attends through kvprof's implementation inside the block, through its own outside (and
+        inside too on the plain path without Flash-LoRA-Attention)."""
+        if not self.fast_paths and not self.lora_attention:
+            yield
+            return
+        model = self.agents.base_model
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(self.attention)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(previous)
 
     def stops(self, new_tokens: list[int], max_new: int) -> bool:
         """Capture's stopping rules, for greedy generation: EOS, a stop string in the text of `new_tokens`

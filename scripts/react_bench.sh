@@ -20,7 +20,7 @@ scale="${2:-1}"
 shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-kvprof() { python -c "from kvprof.cli import main; main()" "$@"; }
+kvprof() { "${PYTHON:-python}" -c "from kvprof.cli import main; main()" "$@"; }
 
 world="kvprof/demo/assets"
 {

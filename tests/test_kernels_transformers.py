@@ -11,9 +11,10 @@ import copy
 import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.chunk_attention import chunk_mask
 from kvprof.kernels.transformers_attention import (
     LORA_ATTENTION,
     LoraAttentionContext,
@@ -106,7 +107,7 @@ def test_registration_is_idempotent_and_registers_a_mask_function():
     assert register_lora_attention() == register_lora_attention() == LORA_ATTENTION
     assert "flash" not in LORA_ATTENTION
     assert AttentionInterface._global_mapping[LORA_ATTENTION] is lora_attention_forward
-    assert AttentionMaskInterface._global_mapping[LORA_ATTENTION] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping[LORA_ATTENTION] is chunk_mask
 
 
 def test_without_context_it_is_sdpa():
@@ -114,6 +115,18 @@ def test_without_context_it_is_sdpa():
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(lora_model(ids).logits, sdpa_model(ids).logits)
+
+
+def test_without_context_chunks_after_a_cache_equal_sdpa():
+    """Prefill, chunks after the cache (the unmasked chunk path) and a decode step: the same logits as sdpa."""
+    sdpa_model, lora_model = tiny_llama_pair(head_dim=16)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(7))
+    expected_cache, actual_cache = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        for start, stop in ((0, 10), (10, 30), (30, 31), (31, 40)):
+            expected = sdpa_model(ids[:, start:stop], cache=expected_cache).logits
+            actual = lora_model(ids[:, start:stop], cache=actual_cache).logits
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_zero_low_rank_values_equal_sdpa_with_padding():
@@ -154,12 +167,19 @@ def test_continuing_from_a_cache_chunk_and_decode():
     assert max(continuation_errors(head_dim=16)) < 1e-5
 
 
-def test_continuation_needs_the_registered_mask_function(monkeypatch):
-    monkeypatch.delitem(AttentionMaskInterface._global_mapping, LORA_ATTENTION)
-    monkeypatch.setattr(__name__ + ".register_lora_attention", lambda: LORA_ATTENTION)
-    prefill, chunk, _ = continuation_errors(head_dim=16)
-    assert prefill < 1e-5
-    assert chunk > 1e-3
+def test_padded_chunk_after_a_cache_keeps_the_padding_mask():
+    """With padding the mask function hands sdpa's mask over (no unmasked chunk path): the same logits as sdpa."""
+    sdpa_model, lora_model = tiny_llama_pair(head_dim=16)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(8))
+    attention_mask = torch.ones(2, 10, dtype=torch.long)
+    attention_mask[1, :2] = 0
+    expected_cache, actual_cache = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        for start, stop in ((0, 6), (6, 10)):
+            mask = attention_mask[:, :stop]
+            expected = sdpa_model(ids[:, start:stop], attention_mask=mask, cache=expected_cache).logits
+            actual = lora_model(ids[:, start:stop], attention_mask=mask, cache=actual_cache).logits
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_context_must_cover_every_key():

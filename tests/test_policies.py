@@ -200,7 +200,7 @@ def test_prelrshared_precomputes_every_agents_down_projection(lora_trace, tiny_w
         for index, layer in enumerate(layers):
             with torch.inference_mode():
                 expected = layer.self_attn.v_proj.lora_A[agent](hidden[index])
-            stored = policy.store.low_rank[agent][index]["value"]
+            stored = policy.store.lr(agent)[index]["value"]
             torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -218,7 +218,7 @@ def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
     for index, layer in enumerate(layers):
         with torch.inference_mode():
             expected = layer.self_attn.v_proj.lora_A[second.agent](hidden[index])
-        stored = policy.store.low_rank[second.agent][index]["value"][:, : result.reused]
+        stored = policy.store.lr(second.agent)[index]["value"][:, : result.reused]
         torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -1,6 +1,7 @@
 """Flash-LoRA-Attention as a transformers attention implementation, "kvprof_lora".
 
-A model loaded (or switched) with `attn_implementation="kvprof_lora"` attends exactly like "sdpa" until a
+A model loaded (or switched) with `attn_implementation="kvprof_lora"` attends like "sdpa" — a chunk after a cache
+through `kvprof.kernels.chunk_attention` (no explicit mask; the same result at from-scratch prefill speed) — until a
 `LoraAttentionContext` is active; then every layer with an entry attends over V = V_base + V_lr·B through
 Flash-LoRA-Attention (LRAgent, arXiv:2602.01053), where V_base is the value the model put in its cache and V_lr,
 B come from the context. This is how BaseLRShared attends: the cache holds base values only, the shared rank-r
@@ -13,8 +14,9 @@ cache holds X·A for every cached token, and the acting agent's B is applied at 
         logits = model(input_ids, past_key_values=cache).logits
 
 V_lr must cover every key the layer attends in that call: (B, Lk, r) or (B, H_kv, Lk, r), Lk = cached + new
-tokens. The mask function registered with the attention function is sdpa's, so continuing from a cache (chunked
-prefill, decode) and padding get the same masks sdpa would; the attention function honours them.
+tokens. The mask function registered with the attention function is `chunk_mask`: sdpa's masks, except None for a
+plain chunk after a cache, which both paths attend with the bottom-right causal rule; padding and sliding windows
+get sdpa's masks, which the attention function honours.
 
 The name avoids "flash": transformers treats names containing it as FlashAttention variants.
 """
@@ -29,10 +31,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import flash_lora_attention
+from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask
 
 LORA_ATTENTION = "kvprof_lora"
 
@@ -85,13 +88,18 @@ def lora_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H_q, Lq, D), key/value (B, H_kv, Lk, D) → (B, Lq, H_q, D).
 
-    Without an active context entry for `module.layer_idx` this is transformers' sdpa attention. With one, it is
-    Flash-LoRA-Attention over V = value + V_lr·B, following sdpa's conventions: a given mask replaces causality;
-    no mask means causal for Lq > 1 (top-left aligned, as sdpa's `is_causal`) and full attention for Lq = 1.
+    Without an active context entry for `module.layer_idx` this is transformers' sdpa attention, except that a
+    chunk after a cache without a mask (`chunk_mask`'s None: bottom-right causal) goes through `chunk_attention`.
+    With an entry, it is Flash-LoRA-Attention over V = value + V_lr·B: a given mask replaces causality; no mask
+    means bottom-right causal for Lq > 1 and full attention for Lq = 1.
     """
     context = _active_context.get()
     lora = context.get(module.layer_idx) if context is not None else None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    plain = not dropout and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     if lora is None:
+        if attention_mask is None and 1 < q_len < kv_len and plain and getattr(module, "is_causal", True):
+            return chunk_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -103,26 +111,22 @@ def lora_attention_forward(
             "model with attn_implementation='sdpa' instead."
         )
     v_lr, lora_b = lora.v_lr, lora.lora_b
-    kv_len = key.shape[2]
     if v_lr.shape[-2] != kv_len:
         raise KvprofError(
             f"layer {module.layer_idx} attends {kv_len} keys but its V_lr covers {v_lr.shape[-2]}; "
             "give the context the LR cache of every cached and new token."
         )
-    q_len = query.shape[2]
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
-    if attention_mask is None and causal and 1 < q_len < kv_len:
-        key, value, v_lr = key[:, :, :q_len], value[:, :, :q_len], v_lr[..., :q_len, :]
     out = flash_lora_attention(query, key, value, v_lr, lora_b, scale=scaling, causal=causal, attn_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
 def register_lora_attention() -> str:
-    """Register "kvprof_lora" (attention and sdpa's mask function) with transformers; idempotent. Returns the name."""
+    """Register "kvprof_lora" (attention and `chunk_mask`) with transformers; idempotent. Returns the name."""
     if AttentionInterface._global_mapping.get(LORA_ATTENTION) is not lora_attention_forward:
         AttentionInterface.register(LORA_ATTENTION, lora_attention_forward)
-    if AttentionMaskInterface._global_mapping.get(LORA_ATTENTION) is not sdpa_mask:
-        AttentionMaskInterface.register(LORA_ATTENTION, sdpa_mask)
+    if AttentionMaskInterface._global_mapping.get(LORA_ATTENTION) is not chunk_mask:
+        AttentionMaskInterface.register(LORA_ATTENTION, chunk_mask)
     return LORA_ATTENTION

@@ -41,6 +41,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
+from kvprof.kv_buffer import KVBuffer
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 
@@ -125,6 +126,9 @@ class Context:
     the turn's cache (e.g. an LR prefill's cache and hidden states).
     lora_values: per layer the rank-r value side (v_lr (1, reused, r), B (H_kv, r, D)) when the values in `kv`
     are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
+    buffers: the storage `kv` are views of (per layer a `KVBuffer`), when the turn may append in place after them
+    (whatever lies past `kv`'s length there is scratch the policy will overwrite or not read); None: the turn
+    copies `kv` into fresh buffers.
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -135,6 +139,7 @@ class Context:
     extra_flops: float = 0.0
     working_bytes: int = 0
     lora_values: list[LoraValues | None] | None = None
+    buffers: list[KVBuffer] | None = None
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -146,7 +151,9 @@ class Chunk(Generic[ContextT]):
 
     start: the shared-timeline index of the chunk's first token; ids: chunk input tokens then all output tokens;
     kv: per layer the (K, V) of the agent's whole sequence after the turn, (B, H_kv, len(prefix) + start + n, D);
-    context: the `Context` the turn ran on (a policy's own subclass carries its prefill and decode work).
+    context: the `Context` the turn ran on (a policy's own subclass carries its prefill and decode work);
+    buffers: per layer the `KVBuffer` `kv` are views of (`context.buffers` when the turn appended in place), which
+    a policy may keep as its storage.
     """
 
     agent: str
@@ -154,6 +161,7 @@ class Chunk(Generic[ContextT]):
     ids: list[int]
     kv: list[KV]
     context: ContextT
+    buffers: list[KVBuffer]
 
 
 @dataclass
@@ -319,8 +327,13 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """Serve one agent call: `prefill` (timed: TTFT), `decode` (timed per step), `commit`.
 
         With `repeats` > 1 the prefill runs once as warm-up and then `repeats` times; TTFT is the median.
-        Decoding is teacher-forced on `request.output_ids`, or greedy when they are None.
+        Decoding is teacher-forced on `request.output_ids`, or greedy when they are None. The whole turn runs in
+        inference mode (no autograd bookkeeping; the caches are inference tensors, written in place).
         """
+        with torch.inference_mode():
+            return self._run_turn(request, repeats)
+
+    def _run_turn(self, request: TurnRequest, repeats: int) -> TurnResult:
         runtime = self.runtime
         shared = self._shared_input(request)
         stored_before = sum(self.analytic_bytes().values())
@@ -336,6 +349,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 ids=shared[context.reused :] + decoded.output_ids,
                 kv=runtime.kv_of(decoded.last.cache),
                 context=context,
+                buffers=runtime.buffers_of(decoded.last.cache),
             )
         )
         commit_s = clock(runtime.device) - commit_started
@@ -381,6 +395,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             )
         return shared
 
+    @torch.inference_mode()
     def prefill(self, agent: str, shared: list[int], repeats: int = 1) -> Prefill[ContextT]:
         """Assemble the context and run the chunk over it; timed (median of `repeats` after a warm-up)."""
         timings, context, forward, start, flops = [], None, None, 0, 0.0
@@ -390,9 +405,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
             if context.reused >= len(shared):
                 raise RuntimeError(f"{self.name} left no token of the input to compute")
             start = len(self.runtime.prefix(agent)) + context.reused
-            forward = self._forward(
-                agent, shared[context.reused :], self.runtime.cache_from(context.kv), start, context, prefill=True
-            )
+            chunk = shared[context.reused :]
+            cache = self.runtime.cache_over(context.kv, context.buffers, spare=len(chunk))
+            forward = self._forward(agent, chunk, cache, start, context, prefill=True)
             flops = self.on_prefill(agent, context, forward, context.reused)
             timings.append(clock(self.runtime.device) - started)
         assert context is not None and forward is not None
@@ -405,6 +420,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             flops=flops,
         )
 
+    @torch.inference_mode()
     def decode(self, request: TurnRequest, first: Prefill[ContextT]) -> Decoded:
         """The output tokens after the prefill, one forward per token over the growing cache as serving decodes:
         teacher-forced (the trace's next token is fed, the logits before it are kept) on `request.output_ids`, or

@@ -59,14 +59,13 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
     def assemble(self, agent: str, shared: list[int]) -> BaseSharedContext:
         runtime, store = self.runtime, self.store
         reused = self.reused_span(shared)
-        own = store.low_rank.get(agent)
+        own = store.lr(agent)
         have = 0 if self.settings["lr_prefill"] == "full" else min(store.lr_length(agent), reused)
         low_rank, flops, working = own, 0.0, 0
         if reused > have:
-            own_view, view_flops, _ = store.assemble(agent, own, have)
-            out = runtime.forward(
-                agent, shared[have:reused], runtime.cache_from(own_view), have, capture=True, last_logits_only=True
-            )
+            own_view = store.assemble(agent, own, have, spare=reused - have)
+            cache = runtime.cache_over(own_view.kv, own_view.buffers, reused - have)
+            out = runtime.forward(agent, shared[have:reused], cache, have, capture=True, last_logits_only=True)
             assert out.hidden is not None  # captured: capture=True
             gap = LowRankStore.down_projections(runtime, out.hidden, [agent])
             low_rank = (
@@ -74,9 +73,10 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
                 if have == 0 or own is None
                 else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap[agent])]
             )
-            flops = view_flops + runtime.flops(reused - have, have) + LowRankStore.down_projection_flops(runtime, gap)
+            flops = own_view.flops + runtime.flops(reused - have, have)
+            flops += LowRankStore.down_projection_flops(runtime, gap)
             working = runtime.kv_bytes_per_token * reused + runtime.hidden_bytes_per_token * (reused - have)
-        view = self.store_view(agent, low_rank, reused)
+        view = self.store_view(agent, low_rank, reused, len(shared) - reused)
         return BaseSharedContext(
             kv=view.kv,
             reused=reused,
@@ -103,11 +103,11 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
     def commit(self, chunk: Chunk[BaseSharedContext]) -> float:
         self.store.apply(chunk.context.updates)
         earlier, own = chunk.context.low_rank, chunk.context.own
-        pieces = ([[{p: t[:, : chunk.start] for p, t in layer.items()} for layer in earlier]] if earlier else []) + own
         if chunk.start and not earlier:
             raise RuntimeError("baseshared reused tokens without an LR cache for them")
-        self.store.low_rank[chunk.agent] = [
-            {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
-            for layer in range(self.runtime.num_layers)
-        ]
+        pieces = ([[{p: t[:, : chunk.start] for p, t in layer.items()} for layer in earlier]] if earlier else []) + own
+        start = 0
+        for piece in pieces:
+            self.store.write_low_rank(chunk.agent, start, piece)
+            start = self.store.lr_length(chunk.agent)
         return 0.0

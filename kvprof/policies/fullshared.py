@@ -5,9 +5,11 @@ that agent's role prompt) and reused by every other agent as is. In prompt mode 
 producer's positions to the reader's (`kvprof.rope.rotate_keys`). Approximate: another agent's adapter and prefix
 shaped those K/V. Memory 1× plus each agent's private prefix. The naive-sharing baseline of LRAgent and PReCache.
 
-Phases: TTFT — the agent's role prompt on its first turn, the copy of the shared cache (keys re-rotated in prompt
-mode) and the chunk's forward; each decode step — one token; after the turn — appending the turn's new K/V to the
-shared cache.
+Phases: TTFT — the agent's role prompt on its first turn, the context and the chunk's forward; each decode step —
+one token; after the turn — appending the turn's new K/V to the shared cache. Without a private prefix (lora mode)
+the context is the shared cache itself and the turn appends in place after it (`kvprof.kv_buffer`): nothing is
+copied and `commit` only extends the stored length. With prefixes (prompt mode) each turn builds its context —
+the agent's prefix, then the shared keys re-rotated to its positions — and `commit` copies the new tokens' K/V.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvprof.kv_buffer import KVBuffer
 from kvprof.policies.base import Chunk, Context, Published, SharingPolicy
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
 from kvprof.rope import rotate_keys
@@ -43,7 +46,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
     )
 
     def reset(self) -> None:
-        self.shared_kv: list[KV] | None = None  # per layer (K, V), (1, H_kv, N, D), keys at producer positions
+        self.shared: list[KVBuffer] | None = None  # per layer (K, V), (1, H_kv, ≥ N, D), keys at producer positions
         self.offsets: list[int] = []  # per shared token: the producer's prefix length (its position offset)
         self.producers: list[str] = []
         self.prefixes: dict[str, list[KV]] = {}
@@ -56,21 +59,24 @@ class FullShared(SharingPolicy[FullSharedContext]):
             prefix_kv, flops = self.prefix_context(agent)
             extra_prefill = prefix_len
         reused = min(len(self.producers), len(shared) - 1)
-        kv = prefix_kv
-        if reused and self.shared_kv is not None:
+        kv, buffers = prefix_kv, None
+        if self.shared is not None and prefix_len == 0 and reused == len(self.producers):
+            kv, buffers = [buffer.view(reused) for buffer in self.shared], self.shared
+        elif reused and self.shared is not None:
             delta = torch.tensor([prefix_len - offset for offset in self.offsets[:reused]])
             kv = []
-            for (prefix_k, prefix_v), (keys, values) in zip(prefix_kv, self.shared_kv):
-                keys = keys[:, :, :reused]
+            for (prefix_k, prefix_v), buffer in zip(prefix_kv, self.shared):
+                keys, values = buffer.view(reused)
                 if bool(delta.any()):
                     keys = rotate_keys(keys, delta.to(keys.device), self.runtime.inv_freq)
                     flops += 6.0 * keys.numel()
-                kv.append((torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, values[:, :, :reused]], 2)))
+                kv.append((torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, values], 2)))
         return FullSharedContext(
             kv=kv,
             reused=reused,
             extra_prefill=extra_prefill,
             extra_flops=flops,
+            buffers=buffers,
             prefix=prefix_kv,
         )
 
@@ -79,21 +85,24 @@ class FullShared(SharingPolicy[FullSharedContext]):
         if chunk.context.prefix is not None:
             self.prefixes.setdefault(chunk.agent, chunk.context.prefix)
         known = len(self.producers)
-        begin = prefix_len + known
-        new = [(k[:, :, begin:], v[:, :, begin:]) for k, v in chunk.kv]
-        if self.shared_kv is None:
-            self.shared_kv = new
-        else:
-            self.shared_kv = [
-                (torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.shared_kv, new)
-            ]
+        in_place = self.shared is not None and chunk.buffers[0] is self.shared[0]  # new tokens stored already
+        if self.shared is None and prefix_len == 0:
+            self.shared = chunk.buffers  # the turn's cache is the timeline from its start
+        elif not in_place:
+            begin = prefix_len + known
+            new = [(k[:, :, begin:], v[:, :, begin:]) for k, v in chunk.kv]
+            if self.shared is None:
+                self.shared = [KVBuffer.of(keys, values) for keys, values in new]
+            else:
+                for buffer, (keys, values) in zip(self.shared, new):
+                    buffer.write(known, keys, values)
         added = chunk.start + len(chunk.ids) - known
         self.offsets += [prefix_len] * added
         self.producers += [chunk.agent] * added
         return 0.0
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        tensors = {"shared cache": [t for pair in self.shared_kv or [] for t in pair]}
+        tensors = {"shared cache": [t for buffer in self.shared or [] for t in buffer.view(len(self.producers))]}
         tensors.update({f"prefix:{agent}": [t for pair in kv for t in pair] for agent, kv in self.prefixes.items()})
         return tensors
 

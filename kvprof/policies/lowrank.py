@@ -24,11 +24,13 @@ from typing import ClassVar, TypeVar
 
 import torch
 
+from kvprof.errors import KvprofError
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
+from kvprof.kv_buffer import GrowingTensor, KVBuffer
 from kvprof.lora import base_kv, heads
-from kvprof.policies.base import Chunk, Context, SharingPolicy
-from kvprof.rope import apply_rope
+from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
+from kvprof.rope import rotate_half
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
@@ -53,21 +55,44 @@ class StoreUpdate:
         return int(self.base[0][0].shape[2]) if self.base else 0
 
 
+@dataclass
+class StoreView:
+    """What an agent attends to from the store (`LowRankStore.assemble`).
+
+    kv: per layer (K, V), (1, H_kv, length, D), views of `buffers` (per layer a `KVBuffer` the turn may append to
+    in place); flops: the analytic FLOPs of the expansions; lora_values: per layer the rank-r value side for
+    Flash-LoRA-Attention, or None when the values are complete."""
+
+    kv: list[KV]
+    flops: float
+    lora_values: list[LoraValues | None] | None
+    buffers: list[KVBuffer] | None
+
+
 class LowRankStore:
+    """The base cache (per layer a `KVBuffer`) and the named LR caches (per layer {"key"|"value": a
+    `GrowingTensor` (1, ≥ n, r)}), all growing in place (`kvprof.kv_buffer`)."""
+
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.base: list[KV] = []
-        self.low_rank: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.base: list[KVBuffer] = []
+        self.low_rank: dict[str, list[dict[str, GrowingTensor]]] = {}
+        self.lr_lengths: dict[str, int] = {}
         self.producers: list[str] = []
 
     def __len__(self) -> int:
         return len(self.producers)
 
     def lr_length(self, name: str) -> int:
+        return self.lr_lengths.get(name, 0)
+
+    def lr(self, name: str) -> list[dict[str, torch.Tensor]] | None:
+        """The LR cache `name` (per layer {"key"|"value": (1, n, r)}, views), or None if there is none."""
         layers = self.low_rank.get(name)
-        if not layers or not layers[0]:
-            return 0
-        return next(iter(layers[0].values())).shape[1]
+        if layers is None:
+            return None
+        length = self.lr_length(name)
+        return [{side: grown.view(length) for side, grown in layer.items()} for layer in layers]
 
     # ------------------------------------------------------------------------------------------- writing
 
@@ -93,14 +118,15 @@ class LowRankStore:
                 raise RuntimeError(f"store update at {update.start} leaves a gap after {len(self)} tokens")
             if skip >= len(update):
                 continue
-            base = [(k[:, :, skip:], v[:, :, skip:]) for k, v in update.base]
-            self.base = (
-                base
-                if not self.base
-                else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.base, base)]
-            )
+            if not self.base:
+                self.base = [KVBuffer.of(keys, values) for keys, values in update.base]
+            else:
+                for buffer, (keys, values) in zip(self.base, update.base):
+                    buffer.write(len(self), keys[:, :, skip:], values[:, :, skip:])
             for name, layers in update.low_rank.items():
-                self.append_low_rank(name, [{p: t[:, skip:] for p, t in layer.items()} for layer in layers])
+                self.write_low_rank(
+                    name, self.lr_length(name), [{p: t[:, skip:] for p, t in layer.items()} for layer in layers]
+                )
             self.producers += [update.producer] * (len(update) - skip)
 
     @staticmethod
@@ -139,61 +165,133 @@ class LowRankStore:
             for t in layer.values()
         )
 
-    def append_low_rank(self, name: str, layers: list[dict[str, torch.Tensor]]) -> None:
+    def write_low_rank(self, name: str, start: int, layers: list[dict[str, torch.Tensor]]) -> None:
+        """Write `layers` (per layer {"key"|"value": (1, n, r)}) into the LR cache `name` at tokens start..start+n
+        (start ≤ its length); its length becomes start + n."""
         current = self.low_rank.get(name)
         if current is None:
-            self.low_rank[name] = layers
-            return
-        self.low_rank[name] = [{p: torch.cat([old[p], new[p]], 1) for p in old} for old, new in zip(current, layers)]
+            if start:
+                raise RuntimeError(f"LR cache {name} does not exist; it cannot start at token {start}")
+            self.low_rank[name] = [{p: GrowingTensor.of(t, 1) for p, t in layer.items()} for layer in layers]
+        else:
+            for grown, new in zip(current, layers):
+                for p, t in new.items():
+                    grown[p].write(start, t)
+        self.lr_lengths[name] = start + next(t.shape[1] for layer in layers for t in layer.values())
 
     # ------------------------------------------------------------------------------------------- reading
 
+    def _sides(
+        self, layer: int, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None
+    ) -> dict[str, torch.Tensor]:
+        """The LR caches of `low_rank` at `layer` that `agent`'s B applies to: "key"/"value" → (1, n, r)."""
+        if agent is None or low_rank is None:
+            return {}
+        split = self.runtime.splits[layer]
+        return {
+            projection: low_rank[layer][projection]
+            for projection in SPLIT_SIDES
+            if projection in low_rank[layer] and agent in getattr(split, projection).up
+        }
+
+    def _write_expanded(
+        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], target: KVBuffer, begin: int, end: int
+    ) -> float:
+        """Write one layer's K/V of tokens begin..end as `agent` sees them — base plus B applied to each LR cache in
+        `sides` (the other side copied from the base) — into the same slots of `target`; returns the FLOPs.
+        Expansions run in the adapter's dtype, RoPE from the runtime's cos/sin tables, sums in float32."""
+        runtime = self.runtime
+        split = runtime.splits[layer]
+        base_keys, base_values = self.base[layer].view(end)
+        flops = 0.0
+        for projection, grown, source in (("key", target.keys, base_keys), ("value", target.values, base_values)):
+            out, source = grown.slot(begin, end - begin), source[:, :, begin:end]
+            if projection not in sides:
+                out.copy_(source)
+                continue
+            assert agent is not None  # sides is empty without an agent
+            proj = getattr(split, projection)
+            factors = sides[projection][:, begin:end]
+            expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
+            flops += 2.0 * expanded.numel() * factors.shape[-1]
+            if projection == "key":
+                cos, sin = runtime.rope_tables(end)
+                expanded = expanded * cos[begin:] + rotate_half(expanded) * sin[begin:]
+            out.copy_(expanded.add_(source))
+        return flops
+
     def assemble(
-        self, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None, length: int, expand_values: bool = True
-    ) -> tuple[list[KV], float, list[LoraValues | None] | None]:
+        self,
+        agent: str | None,
+        low_rank: list[dict[str, torch.Tensor]] | None,
+        length: int,
+        expand_values: bool = True,
+        spare: int = 0,
+    ) -> StoreView:
         """Per layer (K, V) of the first `length` tokens as `agent` sees them: the base plus `agent`'s B applied to
         the LR cache `low_rank` (per layer {"key"|"value": (1, ≥length, r)}); with `low_rank=None`, the base alone.
 
         With `expand_values=False` the values stay V_base and the rank-r part is returned per layer as
         `LoraValues(v_lr (1, length, r), lora_b (H_kv, r, D))`, both in the cache's dtype, for
-        Flash-LoRA-Attention. Expansions run in the adapter's dtype; sums in float32, cast to the cache's. Returns
-        (kv, expansion FLOPs, lora values or None)."""
+        Flash-LoRA-Attention. Expanded layers are written in the cache's dtype into a fresh buffer with room for
+        `spare` more tokens; a layer with nothing to expand is the base itself, appendable in place when `length`
+        is the store's length."""
         runtime = self.runtime
         if not self.base:
-            return runtime.empty_kv(), 0.0, None
-        kv, flops = [], 0.0
+            return StoreView(runtime.empty_kv(), 0.0, None, None)
+        kv: list[KV] = []
+        buffers: list[KVBuffer] = []
         lora_values: list[LoraValues | None] = []
-        positions = torch.arange(length, device=runtime.device)
-        for layer, (split, (keys, values)) in enumerate(zip(runtime.splits, self.base)):
-            keys, values = keys[:, :, :length], values[:, :, :length]
+        flops = 0.0
+        for layer, base in enumerate(self.base):
+            base_keys, base_values = base.view(length)
+            sides = self._sides(layer, agent, low_rank)
             layer_lora = None
-            if agent is not None and low_rank is not None:
-                for projection in SPLIT_SIDES:
-                    proj = getattr(split, projection)
-                    if agent not in proj.up or projection not in low_rank[layer]:
-                        continue
-                    factors = low_rank[layer][projection][:, :length]
-                    if projection == "value" and not expand_values:
-                        lora_b = lora_b_per_head(proj.up[agent], runtime.kv_heads, 1.0).to(values.dtype)
-                        layer_lora = LoraValues(factors, lora_b)
-                        continue
-                    expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim)
-                    flops += 2.0 * expanded.numel() * factors.shape[-1]
-                    if projection == "key":
-                        rotated = apply_rope(expanded, positions, runtime.inv_freq, runtime.attention_scaling)
-                        keys = (keys.float() + rotated.float()).to(keys.dtype)
-                    else:
-                        values = (values.float() + expanded.float()).to(values.dtype)
-            kv.append((keys, values))
+            if agent is not None and "value" in sides and not expand_values:
+                up = runtime.splits[layer].value.up[agent]
+                lora_b = lora_b_per_head(up, runtime.kv_heads, 1.0).to(base_values.dtype)
+                layer_lora = LoraValues(sides.pop("value")[:, :length], lora_b)
             lora_values.append(layer_lora)
-        return kv, flops, (lora_values if any(v is not None for v in lora_values) else None)
+            if not sides:
+                kv.append((base_keys, base_values))
+                buffers.append(base if length == len(self) else KVBuffer.of(base_keys, base_values, spare))
+                continue
+            turn = KVBuffer(GrowingTensor(base_keys, 2, length + spare), GrowingTensor(base_values, 2, length + spare))
+            flops += self._write_expanded(layer, agent, sides, turn, 0, length)
+            kv.append(turn.view(length))
+            buffers.append(turn)
+        return StoreView(kv, flops, lora_values if any(v is not None for v in lora_values) else None, buffers)
+
+    def extend_view(
+        self,
+        agent: str,
+        low_rank: list[dict[str, torch.Tensor]] | None,
+        view: list[KVBuffer] | None,
+        have: int,
+        length: int,
+        spare: int = 0,
+    ) -> tuple[list[KVBuffer], float]:
+        """An agent's kept view (per layer a `KVBuffer` holding what `assemble` would give for its first `have`
+        tokens) extended to `length` tokens: only tokens have..length are expanded and written (into the slots
+        after the valid ones; a new view is allocated when `view` is None). Returns the view and the FLOPs."""
+        if view is None:
+            view = [
+                KVBuffer(GrowingTensor(keys, 2, length + spare), GrowingTensor(values, 2, length + spare))
+                for keys, values in (buffer.view(0) for buffer in self.base)
+            ]
+        flops = sum(
+            self._write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
+            for layer, target in enumerate(view)
+        )
+        return view, flops
 
     # ------------------------------------------------------------------------------------------- memory
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        tensors = {"base cache": [t for pair in self.base for t in pair]}
+        tensors = {"base cache": [t for buffer in self.base for t in buffer.view(len(self))]}
         for name, layers in self.low_rank.items():
-            tensors[f"LR cache:{name}"] = [t for layer in layers for t in layer.values()]
+            length = self.lr_length(name)
+            tensors[f"LR cache:{name}"] = [t.view(length) for layer in layers for t in layer.values()]
         return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
@@ -212,11 +310,22 @@ class LowRankStore:
         return sizes
 
 
+VIEWS = Option(
+    "per-turn",
+    ("per-turn", "kept"),
+    help="per-turn: the acting agent's view (base + its B over the LR cache) is expanded over the whole context every "
+    "turn and only the base and LR caches are stored; kept: each agent keeps its expanded view and extends it with "
+    "new tokens only (a kvprof extra: no re-expansion, one full cache per agent in memory)",
+)
+
+
 @dataclass
 class LowRankContext(Context):
-    """updates: the store updates the turn computed in `on_prefill` / `on_decode_step`, appended by `commit`."""
+    """updates: the store updates the turn computed in `on_prefill` / `on_decode_step`, appended by `commit`;
+    view: with `views=kept`, the acting agent's kept view, valid for the `reused` tokens once committed."""
 
     updates: list[StoreUpdate] = field(default_factory=list)
+    view: list[KVBuffer] | None = None
 
 
 LowRankContextT = TypeVar("LowRankContextT", bound=LowRankContext)
@@ -228,12 +337,29 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
 
     Phases: the base K/V and LR caches of the tokens a turn adds to the timeline are computed from the hidden states
     of the forward that processed them — during prefill for the chunk, at each decode step for an output token —
-    and appended after the turn by `commit`."""
+    and appended after the turn by `commit`.
+
+    What is recomputed per turn: with `views=per-turn` (a policy that declares the `VIEWS` option; the default)
+    the acting agent's view of the whole reused context — K_base + RoPE(K_lr·B_j) and V_base + V_lr·B_j — is
+    expanded again every turn (the stored state is only the base and LR caches; under Flash-LoRA-Attention the
+    values are not expanded at all). A token's view for a given agent never changes once the token is stored, so
+    `views=kept` keeps each agent's expanded view and extends it with the tokens added since its last turn
+    (memory: one full cache per agent that has acted, counted as `view:AGENT`)."""
 
     modes: ClassVar[tuple[str, ...]] = ("lora",)
 
+    def check(self, runtime: Runtime) -> None:
+        super().check(runtime)
+        if self.settings.get("views") == "kept" and runtime.lora_attention:
+            raise KvprofError(
+                f"policy {self.name} option views=kept keeps each agent's expanded values, which "
+                "Flash-LoRA-Attention never materialises; use views=per-turn with --lora-attention."
+            )
+
     def reset(self) -> None:
         self.store = LowRankStore(self.runtime)
+        self.views: dict[str, list[KVBuffer]] = {}
+        self.view_lengths: dict[str, int] = {}
 
     @property
     def needs_hidden(self) -> bool:
@@ -243,13 +369,33 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         """Shared tokens the store can serve to an input of `shared` tokens (at least one is left to compute)."""
         return min(len(self.store), len(shared) - 1)
 
-    def store_view(self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int) -> LowRankContext:
+    def store_view(
+        self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int, spare: int
+    ) -> LowRankContext:
         """The context of `agent` from the store: base cache + `agent`'s B over `low_rank` on `reused` tokens,
-        values expanded or handed to Flash-LoRA-Attention as the runtime says."""
-        kv, flops, lora_values = self.store.assemble(
-            agent, low_rank, reused, expand_values=not self.runtime.lora_attention
+        values expanded or handed to Flash-LoRA-Attention as the runtime says; room for `spare` more tokens. With
+        `views=kept` the agent's kept view, extended to `reused` tokens, which the turn then appends to in place."""
+        if self.settings.get("views") == "kept" and reused:
+            have = min(self.view_lengths.get(agent, 0), reused)
+            view, flops = self.store.extend_view(agent, low_rank, self.views.get(agent), have, reused, spare)
+            return LowRankContext(
+                kv=[buffer.view(reused) for buffer in view], reused=reused, extra_flops=flops, buffers=view, view=view
+            )
+        view_of_store = self.store.assemble(agent, low_rank, reused, not self.runtime.lora_attention, spare)
+        return LowRankContext(
+            kv=view_of_store.kv,
+            reused=reused,
+            extra_flops=view_of_store.flops,
+            lora_values=view_of_store.lora_values,
+            buffers=view_of_store.buffers,
         )
-        return LowRankContext(kv=kv, reused=reused, extra_flops=flops, lora_values=lora_values)
+
+    def keep_view(self, chunk: Chunk[LowRankContextT]) -> None:
+        """With `views=kept`, make the turn's extended view the agent's (valid up to the reused tokens: the turn
+        wrote its own K/V after them)."""
+        if chunk.context.view is not None:
+            self.views[chunk.agent] = chunk.context.view
+            self.view_lengths[chunk.agent] = chunk.context.reused
 
     def new_tokens(
         self, context: LowRankContext, hidden: list[torch.Tensor], start: int
@@ -276,10 +422,17 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
 
     def commit(self, chunk: Chunk[LowRankContextT]) -> float:
         self.store.apply(chunk.context.updates)
+        self.keep_view(chunk)
         return 0.0
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.store.live_tensors()
+        tensors = self.store.live_tensors()
+        for agent, view in self.views.items():
+            tensors[f"view:{agent}"] = [t for buffer in view for t in buffer.view(self.view_lengths[agent])]
+        return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
-        return self.store.analytic_bytes()
+        sizes = self.store.analytic_bytes()
+        for agent, length in self.view_lengths.items():
+            sizes[f"view:{agent}"] = self.runtime.kv_bytes_per_token * length
+        return sizes

@@ -3,15 +3,16 @@
 The dense baseline every other policy is measured against (exact; memory grows N× with N agents).
 
 Phases: TTFT — the agent's role prompt on its first turn, then the chunk of the input it has not processed itself;
-each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own.
+each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own. The turn
+appends in place to the agent's own buffers (`kvprof.kv_buffer`), so nothing it already holds is copied.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvprof.kv_buffer import KVBuffer
 from kvprof.policies.base import Chunk, Context, SharingPolicy
-from kvprof.runtime import KV
 
 
 class NonShared(SharingPolicy[Context]):
@@ -23,7 +24,7 @@ class NonShared(SharingPolicy[Context]):
     serves_others = False
 
     def reset(self) -> None:
-        self.own: dict[str, list[KV]] = {}  # agent -> per layer (K, V), (1, H_kv, L_agent, D)
+        self.own: dict[str, list[KVBuffer]] = {}  # agent -> per layer (K, V) buffers, (1, H_kv, ≥ L_agent, D)
         self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
 
     def assemble(self, agent: str, shared: list[int]) -> Context:
@@ -32,15 +33,21 @@ class NonShared(SharingPolicy[Context]):
             return Context(kv=kv, reused=0, extra_prefill=len(self.runtime.prefix(agent)), extra_flops=flops)
         reused = min(self.seen[agent], len(shared) - 1)
         end = len(self.runtime.prefix(agent)) + reused
-        return Context(kv=[(k[:, :, :end], v[:, :, :end]) for k, v in self.own[agent]], reused=reused)
+        buffers = self.own[agent]
+        return Context(kv=[buffer.view(end) for buffer in buffers], reused=reused, buffers=buffers)
 
     def commit(self, chunk: Chunk[Context]) -> float:
-        self.own[chunk.agent] = chunk.kv
+        self.own[chunk.agent] = chunk.buffers
         self.seen[chunk.agent] = chunk.start + len(chunk.ids)
         return 0.0
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {f"cache:{agent}": [t for pair in kv for t in pair] for agent, kv in self.own.items()}
+        return {
+            f"cache:{agent}": [
+                t for buffer in buffers for t in buffer.view(len(self.runtime.prefix(agent)) + self.seen[agent])
+            ]
+            for agent, buffers in self.own.items()
+        }
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime

@@ -13,7 +13,7 @@ prefilling the chunk); each decode step — the same for its token; after the tu
 from __future__ import annotations
 
 from kvprof.policies.base import Published
-from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore
+from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
 from kvprof.runtime import ChunkForward
 
@@ -23,6 +23,7 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
     family = "PReCache"
     paper = f"{PRECACHE}, PreLRShared"
     approximate = True
+    options = {"views": VIEWS}
     published = (
         Published(
             PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING, "mean accuracy drop 1.0–3.3 points against NonShared"
@@ -45,7 +46,7 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
 
     def assemble(self, agent: str, shared: list[int]) -> LowRankContext:
         reused = self.reused_span(shared)
-        return self.store_view(agent, self.store.low_rank.get(self.lr_name(agent)), reused)
+        return self.store_view(agent, self.store.lr(self.lr_name(agent)), reused, len(shared) - reused)
 
     def on_forward(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
         """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet."""

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvprof.kv_buffer import KVBuffer
 from kvprof.policies.base import Chunk, Option, Published
-from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore, StoreUpdate
+from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore, StoreUpdate
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
 from kvprof.runtime import ChunkForward
 
@@ -51,6 +52,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
             help="adapted: the processing agent's own LR cache from its adapted hidden states (the paper); "
             "neutral: from the adapter-free ones",
         ),
+        "views": VIEWS,
     }
     published = (
         Published(PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING, "mean accuracy drop 1.1 points against NonShared"),
@@ -71,13 +73,21 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
 
     def assemble(self, agent: str, shared: list[int]) -> ReBaseSharedContext:
         reused = self.reused_span(shared)
-        view = self.store_view(agent, self.store.low_rank.get(agent), reused)
-        kv = view.kv
+        view = self.store_view(agent, self.store.lr(agent), reused, len(shared) - reused)
+        kv, buffers = view.kv, view.buffers
         if self.settings["schedule"] == "db":
-            neutral, _, _ = self.store.assemble(None, None, reused)
-            kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(kv, neutral)]
+            neutral = self.store.assemble(None, None, reused).kv
+            spare = len(shared) - reused
+            buffers = [KVBuffer.of_rows([row, neutral_row], spare) for row, neutral_row in zip(kv, neutral)]
+            kv = [buffer.view(reused) for buffer in buffers]
         return ReBaseSharedContext(
-            kv=kv, reused=reused, adapter_free=reused, extra_flops=view.extra_flops, lora_values=view.lora_values
+            kv=kv,
+            reused=reused,
+            adapter_free=reused,
+            extra_flops=view.extra_flops,
+            lora_values=view.lora_values,
+            buffers=buffers,
+            view=view.view,
         )
 
     def on_forward(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
@@ -117,6 +127,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         return update, flops
 
     def commit(self, chunk: Chunk[ReBaseSharedContext]) -> float:
+        self.keep_view(chunk)
         if self.settings["schedule"] == "db":
             self.store.apply(chunk.context.updates)
             return 0.0
@@ -126,8 +137,9 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         if not new_ids:
             return 0.0
         context_len = len(store)
-        base, _, _ = store.assemble(None, None, context_len)
-        out = runtime.forward(None, new_ids, runtime.cache_from(base), context_len, capture=True, last_logits_only=True)
+        base = store.assemble(None, None, context_len, spare=len(new_ids))
+        cache = runtime.cache_over(base.kv, base.buffers, len(new_ids))
+        out = runtime.forward(None, new_ids, cache, context_len, capture=True, last_logits_only=True)
         assert out.hidden is not None  # captured: capture=True
         own = None
         if chunk.context.own:

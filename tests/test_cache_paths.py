@@ -1,0 +1,131 @@
+"""The fast cache paths — buffers appended in place (`kvprof.kv_buffer`), chunks attended without a mask
+(`kvprof.kernels.chunk_attention`), RoPE from cached tables — give what the plain path gives (fresh copied caches,
+sdpa with transformers' masks): K/V, logits and replay metrics to 1e-5, for every variant on the tiny worlds of both
+modes and on the shipped demo trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_policies import CASES, shared_a_agents  # noqa: F401  (fixture)
+
+from kvprof.demo.assets import demo_world
+from kvprof.errors import KvprofError
+from kvprof.kv_buffer import BufferCache, GrowingTensor, KVBuffer
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
+from kvprof.policies.base import tensor_bytes
+from kvprof.policies.nonshared import NonShared
+from kvprof.replay import compare_turn
+from kvprof.rope import apply_rope, rotate_half
+from kvprof.runtime import Runtime
+from kvprof.trace import read_trace
+
+TOLERANCE = 1e-5
+METRICS = ("kl", "kl_sum", "top1_sum", "trace_agreement_sum", "reused", "prefilled", "flops", "ttft_flops")
+
+
+def replay_both_ways(agents, trajectory, mode: str) -> None:
+    """Every runnable variant of `mode` over `trajectory` on the fast and the plain runtime, turn by turn."""
+    runs = {fast: Runtime(agents, fast_paths=fast) for fast in (True, False)}
+    variants, _ = runnable_variants(
+        [variant for case_mode, variant in CASES if case_mode == mode], runs[True], skip=True
+    )
+    assert variants
+    dense = {fast: NonShared(runtime) for fast, runtime in runs.items()}
+    policies = {fast: [variant.build(runtime) for variant in variants] for fast, runtime in runs.items()}
+    for turn in trajectory.turns:
+        request = TurnRequest(turn.agent, trajectory.input_tokens(turn), trajectory.output_tokens(turn))
+        dense_results = {fast: dense[fast].run_turn(request) for fast in runs}
+        for index, variant in enumerate(variants):
+            results = {fast: policies[fast][index].run_turn(request) for fast in runs}
+            fast, plain = results[True], results[False]
+            torch.testing.assert_close(fast.logits, plain.logits, atol=TOLERANCE, rtol=TOLERANCE)
+            for (keys, values), (plain_keys, plain_values) in zip(fast.input_kv, plain.input_kv):
+                torch.testing.assert_close(keys, plain_keys, atol=TOLERANCE, rtol=TOLERANCE)
+                torch.testing.assert_close(values, plain_values, atol=TOLERANCE, rtol=TOLERANCE)
+            assert fast.memory == plain.memory, variant.label
+            records = {way: compare_turn(results[way], dense_results[way], 0, request.output_ids or []) for way in runs}
+            for metric in METRICS:
+                assert records[True][metric] == pytest.approx(records[False][metric], abs=TOLERANCE), metric
+            for layer, plain_layer in zip(records[True]["layers"], records[False]["layers"]):
+                for name, value in layer.items():
+                    assert value == pytest.approx(plain_layer[name], abs=TOLERANCE), (variant.label, name)
+
+
+def test_tiny_lora_world(lora_trace, shared_a_agents):  # noqa: F811
+    replay_both_ways(shared_a_agents, read_trace(lora_trace).trajectories[0], "lora")
+
+
+def test_tiny_prompt_world(prompt_trace):
+    agents = load_agents_for_trace(prompt_trace, device="cpu", dtype="float32")
+    replay_both_ways(agents, read_trace(prompt_trace).trajectories[0], "prompt")
+
+
+def test_demo_trace():
+    world = demo_world()
+    trace = world.sample_traces["lora_long"]
+    agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
+    replay_both_ways(agents, read_trace(trace).trajectories[0], "lora")
+
+
+def test_growing_tensor_keeps_its_contents_across_growth():
+    grown = GrowingTensor.of(torch.arange(6.0).view(1, 6, 1), 1)
+    start = grown.capacity
+    grown.write(start, torch.ones(1, 3, 1))  # past the capacity: one growth, the first slots kept
+    assert grown.capacity >= start + 3
+    assert torch.equal(grown.view(6).flatten(), torch.arange(6.0))
+    assert torch.equal(grown.view(start + 3)[0, start:, 0], torch.ones(3))
+
+
+def test_buffer_cache_appends_in_place_after_the_context():
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    buffer = KVBuffer.of(keys, values)
+    storage = buffer.keys.storage
+    cache = BufferCache([buffer], 3)  # the first 3 tokens are the context; 3.. are scratch
+    new_keys, new_values = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+    out_keys, out_values = cache.update(new_keys, new_values, 0)
+    assert cache.get_seq_length() == 7 and buffer.keys.storage is storage
+    assert torch.equal(out_keys[:, :, :3], keys[:, :, :3]) and torch.equal(out_keys[:, :, 3:], new_keys)
+    assert torch.equal(out_values[:, :, 3:], new_values)
+
+
+def test_rope_tables_equal_the_rotation(shared_a_agents):  # noqa: F811
+    runtime = Runtime(shared_a_agents)
+    states = torch.randn(1, runtime.kv_heads, 300, runtime.head_dim)
+    cos, sin = runtime.rope_tables(300)
+
+    expected = apply_rope(states, torch.arange(300), runtime.inv_freq, runtime.attention_scaling)
+    torch.testing.assert_close(states * cos + rotate_half(states) * sin, expected)
+    assert runtime.rope_tables(10)[0].shape == (10, runtime.head_dim)
+
+
+def test_kept_views_equal_per_turn_expansion(lora_trace, shared_a_agents):  # noqa: F811
+    """views=kept expands each token once per agent and extends the view; it attends to exactly what the per-turn
+    expansion builds, and stores one more cache per agent that has acted (counted, and equal to the live bytes)."""
+    runtime = Runtime(shared_a_agents)
+    trajectory = read_trace(lora_trace).trajectories[0]
+    for name, extra in (("prelrshared", {}), ("baselrshared", {}), ("rebaseshared", {"schedule": "db"})):
+        per_turn = PolicyVariant(name, extra).build(runtime)
+        kept = PolicyVariant(name, extra | {"views": "kept"}).build(runtime)
+        assert kept.label.endswith("-kept")
+        expansion = {"per-turn": 0.0, "kept": 0.0}
+        for turn in trajectory.turns:
+            request = TurnRequest(turn.agent, trajectory.input_tokens(turn), trajectory.output_tokens(turn))
+            expected, actual = per_turn.run_turn(request), kept.run_turn(request)
+            torch.testing.assert_close(actual.logits, expected.logits, atol=TOLERANCE, rtol=TOLERANCE)
+            for (keys, values), (expected_keys, expected_values) in zip(actual.input_kv, expected.input_kv):
+                torch.testing.assert_close(keys, expected_keys, atol=TOLERANCE, rtol=TOLERANCE)
+                torch.testing.assert_close(values, expected_values, atol=TOLERANCE, rtol=TOLERANCE)
+            expansion["per-turn"] += expected.ttft_flops
+            expansion["kept"] += actual.ttft_flops
+            assert tensor_bytes(kept.live_tensors()) == kept.analytic_bytes()
+            views = {key: size for key, size in actual.memory.items() if key.startswith("view:")}
+            assert set(actual.memory) - set(views) == set(expected.memory)
+            assert all(size > 0 for size in views.values()) and (bool(views) or not actual.reused)
+        assert expansion["kept"] < expansion["per-turn"], name
+
+
+def test_kept_views_refuse_flash_lora_attention(shared_a_agents):  # noqa: F811
+    with pytest.raises(KvprofError, match="views=kept"):
+        PolicyVariant("prelrshared", {"views": "kept"}).build(Runtime(shared_a_agents, lora_attention=True))

@@ -1,0 +1,59 @@
+"""A chunk after a cache attended without an explicit mask (`kvprof.kernels.chunk_attention`), against SDPA with
+transformers' bottom-right causal mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask
+
+
+def masked_reference(query, key, value, scale=None):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize(("q_len", "kv_len"), [(2, 3), (7, 40), (33, 50)])
+def test_chunk_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, q_len, kv_len):
+    generator = torch.Generator().manual_seed(q_len * kv_len + q_heads)
+    query = torch.randn(2, q_heads, q_len, 32, generator=generator).to(dtype)
+    key = torch.randn(2, kv_heads, kv_len, 32, generator=generator).to(dtype)
+    value = torch.randn(2, kv_heads, kv_len, 32, generator=generator).to(dtype)
+    actual = chunk_attention(query, key, value, scale=0.2)
+    assert actual.shape == query.shape and actual.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), masked_reference(query, key, value, 0.2), atol=tolerance, rtol=0)
+
+
+def test_chunk_attention_reads_strided_cache_views():
+    """Keys and values as views of a longer buffer (how `kvprof.kv_buffer` hands them over)."""
+    generator = torch.Generator().manual_seed(0)
+    buffer_k = torch.randn(1, 2, 100, 16, generator=generator)
+    buffer_v = torch.randn(1, 2, 100, 16, generator=generator)
+    query = torch.randn(1, 4, 9, 16, generator=generator)
+    key, value = buffer_k[:, :, :30], buffer_v[:, :, :30]
+    torch.testing.assert_close(chunk_attention(query, key, value), masked_reference(query, key, value))
+
+
+def test_chunk_mask_is_none_only_for_a_plain_chunk_after_a_cache():
+    chunk = dict(batch_size=1, q_length=5, kv_length=12, q_offset=7, kv_offset=0)
+    assert chunk_mask(**chunk) is None
+    assert chunk_mask(**chunk, attention_mask=torch.ones(1, 12, dtype=torch.bool)) is None
+    padded = torch.ones(1, 12, dtype=torch.bool)
+    padded[0, 0] = False
+    mask = chunk_mask(**chunk, attention_mask=padded)
+    assert mask is not None and not bool(mask[0, 0, :, 0].any())
+    window = chunk_mask(**chunk, mask_function=sliding_window_causal_mask_function(4), local_size=4)
+    assert window is not None and not bool(window[0, 0, -1, :7].any())
+    assert chunk_mask(**chunk, allow_is_causal_skip=False) is not None
+    # a square prefill and a decode step keep sdpa's own skips (is_causal, no mask)
+    assert chunk_mask(batch_size=1, q_length=6, kv_length=6, mask_function=causal_mask_function) is None
+    assert chunk_mask(batch_size=1, q_length=1, kv_length=9, q_offset=8) is None
