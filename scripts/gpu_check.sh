@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_check.sh OUT_DIR
 #
-# 1. the GPU tests (tests/test_kernels_gpu.py: every shipped kernel configuration against the torch reference,
-#    the registered transformers attention through the kernel, the do_bench timer);
+# 1. the GPU tests (`pytest -m gpu`: every shipped kernel configuration against the torch reference, the registered
+#    transformers attention through the kernel, the chunk-after-cache attention path, the do_bench timer);
 # 2. `kvprof bench` at Llama-3.1-8B attention shapes (H_q 32, H_kv 8, D 128), r = 16, bfloat16, L up to 32k;
 # 3. `kvprof replay` of the demo trace with the CUDA defaults (dtype auto = bfloat16, Flash-LoRA-Attention through
 #    the Triton kernel): every policy, on the shared-A adapters so BaseLRShared runs too;
@@ -41,7 +41,7 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
 fi
 
 echo "== GPU tests"
-python -m pytest tests/test_kernels_gpu.py -q -rs --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
+python -m pytest tests -m gpu -q -rs --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kvprof bench"

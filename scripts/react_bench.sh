@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Replay the PReCache ReAct trajectory shape on the shipped demo model under every policy, and print how much of the
-# TTFT speed-up each policy's prefill-phase FLOPs allow the replay actually measures (the "FLOP ×" and "eff." columns
-# of `kvprof replay`). The shape, in agent turns (new input tokens + output tokens):
+# Replay the PReCache ReAct trajectory shape on the shipped demo model under every policy (the low-rank ones with
+# both `views`), and print how much of the TTFT speed-up each policy's prefill-phase FLOPs allow the replay actually
+# measures (the "FLOP ×" and "eff." columns of `kvprof replay`). The shape, in agent turns (new input tokens +
+# output tokens):
 #   plan 512+32, then 4 × [plan 4096+32, plan 8+8, act 8+8], then reflect 32+32 and reflect 8+8  (17.3k tokens)
 #
 #   scripts/react_bench.sh OUT_DIR [SCALE] [extra kvprof replay options...]
 #
 # SCALE (default 1) divides the long prefills (512 and 4096) so a CPU run stays short (SCALE 8: ~2.3k tokens).
 # Tokens are synthesised deterministically (kvprof capture --shapes); the demo world's shared-A adapters are used,
-# so BaseLRShared runs too. On CUDA pass e.g. `--device cuda` (bfloat16 and the Triton kernel are its defaults).
+# so BaseLRShared runs too. On CUDA pass e.g. `--device cuda` (bfloat16 and the Triton kernel are its defaults;
+# views=kept is then skipped: Flash-LoRA-Attention never materialises the values it would keep). PYTHON picks the
+# interpreter (default: python).
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
@@ -38,4 +41,8 @@ world="kvprof/demo/assets"
 agents=(--agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act"
         --agent "reflect=$world/adapters/shared_a/reflect")
 kvprof capture --model "$world/model" --shapes "$out/react_shape.csv" "${agents[@]}" --out "$out/capture"
-kvprof replay "$out/capture/trace.jsonl" --policy all --repeats 3 --out "$out/replay" "$@"
+views=()  # both views of the low-rank policies: re-expanded every turn (default) and kept per agent
+for policy in prelrshared baselrshared rebaseshared; do
+    views+=(--policy-option "$policy.views=per-turn" --policy-option "$policy.views=kept")
+done
+kvprof replay "$out/capture/trace.jsonl" --policy all "${views[@]}" --repeats 3 --out "$out/replay" "$@"

@@ -22,8 +22,12 @@ def replay(trace: str, out: Path, flags: list[str], extra: list[str]) -> float:
     """Wall seconds of one `kvprof replay` process."""
     command = [sys.executable, "-c", "from kvprof.cli import main; main()", "replay", trace, "--out", str(out)]
     started = time.perf_counter()
-    subprocess.run(command + flags + extra, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    run = subprocess.run(command + flags + extra, cwd=REPO, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if run.returncode:
+        last = (run.stderr.strip() or run.stdout).splitlines()[-1]
+        sys.exit(f"kvprof replay {' '.join(flags + extra)} failed: {last}")
+    return seconds
 
 
 def variant_flags(entry: dict) -> list[str]:

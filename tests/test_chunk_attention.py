@@ -57,3 +57,14 @@ def test_chunk_mask_is_none_only_for_a_plain_chunk_after_a_cache():
     # a square prefill and a decode step keep sdpa's own skips (is_causal, no mask)
     assert chunk_mask(batch_size=1, q_length=6, kv_length=6, mask_function=causal_mask_function) is None
     assert chunk_mask(batch_size=1, q_length=1, kv_length=9, q_offset=8) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunk_attention_on_cuda_equals_masked_sdpa(dtype):
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 8, 64, 64, generator=generator).to("cuda", dtype)
+    key = torch.randn(1, 2, 300, 64, generator=generator).to("cuda", dtype)
+    value = torch.randn(1, 2, 300, 64, generator=generator).to("cuda", dtype)
+    expected = masked_reference(query.cpu().float(), key.cpu().float(), value.cpu().float())
+    torch.testing.assert_close(chunk_attention(query, key, value).cpu().float(), expected, atol=2e-2, rtol=0)
