@@ -7,7 +7,7 @@ import sys
 import typer
 
 import kvprof
-from kvprof.commands import bench, capture, demo, inspect, rank_analysis, replay, report
+from kvprof.commands import bench, capture, demo, import_chat, inspect, rank_analysis, replay, report
 from kvprof.errors import KvprofError
 
 USAGE = 2  # exit code of a usage error or a user mistake
@@ -36,6 +36,7 @@ def _root(
 
 
 app.command("capture")(capture.command)
+app.command("import-chat")(import_chat.command)
 app.command("inspect")(inspect.command)
 app.command("replay")(replay.command)
 app.command("report")(report.command)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer
@@ -73,9 +74,7 @@ class Runtime:
         self.device = agents.device
         self.prefixes: dict[str, list[int]] = {}
         if agents.spec.mode == "prompt":
-            self.prefixes = {
-                a.name: agents.tokenizer.encode(a.prompt, add_special_tokens=False) for a in agents.spec.agents
-            }
+            self.prefixes = {a.name: self._role_prompt_ids(a.prompt or "") for a in agents.spec.agents}
         self._stop = StopStrings(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
         self.linear_params = sum(
             p.numel()
@@ -104,6 +103,15 @@ class Runtime:
     def hidden_bytes_per_token(self) -> int:
         """Bytes of one token's captured attention inputs X over all layers: layers·d_model·itemsize."""
         return self.num_layers * self.hidden_size * self.dtype.itemsize
+
+    def _role_prompt_ids(self, prompt: str) -> list[int]:
+        """A role prompt's tokens as every call starts with them: on their own, or as the chat template renders the
+        system message (`kvprof.chat`)."""
+        template = self.agents.spec.chat_template
+        if template is None:
+            return self.agents.tokenizer.encode(prompt, add_special_tokens=False)
+        (system,), _ = ChatFormat(self.agents.tokenizer, template).spans([Message("system", prompt)])
+        return system
 
     def prefix(self, agent: str) -> list[int]:
         """The agent's private prefix tokens (its role prompt in prompt mode)."""

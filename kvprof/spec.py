@@ -22,6 +22,10 @@ Layout of one turn's input (each piece is its own segment, tokenized on its own)
 
 In lora mode all agents read the shared segments at identical positions ("matched prefix"); in prompt mode the
 shared segments sit after role prompts of different lengths, so at different positions per agent.
+
+With a `chat_template` (capture's `--chat-template`, the tokenizer's own by default when it has one) each call is
+chat messages instead — system (the role prompt in prompt mode), user (question), assistant (earlier outputs, named
+by agent), tool (observations) — rendered by the template, one segment per message (`kvprof.chat`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class WorkflowSpec:
     max_rounds: int = 4
     action_pattern: str = r"(\w+)\[(.*?)\]"
     answer_pattern: str = r"(?:answer|finish)\[(.*?)\]"
+    chat_template: str | None = None  # Jinja chat template the calls are rendered with (kvprof.chat); None: own layout
 
     def agent(self, name: str) -> AgentSpec:
         for agent in self.agents:
@@ -80,7 +85,7 @@ class WorkflowSpec:
         return cls(**fields)
 
 
-def _parse_assignment(flag: str, value: str) -> tuple[str, str]:
+def parse_assignment(flag: str, value: str) -> tuple[str, str]:
     name, sep, rest = value.partition("=")
     if not sep or not name or not rest:
         raise KvprofError(f"{flag} {value!r} should look like NAME=VALUE (e.g. {flag} plan=adapters/plan).")
@@ -149,12 +154,12 @@ def build_spec(
         declared_mode = raw.get("mode", declared_mode)
         data.update(raw)
     for value in agent_flags or []:
-        name, adapter = _parse_assignment("--agent", value)
+        name, adapter = parse_assignment("--agent", value)
         previous = agents.get(name, AgentSpec(name))
         agents[name] = replace(previous, adapter=adapter, prompt=None)
         declared_mode = None
     for value in role_flags or []:
-        name, prompt = _parse_assignment("--role", value)
+        name, prompt = parse_assignment("--role", value)
         if prompt.startswith("@"):
             prompt_path = Path(prompt[1:])
             if not prompt_path.is_file():

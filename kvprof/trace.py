@@ -28,7 +28,7 @@ from kvprof.fileio import atomic_open
 
 SCHEMA = "kvprof.trace"
 VERSION = 1
-SEGMENT_KINDS = ("system", "prompt", "question", "cue", "output", "observation", "synthetic")
+SEGMENT_KINDS = ("system", "prompt", "question", "cue", "output", "observation", "message", "synthetic")
 SCOPES = ("shared", "private")
 
 

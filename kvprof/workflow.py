@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from transformers import StoppingCriteriaList
 
+from kvprof.chat import ChatFormat, ChatSegments, Message
 from kvprof.errors import KvprofError
 from kvprof.model import AgentSet
 from kvprof.spec import WorkflowSpec
@@ -206,41 +207,22 @@ def run_react(
     """Run one task through the ReAct schedule and return its trajectory (see module docstring).
 
     `respond` decides each output: the model for capture, a sharing policy for online replay, or scripted gold
-    outputs when building training data — the layout of the inputs is the same in every case.
+    outputs when building training data — the layout of the inputs is the same in every case: kvprof's own
+    (`TextLayout`) or, when the spec has a chat template, chat messages (`ChatLayout`).
     """
-    builder = TrajectoryBuilder(tokenizer, task)
-    traj = builder.trajectory
-    history: list[str] = []
-    if spec.mode == "lora" and spec.system_prompt:
-        history.append(builder.add_text("system", "system", "shared", spec.system_prompt))
-    history.append(
-        builder.add_text("question", "question", "shared", spec.question_template.format(question=task.question))
+    layout: Layout = (
+        ChatLayout(spec, tokenizer, task, respond) if spec.chat_template else TextLayout(spec, tokenizer, task, respond)
     )
-    prefixes: dict[str, str] = {}
-    if spec.mode == "prompt":
-        for a in spec.agents:
-            # A prompt-mode spec gives every agent a role prompt (`kvprof.spec` refuses one that does not).
-            assert a.prompt is not None, f"prompt-mode agent {a.name!r} has no role prompt"
-            prefixes[a.name] = builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
-    counts: dict[str, int] = {}
+    traj = layout.trajectory
 
     def call(agent: str) -> str:
-        index = counts.get(agent, 0)
-        counts[agent] = index + 1
-        cue = builder.add_text(f"cue:{agent}:{index}", "cue", "shared", spec.cue_template.format(agent=agent))
-        inputs = ([prefixes[agent]] if agent in prefixes else []) + history + [cue]
-        turn = Turn(agent=agent, input=inputs, output=f"out:{agent}:{index}")
-        max_new = spec.agent(agent).max_new_tokens or spec.max_new_tokens
-        builder.add_output(turn.output, agent, respond(agent, traj.input_tokens(turn), max_new))
-        traj.turns.append(turn)
-        history.extend([cue, turn.output])
+        turn = layout.call(agent)
         if on_turn:
             on_turn(traj, turn)
         return traj.segments[turn.output].text
 
     names = set(spec.names)
     answer = None
-    observations = 0
     for _ in range(spec.max_rounds):
         if "plan" in names:
             call("plan")
@@ -253,19 +235,102 @@ def run_react(
         else:
             observed = tool.observe(task, *action)
             observation = observed if observed is not None else f"Unknown action {action[0]}."
-        history.append(
-            builder.add_text(
-                f"obs:{observations}",
-                "observation",
-                "shared",
-                spec.observation_template.format(observation=observation),
-            )
-        )
-        observations += 1
+        layout.observe(spec.observation_template.format(observation=observation))
     if "reflect" in names:
         answer = parse_answer(spec, call("reflect"))
     traj.prediction = answer
     return traj
+
+
+class Layout(Protocol):
+    """How a trajectory's agent calls are laid out as tokens."""
+
+    trajectory: Trajectory
+
+    def call(self, agent: str) -> Turn:
+        """Lay out `agent`'s input, get its output from the responder, record the turn."""
+        ...
+
+    def observe(self, text: str) -> None:
+        """Append a tool observation every later call reads."""
+        ...
+
+
+class TextLayout:
+    """kvprof's own layout (`kvprof.spec`): each piece its own segment, tokenized on its own; a cue before each
+    output; in prompt mode the acting agent's role prompt first."""
+
+    def __init__(self, spec: WorkflowSpec, tokenizer, task: Task, respond: Responder):
+        self.spec, self.respond = spec, respond
+        self.builder = TrajectoryBuilder(tokenizer, task)
+        self.trajectory = self.builder.trajectory
+        self.history: list[str] = []
+        if spec.mode == "lora" and spec.system_prompt:
+            self.history.append(self.builder.add_text("system", "system", "shared", spec.system_prompt))
+        question = spec.question_template.format(question=task.question)
+        self.history.append(self.builder.add_text("question", "question", "shared", question))
+        self.prefixes: dict[str, str] = {}
+        if spec.mode == "prompt":
+            for a in spec.agents:
+                # A prompt-mode spec gives every agent a role prompt (`kvprof.spec` refuses one that does not).
+                assert a.prompt is not None, f"prompt-mode agent {a.name!r} has no role prompt"
+                self.prefixes[a.name] = self.builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
+        self.counts: dict[str, int] = {}
+        self.observations = 0
+
+    def call(self, agent: str) -> Turn:
+        index = self.counts.get(agent, 0)
+        self.counts[agent] = index + 1
+        cue_text = self.spec.cue_template.format(agent=agent)
+        cue = self.builder.add_text(f"cue:{agent}:{index}", "cue", "shared", cue_text)
+        inputs = ([self.prefixes[agent]] if agent in self.prefixes else []) + self.history + [cue]
+        turn = Turn(agent=agent, input=inputs, output=f"out:{agent}:{index}")
+        max_new = self.spec.agent(agent).max_new_tokens or self.spec.max_new_tokens
+        tokens = self.respond(agent, self.trajectory.input_tokens(turn), max_new)
+        self.builder.add_output(turn.output, agent, tokens)
+        self.trajectory.turns.append(turn)
+        self.history.extend([cue, turn.output])
+        return turn
+
+    def observe(self, text: str) -> None:
+        self.history.append(self.builder.add_text(f"obs:{self.observations}", "observation", "shared", text))
+        self.observations += 1
+
+
+class ChatLayout:
+    """Chat messages through the spec's chat template (`kvprof.chat`): the role prompt as the acting agent's system
+    message (prompt mode; in lora mode the spec's system prompt, shared), the question as a user message, earlier
+    outputs as assistant messages named by their agent, observations as tool messages; then the generation prompt."""
+
+    def __init__(self, spec: WorkflowSpec, tokenizer, task: Task, respond: Responder):
+        assert spec.chat_template is not None  # chosen by run_react
+        self.spec, self.respond = spec, respond
+        self.format = ChatFormat(tokenizer, spec.chat_template)
+        self.trajectory = TrajectoryBuilder(tokenizer, task).trajectory
+        self.segments = ChatSegments(tokenizer, self.trajectory.segments)
+        self.history: list[Message] = []
+        if spec.mode == "lora" and spec.system_prompt:
+            self.history.append(Message("system", spec.system_prompt))
+        self.history.append(Message("user", spec.question_template.format(question=task.question)))
+
+    def call(self, agent: str) -> Turn:
+        private = {0} if self.spec.mode == "prompt" else set()
+        role = [Message("system", self.spec.agent(agent).prompt or "")] if private else []
+        messages = role + self.history
+        spans, prompt = self.format.spans(messages)
+        index = len(self.trajectory.turns)
+        inputs, prompt_segment = self.segments.call(index, messages, spans, prompt, private)
+        max_new = self.spec.agent(agent).max_new_tokens or self.spec.max_new_tokens
+        turn = Turn(agent=agent, input=inputs, output="")
+        tokens = self.respond(agent, self.trajectory.input_tokens(turn), max_new)
+        text = self.format.tokenizer.decode(tokens, skip_special_tokens=True)  # the reply, without end-of-turn
+        turn.output, message = self.segments.output(agent, tokens, text, prompt_segment)
+        self.trajectory.turns.append(turn)
+        self.history.append(message)
+        return turn
+
+    def observe(self, text: str) -> None:
+        self.history.append(Message("tool", text))
 
 
 def exact_match(prediction: str | None, answer: str | None) -> bool:

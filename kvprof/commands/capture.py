@@ -20,6 +20,7 @@ from kvprof.capture import (
     sampled_trace_header,
     trajectory_summary,
 )
+from kvprof.chat import resolve_chat_template, template_sha256
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -82,6 +83,15 @@ def command(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass when sampling.")] = 1.0,
     attn: Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")] = "sdpa",
+    chat_template: Annotated[
+        str,
+        typer.Option(
+            "--chat-template",
+            help="Render each agent call as chat messages through a chat template: auto (the tokenizer's when it "
+            "has one, else kvprof's own layout), on (the tokenizer's, required), off (kvprof's layout), or a Jinja "
+            "template FILE.",
+        ),
+    ] = "auto",
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted capture from OUT/trace.partial.jsonl.")
     ] = False,
@@ -116,6 +126,9 @@ def command(
     spec = capture_spec(workflow, agent, role, max_rounds, max_new_tokens)
     task_list = load_tasks(tasks, limit)
     agents = load_agents(spec, model, device=device, dtype=dtype, attn=attn)
+    agents.spec.chat_template = resolve_chat_template(chat_template, agents.tokenizer)
+    if agents.spec.chat_template is not None:
+        console.print(f"agent calls rendered through a chat template ({template_sha256(agents.spec.chat_template)})")
     print_adapters(agents)
     sampling = Sampling(temperature, top_p, seed)
     header = sampled_trace_header(model, agents, sampling)

@@ -8,6 +8,8 @@ The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.
     assets/workflow_{prompt,lora,lora_shared_a}.toml
     assets/tasks/{heldout,long}.jsonl
     assets/sample_traces/{prompt,lora}_{short,long}.jsonl
+    assets/chat_template.jinja         the prompt-mode layout as a chat template (`kvprof capture/import-chat`)
+    assets/sample_logs/prompt_short_chat.jsonl     prompt_short's calls as a chat log (`kvprof import-chat`)
     assets/training.json, assets/evaluation.json    what training and evaluation measured
 
 Paths inside sample traces and workflow files are relative to the assets folder.
@@ -70,6 +72,15 @@ class DemoWorld:
         """`prompt_short`, `lora_short` (a few held-out tasks) and `prompt_long`, `lora_long` (a 3-hop task with
         several thousand tokens of shared context) → trace file."""
         return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in TRACE_NAMES}
+
+    @property
+    def chat_template(self) -> Path:
+        return self.root / "chat_template.jinja"
+
+    @property
+    def sample_chat_log(self) -> Path:
+        """The held-out tasks of `prompt_short` as a chat log: one agent call per line, OpenAI message format."""
+        return self.root / "sample_logs" / "prompt_short_chat.jsonl"
 
     @property
     def evaluation_record(self) -> Path:

@@ -23,12 +23,14 @@ from typing import Annotated
 import typer
 
 from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trajectory_summary
+from kvprof.chat_log import trajectory_calls
 from kvprof.demo.assets import ASSETS, DemoWorld
 from kvprof.demo.data import oracle_trajectory
 from kvprof.demo.world import DemoTask, read_tasks
+from kvprof.fileio import atomic_open
 from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
 from kvprof.spec import build_spec
-from kvprof.trace import Trace, TraceHeader, Trajectory, record_line, write_trace
+from kvprof.trace import Trace, TraceHeader, Trajectory, read_trace, record_line, write_trace
 from kvprof.ui import progress
 from kvprof.workflow import Sampling, Task, load_tasks
 
@@ -102,7 +104,21 @@ def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
                 "shared_tokens": summary["shared_tokens"],
                 "accuracy": summary["accuracy"],
             }
+    write_sample_chat_log(world)
     return stats
+
+
+def write_sample_chat_log(world: DemoWorld) -> Path:
+    """`prompt_short` written as a chat log (`kvprof.chat_log.trajectory_calls`): what `kvprof import-chat` reads."""
+    lines = [
+        record_line(call)
+        for traj in read_trace(world.sample_traces["prompt_short"]).trajectories
+        for call in trajectory_calls(traj)
+    ]
+    world.sample_chat_log.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(world.sample_chat_log) as handle:
+        handle.write("".join(lines))
+    return world.sample_chat_log
 
 
 def main(world_dir: Annotated[Path | None, typer.Option("--world", help="Demo world folder.")] = None) -> None:
