@@ -23,7 +23,7 @@ def test_usage_errors_are_one_line(run_cli, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
-@pytest.mark.parametrize("args", [("--help",), ("replay", "--help"), ("capture", "--help")])
+@pytest.mark.parametrize("args", [("--help",), ("replay", "--help"), ("capture", "--help"), ("import-chat", "--help")])
 def test_help_exits_0(run_cli, args):
     code, out, err = run_cli(*args)
     assert code == 0 and "Usage: kvprof" in out and not err.strip()

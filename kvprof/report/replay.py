@@ -57,7 +57,7 @@ def dense_check(result: dict) -> str:
     text = f"dense run reproduces {agreement:.1%} of the trace's output tokens"
     source = result.get("trace_source", "capture")
     if source != "capture":
-        return text + f" (the trace's outputs are not this model's own: source {source!r})"
+        return text + f" (source {source!r}: its outputs may come from another model; 100 % says this one wrote them)"
     if agreement < 1.0:
         return (
             "WARNING: "
