@@ -193,13 +193,15 @@ class Runtime:
 
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:
-        """The model attends through kvprof's implementation inside the block, through its own outside (and
-        inside too on the plain path without Flash-LoRA-Attention)."""
-        if not self.fast_paths and not self.lora_attention:
-            yield
-            return
+        """The model attends through kvprof's implementation inside the block, through its own outside. Without
+        Flash-LoRA-Attention only a model that attends with sdpa switches (kvprof's implementation is sdpa plus the
+        unmasked chunk path); one loaded with another implementation (eager, e.g. for logit soft-capping) keeps it,
+        and so does the plain path."""
         model = self.agents.base_model
         previous = model.config._attn_implementation
+        if not self.lora_attention and (not self.fast_paths or previous != "sdpa"):
+            yield
+            return
         model.set_attn_implementation(self.attention)
         try:
             yield

@@ -12,6 +12,7 @@ from test_policies import CASES, shared_a_agents  # noqa: F401  (fixture)
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.kv_buffer import BufferCache, GrowingTensor, KVBuffer
+from kvprof.lora import decoder_layers
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
 from kvprof.policies.base import tensor_bytes
@@ -129,3 +130,18 @@ def test_kept_views_equal_per_turn_expansion(lora_trace, shared_a_agents):  # no
 def test_kept_views_refuse_flash_lora_attention(shared_a_agents):  # noqa: F811
     with pytest.raises(KvprofError, match="views=kept"):
         PolicyVariant("prelrshared", {"views": "kept"}).build(Runtime(shared_a_agents, lora_attention=True))
+
+
+def test_a_model_loaded_with_another_attention_keeps_it(prompt_trace):
+    """Only an sdpa model is switched to kvprof's attention (sdpa plus the unmasked chunk path) for its forwards."""
+    seen = []
+    for attn, expected in (("eager", "eager"), ("sdpa", "kvprof_lora")):
+        agents = load_agents_for_trace(prompt_trace, device="cpu", dtype="float32", attn=attn)
+        runtime = Runtime(agents)
+        attention = decoder_layers(agents.base_model)[0].self_attn
+        handle = attention.register_forward_pre_hook(
+            lambda module, args: seen.append(module.config._attn_implementation)
+        )
+        runtime.forward("plan", [5, 6, 7], runtime.cache_from(runtime.empty_kv()), 0)
+        handle.remove()
+        assert seen.pop() == expected and agents.base_model.config._attn_implementation == attn
