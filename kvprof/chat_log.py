@@ -20,12 +20,12 @@ prompt being its system message (the first message, the same in all its calls).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprof.chat import ChatFormat, ChatSegments, Difference, Message
 from kvprof.errors import KvprofError
+from kvprof.fileio import jsonl_lines
 from kvprof.spec import AgentSpec, WorkflowSpec
 from kvprof.trace import Segment, Trace, TraceHeader, Trajectory, Turn
 
@@ -62,16 +62,7 @@ def read_log(path: str | Path) -> list[LoggedCall]:
     path = Path(path)
     if not path.is_file():
         raise KvprofError(f"chat log {path} does not exist; pass a JSONL file with one agent call per line.")
-    calls = []
-    with open(path, encoding="utf-8") as handle:
-        for number, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise _fail(path, number, f"is not valid JSON ({err.msg})", "fix that line") from None
-            calls.append(_call(path, number, record))
+    calls = [_call(path, number, record) for number, record in jsonl_lines(path)]
     if not calls:
         raise KvprofError(f"chat log {path} holds no calls; add one JSON object per agent call.")
     return calls

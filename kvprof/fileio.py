@@ -1,4 +1,4 @@
-"""Atomic file writes: write to a temporary file beside the target, then rename over it.
+"""Atomic file writes (write to a temporary file beside the target, then rename over it), and JSONL reading.
 
 A reader never sees a half-written result, and an interrupted command leaves the previous file intact.
 """
@@ -12,6 +12,23 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from kvprof.errors import KvprofError
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON raises a
+    `KvprofError` naming the file, the line and the parser's complaint."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise KvprofError(
+                    f"{path} line {number} is not valid JSON ({err.msg} at column {err.colno}); fix that line."
+                ) from None
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import atomic_open
+from kvprof.fileio import atomic_open, jsonl_lines
 
 SCHEMA = "kvprof.trace"
 VERSION = 1
@@ -349,18 +349,11 @@ def _records(path: Path) -> Iterator[tuple[_Where, dict]]:
         raise KvprofError(f"trace file {path} does not exist; pass the path of a trace written by `kvprof capture`.")
     if path.is_dir():
         raise KvprofError(f"{path} is a directory; pass the trace file inside it (e.g. {path / 'trace.jsonl'}).")
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = _Where(path, number)
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise where.fail("-", f"is not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise where.fail("-", "is not a JSON object")
-            yield where, record
+    for number, record in jsonl_lines(path):
+        where = _Where(path, number)
+        if not isinstance(record, dict):
+            raise where.fail("-", "is not a JSON object")
+        yield where, record
 
 
 def read_header(path: str | os.PathLike) -> TraceHeader:

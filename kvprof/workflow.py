@@ -10,7 +10,6 @@ under a sharing policy.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from transformers import StoppingCriteriaList
 
 from kvprof.chat import ChatFormat, ChatSegments, Message
 from kvprof.errors import KvprofError
+from kvprof.fileio import jsonl_lines
 from kvprof.model import AgentSet
 from kvprof.spec import WorkflowSpec
 from kvprof.stopping import StopStrings
@@ -52,32 +52,25 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
             '{"id", "question", "answer"} object per line.'
         )
     tasks: list[Task] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise KvprofError(f"{path} line {number} is not valid JSON ({err.msg}); fix that line.") from None
-            if not isinstance(record, dict) or not isinstance(record.get("question"), str):
-                raise KvprofError(
-                    f'{path} line {number} has no string field \'question\'; each line needs {{"id", "question"}}.'
-                )
-            documents = record.get("documents", {})
-            if not isinstance(documents, dict):
-                raise KvprofError(f"{path} line {number}, field 'documents' should map names to texts.")
-            answer = record.get("answer")
-            tasks.append(
-                Task(
-                    id=str(record.get("id", f"task{number}")),
-                    question=record["question"],
-                    answer=None if answer is None else str(answer),
-                    documents=documents,
-                )
+    for number, record in jsonl_lines(path):
+        if not isinstance(record, dict) or not isinstance(record.get("question"), str):
+            raise KvprofError(
+                f'{path} line {number} has no string field \'question\'; each line needs {{"id", "question"}}.'
             )
-            if limit is not None and len(tasks) >= limit:
-                break
+        documents = record.get("documents", {})
+        if not isinstance(documents, dict):
+            raise KvprofError(f"{path} line {number}, field 'documents' should map names to texts.")
+        answer = record.get("answer")
+        tasks.append(
+            Task(
+                id=str(record.get("id", f"task{number}")),
+                question=record["question"],
+                answer=None if answer is None else str(answer),
+                documents=documents,
+            )
+        )
+        if limit is not None and len(tasks) >= limit:
+            break
     if not tasks:
         raise KvprofError(f"tasks file {path} holds no tasks; add one JSON object per line.")
     return tasks
