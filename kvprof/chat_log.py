@@ -15,11 +15,13 @@ since they no longer extend one shared context). The workflow's agents always co
 supplies templates and limits for online re-runs.
 
 Mode: with adapters (`--agent NAME=DIR`) lora mode, every agent needs one; otherwise prompt mode, each agent's role
-prompt being its system message (the first message, the same in all its calls).
+prompt being its system message (the first message, the same in all its calls). A trajectory's prediction is the
+last answer a call gave (the workflow's `answer_pattern`: `answer[...]` or `finish[...]` by default).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,6 +184,9 @@ def import_log(
         output_ids = tokenizer.encode(call.output, add_special_tokens=False)
         output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
         traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))
+        answer = re.search(spec.answer_pattern, call.output)
+        if answer:  # the trajectory's prediction: the last answer (or finish) a call gave
+            traj.prediction = answer.group(1).strip()
     header = TraceHeader(
         model={"path": model_name}, tokenizer=identity, workflow=spec.to_dict(), source=f"chat-log:{path.name}"
     )

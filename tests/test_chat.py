@@ -120,6 +120,7 @@ def test_sample_log_imports_to_the_demo_trace_and_replays_online(tmp_path, run_c
     for mine, theirs in zip(imported.trajectories, original.trajectories, strict=True):
         assert [mine.input_tokens(t) for t in mine.turns] == [theirs.input_tokens(t) for t in theirs.turns]
         assert [mine.output_tokens(t) for t in mine.turns] == [theirs.output_tokens(t) for t in theirs.turns]
+        assert mine.prediction == theirs.prediction and mine.prediction is not None
     code, out, err = run_cli(
         "replay", str(tmp_path / "import" / "trace.jsonl"), "--online", "--limit", "2", "--repeats", "1",
         "--out", str(tmp_path / "replay"),

@@ -72,4 +72,8 @@ def command(
         "summary": summary,
     }
     write_result(out, "import-chat", payload, args)
+    if summary["accuracy"] is not None:
+        console.print(
+            f"exact-match accuracy of the logged answers: {summary['accuracy']:.1%} of {summary['with_answer']} tasks"
+        )
     console.print(f"wrote {trace_path}")
