@@ -75,11 +75,20 @@ def _load_error(what: str, name: str, err: Exception) -> KvprofError:
     )
 
 
+def check_model_path(name: str) -> None:
+    """Refuse at once a `--model` that can only be a local path (it starts with `.`, `/` or `~`, or has more than one
+    `/`, which no hub id has) and does not exist — instead of letting the hub client retry a download for a minute."""
+    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if local and not Path(name).expanduser().exists():
+        raise KvprofError(f"model directory {name} does not exist; pass --model with a local model directory.")
+
+
 def load_tokenizer(name: str):
     """The tokenizer of model `name`; refuses one that cannot turn text into token ids and back (kvprof decodes
     generated tokens to find stop strings and to record each output's text)."""
     from transformers import AutoTokenizer
 
+    check_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
@@ -105,6 +114,7 @@ def tokenizer_identity(tokenizer) -> dict:
 def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
+    check_model_path(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
     except (OSError, ValueError) as err:
