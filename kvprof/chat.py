@@ -166,7 +166,7 @@ class ChatSegments:
     tokenizer: object
     segments: dict[str, Segment] = field(default_factory=dict)
     differences: list[Difference] = field(default_factory=list)
-    _by_message: dict[Message, tuple[str, list[int], int]] = field(default_factory=dict)
+    _by_message: dict[Message, list[tuple[str, list[int], int]]] = field(default_factory=dict)
     _outputs: dict[Message, list[str]] = field(default_factory=dict)
     _count: int = 0
 
@@ -193,9 +193,10 @@ class ChatSegments:
 
     def _message(self, index: int, message: Message, ids: list[int], scope: str) -> list[str]:
         if not ids:  # every token of its text merged into a token that starts in the message before
-            known = self._by_message.get(message)
-            if known is not None and known[1]:
-                self.differences.append(Difference(message, known[2], index, known[1], ids))
+            renderings = self._by_message.setdefault(message, [])
+            if renderings and all(known for _, known, _ in renderings):
+                self.differences.append(Difference(message, renderings[0][2], index, renderings[0][1], ids))
+                renderings.append(("", [], index))
             return []
         produced = self._outputs.get(message)
         if produced is not None:
@@ -208,15 +209,17 @@ class ChatSegments:
         return [self._reuse(index, message, ids, scope)]
 
     def _reuse(self, index: int, message: Message, ids: list[int], scope: str) -> str:
-        known = self._by_message.get(message)
-        if known is not None:
-            seg_id, first_ids, first_call = known
-            if first_ids == ids:
+        """The segment of `message` rendered as `ids`: an earlier one with the same ids, else a new one (a new
+        rendering of a known message is recorded as a difference, once)."""
+        renderings = self._by_message.setdefault(message, [])
+        for seg_id, known, _ in renderings:
+            if known == ids:
                 return seg_id
+        if renderings:
+            _, first_ids, first_call = renderings[0]
             self.differences.append(Difference(message, first_call, index, first_ids, ids))
-            return self._new(_kind(message, scope), scope, ids, message.content, message.name)
         seg_id = self._new(_kind(message, scope), scope, ids, message.content, message.name)
-        self._by_message[message] = (seg_id, ids, index)
+        renderings.append((seg_id, ids, index))
         return seg_id
 
     def output(self, agent: str, ids: list[int], text: str, prompt_segment: str | None) -> tuple[str, Message]:

@@ -141,6 +141,7 @@ def test_context_dependent_tokenization_is_reported(tiny_world, tmp_path):
     calls = [
         {"agent": "plan", "messages": [{"role": "system", "content": "You plan."}, {"role": "user", "content": "abc"}]},
         {"agent": "act", "messages": [{"role": "system", "content": "You act "}, {"role": "user", "content": "abc"}]},
+        {"agent": "act", "messages": [{"role": "system", "content": "You act "}, {"role": "user", "content": "abc"}]},
     ]
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps(call | {"output": " ok"}) + "\n" for call in calls))
@@ -151,8 +152,9 @@ def test_context_dependent_tokenization_is_reported(tiny_world, tmp_path):
     ), "the test needs a message whose tokens depend on what precedes it"
     imported = import_log(log, tokenizer, PLAIN_TEMPLATE, tokenizer_identity(tokenizer), str(tiny_world.model))
     (differences,) = imported.differences.values()
-    assert len(differences) == 1 and "'abc'" in differences[0].describe()
+    assert len(differences) == 1 and "'abc'" in differences[0].describe()  # reported once, where it first differs
     (traj,) = imported.trace.trajectories
+    assert traj.turns[1].input == traj.turns[2].input  # the second rendering is one segment, shared by its calls
     for turn, call in zip(traj.turns, calls):
         messages = [Message(m["role"], m["content"]) for m in call["messages"]]
         assert traj.input_tokens(turn) == chat.ids(messages, generation_prompt=True)
