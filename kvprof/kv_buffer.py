@@ -92,6 +92,19 @@ class KVBuffer:
         return cls(GrowingTensor.of(keys, 2, spare), GrowingTensor.of(values, 2, spare))
 
     @classmethod
+    def of_parts(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], spare: int = 0) -> KVBuffer:
+        """A buffer holding the token spans `parts` (each (K, V), (B, H_kv, L_i, D)) one after the other, with room
+        for `spare` more tokens: the concatenation written once, in place."""
+        length = sum(int(keys.shape[2]) for keys, _ in parts)
+        first_keys, first_values = parts[0]
+        buffer = cls(GrowingTensor(first_keys, 2, length + spare), GrowingTensor(first_values, 2, length + spare))
+        start = 0
+        for keys, values in parts:
+            buffer.write(start, keys, values)
+            start += int(keys.shape[2])
+        return buffer
+
+    @classmethod
     def of_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], spare: int = 0) -> KVBuffer:
         """A buffer holding the batch rows `rows` (each (K, V), (b, H_kv, L, D)) stacked along the batch axis, with
         room for `spare` more tokens."""

@@ -64,13 +64,14 @@ class FullShared(SharingPolicy[FullSharedContext]):
             kv, buffers = [buffer.view(reused) for buffer in self.shared], self.shared
         elif reused and self.shared is not None:
             delta = torch.tensor([prefix_len - offset for offset in self.offsets[:reused]])
-            kv = []
-            for (prefix_k, prefix_v), buffer in zip(prefix_kv, self.shared):
+            buffers = []
+            for prefix_part, buffer in zip(prefix_kv, self.shared):
                 keys, values = buffer.view(reused)
                 if bool(delta.any()):
                     keys = rotate_keys(keys, delta.to(keys.device), self.runtime.inv_freq)
                     flops += 6.0 * keys.numel()
-                kv.append((torch.cat([prefix_k, keys], 2), torch.cat([prefix_v, values], 2)))
+                buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], len(shared) - reused))
+            kv = [buffer.view(prefix_len + reused) for buffer in buffers]
         return FullSharedContext(
             kv=kv,
             reused=reused,
