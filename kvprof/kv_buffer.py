@@ -87,6 +87,12 @@ class KVBuffer:
         self.keys, self.values = keys, values
 
     @classmethod
+    def like(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> KVBuffer:
+        """An empty buffer for keys and values shaped like `keys` and `values` (B, H_kv, ·, D), with room for
+        `capacity` tokens."""
+        return cls(GrowingTensor(keys, 2, capacity), GrowingTensor(values, 2, capacity))
+
+    @classmethod
     def of(cls, keys: torch.Tensor, values: torch.Tensor, spare: int = 0) -> KVBuffer:
         """A buffer holding copies of `keys` and `values` (B, H_kv, L, D), with room for `spare` more tokens."""
         return cls(GrowingTensor.of(keys, 2, spare), GrowingTensor.of(values, 2, spare))
@@ -96,8 +102,7 @@ class KVBuffer:
         """A buffer holding the token spans `parts` (each (K, V), (B, H_kv, L_i, D)) one after the other, with room
         for `spare` more tokens: the concatenation written once, in place."""
         length = sum(int(keys.shape[2]) for keys, _ in parts)
-        first_keys, first_values = parts[0]
-        buffer = cls(GrowingTensor(first_keys, 2, length + spare), GrowingTensor(first_values, 2, length + spare))
+        buffer = cls.like(*parts[0], length + spare)
         start = 0
         for keys, values in parts:
             buffer.write(start, keys, values)

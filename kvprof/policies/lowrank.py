@@ -256,7 +256,7 @@ class LowRankStore:
                 kv.append((base_keys, base_values))
                 buffers.append(base if length == len(self) else KVBuffer.of(base_keys, base_values, spare))
                 continue
-            turn = KVBuffer(GrowingTensor(base_keys, 2, length + spare), GrowingTensor(base_values, 2, length + spare))
+            turn = KVBuffer.like(base_keys, base_values, length + spare)
             flops += self._write_expanded(layer, agent, sides, turn, 0, length)
             kv.append(turn.view(length))
             buffers.append(turn)
@@ -275,10 +275,7 @@ class LowRankStore:
         tokens) extended to `length` tokens: only tokens have..length are expanded and written (into the slots
         after the valid ones; a new view is allocated when `view` is None). Returns the view and the FLOPs."""
         if view is None:
-            view = [
-                KVBuffer(GrowingTensor(keys, 2, length + spare), GrowingTensor(values, 2, length + spare))
-                for keys, values in (buffer.view(0) for buffer in self.base)
-            ]
+            view = [KVBuffer.like(*buffer.view(0), length + spare) for buffer in self.base]
         flops = sum(
             self._write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
             for layer, target in enumerate(view)
