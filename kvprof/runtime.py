@@ -196,10 +196,11 @@ class Runtime:
         """The model attends through kvprof's implementation inside the block, through its own outside. Without
         Flash-LoRA-Attention only a model that attends with sdpa switches (kvprof's implementation is sdpa plus the
         unmasked chunk path); one loaded with another implementation (eager, e.g. for logit soft-capping) keeps it,
-        and so does the plain path."""
+        and so does the plain path. Nested inside a block that already switched (a turn switches once for all its
+        forwards), it changes nothing."""
         model = self.agents.base_model
         previous = model.config._attn_implementation
-        if not self.lora_attention and (not self.fast_paths or previous != "sdpa"):
+        if previous == self.attention or not self.lora_attention and (not self.fast_paths or previous != "sdpa"):
             yield
             return
         model.set_attn_implementation(self.attention)

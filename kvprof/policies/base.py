@@ -328,9 +328,10 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
         With `repeats` > 1 the prefill runs once as warm-up and then `repeats` times; TTFT is the median.
         Decoding is teacher-forced on `request.output_ids`, or greedy when they are None. The whole turn runs in
-        inference mode (no autograd bookkeeping; the caches are inference tensors, written in place).
+        inference mode (no autograd bookkeeping; the caches are inference tensors, written in place), with the
+        model switched to kvprof's attention once for all its forwards (`Runtime.kvprof_attention`).
         """
-        with torch.inference_mode():
+        with torch.inference_mode(), self.runtime.kvprof_attention():
             return self._run_turn(request, repeats)
 
     def _run_turn(self, request: TurnRequest, repeats: int) -> TurnResult:
