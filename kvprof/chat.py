@@ -159,11 +159,11 @@ class Difference:
 class ChatSegments:
     """Builds the segments of one trajectory from rendered calls (see module docstring).
 
-    tokenizer: decodes the generation prompt's text; segments: id → `Segment`, the trajectory's; differences:
-    messages whose ids changed between calls.
+    format: renders the calls; segments: id → `Segment`, the trajectory's; differences: messages whose ids changed
+    between calls.
     """
 
-    tokenizer: object
+    format: ChatFormat
     segments: dict[str, Segment] = field(default_factory=dict)
     differences: list[Difference] = field(default_factory=list)
     _by_message: dict[Message, list[tuple[str, list[int], int]]] = field(default_factory=dict)
@@ -176,19 +176,18 @@ class ChatSegments:
         self.segments[seg_id] = Segment(kind=kind, scope=scope, tokens=list(ids), text=text, producer=producer)
         return seg_id
 
-    def call(
-        self, index: int, messages: list[Message], spans: list[list[int]], prompt: list[int], private: set[int]
-    ) -> tuple[list[str], str | None]:
-        """The input segment ids of call `index` (messages with their spans, then the generation prompt;
-        `private`: indices of messages only this agent reads, e.g. its role prompt) and the generation prompt's
+    def call(self, index: int, messages: list[Message], private: set[int]) -> tuple[list[str], str | None]:
+        """Render call `index` (`private`: indices of messages only this agent reads, e.g. its role prompt) and
+        return its input segment ids — the messages', then the generation prompt's — and the generation prompt's
         segment id (None when the template has none)."""
+        spans, prompt = self.format.spans(messages)
         inputs = []
         for position, (message, ids) in enumerate(zip(messages, spans)):
             inputs += self._message(index, message, ids, "private" if position in private else "shared")
         if not prompt:
             return inputs, None
         prompt_segment = self._reuse(index, Message("generation", " ".join(map(str, prompt))), prompt, "shared")
-        self.segments[prompt_segment].text = self.tokenizer.decode(prompt)  # type: ignore[attr-defined]
+        self.segments[prompt_segment].text = self.format.tokenizer.decode(prompt)
         return inputs + [prompt_segment], prompt_segment
 
     def _message(self, index: int, message: Message, ids: list[int], scope: str) -> list[str]:

@@ -170,7 +170,7 @@ def import_log(
         traj = trajectories.get(call.trajectory)
         if traj is None:
             traj = trajectories[call.trajectory] = Trajectory(id=call.trajectory, segments={}, turns=[], question="")
-            builders[call.trajectory] = ChatSegments(tokenizer, traj.segments)
+            builders[call.trajectory] = ChatSegments(chat, traj.segments)
         if call.task is not None:
             traj.question = call.task["question"]
             traj.answer = None if call.task.get("answer") is None else str(call.task["answer"])
@@ -178,9 +178,8 @@ def import_log(
         elif not traj.question:
             traj.question = next((m.content for m in call.messages if m.role == "user"), "")
         segments = builders[call.trajectory]
-        spans, prompt = chat.spans(call.messages)
         private = {0} if mode == "prompt" else set()
-        inputs, prompt_segment = segments.call(len(traj.turns), call.messages, spans, prompt, private)
+        inputs, prompt_segment = segments.call(len(traj.turns), call.messages, private)
         output_ids = tokenizer.encode(call.output, add_special_tokens=False)
         output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
         traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))

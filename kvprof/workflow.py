@@ -300,7 +300,7 @@ class ChatLayout:
         self.spec, self.respond = spec, respond
         self.format = ChatFormat(tokenizer, spec.chat_template)
         self.trajectory = TrajectoryBuilder(tokenizer, task).trajectory
-        self.segments = ChatSegments(tokenizer, self.trajectory.segments)
+        self.segments = ChatSegments(self.format, self.trajectory.segments)
         self.history: list[Message] = []
         if spec.mode == "lora" and spec.system_prompt:
             self.history.append(Message("system", spec.system_prompt))
@@ -310,9 +310,7 @@ class ChatLayout:
         private = {0} if self.spec.mode == "prompt" else set()
         role = [Message("system", self.spec.agent(agent).prompt or "")] if private else []
         messages = role + self.history
-        spans, prompt = self.format.spans(messages)
-        index = len(self.trajectory.turns)
-        inputs, prompt_segment = self.segments.call(index, messages, spans, prompt, private)
+        inputs, prompt_segment = self.segments.call(len(self.trajectory.turns), messages, private)
         max_new = self.spec.agent(agent).max_new_tokens or self.spec.max_new_tokens
         turn = Turn(agent=agent, input=inputs, output="")
         tokens = self.respond(agent, self.trajectory.input_tokens(turn), max_new)
