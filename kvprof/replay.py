@@ -53,7 +53,8 @@ class Timeline:
             raise KvprofError(
                 f"trajectory {self.trajectory!r} turn {index} ({agent}): its input differs from the tokens earlier "
                 f"turns read at shared position {at}, so its agents do not read one growing timeline; kvprof replays "
-                "traces whose turns extend one shared context — recapture it with kvprof capture."
+                "traces whose turns extend one shared context — recapture it with kvprof capture (with "
+                "--chat-template off where a chat template renders earlier replies differently from their tokens)."
             )
 
     def extend(self, agent: str, tokens: list[int]) -> None:
