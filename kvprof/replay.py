@@ -229,6 +229,7 @@ def replay_trace(
     for traj in trajectories:
         if traj.id in state.trajectories:
             continue
+        runtime.serve_trajectory(traj)
         dense.reset()
         for policy in policies:
             policy.reset()
@@ -298,6 +299,7 @@ def run_online(
     trajectories: dict[str, list[Trajectory]] = {label: [] for label in runs}
     for label, policy in runs.items():
         for task in tasks:
+            runtime.serve_task(task)
             policy.reset()
             trajectories[label].append(run_react(agents.spec, agents.tokenizer, task, tool, policy_responder(policy)))
             if on_task:

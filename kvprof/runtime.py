@@ -24,6 +24,8 @@ from kvprof.lora import HiddenTap, layer_splits
 from kvprof.model import AgentSet, head_dim
 from kvprof.rope import rotary_embedding
 from kvprof.stopping import StopStrings
+from kvprof.trace import Trajectory
+from kvprof.workflow import Task, private_prompt
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,9 +74,10 @@ class Runtime:
         self.tap = HiddenTap(agents.base_model)
         self.dtype = agents.base_model.dtype
         self.device = agents.device
-        self.prefixes: dict[str, list[int]] = {}
+        self.role_prefixes: dict[str, list[int]] = {}
         if agents.spec.mode == "prompt":
-            self.prefixes = {a.name: self._role_prompt_ids(a.prompt or "") for a in agents.spec.agents}
+            self.role_prefixes = {a.name: self._role_prompt_ids(a.prompt or "") for a in agents.spec.agents}
+        self.prefixes = dict(self.role_prefixes)
         self._stop = StopStrings(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
         self.linear_params = sum(
             p.numel()
@@ -114,8 +117,25 @@ class Runtime:
         return system
 
     def prefix(self, agent: str) -> list[int]:
-        """The agent's private prefix tokens (its role prompt in prompt mode)."""
+        """The agent's private prefix tokens in the trajectory being served (its role prompt in prompt mode, and the
+        task's private text for it when the task has one)."""
         return self.prefixes.get(agent, [])
+
+    def serve_trajectory(self, traj: Trajectory) -> None:
+        """Serve `traj`'s own private prefixes (`Trajectory.private_prefixes`), so a task whose agents read private
+        text (notes, memory) after their role prompts replays with exactly the prefixes it was captured with. Call
+        before the policies' `reset`."""
+        self.prefixes = {**self.role_prefixes, **traj.private_prefixes()} if self.role_prefixes else {}
+
+    def serve_task(self, task: Task) -> None:
+        """Serve `task`'s private prefixes for an online re-run: each role prompt followed by the task's private
+        text for that agent, tokenized as the workflow lays it out."""
+        spec = self.agents.spec
+        if self.role_prefixes:
+            self.prefixes = {
+                a.name: self._role_prompt_ids(private_prompt(spec, task, a.name)) if task.private.get(a.name) else ids
+                for a, ids in zip(spec.agents, self.role_prefixes.values())
+            }
 
     # ------------------------------------------------------------------------------------------ caches
 

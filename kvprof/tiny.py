@@ -174,17 +174,17 @@ def build_tiny_world(root: str | Path, seed: int = 0, arch: str = "llama") -> Ti
         model = build_adapter(model, world.shared_a_adapter(name), seed=seed + 11 + index, shared_a_seed=seed + 10)
     with open(world.tasks, "w", encoding="utf-8") as handle:
         for index, (person, place) in enumerate([("Kalomir", "Norvash"), ("Tevren", "Osmadal"), ("Brinoth", "Quessa")]):
-            handle.write(
-                json.dumps(
-                    {
-                        "id": f"tiny{index}",
-                        "question": f"Where was {person} born?",
-                        "answer": place,
-                        "documents": {person: f"{person} is a painter with birthplace {place}."},
-                    }
-                )
-                + "\n"
-            )
+            task = {
+                "id": f"tiny{index}",
+                "question": f"Where was {person} born?",
+                "answer": place,
+                "documents": {person: f"{person} is a painter with birthplace {place}."},
+            }
+            if index:  # per-task private notes of different lengths (prompt mode reads them after the role prompt)
+                task["private"] = {
+                    name: f"Notes: {person} {'is known ' * (i + index)}.\n" for i, name in enumerate(AGENTS)
+                }
+            handle.write(json.dumps(task) + "\n")
     agents_lora = "".join(f'[agents.{name}]\nadapter = "adapters/{name}"\n' for name in AGENTS)
     world.lora_workflow.write_text(
         f'system_prompt = "Answer with the search tool.\\n"\nmax_new_tokens = 8\nmax_rounds = 2\n{agents_lora}'

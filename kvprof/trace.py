@@ -66,6 +66,7 @@ class Trajectory:
     answer: str | None = None
     prediction: str | None = None
     documents: dict[str, str] = field(default_factory=dict)  # the task's tool documents (for online replay)
+    private: dict[str, str] = field(default_factory=dict)  # agent → the task's private text after its role prompt
 
     def input_tokens(self, turn: Turn) -> list[int]:
         """The token ids the acting agent prefills for `turn`: its input segments concatenated."""
@@ -73,6 +74,23 @@ class Trajectory:
 
     def output_tokens(self, turn: Turn) -> list[int]:
         return list(self.segments[turn.output].tokens)
+
+    def private_prefixes(self) -> dict[str, list[int]]:
+        """Each agent's private prefix in this trajectory: the tokens of the private segments its first turn's input
+        starts with (its role prompt, and the task's private text when there is one); agents without private
+        segments (lora mode) are absent."""
+        prefixes: dict[str, list[int]] = {}
+        for turn in self.turns:
+            if turn.agent in prefixes:
+                continue
+            tokens: list[int] = []
+            for seg_id in turn.input:
+                if self.segments[seg_id].scope != "private":
+                    break
+                tokens += self.segments[seg_id].tokens
+            if tokens:
+                prefixes[turn.agent] = tokens
+        return prefixes
 
     def segment_spans(self, turn: Turn) -> list[tuple[str, int, int]]:
         """`(segment_id, start, end)` token offsets of each input segment inside the turn's input."""
@@ -140,17 +158,21 @@ def header_record(header: TraceHeader) -> dict:
 
 
 def trajectory_record(traj: Trajectory) -> dict:
-    return {
-        "record": "trajectory",
-        "id": traj.id,
-        "question": traj.question,
-        "answer": traj.answer,
-        "prediction": traj.prediction,
-        "segments": {
-            seg_id: {k: v for k, v in asdict(seg).items() if v is not None} for seg_id, seg in traj.segments.items()
-        },
-        "turns": [asdict(turn) for turn in traj.turns],
-    } | ({"documents": traj.documents} if traj.documents else {})
+    return (
+        {
+            "record": "trajectory",
+            "id": traj.id,
+            "question": traj.question,
+            "answer": traj.answer,
+            "prediction": traj.prediction,
+            "segments": {
+                seg_id: {k: v for k, v in asdict(seg).items() if v is not None} for seg_id, seg in traj.segments.items()
+            },
+            "turns": [asdict(turn) for turn in traj.turns],
+        }
+        | ({"documents": traj.documents} if traj.documents else {})
+        | ({"private": traj.private} if traj.private else {})
+    )
 
 
 class TraceWriter:
@@ -333,6 +355,9 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
     documents = record.get("documents", {})
     if not isinstance(documents, dict) or not all(isinstance(v, str) for v in documents.values()):
         raise where.fail("documents", "should map names to texts")
+    private = record.get("private", {})
+    if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
+        raise where.fail("private", "should map agent names to texts")
     return Trajectory(
         id=traj_id,
         segments=segments,
@@ -341,6 +366,7 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
         answer=record.get("answer"),
         prediction=record.get("prediction"),
         documents=documents,
+        private=private,
     )
 
 

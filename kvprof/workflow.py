@@ -30,17 +30,32 @@ from kvprof.trace import Segment, Trajectory, Turn
 
 @dataclass
 class Task:
-    """One question; `documents` (entity → text) feed the default search tool."""
+    """One question; `documents` (entity → text) feed the default search tool; `private` (agent → text) is what
+    each agent alone reads for this task after its role prompt (prompt mode: its own notes, retrieved memory or
+    profile), so its private prefix differs from task to task."""
 
     id: str
     question: str
     answer: str | None = None
     documents: dict[str, str] = field(default_factory=dict)
+    private: dict[str, str] = field(default_factory=dict)
 
 
 def task_of(traj: Trajectory) -> Task:
-    """The task a captured trajectory ran (question, answer and tool documents), for online replay."""
-    return Task(id=traj.id, question=traj.question, answer=traj.answer, documents=dict(traj.documents))
+    """The task a captured trajectory ran (question, answer, tool documents, private texts), for online replay."""
+    return Task(
+        id=traj.id,
+        question=traj.question,
+        answer=traj.answer,
+        documents=dict(traj.documents),
+        private=dict(traj.private),
+    )
+
+
+def private_prompt(spec: WorkflowSpec, task: Task, agent: str) -> str:
+    """The text of `agent`'s private prefix for `task` (prompt mode): its role prompt, then the task's private text
+    for it."""
+    return (spec.agent(agent).prompt or "") + task.private.get(agent, "")
 
 
 def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
@@ -60,6 +75,9 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
         documents = record.get("documents", {})
         if not isinstance(documents, dict):
             raise KvprofError(f"{path} line {number}, field 'documents' should map names to texts.")
+        private = record.get("private", {})
+        if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
+            raise KvprofError(f"{path} line {number}, field 'private' should map agent names to texts.")
         answer = record.get("answer")
         tasks.append(
             Task(
@@ -67,6 +85,7 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
                 question=record["question"],
                 answer=None if answer is None else str(answer),
                 documents=documents,
+                private=private,
             )
         )
         if limit is not None and len(tasks) >= limit:
@@ -116,6 +135,7 @@ class TrajectoryBuilder:
             question=task.question,
             answer=task.answer,
             documents=dict(task.documents),
+            private=dict(task.private),
         )
 
     def add_text(self, seg_id: str, kind: str, scope: str, text: str) -> str:
@@ -267,7 +287,8 @@ class TextLayout:
             for a in spec.agents:
                 # A prompt-mode spec gives every agent a role prompt (`kvprof.spec` refuses one that does not).
                 assert a.prompt is not None, f"prompt-mode agent {a.name!r} has no role prompt"
-                self.prefixes[a.name] = self.builder.add_text(f"prompt:{a.name}", "prompt", "private", a.prompt)
+                prompt = private_prompt(spec, task, a.name)
+                self.prefixes[a.name] = self.builder.add_text(f"prompt:{a.name}", "prompt", "private", prompt)
         self.counts: dict[str, int] = {}
         self.observations = 0
 
@@ -297,7 +318,7 @@ class ChatLayout:
 
     def __init__(self, spec: WorkflowSpec, tokenizer, task: Task, respond: Responder):
         assert spec.chat_template is not None  # chosen by run_react
-        self.spec, self.respond = spec, respond
+        self.spec, self.respond, self.task = spec, respond, task
         self.format = ChatFormat(tokenizer, spec.chat_template)
         self.trajectory = TrajectoryBuilder(tokenizer, task).trajectory
         self.segments = ChatSegments(self.format, self.trajectory.segments)
@@ -308,7 +329,7 @@ class ChatLayout:
 
     def call(self, agent: str) -> Turn:
         private = {0} if self.spec.mode == "prompt" else set()
-        role = [Message("system", self.spec.agent(agent).prompt or "")] if private else []
+        role = [Message("system", private_prompt(self.spec, self.task, agent))] if private else []
         messages = role + self.history
         inputs, prompt_segment = self.segments.call(len(self.trajectory.turns), messages, private)
         max_new = self.spec.agent(agent).max_new_tokens or self.spec.max_new_tokens

@@ -44,7 +44,11 @@ def command(
     model: Annotated[str, typer.Option("--model", help="Base model: a local directory or a hub id.")],
     tasks: Annotated[
         Path | None,
-        typer.Option("--tasks", help='JSONL tasks, one {"id", "question", "answer"?, "documents"?} per line.'),
+        typer.Option(
+            "--tasks",
+            help='JSONL tasks, one {"id", "question", "answer"?, "documents"?, "private"?} per line '
+            "(private: agent name → text it alone reads after its role prompt).",
+        ),
     ] = None,
     agent: Annotated[
         list[str] | None, typer.Option("--agent", help="NAME=ADAPTER_DIR: a LoRA agent (lora mode). Repeat per agent.")
