@@ -12,7 +12,7 @@ from kvprof.model import load_agents_for_trace
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.replay import run_replay
-from kvprof.report import decision
+from kvprof.report import decision, replay
 from kvprof.report.dashboard import dashboard_sections, write_dashboard
 from kvprof.report.html import render_html
 from kvprof.report.styles import DENSE, KNOWN, policy_style
@@ -155,3 +155,15 @@ def test_browser_draws_every_figure_without_console_errors(replay_file, tmp_path
     assert len(check.figures) == sum(len(section.figures) for section in sections)
     assert check.undrawn == []
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decision_without_online_accuracy_or_a_nonshared_rerun(replay_file):
+    result = json.loads(replay_file.read_text())
+    del result["online"], result["policies"][DENSE]
+    section = replay.decision_section(result)
+    assert section.card[0].startswith("Target: the fastest TTFT (this replay ran without --online")
+    reference = decision.outcomes(result)[0]
+    assert reference.label == DENSE and reference.ttft == Interval(1.0, 1.0, 1.0, reference.ttft.n)
+    pareto, bars, _ = section.figures
+    assert len(pareto.data) == len(result["policies"]) + 1  # the KL panel only, one marker per label
+    assert {trace.legendgroup for trace in bars.data} == set(result["policies"]) | {DENSE}

@@ -53,7 +53,9 @@ def _outcome(label: str, turns: list[dict], dense: list[dict], summary: dict, kl
     def paired(key: str) -> np.ndarray:
         return np.array([[sum(t[key] for t in reference[x]), sum(t[key] for t in mine[x])] for x in tasks])
 
-    decode = np.array([[sum(t["decode_s"] for t in mine[x]), sum(t["decode_steps"] for t in mine[x])] for x in tasks])
+    decode = np.array(  # results written before kvprof measured TPOT have no decode times: no TPOT then
+        [[sum(t.get("decode_s", 0.0) for t in mine[x]), sum(t.get("decode_steps", 0) for t in mine[x])] for x in tasks]
+    )
     peaks = [
         max(t["memory_bytes"] for t in mine[x]) / max(max(t["memory_bytes"] for t in reference[x]), 1) for x in tasks
     ]
@@ -137,15 +139,16 @@ def recommendation(items: Sequence[Outcome]) -> list[str]:
         tied = [o for o in tied if o.accuracy and o.accuracy.value >= best - 1e-12]
         steps.append(f"{'accuracy ties' if len(tied) > 1 else 'accuracy decides'} ({best:.0%})")
     if len(tied) > 1:
+        listed = ", ".join(f"{o.label} {o.kl:.3g}" for o in sorted(tied, key=lambda o: o.kl))
         lowest = min(o.kl for o in tied)
         tied = [o for o in tied if o.kl <= lowest * (1 + KL_TIE) + 1e-15]
-        listed = ", ".join(f"{o.label} {o.kl:.3g}" for o in tied)
         steps.append(
-            f"so KL breaks it: lowest KL {listed}" + (f" (within {KL_TIE:.0%} of each other)" if len(tied) > 1 else "")
+            f"so KL breaks it ({listed}): lowest {', '.join(o.label for o in tied)}"
+            + (f" (within {KL_TIE:.0%} of each other)" if len(tied) > 1 else "")
         )
     if len(tied) > 1:
         tied = [min(tied, key=lambda o: o.memory.value)]
-        steps.append(f"then lowest memory: {tied[0].memory.value:.2f}× dense")
+        steps.append(f"then lowest memory: {tied[0].label} {tied[0].memory.value:.2f}× dense")
     reason = "; ".join(steps)
     lines.append(f"{reason[0].upper()}{reason[1:]}.")
     lines.append(_recommended(tied[0]))

@@ -70,7 +70,7 @@ def add_references(
         placement = (
             dict(xref="x domain", x=1, y=position, xanchor="right", yanchor="bottom")
             if horizontal
-            else dict(yref="y domain", y=1, x=position, xanchor="left", yanchor="top")
+            else dict(yref="y domain", y=0, x=position, xanchor="left", yanchor="bottom")
         )
         figure.add_annotation(
             text=reference.label, showarrow=False, font=dict(size=10, color="#555"), **placement, **where

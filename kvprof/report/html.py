@@ -1,8 +1,8 @@
 """A self-contained HTML dashboard: titled sections of text, tables and plotly figures, written atomically.
 
 The page: title, an environment panel (what the results were measured on), a table of contents linking every
-section, then the sections in order of `Section.order` (decision, diagnostics, inputs). plotly.js is embedded inline
-once per file (with the first figure), so the page works offline; no CDN.
+section, then the sections in order of `Section.order` (decision, details, diagnostics, inputs). plotly.js is
+embedded inline once per file (with the first figure), so the page works offline; no CDN.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ th { background: #f3f3f3; } .note { color: #555; font-size: 0.9em; }
 .card p { margin: 0.3em 0; } .card p:last-child { font-weight: bold; }
 nav.toc { font-size: 0.9em; columns: 2; background: #fafafa; padding: 0.5em 1em; border: 1px solid #eee; }
 nav.toc a { display: block; color: #0072B2; text-decoration: none; padding: 0.1em 0; }
-table.env { font-size: 0.8em; color: #444; } table.env td, table.env th { padding: 0.15em 0.5em; }
+table.env { font-size: 0.8em; color: #444; }
+table.env td, table.env th { padding: 0.15em 0.5em; text-align: left; white-space: nowrap; }
 """
-ORDER = {"decision": 0, "environment": 1, "diagnostics": 2, "inputs": 3}  # Section.order values, top to bottom
+# Section.order values, top to bottom: the decision, the tables behind it, diagnostics, what was measured on.
+ORDER = {"decision": 0, "details": 1, "diagnostics": 2, "inputs": 3}
 
 
 @dataclass

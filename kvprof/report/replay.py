@@ -296,5 +296,6 @@ def sections(result: dict) -> list[Section]:
             text=notes(result),
             tables=[fidelity_table(result), reuse_table(result), cost_table(result), layer_table(result)],
             figures=diagnostic_figures(result),
+            order="details",
         ),
     ]
