@@ -4,6 +4,8 @@ bootstrap intervals, and (where a Chromium is installed) the page drawn in a hea
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +169,19 @@ def test_decision_without_online_accuracy_or_a_nonshared_rerun(replay_file):
     pareto, bars, _ = section.figures
     assert len(pareto.data) == len(result["policies"]) + 1  # the KL panel only, one marker per label
     assert {trace.legendgroup for trace in bars.data} == set(result["policies"]) | {DENSE}
+
+
+def test_browser_on_the_report_named_in_kvprof_report(tmp_path):
+    """`KVPROF_REPORT=runs/demo/report.html pytest tests/test_dashboard.py -k browser` checks the demo's report."""
+    named = os.environ.get("KVPROF_REPORT")
+    if not named:
+        pytest.skip("KVPROF_REPORT names no report")
+    browser = pytest.importorskip("kvprof.report.browser")
+    pytest.importorskip("playwright")
+    if browser.chromium_path() is None:
+        pytest.skip("no Chromium installed (apt-get install chromium)")
+    page = Path(named)
+    check = browser.open_page(page, {"section": tmp_path / "decision.png"})
+    assert check.errors == [] and check.undrawn == []
+    assert len(check.figures) == page.read_text(encoding="utf-8").count("Plotly.newPlot") > 0
+    assert (tmp_path / "decision.png").stat().st_size > 0

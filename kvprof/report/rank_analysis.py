@@ -234,10 +234,12 @@ def figures(result: dict) -> tuple[list, list, list]:
                 for entry in context_free["spectra"]
             }
         longest = max(len(values) for values in series.values())
+        zero = [name for name, values in series.items() if not any(values)]  # an exactly zero Δ has no spectrum
         figure = line_figure(
             list(range(1, longest + 1)),
-            series,
-            f"{kv}: energy captured by the top k singular directions (mean over spans)",
+            {name: values for name, values in series.items() if name not in zero},
+            f"{kv}: energy captured by the top k singular directions (mean over spans)"
+            + (f"<br><sup>zero, not drawn: {', '.join(zero)}</sup>" if zero else ""),
             "singular directions k (log)",
             "fraction of Σσ²",
             style=spectrum_style([entry["layer"] for entry in result["spectra"]]),
