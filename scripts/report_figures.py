@@ -19,6 +19,10 @@ from kvprof.report.browser import open_page
 
 
 def main(page: Path, out: Path) -> int:
+    if not page.is_file():
+        raise KvprofError(
+            f"report {page} does not exist; pass an HTML page written by `kvprof report` or `kvprof demo`."
+        )
     count = len(set(re.findall(r'<div id="(fig-\d+)"', page.read_text(encoding="utf-8"))))
     shots = {"section": out / "decision.png"} | {f"#fig-{i}": out / f"fig-{i}.png" for i in range(count)}
     check = open_page(page, shots)

@@ -185,3 +185,15 @@ def test_browser_on_the_report_named_in_kvprof_report(tmp_path):
     assert check.errors == [] and check.undrawn == []
     assert len(check.figures) == page.read_text(encoding="utf-8").count("Plotly.newPlot") > 0
     assert (tmp_path / "decision.png").stat().st_size > 0
+
+
+def test_browser_check_reports_errors_and_undrawn_figures(tmp_path):
+    browser = pytest.importorskip("kvprof.report.browser")
+    pytest.importorskip("playwright")
+    if browser.chromium_path() is None:
+        pytest.skip("no Chromium installed (apt-get install chromium)")
+    page = tmp_path / "broken.html"
+    page.write_text("<html><body><div id='fig-0'></div><script>console.error('boom'); undefinedCall();</script>")
+    check = browser.open_page(page, timeout_ms=500)
+    assert check.undrawn == ["fig-0"]
+    assert check.errors[0] == "boom" and "undefinedCall" in check.errors[1]

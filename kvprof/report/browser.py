@@ -25,6 +25,11 @@ FIGURES_JS = """() => Array.from(document.querySelectorAll('div[id^="fig-"]')).m
 }))"""
 
 
+DRAWN_JS = (
+    """() => Array.from(document.querySelectorAll('div[id^="fig-"]')).every(el => el.querySelector('.main-svg'))"""
+)
+
+
 @dataclass
 class PageCheck:
     """What the browser saw: console errors and uncaught exceptions, and each figure's state."""
@@ -53,12 +58,17 @@ def chromium_path() -> str | None:
 
 
 def open_page(
-    page_path: Path, screenshots: dict[str, Path] | None = None, width: int = 1280, scale: float = 1.0
+    page_path: Path,
+    screenshots: dict[str, Path] | None = None,
+    width: int = 1280,
+    scale: float = 1.0,
+    timeout_ms: int = 20_000,
 ) -> PageCheck:
-    """Open `page_path` in headless Chromium, wait for plotly to draw, and check it; `screenshots` maps a CSS
-    selector to the PNG file its first element is saved to."""
+    """Open `page_path` in headless Chromium, wait (at most `timeout_ms`) until plotly has drawn every figure, and
+    check it; `screenshots` maps a CSS selector to the PNG file its first element is saved to."""
     executable = chromium_path()
     try:
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
         from playwright.sync_api import sync_playwright
     except ImportError:
         raise KvprofError("opening a report in a browser needs playwright; run `pip install playwright`.") from None
@@ -72,7 +82,10 @@ def open_page(
             page.on("console", check.on_console)
             page.on("pageerror", check.on_error)
             page.goto(Path(page_path).resolve().as_uri(), wait_until="load")
-            page.wait_for_timeout(500)  # plotly draws asynchronously after load
+            try:  # plotly may finish drawing after the load event
+                page.wait_for_function(DRAWN_JS, timeout=timeout_ms)
+            except PlaywrightTimeout:
+                pass  # what is not drawn by then is reported as undrawn
             check.figures = page.evaluate(FIGURES_JS)
             for selector, target in (screenshots or {}).items():
                 Path(target).parent.mkdir(parents=True, exist_ok=True)

@@ -258,7 +258,8 @@ def pareto_figure(items: Sequence[Outcome]) -> go.Figure:
     if floor < min(positive, default=floor * 10):
         exact = Reference(floor, "KL = 0 (exact) drawn on this line")
         add_references(figure, [exact], log_x=True, log_y=True, row=1, col=kl_col)
-    base_layout(figure, "Accuracy and KL against measured TTFT speed-up — marker area ∝ memory ÷ dense", height=470)
+    measured = "Accuracy and KL" if has_accuracy else "KL"
+    base_layout(figure, f"{measured} against measured TTFT speed-up — marker area ∝ memory ÷ dense", height=470)
     figure.update_layout(legend=dict(y=-0.2), margin=dict(l=60, r=20, t=90, b=50))
     return figure
 
@@ -320,7 +321,8 @@ def bars_figure(items: Sequence[Outcome]) -> go.Figure:
         if title in lines:
             add_references(figure, [Reference(lines[title], "", axis="x")], row=1, col=col)
     height = 140 + 34 * len(order)
-    base_layout(figure, "Cost and gain per policy, fastest TTFT on top (hatched: misses the accuracy target)", height)
+    title = "Cost and gain per policy, fastest TTFT on top"
+    base_layout(figure, title + (" (hatched: misses the accuracy target)" if items[0].accuracy else ""), height)
     figure.update_layout(bargap=0.3, margin=dict(l=150, r=20, t=70, b=40), uniformtext=dict(minsize=9, mode="hide"))
     return figure
 
