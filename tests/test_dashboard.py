@@ -110,13 +110,13 @@ def test_recommendation_is_the_fastest_within_one_point_and_kl_breaks_ties():
     reference = _outcome(DENSE, 1.0, 1.0, 0.0, memory=1.0)
     inaccurate = _outcome("fullshared", 3.0, 0.5, 0.1)
     separate = [reference, inaccurate, _outcome("a", 2.0, 1.0, 1e-3), _outcome("b", 1.5, 1.0, 1e-6)]
-    lines = decision.recommendation(separate)
+    lines = decision.decide(separate).lines
     assert lines[1].startswith("Fastest: a ") and lines[-1].startswith("Recommended: a ")
     tied = [reference, inaccurate, _outcome("a", 2.0, 1.0, 1e-3), _outcome("b", 1.95, 1.0, 1e-6)]
-    lines = decision.recommendation(tied)
+    lines = decision.decide(tied).lines
     assert lines[1].startswith("Fastest: a ") and "KL breaks it" in lines[2] and lines[-1].startswith("Recommended: b ")
     same_kl = [reference, _outcome("a", 2.0, 1.0, 1e-3, memory=0.6), _outcome("b", 1.95, 1.0, 1.05e-3, memory=0.4)]
-    lines = decision.recommendation(same_kl)
+    lines = decision.decide(same_kl).lines
     assert "lowest memory" in lines[2] and lines[-1].startswith("Recommended: b ")
     one_point = [reference, _outcome("a", 2.0, 0.99, 1e-3), _outcome("b", 2.0, 0.98, 1e-3)]
     assert [o.label for o in decision.eligible(one_point)] == [DENSE, "a"]

@@ -116,9 +116,19 @@ def eligible(items: Sequence[Outcome]) -> list[Outcome]:
     return [o for o in items if o.accuracy is not None and o.accuracy.value >= reference.value - TOLERANCE - 1e-12]
 
 
-def recommendation(items: Sequence[Outcome]) -> list[str]:
-    """The decision in a few lines: the target, the fastest policy meeting it, and — when others are tied with it
-    (TTFT × intervals overlap) — how accuracy, then KL (within `KL_TIE`), then memory break the tie."""
+@dataclass(frozen=True)
+class Decision:
+    """The fastest outcome meeting the target, the recommended one (the same unless a tie was broken), and the
+    lines that say why."""
+
+    fastest: Outcome
+    recommended: Outcome
+    lines: list[str]
+
+
+def decide(items: Sequence[Outcome]) -> Decision:
+    """The decision: the target, the fastest policy meeting it, and — when others are tied with it (TTFT ×
+    intervals overlap) — how accuracy, then KL (within `KL_TIE`), then memory break the tie."""
     tasks = items[0].accuracy.n if items[0].accuracy else None
     lines = [target_text(tasks)]
     candidates = eligible(items)
@@ -131,7 +141,7 @@ def recommendation(items: Sequence[Outcome]) -> list[str]:
     tied = [o for o in candidates if o.ttft.overlaps(fastest.ttft)]
     if len(tied) == 1:
         lines.append(_recommended(fastest) + " No other policy meeting the target is as fast within its interval.")
-        return lines
+        return Decision(fastest, fastest, lines)
     names = ", ".join(o.label for o in tied if o is not fastest)
     steps = [f"its TTFT × interval overlaps {names}'s"]
     if fastest.accuracy:
@@ -152,7 +162,7 @@ def recommendation(items: Sequence[Outcome]) -> list[str]:
     reason = "; ".join(steps)
     lines.append(f"{reason[0].upper()}{reason[1:]}.")
     lines.append(_recommended(tied[0]))
-    return lines
+    return Decision(fastest, tied[0], lines)
 
 
 def _recommended(choice: Outcome) -> str:
@@ -179,9 +189,29 @@ def _size(memory: float) -> float:
     return 22.0 * max(memory, 0.02) ** 0.5
 
 
-def pareto_figure(items: Sequence[Outcome]) -> go.Figure:
+def _point_to(figure: go.Figure, o: Outcome, text: str, y: float, offset: tuple[int, int], col: int) -> None:
+    """An arrow from `text`, `offset` (x, y) px away, to outcome `o` drawn at `y` in subplot `col` (log x)."""
+    figure.add_annotation(
+        x=float(np.log10(o.ttft.value)),
+        y=y,
+        text=text,
+        showarrow=True,
+        arrowhead=2,
+        arrowwidth=1,
+        arrowcolor="#444",
+        ax=offset[0],
+        ay=offset[1],
+        font=dict(size=11, color="#222"),
+        bgcolor="rgba(255,255,255,0.85)",
+        row=1,
+        col=col,
+    )
+
+
+def pareto_figure(items: Sequence[Outcome], chosen: Decision | None = None) -> go.Figure:
     """Accuracy (left; when measured) and KL on a log axis (right) against measured TTFT ×, one marker per policy,
-    marker area ∝ memory ÷ dense; error bars: bootstrap intervals over tasks."""
+    marker area ∝ memory ÷ dense; error bars: bootstrap intervals over tasks. With `chosen`, arrows name the fastest
+    policy meeting the target and the recommended one."""
     has_accuracy = items[0].accuracy is not None
     n = items[0].ttft.n
     titles = ([f"online accuracy (n = {items[0].accuracy.n} tasks)"] if items[0].accuracy else []) + [
@@ -258,6 +288,19 @@ def pareto_figure(items: Sequence[Outcome]) -> go.Figure:
     if floor < min(positive, default=floor * 10):
         exact = Reference(floor, "KL = 0 (exact) drawn on this line")
         add_references(figure, [exact], log_x=True, log_y=True, row=1, col=kl_col)
+    if chosen is not None:
+        y_of = (lambda o: 100 * o.accuracy.value) if has_accuracy else (lambda o: o.kl if o.kl > 0 else floor)
+        log_y = not has_accuracy
+        fastest, recommended = chosen.fastest, chosen.recommended
+        same = fastest is recommended
+        within = f" within {TOLERANCE * 100:.0f} point" if has_accuracy else ""
+        first = f"fastest{within}{' and recommended' if same else ''}: {fastest.label} {fastest.ttft.value:.2f}×"
+        y = y_of(fastest)
+        _point_to(figure, fastest, first, float(np.log10(y)) if log_y else y, (0, 45), 1)
+        if not same:
+            y = y_of(recommended)
+            second = f"recommended: {recommended.label} {recommended.ttft.value:.2f}×"
+            _point_to(figure, recommended, second, float(np.log10(y)) if log_y else y, (-80, 95), 1)
     measured = "Accuracy and KL" if has_accuracy else "KL"
     base_layout(figure, f"{measured} against measured TTFT speed-up — marker area ∝ memory ÷ dense", height=470)
     figure.update_layout(legend=dict(y=-0.2), margin=dict(l=60, r=20, t=90, b=50))

@@ -224,11 +224,16 @@ def _uncertainty_note(items: list[decision.Outcome]) -> str:
 def decision_section(result: dict) -> Section:
     """The decision: the recommendation for a stated target, the Pareto scatter, the cost bars, per-turn TTFT."""
     items = decision.outcomes(result)
+    chosen = decision.decide(items)
     return Section(
         title="Decision: which policy, at what cost, for what gain",
-        card=decision.recommendation(items),
+        card=chosen.lines,
         text=[_uncertainty_note(items)],
-        figures=[decision.pareto_figure(items), decision.bars_figure(items), decision.ttft_box_figure(result)],
+        figures=[
+            decision.pareto_figure(items, chosen),
+            decision.bars_figure(items),
+            decision.ttft_box_figure(result),
+        ],
         order="decision",
         wide=3,
     )
