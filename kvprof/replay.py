@@ -350,7 +350,7 @@ def run_replay(
     hooks: ReplayHooks | None = None,
 ) -> dict:
     """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay, the online re-runs
-    when `online`, and the run's setting (mode, repeats, attention path, device, CPU, dtype, GPU memory)."""
+    when `online`, and the run's setting (model, mode, repeats, attention path, device, CPU, dtype, GPU memory)."""
     hooks = hooks or ReplayHooks()
     result = replay_trace(
         agents,
@@ -368,6 +368,7 @@ def run_replay(
         )
         result["online"] = summarise_online(runs)
     result.update(
+        model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
         lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",

@@ -207,12 +207,12 @@ def test_cli_prints_tables_verdicts_and_writes_results(run_cli, lora_trace, tmp_
     assert {"delta_rank", "base_cosine", "adapter_cosine"} <= set(result["layer_means"][0]["K"])
     assert result["context_free"] is None and all(claim["quantity"] for claim in result["claims"])
     page = (tmp_path / "rank_analysis.html").read_text()
-    assert page.count("Plotly.newPlot") == 8 and "published claims" in page  # 2 curves, 2 spectra, 4 heatmaps
+    assert page.count("Plotly.newPlot") == 9 and "published claims" in page  # 3 curves, 2 spectra, 4 heatmaps
     # `kvprof report` renders the same result file
     code, out, err = run_cli("report", tmp_path / "rank_analysis.json", "--out", tmp_path / "dashboard.html")
     assert code == 0, err
     assert "effective rank per layer, lora mode" in out
-    assert (tmp_path / "dashboard.html").read_text().count("Plotly.newPlot") == 8
+    assert (tmp_path / "dashboard.html").read_text().count("Plotly.newPlot") == 9
 
 
 def test_cli_is_deterministic(run_cli, prompt_trace, tmp_path):

@@ -141,7 +141,9 @@ def test_report_merges_results(run_cli, lora_trace, tmp_path):
     )
     assert code == 0, err
     assert "Captured trajectories" in out and "fidelity:" in out
-    assert (tmp_path / "dash.html").read_text().count("<section>") == 2
+    page = (tmp_path / "dash.html").read_text()
+    assert page.count("<section id=") == 3  # the replay's decision and diagnostics, the capture
+    assert page.index("Decision: which policy") < page.index("Captured trajectories")
 
 
 def _shape_csv(tmp_path):

@@ -88,9 +88,12 @@ def print_adapters(agents: AgentSet) -> None:
 
 
 def print_sections(sections: list[Section]) -> None:
-    """Dashboard sections on the terminal: a rule with the title, then the text and the tables (not the figures)."""
+    """Dashboard sections on the terminal: a rule with the title, then the card, the text and the tables (not the
+    figures)."""
     for section in sections:
         console.rule(section.title)
+        for line in section.card:
+            console.print(line, style="bold", markup=False)
         for line in section.text:
             console.print(line)
         for table in section.tables:

@@ -41,20 +41,11 @@ from kvprof.model import load_agents, load_agents_for_trace
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
-from kvprof.report.dashboard import result_sections, write_dashboard
+from kvprof.report.dashboard import dashboard_sections, write_dashboard
 from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 from kvprof.runtime import Runtime
 from kvprof.trace import Trace, read_trace, write_trace
 from kvprof.workflow import Sampling, exact_match, load_tasks
-
-
-@dataclass
-class WrittenResult:
-    """A result file a stage wrote (`kvprof.result.<kind>`) and the payload it holds."""
-
-    path: Path
-    kind: str
-    payload: dict
 
 
 @dataclass
@@ -70,18 +61,18 @@ class DemoContext:
     replay_tasks: int
     repeats: int
     traces: dict[str, Path] = field(default_factory=dict)
-    results: list[WrittenResult] = field(default_factory=list)
+    results: list[Path] = field(default_factory=list)  # the result files written so far
 
     def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
         """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
-        it, and keep the payload for the report."""
+        it, and keep its path for the report."""
         path = write_result(
             out,
             kind,
             payload,
             command_args(command, **options, out=out, device=self.device, dtype=self.dtype, seed=self.seed),
         )
-        self.results.append(WrittenResult(path, kind, payload))
+        self.results.append(path)
         return path
 
 
@@ -237,12 +228,10 @@ def replay_all(ctx: DemoContext) -> StageResult:
 
 def report_all(ctx: DemoContext) -> StageResult:
     """`kvprof report` over every result the demo wrote: one HTML dashboard."""
-    sources = [result.path for result in ctx.results]
-    sections = [
-        section for result in ctx.results for section in result_sections(result.kind, result.payload, result.path)
-    ]
+    sources = ctx.results
+    sections, environment = dashboard_sections(sources)
     print_sections(sections)
-    path = write_dashboard(ctx.out / "report.html", sections, sources)
+    path = write_dashboard(ctx.out / "report.html", sections, sources, environment)
     console.print(f"wrote {path} ({len(sections)} sections from {len(sources)} result files)")
     return StageResult(f"{len(sources)} result files merged", [path])
 

@@ -16,7 +16,7 @@ def command(
     out: Annotated[Path, typer.Option("--out", help="Path of the HTML dashboard to write.")] = Path("runs/report.html"),
 ) -> None:
     """Merge result files into one dashboard (plotly, offline) and print their tables."""
-    sections = dashboard_sections(results)
+    sections, environment = dashboard_sections(results)
     print_sections(sections)
-    path = write_dashboard(out, sections, results)
+    path = write_dashboard(out, sections, results, environment)
     console.print(f"wrote {path} ({len(sections)} sections from {len(results)} result files)")

@@ -38,4 +38,6 @@ def sections(result: dict) -> list[Section]:
     ]
     if accuracy is not None:
         text.append(f"exact-match accuracy {accuracy:.1%} on {summary['with_answer']} tasks.")
-    return [Section(title="Captured trajectories", text=text, tables=[agent_table(summary, "agent calls")])]
+    return [
+        Section(title="Captured trajectories", text=text, tables=[agent_table(summary, "agent calls")], order="inputs")
+    ]

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.report import bench, capture, rank_analysis, replay
-from kvprof.report.html import Section, write_html
+from kvprof.report.html import Section, ordered, write_html
+from kvprof.report.tables import TableData
 
 SectionBuilder = Callable[[dict], list[Section]]
 
@@ -62,11 +63,44 @@ def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
     return sections
 
 
-def dashboard_sections(paths: list[Path]) -> list[Section]:
-    """The sections of every result file in `paths`, in order."""
-    return [section for path in paths for section in result_sections(*load_result(path), path)]
+def _device(result: dict) -> str:
+    device = str(result.get("device") or result.get("args", {}).get("device") or "–")
+    cuda = result.get("environment", {}).get("cuda")
+    return f"{device} ({cuda})" if cuda and device.startswith("cuda") else device
 
 
-def write_dashboard(path: Path, sections: list[Section], sources: Sequence[Path]) -> Path:
+def environment_table(results: Sequence[tuple[Path, dict]]) -> TableData:
+    """The environment panel: per result file, what it was measured on and when (from the result's envelope;
+    '–' where a result does not record it)."""
+    table = TableData(
+        title="environment", columns=["result", "model", "device", "dtype", "software", "kvprof", "created"]
+    )
+    for path, result in results:
+        args, environment = result.get("args", {}), result.get("environment", {})
+        cpu = environment.get("cpu") or {}
+        software = f"torch {environment.get('torch', '?')}, {environment.get('cpu_threads', '?')} CPU threads"
+        table.add_row(
+            str(path),
+            str(result.get("model") or args.get("model") or "–"),
+            _device(result),
+            str(result.get("dtype") or args.get("dtype") or "–"),
+            software + (f", {cpu['name']}" if cpu.get("name") else ""),
+            str(result.get("kvprof", "–")),
+            str(result.get("created", "–")),
+        )
+    return table
+
+
+def dashboard_sections(paths: list[Path]) -> tuple[list[Section], TableData]:
+    """The sections of every result file in `paths`, decision first (`ordered`), and the environment panel of those
+    files."""
+    loaded = [(path, *load_result(path)) for path in paths]
+    sections = ordered([section for path, kind, result in loaded for section in result_sections(kind, result, path)])
+    return sections, environment_table([(path, result) for path, _, result in loaded])
+
+
+def write_dashboard(
+    path: Path, sections: list[Section], sources: Sequence[Path], environment: TableData | None = None
+) -> Path:
     """The dashboard page of `sections`, from the result files `sources`, at `path`."""
-    return write_html(path, "kvprof report", sections, subtitle=", ".join(map(str, sources)))
+    return write_html(path, "kvprof report", sections, subtitle=", ".join(map(str, sources)), environment=environment)

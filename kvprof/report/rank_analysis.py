@@ -5,8 +5,10 @@ from __future__ import annotations
 from itertools import accumulate
 from pathlib import Path
 
-from kvprof.report.figures import heatmap_figure, line_figure
+from kvprof.analysis import KVCMAS_DELTA_RANK, LRAGENT_BASE_COSINE, LRAGENT_ORTHOGONAL
+from kvprof.report.figures import Reference, StyleOf, cycle_style, heatmap_figure, line_figure
 from kvprof.report.html import Section, write_html
+from kvprof.report.styles import PolicyStyle
 from kvprof.report.tables import TableData
 
 KV_NAMES = ("K", "V")
@@ -99,30 +101,60 @@ def verdict_lines(result: dict) -> list[str]:
     ]
 
 
-def _pair_grid(result: dict, metric: str, kv: str) -> list[list[float | None]]:
-    """Agents × agents: mean of `metric` over trajectories and layers for each pair (symmetric; 1 on the diagonal)."""
-    sums: dict[frozenset, list[float]] = {}
+def _layer_grid(result: dict, metric: str, kv: str) -> tuple[list[str], list[list[float | None]]]:
+    """Agent pairs × layers: the mean of `metric` over the trajectories of each (unordered) pair; a layer a pair was
+    not measured at stays None. Returns the row labels and the grid."""
+    layers = [entry["layer"] for entry in result["layer_means"]]
+    sums: dict[tuple[str, str], dict[int, list[float]]] = {}
+    order = {agent: i for i, agent in enumerate(result["agents"])}
     for pair in result["pairs"]:
+        key = tuple(sorted((pair["source"], pair["target"]), key=lambda agent: order.get(agent, len(order))))
         for entry in pair["layers"]:
-            sums.setdefault(frozenset((pair["source"], pair["target"])), []).append(entry[kv][metric])
-    means = {key: sum(values) / len(values) for key, values in sums.items()}
-    return [[1.0 if a == b else means.get(frozenset((a, b))) for b in result["agents"]] for a in result["agents"]]
+            sums.setdefault(key, {}).setdefault(entry["layer"], []).append(entry[kv][metric])  # type: ignore[arg-type]
+    rows = sorted(sums, key=lambda key: [order.get(agent, len(order)) for agent in key])
+    grid = [
+        [sum(sums[key][layer]) / len(sums[key][layer]) if layer in sums[key] else None for layer in layers]
+        for key in rows
+    ]
+    return [" – ".join(key) for key in rows], grid
 
 
-def sections(result: dict) -> list[Section]:
-    """Dashboard sections: verdicts and tables, per-layer rank and norm curves, spectra, agent-pair heatmaps."""
-    verdicts = TableData(
-        title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
-    )
-    for claim in result["claims"]:
-        verdicts.add_row(
-            claim["paper"],
-            claim["statement"],
-            VERDICTS[claim["holds"]],
-            claim["measured"],
-            claim["detail"],
-            claim.get("quantity", ""),
-        )
+QUANTITY_STYLES = {  # colour and dash per quantity; K and V differ in marker
+    "C": ("#0072B2", "solid"),
+    "base X·W0": ("#009E73", "dash"),
+    "adapter output": ("#E69F00", "dot"),
+    "Δ": ("#D55E00", "dashdot"),
+    CONTEXT_FREE_DELTA: ("#CC79A7", "longdash"),
+    "‖Δ‖/‖C‖": ("#D55E00", "solid"),
+    "‖adapter‖/‖C‖": ("#E69F00", "dash"),
+    "caches": ("#0072B2", "solid"),
+    "base caches": ("#009E73", "dash"),
+    "adapter outputs": ("#E69F00", "dot"),
+}
+
+
+def quantity_style(name: str) -> PolicyStyle:
+    """`<quantity> <K|V>` → the quantity's colour and dash, a circle for K and a square for V."""
+    quantity, _, kv = name.rpartition(" ")
+    color, dash = QUANTITY_STYLES.get(quantity, ("#888888", "solid"))
+    return PolicyStyle(color, "circle" if kv == "K" else "square-open", dash)
+
+
+def spectrum_style(layers: list[int]) -> StyleOf:
+    """`layer <i> <quantity>` → one colour per layer, one dash per quantity."""
+    colours = cycle_style([str(layer) for layer in layers])
+    dashes = {QUANTITIES["cache"]: "solid", QUANTITIES["delta"]: "dash", CONTEXT_FREE_DELTA: "dot"}
+
+    def style(name: str) -> PolicyStyle:
+        _, layer, quantity = name.split(" ", 2)
+        return PolicyStyle(colours(layer).color, "circle", dashes.get(quantity, "dashdot"))
+
+    return style
+
+
+def figures(result: dict) -> tuple[list, list, list]:
+    """Per-layer curves (rank, norms, cosines, with the claims' thresholds), cumulative spectra, and agent-pair ×
+    layer heatmaps of the cosines."""
     layers = [entry["layer"] for entry in result["layer_means"]]
     present = result["layer_means"][0]["K"]
     context_free = result.get("context_free")
@@ -138,7 +170,13 @@ def sections(result: dict) -> list[Section]:
         if context_free
         else {}
     )
-
+    cosine_labels = {"cache_cosine": "caches", "base_cosine": "base caches", "adapter_cosine": "adapter outputs"}
+    cosine_references = [Reference(LRAGENT_BASE_COSINE, f"LRAgent: base caches > {LRAGENT_BASE_COSINE}")]
+    if "adapter_cosine" in present:
+        cosine_references += [
+            Reference(LRAGENT_ORTHOGONAL, f"LRAgent: |adapter cos| < {LRAGENT_ORTHOGONAL}"),
+            Reference(-LRAGENT_ORTHOGONAL, ""),
+        ]
     curves = [
         line_figure(
             layers,
@@ -152,6 +190,8 @@ def sections(result: dict) -> list[Section]:
             "entropy effective rank per layer",
             "layer",
             "effective rank",
+            style=quantity_style,
+            references=[Reference(KVCMAS_DELTA_RANK, f"KVCMAS: Δ rank < {KVCMAS_DELTA_RANK:g}")],
         ),
         line_figure(
             layers,
@@ -164,6 +204,21 @@ def sections(result: dict) -> list[Section]:
             "relative norms per layer",
             "layer",
             "ratio",
+            style=quantity_style,
+        ),
+        line_figure(
+            layers,
+            {
+                f"{label} {kv}": per_layer(metric, kv)
+                for metric, label in cosine_labels.items()
+                for kv in KV_NAMES
+                if metric in present
+            },
+            "mean token cosine between two agents, per layer",
+            "layer",
+            "cosine",
+            style=quantity_style,
+            references=cosine_references,
         ),
     ]
     spectra = []
@@ -179,29 +234,57 @@ def sections(result: dict) -> list[Section]:
                 for entry in context_free["spectra"]
             }
         longest = max(len(values) for values in series.values())
-        spectra.append(
-            line_figure(
-                list(range(1, longest + 1)),
-                series,
-                f"{kv}: cumulative energy of the singular spectrum (mean)",
-                "singular directions k",
-                "Σ_{i≤k} σ_i² / Σσ²",
+        zero = [name for name, values in series.items() if not any(values)]  # an exactly zero Δ has no spectrum
+        figure = line_figure(
+            list(range(1, longest + 1)),
+            {name: values for name, values in series.items() if name not in zero},
+            f"{kv}: energy captured by the top k singular directions (mean over spans)"
+            + (f"<br><sup>zero, not drawn: {', '.join(zero)}</sup>" if zero else ""),
+            "singular directions k (log)",
+            "fraction of Σσ²",
+            style=spectrum_style([entry["layer"] for entry in result["spectra"]]),
+            markers=False,
+            references=[
+                Reference(0.9, "90 %"),
+                Reference(0.99, "99 %"),
+                Reference(KVCMAS_DELTA_RANK, f"k = {KVCMAS_DELTA_RANK:g}", axis="x"),
+            ],
+            log_x=True,
+        )
+        spectra.append(figure)
+    heatmaps = []
+    for metric in ["base_cosine", "adapter_cosine"] if result["mode"] == "lora" else ["cache_cosine"]:
+        for kv in KV_NAMES:
+            rows, grid = _layer_grid(result, metric, kv)
+            heatmaps.append(
+                heatmap_figure(
+                    grid,
+                    [f"layer {layer}" for layer in layers],
+                    rows,
+                    f"{kv}: mean token cosine of {cosine_labels[metric]}, agent pair × layer",
+                    colorbar_title="cosine",
+                )
             )
+    return curves, spectra, heatmaps
+
+
+def sections(result: dict) -> list[Section]:
+    """Dashboard sections: verdicts and tables, per-layer rank, norm and cosine curves, spectra, agent-pair ×
+    layer heatmaps."""
+    verdicts = TableData(
+        title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
+    )
+    for claim in result["claims"]:
+        verdicts.add_row(
+            claim["paper"],
+            claim["statement"],
+            VERDICTS[claim["holds"]],
+            claim["measured"],
+            claim["detail"],
+            claim.get("quantity", ""),
         )
-    labels = {"base_cosine": "base caches", "adapter_cosine": "adapter outputs", "cache_cosine": "caches"}
-    heatmaps = [
-        heatmap_figure(
-            _pair_grid(result, metric, kv),
-            result["agents"],
-            result["agents"],
-            f"{kv}: mean token cosine of {labels[metric]} (mean over layers)",
-            zmin=-1.0,
-            zmax=1.0,
-            colorscale="RdBu",
-        )
-        for metric in (["base_cosine", "adapter_cosine"] if result["mode"] == "lora" else ["cache_cosine"])
-        for kv in KV_NAMES
-    ]
+    layers = [entry["layer"] for entry in result["layer_means"]]
+    curves, spectra, heatmaps = figures(result)
     return [
         Section(
             "Cache rank and cross-agent similarity",
@@ -211,13 +294,21 @@ def sections(result: dict) -> list[Section]:
             ],
             tables=[verdicts, *layer_tables(result)],
         ),
-        Section("Rank and norms per layer", figures=curves),
+        Section(
+            "Rank, norms and cosines per layer",
+            text=["Dotted lines: the published claims' thresholds (a claim holds when every layer is on its side)."],
+            figures=curves,
+        ),
         Section(
             "Singular spectra",
             text=["Mean over (trajectory, pair) spans; a curve that reaches 1 early means low rank."],
             figures=spectra,
         ),
-        Section("Similarity across agent pairs", figures=heatmaps),
+        Section(
+            "Similarity across agent pairs",
+            text=["Only measured cells are coloured; the colour range is the measured range."],
+            figures=heatmaps,
+        ),
     ]
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from kvprof.report.figures import line_figure
+from kvprof.report import decision
+from kvprof.report.figures import box_figure, line_figure
 from kvprof.report.html import Section
+from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.tables import TableData
+from kvprof.report.uncertainty import LEVEL, RESAMPLES
 
 
 def _num(value, fmt: str) -> str:
@@ -203,59 +206,101 @@ def notes(result: dict) -> list[str]:
     return lines
 
 
-def sections(result: dict) -> list[Section]:
-    """Dashboard sections: tables, per-layer error curves, per-turn TTFT, memory and KL."""
-    policies = result["policies"]
+def _uncertainty_note(items: list[decision.Outcome]) -> str:
+    reference = items[0]
+    noise = (
+        f" The dense run replayed a second time as the nonshared policy measures TTFT {reference.ttft.text(unit='×')}"
+        ": speed-ups closer to 1 than that are timing noise."
+        if reference.ttft.low < reference.ttft.high
+        else ""
+    )
+    return (
+        f"Error bars: {LEVEL:.0%} bootstrap intervals over the n = {reference.ttft.n} tasks ({RESAMPLES} resamples; "
+        "approximate, and narrow with few tasks); memory: the range of per-task ratios (analytic bytes, no noise)."
+        + noise
+    )
+
+
+def decision_section(result: dict) -> Section:
+    """The decision: the recommendation for a stated target, the Pareto scatter, the cost bars, per-turn TTFT."""
+    items = decision.outcomes(result)
+    chosen = decision.decide(items)
+    return Section(
+        title="Decision: which policy, at what cost, for what gain",
+        card=chosen.lines,
+        text=[_uncertainty_note(items)],
+        figures=[
+            decision.pareto_figure(items, chosen),
+            decision.bars_figure(items),
+            decision.ttft_box_figure(result),
+        ],
+        order="decision",
+        wide=3,
+    )
+
+
+def _positive(values: list[float]) -> list[float | None]:
+    return [value if value > 0 else None for value in values]
+
+
+def diagnostic_figures(result: dict) -> list:
+    """Per-layer error (log axis), KL per turn (boxes on a log axis) and cache memory per turn, one look per policy;
+    the nonshared policy is left out where it repeats the dense run."""
+    policies = {label: entry for label, entry in result["policies"].items() if label != DENSE}
     figures = []
-    if any(entry["summary"]["layers"] for entry in policies.values()):
+    layered = {label: entry["summary"]["layers"] for label, entry in policies.items() if entry["summary"]["layers"]}
+    if layered:
+        layers = range(max(len(rows) for rows in layered.values()))
         for key, name in (("v_error", "V"), ("k_error", "K")):
             figures.append(
                 line_figure(
-                    range(len(next(iter(policies.values()))["summary"]["layers"])),
-                    {
-                        label: [row[key] for row in entry["summary"]["layers"]]
-                        for label, entry in policies.items()
-                        if entry["summary"]["layers"]
-                    },
-                    f"{name} relative error per layer",
+                    layers,
+                    {label: _positive([row[key] for row in rows]) for label, rows in layered.items()},
+                    f"{name} relative error per layer on the reused span (log; exact = 0 not drawn)",
                     "layer",
                     "‖X_pol − X_dense‖ / ‖X_dense‖",
+                    log_y=True,
+                    style=policy_style,
                 )
             )
-    turns = range(len(result["dense"]["turns"]))
-    runs = {"dense": result["dense"]["turns"]} | {label: entry["turns"] for label, entry in policies.items()}
+    kl = {
+        label: ([label] * len(entry["turns"]), [t["kl"] for t in entry["turns"]]) for label, entry in policies.items()
+    }
+    exact = sum(value <= 0 for _, values in kl.values() for value in values)
     figures.append(
-        line_figure(
-            turns,
-            {label: [t["ttft_s"] * 1e3 for t in rows] for label, rows in runs.items()},
-            "TTFT per turn (median of repeats)",
-            "turn",
-            "ms",
+        box_figure(
+            kl,
+            "KL(dense ‖ policy) per turn (log" + (f"; {exact} turns with KL = 0 not drawn)" if exact else ")"),
+            "nats / output token",
+            log_y=True,
+            style=policy_style,
         )
     )
+    figures[-1].update_layout(showlegend=False)
+    runs = {DENSE: result["dense"]["turns"]} | {label: entry["turns"] for label, entry in policies.items()}
     figures.append(
         line_figure(
-            turns,
+            range(len(result["dense"]["turns"])),
             {label: [t["memory_bytes"] / 2**20 for t in rows] for label, rows in runs.items()},
-            "analytic cache memory after each turn",
+            "analytic cache memory after each turn (all trajectories in order)",
             "turn",
             "MiB",
+            style=policy_style,
+            markers=False,
         )
     )
-    figures.append(
-        line_figure(
-            turns,
-            {label: [t["kl"] for t in entry["turns"]] for label, entry in policies.items()},
-            "KL(dense ‖ policy) per turn",
-            "turn",
-            "nats / output token",
-        )
-    )
+    return figures
+
+
+def sections(result: dict) -> list[Section]:
+    """Dashboard sections: the decision first, then the tables and the diagnostic figures."""
     return [
+        decision_section(result),
         Section(
-            title="Sharing policies against the dense run",
+            title="Sharing policies against the dense run: tables and diagnostics",
             text=notes(result),
             tables=[fidelity_table(result), reuse_table(result), cost_table(result), layer_table(result)],
-            figures=figures,
-        )
+            figures=diagnostic_figures(result),
+            order="details",
+        ),
     ]
