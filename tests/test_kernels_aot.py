@@ -18,7 +18,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -260,5 +259,4 @@ def test_mask_free_attention_does_not_spill(compiled_configurations, configurati
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(register_table(compile_all()))
