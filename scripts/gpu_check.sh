@@ -23,9 +23,10 @@
 #    and, reported beside them, the decode ratio to SDPA;
 # 7. `kvprof replay` of the demo trace with the CUDA defaults (every policy, shared-A adapters so BaseLRShared runs);
 # 8. scripts/react_bench.sh at full scale (PReCache's 17.3k-token ReAct shape) on CUDA.
-# Every number is printed and written under OUT_DIR. Each step has a time limit (the whole run is meant to finish
-# within about 8 minutes on an H200; most of steps 2-4 is Triton compiling); the exit status is non-zero when a step
-# failed or timed out or a target was missed, and the last lines name the failed steps.
+# Every number is printed and written under OUT_DIR. Each step has a time limit and the whole check a budget
+# (CHECK_BUDGET_S, default 540 s: it is meant to finish within about 8 minutes on an H200, most of steps 2-4 being
+# Triton compiling); the exit status is non-zero when a step failed, timed out or was skipped for lack of time, or a
+# target was missed, and the last lines name the failed steps.
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -39,11 +40,22 @@ status=0
 failed=()
 check_started=$(date +%s)
 
-# run_step NAME LOG LIMIT_S COMMAND...: run COMMAND with a time limit, output to the terminal and OUT_DIR/LOG.
+# run_step NAME LOG LIMIT_S COMMAND...: run COMMAND with a time limit (LIMIT_S, cut to what is left of the whole
+# check's budget, CHECK_BUDGET_S, default 540 s), output to the terminal and OUT_DIR/LOG. A step that fails, times out
+# or finds no budget left counts as failed.
+budget="${CHECK_BUDGET_S:-540}"
 run_step() {
     local name="$1" log="$2" limit="$3"
     shift 3
+    local left=$(( budget - ($(date +%s) - check_started) ))
     echo
+    if [ "$left" -lt 15 ]; then
+        echo "== $name: SKIPPED, ${left} s left of the ${budget} s budget"
+        status=1
+        failed+=("$name (skipped: no time left)")
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit="$left"
     echo "== $name (limit ${limit} s)"
     local started rc
     started=$(date +%s)
@@ -209,7 +221,7 @@ timed("decode Lk=32768", {
 })
 (out / "kernel_timings.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 EOF
-run_step "kernel timings" kernel_timings.log 180 python "$out/kernel_timings.py" "$out"
+run_step "kernel timings" kernel_timings.log 120 python "$out/kernel_timings.py" "$out"
 
 cat > "$out/memcheck_cases.py" <<'EOF'
 """Two small ragged cases for compute-sanitizer memcheck: a masked chunk (77 over 1001 keys, rank 24 padded to 32,
@@ -242,15 +254,15 @@ EOF
 if [ -n "$sanitizer" ]; then
     # Compile outside the sanitizer first (Triton's cache), then run every case under memcheck; with PyTorch's caching
     # allocator off, an access past a tensor is past an allocation.
-    run_step "memcheck warm-up" memcheck_warmup.log 120 python "$out/memcheck_cases.py"
-    run_step "compute-sanitizer memcheck" memcheck.log 240 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    run_step "memcheck warm-up" memcheck_warmup.log 60 python "$out/memcheck_cases.py"
+    run_step "compute-sanitizer memcheck" memcheck.log 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
         "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 python "$out/memcheck_cases.py"
 else
     echo
     echo "== compute-sanitizer memcheck: NOT RUN (compute-sanitizer not found on PATH or under /usr/local/cuda*)"
 fi
 
-run_step "kvprof bench" bench.log 150 \
+run_step "kvprof bench" bench.log 120 \
     python -c "from kvprof.cli import main; main()" bench --device cuda --dtype bfloat16 \
     --seq-lens 4096,16384,32768 --ranks 16 --modes prefill,decode --batch 1 --q-heads 32 --kv-heads 8 \
     --head-dim 128 --lr-layout shared --out "$out/bench"
@@ -288,12 +300,12 @@ EOF
 run_step "H200 targets" targets.log 30 python "$out/targets.py" "$out"
 
 world="kvprof/demo/assets"
-run_step "kvprof replay (demo trace, CUDA defaults)" replay.log 120 \
+run_step "kvprof replay (demo trace, CUDA defaults)" replay.log 90 \
     python -c "from kvprof.cli import main; main()" replay --device cuda --repeats 3 --out "$out/replay" \
     --agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act" \
     --agent "reflect=$world/adapters/shared_a/reflect"
 
-run_step "ReAct-shape replay (CUDA defaults)" react.log 150 scripts/react_bench.sh "$out/react" 1 --device cuda
+run_step "ReAct-shape replay (CUDA defaults)" react.log 120 scripts/react_bench.sh "$out/react" 1 --device cuda
 
 echo
 echo "results in $out after $(( $(date +%s) - check_started )) s (exit status $status)"

@@ -26,7 +26,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
 
 SM90_MAX_SHARED_BYTES = 227 * 1024
-# The rank compiled for each padded rank: 16 and 64 fill it (EVEN_R: no column mask), 24 is zero-padded to 32.
+# The rank launched for each padded rank: 16 and 64 fill it (EVEN_R: no column mask); 24 is zero-padded to 32, by
+# column masks in decode tiles and on the host (then EVEN_R) for prefill tiles.
 RANK_FOR_PAD = {16: 16, 32: 24, 64: 64}
 CORRECTION_RANK = 40  # two full chunks of 16 and a masked one of 8
 DECODE_SPLITS = (8, 64)
@@ -185,6 +186,8 @@ def register_table(results: dict) -> str:
         constexprs, options = result["constexprs"], result["options"]
         if configuration["kernel"] == "flash_lora_attention_fwd":
             rank = f"{configuration['rank']}→{constexprs['RANK_PAD']}"
+            if constexprs["RANK"] != configuration["rank"]:
+                rank += " (host)"
             tile = f"{constexprs['BLOCK_M']}×{constexprs['BLOCK_N']}"
             mask, rows = "yes" if configuration["masked"] else "no", configuration["regime"]
         elif configuration["kernel"] == "combine_splits":

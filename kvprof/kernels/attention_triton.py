@@ -19,11 +19,13 @@ Shapes (GQA: H_q = g·H_kv): q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr
 (B, H_kv, Lk, r) per KV head; lora_b (H_kv, r, D); out (B, H_q, Lq, D), stored as (B, Lq, H_q, D) so that
 transformers' (B, Lq, H_q, D) view of it is free.
 
-Everything that shapes the inner loop is a compile-time constant: the rank (zero-padded to r_pad = max(16, next
-power of two), as a 16-bit `tl.dot` needs K ≥ 16 on GPU; with r = r_pad, `EVEN_R`, the V_lr tile loads without a
-column mask), causality and the user mask. So a mask-free launch compiles to a loop without any mask code, and
-the V_lr tile goes through the same vectorized, asynchronously pipelined loads as K and V. Offsets that can pass
-2³¹ elements (head, query row, mask row, output) are formed in int64.
+Everything that shapes the inner loop is a compile-time constant: the rank RANK (zero-padded to RANK_PAD, a power of
+two ≥ 16 as a 16-bit `tl.dot` needs K ≥ 16 on GPU, ≥ 32 for decode tiles; with RANK == RANK_PAD, "EVEN_R", the V_lr
+tile loads without a column mask), causality and the user mask. So a mask-free launch compiles to a loop without any
+mask code, and the V_lr tile goes through the same vectorized, asynchronously pipelined loads as K and V. Triton 3.9
+pipelines a column-masked V_lr tile in the decode loop but not in the prefill loop, so for prefill tiles a rank
+below r_pad is zero-padded on the host (V_lr columns, B rows) and always runs EVEN_R. Offsets that can pass 2³¹
+elements (head, query row, mask row, output) are formed in int64.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -640,6 +643,12 @@ def attention_launches(
     q, k, v_base, v_lr, lora_b = map(_last_dim_contiguous, (q, k, v_base, v_lr, lora_b))
     group = q_heads // kv_heads
     rows = q_len * group
+    rank, padded_rank = v_lr.shape[-1], rank_pad(v_lr.shape[-1])
+    if rows > DECODE_MAX_ROWS and rank != padded_rank:
+        # Zero columns of V_lr and zero rows of B change nothing and make the prefill loop's V_lr tile EVEN_R: loaded
+        # without a column mask, it is pipelined like K and V (O(Lk·r_pad) copy, small next to the attention).
+        v_lr = F.pad(v_lr, (0, padded_rank - rank))
+        lora_b = F.pad(lora_b, (0, 0, 0, padded_rank - rank))
     plan = attention_plan(
         q.dtype,
         q.device,
