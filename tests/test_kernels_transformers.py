@@ -27,8 +27,8 @@ from kvprof.kernels.transformers_attention import (
 LAYERS, HEADS, KV_HEADS, RANK, VOCAB = 2, 4, 2, 8, 101
 
 
-def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """The same random weights twice: under "sdpa" and under "kvprof_lora"."""
+def tiny_llama(head_dim: int) -> LlamaForCausalLM:
+    """A tiny Llama with seeded random weights under "sdpa" ("kvprof_lora" registered)."""
     register_lora_attention()
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -37,11 +37,17 @@ def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
+        head_dim=head_dim,
         max_position_embeddings=128,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    sdpa_model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The same random weights twice: under "sdpa" and under "kvprof_lora"."""
+    sdpa_model = tiny_llama(head_dim)
     lora_model = copy.deepcopy(sdpa_model)
     lora_model.set_attn_implementation(LORA_ATTENTION)
     return sdpa_model, lora_model
@@ -117,20 +123,7 @@ def peft_continuation_logits(
 
     from kvprof.kernels.attention import lora_b_per_head
 
-    register_lora_attention()
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HEADS * head_dim,
-        intermediate_size=2 * HEADS * head_dim,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=head_dim,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    base = tiny_llama(head_dim).to(device=device, dtype=dtype)
     lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["v_proj"], init_lora_weights=False)
     model = get_peft_model(base, lora).eval()
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
