@@ -38,6 +38,7 @@ def _attention_cases() -> list[dict]:
         causal=True,
         mask=None,
         blocks=(16, 16),
+        factors=None,
     )
     cases = []
     for index, (dtype, (q_len, kv_len)) in enumerate((d, s) for d in DTYPES for s in SHAPES):
@@ -67,6 +68,21 @@ def _attention_cases() -> list[dict]:
         {**base, "q_len": 9, "kv_len": 20, "dtype": dtype, "head_dim": head_dim, "blocks": None}
         for dtype in ("float32", "bfloat16")
         for head_dim in (64, 128)
+    ]
+    # Mask-free chunked prefill over several key blocks (blocks every row sees, then the causal diagonal), alone and
+    # split; the combine with a padded split count (5 splits → 8, two chunks of 4) and with a mask and fully masked
+    # rows; rank 16 and 32 (EVEN_R, no column mask) next to 8 and 24 (zero-padded); float32 factors with 16-bit q.
+    long_chunk = dict(q_len=40, kv_len=100, group=2)
+    for dtype in ("float32", "bfloat16"):
+        cases += [
+            {**base, **long_chunk, "dtype": dtype, "rank": 16},
+            {**base, **long_chunk, "dtype": dtype, "rank": 24, "splits": 3, "shared": True},
+            {**base, **decode, "dtype": dtype, "rank": 32, "splits": 5, "group": 2},
+            {**base, **chunk, "dtype": dtype, "rank": 16, "splits": 5, "mask": "random"},
+            {**base, **long_chunk, "dtype": dtype, "rank": 32, "blocks": None, "shared": True},
+        ]
+    cases += [
+        {**base, **long_chunk, "dtype": dtype, "rank": 16, "factors": "float32"} for dtype in ("bfloat16", "float16")
     ]
     return cases
 
@@ -115,6 +131,8 @@ def _run_attention(case: dict) -> dict:
     )
     v_lr = normal(*lr_shape)
     lora_b = normal(kv_heads, case["rank"], head_dim, std=case["rank"] ** -0.5)
+    if case["factors"] is not None:
+        v_lr, lora_b = v_lr.to(getattr(torch, case["factors"])), lora_b.to(getattr(torch, case["factors"]))
     mask = None
     if case["mask"] == "random":
         mask = torch.rand(batch, 1, case["q_len"], case["kv_len"], generator=generator) > 0.4
@@ -161,10 +179,26 @@ def _run_correction(case: dict) -> dict:
 
 
 def _run_transformers() -> dict:
-    """A tiny Llama through the registered attention, with the interpreter's Triton kernel doing the attention."""
+    """A tiny Llama through the registered attention, with the interpreter's Triton kernel doing the attention;
+    records the mask each kernel call got (the chunk after the cache must get none: the causal, mask-free path)."""
     from test_kernels_transformers import continuation_errors
 
-    return {"max_error": max(continuation_errors(head_dim=32))}
+    from kvprof.kernels import attention_triton
+
+    launcher = attention_triton.flash_lora_attention_triton
+    calls = []
+
+    def recording(q, k, *args, **kwargs):
+        attn_mask = args[5] if len(args) > 5 else kwargs.get("attn_mask")
+        calls.append([q.shape[2], k.shape[2], attn_mask is None])
+        return launcher(q, k, *args, **kwargs)
+
+    attention_triton.flash_lora_attention_triton = recording
+    try:
+        errors = continuation_errors(head_dim=32)
+    finally:
+        attention_triton.flash_lora_attention_triton = launcher
+    return {"max_error": max(errors), "calls": calls}
 
 
 def _run_rounding() -> dict:
@@ -225,6 +259,13 @@ def test_low_rank_correction_kernel_matches_reference(interpreter_results, case)
 
 def test_registered_attention_through_the_triton_kernel(interpreter_results):
     assert interpreter_results["transformers"]["max_error"] < 1e-4
+
+
+def test_chunk_after_a_cache_reaches_the_kernel_without_a_mask(interpreter_results):
+    """Prefill 10, chunk 5 after 10, decode 1 after 15, per layer: the chunk takes the kernel's causal path."""
+    calls = interpreter_results["transformers"]["calls"]
+    chunk_calls = [call for call in calls if call[:2] == [5, 15]]
+    assert chunk_calls and all(mask_free for _, _, mask_free in chunk_calls), calls
 
 
 def test_interpreter_rounding_emulates_the_gpu(interpreter_results):

@@ -6,6 +6,7 @@ the projected values, i.e. attention over the expanded V = V_base + V_lr·B.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -26,8 +27,8 @@ from kvprof.kernels.transformers_attention import (
 LAYERS, HEADS, KV_HEADS, RANK, VOCAB = 2, 4, 2, 8, 101
 
 
-def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """The same random weights twice: under "sdpa" and under "kvprof_lora"."""
+def tiny_llama(head_dim: int) -> LlamaForCausalLM:
+    """A tiny Llama with seeded random weights under "sdpa" ("kvprof_lora" registered)."""
     register_lora_attention()
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -36,11 +37,17 @@ def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
+        head_dim=head_dim,
         max_position_embeddings=128,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    sdpa_model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_llama_pair(head_dim: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The same random weights twice: under "sdpa" and under "kvprof_lora"."""
+    sdpa_model = tiny_llama(head_dim)
     lora_model = copy.deepcopy(sdpa_model)
     lora_model.set_attn_implementation(LORA_ATTENTION)
     return sdpa_model, lora_model
@@ -101,6 +108,60 @@ def continuation_errors(head_dim: int, device: str = "cpu") -> list[float]:
             errors.append((actual - expected).abs().max().item())
     hooks.remove()
     return errors
+
+
+def peft_continuation_logits(
+    head_dim: int, mode: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Logits of a tiny Llama with a peft LoRA adapter on v_proj (random A and B), for a prefill of 10, a chunk of 5
+    and a decode step over one cache. mode "adapter": the adapter active under "sdpa" (the expected values);
+    "base": the adapter disabled; "low_rank": the adapter disabled under "kvprof_lora", each layer's V_lr = A·x
+    captured by a pre-hook on its v_proj and B = scaling·B_lora (`lora_b_per_head`), i.e. Flash-LoRA-Attention
+    over the base values. The model is built in `dtype`; peft keeps the adapter in float32 for a 16-bit model, so
+    V_lr and B then come in float32."""
+    from peft import LoraConfig, get_peft_model
+
+    from kvprof.kernels.attention import lora_b_per_head
+
+    base = tiny_llama(head_dim).to(device=device, dtype=dtype)
+    lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["v_proj"], init_lora_weights=False)
+    model = get_peft_model(base, lora).eval()
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3)).to(device)
+    context, captured = LoraAttentionContext(), {}
+
+    def capture(module, args, layer):
+        lora_a = module.lora_A["default"]
+        captured.setdefault(layer, []).append(lora_a(args[0].to(lora_a.weight.dtype)))
+        lora_b = lora_b_per_head(module.lora_B["default"].weight, KV_HEADS, module.scaling["default"])
+        context.set(layer, torch.cat(captured[layer], dim=1), lora_b)
+
+    handles = []
+    low_rank = mode == "low_rank"
+    if low_rank:
+        model.get_base_model().set_attn_implementation(LORA_ATTENTION)
+        for layer, decoder in enumerate(model.get_base_model().model.layers):
+            handles.append(
+                decoder.self_attn.v_proj.register_forward_pre_hook(
+                    lambda module, args, layer=layer: capture(module, args, layer)
+                )
+            )
+    adapter = contextlib.nullcontext() if mode == "adapter" else model.disable_adapter()
+    cache, logits = DynamicCache(), []
+    with torch.no_grad(), adapter, use_lora_attention(context):
+        for start, stop in ((0, 10), (10, 15), (15, 16)):
+            logits.append(model(input_ids=ids[:, start:stop], cache=cache).logits.float())
+    for handle in handles:
+        handle.remove()
+    return logits
+
+
+def test_peft_adapter_through_the_low_rank_path_equals_the_adapter():
+    expected = peft_continuation_logits(16, "adapter")
+    actual = peft_continuation_logits(16, "low_rank")
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    base = peft_continuation_logits(16, "base")
+    assert min((without - want).abs().max() for without, want in zip(base, expected, strict=True)) > 1e-2
 
 
 def test_registration_is_idempotent_and_registers_a_mask_function():
@@ -190,3 +251,58 @@ def test_context_must_cover_every_key():
     with pytest.raises(KvprofError, match="layer 0 attends 8 keys but its V_lr covers 7"):
         with torch.no_grad(), use_lora_attention(context):
             lora_model(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_chunk_after_a_cache_builds_no_mask_without_padding(monkeypatch):
+    """A chunk (Lq = 6) after a 10-token cache through the LoRA path: with no padding no (B, 1, Lq, Lk) mask is
+    built (the mask function never reaches sdpa_mask) and the attention gets None, i.e. bottom-right causal with
+    block skipping; with padding the mask is built and handed over."""
+    from kvprof.kernels import chunk_attention, transformers_attention
+
+    built, attended = [], []
+    sdpa_mask, attention = chunk_attention.sdpa_mask, transformers_attention.flash_lora_attention
+
+    def recording_mask(*args, **kwargs):
+        mask = sdpa_mask(*args, **kwargs)
+        built.append(None if mask is None else tuple(mask.shape))
+        return mask
+
+    def recording_attention(query, key, *args, attn_mask=None, **kwargs):
+        attended.append((query.shape[2], key.shape[2], None if attn_mask is None else tuple(attn_mask.shape)))
+        return attention(query, key, *args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(chunk_attention, "sdpa_mask", recording_mask)
+    monkeypatch.setattr(transformers_attention, "flash_lora_attention", recording_attention)
+    _, lora_model = tiny_llama_pair(head_dim=16)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(9))
+    for padded in (False, True):
+        attention_mask = torch.ones(2, 16, dtype=torch.long)
+        if padded:
+            attention_mask[1, :2] = 0
+        cache = DynamicCache()
+        with torch.no_grad():
+            lora_model(ids[:, :10], attention_mask=attention_mask[:, :10], cache=cache)
+            built.clear()
+            attended.clear()
+            context = LoraAttentionContext()
+            for layer, (v_lr, lora_b) in lora_values(16, 16, batch=2).items():
+                context.set(layer, v_lr, lora_b)
+            with use_lora_attention(context):
+                lora_model(ids[:, 10:], attention_mask=attention_mask, cache=cache)
+        assert [call[:2] for call in attended] == [(6, 16)] * LAYERS
+        if padded:
+            assert built and all(shape == (2, 1, 6, 16) for shape in built), built
+            assert all(call[2] == (2, 1, 6, 16) for call in attended), attended
+        else:
+            assert built == [] and all(call[2] is None for call in attended), (built, attended)
+
+
+def test_float32_factors_with_a_16_bit_model_are_cast():
+    """peft keeps LoRA factors in float32; a bfloat16 query takes them (cast to bfloat16 where they enter)."""
+    from kvprof.kernels.attention import flash_lora_attention, flash_lora_attention_ref
+
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=generator).to(torch.bfloat16) for _ in range(3))
+    v_lr, lora_b = torch.randn(1, 5, 4, generator=generator), torch.randn(2, 4, 16, generator=generator)
+    expected = flash_lora_attention_ref(q, k, v, v_lr.to(torch.bfloat16), lora_b.to(torch.bfloat16))
+    torch.testing.assert_close(flash_lora_attention(q, k, v, v_lr, lora_b), expected)

@@ -118,6 +118,16 @@ def check_lora_attention_inputs(
             ) from None
 
 
+def lora_factors_like(q: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v_lr and lora_b for attention with q: float32 factors (what peft keeps, and the LR cache computed from them)
+    are cast to a 16-bit q's dtype, which is how the kernels consume them; any other pair is returned as is (and
+    `check_lora_attention_inputs` names a mismatch)."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        v_lr = v_lr.to(q.dtype) if v_lr.dtype == torch.float32 else v_lr
+        lora_b = lora_b.to(q.dtype) if lora_b.dtype == torch.float32 else lora_b
+    return v_lr, lora_b
+
+
 def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """(Lq, Lk) boolean mask, True where query i may attend key j, i.e. j ≤ i + Lk − Lq."""
     rows = torch.arange(q_len, device=device)[:, None]
@@ -158,8 +168,10 @@ def flash_lora_attention_ref(
     Computes O = P·V_base + (P·V_lr)·B in q's dtype, with the softmax in float32 (as transformers' eager
     attention does). Shapes: q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r);
     lora_b (H_kv, r, D); attn_mask broadcastable to (B, H_q, Lq, Lk), True = attend, replacing the causal rule.
-    Returns (B, H_q, Lq, D). Materialises P, so it is meant for short sequences.
+    Returns (B, H_q, Lq, D). Materialises P, so it is meant for short sequences. Float32 factors with a 16-bit q
+    are cast to q's dtype (`lora_factors_like`).
     """
+    v_lr, lora_b = lora_factors_like(q, v_lr, lora_b)
     check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
@@ -220,6 +232,7 @@ def naive_lora_attention(
 ) -> torch.Tensor:
     """The baseline Flash-LoRA-Attention replaces: expand V = V_base + V_lr·B, then SDPA. Same shapes as
     `flash_lora_attention_ref`."""
+    v_lr, lora_b = lora_factors_like(q, v_lr, lora_b)
     check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
     return plain_attention(q, k, expand_lora_values(v_base, v_lr, lora_b), scale, causal, attn_mask)
 

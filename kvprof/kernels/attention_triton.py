@@ -16,28 +16,40 @@ and `combine_splits` averages the O_s weighted by their softmax mass (the flash-
 applying it per split is exact).
 
 Shapes (GQA: H_q = g·H_kv): q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) shared or
-(B, H_kv, Lk, r) per KV head; lora_b (H_kv, r, D); out (B, H_q, Lq, D). The rank is zero-padded to
-r_pad = max(16, next power of two) by masked loads (16-bit `tl.dot` needs K ≥ 16 on GPU).
+(B, H_kv, Lk, r) per KV head; lora_b (H_kv, r, D); out (B, H_q, Lq, D), stored as (B, Lq, H_q, D) so that
+transformers' (B, Lq, H_q, D) view of it is free.
+
+Everything that shapes the inner loop is a compile-time constant: the rank RANK (zero-padded to RANK_PAD, a power of
+two ≥ 16 as a 16-bit `tl.dot` needs K ≥ 16 on GPU, ≥ 32 for decode tiles; with RANK == RANK_PAD, "EVEN_R", the V_lr
+tile loads without a column mask), causality and the user mask. So a mask-free launch compiles to a loop without any
+mask code, and the V_lr tile goes through the same vectorized, asynchronously pipelined loads as K and V. Triton 3.9
+pipelines a column-masked V_lr tile in the decode loop but not in the prefill loop, so for prefill tiles a rank
+below r_pad is zero-padded on the host (V_lr columns, B rows) and always runs EVEN_R. Offsets that can pass 2³¹
+elements (head, query row, mask row, output) are formed in int64.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS, check_lora_attention_inputs
+from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS, check_lora_attention_inputs, lora_factors_like
 
 LOG2_E = 1.4426950408889634
 DECODE_MAX_ROWS = 16
 COMBINE_BLOCK_M = 16
+COMBINE_SPLIT_CHUNK = 4
 COMBINE_NUM_WARPS = 4
 MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -77,10 +89,8 @@ def _attend_block(
     start_n,
     keys_end,
     q_pos,
-    mask_rows,
+    row_valid,
     diagonal,
-    causal,
-    rank,
     qk_scale,
     stride_kn,
     stride_vn,
@@ -89,30 +99,38 @@ def _attend_block(
     offs_d,
     offs_r,
     offs_n0,
-    MASKED: tl.constexpr,
+    BOUNDARY: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
     INTERPRETING: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Fold keys [start_n, start_n + BLOCK_N) into the online-softmax state of one tile."""
+    """Fold keys [start_n, start_n + BLOCK_N) into the online-softmax state of one tile. A BOUNDARY block checks
+    the key range, the causal rule and the user mask; any other block is seen completely by every row."""
     offs_n = start_n + offs_n0
-    lr_cols = offs_r[None, :] < rank
-    if MASKED:
+    k_ptrs = k_head_ptr + offs_n[None, :] * stride_kn + offs_d[:, None]
+    v_ptrs = v_head_ptr + offs_n[:, None] * stride_vn + offs_d[None, :]
+    v_lr_ptrs = v_lr_head_ptr + offs_n[:, None] * stride_lrn + offs_r[None, :]
+    if BOUNDARY:
         key_valid = offs_n < keys_end
-        k = tl.load(k_head_ptr + offs_n[None, :] * stride_kn + offs_d[:, None], mask=key_valid[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=key_valid[None, :], other=0.0)
     else:
-        k = tl.load(k_head_ptr + offs_n[None, :] * stride_kn + offs_d[:, None])
+        k = tl.load(k_ptrs)
     qk = dot_accumulate(q, k, None, INTERPRETING, PRECISION) * qk_scale
-    if MASKED:
-        causal_ok = (offs_n[None, :] <= q_pos[:, None] + diagonal) | (causal == 0)
-        user_ok = (
-            tl.load(
+    if BOUNDARY:
+        visible = key_valid[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None] + diagonal)
+        if HAS_MASK:
+            allowed = tl.load(
                 mask_row_ptrs[:, None] + offs_n[None, :] * stride_mk,
-                mask=mask_rows[:, None] & key_valid[None, :],
+                mask=row_valid[:, None] & key_valid[None, :],
                 other=1,
             )
-            != 0
-        )
-        qk = tl.where(key_valid[None, :] & causal_ok & user_ok, qk, float("-inf"))
+            visible = visible & (allowed != 0)
+        qk = tl.where(visible, qk, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(qk, 1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     alpha = tl.math.exp2(row_max - shift)
@@ -120,14 +138,18 @@ def _attend_block(
     row_sum = row_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc_lr = acc_lr * alpha[:, None]
-    if MASKED:
-        v = tl.load(v_head_ptr + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_valid[:, None], other=0.0)
-        v_lr = tl.load(
-            v_lr_head_ptr + offs_n[:, None] * stride_lrn + offs_r[None, :], mask=key_valid[:, None] & lr_cols, other=0.0
-        )
+    if BOUNDARY:
+        v = tl.load(v_ptrs, mask=key_valid[:, None], other=0.0)
+        if RANK == RANK_PAD:
+            v_lr = tl.load(v_lr_ptrs, mask=key_valid[:, None], other=0.0)
+        else:
+            v_lr = tl.load(v_lr_ptrs, mask=key_valid[:, None] & (offs_r[None, :] < RANK), other=0.0)
     else:
-        v = tl.load(v_head_ptr + offs_n[:, None] * stride_vn + offs_d[None, :])
-        v_lr = tl.load(v_lr_head_ptr + offs_n[:, None] * stride_lrn + offs_r[None, :], mask=lr_cols, other=0.0)
+        v = tl.load(v_ptrs)
+        if RANK == RANK_PAD:
+            v_lr = tl.load(v_lr_ptrs)
+        else:
+            v_lr = tl.load(v_lr_ptrs, mask=offs_r[None, :] < RANK, other=0.0)
     p_low = round_to(p, v.dtype, INTERPRETING)
     acc = dot_accumulate(p_low, v, acc, INTERPRETING, PRECISION)
     acc_lr = dot_accumulate(p_low, v_lr, acc_lr, INTERPRETING, PRECISION)
@@ -141,34 +163,25 @@ def _epilogue(
     row_sum,
     lora_b_head_ptr,
     stride_br,
-    rank,
     offs_r,
     offs_d,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
     INTERPRETING: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """O = acc / l + (acc_lr / l)·B for one tile, in float32; rows that saw no key give zeros."""
     inv_sum = 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum)
-    lora_b = tl.load(
-        lora_b_head_ptr + offs_r[:, None] * stride_br + offs_d[None, :], mask=offs_r[:, None] < rank, other=0.0
-    )
+    lora_b_ptrs = lora_b_head_ptr + offs_r[:, None] * stride_br + offs_d[None, :]
+    if RANK == RANK_PAD:
+        lora_b = tl.load(lora_b_ptrs)
+    else:
+        lora_b = tl.load(lora_b_ptrs, mask=offs_r[:, None] < RANK, other=0.0)
     out_lr = round_to(acc_lr * inv_sum[:, None], lora_b.dtype, INTERPRETING)
     return dot_accumulate(out_lr, lora_b, acc * inv_sum[:, None], INTERPRETING, PRECISION)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "num_kv_heads",
-        "group",
-        "q_len",
-        "kv_len",
-        "rank",
-        "causal",
-        "has_mask",
-        "num_splits",
-        "split_len",
-    ]
-)
+@triton.jit(do_not_specialize=["num_kv_heads", "group", "q_len", "kv_len", "num_splits", "split_len"])
 def flash_lora_attention_fwd(
     q_ptr,
     k_ptr,
@@ -205,14 +218,14 @@ def flash_lora_attention_fwd(
     group,
     q_len,
     kv_len,
-    rank,
     qk_scale,
-    causal,
-    has_mask,
     num_splits,
     split_len,
     HEAD_DIM: tl.constexpr,
+    RANK: tl.constexpr,
     RANK_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETING: tl.constexpr,
@@ -222,44 +235,49 @@ def flash_lora_attention_fwd(
 
     With num_splits == 1 it writes O; otherwise its key range's own output (float32) and softmax statistics
     (log2-domain running max, sum) to part_out (B·H_kv, num_splits, Lq·g, D) and part_max, part_sum
-    (B·H_kv, num_splits, Lq·g) for `combine_splits`.
-    `qk_scale` is the softmax scale times log2(e); `causal` and `has_mask` are 0/1.
+    (B·H_kv, num_splits, Lq·g) for `combine_splits`. `qk_scale` is the softmax scale times log2(e). CAUSAL is
+    the bottom-right rule; HAS_MASK reads mask (B, H_q, Lq, Lk, any strides, nonzero = attend) instead.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
-    kv_head = pid_bh % num_kv_heads
+    kv_head = (pid_bh % num_kv_heads).to(tl.int64)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_total = q_len * group
     row_valid = rows < rows_total
     q_pos = rows // group
+    q_row = q_pos.to(tl.int64)
     q_head = kv_head * group + rows % group
     offs_d = tl.arange(0, HEAD_DIM)
     offs_r = tl.arange(0, RANK_PAD)
     offs_n0 = tl.arange(0, BLOCK_N)
 
     q = tl.load(
-        q_ptr + batch * stride_qb + q_head[:, None] * stride_qh + q_pos[:, None] * stride_qm + offs_d[None, :],
+        q_ptr + batch * stride_qb + q_head[:, None] * stride_qh + q_row[:, None] * stride_qm + offs_d[None, :],
         mask=row_valid[:, None],
         other=0.0,
     )
     k_head_ptr = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_head_ptr = v_ptr + batch * stride_vb + kv_head * stride_vh
     v_lr_head_ptr = v_lr_ptr + batch * stride_lrb + kv_head * stride_lrh
-    mask_row_ptrs = mask_ptr + batch * stride_mb + q_head * stride_mh + q_pos * stride_mq
-    mask_rows = row_valid & (tl.full((BLOCK_M,), has_mask, tl.int32) != 0)
+    mask_row_ptrs = mask_ptr + batch * stride_mb + q_head * stride_mh + q_row * stride_mq
 
     diagonal = kv_len - q_len
     first_pos = (pid_m * BLOCK_M) // group
     last_pos = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
-    visible_end = tl.where(causal != 0, tl.minimum(kv_len, last_pos + diagonal + 1), kv_len)
     split_start = pid_split * split_len
-    split_end = tl.minimum(split_start + split_len, visible_end)
-    seen_by_all = tl.where(causal != 0, tl.minimum(split_end, first_pos + diagonal + 1), split_end)
-    unmasked_end = split_start + tl.maximum(seen_by_all - split_start, 0) // BLOCK_N * BLOCK_N
-    unmasked_end = tl.where(has_mask != 0, split_start, unmasked_end)
+    if CAUSAL:
+        split_end = tl.minimum(split_start + split_len, tl.minimum(kv_len, last_pos + diagonal + 1))
+        seen_by_all = tl.minimum(split_end, first_pos + diagonal + 1)
+    else:
+        split_end = tl.minimum(split_start + split_len, kv_len)
+        seen_by_all = split_end
+    if HAS_MASK:
+        unmasked_end = split_start
+    else:
+        unmasked_end = split_start + tl.maximum(seen_by_all - split_start, 0) // BLOCK_N * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     acc_lr = tl.zeros((BLOCK_M, RANK_PAD), tl.float32)
@@ -279,10 +297,8 @@ def flash_lora_attention_fwd(
             start_n,
             split_end,
             q_pos,
-            mask_rows,
+            row_valid,
             diagonal,
-            causal,
-            rank,
             qk_scale,
             stride_kn,
             stride_vn,
@@ -292,6 +308,10 @@ def flash_lora_attention_fwd(
             offs_r,
             offs_n0,
             False,
+            CAUSAL,
+            HAS_MASK,
+            RANK,
+            RANK_PAD,
             INTERPRETING,
             PRECISION,
         )
@@ -309,10 +329,8 @@ def flash_lora_attention_fwd(
             start_n,
             split_end,
             q_pos,
-            mask_rows,
+            row_valid,
             diagonal,
-            causal,
-            rank,
             qk_scale,
             stride_kn,
             stride_vn,
@@ -322,16 +340,30 @@ def flash_lora_attention_fwd(
             offs_r,
             offs_n0,
             True,
+            CAUSAL,
+            HAS_MASK,
+            RANK,
+            RANK_PAD,
             INTERPRETING,
             PRECISION,
         )
 
     out = _epilogue(
-        acc, acc_lr, row_sum, lora_b_ptr + kv_head * stride_bh, stride_br, rank, offs_r, offs_d, INTERPRETING, PRECISION
+        acc,
+        acc_lr,
+        row_sum,
+        lora_b_ptr + kv_head * stride_bh,
+        stride_br,
+        offs_r,
+        offs_d,
+        RANK,
+        RANK_PAD,
+        INTERPRETING,
+        PRECISION,
     )
     if num_splits == 1:
         out_ptrs = (
-            out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om + offs_d[None, :]
+            out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_row[:, None] * stride_om + offs_d[None, :]
         )
         tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty, INTERPRETING), mask=row_valid[:, None])
     else:
@@ -355,73 +387,100 @@ def combine_splits(
     q_len,
     num_splits,
     HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     INTERPRETING: tl.constexpr,
 ):
     """Merge the per-split outputs of `flash_lora_attention_fwd`, each weighted by its share of the softmax mass
-    2^(m_s − M)·l_s. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv)."""
+    2^(m_s − M)·l_s. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv).
+
+    All splits' statistics are loaded at once, as a (SPLITS_PAD, BLOCK_M) tile (SPLITS_PAD ≥ num_splits, a power
+    of two; the padding is masked off), for each row's maximum M and total mass; the outputs are then summed
+    SPLIT_CHUNK splits at a time, loads that do not wait on one another."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
-    kv_head = pid_bh % num_kv_heads
+    kv_head = (pid_bh % num_kv_heads).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_total = q_len * group
     row_valid = rows < rows_total
-    q_pos = rows // group
+    q_row = (rows // group).to(tl.int64)
     q_head = kv_head * group + rows % group
     offs_d = tl.arange(0, HEAD_DIM)
+    first_part = (pid_bh * num_splits).to(tl.int64)
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    stats = (first_part + offs_s[:, None]) * rows_total + rows[None, :]
+    stats_valid = (offs_s[:, None] < num_splits) & row_valid[None, :]
+    part_max = tl.load(part_max_ptr + stats, mask=stats_valid, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + stats, mask=stats_valid, other=0.0)
+    top = tl.max(part_max, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    mass = tl.sum(tl.math.exp2(part_max - shift[None, :]) * part_sum, 0)
+    inv_mass = 1.0 / tl.where(mass == 0.0, 1.0, mass)
 
     out = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    run_mass = tl.zeros((BLOCK_M,), tl.float32)
-    for split in range(0, num_splits):
-        part = (pid_bh * num_splits + split).to(tl.int64) * rows_total + rows
-        part_max = tl.load(part_max_ptr + part, mask=row_valid, other=float("-inf"))
-        part_sum = tl.load(part_sum_ptr + part, mask=row_valid, other=0.0)
-        new_max = tl.maximum(run_max, part_max)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        keep = tl.math.exp2(run_max - shift) * run_mass
-        take = tl.math.exp2(part_max - shift) * part_sum
-        run_mass = keep + take
-        part_out = tl.load(
-            part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None], other=0.0
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    for split in range(0, num_splits, SPLIT_CHUNK):
+        chunk = split + offs_c
+        part = (first_part + chunk[:, None]) * rows_total + rows[None, :]
+        valid = (chunk[:, None] < num_splits) & row_valid[None, :]
+        weight = tl.math.exp2(tl.load(part_max_ptr + part, mask=valid, other=float("-inf")) - shift[None, :])
+        weight = weight * tl.load(part_sum_ptr + part, mask=valid, other=0.0)
+        tile = tl.load(
+            part_out_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=valid[:, :, None], other=0.0
         )
-        out = (out * keep[:, None] + part_out * take[:, None]) / tl.where(run_mass == 0.0, 1.0, run_mass)[:, None]
-        run_max = new_max
-    out_ptrs = out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_pos[:, None] * stride_om + offs_d[None, :]
+        out += tl.sum(weight[:, :, None] * tile, 0)
+    out = out * inv_mass[:, None]
+    out_ptrs = out_ptr + batch * stride_ob + q_head[:, None] * stride_oh + q_row[:, None] * stride_om + offs_d[None, :]
     tl.store(out_ptrs, round_to(out, out_ptr.dtype.element_ty, INTERPRETING), mask=row_valid[:, None])
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile sizes and launch options of one shipped `flash_lora_attention_fwd` configuration."""
+    """Tile sizes and launch options of one shipped `flash_lora_attention_fwd` configuration; the rank is
+    zero-padded to at least `min_rank_pad`."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    min_rank_pad: int = 16
 
 
-# Chosen for sm_90 from the shared-memory budget (≤ 227 KiB with r_pad = 64) and the tile shapes of Triton's
-# fused-attention tutorial; they have not been tuned on hardware. 16-bit "decode" tiles (Lq·g ≤ 16 rows) keep
-# 16 rows; float32 (3xTF32 dots, a correctness path) has one tile for every shape.
-ATTENTION_CONFIGS: dict[tuple[str, int, str], AttentionConfig] = {
-    **{
-        (dtype, head_dim, "prefill"): AttentionConfig(128, 64, 8 if head_dim == 128 else 4, 3)
-        for dtype in ("float16", "bfloat16")
-        for head_dim in SUPPORTED_HEAD_DIMS
-    },
-    **{
-        (dtype, head_dim, "decode"): AttentionConfig(16, 64, 4, 3)
-        for dtype in ("float16", "bfloat16")
-        for head_dim in SUPPORTED_HEAD_DIMS
-    },
-    **{
-        ("float32", head_dim, "any"): AttentionConfig(64, 64 if head_dim == 32 else 32, 4, 2)
-        for head_dim in SUPPORTED_HEAD_DIMS
-    },
-}
 RANK_PADS = (16, 32, 64)
+ROW_BUCKETS = ("decode", "prefill")
+
+
+def _shipped_config(dtype: str, head_dim: int, padded_rank: int, masked: bool, bucket: str) -> AttentionConfig:
+    """The tile for one (dtype, head_dim, padded rank, mask flag, row bucket); see `ATTENTION_CONFIGS`."""
+    if dtype == "float32":
+        return AttentionConfig(64, 64 if head_dim == 32 else 32, 4, 2)
+    if bucket == "decode":
+        return AttentionConfig(16, 64, 4, 2, min_rank_pad=32)
+    if masked:
+        return AttentionConfig(64 if head_dim == 128 else 128, 32 if head_dim == 32 else 64, 8, 3)
+    return AttentionConfig(128, 64, 8, 3)
+
+
+# Chosen for sm_90 from the ahead-of-time compile of candidate tiles (registers, spills and shared memory per
+# block; tests/test_kernels_aot.py prints the shipped ones, the README's kernels section lists them) starting
+# from the tile shapes of Triton's fused-attention tutorial; not yet timed on hardware. Every 16-bit tile listed
+# compiles without spills: mask-free prefill 128×64 with 8 warps (4 warps spill at D = 32, 64); masked prefill
+# smaller key blocks (D = 32) or query blocks (D = 128), as the mask tile costs registers; decode (Lq·g ≤ 16 packed
+# query rows) 16×64, 4 warps, 2 stages and the rank padded to ≥ 32 (2 warps, 3 stages or r_pad = 16 spill at
+# D = 128). Keyed on (dtype, head_dim, padded rank, user mask, row bucket; no shipped tile depends on the padded
+# rank yet, the AOT table shows it need not); float32 (3xTF32 dots, a correctness path: it spills, see the table)
+# has one bucket, "any".
+ATTENTION_CONFIGS: dict[tuple[str, int, int, bool, str], AttentionConfig] = {
+    (dtype, head_dim, padded_rank, masked, bucket): _shipped_config(dtype, head_dim, padded_rank, masked, bucket)
+    for dtype in ("float16", "bfloat16", "float32")
+    for head_dim in SUPPORTED_HEAD_DIMS
+    for padded_rank in RANK_PADS
+    for masked in (False, True)
+    for bucket in (("any",) if dtype == "float32" else ROW_BUCKETS)
+}
 
 
 def rank_pad(rank: int) -> int:
@@ -433,11 +492,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pick_config(dtype: torch.dtype, head_dim: int, rows: int) -> AttentionConfig:
-    """The shipped configuration for a dtype, head_dim and Lq·g packed query rows."""
+def pick_config(dtype: torch.dtype, head_dim: int, padded_rank: int, masked: bool, rows: int) -> AttentionConfig:
+    """The shipped configuration for a dtype, head_dim, padded rank, mask flag and Lq·g packed query rows."""
     if dtype == torch.float32:
-        return ATTENTION_CONFIGS[("float32", head_dim, "any")]
-    return ATTENTION_CONFIGS[(dtype_name(dtype), head_dim, "decode" if rows <= DECODE_MAX_ROWS else "prefill")]
+        bucket = "any"
+    else:
+        bucket = "decode" if rows <= DECODE_MAX_ROWS else "prefill"
+    return ATTENTION_CONFIGS[(dtype_name(dtype), head_dim, padded_rank, masked, bucket)]
 
 
 @functools.cache
@@ -452,13 +513,14 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pick_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
-    """Split the keys across programs when the tiles alone leave streaming multiprocessors idle."""
+    """Split the keys across programs when the tiles alone leave streaming multiprocessors idle (at most
+    MAX_SPLITS, the combine's largest padded split count)."""
     if device.type != "cuda":
         return 1
     sm_count = _sm_count(device)
     if programs >= sm_count:
         return 1
-    return max(1, min(triton.cdiv(2 * sm_count, programs), kv_len // MIN_KEYS_PER_SPLIT))
+    return max(1, min(triton.cdiv(2 * sm_count, programs), kv_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -466,8 +528,203 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launch context for tensors on `device`: the CUDA device itself (a model on another GPU than the current
+    one would otherwise read another device's memory), nothing elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch of a jitted kernel: grid, positional arguments, and keyword arguments (compile-time constants
+    and launch options). The launchers run these; the ahead-of-time test compiles exactly these."""
+
+    kernel: triton.runtime.JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+    def run(self):
+        """Launch; returns Triton's compiled kernel (its `n_regs` and `n_spills` are the hardware's numbers)."""
+        return self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything about a launch that depends only on shapes, dtype, device and flags (cached per combination):
+    tiles, grids, split-KV partition, and the compile-time constants and launch options of both kernels."""
+
+    config: AttentionConfig
+    m_blocks: int
+    num_splits: int
+    split_len: int
+    kernel_kwargs: dict
+    combine_m_blocks: int
+    combine_kwargs: dict
+
+
+@functools.lru_cache(maxsize=4096)
+def attention_plan(
+    dtype: torch.dtype,
+    device: torch.device,
+    batch_kv_heads: int,
+    rows: int,
+    kv_len: int,
+    head_dim: int,
+    rank: int,
+    causal: bool,
+    masked: bool,
+    config: AttentionConfig | None,
+    num_splits: int | None,
+) -> AttentionPlan:
+    """The tile configuration, grid and split-KV partition of one launch shape."""
+    config = config or pick_config(dtype, head_dim, rank_pad(rank), masked, rows)
+    padded_rank = max(rank_pad(rank), config.min_rank_pad)
+    m_blocks = triton.cdiv(rows, config.block_m)
+    if num_splits is None:
+        num_splits = pick_num_splits(m_blocks * batch_kv_heads, kv_len, device)
+    split_len = triton.cdiv(triton.cdiv(kv_len, num_splits), config.block_n) * config.block_n
+    num_splits = triton.cdiv(kv_len, split_len)
+    kernel_kwargs = dict(
+        HEAD_DIM=head_dim,
+        RANK=rank,
+        RANK_PAD=padded_rank,
+        CAUSAL=causal and not masked,
+        HAS_MASK=masked,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        INTERPRETING=bool(triton.knobs.runtime.interpret),
+        PRECISION=dot_precision(dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=True,
+    )
+    combine_kwargs = dict(
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=max(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(num_splits)),
+        SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
+        BLOCK_M=COMBINE_BLOCK_M,
+        INTERPRETING=kernel_kwargs["INTERPRETING"],
+        num_warps=COMBINE_NUM_WARPS,
+        enable_fp_fusion=True,
+    )
+    return AttentionPlan(
+        config, m_blocks, num_splits, split_len, kernel_kwargs, triton.cdiv(rows, COMBINE_BLOCK_M), combine_kwargs
+    )
+
+
+def attention_launches(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, list[KernelLaunch]]:
+    """The output O (B, H_q, Lq, D), allocated, and the launches that fill it; see `flash_lora_attention_triton`."""
+    v_lr, lora_b = lora_factors_like(q, v_lr, lora_b)
+    check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KvprofError(
+            f"head_dim {head_dim} has no Flash-LoRA-Attention kernel; supported: "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}. Use the torch reference "
+            "(flash_lora_attention_ref) for other head sizes."
+        )
+    q, k, v_base, v_lr, lora_b = map(_last_dim_contiguous, (q, k, v_base, v_lr, lora_b))
+    group = q_heads // kv_heads
+    rows = q_len * group
+    rank, padded_rank = v_lr.shape[-1], rank_pad(v_lr.shape[-1])
+    if rows > DECODE_MAX_ROWS and rank != padded_rank:
+        # Zero columns of V_lr and zero rows of B change nothing and make the prefill loop's V_lr tile EVEN_R: loaded
+        # without a column mask, it is pipelined like K and V (O(Lk·r_pad) copy, small next to the attention).
+        v_lr = F.pad(v_lr, (0, padded_rank - rank))
+        lora_b = F.pad(lora_b, (0, 0, 0, padded_rank - rank))
+    plan = attention_plan(
+        q.dtype,
+        q.device,
+        batch * kv_heads,
+        rows,
+        kv_len,
+        head_dim,
+        v_lr.shape[-1],
+        causal,
+        attn_mask is not None,
+        config,
+        num_splits,
+    )
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty((batch, q_len, q_heads, head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if v_lr.dim() == 3:
+        lr_strides = (v_lr.stride(0), 0, v_lr.stride(1))
+    else:
+        lr_strides = (v_lr.stride(0), v_lr.stride(1), v_lr.stride(2))
+    if attn_mask is None:
+        mask = _placeholder(q.device, torch.uint8)
+        mask_strides: tuple[int, ...] = (0, 0, 0, 0)
+    else:
+        mask = attn_mask.expand(batch, q_heads, q_len, kv_len).view(torch.uint8)
+        mask_strides = mask.stride()
+    splits = plan.num_splits
+    if splits > 1:
+        part_rows = batch * kv_heads * splits * rows
+        partials = torch.empty((part_rows * (head_dim + 2),), dtype=torch.float32, device=q.device)
+        part_out, part_max, part_sum = partials.split([part_rows * head_dim, part_rows, part_rows])
+    else:
+        part_out = part_max = part_sum = _placeholder(q.device, torch.float32)
+    out_strides = (out.stride(0), out.stride(1), out.stride(2))
+    launches = [
+        KernelLaunch(
+            flash_lora_attention_fwd,
+            (plan.m_blocks, batch * kv_heads, splits),
+            (
+                q,
+                k,
+                v_base,
+                v_lr,
+                lora_b,
+                mask,
+                out,
+                part_out,
+                part_max,
+                part_sum,
+                *q.stride()[:3],
+                *k.stride()[:3],
+                *v_base.stride()[:3],
+                *lr_strides,
+                *lora_b.stride()[:2],
+                *mask_strides,
+                *out_strides,
+                kv_heads,
+                group,
+                q_len,
+                kv_len,
+                scale * LOG2_E,
+                splits,
+                plan.split_len,
+            ),
+            plan.kernel_kwargs,
+        )
+    ]
+    if splits > 1:
+        launches.append(
+            KernelLaunch(
+                combine_splits,
+                (plan.combine_m_blocks, batch * kv_heads),
+                (part_out, part_max, part_sum, out, *out_strides, kv_heads, group, q_len, splits),
+                plan.combine_kwargs,
+            )
+        )
+    return out, launches
 
 
 def flash_lora_attention_triton(
@@ -485,115 +742,12 @@ def flash_lora_attention_triton(
     """Launch Flash-LoRA-Attention (LRAgent, arXiv:2602.01053) and return O (B, H_q, Lq, D).
 
     q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);
-    attn_mask boolean, broadcastable to (B, H_q, Lq, Lk), True = attend (replaces the causal rule).
-    `config` and `num_splits` override the shipped tile configuration and the split-KV heuristic (tests).
+    attn_mask boolean, broadcastable to (B, H_q, Lq, Lk), True = attend (replaces the causal rule). Float32
+    factors (v_lr, lora_b) with 16-bit q are cast to q's dtype. `config` and `num_splits` override the shipped
+    tile configuration and the split-KV heuristic (tests). O is a (B, H_q, Lq, D) view of (B, Lq, H_q, D) memory.
     """
-    check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise KvprofError(
-            f"head_dim {head_dim} has no Flash-LoRA-Attention kernel; supported: "
-            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}. Use the torch reference "
-            "(flash_lora_attention_ref) for other head sizes."
-        )
-    q, k, v_base, v_lr, lora_b = map(_last_dim_contiguous, (q, k, v_base, v_lr, lora_b))
-    group = q_heads // kv_heads
-    rank = v_lr.shape[-1]
-    padded_rank = rank_pad(rank)
-    rows = q_len * group
-    config = config or pick_config(q.dtype, head_dim, rows)
-    m_blocks = triton.cdiv(rows, config.block_m)
-    if num_splits is None:
-        num_splits = pick_num_splits(m_blocks * batch * kv_heads, kv_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(kv_len, num_splits), config.block_n) * config.block_n
-    num_splits = triton.cdiv(kv_len, split_len)
-
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.empty((batch, q_heads, q_len, head_dim), dtype=q.dtype, device=q.device)
-    if v_lr.dim() == 3:
-        lr_strides = (v_lr.stride(0), 0, v_lr.stride(1))
-    else:
-        lr_strides = (v_lr.stride(0), v_lr.stride(1), v_lr.stride(2))
-    if attn_mask is None:
-        mask = _placeholder(q.device, torch.uint8)
-        mask_strides = (0, 0, 0, 0)
-    else:
-        mask = attn_mask.expand(batch, q_heads, q_len, kv_len).view(torch.uint8)
-        mask_strides = mask.stride()
-    if num_splits > 1:
-        part_rows = batch * kv_heads * num_splits * rows
-        partials = torch.empty((part_rows * (head_dim + 2),), dtype=torch.float32, device=q.device)
-        part_out, part_max, part_sum = partials.split([part_rows * head_dim, part_rows, part_rows])
-    else:
-        part_out = part_max = part_sum = _placeholder(q.device, torch.float32)
-    interpreting = bool(triton.knobs.runtime.interpret)
-    precision = dot_precision(q.dtype)
-
-    flash_lora_attention_fwd[(m_blocks, batch * kv_heads, num_splits)](
-        q,
-        k,
-        v_base,
-        v_lr,
-        lora_b,
-        mask,
-        out,
-        part_out,
-        part_max,
-        part_sum,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v_base.stride(0),
-        v_base.stride(1),
-        v_base.stride(2),
-        *lr_strides,
-        lora_b.stride(0),
-        lora_b.stride(1),
-        *mask_strides,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        kv_heads,
-        group,
-        q_len,
-        kv_len,
-        rank,
-        scale * LOG2_E,
-        int(causal and attn_mask is None),
-        int(attn_mask is not None),
-        num_splits,
-        split_len,
-        HEAD_DIM=head_dim,
-        RANK_PAD=padded_rank,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        INTERPRETING=interpreting,
-        PRECISION=precision,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        enable_fp_fusion=True,
-    )
-    if num_splits > 1:
-        combine_splits[(triton.cdiv(rows, COMBINE_BLOCK_M), batch * kv_heads)](
-            part_out,
-            part_max,
-            part_sum,
-            out,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            kv_heads,
-            group,
-            q_len,
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_M=COMBINE_BLOCK_M,
-            INTERPRETING=interpreting,
-            num_warps=COMBINE_NUM_WARPS,
-            enable_fp_fusion=True,
-        )
+    out, launches = attention_launches(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask, config, num_splits)
+    with on_device(q.device):
+        for launch in launches:
+            launch.run()
     return out
