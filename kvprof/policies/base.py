@@ -129,6 +129,8 @@ class Context:
     buffers: the storage `kv` are views of (per layer a `KVBuffer`), when the turn may append in place after them
     (whatever lies past `kv`'s length there is scratch the policy will overwrite or not read); None: the turn
     copies `kv` into fresh buffers.
+    recomputed: (token, layer) K/V entries of the reused span the policy recomputed for this agent in `assemble`
+    (selective recompute, `kvprof.policies.selective`); reused × layers of them means all of it.
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -140,6 +142,7 @@ class Context:
     working_bytes: int = 0
     lora_values: list[LoraValues | None] | None = None
     buffers: list[KVBuffer] | None = None
+    recomputed: int = 0
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -175,7 +178,8 @@ class TurnResult:
     time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
-    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere).
+    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed: the
+    context's recomputed (token, layer) K/V entries of the reused span (`Context.recomputed`).
     """
 
     agent: str
@@ -196,6 +200,7 @@ class TurnResult:
     stored_before_bytes: int = 0
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
+    recomputed: int = 0
 
 
 @dataclass
@@ -266,6 +271,11 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def needs_hidden(self) -> bool:
         """Whether the turn's forwards capture their attention inputs X (`ChunkForward.hidden`) for the hooks."""
         return False
+
+    def notes(self) -> list[str]:
+        """What a reader of this policy's results must know about how it ran (e.g. where a profile it used came
+        from); recorded in the replay result and printed with its tables. None by default."""
+        return []
 
     def check(self, runtime: Runtime) -> None:
         """Refuse a setting this policy cannot replay (mode, adapters)."""
@@ -379,6 +389,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             stored_before_bytes=stored_before,
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
+            recomputed=context.recomputed,
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:
