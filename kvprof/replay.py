@@ -136,6 +136,7 @@ def summarise(turns: list[dict]) -> dict:
         "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
         "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
         "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
+        "recomputed": sum(t["recomputed"] for t in turns),
         "recompute_ratio": (
             sum(t["recomputed"] for t in reusable) / sum(t["reused"] * len(t["layers"]) for t in reusable)
             if reusable

@@ -12,7 +12,7 @@ import torch
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
-from kvprof.policies import PolicyVariant, TurnRequest
+from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, parse_policy_options
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.droidspeak import DroidSpeak
 from kvprof.policies.selective import LayerStack, budget, select_top
@@ -153,6 +153,7 @@ def test_droidspeak_profiles_the_first_trajectory_then_saves_and_reuses_its_prof
         and profile["turns"] == sum(1 for turn in first if turn.reused)
         and len(profile["deviation"]) == layers
     )
+    assert all(value > 0 for value in profile["deviation"])  # lora mode: every layer's reused K/V deviate
     start, end = profiling.block
     assert end - start == 1 and not profiling.calibrating
     assert all(turn.recomputed == turn.reused for turns in later for turn in turns)  # one layer of every token
@@ -235,3 +236,11 @@ def test_a_model_that_transforms_its_embeddings_is_refused(runtimes, monkeypatch
     monkeypatch.setattr(LayerStack, "embed", lambda self, ids: 2.0 * embed(self, ids))
     with pytest.raises(KvprofError, match="transforms its input embeddings"):
         PolicyVariant("cacheblend").build(runtime)
+
+
+def test_profile_paths_stay_out_of_labels_and_take_one_value(tmp_path):
+    one = parse_policy_options([f"droidspeak.profile={tmp_path / 'a.json'}"])
+    assert [variant.label for variant in enumerate_variants(["droidspeak"], one)] == ["droidspeak-ratio=0.2"]
+    two = parse_policy_options([f"droidspeak.profile={tmp_path / name}" for name in ("a.json", "b.json")])
+    with pytest.raises(KvprofError, match="both be labelled droidspeak-ratio=0.2"):
+        enumerate_variants(["droidspeak"], two)

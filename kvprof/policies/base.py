@@ -50,7 +50,8 @@ class Option:
     """One knob of a policy. Values are strings on the command line; `parse` turns one into the setting.
 
     choices: the allowed values (None: any value `parse` accepts); default: the published setting;
-    sweep: the values `--policy all` replays (empty: the default only).
+    sweep: the values `--policy all` replays (empty: the default only); labelled: False for an option that never
+    shows in a variant's label (a file path: the policy's notes name it), which then takes one value per replay.
     """
 
     default: str
@@ -58,6 +59,7 @@ class Option:
     sweep: tuple[str, ...] = ()
     help: str = ""
     parse: Callable[[str], object] = str
+    labelled: bool = True
 
     def check(self, policy: str, key: str, value: str) -> object:
         """The parsed setting, or a `KvprofError` naming the policy, the option and the allowed values."""
@@ -76,7 +78,7 @@ class Option:
     def label(self, key: str, value: str) -> str:
         """How the value shows in a variant's label: the value itself for a choice, key=value otherwise; empty for
         the default of an option that is not swept (labels name what a sweep varies, and any departure from it)."""
-        if not self.sweep and value == self.default:
+        if not self.labelled or not self.sweep and value == self.default:
             return ""
         return value if self.choices is not None else f"{key}={value}"
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from kvprof.policies.base import Option, Published
 from kvprof.policies.fullshared import FullSharedContext
-from kvprof.policies.papers import CACHEBLEND, CACHEBLEND_SETTING, PRECACHE, PRECACHE_SETTING
-from kvprof.policies.selective import Blend, SelectiveRecompute, budget, layer_index, ratio_option, select_top
+from kvprof.policies.papers import CACHEBLEND, CACHEBLEND_SETTING
+from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, budget, layer_index, ratio_option, select_top
 from kvprof.runtime import Runtime
 
 
@@ -57,13 +57,7 @@ class CacheBlend(SelectiveRecompute):
             CACHEBLEND_SETTING,
             "recompute ratio 15 % by default; TTFT 2.2–3.3× lower than full prefill without quality loss",
         ),
-        Published(
-            PRECACHE,
-            "memory",
-            PRECACHE_SETTING,
-            "selective recompute (30 % ratio) holds 17–23 % more peak memory than PreLRShared / ReBaseShared at 66.4k "
-            "tokens",
-        ),
+        MEMORY,
     )
 
     def check(self, runtime: Runtime) -> None:
@@ -72,11 +66,7 @@ class CacheBlend(SelectiveRecompute):
 
     def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
         check = self.layer_setting("check_layer")
-        positions = blend.positions(len(ids))
-        hidden = self.stack.embed(ids)
-        for layer in range(check):
-            hidden = blend.layer(layer, hidden, positions)
-        probe = blend.probe(check, hidden, positions)
+        hidden, positions, probe = blend.full_then_probe(ids, check)
         side = 0 if self.settings["deviation"] == "key" else 1
         new = probe.keys if side == 0 else probe.values
         deviation = (new.float() - blend.reused(check, side, len(ids)).float()).pow(2).sum(dim=(0, 1, 3))

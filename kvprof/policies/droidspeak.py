@@ -41,8 +41,8 @@ from kvprof.fileio import write_json
 from kvprof.kv_buffer import GrowingTensor
 from kvprof.policies.base import Chunk, Option, Published
 from kvprof.policies.fullshared import FullSharedContext
-from kvprof.policies.papers import DROIDSPEAK, LRAGENT, LRAGENT_SETTING, PRECACHE, PRECACHE_SETTING
-from kvprof.policies.selective import Blend, SelectiveRecompute, ratio_option
+from kvprof.policies.papers import DROIDSPEAK, LRAGENT, LRAGENT_SETTING
+from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, ratio_option
 from kvprof.runtime import ChunkForward, Runtime
 
 PROFILE_KIND = "kvprof.droidspeak-profile"
@@ -129,20 +129,18 @@ class DroidSpeak(SelectiveRecompute):
     paper = DROIDSPEAK
     options = {
         "ratio": ratio_option("0.2", "the share R of layers recomputed (a contiguous block)"),
-        "profile": Option("", help="a layer profile (JSON) to choose the block from; empty: profile on the replay"),
-        "profile_out": Option("", help="write the layer profile (JSON) the policy profiled to this file"),
+        "profile": Option(
+            "", labelled=False, help="a layer profile (JSON) to choose the block from; empty: profile on the replay"
+        ),
+        "profile_out": Option(
+            "", labelled=False, help="write the layer profile (JSON) the policy profiled to this file"
+        ),
     }
     published = (
         Published(
             LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 2.6 points against NonShared"
         ),
-        Published(
-            PRECACHE,
-            "memory",
-            PRECACHE_SETTING,
-            "selective recompute (30 % ratio) holds 17–23 % more peak memory than PreLRShared / ReBaseShared at 66.4k "
-            "tokens",
-        ),
+        MEMORY,
     )
     context_type = DroidSpeakContext
     calibrating = False  # set by __init__; reset() runs first, from SharingPolicy.__init__
@@ -165,7 +163,8 @@ class DroidSpeak(SelectiveRecompute):
     def notes(self) -> list[str]:
         start, end = self.block
         layers = self.runtime.num_layers
-        ran = f"recomputes layers {start}–{end - 1} of {layers} (ratio {self.size / layers:.2f} of layers)"
+        block = f"layer {start}" if end - start == 1 else f"layers {start}–{end - 1}"
+        ran = f"recomputes {block} of {layers} (ratio {self.size / layers:.2f} of layers)"
         if not 0 < self.size < layers:
             return [f"{ran}; no profile needed"]
         if self.settings["profile"]:
@@ -209,7 +208,9 @@ class DroidSpeak(SelectiveRecompute):
         if not self.calibrating:
             blend.carry(start, end, hidden, positions)
             return
-        before = [tuple(blend.reused(layer, side, count).float() for side in (0, 1)) for layer in range(start, end)]
+        before = [  # copies: the blend overwrites the reused span in place
+            tuple(blend.reused(layer, side, count).float().clone() for side in (0, 1)) for layer in range(start, end)
+        ]
         blend.carry(start, end, hidden, positions)
         profile = LayerProfile.empty(self.runtime.num_layers)
         profile.turns = 1

@@ -35,8 +35,9 @@ import torch
 
 from kvprof.policies.base import Option, Published
 from kvprof.policies.fullshared import FullSharedContext
-from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING, RELAYCACHING
+from kvprof.policies.papers import RELAYCACHING
 from kvprof.policies.selective import (
+    MEMORY,
     Blend,
     Probe,
     SelectiveRecompute,
@@ -66,13 +67,7 @@ class RelayCaching(SelectiveRecompute):
         Published(
             RELAYCACHING, "reported reuse", "multi-agent pipelines relaying decode-phase KV", "> 80 % of KV reused"
         ),
-        Published(
-            PRECACHE,
-            "memory",
-            PRECACHE_SETTING,
-            "selective recompute (30 % ratio) holds 17–23 % more peak memory than PreLRShared / ReBaseShared at 66.4k "
-            "tokens",
-        ),
+        MEMORY,
     )
 
     def check(self, runtime: Runtime) -> None:
@@ -84,11 +79,7 @@ class RelayCaching(SelectiveRecompute):
     def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
         check, skip = self.layer_setting("check_layer"), self.layer_setting("skip_layers")
         count = len(ids)
-        positions = blend.positions(count)
-        hidden = self.stack.embed(ids)
-        for layer in range(check):
-            hidden = blend.layer(layer, hidden, positions)
-        probe = blend.probe(check, hidden, positions)
+        hidden, positions, probe = blend.full_then_probe(ids, check)
         deviation = 1.0 - torch.nn.functional.cosine_similarity(
             _per_token(probe.values), _per_token(blend.reused(check, 1, count)), dim=-1
         )
