@@ -171,14 +171,14 @@ class DroidSpeak(SelectiveRecompute):
             return [f"{ran}, chosen from the profile {self.settings['profile']} ({self.profile.turns} turns)"]
         if self.calibrating:
             return [
-                f"profiled on this replay: all {self.profile.turns} turns were calibration turns (the first "
-                "trajectory), served by recomputing every layer; pass a profile (droidspeak.profile=FILE) or more "
-                "trajectories"
+                f"profiled on this replay: its only trajectory was calibration ({self.profile.turns} turns that "
+                "reused a cache, served by recomputing every layer); pass a profile (droidspeak.profile=FILE) or "
+                "more trajectories"
             ]
         return [
-            f"{ran}, chosen from a profile of this replay's first trajectory ({self.profile.turns} calibration turns, "
-            "served by recomputing every layer and counted in its results); pass droidspeak.profile=FILE to use a "
-            "profile from other trajectories"
+            f"{ran}, chosen from a profile of this replay's first trajectory ({self.profile.turns} turns that reused "
+            "a cache, served by recomputing every layer and counted in its results); pass droidspeak.profile=FILE "
+            "to use a profile from other trajectories"
         ]
 
     @property
