@@ -42,7 +42,7 @@ class CacheBlend(SelectiveRecompute):
     name = "cacheblend"
     paper = CACHEBLEND
     options = {
-        "ratio": ratio_option("0.15", "the share R of reused tokens recomputed after the check layer"),
+        "ratio": ratio_option("0.15", "the share of reused tokens recomputed after the check layer"),
         "check_layer": Option(
             "1", parse=layer_index, help="the layer at which tokens are selected (layers before it: recomputed in full)"
         ),

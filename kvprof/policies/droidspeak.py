@@ -128,7 +128,7 @@ class DroidSpeak(SelectiveRecompute):
     name = "droidspeak"
     paper = DROIDSPEAK
     options = {
-        "ratio": ratio_option("0.2", "the share R of layers recomputed (a contiguous block)"),
+        "ratio": ratio_option("0.2", "the share of layers recomputed (a contiguous block)"),
         "profile": Option(
             "", labelled=False, help="a layer profile (JSON) to choose the block from; empty: profile on the replay"
         ),

@@ -57,7 +57,7 @@ class RelayCaching(SelectiveRecompute):
     name = "relaycaching"
     paper = RELAYCACHING
     options = {
-        "ratio": ratio_option("0.2", "the share R of reused tokens rectified from the check layer on"),
+        "ratio": ratio_option("0.2", "the share of reused tokens rectified from the check layer on"),
         "check_layer": Option(
             "1", parse=layer_index, help="the layer at which deviation and influence are measured (full band before it)"
         ),

@@ -78,7 +78,7 @@ def layer_index(value: str) -> int:
 
 def ratio_option(default: str, meaning: str) -> Option:
     """The recompute ratio R of a selective-recompute policy (`meaning`: what it is a share of, for `--help`)."""
-    return Option(default, sweep=RATIO_SWEEP, parse=recompute_ratio, help=f"pass a number in [0, 1]: {meaning}")
+    return Option(default, sweep=RATIO_SWEEP, parse=recompute_ratio, help=f"R in [0, 1], {meaning}")
 
 
 def budget(ratio: float, count: int) -> int:
