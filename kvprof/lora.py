@@ -101,25 +101,29 @@ def shared_down_projection(splits: list[LayerSplit], agents: list[str]) -> bool:
 
 
 class HiddenTap:
-    """Captures X, the input of each layer's attention projections, during forwards inside `capture()`.
+    """Captures, during forwards inside `capture()`, X, the input of each layer's attention projections, and the
+    residual stream entering each decoder layer (what a policy recomputing layers from a stored state starts from).
 
-    `hidden[i]` is (B, L, d_model) for layer i, from the last forward.
+    `hidden[i]` and `residual[i]` are (B, L, d_model) for layer i, from the last forward.
     """
 
     def __init__(self, model):
         self.layers = decoder_layers(model)
         self.hidden: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.residual: list[torch.Tensor | None] = [None] * len(self.layers)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[HiddenTap]:
-        def hook(index):
+        def hook(target, index):
             def grab(module, args, kwargs):
-                self.hidden[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                target[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
             return grab
 
         handles = [
-            layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(self.layers)
+            module.register_forward_pre_hook(hook(target, i), with_kwargs=True)
+            for i, layer in enumerate(self.layers)
+            for module, target in ((layer.self_attn, self.hidden), (layer, self.residual))
         ]
         try:
             yield self

@@ -72,6 +72,7 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         "input_tokens": result.input_kv[0][0].shape[1],
         "output_tokens": len(result.output_ids),
         "reused": result.reused,
+        "recomputed": result.recomputed,
         "from_others": from_others,
         "adapter_free": result.adapter_free,
         "prefilled": result.prefilled,
@@ -135,6 +136,12 @@ def summarise(turns: list[dict]) -> dict:
         "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
         "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
         "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
+        "recomputed": sum(t["recomputed"] for t in turns),
+        "recompute_ratio": (
+            sum(t["recomputed"] for t in reusable) / sum(t["reused"] * len(t["layers"]) for t in reusable)
+            if reusable
+            else 0.0
+        ),
         "prefilled": sum(t["prefilled"] for t in turns),
         "flops": sum(t["flops"] for t in turns),
         "ttft_flops": sum(t["ttft_flops"] for t in turns),
@@ -189,6 +196,7 @@ def policy_entry(policy: SharingPolicy) -> dict:
         "modes": list(policy.modes),
         "options": dict(policy.values),
         "published": [asdict(figure) | {"text": str(figure)} for figure in policy.published],
+        "notes": policy.notes(),
     }
 
 

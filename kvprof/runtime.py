@@ -35,12 +35,19 @@ class ChunkForward:
     """What one forward over a chunk of n tokens returns.
 
     logits: (B, n, vocab) fp32; hidden: per layer the attention inputs X, (B, n, d_model), when captured;
-    cache: the DynamicCache after the forward (context + chunk).
+    cache: the DynamicCache after the forward (context + chunk); residual: per layer the residual stream entering
+    the decoder layer, (B, n, d_model), when captured.
     """
 
     logits: torch.Tensor
     hidden: list[torch.Tensor] | None
     cache: DynamicCache
+    residual: list[torch.Tensor] | None = None
+
+
+def _captured(state: torch.Tensor | None) -> torch.Tensor:
+    assert state is not None
+    return state.detach()
 
 
 class Runtime:
@@ -203,13 +210,12 @@ class Runtime:
                 "replay fewer trajectories, use --dtype bfloat16, or a larger device."
             ) from None
         hidden: list[torch.Tensor] | None = None
+        residual: list[torch.Tensor] | None = None
         if capture:
-            hidden = []
-            for h in self.tap.hidden:
-                # The forward above ran every decoder layer inside tap.capture(), whose pre-hooks set each entry.
-                assert h is not None
-                hidden.append(h.detach())
-        return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache)
+            # The forward above ran every decoder layer inside tap.capture(), whose pre-hooks set each entry.
+            hidden = [_captured(h) for h in self.tap.hidden]
+            residual = [_captured(h) for h in self.tap.residual]
+        return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache, residual=residual)
 
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:

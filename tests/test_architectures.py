@@ -59,6 +59,20 @@ def _check_exact_and_shared(result: dict) -> None:
     assert fullshared["k_error"] > 0 and fullshared["v_error"] > 0
 
 
+def _check_selective_recompute_at_ratio_one(run_cli, trace: str, out) -> None:
+    """Selective recompute of every reused (token, layer) entry, layer by layer through this architecture's
+    decoder layers (biases, sliding-window attention), is the dense run."""
+    flags = [
+        arg
+        for name in ("cacheblend", "droidspeak", "relaycaching")
+        for arg in ("--policy", name, "--policy-option", f"{name}.ratio=1")
+    ]
+    for label, entry in _replay(run_cli, trace, out, *flags)["policies"].items():
+        summary = entry["summary"]
+        assert summary["recompute_ratio"] == 1.0, label
+        assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-9, label
+
+
 def test_cache_split_and_base_kv_carry_the_biases(world):
     """base + adapter is the cached K/V, and the base part from the weights (kvprof.lora) equals the captured one:
     with Qwen2's biases, both must include the bias (before RoPE for keys)."""
@@ -110,6 +124,7 @@ def test_lora_capture_rank_analysis_and_replay(world, run_cli, tmp_path):
     assert set(result["policies"]) == variants - {"baselrshared"}
     assert set(result["online"]) == set(result["policies"]) | {"dense"}
     _check_exact_and_shared(result)
+    _check_selective_recompute_at_ratio_one(run_cli, trace, tmp_path / "recompute")
     # adapters that share A: BaseLRShared runs too
     shared_a = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.shared_a_adapter(name)}")]
     result = _replay(run_cli, trace, tmp_path / "shared_a", "--policy", "baselrshared", *shared_a)
@@ -127,7 +142,8 @@ def test_prompt_capture_rank_analysis_and_replay(world, run_cli, tmp_path):
         assert context_free["layer_means"][0][kv]["delta_relative"] < 1e-5
     result = _replay(run_cli, trace, tmp_path / "replay", "--online")
     prompt = {variant.label for variant in enumerate_variants() if "prompt" in variant.policy.modes}
-    assert set(result["policies"]) == prompt == {"fullshared", "nonshared"}
+    assert set(result["policies"]) == prompt and {"fullshared", "nonshared", "cacheblend-ratio=0.1"} <= prompt
     assert all("lora-mode" in reason for reason in result["skipped"].values())
     assert set(result["online"]) == prompt | {"dense"}
     _check_exact_and_shared(result)
+    _check_selective_recompute_at_ratio_one(run_cli, trace, tmp_path / "recompute")

@@ -26,6 +26,8 @@ from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
 
 TOLERANCE = {"bfloat16": 0.05, "float16": 0.01}
+# selective recompute selects tokens by ranking their deviations, and rounding can reorder near-equal ones
+SELECTION_TOLERANCE = {"bfloat16": 0.15, "float16": 0.05}
 TOP1_TOLERANCE = 0.05
 
 
@@ -132,5 +134,10 @@ def test_demo_trace_replays_every_policy_in_half_precision(demo_replays, dtype):
             assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0, label
             continue
         for key in ("k_error", "v_error", "kl"):
-            assert summary[key] == pytest.approx(expected[key], rel=TOLERANCE[dtype]), (label, key)
+            if expected[key] < 1e-5:  # a policy that recomputed everything (DroidSpeak calibrating on its only
+                # trajectory) is exact up to rounding: up to this dtype's rounding, not within a relative tolerance
+                assert summary[key] < 10 * torch.finfo(getattr(torch, dtype)).eps, (label, key)
+                continue
+            tolerance = (SELECTION_TOLERANCE if entry["family"] == "selective recompute" else TOLERANCE)[dtype]
+            assert summary[key] == pytest.approx(expected[key], rel=tolerance), (label, key)
         assert abs(summary["top1"] - expected["top1"]) <= TOP1_TOLERANCE, label

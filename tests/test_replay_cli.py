@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from kvprof.model import load_agents_for_trace
-from kvprof.policies import PolicyVariant
+from kvprof.policies import PolicyVariant, enumerate_variants
 from kvprof.replay import ReplayProgress, replay_trace
 from kvprof.trace import read_trace
 
@@ -62,7 +62,8 @@ def test_policy_all_on_prompt_trace_skips_lora_policies(run_cli, tiny_world, tmp
     code, out, err = run_cli("replay", trace_dir / "trace.jsonl", "--repeats", "1", "--out", tmp_path / "replay")
     assert code == 0, err
     result = json.loads((tmp_path / "replay" / "replay.json").read_text())
-    assert set(result["policies"]) == {"fullshared", "nonshared"}
+    prompt_variants = {v.label for v in enumerate_variants() if "prompt" in v.policy.modes}
+    assert set(result["policies"]) == prompt_variants and "fullshared" in prompt_variants
     assert "prelrshared" in result["skipped"] and "lora-mode" in result["skipped"]["prelrshared"]
     fullshared = result["policies"]["fullshared"]["summary"]
     assert fullshared["reuse_per_token"] > 0 and fullshared["k_error"] > 0  # re-aligned keys from other prompts

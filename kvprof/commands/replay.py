@@ -28,7 +28,7 @@ from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_p
 from kvprof.policies.variants import ALL
 from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
-from kvprof.report.replay import cost_table, dense_check, fidelity_table, reuse_table, sections
+from kvprof.report.replay import cost_table, dense_check, fidelity_table, policy_notes, reuse_table, sections
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory, iter_trajectories, read_header
 
@@ -302,6 +302,8 @@ def show(result: dict) -> None:
     console.print(fidelity_table(result).to_rich())
     console.print(reuse_table(result).to_rich())
     console.print(cost_table(result).to_rich())
+    for note in policy_notes(result):
+        console.print(note)
 
 
 def write_page(out: Path, result: dict) -> Path:

@@ -10,10 +10,13 @@ from kvprof.errors import KvprofError
 from kvprof.policies.base import Option, Published, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.baselrshared import BaseLRShared
 from kvprof.policies.baseshared import BaseShared
+from kvprof.policies.cacheblend import CacheBlend
+from kvprof.policies.droidspeak import DroidSpeak
 from kvprof.policies.fullshared import FullShared
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.policies.rebaseshared import ReBaseShared
+from kvprof.policies.relaycaching import RelayCaching
 from kvprof.policies.variants import PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
 
 REGISTRY: dict[str, type[SharingPolicy]] = {
@@ -23,6 +26,9 @@ REGISTRY: dict[str, type[SharingPolicy]] = {
     "baselrshared": BaseLRShared,
     "prelrshared": PreLRShared,
     "rebaseshared": ReBaseShared,
+    "droidspeak": DroidSpeak,
+    "cacheblend": CacheBlend,
+    "relaycaching": RelayCaching,
 }
 
 

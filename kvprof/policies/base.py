@@ -50,7 +50,8 @@ class Option:
     """One knob of a policy. Values are strings on the command line; `parse` turns one into the setting.
 
     choices: the allowed values (None: any value `parse` accepts); default: the published setting;
-    sweep: the values `--policy all` replays (empty: the default only).
+    sweep: the values `--policy all` replays (empty: the default only); labelled: False for an option that never
+    shows in a variant's label (a file path: the policy's notes name it), which then takes one value per replay.
     """
 
     default: str
@@ -58,6 +59,7 @@ class Option:
     sweep: tuple[str, ...] = ()
     help: str = ""
     parse: Callable[[str], object] = str
+    labelled: bool = True
 
     def check(self, policy: str, key: str, value: str) -> object:
         """The parsed setting, or a `KvprofError` naming the policy, the option and the allowed values."""
@@ -76,7 +78,7 @@ class Option:
     def label(self, key: str, value: str) -> str:
         """How the value shows in a variant's label: the value itself for a choice, key=value otherwise; empty for
         the default of an option that is not swept (labels name what a sweep varies, and any departure from it)."""
-        if not self.sweep and value == self.default:
+        if not self.labelled or not self.sweep and value == self.default:
             return ""
         return value if self.choices is not None else f"{key}={value}"
 
@@ -129,6 +131,8 @@ class Context:
     buffers: the storage `kv` are views of (per layer a `KVBuffer`), when the turn may append in place after them
     (whatever lies past `kv`'s length there is scratch the policy will overwrite or not read); None: the turn
     copies `kv` into fresh buffers.
+    recomputed: (token, layer) K/V entries of the reused span the policy recomputed for this agent in `assemble`
+    (selective recompute, `kvprof.policies.selective`); reused × layers of them means all of it.
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -140,6 +144,7 @@ class Context:
     working_bytes: int = 0
     lora_values: list[LoraValues | None] | None = None
     buffers: list[KVBuffer] | None = None
+    recomputed: int = 0
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -175,7 +180,8 @@ class TurnResult:
     time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
-    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere).
+    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed: the
+    context's recomputed (token, layer) K/V entries of the reused span (`Context.recomputed`).
     """
 
     agent: str
@@ -196,6 +202,7 @@ class TurnResult:
     stored_before_bytes: int = 0
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
+    recomputed: int = 0
 
 
 @dataclass
@@ -266,6 +273,11 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def needs_hidden(self) -> bool:
         """Whether the turn's forwards capture their attention inputs X (`ChunkForward.hidden`) for the hooks."""
         return False
+
+    def notes(self) -> list[str]:
+        """What a reader of this policy's results must know about how it ran (e.g. where a profile it used came
+        from); recorded in the replay result and printed with its tables. None by default."""
+        return []
 
     def check(self, runtime: Runtime) -> None:
         """Refuse a setting this policy cannot replay (mode, adapters)."""
@@ -379,6 +391,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             stored_before_bytes=stored_before,
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
+            recomputed=context.recomputed,
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:

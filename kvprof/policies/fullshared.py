@@ -15,6 +15,7 @@ the agent's prefix, then the shared keys re-rotated to its positions — and `co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -39,7 +40,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
     paper = "naive sharing baseline of LRAgent / PReCache / KVCOMM"
     approximate = True
     modes = ("lora", "prompt")
-    published = (
+    published: ClassVar[tuple[Published, ...]] = (
         Published(
             LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 5.3 points against NonShared"
         ),

@@ -19,3 +19,16 @@ PRECACHE_SETTING = (
     "LLaMA-3.1-8B-Instruct and Ministral-8B-Instruct, AutoAct plan / act / reflect agents on HotpotQA "
     "and ScienceQA, LoRA r=8 on q and v, trajectories of 1.9k–66.4k tokens, single stream on an A6000"
 )
+
+CACHEBLEND = (
+    "CacheBlend: Fast Large Language Model Serving for RAG with Cached Knowledge Fusion "
+    "(Yao et al., EuroSys 2025; arXiv:2405.16444)"
+)
+CACHEBLEND_SETTING = "RAG with precomputed chunk caches; Mistral-7B, Yi-34B, Llama-70B"
+
+DROIDSPEAK = (
+    "DroidSpeak: KV Cache Sharing for Cross-LLM Communication and Multi-LLM Serving (Liu et al., 2024; "
+    "arXiv:2411.02820)"
+)
+
+RELAYCACHING = "RelayCaching (reuse of earlier agents' decode-phase KV with sparse rectification)"

@@ -96,6 +96,13 @@ def enumerate_variants(
         ]
         for values in itertools.product(*axes):
             variants.append(PolicyVariant(cls.name, dict(zip(cls.options, values))))
+    labels = [variant.label for variant in variants]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise KvprofError(
+            f"two variants would both be labelled {twice[0]}: an option that does not show in labels (a file) "
+            "takes one value per replay; run one replay per value."
+        )
     if len(variants) > 1:
         variants = [v for v in variants if v.name != "nonshared"] + [v for v in variants if v.name == "nonshared"]
     return variants

@@ -113,12 +113,24 @@ def reuse_table(result: dict) -> TableData:
     """Policy × reuse ratios and tokens prefilled."""
     table = TableData(
         title="reuse: tokens served from stored caches instead of prefilled",
-        columns=["policy", "ρ tok", "ρ call", "ρ call*", "adapter-free tok", "prefilled", "implied ×", "FLOP ×"],
+        columns=[
+            "policy",
+            "ρ tok",
+            "ρ call",
+            "ρ call*",
+            "adapter-free tok",
+            "recomputed",
+            "prefilled",
+            "implied ×",
+            "FLOP ×",
+        ],
         caption="ρ: share of input tokens (tok) / of calls (call) reused from caches of tokens another agent "
         "processed first — one definition for every policy — call* excluding source hops; adapter-free tok: share "
-        "of input tokens served from an adapter-free cache; prefilled: tokens through the backbone (chunks, LR "
-        "prefills, prefixes); implied × = dense ÷ policy tokens prefilled; FLOP × = dense ÷ policy analytic FLOPs of "
-        "the TTFT phase (every batch row counted): the TTFT speed-up the work allows.",
+        "of input tokens served from an adapter-free cache; recomputed: share of the reused span's (token, layer) "
+        "K/V entries recomputed for the acting agent (selective recompute; the KV reuse ratio is 1 − it); "
+        "prefilled: tokens through the backbone (chunks, LR prefills, prefixes; a recompute counts its (token, "
+        "layer) entries ÷ layers); implied × = dense ÷ policy tokens prefilled; FLOP × = dense ÷ policy analytic "
+        "FLOPs of the TTFT phase (every batch row counted): the TTFT speed-up the work allows.",
     )
     for label, summary, ratios, _ in _rows(result):
         table.add_row(
@@ -127,6 +139,7 @@ def reuse_table(result: dict) -> TableData:
             _num(summary["reuse_per_call"], ".2f"),
             _num(summary["reuse_per_call_excl_source"], ".2f"),
             _num(summary.get("adapter_free_per_token"), ".2f"),
+            _num(summary.get("recompute_ratio"), ".2f"),
             str(summary["prefilled"]),
             _num(ratios["prefill_speedup_implied"], ".2f"),
             _num(ratios.get("ttft_speedup_implied_flops"), ".2f"),
@@ -191,6 +204,11 @@ def layer_table(result: dict) -> TableData:
     return table
 
 
+def policy_notes(result: dict) -> list[str]:
+    """One line per note a policy recorded about how it ran (`SharingPolicy.notes`)."""
+    return [f"{label}: {note}" for label, entry in result["policies"].items() for note in entry.get("notes", [])]
+
+
 def notes(result: dict) -> list[str]:
     """One line per policy: its paper, whether it is exact, and the figures its paper publishes (recorded in the
     result from the policy class), then the skipped policies."""
@@ -200,6 +218,7 @@ def notes(result: dict) -> list[str]:
         exactness = "approximate" if entry["approximate"] else "exact"
         published = "; ".join(figure["claim"] for figure in entry.get("published", []))
         lines.append(f"{label}: {entry['paper']}, {exactness}" + (f"; published: {published}" if published else ""))
+    lines += policy_notes(result)
     lines += [f"skipped {name}: {reason}" for name, reason in result.get("skipped", {}).items()]
     settings = {figure["setting"] for entry in result["policies"].values() for figure in entry.get("published", [])}
     lines += [f"published figures measured on: {setting}" for setting in sorted(settings)]

@@ -1,0 +1,271 @@
+"""DroidSpeak: reuse the shared cache and recompute a contiguous block of critical layers for every reused token.
+
+Paper: DroidSpeak (Liu et al., 2024; arXiv:2411.02820), as the selective-recompute baseline of LRAgent, PReCache
+(30 % recompute ratio) and KVCMAS (KV reuse ρ = 0.9 and 0.8). Only some layers' K/V are critical when one model
+reads another's cache; DroidSpeak recomputes those layers for the reused tokens and reuses every other layer's K/V.
+Recomputing a block of layers needs the hidden states entering it, so the block is contiguous and those states are
+stored with the cache (one layer's worth, d_model per token, counted in the policy's memory; none when the block
+starts at layer 0, which recomputes from the input embeddings).
+
+- the knob: R (`ratio`) is the share of layers recomputed: a block of max(1, round(R·layers)) layers for R > 0
+  (R = 0: none, FullShared; R = 1: all, NonShared). On a model with few layers the ratio actually run is a
+  multiple of 1/layers (0.25 on the 4-layer demo model for R = 0.1–0.3): the replay reports it as measured.
+- the block: the window of that many consecutive layers with the largest deviation in a layer profile — per layer
+  ‖C_reused − C_dense‖² / ‖C_dense‖² over K and V of the reused span, summed over calibration turns. DroidSpeak
+  profiles each layer's effect on task quality offline; kvprof's profile is this cache-deviation proxy (approximate).
+  `profile=FILE` loads a saved profile (a small JSON file; `profile_out=FILE` writes one); without one, the policy
+  profiles on the replay itself and says so: every turn of the first trajectory it replays is a calibration turn,
+  served by recomputing every layer of the reused span (exact, and charged to those turns' TTFT: they report a
+  recompute ratio of 1), and the block is chosen when the next trajectory starts.
+- the stored hidden state: the residual stream entering the block's first layer, from the agent that first
+  processed the token (captured during its prefill and decode forwards); the block is recomputed from it with the
+  acting agent's adapter, at the acting agent's positions, attending to the blended cache.
+
+Approximate: outside the block the K/V are another agent's, and the block starts from another agent's hidden
+state (exact only at layer 0). LRAgent reports its accuracy up to 2.6 points below NonShared.
+
+Phases: TTFT — FullShared's context, the block's recompute; each decode step — one token (its hidden state entering
+the block kept); after the turn — FullShared's commit and the new tokens' hidden states appended to the store.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.fileio import write_json
+from kvprof.kv_buffer import GrowingTensor
+from kvprof.policies.base import Chunk, Option, Published
+from kvprof.policies.fullshared import FullSharedContext
+from kvprof.policies.papers import DROIDSPEAK, LRAGENT, LRAGENT_SETTING
+from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, ratio_option
+from kvprof.runtime import ChunkForward, Runtime
+
+PROFILE_KIND = "kvprof.droidspeak-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass
+class LayerProfile:
+    """Per-layer cache deviation of reused K/V against the agent's own: `error[l]` = Σ‖C_reused − C_dense‖² and
+    `norm[l]` = Σ‖C_dense‖² over K and V of the reused spans of `turns` calibration turns."""
+
+    error: list[float]
+    norm: list[float]
+    turns: int = 0
+
+    @classmethod
+    def empty(cls, layers: int) -> LayerProfile:
+        return cls([0.0] * layers, [0.0] * layers)
+
+    @property
+    def deviation(self) -> list[float]:
+        """Relative squared deviation per layer."""
+        return [error / norm if norm else 0.0 for error, norm in zip(self.error, self.norm)]
+
+    def add(self, other: LayerProfile) -> None:
+        self.error = [a + b for a, b in zip(self.error, other.error)]
+        self.norm = [a + b for a, b in zip(self.norm, other.norm)]
+        self.turns += other.turns
+
+    def block(self, size: int) -> tuple[int, int]:
+        """The `size` consecutive layers [start, start + size) with the largest summed deviation (first on ties)."""
+        deviation = self.deviation
+        sums = [sum(deviation[start : start + size]) for start in range(len(deviation) - size + 1)]
+        start = max(range(len(sums)), key=lambda index: (sums[index], -index))
+        return start, start + size
+
+    def to_json(self, model: str) -> dict:
+        return {
+            "kind": PROFILE_KIND,
+            "version": PROFILE_VERSION,
+            "model": model,
+            "layers": len(self.error),
+            "turns": self.turns,
+            "deviation": self.deviation,
+            "error": self.error,
+            "norm": self.norm,
+        }
+
+    @classmethod
+    def read(cls, path: str, layers: int) -> LayerProfile:
+        """A profile written by `profile_out`, refused with one sentence when it is not one or is for a model with
+        another number of layers."""
+        try:
+            payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise KvprofError(
+                f"DroidSpeak profile {path} cannot be read ({err.__class__.__name__}); pass a file written by "
+                "--policy-option droidspeak.profile_out=FILE."
+            ) from None
+        if not isinstance(payload, dict) or payload.get("kind") != PROFILE_KIND:
+            raise KvprofError(
+                f"{path} is not a DroidSpeak layer profile; pass a file written by "
+                "--policy-option droidspeak.profile_out=FILE."
+            )
+        if payload.get("layers") != layers:
+            raise KvprofError(
+                f"DroidSpeak profile {path} is for a model with {payload.get('layers')} layers, this one has "
+                f"{layers}; profile this model (droidspeak.profile_out=FILE)."
+            )
+        return cls([float(x) for x in payload["error"]], [float(x) for x in payload["norm"]], int(payload["turns"]))
+
+
+@dataclass
+class DroidSpeakContext(FullSharedContext):
+    """states: hidden states entering the block of the turn's tokens new to the store, as (timeline index of the
+    first, (1, n, d_model)) per forward; calibration: this turn's layer deviations (a calibration turn)."""
+
+    states: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    calibration: LayerProfile | None = None
+
+
+class DroidSpeak(SelectiveRecompute):
+    name = "droidspeak"
+    paper = DROIDSPEAK
+    options = {
+        "ratio": ratio_option("0.2", "the share of layers recomputed (a contiguous block)"),
+        "profile": Option(
+            "", labelled=False, help="a layer profile (JSON) to choose the block from; empty: profile on the replay"
+        ),
+        "profile_out": Option(
+            "", labelled=False, help="write the layer profile (JSON) the policy profiled to this file"
+        ),
+    }
+    published = (
+        Published(
+            LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 2.6 points against NonShared"
+        ),
+        MEMORY,
+    )
+    context_type = DroidSpeakContext
+    calibrating = False  # set by __init__; reset() runs first, from SharingPolicy.__init__
+
+    def __init__(self, runtime: Runtime, **options: str):
+        super().__init__(runtime, **options)
+        layers = runtime.num_layers
+        self.size = 0 if self.ratio == 0 else max(1, min(layers, round(self.ratio * layers)))
+        self.profile = LayerProfile.empty(layers)
+        self.block: tuple[int, int] = (0, self.size)
+        self.calibrating = False
+        if 0 < self.size < layers:
+            if self.settings["profile"]:
+                self.profile = LayerProfile.read(str(self.settings["profile"]), layers)
+                self.block = self.profile.block(self.size)
+            else:
+                self.calibrating = True
+                self.block = (0, layers)
+
+    def notes(self) -> list[str]:
+        start, end = self.block
+        layers = self.runtime.num_layers
+        block = f"layer {start}" if end - start == 1 else f"layers {start}–{end - 1}"
+        ran = f"recomputes {block} of {layers} (ratio {self.size / layers:.2f} of layers)"
+        if not 0 < self.size < layers:
+            return [f"{ran}; no profile needed"]
+        if self.settings["profile"]:
+            return [f"{ran}, chosen from the profile {self.settings['profile']} ({self.profile.turns} turns)"]
+        if self.calibrating:
+            return [
+                f"profiled on this replay: its only trajectory was calibration ({self.profile.turns} turns that "
+                "reused a cache, served by recomputing every layer); pass a profile (droidspeak.profile=FILE) or "
+                "more trajectories"
+            ]
+        return [
+            f"{ran}, chosen from a profile of this replay's first trajectory ({self.profile.turns} turns that reused "
+            "a cache, served by recomputing every layer and counted in its results); pass droidspeak.profile=FILE "
+            "to use a profile from other trajectories"
+        ]
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.block[0] > 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.states: GrowingTensor | None = None  # (1, ≥ N, d_model): hidden states entering the block, per token
+        if self.calibrating and self.profile.turns:
+            self.calibrating = False
+            self.block = self.profile.block(self.size)
+
+    def recomputes(self) -> bool:
+        return self.size > 0
+
+    def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
+        assert isinstance(context, DroidSpeakContext)
+        start, end = self.block
+        count = len(ids)
+        positions = blend.positions(count)
+        if start == 0:
+            hidden = self.stack.embed(ids)
+        else:
+            assert self.states is not None  # needs_hidden: every stored token's state was kept
+            hidden = self.states.view(count)
+        if not self.calibrating:
+            blend.carry(start, end, hidden, positions)
+            return
+        before = [  # copies: the blend overwrites the reused span in place
+            tuple(blend.reused(layer, side, count).float().clone() for side in (0, 1)) for layer in range(start, end)
+        ]
+        blend.carry(start, end, hidden, positions)
+        profile = LayerProfile.empty(self.runtime.num_layers)
+        profile.turns = 1
+        for layer, reused in zip(range(start, end), before):
+            for side in (0, 1):
+                dense = blend.reused(layer, side, count).float()
+                profile.error[layer] += float((reused[side] - dense).pow(2).sum())
+                profile.norm[layer] += float(dense.pow(2).sum())
+        context.calibration = profile
+
+    def on_prefill(self, agent: str, context: FullSharedContext, forward: ChunkForward, start: int) -> float:
+        self._keep_states(context, forward, start)
+        return 0.0
+
+    def on_decode_step(self, agent: str, context: FullSharedContext, forward: ChunkForward, start: int) -> float:
+        self._keep_states(context, forward, start)
+        return 0.0
+
+    def _keep_states(self, context: FullSharedContext, forward: ChunkForward, start: int) -> None:
+        """Keep the hidden states entering the block of the forward's tokens the store does not hold yet."""
+        if forward.residual is None:
+            return
+        assert isinstance(context, DroidSpeakContext)
+        skip = max(len(self.producers) - start, 0)
+        states = forward.residual[self.block[0]][:1, skip:]
+        if states.shape[1]:
+            context.states.append((start + skip, states))
+
+    def commit(self, chunk: Chunk[FullSharedContext]) -> float:
+        flops = super().commit(chunk)
+        context = chunk.context
+        assert isinstance(context, DroidSpeakContext)
+        for first, states in context.states:
+            if self.states is None:
+                self.states = GrowingTensor.of(states, 1)
+            else:
+                self.states.write(first, states)
+        if context.calibration is not None:
+            self.profile.add(context.calibration)
+            if self.settings["profile_out"]:
+                write_json(
+                    str(self.settings["profile_out"]),
+                    self.profile.to_json(str(self.runtime.agents.base_model.config.name_or_path)),
+                )
+        return flops
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        tensors = super().live_tensors()
+        if self.states is not None:
+            tensors["hidden states"] = [self.states.view(len(self.producers))]
+        return tensors
+
+    def analytic_bytes(self) -> dict[str, int]:
+        sizes = super().analytic_bytes()
+        if self.states is not None:
+            runtime = self.runtime
+            sizes["hidden states"] = len(self.producers) * runtime.hidden_size * runtime.dtype.itemsize
+        return sizes

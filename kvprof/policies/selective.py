@@ -1,0 +1,356 @@
+"""Selective recompute: reuse the shared cache and recompute part of it for the acting agent — the machinery
+DroidSpeak, CacheBlend and RelayCaching share (one module per method: `droidspeak`, `cacheblend`, `relaycaching`).
+
+The three keep FullShared's store (one cache of the shared timeline, each token's K/V from the first agent that
+processed it, keys re-rotated to the reader's positions in prompt mode by `FullShared.assemble`: one re-alignment
+for every policy) and differ only in which (token, layer) K/V entries of the reused span they recompute for the
+acting agent before its chunk, and from which hidden states:
+
+- `LayerStack`: the model's input embeddings, decoder layers and rotary embedding, called one layer at a time.
+- `Blend`: one turn's blended context — the reused context in buffers of the turn's own (the store keeps the
+  producers' K/V), on which recomputed K/V are scattered layer by layer. `Blend.layer(l, h, positions)` runs
+  decoder layer l, with the acting agent's adapter, for the tokens at cache `positions` (m,) whose hidden states
+  entering the layer are h (1, m, d_model): their K/V (1, H_kv, m, D) are written over the reused ones at those
+  positions, then they attend causally (keys at positions ≤ their own) to the blended cache — the agent's prefix,
+  the reused span with this layer's recomputed entries in place — and the layer's output (1, m, d_model) carries
+  them to the next layer (CacheBlend's "selected tokens carried through the remaining layers"; `Blend.carry` runs
+  a band of layers, the last of which only needs their K/V). `Blend.probe(l, h, positions)` only projects their
+  queries, keys and values at layer l: the selection work (CacheBlend's check layer, RelayCaching's deviation and
+  attention influence) without the layer's attention and MLP.
+- the knob: one recompute ratio R per policy (`ratio_option`; `--policy all` sweeps R = 0.1, 0.2, 0.3) and
+  `budget`, the tokens R selects.
+- the accounting: every recomputed (token, layer) entry is counted (`Context.recomputed`; the replay reports
+  recomputed ÷ (reused tokens × layers), the ratio actually run, and KV reuse is 1 − it), and the FLOPs of every
+  layer pass and probe are the policy's `extra_flops`. All of it runs in `assemble`, inside the timed prefill:
+  selection is charged to TTFT.
+
+The chunk (the agent's new input tokens: CacheBlend's query suffix, always recomputed) is the turn's own forward
+over the blended context; since it follows every reused token, computing it after the blend equals computing it in
+one pass with the recomputed tokens (causal attention: no reused token attends to it).
+
+At R = 1 each policy recomputes every layer of every reused token from the input embeddings: the agent's own dense
+cache (NonShared, to float rounding). At R = 0 it recomputes nothing (no check-layer pass either: there is nothing to
+select) and is FullShared.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.kv_buffer import KVBuffer
+from kvprof.lora import decoder_layers
+from kvprof.policies.base import Option, Published
+from kvprof.policies.fullshared import FullShared, FullSharedContext
+from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.rope import rotary_embedding
+from kvprof.runtime import KV, Runtime
+
+RATIO_SWEEP = ("0.1", "0.2", "0.3")
+MEMORY = Published(
+    PRECACHE,
+    "memory",
+    PRECACHE_SETTING,
+    "selective recompute (30 % ratio) holds 17–23 % more peak memory than PreLRShared / ReBaseShared at 66.4k tokens",
+)  # PReCache's figure for the selective-recompute baselines it compares with
+
+
+def recompute_ratio(value: str) -> float:
+    """A recompute ratio R: a number in [0, 1]."""
+    ratio = float(value)
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(value)
+    return ratio
+
+
+def layer_index(value: str) -> int:
+    """A layer index: a whole number ≥ 0."""
+    index = int(value)
+    if index < 0:
+        raise ValueError(value)
+    return index
+
+
+def ratio_option(default: str, meaning: str) -> Option:
+    """The recompute ratio R of a selective-recompute policy (`meaning`: what it is a share of, for `--help`)."""
+    return Option(default, sweep=RATIO_SWEEP, parse=recompute_ratio, help=f"R in [0, 1], {meaning}")
+
+
+def budget(ratio: float, count: int) -> int:
+    """How many of `count` tokens a ratio R selects: ⌈R·count⌉ (at least one for any R > 0, all for R = 1)."""
+    return min(count, math.ceil(ratio * count - 1e-9))
+
+
+def select_top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices (ascending) of the `count` highest of `scores` (n,). Scores are compared at a resolution of 1e-4 of
+    the largest, ties going to the earlier token: float rounding (another attention path, another dtype) does not
+    reorder tokens whose scores it cannot tell apart."""
+    scale = scores.abs().max().clamp_min(torch.finfo(scores.dtype).tiny)
+    ranked = torch.sort(torch.round(scores / scale * 1e4), descending=True, stable=True).indices
+    return ranked[:count].sort().values
+
+
+class LayerStack:
+    """The model's input embeddings, decoder layers and rotary embedding, for forwards one layer at a time.
+
+    Refuses a model whose first decoder layer does not read the input embeddings as they are (a decoder that
+    scales or transforms them inside its forward): recomputing from layer 0 starts from the embeddings.
+    """
+
+    def __init__(self, runtime: Runtime):
+        model = runtime.agents.base_model
+        self.runtime = runtime
+        self.layers = decoder_layers(model)
+        self.embeddings = model.get_input_embeddings()
+        self.rotary = rotary_embedding(model)
+        self.linear_params = [
+            sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2 and "lora_" not in name)
+            for layer in self.layers
+        ]
+        self.projection_params = [
+            sum(
+                p.numel()
+                for name, p in layer.self_attn.named_parameters()
+                if p.dim() == 2 and "lora_" not in name and name.split(".")[0] in ("q_proj", "k_proj", "v_proj")
+            )
+            for layer in self.layers
+        ]
+        self._check_embeddings()
+
+    def _check_embeddings(self) -> None:
+        runtime = self.runtime
+        ids = [0, 1]
+        out = runtime.forward(None, ids, runtime.cache_from(runtime.empty_kv()), 0, capture=True)
+        assert out.residual is not None  # captured: capture=True
+        if not torch.allclose(out.residual[0], self.embed(ids)):
+            raise KvprofError(
+                f"model {runtime.agents.base_model.config.name_or_path!r} transforms its input embeddings before the "
+                "first decoder layer, so selective recompute cannot start from them; pick another policy for this "
+                "model."
+            )
+
+    def unmasked_chunks(self) -> bool:
+        """Whether the model attends through kvprof's attention now (inside a turn), which attends a chunk after a
+        cache without a mask (bottom-right causal); otherwise every layer pass gets an explicit mask."""
+        return self.runtime.agents.base_model.config._attn_implementation == self.runtime.attention
+
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        """The hidden states entering layer 0: the input embeddings of `ids`, (1, n, d_model)."""
+        with torch.inference_mode():
+            return self.embeddings(torch.tensor([ids], device=self.runtime.device))
+
+    def layer_flops(self, layer: int, tokens: int, attended: int) -> float:
+        """Analytic FLOPs of one decoder layer for `tokens` tokens attending `attended` keys in all: 2·params per
+        token in its linear layers plus 4·H_q·D per attended key (QKᵀ and PV)."""
+        runtime = self.runtime
+        return 2.0 * self.linear_params[layer] * tokens + 4.0 * runtime.query_heads * runtime.head_dim * attended
+
+    def probe_flops(self, layer: int, tokens: int) -> float:
+        """Analytic FLOPs of the query, key and value projections of `tokens` tokens at `layer`."""
+        return 2.0 * self.projection_params[layer] * tokens
+
+
+class ScatterCache:
+    """A one-layer stand-in for the model's cache: `update` writes the layer's new K/V (1, H_kv, m, D) at cache
+    `positions` (m,) of the blended `keys` / `values` (1, H_kv, T, D) and returns all T of them."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        self.keys, self.values, self.positions = keys, values, positions
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> KV:
+        self.keys.index_copy_(2, self.positions, keys)
+        self.values.index_copy_(2, self.positions, values)
+        return self.keys, self.values
+
+
+class _Projected(Exception):
+    """Raised by `ProbeCache` once the layer has projected its keys and values: the probe stops the layer there."""
+
+
+class ProbeCache:
+    """A one-layer stand-in for the cache that keeps the layer's new K/V (1, H_kv, m, D) and stops the layer."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> KV:
+        self.keys, self.values = keys, values
+        raise _Projected
+
+
+@dataclass
+class Probe:
+    """The projections of m tokens at one layer, as the layer computes them: keys (post-RoPE) and values
+    (1, H_kv, m, D); queries (1, m, H_q·D), the query projection's output (before RoPE and any query norm)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+
+
+def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p."""
+    keys = torch.arange(length, device=positions.device)
+    allowed = keys[None, :] <= positions[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class Blend:
+    """One turn's blended context (see module docstring): per layer (K, V), (1, H_kv, P + n, D), views of the
+    turn's buffers; P the agent's prefix, n the reused tokens. `recomputed` counts the (token, layer) entries
+    written, `flops` the analytic FLOPs of the layer passes and probes, `hidden_bytes` the largest carried hidden
+    states (a layer's input and output)."""
+
+    def __init__(self, stack: LayerStack, kv: list[KV], buffers: list[KVBuffer], prefix_len: int):
+        self.stack = stack
+        self.buffers = buffers
+        self.kv = kv
+        self.prefix_len = prefix_len
+        self.recomputed = 0
+        self.flops = 0.0
+        self.hidden_bytes = 0
+
+    def positions(self, count: int) -> torch.Tensor:
+        """Cache positions of the first `count` reused tokens, (count,)."""
+        return torch.arange(self.prefix_len, self.prefix_len + count, device=self.stack.runtime.device)
+
+    def reused(self, layer: int, side: int, count: int) -> torch.Tensor:
+        """The reused span's keys (side 0) or values (side 1) at `layer` as they stand, (1, H_kv, count, D)."""
+        return self.kv[layer][side][:, :, self.prefix_len : self.prefix_len + count]
+
+    def layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Recompute decoder layer `index` for the tokens at `positions` (hidden states entering it (1, m, d));
+        their K/V are scattered into the blend; returns their hidden states leaving the layer (1, m, d)."""
+        keys, values = self.kv[index]
+        length = int(keys.shape[2])
+        mask = None  # every reused token: a chunk after the prefix, which kvprof's attention attends unmasked
+        if len(positions) < length - self.prefix_len or not self.stack.unmasked_chunks():
+            mask = causal_mask(positions, length, hidden.dtype)
+        out = self.stack.layers[index](
+            hidden,
+            attention_mask=mask,
+            position_ids=positions[None],
+            cache=ScatterCache(keys, values, positions),
+            use_cache=True,
+            position_embeddings=self.stack.rotary(hidden, positions[None]),
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        self.recomputed += len(positions)
+        self.flops += self.stack.layer_flops(index, len(positions), int((positions + 1).sum()))
+        self.hidden_bytes = max(self.hidden_bytes, 2 * hidden.numel() * hidden.element_size())
+        return out
+
+    def full_then_probe(self, ids: list[int], check: int) -> tuple[torch.Tensor, torch.Tensor, Probe]:
+        """Recompute layers 0 .. check − 1 for every reused token (`ids`, from their input embeddings), then probe
+        layer `check` for all of them: the work a check-layer selection needs. Returns the hidden states entering
+        `check` (1, n, d), the tokens' cache positions (n,) and the probe."""
+        positions = self.positions(len(ids))
+        hidden = self.stack.embed(ids)
+        for index in range(check):
+            hidden = self.layer(index, hidden, positions)
+        return hidden, positions, self.probe(check, hidden, positions)
+
+    def carry(self, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Recompute layers start .. end − 1 for the tokens at `positions` (hidden states entering `start`); the
+        last of them only projects and scatters their K/V (nothing after it reads their hidden states). Returns the
+        hidden states entering layer end − 1."""
+        for index in range(start, end - 1):
+            hidden = self.layer(index, hidden, positions)
+        if end > start:
+            probe = self.probe(end - 1, hidden, positions)
+            keys, values = self.kv[end - 1]
+            keys.index_copy_(2, positions, probe.keys)
+            values.index_copy_(2, positions, probe.values)
+            self.recomputed += len(positions)
+        return hidden
+
+    def probe(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> Probe:
+        """The queries, keys and values layer `index` computes for the tokens at `positions` (hidden states
+        entering it (1, m, d)); nothing is written."""
+        layer = self.stack.layers[index]
+        queries: list[torch.Tensor] = []
+        handle = layer.self_attn.q_proj.register_forward_hook(lambda module, args, out: queries.append(out))
+        cache = ProbeCache()
+        try:
+            layer(
+                hidden,
+                position_ids=positions[None],
+                cache=cache,
+                use_cache=True,
+                position_embeddings=self.stack.rotary(hidden, positions[None]),
+            )
+        except _Projected:
+            pass
+        finally:
+            handle.remove()
+        self.flops += self.stack.probe_flops(index, len(positions))
+        return Probe(keys=cache.keys, values=cache.values, queries=queries[0])
+
+
+class SelectiveRecompute(FullShared):
+    """Base of the selective-recompute policies: FullShared's store and re-aligned context, then `recompute` on a
+    `Blend` of it, inside `assemble` (timed into TTFT). A subclass declares `ratio` among its options and
+    implements `recompute`."""
+
+    family = "selective recompute"
+    approximate = True
+    modes = ("lora", "prompt")
+    context_type: ClassVar[type[FullSharedContext]] = FullSharedContext  # a subclass's own context fields
+
+    def __init__(self, runtime: Runtime, **options: str):
+        self.stack = LayerStack(runtime)
+        super().__init__(runtime, **options)
+
+    @property
+    def ratio(self) -> float:
+        ratio = self.settings["ratio"]
+        assert isinstance(ratio, float)  # parsed by recompute_ratio
+        return ratio
+
+    def layer_setting(self, key: str) -> int:
+        """The layer option `key` (parsed by `layer_index`)."""
+        value = self.settings[key]
+        assert isinstance(value, int)
+        return value
+
+    def check_layer_option(self, runtime: Runtime, key: str, value: int) -> None:
+        """Refuse a layer option `key` at or past the model's last layer."""
+        if value >= runtime.num_layers:
+            raise KvprofError(
+                f"policy {self.name} option {key}={value} is past the model's {runtime.num_layers} layers; pass "
+                f"{key} < {runtime.num_layers}."
+            )
+
+    def recomputes(self) -> bool:
+        """Whether this turn recomputes anything (R > 0 by default)."""
+        return self.ratio > 0
+
+    @abstractmethod
+    def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
+        """Recompute what the policy selects of the reused tokens `ids` (the first `context.reused` of the shared
+        timeline) into `blend`, with the acting agent's adapter active."""
+
+    def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
+        context = super().assemble(agent, shared)
+        if type(context) is not self.context_type:
+            context = self.context_type(**vars(context))
+        if not context.reused or not self.recomputes():
+            return context
+        stored = self.shared is not None and context.buffers is not None and context.buffers[0] is self.shared[0]
+        if stored or context.buffers is None:  # the store's own buffers: the blend writes into a copy
+            context.buffers = [KVBuffer.of(keys, values, len(shared) - context.reused) for keys, values in context.kv]
+            context.kv = [buffer.view(int(keys.shape[2])) for buffer, (keys, _) in zip(context.buffers, context.kv)]
+        blend = Blend(self.stack, context.kv, context.buffers, len(self.runtime.prefix(agent)))
+        with self.runtime.agents.activate(agent):
+            self.recompute(blend, shared[: context.reused], context)
+        context.recomputed = blend.recomputed
+        context.extra_flops += blend.flops
+        context.extra_prefill += round(blend.recomputed / self.runtime.num_layers)
+        context.working_bytes += blend.hidden_bytes
+        return context
