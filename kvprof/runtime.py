@@ -138,11 +138,10 @@ class Runtime:
         """Serve `task`'s private prefixes for an online re-run: each role prompt followed by the task's private
         text for that agent, tokenized as the workflow lays it out."""
         spec = self.agents.spec
-        if self.role_prefixes:
-            self.prefixes = {
-                a.name: self._role_prompt_ids(private_prompt(spec, task, a.name)) if task.private.get(a.name) else ids
-                for a, ids in zip(spec.agents, self.role_prefixes.values())
-            }
+        self.prefixes = {
+            name: self._role_prompt_ids(private_prompt(spec, task, name)) if task.private.get(name) else ids
+            for name, ids in self.role_prefixes.items()
+        }
 
     # ------------------------------------------------------------------------------------------ caches
 
