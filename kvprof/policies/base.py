@@ -251,6 +251,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
     options: ClassVar[dict[str, Option]] = {}
     published: ClassVar[tuple[Published, ...]] = ()
     serves_others: ClassVar[bool] = True  # False: an agent only ever attends to caches it computed itself
+    # False: the policy keeps state across trajectories (an online anchor pool that `reset` keeps), so a replay must
+    # run its trajectories in order in one process; sharding them would change its results.
+    trajectory_independent: ClassVar[bool] = True
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
@@ -291,7 +294,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @abstractmethod
     def reset(self) -> None:
-        """Forget all state: a new trajectory starts."""
+        """Forget the trajectory's state: a new trajectory starts (state kept across trajectories, when
+        `trajectory_independent` is False, survives)."""
 
     @abstractmethod
     def assemble(self, agent: str, shared: list[int]) -> ContextT:
