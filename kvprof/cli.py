@@ -7,7 +7,18 @@ import sys
 import typer
 
 import kvprof
-from kvprof.commands import bench, capture, demo, import_chat, inspect, rank_analysis, replay, report
+from kvprof.commands import (
+    bench,
+    capture,
+    demo,
+    fit_anchors,
+    import_chat,
+    inspect,
+    rank_analysis,
+    replay,
+    report,
+    tune_tau,
+)
 from kvprof.errors import KvprofError
 
 USAGE = 2  # exit code of a usage error or a user mistake
@@ -41,6 +52,8 @@ app.command("inspect")(inspect.command)
 app.command("replay")(replay.command)
 app.command("report")(report.command)
 app.command("rank-analysis")(rank_analysis.command)
+app.command("fit-anchors")(fit_anchors.command)
+app.command("tune-tau")(tune_tau.command)
 app.command("bench")(bench.command)
 app.command("demo")(demo.command)
 

@@ -73,6 +73,8 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         "output_tokens": len(result.output_ids),
         "reused": result.reused,
         "recomputed": result.recomputed,
+        "corrected": result.corrected,
+        "fallback": result.fallback,
         "from_others": from_others,
         "adapter_free": result.adapter_free,
         "prefilled": result.prefilled,
@@ -137,6 +139,7 @@ def summarise(turns: list[dict]) -> dict:
         "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
         "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
         "recomputed": sum(t["recomputed"] for t in turns),
+        "delta_reuse": delta_reuse(turns),
         "recompute_ratio": (
             sum(t["recomputed"] for t in reusable) / sum(t["reused"] * len(t["layers"]) for t in reusable)
             if reusable
@@ -159,6 +162,14 @@ def summarise(turns: list[dict]) -> dict:
     }
     summary["tokens_per_s"] = outputs / summary["latency_s"] if summary["latency_s"] else None
     return summary
+
+
+def delta_reuse(turns: list[dict]) -> float | None:
+    """ρ of a delta-correction policy: of the tokens of other agents' segments its gate decided on, the share it
+    served corrected (None for a policy without a gate)."""
+    corrected = sum(t.get("corrected", 0) for t in turns)
+    decided = corrected + sum(t.get("fallback", 0) for t in turns)
+    return corrected / decided if decided else None
 
 
 def relative_to_dense(summary: dict, dense: dict) -> dict:
@@ -252,11 +263,13 @@ def replay_trace(
             state.records[DENSE].append(compare_turn(dense_result, dense_result, 0, outputs) | where)
             for policy in policies:
                 turn_result = policy.run_turn(request, repeats)
-                from_others = (
-                    reused_from_others(timeline.producers, turn.agent, turn_result.reused)
-                    if policy.serves_others
-                    else 0
-                )
+                from_others = turn_result.from_others
+                if from_others is None:
+                    from_others = (
+                        reused_from_others(timeline.producers, turn.agent, turn_result.reused)
+                        if policy.serves_others
+                        else 0
+                    )
                 state.records[policy.label].append(
                     compare_turn(turn_result, dense_result, from_others, outputs) | where
                 )

@@ -133,9 +133,13 @@ def test_bad_policy_options_are_one_sentence(run_cli, lora_trace, tmp_path, args
     assert not (tmp_path / "replay.json").exists()
 
 
-def test_variant_labels_match_built_policies(lora_trace):
-    runtime = Runtime(load_agents_for_trace(lora_trace, device="cpu", dtype="float32"))
+def test_variant_labels_match_built_policies(lora_trace, prompt_trace):
+    runtimes = {
+        mode: Runtime(load_agents_for_trace(trace, device="cpu", dtype="float32"))
+        for mode, trace in (("lora", lora_trace), ("prompt", prompt_trace))
+    }
     for variant in enumerate_variants():
+        runtime = runtimes["lora" if "lora" in variant.policy.modes else "prompt"]
         if variant.name == "baselrshared":
             with pytest.raises(KvprofError, match="share their down-projection A"):
                 variant.build(runtime)

@@ -107,3 +107,12 @@ def demo_trace(model: str | None) -> tuple[Path, str | None]:
 
     world = demo_world()
     return world.sample_traces["lora_short"], model or str(world.model)
+
+
+def demo_prompt_trace(model: str | None) -> tuple[Path, str | None]:
+    """The demo world's prompt-mode tuning trace (and its model, unless --model is given): the default of
+    fit-anchors and tune-tau."""
+    from kvprof.demo.assets import demo_world
+
+    world = demo_world()
+    return world.sample_traces["prompt_tune"], model or str(world.model)

@@ -131,6 +131,19 @@ def _difference(key: str, saved, current) -> str:
     return f"{SETTINGS[key]} {shown[0]}, not {shown[1]}"
 
 
+def read_tuned(path: Path) -> tuple[str, list[str]]:
+    """The policy and its `--policy-option` values in a tuned.json written by `kvprof tune-tau`."""
+    from kvprof.commands.tune_tau import TUNED_KIND
+
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        saved = None
+    if not isinstance(saved, dict) or saved.get("kind") != TUNED_KIND:
+        raise KvprofError(f"--tuned {path} is not a tuned.json written by kvprof tune-tau; pass that file.")
+    return saved["policy"], list(saved["policy_options"])
+
+
 def print_skipped(skipped: dict[str, str]) -> None:
     """One line per refusal reason, naming the variants it skipped."""
     for reason in dict.fromkeys(skipped.values()):
@@ -173,6 +186,14 @@ def command(
             "--lr-prefill",
             help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: full (published) or "
             "incremental; default full, both with --policy all.",
+        ),
+    ] = None,
+    tuned: Annotated[
+        Path | None,
+        typer.Option(
+            "--tuned",
+            help="tuned.json from `kvprof tune-tau`: replay that policy with its tuned options (alone, unless "
+            "--policy names others too).",
         ),
     ] = None,
     online: Annotated[
@@ -225,7 +246,12 @@ def command(
     if lora_attention not in ("auto", "kernel", "expand"):
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
     use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
-    variants, skipped = choose_variants(policy, policy_option or [], schedule, lr_prefill, Runtime(agents))
+    flags = list(policy_option or [])
+    if tuned is not None:
+        name, tuned_flags = read_tuned(tuned)
+        flags += tuned_flags
+        policy = [name] if policy == [ALL] else [*policy, name]
+    variants, skipped = choose_variants(policy, flags, schedule, lr_prefill, Runtime(agents))
     print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")

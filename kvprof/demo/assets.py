@@ -7,7 +7,7 @@ The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.
     assets/adapters/shared_a/{plan,act,reflect}/    r=8 LoRA on q/k/v/o sharing one A (BaseLRShared)
     assets/workflow_{prompt,lora,lora_shared_a}.toml
     assets/tasks/{heldout,long}.jsonl
-    assets/sample_traces/{prompt,lora}_{short,long}.jsonl
+    assets/sample_traces/{prompt,lora}_{short,long}.jsonl, prompt_tune.jsonl (fit-anchors / tune-tau)
     assets/chat_template.jinja         the prompt-mode layout as a chat template (`kvprof capture/import-chat`)
     assets/sample_logs/prompt_short_chat.jsonl     prompt_short's calls as a chat log (`kvprof import-chat`)
     assets/training.json, assets/evaluation.json    what training and evaluation measured
@@ -24,7 +24,7 @@ from kvprof.demo.world import ROLES
 from kvprof.errors import KvprofError
 
 ASSETS = Path(__file__).parent / "assets"
-TRACE_NAMES = ("prompt_short", "lora_short", "prompt_long", "lora_long")
+TRACE_NAMES = ("prompt_short", "lora_short", "prompt_long", "lora_long", "prompt_tune")
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ class DemoWorld:
 
     @property
     def sample_traces(self) -> dict[str, Path]:
-        """`prompt_short`, `lora_short` (a few held-out tasks) and `prompt_long`, `lora_long` (a 3-hop task with
-        several thousand tokens of shared context) → trace file."""
+        """`prompt_short`, `lora_short` (a few held-out tasks), `prompt_long`, `lora_long` (a 3-hop task with
+        several thousand tokens of shared context) and `prompt_tune` (more held-out tasks in prompt mode, for
+        fit-anchors and tune-tau) → trace file."""
         return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in TRACE_NAMES}
 
     @property

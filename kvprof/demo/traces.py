@@ -4,6 +4,8 @@
 
 `{prompt,lora}_short`: the first SHORT_TASKS held-out tasks, captured as `kvprof capture` captures them (the agents
 generate, greedy).
+`prompt_tune`: the next TUNE_TASKS held-out tasks in prompt mode, captured the same way: calibration and tuning
+trajectories for `kvprof fit-anchors` and `kvprof tune-tau` (disjoint from the `_short` tasks).
 `{prompt,lora}_long`: the first long task (3 hops, paragraphs of ~130 distractor sentences: several thousand tokens
 of shared context) with the gold outputs (source `demo-oracle` in the header): the demo model was trained on
 paragraphs of at most 10 distractors and loses the thread in paragraphs ten times longer, so a captured long
@@ -35,6 +37,7 @@ from kvprof.ui import progress
 from kvprof.workflow import Sampling, Task, load_tasks
 
 SHORT_TASKS = 4
+TUNE_TASKS = 24
 
 
 def _relative_header(trace: Path, folder: Path) -> str:
@@ -104,8 +107,27 @@ def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
                 "shared_tokens": summary["shared_tokens"],
                 "accuracy": summary["accuracy"],
             }
+    stats["prompt_tune"] = build_tune(world, device)
     write_sample_chat_log(world)
     return stats
+
+
+def build_tune(world: DemoWorld, device: str = "cpu") -> dict:
+    """Capture `prompt_tune` (see module docstring) into WORLD/sample_traces; returns its statistics."""
+    tasks = load_tasks(world.heldout_tasks, SHORT_TASKS + TUNE_TASKS)[SHORT_TASKS:]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        trajectories = _captured_trace(world, "prompt", tasks, trace, device)
+        target = world.sample_traces["prompt_tune"]
+        text = _relative_header(trace, target.parent.resolve())
+    target.write_text(text, encoding="utf-8")
+    summary = trajectory_summary(trajectories, 0.0)
+    return {
+        "trajectories": summary["trajectories"],
+        "tokens": summary["distinct_tokens"],
+        "shared_tokens": summary["shared_tokens"],
+        "accuracy": summary["accuracy"],
+    }
 
 
 def write_sample_chat_log(world: DemoWorld) -> Path:

@@ -13,6 +13,9 @@ from kvprof.policies.baseshared import BaseShared
 from kvprof.policies.cacheblend import CacheBlend
 from kvprof.policies.droidspeak import DroidSpeak
 from kvprof.policies.fullshared import FullShared
+from kvprof.policies.graphflow import GraphFlow
+from kvprof.policies.kvcmas import KVCMAS
+from kvprof.policies.kvcomm import KVComm
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.policies.rebaseshared import ReBaseShared
@@ -29,6 +32,9 @@ REGISTRY: dict[str, type[SharingPolicy]] = {
     "droidspeak": DroidSpeak,
     "cacheblend": CacheBlend,
     "relaycaching": RelayCaching,
+    "graphflow": GraphFlow,
+    "kvcomm": KVComm,
+    "kvcmas": KVCMAS,
 }
 
 

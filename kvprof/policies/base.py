@@ -133,6 +133,10 @@ class Context:
     copies `kv` into fresh buffers.
     recomputed: (token, layer) K/V entries of the reused span the policy recomputed for this agent in `assemble`
     (selective recompute, `kvprof.policies.selective`); reused × layers of them means all of it.
+    corrected / fallback: tokens of other agents' segments read this turn that a delta-correction gate accepted
+    (served corrected) / refused (prefilled densely) (`kvprof.policies.delta`); from_others: when not None, the
+    reused tokens whose K/V came from another agent's computation, for a policy whose reused span also holds tokens
+    the agent computed itself (otherwise the replay counts them from the timeline, `reused_from_others`).
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -145,6 +149,9 @@ class Context:
     lora_values: list[LoraValues | None] | None = None
     buffers: list[KVBuffer] | None = None
     recomputed: int = 0
+    corrected: int = 0
+    fallback: int = 0
+    from_others: int | None = None
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -180,8 +187,8 @@ class TurnResult:
     time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
-    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed: the
-    context's recomputed (token, layer) K/V entries of the reused span (`Context.recomputed`).
+    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed,
+    corrected, fallback, from_others: the context's (`Context`).
     """
 
     agent: str
@@ -203,6 +210,9 @@ class TurnResult:
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
     recomputed: int = 0
+    corrected: int = 0
+    fallback: int = 0
+    from_others: int | None = None
 
 
 @dataclass
@@ -396,6 +406,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
             recomputed=context.recomputed,
+            corrected=context.corrected,
+            fallback=context.fallback,
+            from_others=context.from_others,
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:

@@ -32,3 +32,17 @@ DROIDSPEAK = (
 )
 
 RELAYCACHING = "RelayCaching (reuse of earlier agents' decode-phase KV with sparse rectification)"
+
+KVCMAS_PAPER = "KVCMAS (low-rank anchor pools and chain correction for KV sharing among prompt-role agents)"
+KVCMAS_SETTING = (
+    "Llama-3.1-8B-Instruct on MMLU and GSM8K, Qwen2.5-Coder-7B-Instruct on HumanEval, three task agents and one "
+    "reflect agent; serving on vLLM with a 4-agent schedule on an A100 80GB"
+)
+
+KVCOMM = (
+    "KVCOMM: Online Cross-context KV-cache Communication for Efficient LLM-based Multi-agent Systems "
+    "(Ye et al., NeurIPS 2025; arXiv:2510.12872)"
+)
+KVCOMM_SETTING = "retrieval-augmented generation, math reasoning and collaborative coding multi-agent workloads"
+
+GRAPHFLOW = "GraphFlow (delta correction learned from observed edges of the workflow graph; no public code)"

@@ -33,14 +33,14 @@ KNOWN: dict[str, tuple[str, str, int]] = {
     "relaycaching": ("#999933", "hexagon", 2),
     "graphflow": ("#44AA99", "cross", 3),
     "kvcomm": ("#332288", "star-triangle-up", 4),
-    "kvcmas": ("#AA4499", "hourglass", 5),
+    "kvcmas": ("#AA4499", "diamond-wide", 5),
 }
 FALLBACK_COLOURS = ("#117733", "#DDCC77", "#88CCEE", "#CC6677", "#661100", "#6699CC", "#888888")
 FALLBACK_SYMBOLS = ("circle", "square", "diamond", "triangle-left", "triangle-right", "octagon", "bowtie")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # The variants the registry sweeps today, pinned so that no two variants of one policy share a dash; other variant
 # suffixes get an offset from a hash.
-KNOWN_VARIANTS: dict[str, int] = {"full": 0, "incremental": 2, "lp": 0, "db": 4}
+KNOWN_VARIANTS: dict[str, int] = {"full": 0, "incremental": 2, "lp": 0, "db": 4, "chain": 0, "nochain": 1}
 FILLS = ("", "-open", "-dot")  # plotly marker symbol suffixes: filled, open, dotted
 # Per variant offset: how far the family colour is mixed towards white (> 0) or black (< 0), so that variants of one
 # policy differ in shade where a figure has no dash (bars, boxes).

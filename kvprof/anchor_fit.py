@@ -1,0 +1,199 @@
+"""Fitting anchor pools offline from calibration trajectories (`kvprof fit-anchors`), and what they cost.
+
+For each trajectory the shared timeline is cut into segments exactly as the delta policies cut it online
+(`kvprof.policies.delta.SegmentLog`); every agent of the workflow prefills its prefix and the whole timeline once
+(its dense cache of every segment: causal attention makes the cache of a segment inside one long prefill the cache
+the agent computes when it reads the segment in its turn), and every segment is encoded alone (its context-free
+base). Each segment becomes an anchor of its slot with a delta for every agent; the pool keeps V per slot (the
+eviction of `kvprof.anchors.AnchorPool`: with no activations yet, the oldest go first, so the last V remain).
+
+The fit is full-dimensional; the low-rank pool is its per-(layer, head) truncated SVD at rank r. The report gives,
+per layer, the relative Frobenius error of that truncation at ranks 1, 2, 4, … (from the singular values: the
+energy beyond rank k), the entropy effective rank of bases and deltas, and the pool's bytes, full-dimensional and
+low-rank, measured on the tensors and by the formula (`kvprof.anchors.stored_bytes`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvprof.anchors import Anchor, AnchorPool, Stored
+from kvprof.metrics import entropy_effective_rank
+from kvprof.model import AgentSet
+from kvprof.policies.delta import SegmentLog, pool_identity, stack
+from kvprof.runtime import KV, Runtime
+from kvprof.trace import Trajectory
+
+RANKS = (1, 2, 4, 8, 16, 32, 64, 128)
+PARTS = ("base_k", "base_v", "delta_k", "delta_v")
+
+
+def observed_segments(runtime: Runtime, traj: Trajectory) -> tuple[SegmentLog, list[int]]:
+    """The trajectory's segments, as the delta policies log them while replaying it, and its shared timeline's
+    tokens. Serves the trajectory's private prefixes on `runtime`."""
+    runtime.serve_trajectory(traj)
+    log = SegmentLog(traj.id)
+    timeline: list[int] = []
+    for turn in traj.turns:
+        shared = traj.input_tokens(turn)[len(runtime.prefix(turn.agent)) :]
+        outputs = traj.output_tokens(turn)
+        log.observe(turn.agent, len(shared), len(shared) + len(outputs))
+        if len(shared) + len(outputs) > len(timeline):
+            timeline = shared + outputs
+    return log, timeline
+
+
+def dense_cache(runtime: Runtime, agent: str, timeline: list[int]) -> list[KV]:
+    """`agent`'s cache of its prefix and the whole timeline, per layer (K, V) (1, H_kv, T, D)."""
+    ids = runtime.prefix(agent) + timeline
+    out = runtime.forward(agent, ids, runtime.cache_from(runtime.empty_kv()), 0, last_logits_only=True)
+    return runtime.kv_of(out.cache)
+
+
+def encode_alone(runtime: Runtime, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context-free encoding of `ids`: (K, V), each (layers, H_kv, L, D), positions 0..L−1, adapters off."""
+    out = runtime.forward(None, ids, runtime.cache_from(runtime.empty_kv()), 0, last_logits_only=True)
+    return stack(runtime.kv_of(out.cache), 0, len(ids), 0, runtime.inv_freq)
+
+
+def fit_pool(
+    agents: AgentSet,
+    trajectories: Sequence[Trajectory],
+    capacity: int,
+    window: int = 5,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> AnchorPool:
+    """A full-dimensional pool of every segment of `trajectories` (see module docstring)."""
+    runtime = Runtime(agents)
+    names = [agent.name for agent in agents.spec.agents]
+    pool = AnchorPool(capacity, window, None)
+    with torch.inference_mode():
+        for traj in trajectories:
+            log, timeline = observed_segments(runtime, traj)
+            caches = {name: dense_cache(runtime, name, timeline) for name in names}
+            for segment in log.segments:
+                base = encode_alone(runtime, timeline[segment.start : segment.end])
+                anchor = pool.add(segment.slot, segment.name, *base)
+                for name in names:
+                    begin = len(runtime.prefix(name)) + segment.start
+                    pool.add_delta(
+                        anchor, name, *stack(caches[name], begin, begin + segment.length, -begin, runtime.inv_freq)
+                    )
+            if on_trajectory:
+                on_trajectory(traj)
+    return pool
+
+
+def truncated(pool: AnchorPool, rank: int) -> AnchorPool:
+    """The pool with every stored matrix replaced by its rank-`rank` truncated SVD per (layer, head)."""
+    low = AnchorPool(pool.capacity, pool.window, rank)
+    for slot, anchors in pool.slots.items():
+        for anchor in anchors:
+            copy = Anchor(
+                anchor.name,
+                Stored.of(anchor.base_keys.dense(anchor.length).to(anchor.base_keys.tensors()[0].dtype), rank),
+                Stored.of(anchor.base_values.dense(anchor.length).to(anchor.base_values.tensors()[0].dtype), rank),
+                activations=anchor.activations,
+            )
+            for agent, (keys, values) in anchor.deltas.items():
+                dtype = keys.tensors()[0].dtype
+                copy.deltas[agent] = (
+                    Stored.of(keys.dense(anchor.length).to(dtype), rank),
+                    Stored.of(values.dense(anchor.length).to(dtype), rank),
+                )
+            low.slots.setdefault(slot, []).append(copy)
+    return low
+
+
+@dataclass
+class _Spectra:
+    """Per layer and part: Σσ² in all, Σσ² beyond each rank in `RANKS`, and the effective ranks of its matrices."""
+
+    total: torch.Tensor  # (layers, parts)
+    tail: torch.Tensor  # (layers, parts, ranks)
+    effective: list[list[list[float]]]  # [layer][part] -> effective ranks
+
+
+def spectra(pool: AnchorPool, layers: int) -> _Spectra:
+    total = torch.zeros(layers, len(PARTS), dtype=torch.float64)
+    tail = torch.zeros(layers, len(PARTS), len(RANKS), dtype=torch.float64)
+    effective: list[list[list[float]]] = [[[] for _ in PARTS] for _ in range(layers)]
+    for anchors in pool.slots.values():
+        for anchor in anchors:
+            matrices = [(0, anchor.base_keys), (1, anchor.base_values)]
+            for keys, values in anchor.deltas.values():
+                matrices += [(2, keys), (3, values)]
+            for part, stored in matrices:
+                sigma = torch.linalg.svdvals(stored.dense(anchor.length).double())  # (layers, H, min(L, D))
+                energy = sigma**2
+                total[:, part] += energy.sum(dim=(1, 2))
+                for index, rank in enumerate(RANKS):
+                    tail[:, part, index] += energy[..., rank:].sum(dim=(1, 2))
+                for layer in range(layers):
+                    effective[layer][part] += [entropy_effective_rank(row) for row in sigma[layer]]
+    return _Spectra(total, tail, effective)
+
+
+def fit_report(pool: AnchorPool, rank: int, runtime: Runtime) -> dict:
+    """What `kvprof fit-anchors` reports about a full-dimensional pool and its rank-`rank` truncation."""
+    low = truncated(pool, rank)
+    shape = (runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize)
+    stats = spectra(pool, runtime.num_layers)
+    ranks = [r for r in RANKS if r <= runtime.head_dim]
+    layers = []
+    for layer in range(runtime.num_layers):
+        row: dict = {"layer": layer}
+        for part, name in enumerate(PARTS):
+            energy = float(stats.total[layer, part])
+            errors = {
+                str(r): (float(stats.tail[layer, part, i]) / energy) ** 0.5 if energy else 0.0
+                for i, r in enumerate(RANKS)
+                if r in ranks
+            }
+            ranks_seen = stats.effective[layer][part]
+            row[name] = {
+                "error_at_rank": errors,
+                "effective_rank": sum(ranks_seen) / len(ranks_seen) if ranks_seen else 0.0,
+            }
+        layers.append(row)
+    anchors = [a for group in pool.slots.values() for a in group]
+    return {
+        "slots": {slot: [a.length for a in group] for slot, group in pool.slots.items()},
+        "anchors": len(anchors),
+        "agents": sorted({agent for a in anchors for agent in a.deltas}),
+        "rank": rank,
+        "anchors_per_slot": pool.capacity,
+        "ranks": ranks,
+        "layers": layers,
+        "memory": {
+            "full_bytes": pool.nbytes(),
+            "full_formula_bytes": pool.analytic_bytes(*shape),
+            "low_rank_bytes": low.nbytes(),
+            "low_rank_formula_bytes": low.analytic_bytes(*shape),
+            "saving": pool.nbytes() / low.nbytes() if low.nbytes() else None,
+        },
+        "identity": pool_identity(runtime),
+    }
+
+
+def fit_anchors(
+    agents: AgentSet,
+    trajectories: Sequence[Trajectory],
+    rank: int | None,
+    capacity: int,
+    window: int = 5,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> tuple[AnchorPool, dict]:
+    """Fit a pool on `trajectories` and report it; returns the pool to save (rank-`rank` factors, or
+    full-dimensional when `rank` is None) and the report (its error and memory figures are for rank `rank`, or 32
+    when the pool is full-dimensional)."""
+    started = time.perf_counter()
+    full = fit_pool(agents, trajectories, capacity, window, on_trajectory)
+    runtime = Runtime(agents)
+    report = fit_report(full, rank or 32, runtime)
+    report.update(trajectories=len(trajectories), seconds=round(time.perf_counter() - started, 3))
+    return (full if rank is None else truncated(full, rank)), report

@@ -1,0 +1,90 @@
+"""`kvprof fit-anchors`: fit anchor pools from calibration trajectories, save them, report their error and size.
+
+The maths lives in `kvprof.anchor_fit` and `kvprof.anchors`; this module parses options, shows progress, writes
+the pool (safetensors) and the JSON result, and prints the tables of `kvprof.report.anchors`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from kvprof.anchor_fit import fit_anchors
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    OutOption,
+    SeedOption,
+    console,
+    demo_prompt_trace,
+    progress,
+    write_result,
+)
+from kvprof.errors import KvprofError
+from kvprof.model import load_agents_for_trace
+from kvprof.policies.delta import pool_identity
+from kvprof.report.anchors import fit_error_table, fit_memory_table
+from kvprof.runtime import Runtime
+from kvprof.trace import read_trace
+
+POOL_FILE = "anchors.safetensors"
+
+
+def command(
+    trace: Annotated[
+        Path | None,
+        typer.Argument(help="Prompt-mode trace of calibration trajectories [default: the demo world's tuning trace]."),
+    ] = None,
+    rank: Annotated[
+        str,
+        typer.Option("--rank", help="Factor rank r of the stored anchors (KVCMAS: 32), or 'full' (KVComm)."),
+    ] = "32",
+    anchors_per_slot: Annotated[
+        int, typer.Option("--anchors-per-slot", min=1, help="Anchors kept per placeholder slot (V).")
+    ] = 10,
+    window: Annotated[int, typer.Option("--window", min=1, help="Eviction window of the pool.")] = 5,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")] = None,
+    role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    out: OutOption = Path("runs/fit-anchors"),
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    seed: SeedOption = 0,
+) -> None:
+    """Fit anchor pools (a context-free base and per-agent deltas per segment, V per slot) from a trace, save them
+    for `kvprof replay --policy kvcmas|kvcomm --policy-option POLICY.anchors=FILE`, and report the truncation
+    error per layer against rank and the pool's memory, full-dimensional vs rank r."""
+    args = dict(locals())
+    torch.manual_seed(seed)
+    if rank == "full":
+        factor_rank = None
+    elif rank.isdigit() and int(rank) >= 1:
+        factor_rank = int(rank)
+    else:
+        raise KvprofError(f"--rank {rank!r} is not a whole number ≥ 1 or 'full'; pass e.g. --rank 32.")
+    if limit is not None and limit < 1:
+        raise KvprofError(f"--limit {limit} must be at least 1.")
+    if trace is None:
+        trace, model = demo_prompt_trace(model)
+        args.update(trace=trace, model=model)
+    agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
+    if agents.spec.mode != "prompt":
+        raise KvprofError(
+            f"{trace} is a {agents.spec.mode}-mode trace; anchor pools correct shared segments read after different "
+            "role prompts, so pass a prompt-mode trace."
+        )
+    trajectories = read_trace(trace).trajectories[:limit]
+    with progress() as bar:
+        job = bar.add_task("fitting anchors", total=len(trajectories))
+        pool, report = fit_anchors(
+            agents, trajectories, factor_rank, anchors_per_slot, window, on_trajectory=lambda traj: bar.advance(job)
+        )
+    pool_path = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
+    report.update(trace=str(trace), model=agents.model_name, pool=str(pool_path), stored_rank=factor_rank)
+    console.print(fit_error_table(report).to_rich())
+    console.print(fit_memory_table(report).to_rich())
+    path = write_result(out, "fit_anchors", report, args)
+    console.print(f"wrote {pool_path} and {path} ({report['seconds']:.1f} s)")

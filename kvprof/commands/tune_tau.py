@@ -1,0 +1,215 @@
+"""`kvprof tune-tau`: sweep a delta-correction policy's acceptance threshold on tuning trajectories, recommend one
+for a target, verify it on held-out trajectories, and write it where `kvprof replay --tuned` reads it.
+
+The maths lives in `kvprof.tune` (and the pool fit in `kvprof.anchor_fit`); this module parses options, shows
+progress, checkpoints the sweep row by row (`--resume`), and renders `kvprof.report.anchors`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from kvprof.anchor_fit import fit_anchors
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    OutOption,
+    SeedOption,
+    console,
+    demo_prompt_trace,
+    progress,
+    write_result,
+)
+from kvprof.commands.fit_anchors import POOL_FILE
+from kvprof.errors import KvprofError
+from kvprof.fileio import write_json
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import policy_class
+from kvprof.policies.delta import pool_identity
+from kvprof.replay import ReplayHooks, ReplayProgress
+from kvprof.report import write_html
+from kvprof.report.anchors import pareto_figure, sweep_table, verification_lines
+from kvprof.report.html import Section
+from kvprof.runtime import Runtime
+from kvprof.trace import read_trace
+from kvprof.tune import GRID, Target, replay_flags, threshold_key, tune
+
+TUNED_KIND = "kvprof.tuned-policy"
+
+
+def parse_grid(text: str) -> list[str]:
+    values = [piece.strip() for piece in text.split(",") if piece.strip()]
+    try:
+        if not values or any(not 0.0 <= float(v) <= 1.0 for v in values):
+            raise ValueError
+    except ValueError:
+        raise KvprofError(
+            f"--grid {text!r} is not a list of thresholds in [0, 1]; pass e.g. --grid 0,0.2,0.5,1."
+        ) from None
+    return list(dict.fromkeys(values))
+
+
+def parse_options(policy: str, flags: list[str]) -> dict[str, str]:
+    """KEY=VALUE flags → the policy's other options, checked against its declared ones."""
+    cls = policy_class(policy)
+    options = {}
+    for flag in flags:
+        key, sep, value = flag.partition("=")
+        if not sep or key not in cls.options:
+            raise KvprofError(
+                f"--option {flag!r} is not KEY=VALUE with a {cls.name} option ({', '.join(cls.options)})."
+            )
+        cls.options[key].check(cls.name, key, value)
+        options[key] = value
+    return options
+
+
+def command(
+    trace: Annotated[
+        Path | None,
+        typer.Argument(help="Prompt-mode trace: tuning then held-out trajectories [default: the demo's tuning trace]."),
+    ] = None,
+    policy: Annotated[str, typer.Option("--policy", help="Policy to tune: kvcmas (τ) or kvcomm (γ).")] = "kvcmas",
+    grid: Annotated[str, typer.Option("--grid", help="Thresholds to sweep, comma-separated.")] = ",".join(GRID),
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", help="KEY=VALUE: another option of the policy (e.g. chain=nochain), repeatable."),
+    ] = None,
+    anchors: Annotated[
+        Path | None,
+        typer.Option(
+            "--anchors",
+            help="Anchor pool from `kvprof fit-anchors` to start every row from [default: fit one on the tuning "
+            "trajectories, saved to OUT/anchors.safetensors].",
+        ),
+    ] = None,
+    tune_count: Annotated[
+        int | None,
+        typer.Option("--tune", help="Tuning trajectories: the first N [default: half]; the rest are held out."),
+    ] = None,
+    max_accuracy_drop: Annotated[
+        float | None,
+        typer.Option("--max-accuracy-drop", help="Target: accuracy at most P points below dense [default: 1]."),
+    ] = None,
+    max_kl: Annotated[float | None, typer.Option("--max-kl", help="Target: KL at most X nats per token.")] = None,
+    target_rho: Annotated[
+        float | None,
+        typer.Option("--target-rho", help="Target: matched reuse, the smallest ρ at least R (papers compare at 0.8)."),
+    ] = None,
+    online: Annotated[
+        bool, typer.Option("--online/--no-online", help="Re-run the workflow per threshold (accuracy).")
+    ] = True,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats of each prefill.")] = 1,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted sweep from OUT/tune_tau.partial.json.")
+    ] = False,
+    model: Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")] = None,
+    role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    out: OutOption = Path("runs/tune-tau"),
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    seed: SeedOption = 0,
+) -> None:
+    """Sweep the acceptance threshold (τ of KVCMAS, γ of KVComm): reuse ρ, per-layer error, KL, accuracy, TTFT,
+    latency and memory per value; recommend the value with the most reuse that meets the target, verify it on the
+    held-out trajectories, and write it to OUT/tuned.json for `kvprof replay --tuned`."""
+    args = dict(locals())
+    torch.manual_seed(seed)
+    key = threshold_key(policy)
+    if max_accuracy_drop is None and max_kl is None and target_rho is None:
+        max_accuracy_drop = 1.0
+    target = Target(max_accuracy_drop, max_kl, target_rho)
+    thresholds = parse_grid(grid)
+    options = parse_options(policy, option or [])
+    if key in options or "anchors" in options:
+        raise KvprofError(f"--option {key}/anchors: the sweep sets {key}, and --anchors names the pool.")
+    if trace is None:
+        trace, model = demo_prompt_trace(model)
+        args.update(trace=trace, model=model)
+    agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
+    if agents.spec.mode != "prompt":
+        raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
+    trajectories = read_trace(trace).trajectories
+    count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
+    if not 1 <= count <= len(trajectories):
+        raise KvprofError(f"--tune {count} must be between 1 and the trace's {len(trajectories)} trajectories.")
+    tuning, heldout = trajectories[:count], trajectories[count:]
+    cls = policy_class(policy)
+    if anchors is None:
+        rank = None if cls.name == "kvcomm" else int(options.get("rank", cls.options["rank"].default))
+        capacity = int(options.get("anchors_per_slot", cls.options["anchors_per_slot"].default))
+        with progress() as bar:
+            job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
+            pool, _ = fit_anchors(agents, tuning, rank, capacity, on_trajectory=lambda traj: bar.advance(job))
+        anchors = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
+    options["anchors"] = str(anchors)
+    checkpoint = out / "tune_tau.partial.json"
+    identity = {
+        "trace": "sha256:" + hashlib.sha256(Path(trace).read_bytes()).hexdigest(),
+        "pool": "sha256:" + hashlib.sha256(Path(anchors).read_bytes()).hexdigest(),
+        "policy": cls.name,
+        "options": {k: v for k, v in options.items() if k != "anchors"},
+        "tune": count,
+        "online": online,
+        "repeats": repeats,
+        "model": agents.model_name,
+        "dtype": str(agents.base_model.dtype),
+        "device": str(agents.device),
+    }
+    state = None
+    if resume and checkpoint.exists():
+        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
+        if saved.get("identity") != identity:
+            raise KvprofError(
+                f"checkpoint {checkpoint} was made with other settings; resume with the options it was made with, "
+                "or delete it to start again."
+            )
+        state = ReplayProgress(**saved["progress"])
+        console.print(f"resuming after {len(state.trajectories)} replayed tuning trajectories")
+    with progress() as bar:
+        turns = bar.add_task(
+            f"replaying {len(thresholds)} values of {key} in lockstep", total=sum(len(t.turns) for t in tuning)
+        )
+        bar.update(turns, completed=sum(len(t.turns) for t in tuning if state and t.id in state.trajectories))
+        tasks = bar.add_task("online re-runs", total=len(tuning) * (len(thresholds) + 1)) if online else None
+        hooks = ReplayHooks(
+            on_turn=lambda traj, index: bar.advance(turns),
+            on_task=(lambda label, task: bar.advance(tasks)) if tasks is not None else None,
+            on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
+        )
+        result = tune(agents, tuning, heldout, cls.name, options, thresholds, target, online, repeats, state, hooks)
+    result.update(trace=str(trace), model=agents.model_name, pool=str(anchors))
+    console.print(sweep_table(result).to_rich())
+    for line in verification_lines(result):
+        console.print(line, markup=False)
+    path = write_result(out, "tune_tau", result, args)
+    section = Section(
+        f"{cls.name}: {key} sweep",
+        card=verification_lines(result),
+        tables=[sweep_table(result)],
+        figures=[pareto_figure(result)],
+        order="decision",
+        wide=1,
+    )
+    html = write_html(out / "tune_tau.html", "kvprof tune-tau", [section], subtitle=str(trace))
+    outputs = [str(path), str(html)]
+    if result["recommended"] is not None:
+        tuned = write_json(
+            out / "tuned.json",
+            {
+                "kind": TUNED_KIND,
+                "policy": cls.name,
+                "policy_options": replay_flags(result),
+                "target": result["target"],
+            },
+        )
+        outputs.append(str(tuned))
+    checkpoint.unlink(missing_ok=True)
+    console.print(f"wrote {', '.join(outputs)}")

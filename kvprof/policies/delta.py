@@ -1,0 +1,414 @@
+"""Delta correction: reuse another agent's cache of a shared segment after adding an estimate of how the reader's
+prefix would have changed it — the machinery KVComm, KVCMAS and GraphFlow share (one module per method: `kvcomm`,
+`kvcmas`, `graphflow`). Prompt mode only: agents differ by their private prefix PF_a, and a shared segment (the
+question, an observation, another agent's output) read after PF_j has K/V C_j ≠ C_i.
+
+Segments and slots. The shared timeline is cut into segments as it grows: each turn adds the tokens of its input
+nobody had read yet (its chunk: the question, an observation, the workflow's cue) and its output. A segment's slot
+is its place in the workflow, `AGENT.inK` / `AGENT.outK` (the K-th input or output of that agent's turns), the
+placeholder its anchors are pooled under (`kvprof.anchors`), so segments in the same place of different
+trajectories share a pool.
+
+A turn of agent j. Each agent keeps its own cache (its prefix and every token it has read, as NonShared does: the
+active caches are full-dimensional; the saving is prefill compute, not their memory). The segments others added
+since j's last turn are each either
+
+- accepted: the gate (`accepts`) trusts a match of the segment against its slot's anchors, and j gets the
+  reference cache plus the weighted sum of the anchors' deltas, keys rotated from the segment's frame to j's
+  positions, layer 0 left uncorrected (as published; its K/V depend only on the token and its position, so the
+  re-aligned reference is exact there). The reference is the segment's latest materialised cache — the cache of
+  the last agent that read it, itself corrected or dense — with Δ_{j←i} = Δ_j − Δ_i (`chain`, KVCMAS), or its
+  context-free encoding with Δ_j (KVComm, GraphFlow, KVCMAS chain=false: one reference prefill per segment);
+- or refused: j computes it densely in its own context (dense prefill), and with `grow` the segment becomes an anchor
+  of its slot (base: its context-free encoding; deltas: the producer's and each refusing reader's dense caches),
+  evicting per `kvprof.anchors.AnchorPool`. Refused segments after the last accepted one are simply part of j's
+  chunk, so a gate that accepts nothing replays exactly what NonShared computes.
+
+Every matching, correction, reference prefill and dense fallback runs in `assemble`, inside the timed prefill; pool
+growth runs in `commit`. The acceptance rate ρ (`Context.corrected` / `fallback`: tokens of others' segments served
+corrected / prefilled densely) is the replay's `delta_reuse`. The pool outlives `reset` (it is fitted once
+(`kvprof fit-anchors`, option `anchors`) and grows online across trajectories, in replay order), so these policies
+are not trajectory-independent.
+
+Approximate: the correction is an estimate from other segments' deltas.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kvprof.anchors import AnchorPool, Match, mixed_delta
+from kvprof.errors import KvprofError
+from kvprof.kv_buffer import BufferCache, KVBuffer
+from kvprof.model import tokenizer_identity
+from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
+from kvprof.rope import rotate_keys
+from kvprof.runtime import Runtime
+
+Stacked = tuple[torch.Tensor, torch.Tensor]  # keys and values (layers, H_kv, L, D), keys in the segment's frame
+
+
+@dataclass(frozen=True)
+class SharedSegment:
+    """Timeline tokens [start, end) added by one turn of `producer`; `slot` its workflow placeholder, `name` unique
+    within the replay."""
+
+    start: int
+    end: int
+    producer: str
+    slot: str
+    name: str
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class SegmentLog:
+    """The segments of one trajectory's shared timeline, in order (see module docstring)."""
+
+    def __init__(self, trajectory: str):
+        self.trajectory = trajectory
+        self.segments: list[SharedSegment] = []
+        self.length = 0
+        self.turns: Counter[str] = Counter()
+
+    def observe(self, agent: str, input_len: int, total_len: int) -> list[SharedSegment]:
+        """Record a turn of `agent` whose shared input was `input_len` tokens and whose outputs end the timeline
+        at `total_len`; returns the segments it added."""
+        turn = self.turns[agent]
+        self.turns[agent] += 1
+        added = []
+        for part, end in (("in", input_len), ("out", total_len)):
+            if end > self.length:
+                name = f"{self.trajectory}#{len(self.segments)}"
+                segment = SharedSegment(self.length, end, agent, f"{agent}.{part}{turn}", name)
+                self.segments.append(segment)
+                added.append(segment)
+                self.length = end
+        return added
+
+
+def pool_identity(runtime: Runtime) -> dict:
+    """What a pool must have been fitted on to be used: the model's name and shapes, and the tokenizer."""
+    agents = runtime.agents
+    return {
+        "model": agents.model_name,
+        "shape": f"{runtime.num_layers}x{runtime.kv_heads}x{runtime.head_dim}",
+        "tokenizer": tokenizer_identity(agents.tokenizer)["fingerprint"],
+        "dtype": str(runtime.dtype).removeprefix("torch."),
+    }
+
+
+def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shift: int, inv_freq) -> Stacked:
+    """Batch row 0 of tokens [begin, end) of per-layer (K, V) (B, H_kv, T, D), stacked (layers, H_kv, L, D), keys
+    rotated by `shift` positions."""
+    keys = torch.stack([k[0, :, begin:end] for k, _ in kv])
+    values = torch.stack([v[0, :, begin:end] for _, v in kv])
+    return (rotate_keys(keys, shift, inv_freq) if shift else keys), values
+
+
+def positive_int(value: str) -> int:
+    """A whole number ≥ 1."""
+    number = int(value)
+    if number < 1:
+        raise ValueError(value)
+    return number
+
+
+def unit_interval(value: str) -> float:
+    """A number in [0, 1]."""
+    number = float(value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(value)
+    return number
+
+
+def threshold_option(default: str, meaning: str) -> Option:
+    """A gate threshold on the normalized entropy of the anchor weights (what `kvprof tune-tau` sweeps)."""
+    return Option(default, parse=unit_interval, help=f"in [0, 1]: {meaning}")
+
+
+def pool_options(capacity: str) -> dict[str, Option]:
+    """The options every anchor-pool policy has: the pool size per slot, the eviction window, and a fitted pool to
+    start from."""
+    return {
+        "anchors_per_slot": Option(capacity, parse=positive_int, help="a whole number ≥ 1: anchors kept per slot (V)"),
+        "window": Option("5", parse=positive_int, help="a whole number ≥ 1: the eviction window"),
+        "pool": Option(
+            "grow",
+            ("grow", "frozen"),
+            help="grow: refused segments become anchors (published); frozen: the pool stays as it started",
+        ),
+        "anchors": Option(
+            "", labelled=False, help="an anchor pool written by kvprof fit-anchors to start from; empty: start empty"
+        ),
+    }
+
+
+@dataclass
+class Decision:
+    """What the gate decided for one segment the agent read this turn: `match` (None when it was not matched),
+    `accepted`, `source` (the agent whose cache was the reference, None for the context-free encoding)."""
+
+    segment: SharedSegment
+    accepted: bool
+    match: Match | None = None
+    source: str | None = None
+
+
+@dataclass
+class DeltaContext(Context):
+    """shared / shared_len: the turn's shared input and its length; decisions: per segment of others read this
+    turn; first: the agent's first turn (its buffers are new); bases: context-free encodings computed this turn, by
+    segment name."""
+
+    shared: list[int] = field(default_factory=list)
+    shared_len: int = 0
+    decisions: list[Decision] = field(default_factory=list)
+    first: bool = False
+    bases: dict[str, Stacked] = field(default_factory=dict)
+
+
+class DeltaCorrection(SharingPolicy[DeltaContext]):
+    """Base class of the delta-correction policies (see module docstring). A subclass sets `chain` (reference: the
+    latest materialised cache, else the context-free encoding), `rank` (anchor factor rank, None: full-dimensional)
+    and implements `accepts`, the gate."""
+
+    family = "delta"
+    approximate = True
+    modes = ("prompt",)
+    trajectory_independent = False
+    temperature = 1.0  # softmax temperature over anchor distances (the public KVComm code uses 1)
+
+    def __init__(self, runtime: Runtime, **options: str):
+        self.pool: AnchorPool | None = None
+        self.trajectory = 0
+        super().__init__(runtime, **options)
+
+    @property
+    def chain(self) -> bool:
+        return False
+
+    @property
+    def rank(self) -> int | None:
+        return None
+
+    @property
+    def grow(self) -> bool:
+        """Whether refused segments become anchors (option `pool`; growing is the published behaviour)."""
+        return self.settings["pool"] == "grow"
+
+    @abstractmethod
+    def accepts(self, match: Match) -> bool:
+        """The gate: whether `match` is trusted enough to correct instead of prefilling densely."""
+
+    def matching_agents(self, reader: str, source: str | None) -> tuple[str, ...]:
+        """The agents an anchor needs deltas for to correct `reader`'s cache from `source`'s."""
+        return (reader,) if source is None else (reader, source)
+
+    def notes(self) -> list[str]:
+        path = self.settings.get("anchors")
+        started = f"anchor pool started from {path}" if path else "anchor pool started empty"
+        return [f"{started}; it grows across trajectories in replay order" if self.grow else started]
+
+    def reset(self) -> None:
+        if self.pool is None:
+            self.pool = self.initial_pool()
+        self.trajectory += 1
+        self.log = SegmentLog(f"t{self.trajectory}")
+        self.own: dict[str, list[KVBuffer]] = {}  # agent -> per layer (1, H_kv, ≥ L_agent, D) buffers
+        self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
+        self.latest: dict[str, str] = {}  # segment name -> the agent holding its latest materialised cache
+        self.corrected: Counter[str] = Counter()  # agent -> tokens of its cache it got by correction
+        self.bases: dict[str, Stacked] = {}  # segment name -> context-free encoding (kept for later readers)
+
+    def initial_pool(self) -> AnchorPool:
+        path = self.settings.get("anchors")
+        if path:
+            pool = AnchorPool.load(str(path), pool_identity(self.runtime), self.runtime.device)
+            if pool.rank != self.rank:
+                raise KvprofError(
+                    f"anchor pool {path} stores {'rank-' + str(pool.rank) if pool.rank else 'full-dimensional'} "
+                    f"anchors but {self.label} uses {'rank-' + str(self.rank) if self.rank else 'full-dimensional'} "
+                    "ones; fit a pool with the matching --rank."
+                )
+            pool.capacity, pool.window = int(self.values["anchors_per_slot"]), int(self.values["window"])
+            return pool
+        return AnchorPool(int(self.values["anchors_per_slot"]), int(self.values["window"]), self.rank)
+
+    # ------------------------------------------------------------------------------------------ the turn
+
+    def base_of(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Stacked:
+        """The segment's context-free encoding (its tokens alone at positions 0..L−1, adapters off), computed once
+        per segment: a reference prefill, charged to the turn's prefill that needs it first."""
+        base, flops = self.encoding(segment, shared, context)
+        context.extra_flops += flops
+        return base
+
+    def encoding(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> tuple[Stacked, float]:
+        """`base_of` without charging its FLOPs: (encoding, FLOPs of computing it now, 0 if known). Counts the
+        tokens in the turn's `extra_prefill`."""
+        known = self.bases.get(segment.name) or context.bases.get(segment.name)
+        if known is not None:
+            return known, 0.0
+        runtime = self.runtime
+        ids = shared[segment.start : segment.end]
+        out = runtime.forward(None, ids, runtime.cache_from(runtime.empty_kv()), 0, last_logits_only=True)
+        base = stack(runtime.kv_of(out.cache), 0, segment.length, 0, runtime.inv_freq)
+        context.bases[segment.name] = base
+        context.extra_prefill += segment.length
+        return base, runtime.flops(segment.length, 0)
+
+    def reference(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> tuple[Stacked, str | None]:
+        """The cache a correction starts from, in the segment's frame, and whose it is (None: the context-free
+        encoding)."""
+        if not self.chain:
+            return self.base_of(segment, shared, context), None
+        owner = self.latest[segment.name]
+        offset = len(self.runtime.prefix(owner))
+        kv = [buffer.view(offset + self.seen[owner]) for buffer in self.own[owner]]
+        begin = offset + segment.start
+        return stack(kv, begin, offset + segment.end, -begin, self.runtime.inv_freq), owner
+
+    def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
+        reference, source = self.reference(segment, shared, context)
+        assert self.pool is not None
+        match = self.pool.match(
+            segment.slot,
+            reference[1][1:],
+            self.matching_agents(agent, source),
+            self.temperature,
+            exclude=segment.name,
+        )
+        context.extra_flops += 3.0 * reference[1][1:].numel() * len(match.anchors)
+        return Decision(segment, self.accepts(match), match, source)
+
+    def corrected_kv(self, agent: str, decision: Decision, shared: list[int], context: DeltaContext) -> Stacked:
+        """The accepted segment's K/V for `agent`, in its frame: reference + mixed deltas on layers 1.."""
+        segment, match = decision.segment, decision.match
+        assert match is not None
+        (keys, values), source = self.reference(segment, shared, context)
+        out_keys, out_values = keys.clone(), values.clone()
+        for layer in range(1, self.runtime.num_layers):
+            mixed_delta(match, agent, source, layer, False, keys[layer], out_keys[layer])
+            mixed_delta(match, agent, source, layer, True, values[layer], out_values[layer])
+        terms = len(match.anchors) * (2 if source is not None else 1)
+        context.extra_flops += 2.0 * 2 * terms * keys[1:].numel() * (self.rank or keys.shape[-1])
+        return out_keys, out_values
+
+    def assemble(self, agent: str, shared: list[int]) -> DeltaContext:
+        runtime = self.runtime
+        prefix_len = len(runtime.prefix(agent))
+        context = DeltaContext(kv=[], reused=0, shared=shared, shared_len=len(shared), first=agent not in self.own)
+        if context.first:
+            prefix_kv, flops = self.prefix_context(agent)
+            context.extra_prefill, context.extra_flops = prefix_len, flops
+            buffers = [KVBuffer.of(keys, values, len(shared)) for keys, values in prefix_kv]
+            seen = 0
+        else:
+            buffers, seen = self.own[agent], self.seen[agent]
+        known = min(self.log.length, len(shared) - 1)
+        pending = [s for s in self.log.segments if s.start >= seen and s.end <= known]
+        context.decisions = [self.decide(agent, segment, shared, context) for segment in pending]
+        accepted = [d for d in context.decisions if d.accepted]
+        reused = accepted[-1].segment.end if accepted else seen
+        for decision in context.decisions:
+            segment = decision.segment
+            if segment.end > reused:
+                context.fallback += segment.length
+                continue
+            at = prefix_len + segment.start
+            if decision.accepted:
+                keys, values = self.corrected_kv(agent, decision, shared, context)
+                keys = rotate_keys(keys, at, runtime.inv_freq)
+                for layer, buffer in enumerate(buffers):
+                    buffer.write(at, keys[layer][None], values[layer][None])
+                context.corrected += segment.length
+            else:
+                cache = BufferCache(buffers, at)
+                runtime.forward(agent, shared[segment.start : segment.end], cache, at, last_logits_only=True)
+                context.extra_prefill += segment.length
+                context.extra_flops += runtime.flops(segment.length, at)
+                context.recomputed += segment.length * runtime.num_layers
+                context.fallback += segment.length
+        context.kv = [buffer.view(prefix_len + reused) for buffer in buffers]
+        context.buffers = buffers
+        context.reused = reused
+        context.from_others = self.corrected[agent] + context.corrected
+        return context
+
+    def commit(self, chunk: Chunk[DeltaContext]) -> float:
+        agent, context = chunk.agent, chunk.context
+        self.own[agent] = chunk.buffers
+        self.seen[agent] = chunk.start + len(chunk.ids)
+        self.corrected[agent] += context.corrected
+        if not self.chain:
+            self.bases.update(context.bases)
+        for decision in context.decisions:
+            self.latest[decision.segment.name] = agent
+        for segment in self.log.observe(agent, context.shared_len, self.seen[agent]):
+            self.latest[segment.name] = agent
+        assert self.pool is not None
+        flops = 0.0
+        for decision in context.decisions:
+            if decision.accepted and decision.match is not None:
+                self.pool.activate(decision.match)
+            elif self.grow:
+                flops += self.learn(agent, decision.segment, chunk, context)
+        return flops
+
+    def learn(self, agent: str, segment: SharedSegment, chunk: Chunk[DeltaContext], context: DeltaContext) -> float:
+        """Keep a refused segment as an anchor of its slot (creating it, with the producer's delta, on its first
+        refusal) and add `agent`'s dense K/V of it as its delta. Returns the FLOPs: a reference prefill when the
+        segment's context-free encoding was not computed yet."""
+        assert self.pool is not None
+        inv_freq = self.runtime.inv_freq
+        flops = 0.0
+        anchor = self.pool.anchor(segment.slot, segment.name)
+        if anchor is None:
+            base, flops = self.encoding(segment, context.shared, context)
+            anchor = self.pool.add(segment.slot, segment.name, *base)
+            producer = segment.producer
+            offset = len(self.runtime.prefix(producer))
+            kv = [buffer.view(offset + self.seen[producer]) for buffer in self.own[producer]]
+            begin = offset + segment.start
+            self.pool.add_delta(anchor, producer, *stack(kv, begin, offset + segment.end, -begin, inv_freq))
+        begin = len(self.runtime.prefix(agent)) + segment.start
+        self.pool.add_delta(anchor, agent, *stack(chunk.kv, begin, begin + segment.length, -begin, inv_freq))
+        return flops
+
+    # ------------------------------------------------------------------------------------------ memory
+
+    def live_tensors(self) -> dict[str, list[torch.Tensor]]:
+        tensors = {
+            f"cache:{agent}": [
+                t for buffer in buffers for t in buffer.view(len(self.runtime.prefix(agent)) + self.seen[agent])
+            ]
+            for agent, buffers in self.own.items()
+        }
+        if self.bases:
+            tensors["context-free encodings"] = [t for pair in self.bases.values() for t in pair]
+        assert self.pool is not None
+        tensors["anchor pool"] = self.pool.tensors()
+        return tensors
+
+    def analytic_bytes(self) -> dict[str, int]:
+        runtime = self.runtime
+        sizes = {
+            f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
+            for agent in self.own
+        }
+        if self.bases:
+            sizes["context-free encodings"] = runtime.kv_bytes_per_token * sum(
+                pair[0].shape[-2] for pair in self.bases.values()
+            )
+        assert self.pool is not None
+        sizes["anchor pool"] = self.pool.analytic_bytes(
+            runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize
+        )
+        return sizes

@@ -1,0 +1,199 @@
+"""Tables of `kvprof fit-anchors` and `kvprof tune-tau` results (terminal and HTML share them)."""
+
+from __future__ import annotations
+
+from kvprof.report.tables import TableData
+
+
+def _bytes(count: int | None) -> str:
+    return "—" if count is None else f"{count / 2**20:.2f} MiB"
+
+
+def fit_error_table(report: dict) -> TableData:
+    """Per layer: relative Frobenius error of the rank-k truncation of the anchors' deltas (K / V) at each rank,
+    and the deltas' and bases' mean effective rank."""
+    ranks = report["ranks"]
+    table = TableData(
+        f"anchor deltas, truncated SVD per (layer, head): relative error at rank k (K / V), {report['anchors']} "
+        f"anchors",
+        ["layer", *[f"k={rank}" for rank in ranks], "eff. rank Δ K/V", "eff. rank base K/V"],
+        caption="error: energy of the deltas beyond rank k, ‖Z − Z_k‖/‖Z‖ over every anchor, agent and head of the "
+        "layer; effective rank: exp(entropy of σ/Σσ), mean over matrices.",
+    )
+    for row in report["layers"]:
+        keys, values = row["delta_k"], row["delta_v"]
+        table.add_row(
+            row["layer"],
+            *[f"{keys['error_at_rank'][str(r)]:.2f}/{values['error_at_rank'][str(r)]:.2f}" for r in ranks],
+            f"{keys['effective_rank']:.1f} / {values['effective_rank']:.1f}",
+            f"{row['base_k']['effective_rank']:.1f} / {row['base_v']['effective_rank']:.1f}",
+        )
+    return table
+
+
+def fit_memory_table(report: dict) -> TableData:
+    """The pool's bytes full-dimensional and at rank r, measured on the tensors and by the formula."""
+    memory = report["memory"]
+    table = TableData(
+        f"anchor pool memory ({report['anchors']} anchors, V = {report['anchors_per_slot']} per slot, "
+        f"{len(report['agents'])} agents)",
+        ["storage", "measured", "formula", "formula"],
+        caption="formula per stored matrix: layers·H_kv·L·D (full) or layers·H_kv·min(r, L, D)·(L + D) (rank r); "
+        "a base and one delta per agent, K and V, per anchor.",
+    )
+    table.add_row(
+        "full-dimensional (KVComm)",
+        _bytes(memory["full_bytes"]),
+        _bytes(memory["full_formula_bytes"]),
+        "O(V·N·L·D)",
+    )
+    table.add_row(
+        f"rank {report['rank']} factors (KVCMAS)",
+        _bytes(memory["low_rank_bytes"]),
+        _bytes(memory["low_rank_formula_bytes"]),
+        "O(V·N·r·(L+D))",
+    )
+    saving = memory["saving"]
+    table.add_row("saving", f"{saving:.2f}×" if saving else "—", "", "")
+    return table
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _row_cells(row: dict) -> list[str]:
+    accuracy = "—" if row["accuracy"] is None else f"{100 * row['accuracy']:.0f} % ({row['accuracy_drop']:+.0f})"
+    return [
+        f"{row['rho']:.2f}",
+        f"{row['kl']:.2e}",
+        f"{row['top1']:.3f}",
+        f"{row['k_error']:.3f} / {row['v_error']:.3f}",
+        accuracy,
+        _ratio(row["ttft_speedup"]),
+        _ratio(row["latency_speedup"]),
+        _ratio(row["memory_ratio"]),
+    ]
+
+
+COLUMNS = ["ρ", "KL", "top-1", "K / V err", "accuracy (drop, pts)", "TTFT ×", "latency ×", "memory ×"]
+
+
+def sweep_table(result: dict) -> TableData:
+    """One row per swept threshold on the tuning trajectories; the recommended one marked."""
+    key = result["threshold_option"]
+    best = result["recommended"]
+    table = TableData(
+        f"{result['policy']}: {key} swept on {len(result['tuning_trajectories'])} tuning trajectories "
+        f"(target: {result['target']})",
+        [key, *COLUMNS, ""],
+        caption="ρ: of other agents' segment tokens the gate decided on, the share served corrected; KL per output "
+        "token against the dense run (teacher-forced); accuracy: exact match when the workflow is re-run under the "
+        "policy, drop in points below the dense re-run; speed-ups and memory measured against the dense run in the "
+        "same replay. ★ recommended, ✓ meets the target.",
+    )
+    for row in result["rows"]:
+        mark = "★" if best is not None and row["threshold"] == best["threshold"] else ""
+        mark += "✓" if row["target_met"] else ""
+        table.add_row(f"{row['threshold']:g}", *_row_cells(row), mark)
+    return table
+
+
+def verification_lines(result: dict) -> list[str]:
+    """The recommendation and how it fared on the held-out trajectories, as sentences."""
+    best = result["recommended"]
+    key = result["threshold_option"]
+    if best is None:
+        return [f"no {key} in the sweep meets the target ({result['target']}); loosen the target or widen --grid."]
+    lines = [
+        f"recommended {key} = {best['threshold']:g}: ρ {best['rho']:.2f}, KL {best['kl']:.2e} on the tuning "
+        "trajectories."
+    ]
+    held = result["heldout"]
+    if held is None:
+        lines.append("no held-out trajectories to verify it on (--tune covers the whole trace).")
+    else:
+        verdict = "meets" if held["target_met"] else "MISSES"
+        lines.append(
+            f"held-out ({len(result['heldout_trajectories'])} trajectories): ρ {held['rho']:.2f}, KL {held['kl']:.2e}"
+            + (
+                f", accuracy {100 * held['accuracy']:.0f} % (drop {held['accuracy_drop']:+.0f} pts)"
+                if held["accuracy"] is not None
+                else ""
+            )
+            + f" — {verdict} the target ({result['target']})."
+        )
+    return lines
+
+
+def pareto_figure(result: dict):
+    """ρ against KL (log) and, with online re-runs, against the accuracy drop; the front and the recommendation."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = result["rows"]
+    online = any(row["accuracy"] is not None for row in rows)
+    titles = ["KL(dense ‖ policy) vs reuse ρ"] + (["accuracy drop (points) vs reuse ρ"] if online else [])
+    figure = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, horizontal_spacing=0.12)
+    key = result["threshold_option"]
+    labels = [f"{key}={row['threshold']:g}" for row in rows]
+    floor = min((row["kl"] for row in rows if row["kl"] > 0), default=1e-12) / 10
+    front = [row for row in rows if row["threshold"] in result["pareto"]]
+    figure.add_trace(
+        go.Scatter(
+            x=[row["rho"] for row in rows],
+            y=[max(row["kl"], floor) for row in rows],
+            mode="markers+text",
+            text=labels,
+            textposition="top center",
+            name="sweep",
+            marker={"size": 9, "color": "#0072B2"},
+        ),
+        row=1,
+        col=1,
+    )
+    figure.add_trace(
+        go.Scatter(
+            x=[row["rho"] for row in front],
+            y=[max(row["kl"], floor) for row in front],
+            mode="lines",
+            name="Pareto front",
+            line={"color": "#0072B2", "dash": "dot"},
+        ),
+        row=1,
+        col=1,
+    )
+    best = result["recommended"]
+    if best is not None:
+        figure.add_trace(
+            go.Scatter(
+                x=[best["rho"]],
+                y=[max(best["kl"], floor)],
+                mode="markers",
+                name=f"recommended {key}={best['threshold']:g}",
+                marker={"size": 16, "symbol": "star", "color": "#D55E00"},
+            ),
+            row=1,
+            col=1,
+        )
+    figure.update_yaxes(type="log", title_text="KL per output token (nats)", row=1, col=1)
+    figure.update_xaxes(title_text="ρ (share of others' segment tokens served corrected)", row=1, col=1)
+    if online:
+        figure.add_trace(
+            go.Scatter(
+                x=[row["rho"] for row in rows],
+                y=[row["accuracy_drop"] for row in rows],
+                mode="markers+text",
+                text=labels,
+                textposition="top center",
+                name="accuracy drop",
+                marker={"size": 9, "color": "#009E73"},
+            ),
+            row=1,
+            col=2,
+        )
+        figure.update_yaxes(title_text="accuracy drop (points)", row=1, col=2)
+        figure.update_xaxes(title_text="ρ", row=1, col=2)
+    count = len(result["tuning_trajectories"])
+    figure.update_layout(height=460, title=f"{result['policy']}: {key} sweep (n = {count} tuning trajectories)")
+    return figure
