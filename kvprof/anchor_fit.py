@@ -3,9 +3,10 @@
 For each trajectory the shared timeline is cut into segments exactly as the delta policies cut it online
 (`kvprof.policies.delta.SegmentLog`); every agent of the workflow prefills its prefix and the whole timeline once
 (its dense cache of every segment: causal attention makes the cache of a segment inside one long prefill the cache
-the agent computes when it reads the segment in its turn), and every segment is encoded alone (its context-free
-base). Each segment becomes an anchor of its slot with a delta for every agent; the pool keeps V per slot (the
-eviction of `kvprof.anchors.AnchorPool`: with no activations yet, the oldest go first, so the last V remain).
+the agent computes when it reads the segment in its turn), and every segment is encoded context-free (its base,
+`kvprof.policies.delta.NeutralContext`). Each segment becomes an anchor of its slot with a delta for every agent;
+the pool keeps V per slot (the eviction of `kvprof.anchors.AnchorPool`: with no activations yet, the oldest go
+first, so the last V remain).
 
 The fit is full-dimensional; the low-rank pool is its per-(layer, head) truncated SVD at rank r. The report gives,
 per layer, the relative Frobenius error of that truncation at ranks 1, 2, 4, … (from the singular values: the
@@ -24,7 +25,7 @@ import torch
 from kvprof.anchors import Anchor, AnchorPool, Stored
 from kvprof.metrics import entropy_effective_rank
 from kvprof.model import AgentSet
-from kvprof.policies.delta import SegmentLog, pool_identity, stack
+from kvprof.policies.delta import NeutralContext, SegmentLog, pool_identity, stack
 from kvprof.runtime import KV, Runtime
 from kvprof.trace import Trajectory
 
@@ -54,12 +55,6 @@ def dense_cache(runtime: Runtime, agent: str, timeline: list[int]) -> list[KV]:
     return runtime.kv_of(out.cache)
 
 
-def encode_alone(runtime: Runtime, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context-free encoding of `ids`: (K, V), each (layers, H_kv, L, D), positions 0..L−1, adapters off."""
-    out = runtime.forward(None, ids, runtime.cache_from(runtime.empty_kv()), 0, last_logits_only=True)
-    return stack(runtime.kv_of(out.cache), 0, len(ids), 0, runtime.inv_freq)
-
-
 def fit_pool(
     agents: AgentSet,
     trajectories: Sequence[Trajectory],
@@ -74,9 +69,10 @@ def fit_pool(
     with torch.inference_mode():
         for traj in trajectories:
             log, timeline = observed_segments(runtime, traj)
+            neutral = NeutralContext(runtime)
             caches = {name: dense_cache(runtime, name, timeline) for name in names}
             for segment in log.segments:
-                base = encode_alone(runtime, timeline[segment.start : segment.end])
+                base = neutral.encode(timeline[segment.start : segment.end])
                 anchor = pool.add(segment.slot, segment.name, *base)
                 for name in names:
                     begin = len(runtime.prefix(name)) + segment.start

@@ -110,7 +110,44 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
                 }
             )
     record["layers"] = layers
+    record["corrected_spans"] = [
+        span_error(result, dense, start, end) | {"hop": hop} for start, end, hop in result.corrected_spans
+    ]
     return record
+
+
+def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> dict:
+    """Relative Frobenius error of K and V on shared-timeline tokens [start, end), mean over layers 1.. (layer 0 is
+    uncorrected by the delta policies), against the dense turn."""
+    begin, stop = result.prefix_len + start, result.prefix_len + end
+    rows = [
+        (
+            relative_frobenius(k[:, begin:stop], dk[:, begin:stop]),
+            relative_frobenius(v[:, begin:stop], dv[:, begin:stop]),
+        )
+        for (k, v), (dk, dv) in list(zip(result.input_kv, dense.input_kv))[1:]
+    ]
+    return {
+        "tokens": end - start,
+        "k_error": statistics.fmean(row[0] for row in rows) if rows else 0.0,
+        "v_error": statistics.fmean(row[1] for row in rows) if rows else 0.0,
+    }
+
+
+def error_by_hop(turns: list[dict]) -> dict[str, dict]:
+    """Mean K/V error of corrected segments by hop (1: the first reader after the producer, 2: the next, ...)."""
+    spans: dict[int, list[dict]] = {}
+    for turn in turns:
+        for span in turn.get("corrected_spans", []):
+            spans.setdefault(span["hop"], []).append(span)
+    return {
+        str(hop): {
+            "segments": len(rows),
+            "k_error": statistics.fmean(r["k_error"] for r in rows),
+            "v_error": statistics.fmean(r["v_error"] for r in rows),
+        }
+        for hop, rows in sorted(spans.items())
+    }
 
 
 def summarise(turns: list[dict]) -> dict:
@@ -140,6 +177,7 @@ def summarise(turns: list[dict]) -> dict:
         "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
         "recomputed": sum(t["recomputed"] for t in turns),
         "delta_reuse": delta_reuse(turns),
+        "error_by_hop": error_by_hop(turns),
         "recompute_ratio": (
             sum(t["recomputed"] for t in reusable) / sum(t["reused"] * len(t["layers"]) for t in reusable)
             if reusable

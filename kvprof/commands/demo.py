@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -19,8 +20,10 @@ import typer
 from rich.table import Table
 
 from kvprof.analysis import EXTENSION
+from kvprof.anchor_fit import fit_anchors
 from kvprof.capture import capture_spec, sampled_trace_header, trace_header
 from kvprof.commands import capture, rank_analysis, replay
+from kvprof.commands import fit_anchors as fit_anchors_command
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -38,9 +41,11 @@ from kvprof.demo.evaluate import load_condition, run_tasks
 from kvprof.demo.world import read_tasks
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents, load_agents_for_trace
-from kvprof.policies import enumerate_variants, runnable_variants
+from kvprof.policies import PolicyVariant, enumerate_variants, runnable_variants
+from kvprof.policies.delta import pool_identity
 from kvprof.policies.variants import ALL
 from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+from kvprof.report.anchors import fit_memory_table
 from kvprof.report.dashboard import dashboard_sections, write_dashboard
 from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 from kvprof.runtime import Runtime
@@ -226,6 +231,62 @@ def replay_all(ctx: DemoContext) -> StageResult:
     )
 
 
+def advance(bar, job, *_) -> None:
+    bar.advance(job)
+
+
+def prompt_sharing(ctx: DemoContext) -> StageResult:
+    """`kvprof fit-anchors` on the first half of the prompt-mode capture, then `kvprof replay --online` of the other
+    half under FullShared and the delta-correction policies (KVComm, GraphFlow: the full-dimensional pool; KVCMAS
+    chained and not: its rank-32 factors): what correcting another agent's cache of a shared segment costs and
+    saves when agents differ by role prompt."""
+    out = ctx.out / "prompt_sharing"
+    trace = ctx.traces["prompt"]
+    agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
+    trajectories = read_trace(trace).trajectories
+    half = max(1, len(trajectories) // 2)
+    calibration, replayed = trajectories[:half], trajectories[half:][: ctx.replay_tasks] or trajectories[:half]
+    identity = pool_identity(Runtime(agents))
+    pools = {}
+    with progress() as bar:
+        for name, rank in (("full", None), ("rank32", 32)):
+            job = bar.add_task(f"fitting anchors ({name})", total=len(calibration))
+            capacity = 20 if rank is None else 10  # KVComm's V, KVCMAS's V
+            pool, report = fit_anchors(agents, calibration, rank, capacity, on_trajectory=partial(advance, bar, job))
+            pools[name] = pool.save(out / f"anchors_{name}.safetensors", identity)
+            report.update(pool=str(pools[name]), trace=str(trace), model=agents.model_name, stored_rank=rank)
+            fit_path = ctx.write_result(
+                out / f"fit_{name}", "fit_anchors", report, fit_anchors_command.command,
+                trace=trace, rank="full" if rank is None else str(rank), limit=half,
+            )  # fmt: skip
+    console.print(fit_memory_table(report).to_rich())
+    variants = [
+        PolicyVariant("fullshared"),
+        PolicyVariant("graphflow", {"anchors": str(pools["full"])}),
+        PolicyVariant("kvcomm", {"anchors": str(pools["full"])}),
+        PolicyVariant("kvcmas", {"chain": "chain", "anchors": str(pools["rank32"])}),
+        PolicyVariant("kvcmas", {"chain": "nochain", "anchors": str(pools["rank32"])}),
+    ]
+    record = replay.replay_with_progress(
+        trace, agents, replayed, variants, {}, repeats=ctx.repeats, online=True, lora_attention=False
+    )
+    replay.show(record)
+    ctx.write_result(
+        out, "replay", record, replay.command, trace=trace, policy=[v.name for v in variants], online=True,
+        repeats=ctx.repeats, skip=half, limit=len(replayed),
+    )  # fmt: skip
+    replay.write_page(out, record)
+    online = {name: row["accuracy"] for name, row in record["online"].items()}
+    kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
+    accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
+    return StageResult(
+        f"{len(replayed)} tasks after fitting on {half}; online accuracy: {accuracy}; anchor pool at rank 32: "
+        f"{report['memory']['saving']:.2f}× smaller",
+        [out / "replay.json", out / "replay.html", fit_path, pools["rank32"]],
+        {"online_accuracy": online, "kl": kl, "anchor_saving": report["memory"]["saving"]},
+    )
+
+
 def report_all(ctx: DemoContext) -> StageResult:
     """`kvprof report` over every result the demo wrote: one HTML dashboard."""
     sources = ctx.results
@@ -243,6 +304,7 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
     ("lora, adapters disabled", lora_without_adapters),
     ("rank-analysis", rank_analysis_lora),
     ("replay", replay_all),
+    ("prompt-role sharing", prompt_sharing),
     ("report", report_all),
 ]
 

@@ -220,6 +220,9 @@ def command(
         ),
     ] = 3,
     limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
+    skip: Annotated[
+        int, typer.Option("--skip", min=0, help="Skip the first N trajectories (e.g. those a pool was fitted on).")
+    ] = 0,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted replay from OUT/replay.partial.json.")
     ] = False,
@@ -255,7 +258,9 @@ def command(
     print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
-    trajectories = list(iter_trajectories(trace))[:limit]
+    trajectories = list(iter_trajectories(trace))[skip:][:limit]
+    if not trajectories:
+        raise KvprofError(f"--skip {skip} leaves none of the trace's trajectories to replay; skip fewer.")
     checkpoint = out / "replay.partial.json"
     identity = checkpoint_identity(trace, agents, variants, repeats, use_kernel)
     state = None

@@ -35,8 +35,7 @@ from kvprof.policies import policy_class
 from kvprof.policies.delta import pool_identity
 from kvprof.replay import ReplayHooks, ReplayProgress
 from kvprof.report import write_html
-from kvprof.report.anchors import pareto_figure, sweep_table, verification_lines
-from kvprof.report.html import Section
+from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
 from kvprof.tune import GRID, Target, replay_flags, threshold_key, tune
@@ -190,15 +189,7 @@ def command(
     for line in verification_lines(result):
         console.print(line, markup=False)
     path = write_result(out, "tune_tau", result, args)
-    section = Section(
-        f"{cls.name}: {key} sweep",
-        card=verification_lines(result),
-        tables=[sweep_table(result)],
-        figures=[pareto_figure(result)],
-        order="decision",
-        wide=1,
-    )
-    html = write_html(out / "tune_tau.html", "kvprof tune-tau", [section], subtitle=str(trace))
+    html = write_html(out / "tune_tau.html", "kvprof tune-tau", tune_sections(result), subtitle=str(trace))
     outputs = [str(path), str(html)]
     if result["recommended"] is not None:
         tuned = write_json(

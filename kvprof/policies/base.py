@@ -136,7 +136,9 @@ class Context:
     corrected / fallback: tokens of other agents' segments read this turn that a delta-correction gate accepted
     (served corrected) / refused (prefilled densely) (`kvprof.policies.delta`); from_others: when not None, the
     reused tokens whose K/V came from another agent's computation, for a policy whose reused span also holds tokens
-    the agent computed itself (otherwise the replay counts them from the timeline, `reused_from_others`).
+    the agent computed itself (otherwise the replay counts them from the timeline, `reused_from_others`);
+    corrected_spans: (start, end, hop) of each corrected segment in shared-timeline coordinates, hop = 1 + how many
+    agents besides its producer read it before this one (the replay measures the error per hop).
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -152,6 +154,7 @@ class Context:
     corrected: int = 0
     fallback: int = 0
     from_others: int | None = None
+    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -188,7 +191,7 @@ class TurnResult:
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
     turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed,
-    corrected, fallback, from_others: the context's (`Context`).
+    corrected, fallback, from_others, corrected_spans: the context's (`Context`).
     """
 
     agent: str
@@ -213,6 +216,7 @@ class TurnResult:
     corrected: int = 0
     fallback: int = 0
     from_others: int | None = None
+    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -409,6 +413,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             corrected=context.corrected,
             fallback=context.fallback,
             from_others=context.from_others,
+            corrected_spans=context.corrected_spans,
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:

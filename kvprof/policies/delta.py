@@ -112,6 +112,46 @@ def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shi
     return (rotate_keys(keys, shift, inv_freq) if shift else keys), values
 
 
+class NeutralContext:
+    """What a context-free encoding is computed after: the tokens every agent's prefix starts with (their longest
+    common prefix — a shared system header, the "You are the" of role prompts), else the tokenizer's BOS token when
+    it has one, else nothing. An encoding of a segment with no context at all makes its first token the sequence's
+    first (an attention sink), which no agent ever reads; the public KVComm code likewise encodes placeholders inside
+    the template and drops the template's tokens. Only the segment's K/V are kept; the neutral tokens' cache is
+    computed once per trajectory."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        prefixes = [runtime.prefix(agent.name) for agent in runtime.agents.spec.agents]
+        common: list[int] = []
+        for column in zip(*prefixes):
+            if len(set(column)) > 1:
+                break
+            common.append(column[0])
+        bos = runtime.agents.tokenizer.bos_token_id
+        self.ids = common or ([bos] if bos is not None else [])
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def cost(self) -> tuple[int, float]:
+        """Tokens and FLOPs of computing the neutral tokens' cache (0 once it is computed)."""
+        if self.kv is not None or not self.ids:
+            return 0, 0.0
+        return len(self.ids), self.runtime.flops(len(self.ids), 0)
+
+    def encode(self, ids: list[int]) -> Stacked:
+        """The context-free encoding of `ids`: (K, V), each (layers, H_kv, L, D), keys in the segment's frame
+        (positions 0..L−1), adapters off; FLOPs: `self.runtime.flops(len(ids), len(self.ids))`."""
+        runtime = self.runtime
+        if self.kv is None:
+            cache = runtime.cache_from(runtime.empty_kv())
+            if self.ids:
+                runtime.forward(None, self.ids, cache, 0, last_logits_only=True)
+            self.kv = runtime.kv_of(cache)
+        offset = len(self.ids)
+        out = runtime.forward(None, ids, runtime.cache_from(self.kv), offset, last_logits_only=True)
+        return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.inv_freq)
+
+
 def positive_int(value: str) -> int:
     """A whole number ≥ 1."""
     number = int(value)
@@ -224,8 +264,10 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.own: dict[str, list[KVBuffer]] = {}  # agent -> per layer (1, H_kv, ≥ L_agent, D) buffers
         self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
         self.latest: dict[str, str] = {}  # segment name -> the agent holding its latest materialised cache
+        self.readers: Counter[str] = Counter()  # segment name -> agents besides its producer that read it
         self.corrected: Counter[str] = Counter()  # agent -> tokens of its cache it got by correction
         self.bases: dict[str, Stacked] = {}  # segment name -> context-free encoding (kept for later readers)
+        self.neutral = NeutralContext(self.runtime)
 
     def initial_pool(self) -> AnchorPool:
         path = self.settings.get("anchors")
@@ -244,8 +286,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     # ------------------------------------------------------------------------------------------ the turn
 
     def base_of(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Stacked:
-        """The segment's context-free encoding (its tokens alone at positions 0..L−1, adapters off), computed once
-        per segment: a reference prefill, charged to the turn's prefill that needs it first."""
+        """The segment's context-free encoding (`NeutralContext.encode`), computed once per segment: a reference
+        prefill, charged to the turn's prefill that needs it first."""
         base, flops = self.encoding(segment, shared, context)
         context.extra_flops += flops
         return base
@@ -256,13 +298,11 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         known = self.bases.get(segment.name) or context.bases.get(segment.name)
         if known is not None:
             return known, 0.0
-        runtime = self.runtime
-        ids = shared[segment.start : segment.end]
-        out = runtime.forward(None, ids, runtime.cache_from(runtime.empty_kv()), 0, last_logits_only=True)
-        base = stack(runtime.kv_of(out.cache), 0, segment.length, 0, runtime.inv_freq)
+        neutral_tokens, flops = self.neutral.cost()
+        base = self.neutral.encode(shared[segment.start : segment.end])
         context.bases[segment.name] = base
-        context.extra_prefill += segment.length
-        return base, runtime.flops(segment.length, 0)
+        context.extra_prefill += segment.length + neutral_tokens
+        return base, flops + self.runtime.flops(segment.length, len(self.neutral.ids))
 
     def reference(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> tuple[Stacked, str | None]:
         """The cache a correction starts from, in the segment's frame, and whose it is (None: the context-free
@@ -329,6 +369,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 for layer, buffer in enumerate(buffers):
                     buffer.write(at, keys[layer][None], values[layer][None])
                 context.corrected += segment.length
+                hop = self.readers[segment.name] + 1
+                context.corrected_spans.append((segment.start, segment.end, hop))
             else:
                 cache = BufferCache(buffers, at)
                 runtime.forward(agent, shared[segment.start : segment.end], cache, at, last_logits_only=True)
@@ -351,6 +393,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
             self.bases.update(context.bases)
         for decision in context.decisions:
             self.latest[decision.segment.name] = agent
+            self.readers[decision.segment.name] += 1
         for segment in self.log.observe(agent, context.shared_len, self.seen[agent]):
             self.latest[segment.name] = agent
         assert self.pool is not None

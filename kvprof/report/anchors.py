@@ -1,7 +1,9 @@
-"""Tables of `kvprof fit-anchors` and `kvprof tune-tau` results (terminal and HTML share them)."""
+"""Tables, figures and dashboard sections of `kvprof fit-anchors` and `kvprof tune-tau` results (the terminal and
+HTML share the tables)."""
 
 from __future__ import annotations
 
+from kvprof.report.html import Section
 from kvprof.report.tables import TableData
 
 
@@ -197,3 +199,53 @@ def pareto_figure(result: dict):
     count = len(result["tuning_trajectories"])
     figure.update_layout(height=460, title=f"{result['policy']}: {key} sweep (n = {count} tuning trajectories)")
     return figure
+
+
+def error_figure(report: dict):
+    """Truncation error of the deltas against rank, one curve per layer and side."""
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    ranks = report["ranks"]
+    for row in report["layers"]:
+        for part, dash in (("delta_k", "solid"), ("delta_v", "dot")):
+            figure.add_trace(
+                go.Scatter(
+                    x=ranks,
+                    y=[row[part]["error_at_rank"][str(r)] for r in ranks],
+                    mode="lines+markers",
+                    name=f"layer {row['layer']} Δ{part[-1].upper()}",
+                    line={"dash": dash},
+                )
+            )
+    figure.add_vline(x=report["rank"], line_dash="dash", annotation_text=f"r = {report['rank']}")
+    figure.update_xaxes(type="log", title_text="rank k")
+    figure.update_yaxes(title_text="‖Δ − Δ_k‖ / ‖Δ‖")
+    figure.update_layout(height=420, title=f"anchor deltas: truncation error vs rank ({report['anchors']} anchors)")
+    return figure
+
+
+def fit_sections(report: dict) -> list[Section]:
+    """Dashboard sections of a fit-anchors result."""
+    return [
+        Section(
+            "Anchor pools: truncation error and memory",
+            text=[f"Fitted on {report['trajectories']} trajectories of {report['trace']}; pool {report['pool']}."],
+            tables=[fit_error_table(report), fit_memory_table(report)],
+            figures=[error_figure(report)],
+        )
+    ]
+
+
+def tune_sections(result: dict) -> list[Section]:
+    """Dashboard sections of a tune-tau result: the recommendation first."""
+    return [
+        Section(
+            f"{result['policy']}: {result['threshold_option']} sweep",
+            card=verification_lines(result),
+            tables=[sweep_table(result)],
+            figures=[pareto_figure(result)],
+            order="decision",
+            wide=1,
+        )
+    ]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.report import bench, capture, rank_analysis, replay
+from kvprof.report import anchors, bench, capture, rank_analysis, replay
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
 
@@ -23,6 +23,8 @@ BUILDERS: dict[str, SectionBuilder] = {
     "capture": capture.sections,
     "replay": replay.sections,
     "rank_analysis": rank_analysis.sections,
+    "fit_anchors": anchors.fit_sections,
+    "tune_tau": anchors.tune_sections,
 }
 
 
