@@ -76,7 +76,7 @@ def usage_line(err: typer.TyperException) -> str:
     ctx = getattr(err, "ctx", None)
     if ctx is None:
         return f"error: {message}"
-    return f"error: {message}{'' if message.endswith('.') else '.'} See '{ctx.command_path} --help'."
+    return f"error: {message}{'' if message.endswith(('.', '?', '!')) else '.'} See '{ctx.command_path} --help'."
 
 
 def main() -> None:

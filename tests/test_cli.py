@@ -10,7 +10,8 @@ import kvprof
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("fit-anchors",), "No such command 'fit-anchors'. See 'kvprof --help'."),
+        (("no-such-command",), "No such command 'no-such-command'. See 'kvprof --help'."),
+        (("fit-anchor",), "No such command 'fit-anchor'. Did you mean 'fit-anchors'? See 'kvprof --help'."),
         (("replay", "--nope"), "No such option: --nope"),
         (("capture",), "Missing option '--model'."),
         (("replay", "--repeats", "0"), "Invalid value for '--repeats'"),
