@@ -193,12 +193,14 @@ def pool_options(capacity: str) -> dict[str, Option]:
 @dataclass
 class Decision:
     """What the gate decided for one segment the agent read this turn: `match` (None when it was not matched),
-    `accepted`, `source` (the agent whose cache was the reference, None for the context-free encoding)."""
+    `accepted`, `source` (the agent whose cache was the reference, None for the context-free encoding) and the
+    `reference` itself (in the segment's frame), kept for the correction."""
 
     segment: SharedSegment
     accepted: bool
     match: Match | None = None
     source: str | None = None
+    reference: Stacked | None = None
 
 
 @dataclass
@@ -326,13 +328,13 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
             exclude=segment.name,
         )
         context.extra_flops += 3.0 * reference[1][1:].numel() * len(match.anchors)
-        return Decision(segment, self.accepts(match), match, source)
+        return Decision(segment, self.accepts(match), match, source, reference)
 
-    def corrected_kv(self, agent: str, decision: Decision, shared: list[int], context: DeltaContext) -> Stacked:
+    def corrected_kv(self, agent: str, decision: Decision, context: DeltaContext) -> Stacked:
         """The accepted segment's K/V for `agent`, in its frame: reference + mixed deltas on layers 1.."""
-        segment, match = decision.segment, decision.match
-        assert match is not None
-        (keys, values), source = self.reference(segment, shared, context)
+        match, source = decision.match, decision.source
+        assert match is not None and decision.reference is not None
+        keys, values = decision.reference
         out_keys, out_values = keys.clone(), values.clone()
         for layer in range(1, self.runtime.num_layers):
             mixed_delta(match, agent, source, layer, False, keys[layer], out_keys[layer])
@@ -357,32 +359,43 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         context.decisions = [self.decide(agent, segment, shared, context) for segment in pending]
         accepted = [d for d in context.decisions if d.accepted]
         reused = accepted[-1].segment.end if accepted else seen
+        refused: list[SharedSegment] = []  # a run of refused segments before an accepted one: one dense forward
         for decision in context.decisions:
             segment = decision.segment
-            if segment.end > reused:
+            if not decision.accepted:
                 context.fallback += segment.length
+                if segment.end <= reused:
+                    refused.append(segment)
                 continue
+            self.prefill_densely(agent, refused, buffers, context)
+            refused = []
             at = prefix_len + segment.start
-            if decision.accepted:
-                keys, values = self.corrected_kv(agent, decision, shared, context)
-                keys = rotate_keys(keys, at, runtime.inv_freq)
-                for layer, buffer in enumerate(buffers):
-                    buffer.write(at, keys[layer][None], values[layer][None])
-                context.corrected += segment.length
-                hop = self.readers[segment.name] + 1
-                context.corrected_spans.append((segment.start, segment.end, hop))
-            else:
-                cache = BufferCache(buffers, at)
-                runtime.forward(agent, shared[segment.start : segment.end], cache, at, last_logits_only=True)
-                context.extra_prefill += segment.length
-                context.extra_flops += runtime.flops(segment.length, at)
-                context.recomputed += segment.length * runtime.num_layers
-                context.fallback += segment.length
+            keys, values = self.corrected_kv(agent, decision, context)
+            keys = rotate_keys(keys, at, runtime.inv_freq)
+            for layer, buffer in enumerate(buffers):
+                buffer.write(at, keys[layer][None], values[layer][None])
+            context.corrected += segment.length
+            context.corrected_spans.append((segment.start, segment.end, self.readers[segment.name] + 1))
         context.kv = [buffer.view(prefix_len + reused) for buffer in buffers]
         context.buffers = buffers
         context.reused = reused
         context.from_others = self.corrected[agent] + context.corrected
         return context
+
+    def prefill_densely(
+        self, agent: str, segments: list[SharedSegment], buffers: list[KVBuffer], context: DeltaContext
+    ) -> None:
+        """The dense fallback for consecutive refused segments: one forward of their tokens with `agent`'s adapter
+        over its context so far, written in place into `buffers` after it."""
+        if not segments:
+            return
+        runtime = self.runtime
+        start, end = segments[0].start, segments[-1].end
+        at = len(runtime.prefix(agent)) + start
+        runtime.forward(agent, context.shared[start:end], BufferCache(buffers, at), at, last_logits_only=True)
+        context.extra_prefill += end - start
+        context.extra_flops += runtime.flops(end - start, at)
+        context.recomputed += (end - start) * runtime.num_layers
 
     def commit(self, chunk: Chunk[DeltaContext]) -> float:
         agent, context = chunk.agent, chunk.context

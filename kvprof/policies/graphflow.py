@@ -40,8 +40,8 @@ class GraphFlow(DeltaCorrection):
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
         assert self.pool is not None
-        self.base_of(segment, shared, context)
+        base = self.base_of(segment, shared, context)
         anchors = self.pool.eligible(segment.slot, segment.length, (agent,), exclude=segment.name)
         weights = torch.full((len(anchors),), 1.0 / max(len(anchors), 1))
         match = Match(anchors, weights, 1.0)
-        return Decision(segment, self.accepts(match), match, None)
+        return Decision(segment, self.accepts(match), match, None, base)
