@@ -68,6 +68,11 @@ class Shard:
     def turns(self) -> int:
         return sum(len(traj.turns) for traj in self.trajectories)
 
+    @property
+    def cost(self) -> int:
+        """Turn replays (the dense run's and each variant's): what the driver hands out largest first."""
+        return self.turns * (len(self.variants) + 1)
+
     def tasks(self, online: bool) -> int:
         """Online re-runs the shard does: each trajectory's task under the dense run and every variant."""
         return len(self.trajectories) * (len(self.variants) + 1) if online else 0
@@ -188,8 +193,8 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
         entries[variant.label] = entry | {
             "notes": [
                 *entry["notes"],
-                f"{variant.label} keeps state across trajectories, so its {len(shard.trajectories)} trajectories "
-                "were replayed in order in one shard on one worker, not spread over workers.",
+                f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed in "
+                "order in one shard, on one worker (not spread over workers)",
             ]
         }
     merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants})
@@ -463,10 +468,11 @@ class RayCluster:
         lora_attention: bool,
         hooks: ShardHooks,
     ) -> dict[str, ShardResult]:
-        """Replay the shards without a result in `results` on the workers; returns every shard's result."""
+        """Replay the shards without a result in `results` on the workers, largest first (`Shard.cost`: a long
+        sequential shard starts early rather than last); returns every shard's result."""
         ray = require_ray()
         results = dict(results)
-        pending = deque(shard for shard in shards if shard.key not in results)
+        pending = deque(sorted((shard for shard in shards if shard.key not in results), key=lambda s: -s.cost))
         attempts = {shard.key: 0 for shard in pending}
         running: dict[object, _Running] = {}
         self.first()
