@@ -343,8 +343,8 @@ class _Running:
 
 @dataclass
 class RayCluster:
-    """Replay workers on a Ray cluster: connects on `__enter__` (to `address`, or as `ray.init` resolves none:
-    RAY_ADDRESS, then the cluster `ray start` last started here, else a new local instance), starts up to
+    """Replay workers on a Ray cluster: connects on `__enter__` (to `address`, else to RAY_ADDRESS, else starts a
+    new local instance: never to a cluster `ray start` left behind here unless asked with "auto"), starts up to
     `workers` workers (default: one per GPU on CUDA, one per CPU otherwise) loading `source`, and on `__exit__`
     (Ctrl-C included) kills them and, if it started Ray itself, shuts it down. Reusable across `replay_sharded`
     calls: the models stay loaded."""
@@ -374,12 +374,14 @@ class RayCluster:
         if not ray.is_initialized():
             import logging
 
+            address = self.address or os.environ.get("RAY_ADDRESS") or "local"
             try:
-                ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
+                ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
             except ConnectionError as err:
                 raise KvprofError(
-                    f"could not connect to a Ray cluster at {self.address or os.environ.get('RAY_ADDRESS')!r} "
-                    f"({err}); start one with `ray start --head` and pass its address with --ray-address."
+                    f"could not connect to a Ray cluster at {address!r} "
+                    f"({err}); start one with `ray start --head`, pass its address (--ray-address or RAY_ADDRESS) "
+                    "and, for a cluster with token authentication (Ray's default), set RAY_AUTH_MODE=token here."
                 ) from None
             self._started_ray = True
         resources = ray.cluster_resources()

@@ -264,8 +264,8 @@ def command(
         str | None,
         typer.Option(
             "--ray-address",
-            help="With --ray: the cluster's address (host:port, ray://host:port, auto, or local for a new "
-            "instance here) [default: RAY_ADDRESS, else the cluster `ray start` started here, else a new one].",
+            help="With --ray: the cluster's address (HOST:PORT, ray://HOST:PORT, auto: the cluster `ray start` "
+            "started on this machine, local: a new instance here) [default: RAY_ADDRESS, else local].",
         ),
     ] = None,
     ray_workers: Annotated[
@@ -368,8 +368,9 @@ def replay_on_ray(
     sequential = [shard.variants[0].label for shard in shards if shard.sequential]
     if sequential:
         console.print(
-            f"{', '.join(sequential)} keep state across trajectories: each replays its trajectories in order in "
-            "one shard, on one worker"
+            f"{', '.join(sequential)} {'keeps' if len(sequential) == 1 else 'keep'} state across trajectories: "
+            f"{'it replays' if len(sequential) == 1 else 'each replays'} its trajectories in order in one shard, "
+            "on one worker"
         )
 
     def save(results: dict[str, ShardResult]) -> None:
