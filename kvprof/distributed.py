@@ -8,7 +8,8 @@ Work is cut into shards (`plan_shards`), each replayed whole on one worker:
   (`SharingPolicy.trajectory_independent` False: an online anchor pool), over every trajectory in order, with its
   own dense run to compare against. Spreading its trajectories over workers would change its results, so it is not
   split; several such variants (a τ sweep of a stateful policy) still run side by side, one shard each. Its dense
-  run repeats the trajectory shards'; its dense records are used only when no trajectory shard exists.
+  run repeats the trajectory shards' (its records are equal apart from timings): the variant's speed-ups are
+  measured against it, and its records are the result's only when no trajectory shard exists.
 
 One worker (a Ray actor) per device loads the model and adapters once (`num_gpus=1` on CUDA, one CPU otherwise)
 and replays many shards. What travels: the trace's header and each shard's trajectories (token ids) to the
@@ -33,7 +34,17 @@ from typing import Any
 from kvprof.errors import KvprofError
 from kvprof.model import AgentSet, agents_identity, load_agents_for_header
 from kvprof.policies import PolicyVariant
-from kvprof.replay import DENSE, ReplayProgress, replay_result, replay_trace, run_online, run_setting, summarise_online
+from kvprof.replay import (
+    DENSE,
+    ReplayProgress,
+    relative_to_dense,
+    replay_result,
+    replay_trace,
+    run_online,
+    run_setting,
+    summarise,
+    summarise_online,
+)
 from kvprof.trace import Segment, TraceHeader, Trajectory, Turn
 from kvprof.workflow import task_of
 
@@ -194,10 +205,15 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
             "notes": [
                 *entry["notes"],
                 f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed in "
-                "order in one shard, on one worker (not spread over workers)",
+                "order in one shard, on one worker (not spread over workers), beside a dense run of its own that "
+                "its speed-ups are measured against",
             ]
         }
     merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants})
+    for shard in shards:
+        if shard.sequential:  # its speed-ups against the dense run that ran beside it, on the same worker
+            summary = merged["policies"][shard.variants[0].label]["summary"]
+            summary.update(relative_to_dense(summary, summarise(results[shard.key].progress.records[DENSE])))
     if online:
         merged["online"] = summarise_online(runs)
     settings = [results[shard.key].setting for shard in shards]
@@ -428,8 +444,9 @@ class RayCluster:
 
     def first(self) -> dict:
         """Start one worker and wait until it has loaded the agents; its description (`ReplayWorker.describe`)."""
-        if not self.described:
+        if not self.described and not self._starting:
             self._start()
+        while not self.described:  # a worker that dies while loading is replaced (`_await_started`)
             self._await_started(block=True)
         return next(iter(self.described.values()))
 
@@ -533,8 +550,14 @@ class RayCluster:
 
 
 def _lost_errors(ray) -> tuple[type[Exception], ...]:
-    """The errors of a call whose worker (process or node) died, as opposed to an error the call raised."""
-    return (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+    """The errors of a call whose worker (process or node) died or was killed by Ray's memory monitor, as opposed to
+    an error the call raised."""
+    return (
+        ray.exceptions.RayActorError,
+        ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError,
+        ray.exceptions.OutOfMemoryError,
+    )
 
 
 def _get(ray, ref):
@@ -564,8 +587,9 @@ def replay_sharded(
     """What `run_replay` returns for the same arguments, replayed in shards on `cluster`'s workers and merged
     (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again.
 
-    The result adds a `distributed` block: shards, which variants ran sequentially and why, the shards retried
-    after a worker was lost, and every worker (host, device, CPU, threads, software) that replayed a shard.
+    The result adds a `distributed` block: each shard's worker (`host:pid`), the variants that ran sequentially, the
+    shards retried after a worker was lost, and every worker (host, device, CPU, threads, software) that replayed
+    a shard.
     """
     shards = plan_shards(trajectories, variants)
     results = cluster.replay(
@@ -579,7 +603,7 @@ def replay_sharded(
     merged = merge(shards, results, variants, online)
     used = dict.fromkeys(results[shard.key].worker for shard in shards)
     merged["distributed"] = {
-        "shards": len(shards),
+        "shards": {shard.key: results[shard.key].worker for shard in shards},
         "sequential": [shard.variants[0].label for shard in shards if shard.sequential],
         "retried": list(cluster.lost),
         "workers": [
