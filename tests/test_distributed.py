@@ -123,10 +123,14 @@ def test_plan_keeps_stateful_variants_whole(lora_trace):
     assert [shard.key for shard in only_stateful] == ["variant:orderedfullshared"]
 
 
-def test_shards_merge_into_the_single_process_result(agents, lora_trace):
-    """Shards replayed one by one here and merged equal one `run_replay`, online re-runs included; a stateful
-    policy's numbers depend on its trajectories' order, and a naive split would change them."""
-    trajectories = read_trace(lora_trace).trajectories
+@pytest.mark.parametrize("mode", ["lora", "prompt"])
+def test_shards_merge_into_the_single_process_result(mode, request):
+    """Shards replayed one by one here and merged equal one `run_replay`, online re-runs included (prompt mode:
+    each trajectory's own private prefixes); a stateful policy's numbers depend on its trajectories' order, and a
+    naive split would change them."""
+    trace = request.getfixturevalue(f"{mode}_trace")
+    agents = request.getfixturevalue("agents") if mode == "lora" else load_agents_for_trace(trace, device="cpu")
+    trajectories = read_trace(trace).trajectories
     variants = [PolicyVariant("fullshared"), LocalVariant("orderedfullshared"), PolicyVariant("nonshared")]
     single = run_replay(agents, trajectories, variants, online=True)
     shards = plan_shards(trajectories, variants)
