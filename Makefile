@@ -1,4 +1,4 @@
-# Each target does its own set-up: a virtual environment in .venv with kvprof and its test and browser extras.
+# Each target does its own set-up: a virtual environment in .venv with kvprof and its test, browser and ray extras.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[test,browser]'
+	$(PY) -m pip install -q -e '.[test,browser,ray]'
 	touch $@
 
 test: setup

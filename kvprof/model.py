@@ -11,13 +11,17 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvprof.errors import KvprofError
 from kvprof.spec import WorkflowSpec
+
+if TYPE_CHECKING:
+    from kvprof.trace import TraceHeader
 
 DTYPES = {
     "float32": torch.float32,
@@ -278,6 +282,17 @@ def load_agents(
     return AgentSet(spec, base, tokenizer, model_name)
 
 
+def agents_identity(agents: AgentSet) -> dict:
+    """What a replay's records depend on of the loaded agents, which its checkpoint records: the model, the agents
+    (adapters, role prompts), the dtype and the device."""
+    return {
+        "model": agents.model_name,
+        "agents": [asdict(agent) for agent in agents.spec.agents],
+        "dtype": str(agents.base_model.dtype).removeprefix("torch."),
+        "device": str(agents.device),
+    }
+
+
 def _beside(folder: Path, path: str) -> str:
     """`path` resolved against `folder` if it is relative and exists there, else unchanged."""
     candidate = folder / path
@@ -300,8 +315,15 @@ def load_agents_for_trace(
     resolve against the trace's folder when they exist there (a trace shipped next to its model, like the demo
     world's sample traces), else against the working directory.
     """
-    from kvprof.spec import build_spec
-    from kvprof.trace import check_tokenizer, read_header
+    return load_agents_for_header(
+        trace_header(trace_path), str(trace_path), model, workflow, agent_flags, role_flags, device, dtype, attn
+    )
+
+
+def trace_header(trace_path) -> TraceHeader:
+    """The header of the trace at `trace_path`, with relative model and adapter paths resolved against the trace's
+    folder where they exist there (`load_agents_for_trace`)."""
+    from kvprof.trace import read_header
 
     header = read_header(trace_path)
     folder = Path(trace_path).parent
@@ -310,6 +332,25 @@ def load_agents_for_trace(
     for agent_fields in header.workflow.get("agents", []):
         if agent_fields.get("adapter"):
             agent_fields["adapter"] = _beside(folder, agent_fields["adapter"])
+    return header
+
+
+def load_agents_for_header(
+    header: TraceHeader,
+    trace_name: str,
+    model: str | None = None,
+    workflow=None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+) -> AgentSet:
+    """`load_agents_for_trace` from a trace's header (`trace_header`) alone, as a replay worker on another machine
+    does, which is sent the header and trajectories rather than the trace file; `trace_name` names it in refusals."""
+    from kvprof.spec import build_spec
+    from kvprof.trace import check_tokenizer
+
     base = WorkflowSpec.from_dict(header.workflow) if "system_prompt" in header.workflow else None
     if base is None:
         base = WorkflowSpec(mode=header.mode, agents=[])
@@ -317,12 +358,12 @@ def load_agents_for_trace(
     unknown = set(spec.names) - set(header.agent_names)
     if unknown:
         raise KvprofError(
-            f"unknown agent name {', '.join(map(repr, sorted(unknown)))} for trace {trace_path}; "
+            f"unknown agent name {', '.join(map(repr, sorted(unknown)))} for trace {trace_name}; "
             f"its agents are {', '.join(header.agent_names)}."
         )
     model_name = model or header.model.get("path")
     if not model_name:
-        raise KvprofError(f"trace {trace_path} does not record its model; pass --model.")
+        raise KvprofError(f"trace {trace_name} does not record its model; pass --model.")
     agents = load_agents(spec, model_name, device=device, dtype=dtype, attn=attn)
-    check_tokenizer(header, tokenizer_identity(agents.tokenizer), trace_path, model_name)
+    check_tokenizer(header, tokenizer_identity(agents.tokenizer), trace_name, model_name)
     return agents

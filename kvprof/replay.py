@@ -320,18 +320,27 @@ def replay_trace(
         state.trajectories.append(traj.id)
         if on_trajectory:
             on_trajectory(state)
-    dense_summary = summarise(state.records[DENSE])
-    entries: dict[str, dict] = {}
-    for policy in policies:
-        summary = summarise(state.records[policy.label])
+    return replay_result(
+        state.records,
+        {policy.label: policy_entry(policy) for policy in policies},
+        state.memory_exact if check_memory else None,
+    )
+
+
+def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:
+    """The teacher-forced part of a replay's result from its per-turn records (label → records, the dense run's
+    under `DENSE`) and each policy's `policy_entry` (in the order the result lists them): every summary is
+    recomputed from the records, each policy's against the dense run's; `memory_exact` adds whether each policy's
+    analytic memory matched its live tensors."""
+    dense_summary = summarise(records[DENSE])
+    policies: dict[str, dict] = {}
+    for label, entry in entries.items():
+        summary = summarise(records[label])
         summary.update(relative_to_dense(summary, dense_summary))
-        entries[policy.label] = policy_entry(policy) | {
-            "summary": summary,
-            "turns": state.records[policy.label],
-        }
-        if check_memory:
-            entries[policy.label]["memory_accounting_exact"] = state.memory_exact[policy.label]
-    return {"dense": {"summary": dense_summary, "turns": state.records[DENSE]}, "policies": entries}
+        policies[label] = entry | {"summary": summary, "turns": records[label]}
+        if memory_exact is not None:
+            policies[label]["memory_accounting_exact"] = memory_exact[label]
+    return {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": policies}
 
 
 def policy_responder(policy: SharingPolicy):
@@ -426,7 +435,14 @@ def run_replay(
             agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task, lora_attention=lora_attention
         )
         result["online"] = summarise_online(runs)
-    result.update(
+    result.update(run_setting(agents, repeats, lora_attention))
+    return result
+
+
+def run_setting(agents: AgentSet, repeats: int, lora_attention: bool) -> dict:
+    """What a replay's result records of how it ran: model, mode, repeats, attention path, device, CPU, dtype and
+    GPU memory (read now: the allocator's peak so far)."""
+    return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
@@ -436,4 +452,3 @@ def run_replay(
         dtype=str(agents.base_model.dtype).removeprefix("torch."),
         gpu_memory=gpu_memory(agents.device),
     )
-    return result

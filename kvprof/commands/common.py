@@ -45,11 +45,12 @@ DtypeOption = Annotated[
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed; a fixed seed gives identical results.")]
 
 
-def result_envelope(kind: str, payload: dict, args: dict) -> dict:
-    """The schema-versioned wrapper of every JSON result file."""
+def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> dict:
+    """The schema-versioned wrapper of every JSON result file; `workers`: the Ray workers (host, device, CPU, ...)
+    a distributed run replayed on, listed in its environment."""
     import torch
 
-    return {
+    envelope = {
         "schema": f"kvprof.result.{kind}",
         "version": 1,
         "kvprof": kvprof.__version__,
@@ -64,11 +65,14 @@ def result_envelope(kind: str, payload: dict, args: dict) -> dict:
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
         **payload,
     }
+    if workers is not None:
+        envelope["environment"]["workers"] = workers
+    return envelope
 
 
-def write_result(out: Path, kind: str, payload: dict, args: dict) -> Path:
-    """Write `OUT/<kind>.json` atomically and return its path."""
-    return write_json(out / f"{kind}.json", result_envelope(kind, payload, args))
+def write_result(out: Path, kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> Path:
+    """Write `OUT/<kind>.json` atomically (`result_envelope`) and return its path."""
+    return write_json(out / f"{kind}.json", result_envelope(kind, payload, args, workers))
 
 
 def command_args(command: Callable, **given) -> dict:

@@ -21,9 +21,18 @@ from kvprof.commands.common import (
     progress,
     write_result,
 )
+from kvprof.distributed import (
+    AgentSource,
+    RayCluster,
+    Shard,
+    ShardHooks,
+    ShardResult,
+    plan_shards,
+    replay_sharded,
+)
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
-from kvprof.model import AgentSet, load_agents_for_trace
+from kvprof.model import AgentSet, agents_identity, load_agents_for_trace, trace_header
 from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
@@ -47,17 +56,21 @@ def _option_list() -> str:
     )
 
 
+Runnable = Callable[[list[PolicyVariant], bool], tuple[list[PolicyVariant], dict[str, str]]]
+
+
 def choose_variants(
-    policy: list[str], policy_options: list[str], schedule: str | None, lr_prefill: str | None, runtime: Runtime
+    policy: list[str], policy_options: list[str], schedule: str | None, lr_prefill: str | None, runnable: Runnable
 ) -> tuple[list[PolicyVariant], dict[str, str]]:
     """--policy / --policy-option / the documented shorthands → the variants to replay; with `all`, those this
-    setup cannot run are skipped (label → reason)."""
+    setup cannot run are skipped (label → reason). `runnable(variants, skip)`: `runnable_variants` on the loaded
+    agents (here, or on a Ray worker)."""
     flags = list(policy_options)
     for value, (name, key) in zip((schedule, lr_prefill), SHORTHANDS.values()):
         if value:
             flags.append(f"{name}.{key}={value}")
     variants = enumerate_variants(policy, parse_policy_options(flags))
-    return runnable_variants(variants, runtime, skip=any(name.lower() == ALL for name in policy))
+    return runnable(variants, any(name.lower() == ALL for name in policy))
 
 
 # How a refusal to resume names each setting a replay checkpoint records (`checkpoint_identity`); the values of
@@ -71,30 +84,67 @@ SETTINGS = {
     "dtype": "--dtype",
     "device": "--device",
     "lora_attention": "--lora-attention",
+    "sharding": "--ray (a sharded replay checkpoints shards)",
 }
-UNSHOWN = ("trace", "agents")
+UNSHOWN = ("trace", "agents", "sharding")
 
 
 def checkpoint_identity(
-    trace: Path, agents: AgentSet, variants: list[PolicyVariant], repeats: int, use_kernel: bool
+    trace: Path, loaded: dict, variants: list[PolicyVariant], repeats: int, use_kernel: bool, sharded: bool = False
 ) -> dict:
-    """The settings a replay's records depend on, which its checkpoint records: the trace's content,
-    the model and agents, the policy variants with their options, repeats, dtype, device and attention path."""
-    return {
+    """The settings a replay's records depend on, which its checkpoint records: the trace's content, the model
+    and agents, dtype and device (`loaded`: `kvprof.model.agents_identity`), the policy variants with their
+    options, repeats and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards."""
+    identity = {
         "trace": "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(),
-        "model": agents.model_name,
-        "agents": [asdict(agent) for agent in agents.spec.agents],
+        "model": loaded["model"],
+        "agents": loaded["agents"],
         "policies": {variant.label: variant.options for variant in variants},
         "repeats": repeats,
-        "dtype": str(agents.base_model.dtype).removeprefix("torch."),
-        "device": str(agents.device),
+        "dtype": loaded["dtype"],
+        "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
     }
+    return identity | ({"sharding": "ray"} if sharded else {})
 
 
 def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str]) -> ReplayProgress:
     """The progress an interrupted replay left in `checkpoint`; refuses one made with other settings than
     `identity` (its records would be mixed with incomparable ones) or of trajectories outside `trajectory_ids`."""
+    state = ReplayProgress(**saved_progress(checkpoint, identity))
+    _refuse_foreign(checkpoint, [traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids])
+    return state
+
+
+def read_shard_checkpoint(checkpoint: Path, identity: dict, shards: list[Shard]) -> dict[str, ShardResult]:
+    """The shards an interrupted replay on Ray completed (`read_checkpoint`'s refusals; a shard of other
+    trajectories than this replay's `shards` is refused too)."""
+    shard_records = saved_progress(checkpoint, identity)["shards"]
+    saved = {key: ShardResult.from_dict(result) for key, result in shard_records.items()}
+    planned = {shard.key: [traj.id for traj in shard.trajectories] for shard in shards}
+    _refuse_foreign(
+        checkpoint,
+        [
+            traj_id
+            for key, result in saved.items()
+            for traj_id in result.progress.trajectories
+            if traj_id not in planned.get(key, [])
+        ]
+        + [key.partition(":")[2] for key in saved if key not in planned],
+    )
+    return saved
+
+
+def _refuse_foreign(checkpoint: Path, foreign: list[str]) -> None:
+    if foreign:
+        raise KvprofError(
+            f"checkpoint {checkpoint} holds trajectories {', '.join(foreign[:3])} that this replay does not include; "
+            "pass the --limit it was made with, or delete it to start again."
+        )
+
+
+def saved_progress(checkpoint: Path, identity: dict) -> dict:
+    """The progress record of the checkpoint `checkpoint`, refusing one made with other settings than `identity`."""
     try:
         saved = json.loads(checkpoint.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -104,23 +154,16 @@ def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str])
             f"{checkpoint} is not a checkpoint of this kvprof's replay; delete it to start the replay again."
         )
     differences = [
-        _difference(key, saved["identity"].get(key), value)
-        for key, value in identity.items()
-        if saved["identity"].get(key) != value
+        _difference(key, saved["identity"].get(key), identity.get(key))
+        for key in dict.fromkeys([*identity, *saved["identity"]])
+        if saved["identity"].get(key) != identity.get(key)
     ]
     if differences:
         raise KvprofError(
             f"checkpoint {checkpoint} was made with other settings ({'; '.join(differences)}); resume with the "
             "options it was made with, or delete it to start again."
         )
-    state = ReplayProgress(**saved["progress"])
-    foreign = [traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids]
-    if foreign:
-        raise KvprofError(
-            f"checkpoint {checkpoint} holds trajectories {', '.join(foreign[:3])} that this replay does not include; "
-            "pass the --limit it was made with, or delete it to start again."
-        )
-    return state
+    return saved["progress"]
 
 
 def _difference(key: str, saved, current) -> str:
@@ -232,6 +275,27 @@ def command(
         typer.Option("--agent", help="NAME=ADAPTER_DIR: override an agent's adapter (e.g. a shared-A set)."),
     ] = None,
     role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Replay in shards on a Ray cluster (pip install 'kvprof[ray]'): one worker per GPU (per CPU "
+            "without GPUs) loads the model once and replays whole trajectories; the result is merged into the "
+            "one a single process writes.",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="With --ray: the cluster's address (HOST:PORT, ray://HOST:PORT, auto: the cluster `ray start` "
+            "started on this machine, local: a new instance here) [default: RAY_ADDRESS, else local].",
+        ),
+    ] = None,
+    ray_workers: Annotated[
+        int | None,
+        typer.Option("--ray-workers", help="With --ray: how many workers [default: one per GPU, else per CPU]."),
+    ] = None,
     out: OutOption = Path("runs/replay"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -245,24 +309,41 @@ def command(
     torch.manual_seed(seed)
     if trace is None:
         trace, model = demo_trace(model)
-    agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device, dtype=dtype)
     if lora_attention not in ("auto", "kernel", "expand"):
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
-    use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
     flags = list(policy_option or [])
     if tuned is not None:
         name, tuned_flags = read_tuned(tuned)
         flags += tuned_flags
         policy = [name] if policy == [ALL] else [*policy, name]
-    variants, skipped = choose_variants(policy, flags, schedule, lr_prefill, Runtime(agents))
+    if ray:
+        source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)
+        with RayCluster(source, ray_address, ray_workers) as cluster:
+            loaded = cluster.first()["identity"]
+            use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and loaded["device"] != "cpu")
+            variants, skipped = choose_variants(policy, flags, schedule, lr_prefill, cluster.runnable)
+            print_skipped(skipped)
+            if not variants:
+                raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
+            trajectories = select_trajectories(trace, skip, limit)
+            identity = checkpoint_identity(trace, loaded, variants, repeats, use_kernel, sharded=True)
+            result = replay_on_ray(
+                cluster, trace, trajectories, variants, skipped, repeats, online, use_kernel, out, identity, resume
+            )
+        finish(out, result, args, workers=result["distributed"].pop("workers"))
+        return
+    agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device, dtype=dtype)
+    use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
+    runtime = Runtime(agents)
+    variants, skipped = choose_variants(
+        policy, flags, schedule, lr_prefill, lambda chosen, skip: runnable_variants(chosen, runtime, skip)
+    )
     print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
-    trajectories = list(iter_trajectories(trace))[skip:][:limit]
-    if not trajectories:
-        raise KvprofError(f"--skip {skip} leaves none of the trace's trajectories to replay; skip fewer.")
+    trajectories = select_trajectories(trace, skip, limit)
     checkpoint = out / "replay.partial.json"
-    identity = checkpoint_identity(trace, agents, variants, repeats, use_kernel)
+    identity = checkpoint_identity(trace, agents_identity(agents), variants, repeats, use_kernel)
     state = None
     if resume and checkpoint.exists():
         state = read_checkpoint(checkpoint, identity, [t.id for t in trajectories])
@@ -279,11 +360,78 @@ def command(
         state=state,
         on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
     )
+    finish(out, result, args)
+
+
+def select_trajectories(trace: Path, skip: int, limit: int | None) -> list[Trajectory]:
+    """The trace's trajectories after the first `skip`, at most `limit` of them (refusing none)."""
+    trajectories = list(iter_trajectories(trace))[skip:][:limit]
+    if not trajectories:
+        raise KvprofError(f"--skip {skip} leaves none of the trace's trajectories to replay; skip fewer.")
+    return trajectories
+
+
+def finish(out: Path, result: dict, args: dict, workers: list[dict] | None = None) -> None:
+    """Show the result, write OUT/replay.json (with the Ray `workers` in its environment) and OUT/replay.html,
+    and remove the checkpoint."""
     show(result)
-    path = write_result(out, "replay", result, args)
+    path = write_result(out, "replay", result, args, workers=workers)
     html = write_page(out, result)
-    checkpoint.unlink(missing_ok=True)
+    (out / "replay.partial.json").unlink(missing_ok=True)
     console.print(f"wrote {path} and {html}")
+
+
+def replay_on_ray(
+    cluster: RayCluster,
+    trace: Path,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    skipped: dict[str, str],
+    repeats: int,
+    online: bool,
+    lora_attention: bool,
+    out: Path,
+    identity: dict,
+    resume: bool,
+) -> dict:
+    """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
+    completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
+    checkpoint = out / "replay.partial.json"
+    shards = plan_shards(trajectories, variants)
+    done = None
+    if resume and checkpoint.exists():
+        done = read_shard_checkpoint(checkpoint, identity, shards)
+        console.print(f"resuming after {len(done)} of {len(shards)} replayed shards")
+    sequential = [shard.variants[0].label for shard in shards if shard.sequential]
+    if sequential:
+        console.print(
+            f"{', '.join(sequential)} {'keeps' if len(sequential) == 1 else 'keep'} state across trajectories: "
+            f"{'it replays' if len(sequential) == 1 else 'each replays'} its trajectories in order in one shard, "
+            "on one worker"
+        )
+
+    def save(results: dict[str, ShardResult]) -> None:
+        shard_records = {key: result.to_dict() for key, result in results.items()}
+        write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records}})
+
+    with progress() as bar:
+        job = bar.add_task(
+            f"replaying {len(variants)} policies in {len(shards)} shards on up to {cluster.size} Ray workers",
+            total=sum(shard.turns for shard in shards),
+        )
+        online_job = bar.add_task("online re-runs", total=sum(s.tasks(online) for s in shards)) if online else None
+
+        def show_progress(turns: int, tasks: int) -> None:
+            bar.update(job, completed=turns)
+            if online_job is not None:
+                bar.update(online_job, completed=tasks)
+
+        hooks = ShardHooks(
+            on_progress=show_progress, on_shard=save, on_event=lambda line: bar.console.print(f"[yellow]{line}[/]")
+        )
+        result = replay_sharded(cluster, trajectories, variants, repeats, online, lora_attention, done, hooks)
+    result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
+    return result
 
 
 def replay_with_progress(

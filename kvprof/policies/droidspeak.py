@@ -143,6 +143,8 @@ class DroidSpeak(SelectiveRecompute):
         MEMORY,
     )
     context_type = DroidSpeakContext
+    # Without a profile file it profiles on the first trajectory it replays and uses that block for the others.
+    trajectory_independent = False
     calibrating = False  # set by __init__; reset() runs first, from SharingPolicy.__init__
 
     def __init__(self, runtime: Runtime, **options: str):

@@ -1,0 +1,254 @@
+"""Sharded replay (`kvprof.distributed`, `kvprof replay --ray`): shards merge into the single-process result per
+turn (apart from timings and the environment), policies with state across trajectories are not split, a worker
+killed mid-run costs nothing but time, an interrupted run resumes at shard granularity. The Ray tests share one
+local Ray instance (`ray.init(address="local", num_cpus=2)`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from kvprof.distributed import AgentSource, RayCluster, merge, plan_shards, replay_sharded, run_shard
+from kvprof.errors import KvprofError
+from kvprof.model import load_agents_for_trace, trace_header
+from kvprof.policies import Option, PolicyVariant, policy_class
+from kvprof.policies.fullshared import FullShared
+from kvprof.replay import run_replay, summarise
+from kvprof.trace import read_trace
+
+TIMINGS = {"ttft_s", "decode_s", "latency_s"}
+TIMED_SUMMARY = TIMINGS | {
+    "tpot_s",
+    "decode_tokens_per_s",
+    "tokens_per_s",
+    "ttft_speedup",
+    "tpot_speedup",
+    "latency_speedup",
+    "harness_efficiency",
+}
+
+
+class OrderedFullShared(FullShared):
+    """FullShared that keeps state across trajectories: each turn's `recomputed` counts the trajectories the policy
+    has started, so a replay that split its trajectories over workers would record other numbers."""
+
+    name = "orderedfullshared"
+    trajectory_independent = False
+    started = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.started += 1
+
+    def run_turn(self, request, repeats=1):
+        result = super().run_turn(request, repeats)
+        result.recomputed = self.started
+        return result
+
+
+class KilledFullShared(FullShared):
+    """FullShared whose worker process is killed (SIGKILL) at its second turn, once: the file `marker` records that
+    it happened."""
+
+    name = "killedfullshared"
+    options: ClassVar[dict[str, Option]] = {"marker": Option(default="", labelled=False)}
+
+    def run_turn(self, request, repeats=1):
+        self.turns = getattr(self, "turns", 0) + 1
+        if self.turns == 2:
+            try:  # the first process to get here creates the marker (atomically) and is killed
+                handle = os.open(self.values["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return super().run_turn(request, repeats)
+            os.write(handle, str(os.getpid()).encode())
+            os.close(handle)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().run_turn(request, repeats)
+
+
+TEST_POLICIES = {cls.name: cls for cls in (OrderedFullShared, KilledFullShared)}
+
+
+@dataclass(frozen=True)
+class LocalVariant(PolicyVariant):
+    """A variant of a test-only policy (not in the registry), so workers get the class itself."""
+
+    @property
+    def policy(self):
+        return TEST_POLICIES.get(self.name) or policy_class(self.name)
+
+
+def same_records(merged: dict, single: dict) -> None:
+    """Per-turn records equal apart from timings; summaries equal apart from timing-derived figures."""
+    assert list(merged["policies"]) == list(single["policies"])
+    for label in ["dense", *single["policies"]]:
+        ours = merged["dense"] if label == "dense" else merged["policies"][label]
+        theirs = single["dense"] if label == "dense" else single["policies"][label]
+        assert len(ours["turns"]) == len(theirs["turns"]) > 0, label
+        for mine, reference in zip(ours["turns"], theirs["turns"]):
+            assert {k: v for k, v in mine.items() if k not in TIMINGS} == {
+                k: v for k, v in reference.items() if k not in TIMINGS
+            }, label
+        assert {k: v for k, v in ours["summary"].items() if k not in TIMED_SUMMARY} == {
+            k: v for k, v in theirs["summary"].items() if k not in TIMED_SUMMARY
+        }, label
+    assert merged.get("online") == single.get("online")
+    for key in ("model", "mode", "repeats", "lora_attention", "device", "dtype"):
+        assert merged[key] == single[key], key
+
+
+@pytest.fixture(scope="module")
+def agents(lora_trace):
+    return load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
+
+
+def test_plan_keeps_stateful_variants_whole(lora_trace):
+    trajectories = read_trace(lora_trace).trajectories
+    variants = [PolicyVariant("fullshared"), LocalVariant("orderedfullshared"), PolicyVariant("nonshared")]
+    shards = plan_shards(trajectories, variants)
+    assert [shard.key for shard in shards] == [f"trajectory:{t.id}" for t in trajectories] + [
+        "variant:orderedfullshared"
+    ]
+    assert all([v.label for v in s.variants] == ["fullshared", "nonshared"] for s in shards[:-1])
+    assert [t.id for t in shards[-1].trajectories] == [t.id for t in trajectories] and shards[-1].sequential
+    only_stateful = plan_shards(trajectories, [LocalVariant("orderedfullshared")])
+    assert [shard.key for shard in only_stateful] == ["variant:orderedfullshared"]
+
+
+@pytest.mark.parametrize("mode", ["lora", "prompt"])
+def test_shards_merge_into_the_single_process_result(mode, request):
+    """Shards replayed one by one here and merged equal one `run_replay`, online re-runs included (prompt mode:
+    each trajectory's own private prefixes); a stateful policy's numbers depend on its trajectories' order, and a
+    naive split would change them."""
+    trace = request.getfixturevalue(f"{mode}_trace")
+    agents = request.getfixturevalue("agents") if mode == "lora" else load_agents_for_trace(trace, device="cpu")
+    trajectories = read_trace(trace).trajectories
+    variants = [PolicyVariant("fullshared"), LocalVariant("orderedfullshared"), PolicyVariant("nonshared")]
+    single = run_replay(agents, trajectories, variants, online=True)
+    shards = plan_shards(trajectories, variants)
+    results = {shard.key: run_shard(agents, shard, 1, True, False) for shard in shards}
+    merged = merge(shards, results, variants, online=True)
+    same_records(merged, single)
+    assert any("replayed in order in one shard" in note for note in merged["policies"]["orderedfullshared"]["notes"])
+    own_dense = summarise(results["variant:orderedfullshared"].progress.records["dense"])
+    ordered = merged["policies"]["orderedfullshared"]["summary"]
+    assert ordered["ttft_speedup"] == own_dense["ttft_s"] / ordered["ttft_s"]  # against the dense run beside it
+    alone = run_shard(agents, plan_shards(trajectories[-1:], variants)[-1], 1, False, False)  # a naive split
+    last = merged["policies"]["orderedfullshared"]["turns"][-1]
+    assert alone.progress.records["orderedfullshared"][-1]["recomputed"] < last["recomputed"]
+
+
+def test_ray_missing_is_one_sentence(run_cli, lora_trace, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    code, out, err = run_cli("replay", lora_trace, "--ray", "--out", tmp_path)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "pip install 'kvprof[ray]'" in lines[0] and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """One local Ray instance with 2 CPUs for the module's tests."""
+    ray = pytest.importorskip("ray")
+    import logging
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers get this module's test policies
+    ray.init(address="local", num_cpus=2, log_to_driver=False, logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()
+
+
+def _cpus_back(ray, expected: float, wait_s: float = 20.0) -> bool:
+    """Whether every CPU is free again (the workers were killed) within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) == expected:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _load(result_dir: Path) -> dict:
+    return json.loads((result_dir / "replay.json").read_text())
+
+
+def test_ray_replay_equals_single_process(ray_instance, run_cli, lora_trace, tmp_path):
+    common = ("replay", lora_trace, "--policy", "all", "--online", "--repeats", "1", "--device", "cpu")
+    code, out, err = run_cli(*common, "--out", tmp_path / "single")
+    assert code == 0, err
+    code, out, err = run_cli(*common, "--out", tmp_path / "ray", "--ray", "--ray-workers", "2")
+    assert code == 0, err
+    single, merged = _load(tmp_path / "single"), _load(tmp_path / "ray")
+    same_records(merged, single)
+    assert merged["skipped"] == single["skipped"] and merged["args"]["ray"] is True
+    workers = merged["environment"]["workers"]
+    assert len(workers) == 2 and {w["device"] for w in workers} == {"cpu"} and all(w["host"] for w in workers)
+    sequential = [label for label in merged["policies"] if label.startswith("droidspeak")]  # profiles on traj. 1
+    assert sequential and merged["distributed"]["sequential"] == sequential
+    assert len(merged["distributed"]["shards"]) == len(read_trace(lora_trace).trajectories) + len(sequential)
+    assert merged["distributed"]["retried"] == []
+    assert _cpus_back(ray_instance, 2.0), "the workers must be gone after the replay"
+
+
+def test_worker_killed_mid_run_still_yields_the_whole_result(ray_instance, agents, lora_trace, tmp_path):
+    trajectories = read_trace(lora_trace).trajectories
+    marker = tmp_path / "killed"
+    variants = [LocalVariant("killedfullshared", {"marker": str(marker)}), LocalVariant("orderedfullshared")]
+    source = AgentSource(trace_header(lora_trace), str(lora_trace), device="cpu", dtype="float32")
+    with RayCluster(source, workers=2) as cluster:
+        merged = replay_sharded(cluster, trajectories, variants, online=False)
+    assert marker.exists(), "a worker must have been killed"
+    killed = int(marker.read_text())
+    retried = merged["distributed"]["retried"]
+    assert len(retried) == 1 and retried[0]["worker"].endswith(f":{killed}")
+    assert not merged["distributed"]["shards"][retried[0]["shard"]].endswith(f":{killed}")  # retried elsewhere
+    assert merged["distributed"]["sequential"] == ["orderedfullshared"]
+    marker.write_text("done")  # the reference run must not kill this process
+    same_records(merged, run_replay(agents, trajectories, variants))
+
+
+def test_interrupted_ray_replay_resumes_from_its_shards(ray_instance, run_cli, lora_trace, tmp_path, monkeypatch):
+    """Ctrl-C after the first shard: workers are killed, the checkpoint holds that shard; --resume replays the
+    others only and writes the uninterrupted result; a checkpoint of one mode is refused by the other."""
+    import kvprof.commands.replay as replay_command
+
+    write_json = replay_command.write_json
+
+    def write_then_interrupt(path, payload):
+        write_json(path, payload)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_command, "write_json", write_then_interrupt)
+    args = ("replay", lora_trace, "--policy", "fullshared", "--repeats", "1", "--device", "cpu", "--out", tmp_path)
+    code, _, err = run_cli(*args, "--ray")
+    checkpoint = tmp_path / "replay.partial.json"
+    assert code == 130 and checkpoint.exists() and not (tmp_path / "replay.json").exists()
+    assert _cpus_back(ray_instance, 2.0), "Ctrl-C must kill the workers"
+    monkeypatch.undo()
+    code, _, err = run_cli(*args, "--resume")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "other settings (--ray" in lines[0], err
+    code, out, err = run_cli(*args, "--ray", "--resume")
+    assert code == 0, err
+    shards = len(read_trace(lora_trace).trajectories)
+    assert f"resuming after 1 of {shards} replayed shards" in out and not checkpoint.exists()
+    code, _, err = run_cli(*args, "--out", tmp_path / "single")
+    assert code == 0, err
+    same_records(_load(tmp_path), _load(tmp_path / "single"))
+
+
+def test_ray_refusals(ray_instance, run_cli, lora_trace, tmp_path):
+    code, _, err = run_cli("replay", lora_trace, "--ray", "--ray-workers", "3", "--out", tmp_path)
+    assert code == 2 and "--ray-workers 3 is not between 1 and the cluster's 2 CPUs" in err and "Traceback" not in err
+    code, _, err = run_cli("replay", lora_trace, "--ray", "--agent", "critic=x", "--out", tmp_path)
+    assert code == 2 and "unknown agent name 'critic'" in err and "Traceback" not in err
+    with pytest.raises(KvprofError, match="has no GPUs"):
+        with RayCluster(AgentSource(trace_header(lora_trace), str(lora_trace), device="cuda")):
+            pass
