@@ -16,7 +16,7 @@ stricter threshold); it is then replayed on the held-out trajectories, where the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvprof.errors import KvprofError
@@ -127,8 +127,36 @@ def variants_of(policy: str, options: dict[str, str], grid: Sequence[str]) -> li
     return [PolicyVariant(name, {**options, key: threshold}) for threshold in grid]
 
 
-def tune(
+Replayer = Callable[[Sequence[Trajectory], list[PolicyVariant], bool], dict]
+"""Replays trajectories under variants and returns what `kvprof.replay.run_replay` returns; the flag is True for
+the sweep (which a replayer may checkpoint and resume) and False for the held-out verification."""
+
+
+def in_process(
     agents: AgentSet,
+    repeats: int = 1,
+    online: bool = False,
+    progress: ReplayProgress | None = None,
+    hooks: ReplayHooks | None = None,
+) -> Replayer:
+    """A `Replayer` in this process: the sweep resumes from `progress` and reports to `hooks`."""
+
+    def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
+        return run_replay(
+            agents,
+            list(trajectories),
+            variants,
+            repeats=repeats,
+            online=online,
+            progress=progress if sweep else None,
+            hooks=hooks if sweep else None,
+        )
+
+    return replay
+
+
+def tune(
+    replay: Replayer,
     tuning: Sequence[Trajectory],
     heldout: Sequence[Trajectory],
     policy: str,
@@ -136,25 +164,22 @@ def tune(
     grid: Sequence[str],
     target: Target,
     online: bool,
-    repeats: int = 1,
-    progress: ReplayProgress | None = None,
-    hooks: ReplayHooks | None = None,
 ) -> dict:
     """Sweep `grid` on `tuning`, recommend, verify on `heldout` (see module docstring). Every threshold is one
-    variant of one lockstep replay, so the dense run is computed once for all of them; `progress` resumes its
-    teacher-forced part (a checkpoint of `hooks.on_trajectory`). `options`: the policy's other options (its fitted
-    pool)."""
+    variant of one lockstep replay (`replay`: in this process, `in_process`, or sharded on a Ray cluster), so the
+    dense run is computed once for all of them. `options`: the policy's other options (its fitted pool); `online`
+    must be what `replay` does."""
     if target.needs_online and not online:
         raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
     variants = variants_of(policy, options, grid)
-    result = run_replay(agents, list(tuning), variants, repeats=repeats, online=online, progress=progress, hooks=hooks)
+    result = replay(tuning, variants, True)
     rows = [row_of(result, variant, threshold) for variant, threshold in zip(variants, grid)]
     rows = [row | {"target_met": target.met(row)} for row in rows]
     best = recommend(rows, target)
     verification = None
     if best is not None and heldout:
         (variant,) = variants_of(policy, options, [f"{best['threshold']:g}"])
-        checked = run_replay(agents, list(heldout), [variant], repeats=repeats, online=online)
+        checked = replay(heldout, [variant], False)
         verification = row_of(checked, variant, f"{best['threshold']:g}")
         verification["target_met"] = target.met(verification)
     return {

@@ -252,3 +252,19 @@ def test_ray_refusals(ray_instance, run_cli, lora_trace, tmp_path):
     with pytest.raises(KvprofError, match="has no GPUs"):
         with RayCluster(AgentSource(trace_header(lora_trace), str(lora_trace), device="cuda")):
             pass
+
+
+def test_tune_tau_on_ray_equals_single_process(ray_instance, run_cli, prompt_trace, tmp_path):
+    """Every threshold is one stateful (anchor-pool) shard; the sweep's rows and recommendation are the ones a
+    single-process tune-tau computes."""
+    common = ("tune-tau", prompt_trace, "--grid", "0,1", "--tune", "2", "--option", "rank=4", "--max-kl", "1e-3",
+              "--no-online", "--device", "cpu")  # fmt: skip
+    code, _, err = run_cli(*common, "--out", tmp_path / "one")
+    assert code == 0, err
+    code, _, err = run_cli(*common, "--out", tmp_path / "ray", "--ray", "--ray-workers", "2")
+    assert code == 0, err
+    one, sharded = (json.loads((tmp_path / run / "tune_tau.json").read_text()) for run in ("one", "ray"))
+    for key in ("rho", "kl", "k_error", "v_error", "threshold", "target_met"):
+        assert [row[key] for row in sharded["rows"]] == [row[key] for row in one["rows"]], key
+    assert sharded["recommended"]["threshold"] == one["recommended"]["threshold"]
+    assert sharded["heldout"]["kl"] == one["heldout"]["kl"]

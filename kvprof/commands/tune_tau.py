@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -31,14 +32,14 @@ from kvprof.commands.fit_anchors import POOL_FILE
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace
-from kvprof.policies import policy_class
+from kvprof.policies import PolicyVariant, policy_class
 from kvprof.policies.delta import pool_identity
 from kvprof.replay import ReplayHooks, ReplayProgress
 from kvprof.report import write_html
 from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
 from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
-from kvprof.tune import GRID, Target, replay_flags, threshold_key, tune
+from kvprof.trace import Trajectory, read_trace
+from kvprof.tune import GRID, Replayer, Target, in_process, replay_flags, threshold_key, tune
 
 TUNED_KIND = "kvprof.tuned-policy"
 
@@ -111,6 +112,18 @@ def command(
     ] = False,
     model: Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")] = None,
     role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Replay the sweep in shards on a Ray cluster (as kvprof replay --ray; each threshold is a "
+            "stateful variant, so one shard per value, replayed in parallel). The pool is fitted here.",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="With --ray: the cluster's address [default: RAY_ADDRESS].")
+    ] = None,
+    ray_workers: Annotated[int | None, typer.Option("--ray-workers", help="With --ray: how many workers.")] = None,
     out: OutOption = Path("runs/tune-tau"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -162,6 +175,18 @@ def command(
         "dtype": str(agents.base_model.dtype),
         "device": str(agents.device),
     }
+    if ray:
+        from kvprof.distributed import AgentSource, RayCluster
+        from kvprof.model import trace_header
+
+        if resume:
+            raise KvprofError("tune-tau --ray does not resume a sweep; run it again without --resume.")
+        source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
+        with RayCluster(source, ray_address, ray_workers) as cluster:
+            replay = on_ray(cluster, repeats, online)
+            result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
+        finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
+        return
     state = None
     if resume and checkpoint.exists():
         saved = json.loads(checkpoint.read_text(encoding="utf-8"))
@@ -183,8 +208,31 @@ def command(
             on_task=(lambda label, task: bar.advance(tasks)) if tasks is not None else None,
             on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
         )
-        result = tune(agents, tuning, heldout, cls.name, options, thresholds, target, online, repeats, state, hooks)
-    result.update(trace=str(trace), model=agents.model_name, pool=str(anchors))
+        replay = in_process(agents, repeats, online, state, hooks)
+        result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
+    finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
+
+
+def on_ray(cluster, repeats: int, online: bool) -> Replayer:
+    """A `kvprof.tune.Replayer` that replays in shards on `cluster` (`kvprof.distributed.replay_sharded`: every
+    threshold is a stateful variant, so one shard per value), under a progress bar."""
+    from kvprof.distributed import ShardHooks, replay_sharded
+
+    def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
+        total = sum(len(t.turns) for t in trajectories) * (len(variants) + 1)
+        with progress() as bar:
+            job = bar.add_task(f"replaying {len(variants)} variants on {cluster.size} Ray workers", total=total)
+            hooks = ShardHooks(on_progress=lambda turns, tasks: bar.update(job, completed=turns))
+            result = replay_sharded(cluster, list(trajectories), variants, repeats, online, False, None, hooks)
+        result.pop("distributed")
+        return result
+
+    return replay
+
+
+def finish(out: Path, result: dict, args: dict, trace, anchors, model: str, checkpoint: Path) -> None:
+    """Show the sweep and its recommendation, write tune_tau.json / .html and tuned.json, drop the checkpoint."""
+    result.update(trace=str(trace), model=model, pool=str(anchors))
     console.print(sweep_table(result).to_rich())
     for line in verification_lines(result):
         console.print(line, markup=False)
@@ -196,7 +244,7 @@ def command(
             out / "tuned.json",
             {
                 "kind": TUNED_KIND,
-                "policy": cls.name,
+                "policy": result["policy"],
                 "policy_options": replay_flags(result),
                 "target": result["target"],
             },
