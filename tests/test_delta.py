@@ -175,6 +175,7 @@ def test_fit_anchors_and_tune_tau_commands(run_cli, prompt_trace, tmp_path):
     tuned = tmp_path / "tune" / "tuned.json"
     code, out, err = run_cli("replay", prompt_trace, "--tuned", tuned, "--repeats", "1", "--out", tmp_path / "replay")
     assert code == 0, err
+    assert "delta correction: the gate's reuse" in out
     replayed = json.loads((tmp_path / "replay" / "replay.json").read_text())["policies"]
     (label,) = replayed
     assert label.startswith("kvcmas") and replayed[label]["options"]["tau"] == f"{best['threshold']:g}"

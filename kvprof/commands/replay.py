@@ -37,7 +37,15 @@ from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_p
 from kvprof.policies.variants import ALL
 from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
-from kvprof.report.replay import cost_table, dense_check, fidelity_table, policy_notes, reuse_table, sections
+from kvprof.report.replay import (
+    cost_table,
+    delta_table,
+    dense_check,
+    fidelity_table,
+    policy_notes,
+    reuse_table,
+    sections,
+)
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory, iter_trajectories, read_header
 
@@ -480,6 +488,9 @@ def show(result: dict) -> None:
         console.print(f"[bold red]{check}[/]")
     console.print(fidelity_table(result).to_rich())
     console.print(reuse_table(result).to_rich())
+    delta = delta_table(result)
+    if delta is not None:
+        console.print(delta.to_rich())
     console.print(cost_table(result).to_rich())
     for note in policy_notes(result):
         console.print(note)

@@ -247,6 +247,7 @@ def finish(out: Path, result: dict, args: dict, trace, anchors, model: str, chec
                 "policy": result["policy"],
                 "policy_options": replay_flags(result),
                 "target": result["target"],
+                "heldout_target_met": None if result["heldout"] is None else result["heldout"]["target_met"],
             },
         )
         outputs.append(str(tuned))

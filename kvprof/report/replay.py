@@ -147,6 +147,36 @@ def reuse_table(result: dict) -> TableData:
     return table
 
 
+def delta_table(result: dict) -> TableData | None:
+    """The delta-correction policies' gate and accumulated error: ρ (the share of other agents' segment tokens the
+    gate served corrected) and the corrected segments' K/V error by hop; None when no policy has a gate."""
+    rows = [
+        (label, entry["summary"])
+        for label, entry in result["policies"].items()
+        if entry["summary"].get("delta_reuse") is not None
+    ]
+    if not rows:
+        return None
+    hops = sorted({int(hop) for _, summary in rows for hop in summary["error_by_hop"]})
+    table = TableData(
+        title="delta correction: the gate's reuse and the corrected segments' error by hop",
+        columns=["policy", "ρ (gate)", *[f"hop {hop} K / V err (n)" for hop in hops]],
+        caption="ρ (gate): of the tokens of other agents' segments the gate decided on, the share served corrected "
+        "(the rest prefilled densely); hop k: the k-th agent besides the producer to read a segment — its K/V "
+        "error on that segment (relative Frobenius, mean over layers 1.., layer 0 being uncorrected), mean over "
+        "corrected segments (n); a chained correction starts from the previous hop's corrected cache.",
+    )
+    for label, summary in rows:
+        cells = []
+        for hop in hops:
+            entry = summary["error_by_hop"].get(str(hop))
+            cells.append(
+                "—" if entry is None else f"{entry['k_error']:.4f} / {entry['v_error']:.4f} ({entry['segments']})"
+            )
+        table.add_row(label, _num(summary["delta_reuse"], ".2f"), *cells)
+    return table
+
+
 def cost_table(result: dict) -> TableData:
     """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
     cuda = any(summary.get("cuda_peak_bytes") is not None for _, summary, _, _ in _rows(result))
@@ -318,7 +348,17 @@ def sections(result: dict) -> list[Section]:
         Section(
             title="Sharing policies against the dense run: tables and diagnostics",
             text=notes(result),
-            tables=[fidelity_table(result), reuse_table(result), cost_table(result), layer_table(result)],
+            tables=[
+                table
+                for table in (
+                    fidelity_table(result),
+                    reuse_table(result),
+                    delta_table(result),
+                    cost_table(result),
+                    layer_table(result),
+                )
+                if table is not None
+            ],
             figures=diagnostic_figures(result),
             order="details",
         ),
