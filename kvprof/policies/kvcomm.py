@@ -11,7 +11,8 @@ is `kvprof.policies.delta`.
 Approximate: the reader's cache is estimated from other segments' deltas. Simplifications against the public code:
 one weight vector per segment (from the values of every corrected layer) mixes both keys and values, where the code
 weighs keys and values per token; only shared segments are corrected (a reader's own prefix is its own, so nothing
-after a placeholder in a template needs an offset).
+after a placeholder in a template needs an offset); the gate accepts strictly below the threshold, where the public
+code also accepts an entropy exactly at it, so that γ = 0 accepts nothing.
 """
 
 from __future__ import annotations
