@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import torch
 
 from kvprof.distributed import AgentSource, RayCluster, merge, plan_shards, replay_sharded, run_shard
 from kvprof.errors import KvprofError
@@ -161,7 +162,12 @@ def ray_instance():
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers get this module's test policies
     ray.init(address="local", num_cpus=2, log_to_driver=False, logging_level=logging.WARNING)
+    # A worker holds one CPU, and Ray runs it with one thread; the single-process runs these tests compare with must
+    # too, or their floats differ in the last bits (the order of a matmul's reductions depends on the thread count).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield ray
+    torch.set_num_threads(threads)
     ray.shutdown()
 
 
