@@ -293,6 +293,22 @@ class AnchorPool:
         return pool
 
 
+def pool_digest(path: str | Path) -> str:
+    """A digest of a pool file's content (its tensors by name and its metadata, in a canonical order): the file's
+    bytes are not canonical (safetensors writes its metadata in no fixed order)."""
+    import hashlib
+
+    from safetensors.torch import load_file, safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+    for name, tensor in sorted(load_file(str(path)).items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return f"sha256:{digest.hexdigest()}"
+
+
 def mixed_delta(
     match: Match, target: str, source: str | None, layer: int, values: bool, src: torch.Tensor, out: torch.Tensor
 ) -> None:

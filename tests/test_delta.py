@@ -182,3 +182,35 @@ def test_fit_anchors_and_tune_tau_commands(run_cli, prompt_trace, tmp_path):
 
     code, _, err = run_cli("tune-tau", prompt_trace, "--policy", "fullshared", "--out", tmp_path / "bad")
     assert code != 0 and "no acceptance threshold" in err
+
+
+def test_tune_tau_resumes_an_interrupted_sweep(run_cli, prompt_trace, tmp_path, monkeypatch):
+    """A sweep interrupted after its teacher-forced replay resumes from OUT/tune_tau.partial.json and gives the
+    uninterrupted sweep's rows; a checkpoint made with other settings is refused in one sentence."""
+    import kvprof.commands.tune_tau as tune_tau
+
+    args = ("tune-tau", prompt_trace, "--grid", "0,1", "--tune", "2", "--option", "rank=4", "--max-kl", "1e-3",
+            "--no-online", "--device", "cpu")  # fmt: skip
+    code, _, err = run_cli(*args, "--out", tmp_path / "whole")
+    assert code == 0, err
+    real_finish = tune_tau.finish
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_tau, "finish", interrupted)
+    code, _, _ = run_cli(*args, "--out", tmp_path / "cut")
+    assert code != 0 and (tmp_path / "cut" / "tune_tau.partial.json").exists()
+    monkeypatch.setattr(tune_tau, "finish", real_finish)
+    code, out, err = run_cli(*args, "--out", tmp_path / "cut", "--resume")
+    assert code == 0, err
+    assert "resuming after 2 replayed tuning trajectories" in out
+    whole, resumed = (json.loads((tmp_path / run / "tune_tau.json").read_text()) for run in ("whole", "cut"))
+    assert [(r["rho"], r["kl"]) for r in resumed["rows"]] == [(r["rho"], r["kl"]) for r in whole["rows"]]
+    assert not (tmp_path / "cut" / "tune_tau.partial.json").exists()
+    monkeypatch.setattr(tune_tau, "finish", interrupted)
+    run_cli(*args, "--out", tmp_path / "again")
+    monkeypatch.setattr(tune_tau, "finish", real_finish)
+    other = [arg if arg != "0,1" else "0,0.5,1" for arg in args]
+    code, _, err = run_cli(*other, "--out", tmp_path / "again", "--resume")
+    assert code == 2 and "was made with other settings" in err

@@ -18,6 +18,7 @@ import torch
 import typer
 
 from kvprof.anchor_fit import fit_anchors
+from kvprof.anchors import pool_digest
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -165,8 +166,9 @@ def command(
     checkpoint = out / "tune_tau.partial.json"
     identity = {
         "trace": "sha256:" + hashlib.sha256(Path(trace).read_bytes()).hexdigest(),
-        "pool": "sha256:" + hashlib.sha256(Path(anchors).read_bytes()).hexdigest(),
+        "pool": pool_digest(anchors),
         "policy": cls.name,
+        "grid": thresholds,
         "options": {k: v for k, v in options.items() if k != "anchors"},
         "tune": count,
         "online": online,
