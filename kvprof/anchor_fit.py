@@ -56,15 +56,14 @@ def dense_cache(runtime: Runtime, agent: str, timeline: list[int]) -> list[KV]:
 
 
 def fit_pool(
-    agents: AgentSet,
+    runtime: Runtime,
     trajectories: Sequence[Trajectory],
     capacity: int,
     window: int = 5,
     on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> AnchorPool:
     """A full-dimensional pool of every segment of `trajectories` (see module docstring)."""
-    runtime = Runtime(agents)
-    names = [agent.name for agent in agents.spec.agents]
+    names = [agent.name for agent in runtime.agents.spec.agents]
     pool = AnchorPool(capacity, window, None)
     with torch.inference_mode():
         for traj in trajectories:
@@ -134,9 +133,9 @@ def spectra(pool: AnchorPool, layers: int) -> _Spectra:
     return _Spectra(total, tail, effective)
 
 
-def fit_report(pool: AnchorPool, rank: int, runtime: Runtime) -> dict:
-    """What `kvprof fit-anchors` reports about a full-dimensional pool and its rank-`rank` truncation."""
-    low = truncated(pool, rank)
+def fit_report(pool: AnchorPool, low: AnchorPool, runtime: Runtime) -> dict:
+    """What `kvprof fit-anchors` reports about a full-dimensional pool and `low`, its truncation (`truncated`)."""
+    rank = low.rank
     shape = (runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize)
     stats = spectra(pool, runtime.num_layers)
     ranks = [r for r in RANKS if r <= runtime.head_dim]
@@ -188,8 +187,9 @@ def fit_anchors(
     full-dimensional when `rank` is None) and the report (its error and memory figures are for rank `rank`, or 32
     when the pool is full-dimensional)."""
     started = time.perf_counter()
-    full = fit_pool(agents, trajectories, capacity, window, on_trajectory)
     runtime = Runtime(agents)
-    report = fit_report(full, rank or 32, runtime)
+    full = fit_pool(runtime, trajectories, capacity, window, on_trajectory)
+    low = truncated(full, rank or 32)
+    report = fit_report(full, low, runtime)
     report.update(trajectories=len(trajectories), seconds=round(time.perf_counter() - started, 3))
-    return (full if rank is None else truncated(full, rank)), report
+    return (full if rank is None else low), report

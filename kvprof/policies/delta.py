@@ -312,10 +312,13 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         if not self.chain:
             return self.base_of(segment, shared, context), None
         owner = self.latest[segment.name]
-        offset = len(self.runtime.prefix(owner))
-        kv = [buffer.view(offset + self.seen[owner]) for buffer in self.own[owner]]
-        begin = offset + segment.start
-        return stack(kv, begin, offset + segment.end, -begin, self.runtime.inv_freq), owner
+        return self.stored_segment(owner, segment), owner
+
+    def stored_segment(self, agent: str, segment: SharedSegment) -> Stacked:
+        """`agent`'s stored cache of `segment`, in the segment's frame."""
+        begin = len(self.runtime.prefix(agent)) + segment.start
+        kv = [buffer.view(begin - segment.start + self.seen[agent]) for buffer in self.own[agent]]
+        return stack(kv, begin, begin + segment.length, -begin, self.runtime.inv_freq)
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
         reference, source = self.reference(segment, shared, context)
@@ -423,19 +426,13 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         refusal) and add `agent`'s dense K/V of it as its delta. Returns the FLOPs: a reference prefill when the
         segment's context-free encoding was not computed yet."""
         assert self.pool is not None
-        inv_freq = self.runtime.inv_freq
         flops = 0.0
         anchor = self.pool.anchor(segment.slot, segment.name)
         if anchor is None:
             base, flops = self.encoding(segment, context.shared, context)
             anchor = self.pool.add(segment.slot, segment.name, *base)
-            producer = segment.producer
-            offset = len(self.runtime.prefix(producer))
-            kv = [buffer.view(offset + self.seen[producer]) for buffer in self.own[producer]]
-            begin = offset + segment.start
-            self.pool.add_delta(anchor, producer, *stack(kv, begin, offset + segment.end, -begin, inv_freq))
-        begin = len(self.runtime.prefix(agent)) + segment.start
-        self.pool.add_delta(anchor, agent, *stack(chunk.kv, begin, begin + segment.length, -begin, inv_freq))
+            self.pool.add_delta(anchor, segment.producer, *self.stored_segment(segment.producer, segment))
+        self.pool.add_delta(anchor, agent, *self.stored_segment(agent, segment))  # commit stored the turn's cache
         return flops
 
     # ------------------------------------------------------------------------------------------ memory
