@@ -349,6 +349,7 @@ def command(
     started = time.perf_counter()
     for name, stage in STAGES:
         console.rule(name)
+        console.print(" ".join((stage.__doc__ or "").split()), style="dim", markup=False)
         stage_started = time.perf_counter()
         result = stage(ctx)
         seconds = time.perf_counter() - stage_started

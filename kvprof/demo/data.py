@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvprof.demo.world import DemoTask
 from kvprof.spec import WorkflowSpec
 from kvprof.trace import Trajectory
-from kvprof.workflow import SearchTool, run_react
+from kvprof.workflow import SearchTool, Task, run_react
 
 IGNORE = -100
 
@@ -40,7 +40,21 @@ class Example:
         return len(self.tokens)
 
 
-def oracle_trajectory(spec: WorkflowSpec, tokenizer, task: DemoTask) -> Trajectory:
+class GoldTask(Protocol):
+    """A world's task with its solution (`kvprof.demo.world.DemoTask`, `kvprof.demo.codebook.CodebookTask`)."""
+
+    task: Task
+
+    def output(self, role: str, observations: int) -> str:
+        """The gold output text of `role` once the trajectory holds `observations` observations."""
+        ...
+
+    def schedule(self) -> list[tuple[str, int]]:
+        """The canonical `(role, observations)` of each turn."""
+        ...
+
+
+def oracle_trajectory(spec: WorkflowSpec, tokenizer, task: GoldTask) -> Trajectory:
     """Run `task` through the runner with every turn answered by its gold output."""
     schedule = iter(task.schedule())
 
@@ -58,7 +72,7 @@ def observations_seen(traj: Trajectory, turn_index: int) -> int:
     return sum(traj.segments[s].kind == "observation" for s in traj.turns[turn_index].input)
 
 
-def role_example(traj: Trajectory, task: DemoTask, role: str, cutoff: int, tokenizer) -> Example:
+def role_example(traj: Trajectory, task: GoldTask, role: str, cutoff: int, tokenizer) -> Example:
     """The example teaching `role` on the input of turn `cutoff` (see module docstring)."""
     turn = traj.turns[cutoff]
     tokens: list[int] = []
@@ -74,14 +88,14 @@ def role_example(traj: Trajectory, task: DemoTask, role: str, cutoff: int, token
 
 
 def sample_examples(
-    spec: WorkflowSpec, tokenizer, task: DemoTask, roles: tuple[str, ...], rng: random.Random
+    spec: WorkflowSpec, tokenizer, task: GoldTask, roles: tuple[str, ...], rng: random.Random
 ) -> list[Example]:
     """One example per role in `roles` for `task`, each on a random turn."""
     traj = oracle_trajectory(spec, tokenizer, task)
     return [role_example(traj, task, role, rng.randrange(len(traj.turns)), tokenizer) for role in roles]
 
 
-def own_turn_examples(spec: WorkflowSpec, tokenizer, task: DemoTask) -> list[Example]:
+def own_turn_examples(spec: WorkflowSpec, tokenizer, task: GoldTask) -> list[Example]:
     """One example per canonical turn, ending at that turn's own output (what greedy inference must reproduce)."""
     traj = oracle_trajectory(spec, tokenizer, task)
     return [role_example(traj, task, turn.agent, k, tokenizer) for k, turn in enumerate(traj.turns)]
