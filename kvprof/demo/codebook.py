@@ -197,17 +197,6 @@ def make_tasks(split: str, count: int, start: int = 0, asks: str = "colour") -> 
     return [make_task(split, index, asks) for index in range(start, start + count)]
 
 
-def write_tasks(path: str | Path, tasks: list[CodebookTask]) -> Path:
-    """JSONL readable by `kvprof.workflow.load_tasks` (the extra fields restore a `CodebookTask` via
-    `read_tasks`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        for task in tasks:
-            handle.write(json.dumps(task.to_json(), ensure_ascii=False) + "\n")
-    return path
-
-
 def read_tasks(path: str | Path) -> list[CodebookTask]:
     with open(path, encoding="utf-8") as handle:
         return [CodebookTask.from_json(json.loads(line)) for line in handle if line.strip()]

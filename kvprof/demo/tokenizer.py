@@ -36,15 +36,21 @@ def corpus(tasks: Iterable[DemoTask]) -> Iterator[str]:
 
 
 def build_tokenizer(tasks: Iterable[DemoTask], vocab_size: int = VOCAB_SIZE):
-    """Train the BPE on `corpus(tasks)` and wrap it as a `PreTrainedTokenizerFast` (EOS doubles as padding)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Train the BPE on `corpus(tasks)`, names' finals split off first (see module docstring)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    finals = Regex("|".join(sorted(PERSON_FINALS + PLACE_FINALS, key=len, reverse=True)))
+    return train_bpe(corpus(tasks), vocab_size, [pre_tokenizers.Split(finals, behavior="isolated")])
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, split: list | None = None, max_length: int = 32768):
+    """Byte-level BPE trained on `texts` (after the pre-tokenizers in `split`, if any), wrapped as a
+    `PreTrainedTokenizerFast` (EOS doubles as padding)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    finals = Regex("|".join(sorted(PERSON_FINALS + PLACE_FINALS, key=len, reverse=True)))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(finals, behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([*(split or []), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -52,7 +58,11 @@ def build_tokenizer(tasks: Iterable[DemoTask], vocab_size: int = VOCAB_SIZE):
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(corpus(tasks), trainer)
+    bpe.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=EOS, pad_token=EOS, model_max_length=32768, clean_up_tokenization_spaces=False
+        tokenizer_object=bpe,
+        eos_token=EOS,
+        pad_token=EOS,
+        model_max_length=max_length,
+        clean_up_tokenization_spaces=False,
     )

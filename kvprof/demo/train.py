@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import torch
 import typer
@@ -89,7 +89,18 @@ class TrainConfig:
     long_tasks: int = 2
 
 
-def model_config(cfg: TrainConfig, tokenizer):
+class ModelShape(Protocol):
+    """The model-size fields of a world's training config (`TrainConfig`, `train_codebook.TrainConfig`)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    max_positions: int
+
+
+def model_config(cfg: ModelShape, tokenizer):
     from transformers import LlamaConfig
 
     return LlamaConfig(

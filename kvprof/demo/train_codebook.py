@@ -41,14 +41,13 @@ import torch
 import typer
 
 from kvprof.demo import codebook
-from kvprof.demo.codebook import ROLE_PROMPTS, ROLES, CodebookTask, make_tasks, workflow_spec, write_tasks
+from kvprof.demo.codebook import ROLE_PROMPTS, ROLES, CodebookTask, make_tasks, workflow_spec
 from kvprof.demo.data import IGNORE, Example, batches, collate, own_turn_examples, sample_examples
-from kvprof.demo.train import _tail, train_loop
-from kvprof.demo.world import write_workflow_toml
+from kvprof.demo.tokenizer import train_bpe
+from kvprof.demo.train import _tail, model_config, train_loop
+from kvprof.demo.world import write_tasks, write_workflow_toml
 from kvprof.fileio import write_json
 from kvprof.ui import progress
-
-EOS = "<eos>"
 
 
 @dataclass
@@ -81,48 +80,13 @@ class TrainConfig:
 
 
 def build_tokenizer(tasks: list[CodebookTask], vocab_size: int):
-    """Byte-level BPE on `codebook.corpus(tasks)`, wrapped for transformers (EOS doubles as padding); refuses a
-    vocabulary that splits one of `codebook.vocabulary_words()`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(codebook.corpus(tasks), trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=EOS, pad_token=EOS, model_max_length=4096, clean_up_tokenization_spaces=False
-    )
+    """Byte-level BPE on `codebook.corpus(tasks)` (`kvprof.demo.tokenizer.train_bpe`); refuses a vocabulary that
+    splits one of `codebook.vocabulary_words()`."""
+    tokenizer = train_bpe(codebook.corpus(tasks), vocab_size, max_length=4096)
     split = [word for word in codebook.vocabulary_words() if len(tokenizer.encode(" " + word)) != 1]
     if split:
         raise RuntimeError(f"the tokenizer splits {split[:5]}; raise vocab_size")
     return tokenizer
-
-
-def model_config(cfg: TrainConfig, tokenizer):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.hidden // cfg.heads,
-        max_position_embeddings=cfg.max_positions,
-        rope_theta=10000.0,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------- drills

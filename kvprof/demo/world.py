@@ -46,8 +46,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvprof.spec import AgentSpec, WorkflowSpec
 from kvprof.workflow import Task
@@ -233,6 +235,12 @@ class DemoTask:
         return turns + [("reflect", self.hops)]
 
 
+class JsonTask(Protocol):
+    """A world's task that writes itself as one `load_tasks` record (`DemoTask`, `codebook.CodebookTask`)."""
+
+    def to_json(self) -> dict: ...
+
+
 @dataclass
 class _Entity:
     name: str
@@ -327,9 +335,9 @@ def make_tasks(split: str, count: int, start: int = 0, distractors: tuple[int, i
     return [make_task(split, index, distractors) for index in range(start, start + count)]
 
 
-def write_tasks(path: str | Path, tasks: list[DemoTask]) -> Path:
-    """JSONL readable by `kvprof.workflow.load_tasks` (extra fields `entities`, `relations`, `split` are ignored
-    there and restore a `DemoTask` via `read_tasks`)."""
+def write_tasks(path: str | Path, tasks: Sequence[JsonTask]) -> Path:
+    """JSONL readable by `kvprof.workflow.load_tasks` (a world's extra fields — here `entities`, `relations`,
+    `split` — are ignored there and restore its task via its `read_tasks`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
