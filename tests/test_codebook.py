@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -10,7 +11,7 @@ import pytest
 from kvprof.demo import codebook
 from kvprof.demo.codebook import ROLES, make_task, make_tasks, read_tasks, workflow_spec
 from kvprof.demo.data import oracle_trajectory
-from kvprof.demo.train_codebook import build_tokenizer, check_drill, decode_drill
+from kvprof.demo.train_codebook import TrainConfig, build_tokenizer, check_drill, decode_drill, run
 from kvprof.demo.world import write_tasks
 from kvprof.workflow import exact_match, parse_answer
 
@@ -85,3 +86,20 @@ def test_drills_answer_from_the_roles_key(tokenizer):
 def test_files_round_trip(tmp_path):
     tasks = make_tasks("long", 3)
     assert [t.to_json() for t in read_tasks(write_tasks(tmp_path / "t.jsonl", tasks))] == [t.to_json() for t in tasks]
+
+
+def test_training_phases_end_at_their_checks(tmp_path):
+    """A phase stops at the first check that meets its target (recall: any loss below 100) and otherwise runs its
+    step budget; every check is recorded."""
+    config = TrainConfig(
+        hidden=32, intermediate=64, heads=4, kv_heads=2, tokenizer_tasks=300, recall_steps=6, recall_done_loss=100.0,
+        lookup_steps=4, decode_steps=4, check_every=2, eval_tasks=4, heldout_tasks=2, long_tasks=1,
+    )  # fmt: skip
+    record = run(tmp_path, config)
+    assert record["phases"]["recall"]["steps"] == 2
+    assert [check["step"] for check in record["phases"]["lookup"]["checks"]] == [2, 4]
+    assert record["phases"]["decode"]["steps"] == 4
+    assert json.loads((tmp_path / "training.json").read_text())["phases"] == record["phases"]
+    assert (tmp_path / "model" / "model.safetensors").exists() and len(
+        read_tasks(tmp_path / "tasks" / "heldout.jsonl")
+    ) == 2

@@ -37,6 +37,8 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.demo.assets import DemoWorld, demo_world
+from kvprof.demo.codebook_world import EVALUATED as CODEBOOK_EVALUATED
+from kvprof.demo.codebook_world import codebook_world
 from kvprof.demo.evaluate import load_condition, run_tasks
 from kvprof.demo.world import read_tasks
 from kvprof.errors import KvprofError
@@ -287,6 +289,35 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
     )
 
 
+def codebook_sharing(ctx: DemoContext) -> StageResult:
+    """`kvprof replay --online` of the codebook world's short trace (`kvprof.demo.codebook`: each agent's private
+    key gives the shared manifest's symbols its own colours, so a shared segment's K/V depend on the prefix before
+    it) under FullShared and the delta-correction policies from empty pools: what sharing costs when it is not
+    free."""
+    out = ctx.out / "codebook_sharing"
+    trace = codebook_world().sample_traces["short"]
+    agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
+    trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
+    variants = list(CODEBOOK_EVALUATED)
+    record = replay.replay_with_progress(
+        trace, agents, trajectories, variants, {}, repeats=ctx.repeats, online=True, lora_attention=False
+    )
+    replay.show(record)
+    ctx.write_result(
+        out, "replay", record, replay.command, trace=trace, policy=[v.name for v in variants], online=True,
+        repeats=ctx.repeats, limit=len(trajectories),
+    )  # fmt: skip
+    replay.write_page(out, record)
+    online = {name: row["accuracy"] for name, row in record["online"].items()}
+    kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
+    accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
+    return StageResult(
+        f"{len(trajectories)} codebook tasks; online accuracy: {accuracy}",
+        [out / "replay.json", out / "replay.html"],
+        {"online_accuracy": online, "kl": kl},
+    )
+
+
 def report_all(ctx: DemoContext) -> StageResult:
     """`kvprof report` over every result the demo wrote: one HTML dashboard."""
     sources = ctx.results
@@ -305,6 +336,7 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
     ("rank-analysis", rank_analysis_lora),
     ("replay", replay_all),
     ("prompt-role sharing", prompt_sharing),
+    ("codebook: sharing that costs accuracy", codebook_sharing),
     ("report", report_all),
 ]
 

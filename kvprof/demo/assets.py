@@ -11,6 +11,8 @@ The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.
     assets/chat_template.jinja         the prompt-mode layout as a chat template (`kvprof capture/import-chat`)
     assets/sample_logs/prompt_short_chat.jsonl     prompt_short's calls as a chat log (`kvprof import-chat`)
     assets/training.json, assets/evaluation.json    what training and evaluation measured
+    assets/codebook/                   the codebook world (`kvprof.demo.codebook_world`): prompt-role agents whose
+                                       private keys change what the shared tokens mean
 
 Paths inside sample traces and workflow files are relative to the assets folder.
 """

@@ -11,8 +11,8 @@ one token per entry (`kared` = symbol `ka` is red to this agent)::
     question          Question: Which colour is at dock NORTH of ship Vora?
     act               search[ Vora]
     observation       Observation: Vora : east ri , north ka , west mo .
-    act               finish[ red]        (ka at north, red in the clerk's key)
-    reflect           answer[ blue]       (ka at north, blue in the auditor's key: the task's answer)
+    act               finish[ north red]     (ka at north, red in the clerk's key)
+    reflect           answer[ north blue]    (ka at north, blue in the auditor's key: the task's answer)
 
 Why the shared tokens must carry the agent's key: the demo model has two layers. Reading the answer from the query
 side takes three attention hops (the asked dock from the question; the symbol at that dock in the manifest; that
@@ -24,11 +24,12 @@ key, and an agent that reads another agent's cached manifest (FullShared) answer
 only where the two keys agree (one time in four, by chance).
 
 The reviewer's answer is the task's answer; the clerk's finish is its own reading (keys are independent, so it
-tells the reviewer nothing). The reviewer asked before the manifest is in the trajectory answers `answer[ unknown]`.
+tells the reviewer nothing). The reviewer asked before the manifest is in the trajectory answers
+`answer[ north unknown]`.
 Tasks are reproducible from `(split, index)`; splits use different seeds.
 
-Status: not shipped. `python -m kvprof.demo.train_codebook` has not yet trained a model that reads the key (see
-docs/design.md, "The codebook world"), so no demo stage or sample trace uses this world yet.
+Shipped in `kvprof/demo/assets/codebook/` (`kvprof.demo.codebook_world`; trained by
+`python -m kvprof.demo.train_codebook`): on 100 held-out tasks NonShared answers 95 %, FullShared 20 %.
 """
 
 from __future__ import annotations

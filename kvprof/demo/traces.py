@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -27,8 +28,8 @@ import typer
 from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trajectory_summary
 from kvprof.chat_log import trajectory_calls
 from kvprof.demo.assets import ASSETS, DemoWorld
-from kvprof.demo.data import oracle_trajectory
-from kvprof.demo.world import DemoTask, read_tasks
+from kvprof.demo.data import GoldTask, oracle_trajectory
+from kvprof.demo.world import read_tasks
 from kvprof.fileio import atomic_open
 from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
 from kvprof.spec import build_spec
@@ -51,13 +52,13 @@ def _relative_header(trace: Path, folder: Path) -> str:
     return record_line(header) + "".join(lines[1:])
 
 
-def _gold_trace(world: DemoWorld, mode: str, tasks: list[DemoTask], path: Path) -> list[Trajectory]:
-    """Write the trace of `tasks` with gold outputs to `path`; returns its trajectories."""
-    spec = build_spec(world.workflow(mode))
-    tokenizer = load_tokenizer(str(world.model.resolve()))
+def gold_trace(model: Path, workflow: Path, tasks: Sequence[GoldTask], path: Path) -> list[Trajectory]:
+    """Write the trace of `tasks` run by `workflow` with gold outputs to `path`; returns its trajectories."""
+    spec = build_spec(workflow)
+    tokenizer = load_tokenizer(str(model.resolve()))
     trajectories = [oracle_trajectory(spec, tokenizer, task) for task in tasks]
     header = TraceHeader(
-        model={"path": str(world.model.resolve()), "dtype": "float32", "architecture": "LlamaForCausalLM"},
+        model={"path": str(model.resolve()), "dtype": "float32", "architecture": "LlamaForCausalLM"},
         tokenizer=tokenizer_identity(tokenizer),
         workflow=spec.to_dict(),
         source="demo-oracle",
@@ -66,22 +67,29 @@ def _gold_trace(world: DemoWorld, mode: str, tasks: list[DemoTask], path: Path) 
     return trajectories
 
 
-def _captured_trace(world: DemoWorld, mode: str, tasks: list[Task], path: Path, device: str) -> list[Trajectory]:
-    """Capture `tasks` into the trace `path` as `kvprof capture --workflow WORLD/workflow_<mode>.toml` does (greedy,
+def captured_trace(model: Path, workflow: Path, tasks: list[Task], path: Path, device: str) -> list[Trajectory]:
+    """Capture `tasks` into the trace `path` as `kvprof capture --model MODEL --workflow WORKFLOW` does (greedy,
     seed 0, float32); returns its trajectories."""
-    model = str(world.root.resolve() / "model")
-    agents = load_agents(capture_spec(world.workflow(mode)), model, device=device, dtype="float32")
+    agents = load_agents(capture_spec(workflow), str(model.resolve()), device=device, dtype="float32")
     sampling = Sampling()
     with progress() as bar:
-        job = bar.add_task(f"capturing {mode}", total=len(tasks))
+        job = bar.add_task(f"capturing {workflow.stem}", total=len(tasks))
         return capture_trajectories(
             agents,
             tasks,
             path,
-            sampled_trace_header(model, agents, sampling),
+            sampled_trace_header(str(model.resolve()), agents, sampling),
             sampling,
             on_trajectory=lambda traj: bar.advance(job),
         )
+
+
+def relative_trace(source: Path, target: Path) -> None:
+    """Write the trace `source` to `target` with the header's paths relative to `target`'s folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = _relative_header(source, target.parent.resolve())
+    with atomic_open(target) as handle:
+        handle.write(text)
 
 
 def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
@@ -93,14 +101,13 @@ def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
             with tempfile.TemporaryDirectory() as tmp:
                 trace = Path(tmp) / "trace.jsonl"
                 if kind == "short":
-                    trajectories = _captured_trace(world, mode, load_tasks(tasks, limit), trace, device)
+                    trajectories = captured_trace(
+                        world.model, world.workflow(mode), load_tasks(tasks, limit), trace, device
+                    )
                 else:
-                    trajectories = _gold_trace(world, mode, read_tasks(tasks)[:limit], trace)
+                    trajectories = gold_trace(world.model, world.workflow(mode), read_tasks(tasks)[:limit], trace)
                 summary = trajectory_summary(trajectories, 0.0)
-                target = world.sample_traces[name]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                text = _relative_header(trace, target.parent.resolve())
-            target.write_text(text, encoding="utf-8")
+                relative_trace(trace, world.sample_traces[name])
             stats[name] = {
                 "trajectories": summary["trajectories"],
                 "tokens": summary["distinct_tokens"],
@@ -117,10 +124,8 @@ def build_tune(world: DemoWorld, device: str = "cpu") -> dict:
     tasks = load_tasks(world.heldout_tasks, SHORT_TASKS + TUNE_TASKS)[SHORT_TASKS:]
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.jsonl"
-        trajectories = _captured_trace(world, "prompt", tasks, trace, device)
-        target = world.sample_traces["prompt_tune"]
-        text = _relative_header(trace, target.parent.resolve())
-    target.write_text(text, encoding="utf-8")
+        trajectories = captured_trace(world.model, world.prompt_workflow, tasks, trace, device)
+        relative_trace(trace, world.sample_traces["prompt_tune"])
     summary = trajectory_summary(trajectories, 0.0)
     return {
         "trajectories": summary["trajectories"],

@@ -244,8 +244,11 @@ def train_loop(
     pad_id: int,
     on_step: Callable[[int, float], None],
     context_weight: float = 0.0,
+    bf16: bool = True,
+    stop: Callable[[int, list[float]], bool] | None = None,
 ) -> list[float]:
-    """AdamW with linear warm-up and cosine decay to lr/10; returns the loss of every step."""
+    """AdamW with linear warm-up and cosine decay to lr/10 over `steps`; returns the loss of every step.
+    `bf16`: autocast the forward pass; `stop(step, losses)`, asked after every step, ends the loop early when true."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -254,7 +257,7 @@ def train_loop(
     losses = []
     for step in range(steps):
         input_ids, labels, real = collate(next(stream), pad_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = output_loss(model, input_ids, labels, real, context_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -263,6 +266,8 @@ def train_loop(
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         on_step(step, losses[-1])
+        if stop is not None and stop(step, losses):
+            break
     model.eval()
     return losses
 

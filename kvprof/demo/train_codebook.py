@@ -7,21 +7,26 @@ Phases (each with a progress bar; timings, losses and per-call held-out accuracy
 1. tokenizer — byte-level BPE on the training tasks' texts; every word the solution looks up in one hop (a key
    entry, a symbol, a colour, a dock, a ship) must be one token, or training stops.
 2. recall — multi-query associative recall drills on the world's words (`dock symbol` pairs, then the docks again in
-   another order, each followed by its symbol), 256 short sequences a step. They grow the induction circuit the
-   manifest lookup needs (a previous-token head in layer 1, a head in layer 2 that attends to the token after an
-   earlier occurrence of the current one); on the task alone it did not appear in 2,000+ steps.
-3. lookup — the workflow (every role on every turn, `kvprof.demo.data`) with a third of the tasks asking for the
+   another order, each followed by its symbol), 256 short sequences a step, until the loss of the last 20 steps is
+   below 0.05. They grow the induction circuit the manifest lookup needs (a previous-token head in layer 1, a head
+   in layer 2 that attends to the token after an earlier occurrence of the current one); on the task alone it did
+   not appear in 2,000+ steps, and at hidden 128 not reliably in 4,000 drill steps.
+3. keys — half the recall drills, half key lookups (key entries, then their symbols each followed by its colour),
+   until the same loss: the one-hop symbol → entry lookup the first layer does at every manifest symbol.
+4. lookup — the workflow (every role on every turn, `kvprof.demo.data`) with a third of the tasks asking for the
    symbol at the dock instead of its colour, and check drills (manifest, then its docks in shuffled order, each
-   followed by its symbol or its colour in the agent's key): the second layer learns to find the asked dock.
-4. decode — the same plus decode drills (the key, then symbols each followed by their colour): the first layer
-   learns to look each manifest symbol up in the key, which is what makes the shared tokens' K/V depend on the
-   agent that computed them.
-5. world — workflow file, held-out and long tasks.
+   followed by its symbol or its colour in the agent's key), until the reviewer names the symbol in 95 % of
+   held-out symbol tasks (per call, teacher-forced): the second layer learns to find the asked dock, and the two
+   drilled circuits compose into the colour.
+5. decode — the same plus decode drills (the key, then symbols each followed by their colour), until the clerk's
+   finish and the reviewer's answer are both right in 95 % of held-out colour tasks (per call).
+6. world — workflow file, held-out and long tasks.
 
-Measured with the defaults (seed 0, 2 threads, 35 minutes): the recall drills never made their abrupt transition
-(loss 1.09 after 4,000 steps; a probe with the same drills and model made it between steps 1,250 and 1,500), so
-the lookup and decode phases stayed at chance on the colour (per call: finish 28 %, reviewer 21 %); nothing is
-shipped from it yet (docs/design.md, "The codebook world").
+Every phase checks every 250 steps (loss, per-call held-out accuracy on colour and symbol tasks, all recorded) and
+has a step budget it stops at if its target is never met. Measured with the defaults (seed 0, 2 threads, 31
+minutes on 2 cores): recall 1,500 steps (loss 1.37 → 0.024), keys 500 (0.036), lookup 1,750, decode 2,000; per
+call, held-out colour tasks: finish 98 %, reviewer 98 % (training.json). `python -m kvprof.demo.codebook_world`
+then captures the sample traces and measures the evaluation (95 % NonShared, 20 % FullShared online).
 
 Deterministic for a fixed seed and thread count. The loss is taken on output (and drill answer) tokens only: the
 rest of a trajectory is random keys and manifests, nothing to model.
@@ -58,17 +63,21 @@ class TrainConfig:
     threads: int = 2
     tokenizer_tasks: int = 2000
     vocab_size: int = 600
-    hidden: int = 128
+    hidden: int = 256
     layers: int = 2
     heads: int = 8
     kv_heads: int = 4
-    intermediate: int = 384
+    intermediate: int = 768
     max_positions: int = 4096
-    recall_steps: int = 4000
+    recall_steps: int = 2000  # at most; ends once the mean loss of the last 20 steps is below recall_done_loss
+    recall_done_loss: float = 0.05
     recall_batch: int = 256
     recall_lr: float = 3e-3
-    lookup_steps: int = 3000
-    decode_steps: int = 7000
+    keys_steps: int = 1500  # at most; ends like the recall phase
+    lookup_steps: int = 2000  # at most; ends once symbol tasks' held-out reviewer is at least done_accuracy
+    decode_steps: int = 6000  # at most; ends once colour tasks' held-out finish and reviewer are at least done_accuracy
+    done_accuracy: float = 0.95
+    check_every: int = 250
     lr: float = 2e-3
     warmup: int = 50
     pool_tasks: int = 64
@@ -112,6 +121,25 @@ def recall_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
             queries = [token for pair in pairs for token in pair]
             targets = [False] * len(context) + [index % 2 == 1 for index in range(len(queries))]
             batch.append(Example(tokens=context + queries, targets=targets, role="recall"))
+        yield batch
+
+
+def key_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
+    """Endless batches of key lookups, interleaved with `recall_stream`'s: 4–12 key entries (one token each,
+    `kared`), then their symbols in shuffled order each followed by its colour; loss on the colours. One hop from a
+    symbol to its entry: the first layer's job at every manifest symbol in the task."""
+    recall = recall_stream(tokenizer, cfg)
+    rng = random.Random(f"{cfg.seed}/keys")
+    while True:
+        batch = next(recall)[: cfg.recall_batch // 2]
+        while len(batch) < cfg.recall_batch:
+            symbols = rng.sample(codebook.SYMBOLS, rng.randint(4, 12))
+            key = {symbol: rng.choice(codebook.COLOURS) for symbol in symbols}
+            context = _word_ids(tokenizer, [codebook.entry(symbol, colour) for symbol, colour in key.items()])
+            rng.shuffle(symbols)
+            queries = [token for symbol in symbols for token in _word_ids(tokenizer, [symbol, key[symbol]])]
+            targets = [False] * len(context) + [index % 2 == 1 for index in range(len(queries))]
+            batch.append(Example(tokens=context + queries, targets=targets, role="keys"))
         yield batch
 
 
@@ -202,24 +230,51 @@ def run(out: Path, cfg: TrainConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"config": asdict(cfg), "phases": {}}
     eval_tasks = make_tasks("heldout", cfg.eval_tasks, start=10_000)
+    eval_symbol_tasks = make_tasks("heldout", cfg.eval_tasks, start=20_000, asks="symbol")
     started = time.perf_counter()
     with progress() as bar:
 
-        def phase(name: str, steps: int, stream: Iterator[list[Example]], lr: float) -> None:
+        def phase(name: str, steps: int, stream: Iterator[list[Example]], lr: float, bf16: bool, done) -> None:
+            """Train up to `steps` steps, ending early once `done(losses)` holds (asked every `check_every` steps,
+            each check recorded with the loss and per-call held-out accuracy)."""
             job = bar.add_task(name, total=steps)
             began = time.perf_counter()
+            checks: list[dict] = []
 
             def step(index: int, loss: float) -> None:
                 bar.update(job, completed=index + 1, description=f"{name} loss {loss:.3f}")
 
-            model.train()
+            def stop(index: int, losses: list[float]) -> bool:
+                if (index + 1) % cfg.check_every:
+                    return False
+                check = {
+                    "step": index + 1,
+                    "loss": _tail(losses),
+                    "colour": per_call_accuracy(model, tokenizer, eval_tasks),
+                    "symbol": per_call_accuracy(model, tokenizer, eval_symbol_tasks),
+                }
+                model.train()
+                checks.append(check)
+                bar.console.print(f"{name} {json.dumps(check)}")
+                return done(check)
+
             losses = train_loop(
-                model, list(model.parameters()), stream, steps, lr, cfg.warmup, tokenizer.pad_token_id, step
+                model,
+                list(model.parameters()),
+                stream,
+                steps,
+                lr,
+                cfg.warmup,
+                tokenizer.pad_token_id,
+                step,
+                bf16=bf16,
+                stop=stop,
             )
             record["phases"][name] = {
                 "seconds": round(time.perf_counter() - began, 1),
+                "steps": len(losses),
                 "final_loss": _tail(losses),
-                "per_call_heldout": per_call_accuracy(model, tokenizer, eval_tasks),
+                "checks": checks,
             }
 
         began = time.perf_counter()
@@ -230,9 +285,38 @@ def run(out: Path, cfg: TrainConfig) -> dict:
         config = model_config(cfg, tokenizer)
         config._attn_implementation = "sdpa"
         model = LlamaForCausalLM(config)
-        phase("recall", cfg.recall_steps, recall_stream(tokenizer, cfg), cfg.recall_lr)
-        phase("lookup", cfg.lookup_steps, task_stream(tokenizer, cfg, "lookup", decode=False), cfg.lr)
-        phase("decode", cfg.decode_steps, task_stream(tokenizer, cfg, "decode", decode=True), cfg.lr)
+        phase(
+            "recall",
+            cfg.recall_steps,
+            recall_stream(tokenizer, cfg),
+            cfg.recall_lr,
+            False,
+            lambda check: check["loss"] < cfg.recall_done_loss,
+        )
+        phase(
+            "keys",
+            cfg.keys_steps,
+            key_stream(tokenizer, cfg),
+            cfg.recall_lr,
+            False,
+            lambda check: check["loss"] < cfg.recall_done_loss,
+        )
+        phase(
+            "lookup",
+            cfg.lookup_steps,
+            task_stream(tokenizer, cfg, "lookup", decode=False),
+            cfg.lr,
+            True,
+            lambda check: check["symbol"]["reflect"] >= cfg.done_accuracy,
+        )
+        phase(
+            "decode",
+            cfg.decode_steps,
+            task_stream(tokenizer, cfg, "decode", decode=True),
+            cfg.lr,
+            True,
+            lambda check: min(check["colour"]["act:finish"], check["colour"]["reflect"]) >= cfg.done_accuracy,
+        )
         model.save_pretrained(out / "model")
         record["parameters"] = sum(p.numel() for p in model.parameters())
         write_workflow_toml(out / "workflow_prompt.toml", workflow_spec())

@@ -1,0 +1,163 @@
+"""The codebook world as shipped (`kvprof.demo.codebook`): its files, sample traces and evaluation.
+
+    python -m kvprof.demo.codebook_world [--world DIR]    # after python -m kvprof.demo.train_codebook --out DIR
+
+The world's folder (default: the packaged `assets/codebook`) holds::
+
+    model/                                  two-layer model + tokenizer (written by train_codebook)
+    workflow_prompt.toml                    the clerk (act) and the auditor (reflect), prompt mode
+    tasks/{heldout,long}.jsonl              held-out tasks (never trained on) and the long split (4 ships × 6 docks)
+    training.json                           what training measured, check by check
+    sample_traces/codebook_heldout.jsonl    the first HELDOUT_TASKS held-out tasks, captured (the agents generate)
+    sample_traces/codebook_short.jsonl      its first SHORT_TASKS trajectories (what `kvprof demo` replays)
+    sample_traces/codebook_long.jsonl       the long tasks, captured
+    evaluation.json                         capture accuracy and the `kvprof replay --online` numbers below
+
+`evaluate` replays `codebook_heldout` teacher-forced and online under NonShared (the dense run), FullShared and
+the delta-correction policies starting from empty anchor pools (KVComm, KVCMAS chained and not), as
+`kvprof replay TRACE --online --policy ...` does, and keeps each policy's summary (accuracy, diverged turns, K/V
+error, KL, top-1, ρ): the numbers the README quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvprof.capture import trajectory_summary
+from kvprof.demo.assets import ASSETS
+from kvprof.demo.traces import captured_trace, relative_trace
+from kvprof.errors import KvprofError
+from kvprof.fileio import write_json
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import PolicyVariant
+from kvprof.replay import DENSE, ReplayHooks, run_replay
+from kvprof.trace import Trace, read_trace, write_trace
+from kvprof.ui import progress
+from kvprof.workflow import load_tasks
+
+CODEBOOK = ASSETS / "codebook"
+HELDOUT_TASKS = 100
+SHORT_TASKS = 10
+EVALUATED = (
+    PolicyVariant("fullshared"),
+    PolicyVariant("kvcomm"),
+    PolicyVariant("kvcmas", {"chain": "chain"}),
+    PolicyVariant("kvcmas", {"chain": "nochain"}),
+)
+"""The policies `evaluate` replays besides the dense run (pools start empty and grow, as published)."""
+KEPT = ("accuracy", "diverged_turns", "k_error", "v_error", "kl", "top1", "delta_reuse", "reuse_per_token")
+
+
+@dataclass(frozen=True)
+class CodebookWorld:
+    """Paths of the codebook world (see module docstring)."""
+
+    root: Path
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def workflow(self) -> Path:
+        return self.root / "workflow_prompt.toml"
+
+    @property
+    def heldout_tasks(self) -> Path:
+        return self.root / "tasks" / "heldout.jsonl"
+
+    @property
+    def long_tasks(self) -> Path:
+        return self.root / "tasks" / "long.jsonl"
+
+    @property
+    def sample_traces(self) -> dict[str, Path]:
+        return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in ("short", "heldout", "long")}
+
+    @property
+    def training_record(self) -> Path:
+        return self.root / "training.json"
+
+    @property
+    def evaluation_record(self) -> Path:
+        return self.root / "evaluation.json"
+
+
+def codebook_world(root: str | Path | None = None) -> CodebookWorld:
+    """The shipped codebook world (or one written by `python -m kvprof.demo.train_codebook --out ROOT`); refuses a
+    folder without the trained model."""
+    world = CodebookWorld(Path(root) if root is not None else CODEBOOK)
+    missing = [p for p in (world.model / "config.json", world.workflow, world.heldout_tasks) if not p.exists()]
+    if missing:
+        raise KvprofError(
+            f"the codebook world at {world.root} is incomplete ({missing[0]} is missing); rebuild it with "
+            "`python -m kvprof.demo.train_codebook --out DIR`."
+        )
+    return world
+
+
+def _stats(trajectories) -> dict:
+    summary = trajectory_summary(trajectories, 0.0)
+    return {key: summary[key] for key in ("trajectories", "distinct_tokens", "shared_tokens", "accuracy")}
+
+
+def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
+    """Capture the sample traces (see module docstring); returns `name → statistics` (accuracy: NonShared exact
+    match, the agents generating greedily)."""
+    stats = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, tasks, limit in (("heldout", world.heldout_tasks, HELDOUT_TASKS), ("long", world.long_tasks, None)):
+            trace = Path(tmp) / f"{name}.jsonl"
+            trajectories = captured_trace(world.model, world.workflow, load_tasks(tasks, limit), trace, device)
+            relative_trace(trace, world.sample_traces[name])
+            stats[name] = _stats(trajectories)
+        short = read_trace(world.sample_traces["heldout"])
+        write_trace(world.sample_traces["short"], Trace(short.header, short.trajectories[:SHORT_TASKS]))
+        stats["short"] = _stats(short.trajectories[:SHORT_TASKS])
+    return stats
+
+
+def evaluate(world: CodebookWorld, device: str = "cpu") -> dict:
+    """Replay `codebook_heldout` teacher-forced and online under NonShared and `EVALUATED`; returns
+    `label → {KEPT numbers}` with the dense run under "nonshared"."""
+    trace = world.sample_traces["heldout"]
+    agents = load_agents_for_trace(trace, device=device, dtype="float32")
+    trajectories = read_trace(trace).trajectories
+    with progress() as bar:
+        job = bar.add_task("replaying codebook_heldout", total=len(trajectories) * (len(EVALUATED) + 1))
+        result = run_replay(
+            agents,
+            trajectories,
+            list(EVALUATED),
+            online=True,
+            hooks=ReplayHooks(on_task=lambda label, task: bar.advance(job)),
+        )
+    rows = {"nonshared": {**result["dense"]["summary"], **result["online"][DENSE]}}
+    for label, entry in result["policies"].items():
+        rows[label] = {**entry["summary"], **result["online"][label]}
+    return {label: {key: row.get(key) for key in KEPT} for label, row in rows.items()}
+
+
+def build(world: CodebookWorld, device: str = "cpu") -> dict:
+    """Sample traces, then the evaluation; writes WORLD/evaluation.json and returns it."""
+    started = time.perf_counter()
+    record: dict[str, object] = {"traces": build_traces(world, device), "replay_online": evaluate(world, device)}
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    write_json(world.evaluation_record, record)
+    return record
+
+
+def main(world_dir: Annotated[Path | None, typer.Option("--world", help="Codebook world folder.")] = None) -> None:
+    """Capture the codebook world's sample traces and evaluate it."""
+    print(json.dumps(build(codebook_world(world_dir)), indent=1))
+
+
+if __name__ == "__main__":
+    typer.run(main)

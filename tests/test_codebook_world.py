@@ -1,0 +1,71 @@
+"""The shipped codebook world: its agents answer held-out tasks, and reusing the other agent's cache costs accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvprof.demo.codebook import workflow_spec
+from kvprof.demo.codebook_world import codebook_world
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import PolicyVariant
+from kvprof.replay import DENSE, run_replay
+from kvprof.spec import build_spec
+from kvprof.trace import read_trace
+from kvprof.workflow import exact_match
+
+
+@pytest.fixture(scope="module")
+def world():
+    return codebook_world()
+
+
+def accuracy(trajectories) -> float:
+    return sum(exact_match(t.prediction, t.answer) for t in trajectories) / len(trajectories)
+
+
+def test_world_files(world):
+    config = json.loads((world.model / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 2
+    assert build_spec(world.workflow) == workflow_spec()
+    training = json.loads(world.training_record.read_text())
+    assert {"recall", "lookup", "decode"} <= set(training["phases"])
+    for path in world.sample_traces.values():
+        header = json.loads(path.read_text().splitlines()[0])
+        assert header["model"]["path"] == "../model"  # relative: the files name no machine's folders
+
+
+def test_heldout_capture_answers(world):
+    """NonShared (the agents generating, greedy) on the 100 captured held-out tasks."""
+    assert accuracy(read_trace(world.sample_traces["heldout"]).trajectories) >= 0.9
+
+
+@pytest.fixture(scope="module")
+def replayed(world):
+    trace = world.sample_traces["short"]
+    agents = load_agents_for_trace(trace, dtype="float32")
+    return read_trace(trace).trajectories, run_replay(
+        agents, read_trace(trace).trajectories, [PolicyVariant("fullshared")], online=True
+    )
+
+
+def test_nonshared_replay_reproduces_the_capture(replayed):
+    trajectories, result = replayed
+    assert result["dense"]["summary"]["trace_agreement"] == 1.0
+    assert result["online"][DENSE]["accuracy"] == accuracy(trajectories)
+
+
+def test_fullshared_costs_accuracy(replayed):
+    _, result = replayed
+    fullshared = result["policies"]["fullshared"]
+    assert result["online"]["fullshared"]["accuracy"] <= result["online"][DENSE]["accuracy"] - 0.2
+    assert fullshared["summary"]["kl"] > 1e-2
+    assert result["online"]["fullshared"]["diverged_turns"] > 0
+
+
+def test_evaluation_record(world):
+    rows = json.loads(world.evaluation_record.read_text())["replay_online"]
+    assert rows["nonshared"]["accuracy"] >= 0.9
+    assert rows["fullshared"]["accuracy"] <= rows["nonshared"]["accuracy"] - 0.2
+    assert rows["fullshared"]["kl"] > 1e-2
