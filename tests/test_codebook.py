@@ -103,3 +103,15 @@ def test_training_phases_end_at_their_checks(tmp_path):
     assert (tmp_path / "model" / "model.safetensors").exists() and len(
         read_tasks(tmp_path / "tasks" / "heldout.jsonl")
     ) == 2
+
+
+def test_standing_keys_are_one_text_per_agent():
+    """The `standing` split: every task gives an agent the same key (one fixed prefix), and the answer still
+    follows it; held-out keys change with every task."""
+    standing = make_tasks("standing", 20)
+    for role in ROLES:
+        assert len({task.task.private[role] for task in standing}) == 1
+        assert len({task.task.private[role] for task in make_tasks("heldout", 20)}) == 20
+    for task in standing:
+        assert codebook.entry(task.symbol, task.task.answer) in task.task.private["reflect"].split()
+    assert len({task.task.question for task in standing}) > 10

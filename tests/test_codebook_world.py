@@ -37,8 +37,9 @@ def test_world_files(world):
 
 
 def test_heldout_capture_answers(world):
-    """NonShared (the agents generating, greedy) on the 100 captured held-out tasks."""
+    """NonShared (the agents generating, greedy) on the 100 captured held-out and standing-key tasks."""
     assert accuracy(read_trace(world.sample_traces["heldout"]).trajectories) >= 0.9
+    assert accuracy(read_trace(world.sample_traces["standing"]).trajectories) >= 0.9
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,9 @@ def test_fullshared_costs_accuracy(replayed):
 
 
 def test_evaluation_record(world):
-    rows = json.loads(world.evaluation_record.read_text())["replay_online"]
-    assert rows["nonshared"]["accuracy"] >= 0.9
-    assert rows["fullshared"]["accuracy"] <= rows["nonshared"]["accuracy"] - 0.2
-    assert rows["fullshared"]["kl"] > 1e-2
+    record = json.loads(world.evaluation_record.read_text())
+    for rows in (record["replay_online"], record["replay_online_standing"]):
+        assert rows["nonshared"]["accuracy"] >= 0.9
+        assert rows["fullshared"]["accuracy"] <= rows["nonshared"]["accuracy"] - 0.2
+        assert rows["fullshared"]["kl"] > 1e-2
+    assert record["traces"]["heldout"]["accuracy"] == record["replay_online"]["nonshared"]["accuracy"]

@@ -29,7 +29,8 @@ tells the reviewer nothing). The reviewer asked before the manifest is in the tr
 Tasks are reproducible from `(split, index)`; splits use different seeds.
 
 Shipped in `kvprof/demo/assets/codebook/` (`kvprof.demo.codebook_world`; trained by
-`python -m kvprof.demo.train_codebook`): on 100 held-out tasks NonShared answers 95 %, FullShared 20 %.
+`python -m kvprof.demo.train_codebook`): on 100 held-out tasks NonShared answers 95 %, FullShared 20 %; on 100
+standing-key tasks 94 % and 15 %.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ UNKNOWN = "unknown"
 MAX_ROUNDS = 3
 MAX_NEW_TOKENS = {"act": 8, "reflect": 8}
 
-SPLITS = {"train": 1, "heldout": 2, "long": 3}
+SPLITS = {"train": 1, "heldout": 2, "long": 3, "standing": 4}
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ class Shape:
     docks: tuple[int, int] = (3, 6)
 
 
-SHAPES = {"train": Shape(), "heldout": Shape(), "long": Shape(ships=(4, 4), docks=(6, 6))}
+SHAPES = {"train": Shape(), "heldout": Shape(), "long": Shape(ships=(4, 4), docks=(6, 6)), "standing": Shape()}
+STANDING_KEYS_SEED = "kvprof-codebook/standing-keys"
+"""The `standing` split's keys: drawn once from this seed, the same in every task (see `make_task`)."""
 
 
 def entry(symbol: str, colour: str) -> str:
@@ -167,7 +170,11 @@ def manifest(ship: str, cargo: list[tuple[str, str]]) -> str:
 def make_task(split: str, index: int, asks: str = "colour") -> CodebookTask:
     """Task `index` of `split` (deterministic; see module docstring). `asks="symbol"` is the training drill that
     asks for the symbol at the dock instead of its colour: it teaches the second layer to find the asked dock's
-    symbol, after which the colour can only come from what the first layer wrote at that symbol."""
+    symbol, after which the colour can only come from what the first layer wrote at that symbol.
+
+    `split="standing"`: held-out-like tasks whose keys (and their entry order) are the same in every task — an
+    agent's standing instructions rather than notes for one task, so each agent's prefix is one fixed text, the
+    setting anchor pools are built for (their deltas come from earlier tasks' segments)."""
     shape = SHAPES[split]
     rng = random.Random(f"kvprof-codebook/{SPLITS[split]}/{index}")
     ships = rng.sample(SHIPS, rng.randint(*shape.ships))
@@ -180,8 +187,9 @@ def make_task(split: str, index: int, asks: str = "colour") -> CodebookTask:
         documents[ship] = manifest(ship, cargo)
     ship = rng.choice(ships)
     dock, symbol = rng.choice(cargos[ship])
-    keys = {role: {s: rng.choice(COLOURS) for s in SYMBOLS} for role in ROLES}
-    private = {role: key_text(keys[role], rng) for role in ROLES}
+    key_rng = random.Random(STANDING_KEYS_SEED) if split == "standing" else rng
+    keys = {role: {s: key_rng.choice(COLOURS) for s in SYMBOLS} for role in ROLES}
+    private = {role: key_text(keys[role], key_rng) for role in ROLES}
     question = f"Which {asks} is at dock {dock.upper()} of ship {ship}?"
     task = Task(
         id=f"codebook-{split}-{index}",

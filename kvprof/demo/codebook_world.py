@@ -7,16 +7,18 @@ The world's folder (default: the packaged `assets/codebook`) holds::
     model/                                  two-layer model + tokenizer (written by train_codebook)
     workflow_prompt.toml                    the clerk (act) and the auditor (reflect), prompt mode
     tasks/{heldout,long}.jsonl              held-out tasks (never trained on) and the long split (4 ships × 6 docks)
+    tasks/standing.jsonl                    held-out-like tasks whose keys are the same in every task
     training.json                           what training measured, check by check
-    sample_traces/codebook_heldout.jsonl    the first HELDOUT_TASKS held-out tasks, captured (the agents generate)
-    sample_traces/codebook_short.jsonl      its first SHORT_TASKS trajectories (what `kvprof demo` replays)
-    sample_traces/codebook_long.jsonl       the long tasks, captured
+    sample_traces/heldout.jsonl             the first HELDOUT_TASKS held-out tasks, captured (the agents generate)
+    sample_traces/short.jsonl               its first SHORT_TASKS trajectories (what `kvprof demo` replays)
+    sample_traces/long.jsonl                the long tasks, captured
+    sample_traces/standing.jsonl            the first HELDOUT_TASKS standing-key tasks, captured
     evaluation.json                         capture accuracy and the `kvprof replay --online` numbers below
 
-`evaluate` replays `codebook_heldout` teacher-forced and online under NonShared (the dense run), FullShared and
-the delta-correction policies starting from empty anchor pools (KVComm, KVCMAS chained and not), as
-`kvprof replay TRACE --online --policy ...` does, and keeps each policy's summary (accuracy, diverged turns, K/V
-error, KL, top-1, ρ): the numbers the README quotes.
+`evaluate` replays a sample trace (`heldout`, then `standing`) teacher-forced and online under NonShared (the
+dense run), FullShared and the delta-correction policies starting from empty anchor pools (KVComm, KVCMAS chained
+and not), as `kvprof replay TRACE --online --policy ...` does, and keeps each policy's summary (accuracy, diverged
+turns, K/V error, KL, top-1, ρ): the numbers the README quotes.
 """
 
 from __future__ import annotations
@@ -78,8 +80,13 @@ class CodebookWorld:
         return self.root / "tasks" / "long.jsonl"
 
     @property
+    def standing_tasks(self) -> Path:
+        return self.root / "tasks" / "standing.jsonl"
+
+    @property
     def sample_traces(self) -> dict[str, Path]:
-        return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in ("short", "heldout", "long")}
+        names = ("short", "heldout", "long", "standing")
+        return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in names}
 
     @property
     def training_record(self) -> Path:
@@ -113,7 +120,12 @@ def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
     match, the agents generating greedily)."""
     stats = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, tasks, limit in (("heldout", world.heldout_tasks, HELDOUT_TASKS), ("long", world.long_tasks, None)):
+        captures = (
+            ("heldout", world.heldout_tasks, HELDOUT_TASKS),
+            ("long", world.long_tasks, None),
+            ("standing", world.standing_tasks, HELDOUT_TASKS),
+        )
+        for name, tasks, limit in captures:
             trace = Path(tmp) / f"{name}.jsonl"
             trajectories = captured_trace(world.model, world.workflow, load_tasks(tasks, limit), trace, device)
             relative_trace(trace, world.sample_traces[name])
@@ -124,14 +136,14 @@ def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
     return stats
 
 
-def evaluate(world: CodebookWorld, device: str = "cpu") -> dict:
-    """Replay `codebook_heldout` teacher-forced and online under NonShared and `EVALUATED`; returns
+def evaluate(world: CodebookWorld, name: str = "heldout", device: str = "cpu") -> dict:
+    """Replay the sample trace `name` teacher-forced and online under NonShared and `EVALUATED`; returns
     `label → {KEPT numbers}` with the dense run under "nonshared"."""
-    trace = world.sample_traces["heldout"]
+    trace = world.sample_traces[name]
     agents = load_agents_for_trace(trace, device=device, dtype="float32")
     trajectories = read_trace(trace).trajectories
     with progress() as bar:
-        job = bar.add_task("replaying codebook_heldout", total=len(trajectories) * (len(EVALUATED) + 1))
+        job = bar.add_task(f"replaying {name}", total=len(trajectories) * (len(EVALUATED) + 1))
         result = run_replay(
             agents,
             trajectories,
@@ -148,7 +160,11 @@ def evaluate(world: CodebookWorld, device: str = "cpu") -> dict:
 def build(world: CodebookWorld, device: str = "cpu") -> dict:
     """Sample traces, then the evaluation; writes WORLD/evaluation.json and returns it."""
     started = time.perf_counter()
-    record: dict[str, object] = {"traces": build_traces(world, device), "replay_online": evaluate(world, device)}
+    record: dict[str, object] = {
+        "traces": build_traces(world, device),
+        "replay_online": evaluate(world, "heldout", device),
+        "replay_online_standing": evaluate(world, "standing", device),
+    }
     record["seconds"] = round(time.perf_counter() - started, 1)
     write_json(world.evaluation_record, record)
     return record

@@ -20,7 +20,7 @@ Phases (each with a progress bar; timings, losses and per-call held-out accuracy
    drilled circuits compose into the colour.
 5. decode — the same plus decode drills (the key, then symbols each followed by their colour), until the clerk's
    finish and the reviewer's answer are both right in 95 % of held-out colour tasks (per call).
-6. world — workflow file, held-out and long tasks.
+6. world — workflow file, held-out, long and standing-key tasks (`codebook.make_task`).
 
 Every phase checks every 250 steps (loss, per-call held-out accuracy on colour and symbol tasks, all recorded) and
 has a step budget it stops at if its target is never met. Measured with the defaults (seed 0, 2 threads, 31
@@ -322,6 +322,7 @@ def run(out: Path, cfg: TrainConfig) -> dict:
         write_workflow_toml(out / "workflow_prompt.toml", workflow_spec())
         write_tasks(out / "tasks" / "heldout.jsonl", make_tasks("heldout", cfg.heldout_tasks))
         write_tasks(out / "tasks" / "long.jsonl", make_tasks("long", cfg.long_tasks))
+        write_tasks(out / "tasks" / "standing.jsonl", make_tasks("standing", cfg.heldout_tasks))
     record["seconds"] = round(time.perf_counter() - started, 1)
     write_json(out / "training.json", record)
     return record
