@@ -192,6 +192,21 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     )
 
 
+def _online_replay(
+    ctx: DemoContext, out: Path, trace: Path, agents, trajectories, variants, skipped, lora_attention: bool, **options
+) -> tuple[dict, dict[str, float], str]:
+    """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written to OUT as the command
+    writes it (`options`: its other arguments); returns the record, online accuracy per run and that as text."""
+    record = replay.replay_with_progress(
+        trace, agents, trajectories, variants, skipped, repeats=ctx.repeats, online=True, lora_attention=lora_attention
+    )
+    replay.show(record)
+    ctx.write_result(out, "replay", record, replay.command, trace=trace, online=True, repeats=ctx.repeats, **options)
+    replay.write_page(out, record)
+    online = {name: row["accuracy"] for name, row in record["online"].items()}
+    return record, online, ", ".join(f"{name} {value:.0%}" for name, value in online.items())
+
+
 def replay_all(ctx: DemoContext) -> StageResult:
     """`kvprof replay --policy all --online` of the shared-A trace: teacher-forced error, fidelity and cost of
     every policy against the dense run, then task accuracy with each policy generating."""
@@ -201,31 +216,10 @@ def replay_all(ctx: DemoContext) -> StageResult:
     variants, skipped = runnable_variants(enumerate_variants([ALL]), Runtime(agents), skip=True)
     replay.print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
-    record = replay.replay_with_progress(
-        trace,
-        agents,
-        trajectories,
-        variants,
-        skipped,
-        repeats=ctx.repeats,
-        online=True,
-        lora_attention=agents.device.type == "cuda",
-    )
-    replay.show(record)
-    ctx.write_result(
-        out,
-        "replay",
-        record,
-        replay.command,
-        trace=trace,
-        policy=[ALL],
-        online=True,
-        repeats=ctx.repeats,
-        limit=ctx.replay_tasks,
-    )
-    replay.write_page(out, record)
-    online = {name: row["accuracy"] for name, row in record["online"].items()}
-    accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
+    record, online, accuracy = _online_replay(
+        ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda",
+        policy=[ALL], limit=ctx.replay_tasks,
+    )  # fmt: skip
     return StageResult(
         f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
@@ -269,18 +263,11 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
         PolicyVariant("kvcmas", {"chain": "chain", "anchors": str(pools["rank32"])}),
         PolicyVariant("kvcmas", {"chain": "nochain", "anchors": str(pools["rank32"])}),
     ]
-    record = replay.replay_with_progress(
-        trace, agents, replayed, variants, {}, repeats=ctx.repeats, online=True, lora_attention=False
-    )
-    replay.show(record)
-    ctx.write_result(
-        out, "replay", record, replay.command, trace=trace, policy=[v.name for v in variants], online=True,
-        repeats=ctx.repeats, skip=half, limit=len(replayed),
+    record, online, accuracy = _online_replay(
+        ctx, out, trace, agents, replayed, variants, {}, False,
+        policy=[v.name for v in variants], skip=half, limit=len(replayed),
     )  # fmt: skip
-    replay.write_page(out, record)
-    online = {name: row["accuracy"] for name, row in record["online"].items()}
     kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
-    accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
     return StageResult(
         f"{len(replayed)} tasks after fitting on {half}; online accuracy: {accuracy}; anchor pool at rank 32: "
         f"{report['memory']['saving']:.2f}× smaller",
@@ -299,18 +286,11 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     variants = list(CODEBOOK_EVALUATED)
-    record = replay.replay_with_progress(
-        trace, agents, trajectories, variants, {}, repeats=ctx.repeats, online=True, lora_attention=False
-    )
-    replay.show(record)
-    ctx.write_result(
-        out, "replay", record, replay.command, trace=trace, policy=[v.name for v in variants], online=True,
-        repeats=ctx.repeats, limit=len(trajectories),
+    record, online, accuracy = _online_replay(
+        ctx, out, trace, agents, trajectories, variants, {}, False,
+        policy=[v.name for v in variants], limit=len(trajectories),
     )  # fmt: skip
-    replay.write_page(out, record)
-    online = {name: row["accuracy"] for name, row in record["online"].items()}
     kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
-    accuracy = ", ".join(f"{name} {value:.0%}" for name, value in online.items())
     return StageResult(
         f"{len(trajectories)} codebook tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],

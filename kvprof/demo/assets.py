@@ -30,14 +30,37 @@ TRACE_NAMES = ("prompt_short", "lora_short", "prompt_long", "lora_long", "prompt
 
 
 @dataclass(frozen=True)
-class DemoWorld:
-    """Paths of one demo world (see module docstring)."""
+class WorldFolder:
+    """What every trained world's folder holds: the model, held-out and long tasks, the evaluation record."""
 
     root: Path
 
     @property
     def model(self) -> Path:
         return self.root / "model"
+
+    @property
+    def heldout_tasks(self) -> Path:
+        return self.root / "tasks" / "heldout.jsonl"
+
+    @property
+    def long_tasks(self) -> Path:
+        return self.root / "tasks" / "long.jsonl"
+
+    @property
+    def evaluation_record(self) -> Path:
+        return self.root / "evaluation.json"
+
+    def require(self, name: str, files: list[Path], rebuild: str) -> None:
+        """Refuse a folder that lacks one of `files`, naming the first missing one and the command `rebuild`."""
+        missing = [path for path in files if not path.exists()]
+        if missing:
+            raise KvprofError(f"the {name} at {self.root} is incomplete ({missing[0]} is missing); {rebuild}.")
+
+
+@dataclass(frozen=True)
+class DemoWorld(WorldFolder):
+    """Paths of one demo world (see module docstring)."""
 
     @property
     def adapters(self) -> dict[str, Path]:
@@ -62,14 +85,6 @@ class DemoWorld:
         return self.workflow("lora")
 
     @property
-    def heldout_tasks(self) -> Path:
-        return self.root / "tasks" / "heldout.jsonl"
-
-    @property
-    def long_tasks(self) -> Path:
-        return self.root / "tasks" / "long.jsonl"
-
-    @property
     def sample_traces(self) -> dict[str, Path]:
         """`prompt_short`, `lora_short` (a few held-out tasks), `prompt_long`, `lora_long` (a 3-hop task with
         several thousand tokens of shared context) and `prompt_tune` (more held-out tasks in prompt mode, for
@@ -85,30 +100,21 @@ class DemoWorld:
         """The held-out tasks of `prompt_short` as a chat log: one agent call per line, OpenAI message format."""
         return self.root / "sample_logs" / "prompt_short_chat.jsonl"
 
-    @property
-    def evaluation_record(self) -> Path:
-        return self.root / "evaluation.json"
-
 
 def demo_world(root: str | Path | None = None) -> DemoWorld:
     """The shipped demo world (or one written by `python -m kvprof.demo.train --out ROOT`); refuses a folder without
     the trained model."""
     world = DemoWorld(Path(root) if root is not None else ASSETS)
-    missing = [
-        p
-        for p in (
+    world.require(
+        "demo world",
+        [
             world.model / "config.json",
             world.model / "tokenizer.json",
             world.lora_workflow,
             world.prompt_workflow,
             world.heldout_tasks,
             *world.adapters.values(),
-        )
-        if not p.exists()
-    ]
-    if missing:
-        raise KvprofError(
-            f"the demo world at {world.root} is incomplete ({missing[0]} is missing); reinstall kvprof "
-            "or rebuild it with `python -m kvprof.demo.train --out DIR`."
-        )
+        ],
+        "reinstall kvprof or rebuild it with `python -m kvprof.demo.train --out DIR`",
+    )
     return world

@@ -33,9 +33,8 @@ from typing import Annotated
 import typer
 
 from kvprof.capture import trajectory_summary
-from kvprof.demo.assets import ASSETS
+from kvprof.demo.assets import ASSETS, WorldFolder
 from kvprof.demo.traces import captured_trace, relative_trace
-from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant
@@ -58,26 +57,12 @@ KEPT = ("accuracy", "diverged_turns", "k_error", "v_error", "kl", "top1", "delta
 
 
 @dataclass(frozen=True)
-class CodebookWorld:
+class CodebookWorld(WorldFolder):
     """Paths of the codebook world (see module docstring)."""
-
-    root: Path
-
-    @property
-    def model(self) -> Path:
-        return self.root / "model"
 
     @property
     def workflow(self) -> Path:
         return self.root / "workflow_prompt.toml"
-
-    @property
-    def heldout_tasks(self) -> Path:
-        return self.root / "tasks" / "heldout.jsonl"
-
-    @property
-    def long_tasks(self) -> Path:
-        return self.root / "tasks" / "long.jsonl"
 
     @property
     def standing_tasks(self) -> Path:
@@ -92,21 +77,16 @@ class CodebookWorld:
     def training_record(self) -> Path:
         return self.root / "training.json"
 
-    @property
-    def evaluation_record(self) -> Path:
-        return self.root / "evaluation.json"
-
 
 def codebook_world(root: str | Path | None = None) -> CodebookWorld:
     """The shipped codebook world (or one written by `python -m kvprof.demo.train_codebook --out ROOT`); refuses a
     folder without the trained model."""
     world = CodebookWorld(Path(root) if root is not None else CODEBOOK)
-    missing = [p for p in (world.model / "config.json", world.workflow, world.heldout_tasks) if not p.exists()]
-    if missing:
-        raise KvprofError(
-            f"the codebook world at {world.root} is incomplete ({missing[0]} is missing); rebuild it with "
-            "`python -m kvprof.demo.train_codebook --out DIR`."
-        )
+    world.require(
+        "codebook world",
+        [world.model / "config.json", world.workflow, world.heldout_tasks],
+        "rebuild it with `python -m kvprof.demo.train_codebook --out DIR`",
+    )
     return world
 
 
