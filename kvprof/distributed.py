@@ -4,12 +4,15 @@ Work is cut into shards (`plan_shards`), each replayed whole on one worker:
 
 - a *trajectory shard*: one trajectory under every trajectory-independent variant, in lockstep with the dense run
   (the dense run is computed once per trajectory, inside the shard, as in one process);
-- a *sequential shard*: one variant whose policy keeps state across trajectories
-  (`SharingPolicy.trajectory_independent` False: an online anchor pool), over every trajectory in order, with its
-  own dense run to compare against. Spreading its trajectories over workers would change its results, so it is not
-  split; several such variants (a τ sweep of a stateful policy) still run side by side, one shard each. Its dense
-  run repeats the trajectory shards' (its records are equal apart from timings): the variant's speed-ups are
-  measured against it, and its records are the result's only when no trajectory shard exists.
+- a *sequential shard*: variants whose policies keep state across trajectories
+  (`SharingPolicy.trajectory_independent` False: an online anchor pool, one per τ of a sweep), over every
+  trajectory in order, in lockstep with a dense run of their own to compare against. Spreading a stateful
+  variant's trajectories over workers would change its results, so it is never split. `plan_shards` groups the
+  stateful variants so that the estimated wall time on the cluster's workers is least: one group per variant
+  when workers are plenty (most parallelism), fewer, larger groups when they are few (each group repeats the
+  trajectory shards' dense run once, so fewer groups do less work). A group's dense records equal the trajectory
+  shards' apart from timings: its variants' speed-ups are measured against it, and its records are the result's
+  only when no trajectory shard exists.
 
 One worker (a Ray actor) per device loads the model and adapters once (`num_gpus=1` on CUDA, one CPU otherwise)
 and replays many shards. What travels: the trace's header and each shard's trajectories (token ids) to the
@@ -65,15 +68,12 @@ def require_ray():
 @dataclass
 class Shard:
     """Trajectories replayed together on one worker under `variants` (see module docstring). `key` names it in
-    checkpoints: `trajectory:ID` or `variant:LABEL`."""
+    checkpoints: `trajectory:ID`, or `variant:LABEL + LABEL ...` for a sequential shard."""
 
     key: str
     trajectories: list[Trajectory]
     variants: list[PolicyVariant]
-
-    @property
-    def sequential(self) -> bool:
-        return self.key.startswith("variant:")
+    sequential: bool = False
 
     @property
     def turns(self) -> int:
@@ -89,17 +89,54 @@ class Shard:
         return len(self.trajectories) * (len(self.variants) + 1) if online else 0
 
 
-def plan_shards(trajectories: list[Trajectory], variants: list[PolicyVariant]) -> list[Shard]:
-    """One trajectory shard per trajectory under the trajectory-independent variants, then one sequential shard per
-    variant that keeps state across trajectories (module docstring)."""
+def sequential_shard(trajectories: list[Trajectory], variants: list[PolicyVariant]) -> Shard:
+    """The stateful `variants` over every trajectory in order, in one shard."""
+    return Shard("variant:" + " + ".join(v.label for v in variants), list(trajectories), variants, sequential=True)
+
+
+def plan_shards(
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    workers: int | None = None,
+    groups: list[list[str]] | None = None,
+) -> list[Shard]:
+    """One trajectory shard per trajectory under the trajectory-independent variants, then the variants that keep
+    state across trajectories in sequential shards (module docstring): `groups` (lists of labels: a checkpoint's
+    plan) if given, else the grouping whose `makespan` on `workers` is least, fewer groups on a tie; one group per
+    stateful variant when `workers` is not known."""
     independent = [v for v in variants if v.policy.trajectory_independent]
-    sequential = [v for v in variants if not v.policy.trajectory_independent]
+    stateful = [v for v in variants if not v.policy.trajectory_independent]
     shards = (
         [Shard(f"trajectory:{traj.id}", [traj], independent) for traj in trajectories]
-        if independent or not sequential
+        if independent or not stateful
         else []
     )
-    return shards + [Shard(f"variant:{v.label}", list(trajectories), [v]) for v in sequential]
+    if groups is not None:
+        by_label = {v.label: v for v in stateful}
+        return shards + [sequential_shard(trajectories, [by_label[label] for label in group]) for group in groups]
+    candidates = [
+        shards + [sequential_shard(trajectories, group) for group in _split(stateful, count)]
+        for count in range(1, len(stateful) + 1)
+    ] or [shards]
+    if workers is None:
+        return candidates[-1]
+    return min(candidates, key=lambda plan: makespan(plan, workers))  # min keeps the first: the fewest groups
+
+
+def _split(items: list[PolicyVariant], count: int) -> list[list[PolicyVariant]]:
+    """`items` in order, cut into `count` runs whose lengths differ by at most one."""
+    size, extra = divmod(len(items), count)
+    cuts = [i * size + min(i, extra) for i in range(count + 1)]
+    return [items[start:end] for start, end in zip(cuts, cuts[1:])]
+
+
+def makespan(shards: list[Shard], workers: int) -> int:
+    """The estimated wall time of `shards` on `workers` in turn replays (`Shard.cost`), handed out largest first
+    to whichever worker is free first, as `RayCluster.replay` does."""
+    loads = [0] * max(workers, 1)
+    for cost in sorted((shard.cost for shard in shards), reverse=True):
+        loads[loads.index(min(loads))] += cost
+    return max(loads)
 
 
 @dataclass
@@ -194,26 +231,33 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
     for shard in shards:
         if not shard.sequential:
             continue
-        result, (variant,) = results[shard.key], shard.variants
-        labels = [variant.label] + ([DENSE] if not trajectory_shards and not records[DENSE] else [])
+        result = results[shard.key]
+        labels = [v.label for v in shard.variants]
+        if not trajectory_shards and not records[DENSE]:
+            labels.append(DENSE)
         for label in labels:
             records[label] = list(result.progress.records[label])
             if online and result.online is not None:
                 runs[label] = list(result.online[label])
-        entry = result.entries[variant.label]
-        entries[variant.label] = entry | {
-            "notes": [
-                *entry["notes"],
-                f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed in "
-                "order in one shard, on one worker (not spread over workers), beside a dense run of its own that "
-                "its speed-ups are measured against",
-            ]
-        }
+        beside = [v.label for v in shard.variants]
+        for variant in shard.variants:
+            entry = result.entries[variant.label]
+            others = [label for label in beside if label != variant.label]
+            entries[variant.label] = entry | {
+                "notes": [
+                    *entry["notes"],
+                    f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed "
+                    "in order in one shard, on one worker (not spread over workers), beside a dense run of its own "
+                    "that its speed-ups are measured against" + (f" (with {', '.join(others)})" if others else ""),
+                ]
+            }
     merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants})
     for shard in shards:
         if shard.sequential:  # its speed-ups against the dense run that ran beside it, on the same worker
-            summary = merged["policies"][shard.variants[0].label]["summary"]
-            summary.update(relative_to_dense(summary, summarise(results[shard.key].progress.records[DENSE])))
+            own_dense = summarise(results[shard.key].progress.records[DENSE])
+            for variant in shard.variants:
+                summary = merged["policies"][variant.label]["summary"]
+                summary.update(relative_to_dense(summary, own_dense))
     if online:
         merged["online"] = summarise_online(runs)
     settings = [results[shard.key].setting for shard in shards]
@@ -583,15 +627,18 @@ def replay_sharded(
     lora_attention: bool = False,
     done: dict[str, ShardResult] | None = None,
     hooks: ShardHooks | None = None,
+    groups: list[list[str]] | None = None,
 ) -> dict:
     """What `run_replay` returns for the same arguments, replayed in shards on `cluster`'s workers and merged
-    (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again.
+    (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again;
+    `groups`: the stateful variants' sequential groups (`plan_shards`; a checkpoint's plan), else planned for the
+    cluster's size.
 
-    The result adds a `distributed` block: each shard's worker (`host:pid`), the variants that ran sequentially, the
-    shards retried after a worker was lost, and every worker (host, device, CPU, threads, software) that replayed
-    a shard.
+    The result adds a `distributed` block: each shard's worker (`host:pid`), the groups of variants that ran
+    sequentially, the shards retried after a worker was lost, and every worker (host, device, CPU, threads,
+    software) that replayed a shard.
     """
-    shards = plan_shards(trajectories, variants)
+    shards = plan_shards(trajectories, variants, cluster.size, groups)
     results = cluster.replay(
         shards,
         {key: result for key, result in (done or {}).items() if key in {s.key for s in shards}},
@@ -604,7 +651,7 @@ def replay_sharded(
     used = dict.fromkeys(results[shard.key].worker for shard in shards)
     merged["distributed"] = {
         "shards": {shard.key: results[shard.key].worker for shard in shards},
-        "sequential": [shard.variants[0].label for shard in shards if shard.sequential],
+        "sequential": [[v.label for v in shard.variants] for shard in shards if shard.sequential],
         "retried": list(cluster.lost),
         "workers": [
             {key: value for key, value in cluster.described[worker].items() if key != "identity"}

@@ -17,7 +17,15 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kvprof.distributed import AgentSource, RayCluster, merge, plan_shards, replay_sharded, run_shard
+from kvprof.distributed import (
+    AgentSource,
+    RayCluster,
+    makespan,
+    merge,
+    plan_shards,
+    replay_sharded,
+    run_shard,
+)
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace, trace_header
 from kvprof.policies import Option, PolicyVariant, policy_class
@@ -39,9 +47,10 @@ TIMED_SUMMARY = TIMINGS | {
 
 class OrderedFullShared(FullShared):
     """FullShared that keeps state across trajectories: each turn's `recomputed` counts the trajectories the policy
-    has started, so a replay that split its trajectories over workers would record other numbers."""
+    has started (times `step`), so a replay that split its trajectories over workers would record other numbers."""
 
     name = "orderedfullshared"
+    options: ClassVar[dict[str, Option]] = {"step": Option(default="1")}
     trajectory_independent = False
     started = 0
 
@@ -51,7 +60,7 @@ class OrderedFullShared(FullShared):
 
     def run_turn(self, request, repeats=1):
         result = super().run_turn(request, repeats)
-        result.recomputed = self.started
+        result.recomputed = self.started * int(self.values["step"])
         return result
 
 
@@ -124,27 +133,64 @@ def test_plan_keeps_stateful_variants_whole(lora_trace):
     assert [shard.key for shard in only_stateful] == ["variant:orderedfullshared"]
 
 
+STATEFUL = [LocalVariant("orderedfullshared", {"step": str(step)}) for step in (1, 2, 3, 4)]
+
+
+def _groups(shards) -> list[list[str]]:
+    return [[v.label for v in shard.variants] for shard in shards if shard.sequential]
+
+
+def test_plan_groups_stateful_variants_for_the_workers(lora_trace):
+    """Few workers: the stateful variants share sequential shards (each group repeats the dense run once); many:
+    one shard each; the chosen plan's estimated wall time is the least of every grouping's."""
+    trajectories = read_trace(lora_trace).trajectories
+    labels = [v.label for v in STATEFUL]
+    assert _groups(plan_shards(trajectories, STATEFUL, workers=1)) == [labels]
+    assert _groups(plan_shards(trajectories, STATEFUL, workers=2)) == [labels[:2], labels[2:]]
+    assert _groups(plan_shards(trajectories, STATEFUL, workers=4)) == [[label] for label in labels]
+    assert _groups(plan_shards(trajectories, STATEFUL)) == [[label] for label in labels]
+    mixed = [PolicyVariant("fullshared"), *STATEFUL[:3]]
+    for workers in (1, 2, 3, 8):
+        plan = plan_shards(trajectories, mixed, workers)
+        assert all(makespan(plan, workers) <= makespan(other, workers) for other in _every_grouping(trajectories))
+    kept = plan_shards(trajectories, STATEFUL, workers=4, groups=[labels[:3], labels[3:]])
+    assert [shard.key for shard in kept] == [f"variant:{' + '.join(labels[:3])}", f"variant:{labels[3]}"]
+    assert makespan(kept, 1) == sum(shard.cost for shard in kept)
+
+
+def _every_grouping(trajectories):
+    """Every plan of fullshared plus three stateful variants cut into contiguous groups."""
+    stateful = [v.label for v in STATEFUL[:3]]
+    mixed = [PolicyVariant("fullshared"), *STATEFUL[:3]]
+    cuts = [[stateful], [stateful[:1], stateful[1:]], [stateful[:2], stateful[2:]], [[label] for label in stateful]]
+    return [plan_shards(trajectories, mixed, groups=groups) for groups in cuts]
+
+
 @pytest.mark.parametrize("mode", ["lora", "prompt"])
 def test_shards_merge_into_the_single_process_result(mode, request):
     """Shards replayed one by one here and merged equal one `run_replay`, online re-runs included (prompt mode:
-    each trajectory's own private prefixes); a stateful policy's numbers depend on its trajectories' order, and a
-    naive split would change them."""
+    each trajectory's own private prefixes), with the stateful variants in one shard each or grouped in one; a
+    stateful policy's numbers depend on its trajectories' order, and a naive split would change them."""
     trace = request.getfixturevalue(f"{mode}_trace")
     agents = request.getfixturevalue("agents") if mode == "lora" else load_agents_for_trace(trace, device="cpu")
     trajectories = read_trace(trace).trajectories
-    variants = [PolicyVariant("fullshared"), LocalVariant("orderedfullshared"), PolicyVariant("nonshared")]
+    variants = [PolicyVariant("fullshared"), *STATEFUL[:2], PolicyVariant("nonshared")]
     single = run_replay(agents, trajectories, variants, online=True)
-    shards = plan_shards(trajectories, variants)
-    results = {shard.key: run_shard(agents, shard, 1, True, False) for shard in shards}
-    merged = merge(shards, results, variants, online=True)
-    same_records(merged, single)
-    assert any("replayed in order in one shard" in note for note in merged["policies"]["orderedfullshared"]["notes"])
-    own_dense = summarise(results["variant:orderedfullshared"].progress.records["dense"])
-    ordered = merged["policies"]["orderedfullshared"]["summary"]
-    assert ordered["ttft_speedup"] == own_dense["ttft_s"] / ordered["ttft_s"]  # against the dense run beside it
+    for workers in (None, 1):
+        shards = plan_shards(trajectories, variants, workers)
+        assert len(_groups(shards)) == (2 if workers is None else 1)
+        results = {shard.key: run_shard(agents, shard, 1, True, False) for shard in shards}
+        merged = merge(shards, results, variants, online=True)
+        same_records(merged, single)
+        for shard in shards[-len(_groups(shards)) :]:
+            own_dense = summarise(results[shard.key].progress.records["dense"])
+            for variant in shard.variants:
+                entry = merged["policies"][variant.label]
+                assert any("replayed in order in one shard" in note for note in entry["notes"])
+                assert entry["summary"]["ttft_speedup"] == own_dense["ttft_s"] / entry["summary"]["ttft_s"]
     alone = run_shard(agents, plan_shards(trajectories[-1:], variants)[-1], 1, False, False)  # a naive split
-    last = merged["policies"]["orderedfullshared"]["turns"][-1]
-    assert alone.progress.records["orderedfullshared"][-1]["recomputed"] < last["recomputed"]
+    last = merged["policies"][STATEFUL[1].label]["turns"][-1]
+    assert alone.progress.records[STATEFUL[1].label][-1]["recomputed"] < last["recomputed"]
 
 
 def test_ray_missing_is_one_sentence(run_cli, lora_trace, tmp_path, monkeypatch):
@@ -197,8 +243,9 @@ def test_ray_replay_equals_single_process(ray_instance, run_cli, lora_trace, tmp
     workers = merged["environment"]["workers"]
     assert len(workers) == 2 and {w["device"] for w in workers} == {"cpu"} and all(w["host"] for w in workers)
     sequential = [label for label in merged["policies"] if label.startswith("droidspeak")]  # profiles on traj. 1
-    assert sequential and merged["distributed"]["sequential"] == sequential
-    assert len(merged["distributed"]["shards"]) == len(read_trace(lora_trace).trajectories) + len(sequential)
+    groups = merged["distributed"]["sequential"]
+    assert sequential and [label for group in groups for label in group] == sequential
+    assert len(merged["distributed"]["shards"]) == len(read_trace(lora_trace).trajectories) + len(groups)
     assert merged["distributed"]["retried"] == []
     assert _cpus_back(ray_instance, 2.0), "the workers must be gone after the replay"
 
@@ -215,7 +262,7 @@ def test_worker_killed_mid_run_still_yields_the_whole_result(ray_instance, agent
     retried = merged["distributed"]["retried"]
     assert len(retried) == 1 and retried[0]["worker"].endswith(f":{killed}")
     assert not merged["distributed"]["shards"][retried[0]["shard"]].endswith(f":{killed}")  # retried elsewhere
-    assert merged["distributed"]["sequential"] == ["orderedfullshared"]
+    assert merged["distributed"]["sequential"] == [["orderedfullshared"]]
     marker.write_text("done")  # the reference run must not kill this process
     same_records(merged, run_replay(agents, trajectories, variants))
 
@@ -260,9 +307,10 @@ def test_ray_refusals(ray_instance, run_cli, lora_trace, tmp_path):
             pass
 
 
-def test_tune_tau_on_ray_equals_single_process(ray_instance, run_cli, prompt_trace, tmp_path):
-    """Every threshold is one stateful (anchor-pool) shard; the sweep's rows and recommendation are the ones a
-    single-process tune-tau computes."""
+def test_tune_tau_on_ray_equals_single_process(ray_instance, run_cli, prompt_trace, tmp_path, monkeypatch):
+    """Every threshold is a stateful (anchor-pool) variant, one shard each on 2 workers; the sweep's rows and
+    recommendation are the ones a single-process tune-tau computes, also after Ctrl-C and --resume (at shard
+    granularity; a checkpoint of a run on Ray is refused without --ray)."""
     common = ("tune-tau", prompt_trace, "--grid", "0,1", "--tune", "2", "--option", "rank=4", "--max-kl", "1e-3",
               "--no-online", "--device", "cpu")  # fmt: skip
     code, _, err = run_cli(*common, "--out", tmp_path / "one")
@@ -274,3 +322,27 @@ def test_tune_tau_on_ray_equals_single_process(ray_instance, run_cli, prompt_tra
         assert [row[key] for row in sharded["rows"]] == [row[key] for row in one["rows"]], key
     assert sharded["recommended"]["threshold"] == one["recommended"]["threshold"]
     assert sharded["heldout"]["kl"] == one["heldout"]["kl"]
+
+    import kvprof.commands.tune_tau as tune_tau
+
+    write_json = tune_tau.write_json
+
+    def write_then_interrupt(path, payload):
+        write_json(path, payload)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_tau, "write_json", write_then_interrupt)
+    cut = ("--out", tmp_path / "cut", "--ray", "--ray-workers", "2")
+    code, _, _ = run_cli(*common, *cut)
+    assert code == 130 and (tmp_path / "cut" / "tune_tau.partial.json").exists()
+    assert _cpus_back(ray_instance, 2.0), "Ctrl-C must kill the workers"
+    monkeypatch.undo()
+    code, _, err = run_cli(*common, "--out", tmp_path / "cut", "--resume")
+    assert code == 2 and "with/without --ray" in err and "Traceback" not in err
+    code, out, err = run_cli(*common, *cut, "--resume")
+    assert code == 0, err
+    assert "resuming after 1 of 2 replayed shards" in out
+    resumed = json.loads((tmp_path / "cut" / "tune_tau.json").read_text())
+    for key in ("rho", "kl", "k_error", "v_error", "threshold", "target_met"):
+        assert [row[key] for row in resumed["rows"]] == [row[key] for row in one["rows"]], key
+    assert not (tmp_path / "cut" / "tune_tau.partial.json").exists()

@@ -24,7 +24,6 @@ from kvprof.commands.common import (
 from kvprof.distributed import (
     AgentSource,
     RayCluster,
-    Shard,
     ShardHooks,
     ShardResult,
     plan_shards,
@@ -124,11 +123,15 @@ def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str])
     return state
 
 
-def read_shard_checkpoint(checkpoint: Path, identity: dict, shards: list[Shard]) -> dict[str, ShardResult]:
-    """The shards an interrupted replay on Ray completed (`read_checkpoint`'s refusals; a shard of other
-    trajectories than this replay's `shards` is refused too)."""
-    shard_records = saved_progress(checkpoint, identity)["shards"]
-    saved = {key: ShardResult.from_dict(result) for key, result in shard_records.items()}
+def read_shard_checkpoint(
+    checkpoint: Path, identity: dict, trajectories: list[Trajectory], variants: list[PolicyVariant]
+) -> tuple[dict[str, ShardResult], list[list[str]]]:
+    """The shards an interrupted replay on Ray completed and its plan's groups of stateful variants
+    (`kvprof.distributed.plan_shards`; reused, so a cluster of another size resumes the same shards);
+    `read_checkpoint`'s refusals, and a shard of other trajectories than this replay's is refused too."""
+    progress = saved_progress(checkpoint, identity)
+    saved = {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
+    shards = plan_shards(trajectories, variants, groups=progress.get("groups"))
     planned = {shard.key: [traj.id for traj in shard.trajectories] for shard in shards}
     _refuse_foreign(
         checkpoint,
@@ -140,7 +143,7 @@ def read_shard_checkpoint(checkpoint: Path, identity: dict, shards: list[Shard])
         ]
         + [key.partition(":")[2] for key in saved if key not in planned],
     )
-    return saved
+    return saved, [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
 
 
 def _refuse_foreign(checkpoint: Path, foreign: list[str]) -> None:
@@ -405,22 +408,26 @@ def replay_on_ray(
     """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
     completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
     checkpoint = out / "replay.partial.json"
-    shards = plan_shards(trajectories, variants)
-    done = None
+    done, groups = None, None
     if resume and checkpoint.exists():
-        done = read_shard_checkpoint(checkpoint, identity, shards)
+        done, groups = read_shard_checkpoint(checkpoint, identity, trajectories, variants)
+    shards = plan_shards(trajectories, variants, cluster.size, groups)
+    groups = [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
+    if done is not None:
         console.print(f"resuming after {len(done)} of {len(shards)} replayed shards")
-    sequential = [shard.variants[0].label for shard in shards if shard.sequential]
-    if sequential:
+    for group in groups:
         console.print(
-            f"{', '.join(sequential)} {'keeps' if len(sequential) == 1 else 'keep'} state across trajectories: "
-            f"{'it replays' if len(sequential) == 1 else 'each replays'} its trajectories in order in one shard, "
-            "on one worker"
+            f"{', '.join(group)} {'keeps' if len(group) == 1 else 'keep'} state across trajectories: "
+            + (
+                "it replays its trajectories in order in one shard, on one worker"
+                if len(group) == 1
+                else "they replay their trajectories in order, side by side in one shard, on one worker"
+            )
         )
 
     def save(results: dict[str, ShardResult]) -> None:
         shard_records = {key: result.to_dict() for key, result in results.items()}
-        write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records}})
+        write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records, "groups": groups}})
 
     with progress() as bar:
         job = bar.add_task(
@@ -437,7 +444,7 @@ def replay_on_ray(
         hooks = ShardHooks(
             on_progress=show_progress, on_shard=save, on_event=lambda line: bar.console.print(f"[yellow]{line}[/]")
         )
-        result = replay_sharded(cluster, trajectories, variants, repeats, online, lora_attention, done, hooks)
+        result = replay_sharded(cluster, trajectories, variants, repeats, online, lora_attention, done, hooks, groups)
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
 

@@ -118,7 +118,8 @@ def command(
         typer.Option(
             "--ray",
             help="Replay the sweep in shards on a Ray cluster (as kvprof replay --ray; each threshold is a "
-            "stateful variant, so one shard per value, replayed in parallel). The pool is fitted here.",
+            "stateful variant: the values run in as many sequential shards as the workers make fastest). The pool is "
+            "fitted here.",
         ),
     ] = False,
     ray_address: Annotated[
@@ -181,23 +182,17 @@ def command(
         from kvprof.distributed import AgentSource, RayCluster
         from kvprof.model import trace_header
 
-        if resume:
-            raise KvprofError("tune-tau --ray does not resume a sweep; run it again without --resume.")
+        identity |= {"sharding": "ray"}
+        saved = read_sweep_checkpoint(checkpoint, identity) if resume and checkpoint.exists() else None
         source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
         with RayCluster(source, ray_address, ray_workers) as cluster:
-            replay = on_ray(cluster, repeats, online)
+            replay = on_ray(cluster, repeats, online, checkpoint, identity, saved)
             result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
         finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
         return
     state = None
     if resume and checkpoint.exists():
-        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-        if saved.get("identity") != identity:
-            raise KvprofError(
-                f"checkpoint {checkpoint} was made with other settings; resume with the options it was made with, "
-                "or delete it to start again."
-            )
-        state = ReplayProgress(**saved["progress"])
+        state = ReplayProgress(**read_sweep_checkpoint(checkpoint, identity))
         console.print(f"resuming after {len(state.trajectories)} replayed tuning trajectories")
     with progress() as bar:
         turns = bar.add_task(
@@ -215,17 +210,47 @@ def command(
     finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
 
 
-def on_ray(cluster, repeats: int, online: bool) -> Replayer:
+def read_sweep_checkpoint(checkpoint: Path, identity: dict) -> dict:
+    """The progress record an interrupted sweep left in `checkpoint`, refusing one made with other settings (a
+    sweep on Ray checkpoints shards, one in this process trajectories: each refuses the other's)."""
+    saved = json.loads(checkpoint.read_text(encoding="utf-8"))
+    if saved.get("identity") != identity:
+        raise KvprofError(
+            f"checkpoint {checkpoint} was made with other settings (or with/without --ray); resume with the options "
+            "it was made with, or delete it to start again."
+        )
+    return saved["progress"]
+
+
+def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict, saved: dict | None) -> Replayer:
     """A `kvprof.tune.Replayer` that replays in shards on `cluster` (`kvprof.distributed.replay_sharded`: every
-    threshold is a stateful variant, so one shard per value), under a progress bar."""
-    from kvprof.distributed import ShardHooks, replay_sharded
+    threshold is a stateful variant, so the values are grouped into sequential shards, as many as the cluster's
+    workers make fastest), under a progress bar. The sweep checkpoints every completed shard to `checkpoint` and
+    continues from `saved` (a checkpoint's progress: its shards and their grouping); the held-out check is not
+    checkpointed."""
+    from kvprof.distributed import ShardHooks, ShardResult, plan_shards, replay_sharded
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
-        total = sum(len(t.turns) for t in trajectories) * (len(variants) + 1)
+        resumed = saved if sweep else None
+        groups = resumed["groups"] if resumed else None
+        shards = plan_shards(list(trajectories), variants, cluster.size, groups)
+        groups = [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
+        done = {key: ShardResult.from_dict(r) for key, r in resumed["shards"].items()} if resumed else None
+        if done is not None:
+            console.print(f"resuming after {len(done)} of {len(shards)} replayed shards")
+
+        def save(results: dict[str, ShardResult]) -> None:
+            shard_records = {key: result.to_dict() for key, result in results.items()}
+            write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records, "groups": groups}})
+
+        total = sum(shard.turns for shard in shards)
+        label = f"replaying {len(variants)} variants in {len(shards)} shards on {cluster.size} Ray workers"
         with progress() as bar:
-            job = bar.add_task(f"replaying {len(variants)} variants on {cluster.size} Ray workers", total=total)
-            hooks = ShardHooks(on_progress=lambda turns, tasks: bar.update(job, completed=turns))
-            result = replay_sharded(cluster, list(trajectories), variants, repeats, online, False, None, hooks)
+            job = bar.add_task(label, total=total)
+            hooks = ShardHooks(
+                on_progress=lambda turns, tasks: bar.update(job, completed=turns), on_shard=save if sweep else None
+            )
+            result = replay_sharded(cluster, list(trajectories), variants, repeats, online, False, done, hooks, groups)
         result.pop("distributed")
         return result
 
