@@ -16,6 +16,7 @@ from kvprof.demo.assets import demo_world
 from kvprof.demo.world import ROLES, read_tasks, workflow_spec
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents
+from kvprof.policies import enumerate_variants, parse_policy_options
 from kvprof.spec import build_spec
 from kvprof.trace import read_trace, shared_segment_ids
 
@@ -119,6 +120,11 @@ def test_demo_command(tmp_path):
     assert (tmp_path / "report.html").stat().st_size > 0
     recorded = json.loads((tmp_path / "capture_lora" / "capture.json").read_text())["args"]
     assert list(recorded) == list(inspect.signature(capture.command).parameters)  # what `kvprof capture` records
+    for stage in ("prompt_sharing", "codebook_sharing"):  # the recorded command replays the stage's variants
+        written = json.loads((tmp_path / stage / "replay.json").read_text())
+        args = written["args"]
+        replayed = enumerate_variants(args["policy"], parse_policy_options(args["policy_option"]))
+        assert sorted(v.label for v in replayed) == sorted(written["policies"]), stage
 
 
 def test_commands_default_to_the_demo_world(tmp_path):

@@ -12,7 +12,7 @@ from test_policies import check_variant
 
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
-from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options
+from kvprof.policies import REGISTRY, PolicyVariant, command_selection, enumerate_variants, parse_policy_options
 from kvprof.replay import replay_trace
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
@@ -111,6 +111,28 @@ def test_named_policy_runs_its_published_defaults_and_shorthands_still_work(run_
     assert _replayed(run_cli, lora_trace, tmp_path, "--policy", "rebaseshared", "--schedule", "db") == [
         "rebaseshared-db"
     ]
+
+
+def test_command_selection_replays_exactly_the_variants():
+    """The `--policy` / `--policy-option` a result records for a list of variants (as `kvprof demo` writes them)
+    replay exactly those variants; a list no selection gives is refused."""
+    variants = [
+        PolicyVariant("fullshared"),
+        PolicyVariant("kvcmas", {"chain": "chain", "anchors": "pool.safetensors"}),
+        PolicyVariant("kvcmas", {"chain": "nochain", "anchors": "pool.safetensors"}),
+    ]
+    names, flags = command_selection(variants)
+    assert names == ["fullshared", "kvcmas"]
+    assert flags == ["kvcmas.chain=chain", "kvcmas.anchors=pool.safetensors", "kvcmas.chain=nochain"]
+    replayed = enumerate_variants(names, parse_policy_options(flags))
+    assert [v.label for v in replayed] == [v.label for v in variants]
+    assert all(v.options["anchors"] == "pool.safetensors" for v in replayed if v.name == "kvcmas")
+    not_a_product = [
+        PolicyVariant("cacheblend", {"ratio": "0.1", "deviation": "key"}),
+        PolicyVariant("cacheblend", {"ratio": "0.2", "deviation": "value"}),
+    ]
+    with pytest.raises(KvprofError, match="no --policy/--policy-option selection replays exactly"):
+        command_selection(not_a_product)
 
 
 @pytest.mark.parametrize(

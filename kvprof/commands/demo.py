@@ -43,7 +43,7 @@ from kvprof.demo.evaluate import load_condition, run_tasks
 from kvprof.demo.world import read_tasks
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents, load_agents_for_trace
-from kvprof.policies import PolicyVariant, enumerate_variants, runnable_variants
+from kvprof.policies import PolicyVariant, command_selection, enumerate_variants, runnable_variants
 from kvprof.policies.delta import pool_identity
 from kvprof.policies.variants import ALL
 from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
@@ -196,7 +196,10 @@ def _online_replay(
     ctx: DemoContext, out: Path, trace: Path, agents, trajectories, variants, skipped, lora_attention: bool, **options
 ) -> tuple[dict, dict[str, float], str]:
     """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written to OUT as the command
-    writes it (`options`: its other arguments); returns the record, online accuracy per run and that as text."""
+    writes it (`options`: its other arguments; without `policy`, the selection that replays `variants`,
+    `command_selection`); returns the record, online accuracy per run and that as text."""
+    if "policy" not in options:
+        options["policy"], options["policy_option"] = command_selection(variants)
     record = replay.replay_with_progress(
         trace, agents, trajectories, variants, skipped, repeats=ctx.repeats, online=True, lora_attention=lora_attention
     )
@@ -264,8 +267,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
         PolicyVariant("kvcmas", {"chain": "nochain", "anchors": str(pools["rank32"])}),
     ]
     record, online, accuracy = _online_replay(
-        ctx, out, trace, agents, replayed, variants, {}, False,
-        policy=[v.name for v in variants], skip=half, limit=len(replayed),
+        ctx, out, trace, agents, replayed, variants, {}, False, skip=half, limit=len(replayed),
     )  # fmt: skip
     kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
     return StageResult(
@@ -287,9 +289,8 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     variants = list(CODEBOOK_EVALUATED)
     record, online, accuracy = _online_replay(
-        ctx, out, trace, agents, trajectories, variants, {}, False,
-        policy=[v.name for v in variants], limit=len(trajectories),
-    )  # fmt: skip
+        ctx, out, trace, agents, trajectories, variants, {}, False, limit=len(trajectories)
+    )
     kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
     return StageResult(
         f"{len(trajectories)} codebook tasks; online accuracy: {accuracy}",

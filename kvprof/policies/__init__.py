@@ -20,7 +20,13 @@ from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.policies.rebaseshared import ReBaseShared
 from kvprof.policies.relaycaching import RelayCaching
-from kvprof.policies.variants import PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
+from kvprof.policies.variants import (
+    PolicyVariant,
+    command_selection,
+    enumerate_variants,
+    parse_policy_options,
+    runnable_variants,
+)
 
 REGISTRY: dict[str, type[SharingPolicy]] = {
     "nonshared": NonShared,
@@ -51,6 +57,7 @@ __all__ = [
     "PolicyVariant",
     "Published",
     "SharingPolicy",
+    "command_selection",
     "TurnRequest",
     "TurnResult",
     "enumerate_variants",

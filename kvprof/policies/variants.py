@@ -108,6 +108,21 @@ def enumerate_variants(
     return variants
 
 
+def command_selection(variants: Sequence[PolicyVariant]) -> tuple[list[str], list[str]]:
+    """The `--policy` names and `--policy-option POLICY.KEY=VALUE` flags that make `enumerate_variants` replay
+    `variants` (their labels, in order), e.g. for the command line a result file records; a `KvprofError` when no
+    selection does (`enumerate_variants` replays the product of each policy's given values)."""
+    names = list(dict.fromkeys(variant.name for variant in variants))
+    flags = list(dict.fromkeys(f"{v.name}.{key}={value}" for v in variants for key, value in v.options.items()))
+    replayed = [variant.label for variant in enumerate_variants(names, parse_policy_options(flags))]
+    if sorted(replayed) != sorted(variant.label for variant in variants):
+        raise KvprofError(
+            f"no --policy/--policy-option selection replays exactly {', '.join(v.label for v in variants)}; "
+            "replay them in separate runs."
+        )
+    return names, flags
+
+
 def runnable_variants(
     variants: Sequence[PolicyVariant], runtime: Runtime, skip: bool
 ) -> tuple[list[PolicyVariant], dict[str, str]]:
