@@ -68,31 +68,39 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
         )
     tasks: list[Task] = []
     for number, record in jsonl_lines(path):
-        if not isinstance(record, dict) or not isinstance(record.get("question"), str):
-            raise KvprofError(
-                f'{path} line {number} has no string field \'question\'; each line needs {{"id", "question"}}.'
-            )
-        documents = record.get("documents", {})
-        if not isinstance(documents, dict):
-            raise KvprofError(f"{path} line {number}, field 'documents' should map names to texts.")
-        private = record.get("private", {})
-        if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
-            raise KvprofError(f"{path} line {number}, field 'private' should map agent names to texts.")
-        answer = record.get("answer")
-        tasks.append(
-            Task(
-                id=str(record.get("id", f"task{number}")),
-                question=record["question"],
-                answer=None if answer is None else str(answer),
-                documents=documents,
-                private=private,
-            )
-        )
+        tasks.append(task_from_record(record, f"{path} line {number}", f"task{number}"))
         if limit is not None and len(tasks) >= limit:
             break
     if not tasks:
         raise KvprofError(f"tasks file {path} holds no tasks; add one JSON object per line.")
     return tasks
+
+
+def task_from_record(record: object, where: str, default_id: str) -> Task:
+    """The task a tasks file's JSON object describes (`{"id", "question", "answer"?, "documents"?, "private"?}`),
+    refused with one sentence naming `where` (e.g. FILE line N) when malformed; `default_id` when it has no id."""
+    if not isinstance(record, dict) or not isinstance(record.get("question"), str):
+        raise KvprofError(f'{where} has no string field \'question\'; each line needs {{"id", "question"}}.')
+    documents = record.get("documents", {})
+    if not isinstance(documents, dict):
+        raise KvprofError(f"{where}, field 'documents' should map names to texts.")
+    private = record.get("private", {})
+    if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
+        raise KvprofError(f"{where}, field 'private' should map agent names to texts.")
+    answer = record.get("answer")
+    return Task(
+        id=str(record.get("id", default_id)),
+        question=record["question"],
+        answer=None if answer is None else str(answer),
+        documents=documents,
+        private=private,
+    )
+
+
+def task_record(task: Task) -> dict:
+    """`task` as a tasks file's JSON object (`task_from_record` reads it back); `private` only when it has one."""
+    record = {"id": task.id, "question": task.question, "answer": task.answer, "documents": task.documents}
+    return record | ({"private": task.private} if task.private else {})
 
 
 class ToolEnvironment(Protocol):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvprof.spec import AgentSpec, WorkflowSpec
-from kvprof.workflow import Task
+from kvprof.workflow import Task, task_from_record, task_record
 
 SYMBOLS = ("ka", "mo", "ri", "tu", "ze", "po", "li", "su", "ne", "fa", "gi", "do")
 COLOURS = ("red", "blue", "green", "gold")
@@ -96,12 +96,7 @@ class CodebookTask:
     asks: str = "colour"  # or "symbol": the training drill that asks for the symbol itself (see `make_task`)
 
     def to_json(self) -> dict:
-        return {
-            "id": self.task.id,
-            "question": self.task.question,
-            "answer": self.task.answer,
-            "documents": self.task.documents,
-            "private": self.task.private,
+        return task_record(self.task) | {
             "ship": self.ship,
             "dock": self.dock,
             "symbol": self.symbol,
@@ -112,15 +107,8 @@ class CodebookTask:
 
     @classmethod
     def from_json(cls, record: dict) -> CodebookTask:
-        task = Task(
-            id=record["id"],
-            question=record["question"],
-            answer=record["answer"],
-            documents=record["documents"],
-            private=record["private"],
-        )
         return cls(
-            task=task,
+            task=task_from_record(record, f"codebook task {record.get('id')}", ""),
             ship=record["ship"],
             dock=record["dock"],
             symbol=record["symbol"],

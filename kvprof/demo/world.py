@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvprof.spec import AgentSpec, WorkflowSpec
-from kvprof.workflow import Task
+from kvprof.workflow import Task, task_from_record, task_record
 
 # ----------------------------------------------------------------------------------------------------- vocabulary
 
@@ -194,21 +194,11 @@ class DemoTask:
         return len(self.relations)
 
     def to_json(self) -> dict:
-        return {
-            "id": self.task.id,
-            "question": self.task.question,
-            "answer": self.task.answer,
-            "documents": self.task.documents,
-            "entities": self.entities,
-            "relations": self.relations,
-            "split": self.split,
-        }
+        return task_record(self.task) | {"entities": self.entities, "relations": self.relations, "split": self.split}
 
     @classmethod
     def from_json(cls, record: dict) -> DemoTask:
-        task = Task(
-            id=record["id"], question=record["question"], answer=record["answer"], documents=record["documents"]
-        )
+        task = task_from_record(record, f"demo task {record.get('id')}", "")
         return cls(
             task=task, entities=list(record["entities"]), relations=list(record["relations"]), split=record["split"]
         )
