@@ -5,7 +5,7 @@ Work is cut into shards (`plan_shards`), each replayed whole on one worker:
 - a *trajectory shard*: one trajectory under every trajectory-independent variant, in lockstep with the dense run
   (the dense run is computed once per trajectory, inside the shard, as in one process);
 - a *sequential shard*: variants whose policies keep state across trajectories
-  (`SharingPolicy.trajectory_independent` False: an online anchor pool, one per τ of a sweep), over every
+  (`PolicyVariant.trajectory_independent` False: an online anchor pool, one per τ of a sweep), over every
   trajectory in order, in lockstep with a dense run of their own to compare against. Spreading a stateful
   variant's trajectories over workers would change its results, so it is never split. `plan_shards` groups the
   stateful variants so that the estimated wall time on the cluster's workers is least: one group per variant
@@ -104,8 +104,8 @@ def plan_shards(
     state across trajectories in sequential shards (module docstring): `groups` (lists of labels: a checkpoint's
     plan) if given, else the grouping whose `makespan` on `workers` is least, fewer groups on a tie; one group per
     stateful variant when `workers` is not known."""
-    independent = [v for v in variants if v.policy.trajectory_independent]
-    stateful = [v for v in variants if not v.policy.trajectory_independent]
+    independent = [v for v in variants if v.trajectory_independent]
+    stateful = [v for v in variants if not v.trajectory_independent]
     shards = (
         [Shard(f"trajectory:{traj.id}", [traj], independent) for traj in trajectories]
         if independent or not stateful

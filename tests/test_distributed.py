@@ -131,6 +131,10 @@ def test_plan_keeps_stateful_variants_whole(lora_trace):
     assert [t.id for t in shards[-1].trajectories] == [t.id for t in trajectories] and shards[-1].sequential
     only_stateful = plan_shards(trajectories, [LocalVariant("orderedfullshared")])
     assert [shard.key for shard in only_stateful] == ["variant:orderedfullshared"]
+    profiling, profiled = PolicyVariant("droidspeak"), PolicyVariant("droidspeak", {"profile": "profile.json"})
+    by_options = plan_shards(trajectories, [profiling, profiled])  # a profile file: nothing kept across trajectories
+    assert [v.label for v in by_options[0].variants] == [profiled.label] and not by_options[0].sequential
+    assert by_options[-1].variants == [profiling] and by_options[-1].sequential
 
 
 STATEFUL = [LocalVariant("orderedfullshared", {"step": str(step)}) for step in (1, 2, 3, 4)]

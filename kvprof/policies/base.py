@@ -266,7 +266,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
     published: ClassVar[tuple[Published, ...]] = ()
     serves_others: ClassVar[bool] = True  # False: an agent only ever attends to caches it computed itself
     # False: the policy keeps state across trajectories (an online anchor pool that `reset` keeps), so a replay must
-    # run its trajectories in order in one process; sharding them would change its results.
+    # run its trajectories in order in one process; sharding them would change its results. Per variant:
+    # `independent_of_trajectories`.
     trajectory_independent: ClassVar[bool] = True
 
     def __init__(self, runtime: Runtime, **options: str):
@@ -305,6 +306,13 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 f"by {'adapter' if 'lora' in self.modes else 'prompt'}), not {mode} mode; pick another "
                 "policy or trace."
             )
+
+    @classmethod
+    def independent_of_trajectories(cls, options: dict[str, str]) -> bool:
+        """Whether the variant with `options` replays each trajectory alone, whatever it replayed before (so a
+        sharded replay may spread its trajectories over workers): `trajectory_independent`, unless an option
+        changes it."""
+        return cls.trajectory_independent
 
     @abstractmethod
     def reset(self) -> None:

@@ -147,6 +147,11 @@ class DroidSpeak(SelectiveRecompute):
     trajectory_independent = False
     calibrating = False  # set by __init__; reset() runs first, from SharingPolicy.__init__
 
+    @classmethod
+    def independent_of_trajectories(cls, options: dict[str, str]) -> bool:
+        """With a profile file it profiles nothing: each trajectory is replayed alone."""
+        return bool(options.get("profile"))
+
     def __init__(self, runtime: Runtime, **options: str):
         super().__init__(runtime, **options)
         layers = runtime.num_layers

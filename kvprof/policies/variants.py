@@ -39,6 +39,11 @@ class PolicyVariant:
         cls = self.policy
         return variant_label(cls.name, cls.options, self.options)
 
+    @property
+    def trajectory_independent(self) -> bool:
+        """Whether this variant replays each trajectory alone (`SharingPolicy.independent_of_trajectories`)."""
+        return self.policy.independent_of_trajectories(self.options)
+
     def build(self, runtime: Runtime) -> SharingPolicy:
         return self.policy(runtime, **self.options)
 
