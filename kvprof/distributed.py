@@ -299,9 +299,10 @@ class ReplayWorker:
     """A Ray actor: loads the model and adapters once (`AgentSource`), then replays shards. A refusal while loading
     (a `KvprofError`) is kept and raised by the first call, so the driver can tell it from a lost worker."""
 
-    def __init__(self, source: AgentSource):
+    def __init__(self, source: AgentSource, threads: int = 1):
         import torch
 
+        torch.set_num_threads(threads)  # the CPUs Ray reserved for this worker
         torch.manual_seed(source.seed)
         self.seed = source.seed
         self.agents: AgentSet | None = None
@@ -405,13 +406,15 @@ class _Running:
 class RayCluster:
     """Replay workers on a Ray cluster: connects on `__enter__` (to `address`, else to RAY_ADDRESS, else starts a
     new local instance: never to a cluster `ray start` left behind here unless asked with "auto"), starts up to
-    `workers` workers (default: one per GPU on CUDA, one per CPU otherwise) loading `source`, and on `__exit__`
-    (Ctrl-C included) kills them and, if it started Ray itself, shuts it down. Reusable across `replay_sharded`
-    calls: the models stay loaded."""
+    `workers` workers (default: one per GPU on CUDA, one per `worker_cpus` CPUs otherwise; each worker holds
+    `worker_cpus` CPUs and runs that many threads) loading `source`, and on `__exit__` (Ctrl-C included) kills
+    them and, if it started Ray itself, shuts it down. Reusable across `replay_sharded` calls: the models stay
+    loaded."""
 
     source: AgentSource
     address: str | None = None
     workers: int | None = None
+    worker_cpus: int = 1
     handles: dict[str, Any] = field(default_factory=dict)
     described: dict[str, dict] = field(default_factory=dict)
     lost: list[dict] = field(default_factory=list)
@@ -454,13 +457,20 @@ class RayCluster:
             )
         if asked == "auto" or asked.startswith("cuda"):  # a GPU worker sees its own GPU alone, as cuda:0
             self.source = replace(self.source, device="cuda" if gpus else "cpu")
-        self._capacity = min(gpus, cpus) if self.source.device == "cuda" else cpus
-        self._options = {"num_cpus": 1, "num_gpus": 1 if self.source.device == "cuda" else 0}
-        if self.workers is not None and not 1 <= self.workers <= self._capacity:
-            kind = "GPUs" if self.source.device == "cuda" else "CPUs"
+        slots = cpus // self.worker_cpus
+        self._capacity = min(gpus, slots) if self.source.device == "cuda" else slots
+        self._options = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.source.device == "cuda" else 0}
+        if not self._capacity:
             raise KvprofError(
-                f"--ray-workers {self.workers} is not between 1 and the cluster's {self._capacity} {kind}; pass a "
-                "number in that range."
+                f"--ray-worker-cpus {self.worker_cpus} is more than the Ray cluster's {cpus} CPUs; pass a smaller "
+                "number."
+            )
+        if self.workers is not None and not 1 <= self.workers <= self._capacity:
+            room = f"{gpus} GPUs" if self.source.device == "cuda" else f"{cpus} CPUs"
+            room += "" if self.worker_cpus == 1 else f" at {self.worker_cpus} CPUs per worker"
+            raise KvprofError(
+                f"--ray-workers {self.workers} is not between 1 and the {self._capacity} "
+                f"worker{'s' if self._capacity > 1 else ''} the cluster's {room} hold; pass a number in that range."
             )
         self._counter = ray.remote(num_cpus=0)(ShardCounter).remote()
         return self
@@ -483,7 +493,7 @@ class RayCluster:
     def _start(self) -> None:
         ray = require_ray()
         self._actor = self._actor or ray.remote(ReplayWorker).options(**self._options)
-        handle = self._actor.remote(self.source)
+        handle = self._actor.remote(self.source, self.worker_cpus)
         self._starting[handle.describe.remote()] = handle
 
     def first(self) -> dict:

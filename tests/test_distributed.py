@@ -303,7 +303,17 @@ def test_interrupted_ray_replay_resumes_from_its_shards(ray_instance, run_cli, l
 
 def test_ray_refusals(ray_instance, run_cli, lora_trace, tmp_path):
     code, _, err = run_cli("replay", lora_trace, "--ray", "--ray-workers", "3", "--out", tmp_path)
-    assert code == 2 and "--ray-workers 3 is not between 1 and the cluster's 2 CPUs" in err and "Traceback" not in err
+    assert code == 2 and "--ray-workers 3 is not between 1 and the 2 workers the cluster's 2 CPUs hold" in err
+    assert "Traceback" not in err
+    code, _, err = run_cli("replay", lora_trace, "--ray", "--ray-worker-cpus", "3", "--out", tmp_path)
+    assert code == 2 and "--ray-worker-cpus 3 is more than the Ray cluster's 2 CPUs" in err and "Traceback" not in err
+    code, _, err = run_cli(
+        "replay", lora_trace, "--ray", "--ray-workers", "2", "--ray-worker-cpus", "2", "--out", tmp_path
+    )
+    assert code == 2 and "between 1 and the 1 worker the cluster's 2 CPUs at 2 CPUs per worker hold" in err
+    source = AgentSource(trace_header(lora_trace), str(lora_trace), device="cpu", dtype="float32")
+    with RayCluster(source, worker_cpus=2) as cluster:  # one worker holding both CPUs runs two threads
+        assert cluster.size == 1 and cluster.first()["cpu_threads"] == 2
     code, _, err = run_cli("replay", lora_trace, "--ray", "--agent", "critic=x", "--out", tmp_path)
     assert code == 2 and "unknown agent name 'critic'" in err and "Traceback" not in err
     with pytest.raises(KvprofError, match="has no GPUs"):

@@ -305,8 +305,14 @@ def command(
     ] = None,
     ray_workers: Annotated[
         int | None,
-        typer.Option("--ray-workers", help="With --ray: how many workers [default: one per GPU, else per CPU]."),
+        typer.Option(
+            "--ray-workers", help="With --ray: how many workers [default: one per GPU, else per --ray-worker-cpus]."
+        ),
     ] = None,
+    ray_worker_cpus: Annotated[
+        int,
+        typer.Option("--ray-worker-cpus", min=1, help="With --ray: CPUs (and threads) each worker holds [default: 1]."),
+    ] = 1,
     out: OutOption = Path("runs/replay"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -329,7 +335,7 @@ def command(
         policy = [name] if policy == [ALL] else [*policy, name]
     if ray:
         source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)
-        with RayCluster(source, ray_address, ray_workers) as cluster:
+        with RayCluster(source, ray_address, ray_workers, ray_worker_cpus) as cluster:
             loaded = cluster.first()["identity"]
             use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and loaded["device"] != "cpu")
             variants, skipped = choose_variants(policy, flags, schedule, lr_prefill, cluster.runnable)

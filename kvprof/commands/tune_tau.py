@@ -126,6 +126,9 @@ def command(
         str | None, typer.Option("--ray-address", help="With --ray: the cluster's address [default: RAY_ADDRESS].")
     ] = None,
     ray_workers: Annotated[int | None, typer.Option("--ray-workers", help="With --ray: how many workers.")] = None,
+    ray_worker_cpus: Annotated[
+        int, typer.Option("--ray-worker-cpus", min=1, help="With --ray: CPUs (and threads) each worker holds.")
+    ] = 1,
     out: OutOption = Path("runs/tune-tau"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -185,7 +188,7 @@ def command(
         identity |= {"sharding": "ray"}
         saved = read_sweep_checkpoint(checkpoint, identity) if resume and checkpoint.exists() else None
         source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
-        with RayCluster(source, ray_address, ray_workers) as cluster:
+        with RayCluster(source, ray_address, ray_workers, ray_worker_cpus) as cluster:
             replay = on_ray(cluster, repeats, online, checkpoint, identity, saved)
             result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
         finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
