@@ -274,15 +274,19 @@ def replay_trace(
 ) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
 
-    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped. With
-    `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
+    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped; a variant that
+    keeps state across trajectories first replays them again, unrecorded, to rebuild that state (`rebuild_state`).
+    With `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
     """
+    trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention)
     dense = NonShared(runtime)
     policies = build_policies(runtime, variants)
     state = progress or ReplayProgress()
     for label in [DENSE] + [policy.label for policy in policies]:
         state.records.setdefault(label, [])
+    stateful = [policy for policy, variant in zip(policies, variants) if not variant.trajectory_independent]
+    rebuild_state(runtime, stateful, [traj for traj in trajectories if traj.id in state.trajectories])
     for traj in trajectories:
         if traj.id in state.trajectories:
             continue
@@ -325,6 +329,19 @@ def replay_trace(
         {policy.label: policy_entry(policy) for policy in policies},
         state.memory_exact if check_memory else None,
     )
+
+
+def rebuild_state(runtime: Runtime, policies: list[SharingPolicy], trajectories: list[Trajectory]) -> None:
+    """Replay `trajectories` under `policies` (those that keep state across trajectories) without recording
+    anything, so that a resumed replay continues from the state an uninterrupted one would have reached."""
+    for traj in trajectories if policies else []:
+        runtime.serve_trajectory(traj)
+        for policy in policies:
+            policy.reset()
+        for turn in traj.turns:
+            request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+            for policy in policies:
+                policy.run_turn(request)
 
 
 def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:

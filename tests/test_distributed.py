@@ -5,6 +5,7 @@ local Ray instance (`ray.init(address="local", num_cpus=2)`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace, trace_header
 from kvprof.policies import Option, PolicyVariant, policy_class
 from kvprof.policies.fullshared import FullShared
-from kvprof.replay import run_replay, summarise
+from kvprof.replay import ReplayProgress, replay_trace, run_replay, summarise
 from kvprof.trace import read_trace
 
 TIMINGS = {"ttft_s", "decode_s", "latency_s"}
@@ -195,6 +196,21 @@ def test_shards_merge_into_the_single_process_result(mode, request):
     alone = run_shard(agents, plan_shards(trajectories[-1:], variants)[-1], 1, False, False)  # a naive split
     last = merged["policies"][STATEFUL[1].label]["turns"][-1]
     assert alone.progress.records[STATEFUL[1].label][-1]["recomputed"] < last["recomputed"]
+
+
+def test_resumed_single_process_replay_rebuilds_cross_trajectory_state(agents, lora_trace):
+    """A replay resumed in one process after its first trajectory (a checkpoint) records what an uninterrupted one
+    does, also for a policy that keeps state across trajectories (its state is rebuilt first)."""
+    trajectories = read_trace(lora_trace).trajectories
+    variants = [PolicyVariant("fullshared"), STATEFUL[1]]
+    whole = run_replay(agents, trajectories, variants)
+    saved: list[ReplayProgress] = []
+    replay_trace(agents, trajectories[:1], variants, on_trajectory=lambda state: saved.append(copy.deepcopy(state)))
+    resumed = run_replay(agents, trajectories, variants, progress=saved[0])
+    same_records(resumed, whole)
+    fresh = run_replay(agents, trajectories[1:], variants)  # what a resume without the rebuilt state records
+    last = STATEFUL[1].label
+    assert fresh["policies"][last]["turns"][-1]["recomputed"] < whole["policies"][last]["turns"][-1]["recomputed"]
 
 
 def test_ray_missing_is_one_sentence(run_cli, lora_trace, tmp_path, monkeypatch):
