@@ -14,10 +14,11 @@ Work is cut into shards (`plan_shards`), each replayed whole on one worker:
   shards' apart from timings: its variants' speed-ups are measured against it, and its records are the result's
   only when no trajectory shard exists.
 
-One worker (a Ray actor) per device loads the model and adapters once (`num_gpus=1` on CUDA, one CPU otherwise)
-and replays many shards. What travels: the trace's header and each shard's trajectories (token ids) to the
-workers, per-turn records (numbers) and online re-runs (token ids) back; caches never leave a worker. A worker
-lost mid-run (its process or node died) has its shard retried on another worker, and a replacement is started.
+One worker (a Ray actor) per device loads the model and adapters once (`num_gpus=1` on CUDA; otherwise one per CPU,
+or per `RayCluster.worker_cpus` CPUs) and replays many shards. What travels: the trace's header and each shard's
+trajectories (token ids) to the workers, per-turn records (numbers) and online re-runs (token ids) back; caches
+never leave a worker. A worker lost mid-run (its process or node died) has its shard retried on another worker,
+and a replacement is started.
 
 `merge` puts the shards' per-turn records back in trace order and recomputes every summary with the library's own
 `summarise` / `relative_to_dense` (`kvprof.replay.replay_result`) and `summarise_online`: per-turn records equal a
@@ -32,6 +33,7 @@ import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kvprof.errors import KvprofError
@@ -295,6 +297,41 @@ class AgentSource:
         )
 
 
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
+def absolute_source(source: AgentSource) -> AgentSource:
+    """`source` with the model and the `--agent NAME=DIR` adapters that exist here made absolute: a worker resolves
+    a relative path against its own working directory, which is not the driver's (the files must then be at those
+    paths on every node: a shared filesystem)."""
+    agent_flags = None
+    if source.agent_flags is not None:
+        agent_flags = [
+            f"{name}={_absolute(folder)}" if sep else flag
+            for flag in source.agent_flags
+            for name, sep, folder in [flag.partition("=")]
+        ]
+    return replace(source, model=_absolute(source.model) if source.model else None, agent_flags=agent_flags)
+
+
+def absolute_files(variants: list[PolicyVariant]) -> list[PolicyVariant]:
+    """`variants` with every file option (an option that never shows in labels: a pool, a profile) made absolute,
+    for workers with other working directories than the driver's (`absolute_source`)."""
+    return [
+        replace(
+            variant,
+            options={
+                key: str(Path(value).resolve())
+                if value and key in variant.policy.options and not variant.policy.options[key].labelled
+                else value
+                for key, value in variant.options.items()
+            },
+        )
+        for variant in variants
+    ]
+
+
 class ReplayWorker:
     """A Ray actor: loads the model and adapters once (`AgentSource`), then replays shards. A refusal while loading
     (a `KvprofError`) is kept and raised by the first call, so the driver can tell it from a lost worker."""
@@ -447,8 +484,8 @@ class RayCluster:
                     "and, for a cluster with token authentication (Ray's default), set RAY_AUTH_MODE=token here."
                 ) from None
             self._started_ray = True
-        resources = ray.cluster_resources()
-        gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+        gpus, cpus = (int(sum(node.get(kind, 0) for node in nodes)) for kind in ("GPU", "CPU"))
         asked = self.source.device
         if asked.startswith("cuda") and not gpus:
             raise KvprofError(
@@ -457,13 +494,17 @@ class RayCluster:
             )
         if asked == "auto" or asked.startswith("cuda"):  # a GPU worker sees its own GPU alone, as cuda:0
             self.source = replace(self.source, device="cuda" if gpus else "cpu")
-        slots = cpus // self.worker_cpus
-        self._capacity = min(gpus, slots) if self.source.device == "cuda" else slots
+        self._capacity = sum(  # per node: a worker's CPUs (and GPU) must be on one node
+            min(int(node.get("GPU", 0)), int(node.get("CPU", 0)) // self.worker_cpus)
+            if self.source.device == "cuda"
+            else int(node.get("CPU", 0)) // self.worker_cpus
+            for node in nodes
+        )
         self._options = {"num_cpus": self.worker_cpus, "num_gpus": 1 if self.source.device == "cuda" else 0}
         if not self._capacity:
             raise KvprofError(
-                f"--ray-worker-cpus {self.worker_cpus} is more than the Ray cluster's {cpus} CPUs; pass a smaller "
-                "number."
+                f"--ray-worker-cpus {self.worker_cpus} is more than any node of the Ray cluster has "
+                f"({max((int(node.get('CPU', 0)) for node in nodes), default=0)} CPUs at most); pass a smaller number."
             )
         if self.workers is not None and not 1 <= self.workers <= self._capacity:
             room = f"{gpus} GPUs" if self.source.device == "cuda" else f"{cpus} CPUs"
@@ -472,7 +513,10 @@ class RayCluster:
                 f"--ray-workers {self.workers} is not between 1 and the {self._capacity} "
                 f"worker{'s' if self._capacity > 1 else ''} the cluster's {room} hold; pass a number in that range."
             )
-        self._counter = ray.remote(num_cpus=0)(ShardCounter).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._counter = ray.remote(num_cpus=0)(ShardCounter).options(scheduling_strategy=here).remote()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -529,8 +573,20 @@ class RayCluster:
                     ) from None
                 self._start()
                 continue
+            if self.described:
+                _refuse_other_agents(next(iter(self.described.values())), info)
             self.handles[info["id"]] = handle
             self.described[info["id"]] = info
+
+    def ready(self) -> dict[str, dict]:
+        """Start every worker (`size`) and wait until each has loaded the agents (as a benchmark that times replay
+        apart from start-up wants); their descriptions by id."""
+        self.first()
+        while len(self.handles) + len(self._starting) < self.size:
+            self._start()
+        while self._starting:
+            self._await_started(block=True)
+        return dict(self.described)
 
     def replay(
         self,
@@ -553,6 +609,8 @@ class RayCluster:
             self._start()
         done_turns = sum(shard.turns for shard in shards if shard.key in results)
         done_tasks = sum(shard.tasks(online) for shard in shards if shard.key in results)
+        if hooks.on_progress:
+            hooks.on_progress(done_turns, done_tasks)
         while pending or running:
             self._await_started(block=not running and not self.handles)
             busy = {run.worker for run in running.values()}
@@ -601,6 +659,17 @@ class RayCluster:
         self._start()
         if hooks.on_event:
             hooks.on_event(f"worker {run.worker} was lost ({_first_line(err)}); retrying shard {run.shard.key}")
+
+
+def _refuse_other_agents(first: dict, other: dict) -> None:
+    """Refuse a worker whose loaded agents (model, adapters, role prompts, dtype, device kind) differ from the first
+    worker's: its records would be merged with incomparable ones."""
+    kind = dict(other["identity"], device=other["identity"]["device"].split(":")[0])
+    if kind != dict(first["identity"], device=first["identity"]["device"].split(":")[0]):
+        raise KvprofError(
+            f"Ray worker {other['id']} loaded other agents than worker {first['id']} (model, adapters, role prompts, "
+            "dtype or device kind differ); give every node the same model and adapter files at the same paths."
+        )
 
 
 def _lost_errors(ray) -> tuple[type[Exception], ...]:
@@ -666,7 +735,12 @@ def replay_sharded(
         "workers": [
             {key: value for key, value in cluster.described[worker].items() if key != "identity"}
             if worker in cluster.described
-            else {"id": worker, "note": "replayed shards of the resumed checkpoint"}
+            else {
+                "id": worker,
+                "host": worker.rpartition(":")[0],
+                "device": next(results[key].setting["device"] for key in results if results[key].worker == worker),
+                "note": "replayed shards of the resumed checkpoint",
+            }
             for worker in used
         ],
     }

@@ -1,7 +1,8 @@
 """Choosing a delta-correction policy's gate threshold (`kvprof tune-tau`): sweep it on tuning trajectories,
 recommend the value with the most reuse that meets a target, verify that value on held-out trajectories.
 
-One sweep row per threshold, all thresholds replayed in one lockstep replay (the dense run computed once): the
+One sweep row per threshold, all thresholds replayed in one lockstep replay (the dense run computed once in one
+process; once per sequential shard on Ray, `kvprof.distributed`): the
 policy replayed teacher-forced on the tuning trajectories against the dense run
 (`kvprof.replay.run_replay`: ρ — the share of other agents' segment tokens its gate served corrected — per-layer K/V
 error, KL, top-1, TTFT / latency speed-ups and memory, all measured side by side with the dense run), and with
@@ -167,8 +168,8 @@ def tune(
 ) -> dict:
     """Sweep `grid` on `tuning`, recommend, verify on `heldout` (see module docstring). Every threshold is one
     variant of one lockstep replay (`replay`: in this process, `in_process`, or sharded on a Ray cluster), so the
-    dense run is computed once for all of them. `options`: the policy's other options (its fitted pool); `online`
-    must be what `replay` does."""
+    dense run is computed once for all of them (on Ray: once per sequential shard). `options`: the policy's other
+    options (its fitted pool); `online` must be what `replay` does."""
     if target.needs_online and not online:
         raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
     variants = variants_of(policy, options, grid)

@@ -12,7 +12,14 @@ from test_policies import check_variant
 
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
-from kvprof.policies import REGISTRY, PolicyVariant, command_selection, enumerate_variants, parse_policy_options
+from kvprof.policies import (
+    REGISTRY,
+    PolicyVariant,
+    command_selection,
+    enumerate_variants,
+    parse_policy_options,
+    runnable_variants,
+)
 from kvprof.replay import replay_trace
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
@@ -169,3 +176,30 @@ def test_variant_labels_match_built_policies(lora_trace, prompt_trace):
         assert variant.build(runtime).label == variant.label
     assert PolicyVariant("rebaseshared", {"schedule": "db"}).label == "rebaseshared-db"
     assert PolicyVariant("rebaseshared", {"own_lr": "neutral"}).label == "rebaseshared-lp-neutral"
+
+
+@pytest.mark.parametrize("mode", ["lora", "prompt"])
+def test_trajectory_independent_variants_replay_a_trajectory_alone_as_in_sequence(mode, request, tmp_path):
+    """What sharded replay rests on: a variant that says it keeps no state across trajectories
+    (`PolicyVariant.trajectory_independent`) records the same for a trajectory replayed alone as after others
+    (timings apart); every runnable variant of `--policy all`, plus in prompt mode a frozen fitted anchor pool."""
+    from kvprof.anchor_fit import fit_anchors
+    from kvprof.policies.delta import pool_identity
+
+    agents = load_agents_for_trace(request.getfixturevalue(f"{mode}_trace"), device="cpu", dtype="float32")
+    runtime = Runtime(agents)
+    trajectories = read_trace(request.getfixturevalue(f"{mode}_trace")).trajectories[:2]
+    variants = [v for v in runnable_variants(enumerate_variants(), runtime, skip=True)[0] if v.trajectory_independent]
+    if mode == "prompt":
+        pool, _ = fit_anchors(agents, trajectories[:1], 4, 10)
+        anchors = str(pool.save(tmp_path / "pool.safetensors", pool_identity(runtime)))
+        variants.append(PolicyVariant("kvcmas", {"pool": "frozen", "rank": "4", "anchors": anchors}))
+    assert variants and all(v.trajectory_independent for v in variants)
+    in_sequence = replay_trace(agents, trajectories, variants)
+    alone = replay_trace(agents, trajectories[1:], variants)
+    timings = {"ttft_s", "decode_s", "latency_s"}
+    for label in [v.label for v in variants]:
+        after = [r for r in in_sequence["policies"][label]["turns"] if r["trajectory"] == trajectories[1].id]
+        assert [{k: v for k, v in r.items() if k not in timings} for r in after] == [
+            {k: v for k, v in r.items() if k not in timings} for r in alone["policies"][label]["turns"]
+        ], label

@@ -24,8 +24,11 @@ from kvprof.commands.common import (
 from kvprof.distributed import (
     AgentSource,
     RayCluster,
+    Shard,
     ShardHooks,
     ShardResult,
+    absolute_files,
+    absolute_source,
     plan_shards,
     replay_sharded,
 )
@@ -34,7 +37,7 @@ from kvprof.fileio import write_json
 from kvprof.model import AgentSet, agents_identity, load_agents_for_trace, trace_header
 from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
 from kvprof.policies.variants import ALL
-from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
+from kvprof.replay import DENSE, ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
 from kvprof.report.replay import (
     cost_table,
@@ -92,16 +95,24 @@ SETTINGS = {
     "device": "--device",
     "lora_attention": "--lora-attention",
     "sharding": "--ray (a sharded replay checkpoints shards)",
+    "online": "--online (a sharded replay checkpoints its shards' online re-runs)",
 }
 UNSHOWN = ("trace", "agents", "sharding")
 
 
 def checkpoint_identity(
-    trace: Path, loaded: dict, variants: list[PolicyVariant], repeats: int, use_kernel: bool, sharded: bool = False
+    trace: Path,
+    loaded: dict,
+    variants: list[PolicyVariant],
+    repeats: int,
+    use_kernel: bool,
+    sharded: bool = False,
+    online: bool = False,
 ) -> dict:
     """The settings a replay's records depend on, which its checkpoint records: the trace's content, the model
     and agents, dtype and device (`loaded`: `kvprof.model.agents_identity`), the policy variants with their
-    options, repeats and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards."""
+    options, repeats and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards, with their
+    online re-runs when `online`."""
     identity = {
         "trace": "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(),
         "model": loaded["model"],
@@ -112,7 +123,7 @@ def checkpoint_identity(
         "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
     }
-    return identity | ({"sharding": "ray"} if sharded else {})
+    return identity | ({"sharding": "ray", "online": online} if sharded else {})
 
 
 def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str]) -> ReplayProgress:
@@ -128,22 +139,41 @@ def read_shard_checkpoint(
 ) -> tuple[dict[str, ShardResult], list[list[str]]]:
     """The shards an interrupted replay on Ray completed and its plan's groups of stateful variants
     (`kvprof.distributed.plan_shards`; reused, so a cluster of another size resumes the same shards);
-    `read_checkpoint`'s refusals, and a shard of other trajectories than this replay's is refused too."""
+    `read_checkpoint`'s refusals, and a shard of other trajectories than this replay's is refused too. A saved
+    shard that is not exactly a planned one (another --limit, or groups of another kvprof version) is dropped, to
+    be replayed again."""
     progress = saved_progress(checkpoint, identity)
-    saved = {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
-    shards = plan_shards(trajectories, variants, groups=progress.get("groups"))
-    planned = {shard.key: [traj.id for traj in shard.trajectories] for shard in shards}
+    try:
+        saved = {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
+    except (KeyError, TypeError):
+        raise KvprofError(
+            f"checkpoint {checkpoint} is not a sharded replay's checkpoint of this kvprof version; delete it to start "
+            "again."
+        ) from None
     _refuse_foreign(
         checkpoint,
-        [
-            traj_id
-            for key, result in saved.items()
-            for traj_id in result.progress.trajectories
-            if traj_id not in planned.get(key, [])
-        ]
-        + [key.partition(":")[2] for key in saved if key not in planned],
+        sorted(
+            {traj_id for result in saved.values() for traj_id in result.progress.trajectories}
+            - {traj.id for traj in trajectories}
+        ),
     )
-    return saved, [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
+    groups = progress.get("groups")
+    stateful = sorted(variant.label for variant in variants if not variant.trajectory_independent)
+    if groups is not None and sorted(label for group in groups for label in group) != stateful:
+        groups = None
+    shards = plan_shards(trajectories, variants, groups=groups)
+    planned = {shard.key: shard for shard in shards}
+    kept = {key: result for key, result in saved.items() if _replayed_whole(result, planned.get(key))}
+    return kept, [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
+
+
+def _replayed_whole(result: ShardResult, shard: Shard | None) -> bool:
+    """Whether `result` is `shard` replayed: its trajectories, in order, under its variants and the dense run."""
+    return (
+        shard is not None
+        and result.progress.trajectories == [traj.id for traj in shard.trajectories]
+        and set(result.progress.records) == {DENSE, *(variant.label for variant in shard.variants)}
+    )
 
 
 def _refuse_foreign(checkpoint: Path, foreign: list[str]) -> None:
@@ -334,16 +364,18 @@ def command(
         flags += tuned_flags
         policy = [name] if policy == [ALL] else [*policy, name]
     if ray:
-        source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)
+        source = absolute_source(AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed))
         with RayCluster(source, ray_address, ray_workers, ray_worker_cpus) as cluster:
             loaded = cluster.first()["identity"]
             use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and loaded["device"] != "cpu")
-            variants, skipped = choose_variants(policy, flags, schedule, lr_prefill, cluster.runnable)
+            variants, skipped = choose_variants(
+                policy, flags, schedule, lr_prefill, lambda chosen, skip: cluster.runnable(absolute_files(chosen), skip)
+            )
             print_skipped(skipped)
             if not variants:
                 raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
             trajectories = select_trajectories(trace, skip, limit)
-            identity = checkpoint_identity(trace, loaded, variants, repeats, use_kernel, sharded=True)
+            identity = checkpoint_identity(trace, loaded, variants, repeats, use_kernel, sharded=True, online=online)
             result = replay_on_ray(
                 cluster, trace, trajectories, variants, skipped, repeats, online, use_kernel, out, identity, resume
             )

@@ -2,7 +2,8 @@
 for a target, verify it on held-out trajectories, and write it where `kvprof replay --tuned` reads it.
 
 The maths lives in `kvprof.tune` (and the pool fit in `kvprof.anchor_fit`); this module parses options, shows
-progress, checkpoints the sweep row by row (`--resume`), and renders `kvprof.report.anchors`.
+progress, checkpoints the sweep (`--resume`: trajectory by trajectory in one process, shard by shard on Ray), and
+renders `kvprof.report.anchors`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -150,79 +152,97 @@ def command(
     if trace is None:
         trace, model = demo_prompt_trace(model)
         args.update(trace=trace, model=model)
-    agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
-    if agents.spec.mode != "prompt":
-        raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
-    trajectories = read_trace(trace).trajectories
-    count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
-    if not 1 <= count <= len(trajectories):
-        raise KvprofError(f"--tune {count} must be between 1 and the trace's {len(trajectories)} trajectories.")
-    tuning, heldout = trajectories[:count], trajectories[count:]
-    cls = policy_class(policy)
-    if anchors is None:
-        rank = None if cls.name == "kvcomm" else int(options.get("rank", cls.options["rank"].default))
-        capacity = int(options.get("anchors_per_slot", cls.options["anchors_per_slot"].default))
-        with progress() as bar:
-            job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
-            pool, _ = fit_anchors(agents, tuning, rank, capacity, on_trajectory=lambda traj: bar.advance(job))
-        anchors = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
-    options["anchors"] = str(anchors)
-    checkpoint = out / "tune_tau.partial.json"
-    identity = {
-        "trace": "sha256:" + hashlib.sha256(Path(trace).read_bytes()).hexdigest(),
-        "pool": pool_digest(anchors),
-        "policy": cls.name,
-        "grid": thresholds,
-        "options": {k: v for k, v in options.items() if k != "anchors"},
-        "tune": count,
-        "online": online,
-        "repeats": repeats,
-        "model": agents.model_name,
-        "dtype": str(agents.base_model.dtype),
-        "device": str(agents.device),
-    }
-    if ray:
-        from kvprof.distributed import AgentSource, RayCluster
-        from kvprof.model import trace_header
+    with ExitStack() as stack:
+        cluster = None
+        if ray:
+            from kvprof.distributed import AgentSource, RayCluster, require_ray
+            from kvprof.model import trace_header
 
-        identity |= {"sharding": "ray"}
-        saved = read_sweep_checkpoint(checkpoint, identity) if resume and checkpoint.exists() else None
-        source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
-        with RayCluster(source, ray_address, ray_workers, ray_worker_cpus) as cluster:
+            require_ray()
+            source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
+            cluster = stack.enter_context(RayCluster(source, ray_address, ray_workers, ray_worker_cpus))
+            # The pool is fitted here, on the CPU, in the workers' dtype (they refuse a pool of another dtype).
+            worker = cluster.first()["identity"]
+            device, dtype = "cpu", worker["dtype"]
+        agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
+        if agents.spec.mode != "prompt":
+            raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
+        trajectories = read_trace(trace).trajectories
+        count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
+        if not 1 <= count <= len(trajectories):
+            raise KvprofError(f"--tune {count} must be between 1 and the trace's {len(trajectories)} trajectories.")
+        tuning, heldout = trajectories[:count], trajectories[count:]
+        cls = policy_class(policy)
+        if anchors is None:
+            rank = None if cls.name == "kvcomm" else int(options.get("rank", cls.options["rank"].default))
+            capacity = int(options.get("anchors_per_slot", cls.options["anchors_per_slot"].default))
+            with progress() as bar:
+                job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
+                pool, _ = fit_anchors(agents, tuning, rank, capacity, on_trajectory=lambda traj: bar.advance(job))
+            anchors = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
+        # Ray workers open the pool themselves: at the same absolute path on every node.
+        options["anchors"] = str(Path(anchors).resolve()) if cluster is not None else str(anchors)
+        checkpoint = out / "tune_tau.partial.json"
+        identity = {
+            "trace": "sha256:" + hashlib.sha256(Path(trace).read_bytes()).hexdigest(),
+            "pool": pool_digest(anchors),
+            "policy": cls.name,
+            "grid": thresholds,
+            "options": {k: v for k, v in options.items() if k != "anchors"},
+            "tune": count,
+            "online": online,
+            "repeats": repeats,
+            "model": agents.model_name,
+            "dtype": str(agents.base_model.dtype),
+            "device": str(agents.device),
+        }
+        workers = None
+        if cluster is not None:
+            identity |= {"sharding": "ray", "device": worker["device"]}
+            saved = read_sweep_checkpoint(checkpoint, identity) if resume and checkpoint.exists() else None
             replay = on_ray(cluster, repeats, online, checkpoint, identity, saved)
             result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
-        finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
-        return
-    state = None
-    if resume and checkpoint.exists():
-        state = ReplayProgress(**read_sweep_checkpoint(checkpoint, identity))
-        console.print(f"resuming after {len(state.trajectories)} replayed tuning trajectories")
-    with progress() as bar:
-        turns = bar.add_task(
-            f"replaying {len(thresholds)} values of {key} in lockstep", total=sum(len(t.turns) for t in tuning)
-        )
-        bar.update(turns, completed=sum(len(t.turns) for t in tuning if state and t.id in state.trajectories))
-        tasks = bar.add_task("online re-runs", total=len(tuning) * (len(thresholds) + 1)) if online else None
-        hooks = ReplayHooks(
-            on_turn=lambda traj, index: bar.advance(turns),
-            on_task=(lambda label, task: bar.advance(tasks)) if tasks is not None else None,
-            on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
-        )
-        replay = in_process(agents, repeats, online, state, hooks)
-        result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
-    finish(out, result, args, trace, anchors, agents.model_name, checkpoint)
+            workers = [{k: v for k, v in info.items() if k != "identity"} for info in cluster.described.values()]
+        else:
+            state = None
+            if resume and checkpoint.exists():
+                state = ReplayProgress(**read_sweep_checkpoint(checkpoint, identity))
+                console.print(f"resuming after {len(state.trajectories)} replayed tuning trajectories")
+            with progress() as bar:
+                turns = bar.add_task(
+                    f"replaying {len(thresholds)} values of {key} in lockstep", total=sum(len(t.turns) for t in tuning)
+                )
+                bar.update(turns, completed=sum(len(t.turns) for t in tuning if state and t.id in state.trajectories))
+                tasks = bar.add_task("online re-runs", total=len(tuning) * (len(thresholds) + 1)) if online else None
+                hooks = ReplayHooks(
+                    on_turn=lambda traj, index: bar.advance(turns),
+                    on_task=(lambda label, task: bar.advance(tasks)) if tasks is not None else None,
+                    on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
+                )
+                replay = in_process(agents, repeats, online, state, hooks)
+                result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
+    finish(out, result, args, trace, anchors, agents.model_name, checkpoint, workers)
 
 
 def read_sweep_checkpoint(checkpoint: Path, identity: dict) -> dict:
     """The progress record an interrupted sweep left in `checkpoint`, refusing one made with other settings (a
     sweep on Ray checkpoints shards, one in this process trajectories: each refuses the other's)."""
-    saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-    if saved.get("identity") != identity:
+    try:
+        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise KvprofError(
+            f"checkpoint {checkpoint} cannot be read ({err.__class__.__name__}); delete it to start again."
+        ) from None
+    if not isinstance(saved, dict) or saved.get("identity") != identity:
         raise KvprofError(
             f"checkpoint {checkpoint} was made with other settings (or with/without --ray); resume with the options "
             "it was made with, or delete it to start again."
         )
-    return saved["progress"]
+    progress = saved.get("progress")
+    shape = ("shards", "groups") if identity.get("sharding") else ("trajectories", "records")
+    if not isinstance(progress, dict) or any(key not in progress for key in shape):
+        raise KvprofError(f"checkpoint {checkpoint} is not a tune-tau checkpoint; delete it to start again.")
+    return progress
 
 
 def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict, saved: dict | None) -> Replayer:
@@ -246,12 +266,22 @@ def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict
             shard_records = {key: result.to_dict() for key, result in results.items()}
             write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records, "groups": groups}})
 
-        total = sum(shard.turns for shard in shards)
         label = f"replaying {len(variants)} variants in {len(shards)} shards on {cluster.size} Ray workers"
         with progress() as bar:
-            job = bar.add_task(label, total=total)
+            job = bar.add_task(label, total=sum(shard.turns for shard in shards))
+            tasks = (
+                bar.add_task("online re-runs", total=sum(shard.tasks(online) for shard in shards)) if online else None
+            )
+
+            def show_progress(turns: int, done_tasks: int) -> None:
+                bar.update(job, completed=turns)
+                if tasks is not None:
+                    bar.update(tasks, completed=done_tasks)
+
             hooks = ShardHooks(
-                on_progress=lambda turns, tasks: bar.update(job, completed=turns), on_shard=save if sweep else None
+                on_progress=show_progress,
+                on_shard=save if sweep else None,
+                on_event=lambda line: bar.console.print(f"[yellow]{line}[/]"),
             )
             result = replay_sharded(cluster, list(trajectories), variants, repeats, online, False, done, hooks, groups)
         result.pop("distributed")
@@ -260,13 +290,16 @@ def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict
     return replay
 
 
-def finish(out: Path, result: dict, args: dict, trace, anchors, model: str, checkpoint: Path) -> None:
-    """Show the sweep and its recommendation, write tune_tau.json / .html and tuned.json, drop the checkpoint."""
+def finish(
+    out: Path, result: dict, args: dict, trace, anchors, model: str, checkpoint: Path, workers: list[dict] | None = None
+) -> None:
+    """Show the sweep and its recommendation, write tune_tau.json (with the Ray `workers` in its environment) /
+    .html and tuned.json, drop the checkpoint."""
     result.update(trace=str(trace), model=model, pool=str(anchors))
     console.print(sweep_table(result).to_rich())
     for line in verification_lines(result):
         console.print(line, markup=False)
-    path = write_result(out, "tune_tau", result, args)
+    path = write_result(out, "tune_tau", result, args, workers=workers)
     html = write_html(out / "tune_tau.html", "kvprof tune-tau", tune_sections(result), subtitle=str(trace))
     outputs = [str(path), str(html)]
     if result["recommended"] is not None:

@@ -232,6 +232,11 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.trajectory = 0
         super().__init__(runtime, **options)
 
+    @classmethod
+    def independent_of_trajectories(cls, options: dict[str, str]) -> bool:
+        """A frozen pool (option `pool=frozen`) learns nothing from one trajectory for the next."""
+        return options.get("pool") == "frozen"
+
     @property
     def chain(self) -> bool:
         return False
