@@ -256,11 +256,13 @@ def test_paths_reach_workers_absolute(lora_trace, tmp_path, monkeypatch):
     assert variant.options == {"anchors": str(tmp_path / "pool.safetensors"), "chain": "nochain"}
 
 
-def test_ray_missing_is_one_sentence(run_cli, lora_trace, tmp_path, monkeypatch):
+def test_ray_missing_is_one_sentence(run_cli, lora_trace, prompt_trace, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    code, out, err = run_cli("replay", lora_trace, "--ray", "--out", tmp_path)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "pip install 'kvprof[ray]'" in lines[0] and "Traceback" not in err
+    for command, trace in (("replay", lora_trace), ("tune-tau", prompt_trace)):  # tune-tau: before fitting a pool
+        code, out, err = run_cli(command, trace, "--ray", "--out", tmp_path)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "pip install 'kvprof[ray]'" in lines[0] and "Traceback" not in err
+        assert not (tmp_path / "anchors.safetensors").exists()
 
 
 @pytest.fixture(scope="module")

@@ -320,9 +320,10 @@ def command(
         bool,
         typer.Option(
             "--ray",
-            help="Replay in shards on a Ray cluster (pip install 'kvprof[ray]'): one worker per GPU (per CPU "
-            "without GPUs) loads the model once and replays whole trajectories; the result is merged into the "
-            "one a single process writes.",
+            help="Replay in shards on a Ray cluster (pip install 'kvprof[ray]'): one worker per GPU (without GPUs, "
+            "per --ray-worker-cpus CPUs) loads the model once and replays whole trajectories (a variant that keeps "
+            "state across trajectories: all of them, in order); the result is merged into the one a single "
+            "process writes.",
         ),
     ] = False,
     ray_address: Annotated[
