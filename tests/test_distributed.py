@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -100,8 +101,18 @@ class LocalVariant(PolicyVariant):
 
 
 def same_records(merged: dict, single: dict) -> None:
-    """Per-turn records equal apart from timings; summaries equal apart from timing-derived figures."""
+    """Per-turn records equal apart from timings; summaries equal apart from timing-derived figures; every other
+    field of a policy's entry equal, its notes too but for the one a sequential shard adds; the same top-level
+    fields but for the `distributed` block."""
+    assert set(merged) - {"distributed"} == set(single) - {"distributed"}
     assert list(merged["policies"]) == list(single["policies"])
+    for label, theirs in single["policies"].items():
+        ours = merged["policies"][label]
+        rest = ("turns", "summary", "notes")
+        assert {k: v for k, v in ours.items() if k not in rest} == {k: v for k, v in theirs.items() if k not in rest}
+        added = ours["notes"][len(theirs["notes"]) :]
+        assert ours["notes"][: len(theirs["notes"])] == theirs["notes"], label
+        assert all("replayed in order in one shard" in note for note in added), label
     for label in ["dense", *single["policies"]]:
         ours = merged["dense"] if label == "dense" else merged["policies"][label]
         theirs = single["dense"] if label == "dense" else single["policies"][label]
@@ -365,6 +376,27 @@ def test_interrupted_ray_replay_resumes_from_its_shards(ray_instance, run_cli, l
     code, _, err = run_cli(*args, "--out", tmp_path / "single")
     assert code == 0, err
     same_records(_load(tmp_path), _load(tmp_path / "single"))
+
+
+def test_ctrl_c_on_a_cluster_stops_cleanly(ray_instance, lora_trace, tmp_path):
+    """A real SIGINT to `kvprof replay --ray` on an existing cluster, after its first shard: exit 130 with one line,
+    the checkpoint kept, no result written, every worker gone from the cluster (which stays up)."""
+    env = os.environ | {"RAY_ADDRESS": ray_instance.get_runtime_context().gcs_address, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "kvprof", "replay", str(lora_trace), "--policy", "fullshared", "--policy",
+               "droidspeak", "--ray", "--ray-workers", "2", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "replay.partial.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the replay ended before its first checkpoint"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip() and "replaying" not in line]
+    assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], err
+    assert (out / "replay.partial.json").exists() and not (out / "replay.json").exists()
+    assert _cpus_back(ray_instance, 2.0), "Ctrl-C must kill the workers"
+    assert ray_instance.is_initialized()
 
 
 def test_ray_refusals(ray_instance, run_cli, lora_trace, tmp_path):
