@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -56,6 +57,7 @@ from kvprof.workflow import task_of
 INSTALL = "pip install 'kvprof[ray]'"
 ATTEMPTS = 3  # workers a shard may be lost on before the replay gives up
 POLL_S = 0.2  # how often the driver reads the workers' progress
+WAIT_NOTE_S = 60.0  # after this long without a loaded worker, `RayCluster.on_wait` is told once
 
 
 def require_ray():
@@ -452,6 +454,7 @@ class RayCluster:
     address: str | None = None
     workers: int | None = None
     worker_cpus: int = 1
+    on_wait: Callable[[str], object] | None = None
     handles: dict[str, Any] = field(default_factory=dict)
     described: dict[str, dict] = field(default_factory=dict)
     lost: list[dict] = field(default_factory=list)
@@ -544,8 +547,17 @@ class RayCluster:
         """Start one worker and wait until it has loaded the agents; its description (`ReplayWorker.describe`)."""
         if not self.described and not self._starting:
             self._start()
+        waiting: float | None = time.monotonic()
         while not self.described:  # a worker that dies while loading is replaced (`_await_started`)
-            self._await_started(block=True)
+            self._await_started(timeout=WAIT_NOTE_S)
+            if not self.described and waiting is not None and time.monotonic() - waiting >= WAIT_NOTE_S:
+                waiting = None
+                if self.on_wait:
+                    room = "GPU" if self.source.device == "cuda" else f"{self.worker_cpus} CPU"
+                    self.on_wait(
+                        f"no Ray worker has loaded the model after {WAIT_NOTE_S:.0f} s; a worker needs one {room} "
+                        "free on one node: if `ray status` shows none, other jobs hold them (kvprof keeps waiting)"
+                    )
         return next(iter(self.described.values()))
 
     def runnable(self, variants: list[PolicyVariant], skip: bool) -> tuple[list[PolicyVariant], dict[str, str]]:
@@ -554,12 +566,13 @@ class RayCluster:
         ray = require_ray()
         return _get(ray, next(iter(self.handles.values())).runnable.remote(variants, skip))
 
-    def _await_started(self, block: bool) -> None:
-        """Move workers that finished loading to `handles`; with `block`, wait for at least one."""
+    def _await_started(self, timeout: float | None) -> None:
+        """Move workers that finished loading to `handles`, waiting up to `timeout` seconds (None: until one has,
+        0: not at all) for at least one."""
         ray = require_ray()
         if not self._starting:
             return
-        ready, _ = ray.wait(list(self._starting), num_returns=1, timeout=None if block else 0)
+        ready, _ = ray.wait(list(self._starting), num_returns=1, timeout=timeout)
         for ref in ready:
             handle = self._starting.pop(ref)
             try:
@@ -585,7 +598,7 @@ class RayCluster:
         while len(self.handles) + len(self._starting) < self.size:
             self._start()
         while self._starting:
-            self._await_started(block=True)
+            self._await_started(timeout=None)
         return dict(self.described)
 
     def replay(
@@ -612,7 +625,7 @@ class RayCluster:
         if hooks.on_progress:
             hooks.on_progress(done_turns, done_tasks)
         while pending or running:
-            self._await_started(block=not running and not self.handles)
+            self._await_started(timeout=None if not running and not self.handles else 0)
             busy = {run.worker for run in running.values()}
             for worker in [w for w in self.handles if w not in busy]:
                 if not pending:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from kvprof.distributed import (
     AgentSource,
     RayCluster,
+    ShardCounter,
     absolute_files,
     absolute_source,
     makespan,
@@ -397,6 +399,24 @@ def test_ctrl_c_on_a_cluster_stops_cleanly(ray_instance, lora_trace, tmp_path):
     assert (out / "replay.partial.json").exists() and not (out / "replay.json").exists()
     assert _cpus_back(ray_instance, 2.0), "Ctrl-C must kill the workers"
     assert ray_instance.is_initialized()
+
+
+def test_a_worker_waiting_for_room_is_announced(ray_instance, lora_trace, monkeypatch):
+    """While another job holds the CPUs a worker needs, the cluster waits and says so once; it starts when they
+    are free."""
+    import kvprof.distributed as distributed
+
+    monkeypatch.setattr(distributed, "WAIT_NOTE_S", 1.0)
+    holder = ray_instance.remote(num_cpus=1)(ShardCounter).remote()  # another job's actor, holding one CPU
+    ray_instance.get(holder.snapshot.remote())
+    said: list[str] = []
+    source = AgentSource(trace_header(lora_trace), str(lora_trace), device="cpu", dtype="float32")
+    with RayCluster(source, worker_cpus=2, on_wait=said.append) as cluster:
+        freed = threading.Timer(3.0, lambda: ray_instance.kill(holder))
+        freed.start()
+        assert cluster.first()["cpu_threads"] == 2
+        freed.join()
+    assert len(said) == 1 and "no Ray worker has loaded the model after 1 s" in said[0] and "ray status" in said[0]
 
 
 def test_ray_refusals(ray_instance, run_cli, lora_trace, tmp_path):

@@ -85,6 +85,11 @@ def command_args(command: Callable, **given) -> dict:
     return defaults | given
 
 
+def note(line: str) -> None:
+    """A line the user should notice (a wait, a retry), in yellow and without markup."""
+    console.print(line, style="yellow", markup=False)
+
+
 def print_adapters(agents: AgentSet) -> None:
     """One line per agent that runs a LoRA adapter: the adapter's folder, rank, alpha, projections and layers."""
     for name, info in agents.adapters.items():

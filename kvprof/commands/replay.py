@@ -18,6 +18,7 @@ from kvprof.commands.common import (
     SeedOption,
     console,
     demo_trace,
+    note,
     progress,
     write_result,
 )
@@ -366,7 +367,7 @@ def command(
         policy = [name] if policy == [ALL] else [*policy, name]
     if ray:
         source = absolute_source(AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed))
-        with RayCluster(source, ray_address, ray_workers, ray_worker_cpus) as cluster:
+        with RayCluster(source, ray_address, ray_workers, ray_worker_cpus, on_wait=note) as cluster:
             loaded = cluster.first()["identity"]
             use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and loaded["device"] != "cpu")
             variants, skipped = choose_variants(
@@ -538,8 +539,8 @@ def show(result: dict) -> None:
     if delta is not None:
         console.print(delta.to_rich())
     console.print(cost_table(result).to_rich())
-    for note in policy_notes(result):
-        console.print(note)
+    for line in policy_notes(result):
+        console.print(line)
 
 
 def write_page(out: Path, result: dict) -> Path:

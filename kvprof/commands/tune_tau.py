@@ -28,6 +28,7 @@ from kvprof.commands.common import (
     SeedOption,
     console,
     demo_prompt_trace,
+    note,
     progress,
     write_result,
 )
@@ -160,7 +161,7 @@ def command(
 
             require_ray()
             source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
-            cluster = stack.enter_context(RayCluster(source, ray_address, ray_workers, ray_worker_cpus))
+            cluster = stack.enter_context(RayCluster(source, ray_address, ray_workers, ray_worker_cpus, on_wait=note))
             # The pool is fitted here, on the CPU, in the workers' dtype (they refuse a pool of another dtype).
             worker = cluster.first()["identity"]
             device, dtype = "cpu", worker["dtype"]
