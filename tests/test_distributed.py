@@ -6,6 +6,7 @@ local Ray instance (`ray.init(address="local", num_cpus=2)`)."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import signal
@@ -389,7 +390,12 @@ def test_ctrl_c_on_a_cluster_stops_cleanly(ray_instance, lora_trace, tmp_path):
     policies = ["--policy", "fullshared", "--policy", "droidspeak", "--repeats", "3", "--device", "cpu"]
     command = [sys.executable, "-m", "kvprof", "replay", str(lora_trace), *policies, "--ray", "--ray-workers", "2"]
     command += ["--out", str(out)]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A command run in the background by a shell without job control (as CI may run pytest) inherits SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt: give the replay a terminal's default, as a user has.
+    restore = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=restore
+    )
     deadline = time.monotonic() + 120
     while ray_instance.available_resources().get("CPU", 2.0) > 1.0 and proc.poll() is None:
         assert time.monotonic() < deadline, "no worker started"
