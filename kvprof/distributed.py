@@ -127,6 +127,11 @@ def plan_shards(
     return min(candidates, key=lambda plan: makespan(plan, workers))  # min keeps the first: the fewest groups
 
 
+def shard_groups(shards: list[Shard]) -> list[list[str]]:
+    """The labels of each sequential shard's variants: a plan's grouping, which a checkpoint records."""
+    return [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
+
+
 def _split(items: list[PolicyVariant], count: int) -> list[list[PolicyVariant]]:
     """`items` in order, cut into `count` runs whose lengths differ by at most one."""
     size, extra = divmod(len(items), count)
@@ -177,6 +182,51 @@ def _trajectory(saved: dict) -> Trajectory:
     """A trajectory from `asdict` (a checkpoint's online re-runs)."""
     segments = {key: Segment(**segment) for key, segment in saved["segments"].items()}
     return Trajectory(**(saved | {"segments": segments, "turns": [Turn(**turn) for turn in saved["turns"]]}))
+
+
+def shard_checkpoint(results: dict[str, ShardResult], groups: list[list[str]]) -> dict:
+    """A sharded replay's progress record, as its checkpoint holds it: every completed shard's result and the
+    plan's grouping (`shard_groups`)."""
+    return {"shards": {key: result.to_dict() for key, result in results.items()}, "groups": groups}
+
+
+def saved_shards(progress: dict, checkpoint: Path) -> dict[str, ShardResult]:
+    """The shard results of a progress record (`shard_checkpoint`) read from `checkpoint`; a record of another
+    shape is refused in one sentence."""
+    try:
+        return {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
+    except (KeyError, TypeError, AttributeError):
+        raise KvprofError(
+            f"checkpoint {checkpoint} is not a sharded replay's checkpoint of this kvprof version; delete it to start "
+            "again."
+        ) from None
+
+
+def resumable(
+    saved: dict[str, ShardResult],
+    groups: list[list[str]] | None,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+) -> tuple[dict[str, ShardResult], list[list[str]]]:
+    """What a replay of `trajectories` under `variants` resumes from a checkpoint: the saved results that are
+    exactly shards of its plan (their trajectories, in order, under their variants; a shard of another --limit is
+    replayed again) and the plan's grouping: the checkpoint's `groups` (so a cluster of another size resumes the
+    same shards) unless they do not cover the stateful variants (another kvprof version), then one per variant."""
+    stateful = sorted(variant.label for variant in variants if not variant.trajectory_independent)
+    if groups is not None and sorted(label for group in groups for label in group) != stateful:
+        groups = None
+    planned = {shard.key: shard for shard in plan_shards(trajectories, variants, groups=groups)}
+    kept = {key: result for key, result in saved.items() if _replayed_whole(result, planned.get(key))}
+    return kept, shard_groups(list(planned.values()))
+
+
+def _replayed_whole(result: ShardResult, shard: Shard | None) -> bool:
+    """Whether `result` is `shard` replayed: its trajectories, in order, under its variants and the dense run."""
+    return (
+        shard is not None
+        and result.progress.trajectories == [traj.id for traj in shard.trajectories]
+        and set(result.progress.records) == {DENSE, *(variant.label for variant in shard.variants)}
+    )
 
 
 def run_shard(
@@ -743,7 +793,7 @@ def replay_sharded(
     used = dict.fromkeys(results[shard.key].worker for shard in shards)
     merged["distributed"] = {
         "shards": {shard.key: results[shard.key].worker for shard in shards},
-        "sequential": [[v.label for v in shard.variants] for shard in shards if shard.sequential],
+        "sequential": shard_groups(shards),
         "retried": list(cluster.lost),
         "workers": [
             {key: value for key, value in cluster.described[worker].items() if key != "identity"}

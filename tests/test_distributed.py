@@ -32,6 +32,8 @@ from kvprof.distributed import (
     plan_shards,
     replay_sharded,
     run_shard,
+    shard_checkpoint,
+    shard_groups,
 )
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace, trace_header
@@ -157,19 +159,15 @@ def test_plan_keeps_stateful_variants_whole(lora_trace):
 STATEFUL = [LocalVariant("orderedfullshared", {"step": str(step)}) for step in (1, 2, 3, 4)]
 
 
-def _groups(shards) -> list[list[str]]:
-    return [[v.label for v in shard.variants] for shard in shards if shard.sequential]
-
-
 def test_plan_groups_stateful_variants_for_the_workers(lora_trace):
     """Few workers: the stateful variants share sequential shards (each group repeats the dense run once); many:
     one shard each; the chosen plan's estimated wall time is the least of every grouping's."""
     trajectories = read_trace(lora_trace).trajectories
     labels = [v.label for v in STATEFUL]
-    assert _groups(plan_shards(trajectories, STATEFUL, workers=1)) == [labels]
-    assert _groups(plan_shards(trajectories, STATEFUL, workers=2)) == [labels[:2], labels[2:]]
-    assert _groups(plan_shards(trajectories, STATEFUL, workers=4)) == [[label] for label in labels]
-    assert _groups(plan_shards(trajectories, STATEFUL)) == [[label] for label in labels]
+    assert shard_groups(plan_shards(trajectories, STATEFUL, workers=1)) == [labels]
+    assert shard_groups(plan_shards(trajectories, STATEFUL, workers=2)) == [labels[:2], labels[2:]]
+    assert shard_groups(plan_shards(trajectories, STATEFUL, workers=4)) == [[label] for label in labels]
+    assert shard_groups(plan_shards(trajectories, STATEFUL)) == [[label] for label in labels]
     mixed = [PolicyVariant("fullshared"), *STATEFUL[:3]]
     for workers in (1, 2, 3, 8):
         plan = plan_shards(trajectories, mixed, workers)
@@ -199,11 +197,11 @@ def test_shards_merge_into_the_single_process_result(mode, request):
     single = run_replay(agents, trajectories, variants, online=True)
     for workers in (None, 1):
         shards = plan_shards(trajectories, variants, workers)
-        assert len(_groups(shards)) == (2 if workers is None else 1)
+        assert len(shard_groups(shards)) == (2 if workers is None else 1)
         results = {shard.key: run_shard(agents, shard, 1, True, False) for shard in shards}
         merged = merge(shards, results, variants, online=True)
         same_records(merged, single)
-        for shard in shards[-len(_groups(shards)) :]:
+        for shard in shards[-len(shard_groups(shards)) :]:
             own_dense = summarise(results[shard.key].progress.records["dense"])
             for variant in shard.variants:
                 entry = merged["policies"][variant.label]
@@ -240,8 +238,8 @@ def test_shard_checkpoint_resumes_only_whole_planned_shards(agents, lora_trace, 
     shards = plan_shards(trajectories[:2], variants, workers=1)  # one group of both stateful variants
     results = {shard.key: run_shard(agents, shard, 1, False, False) for shard in shards}
     checkpoint = tmp_path / "replay.partial.json"
-    groups = [[v.label for v in shard.variants] for shard in shards if shard.sequential]
-    progress = {"shards": {key: result.to_dict() for key, result in results.items()}, "groups": groups}
+    groups = shard_groups(shards)
+    progress = shard_checkpoint(results, groups)
     checkpoint.write_text(json.dumps({"identity": {"x": 1}, "progress": progress}))
     kept, kept_groups = read_shard_checkpoint(checkpoint, {"x": 1}, trajectories[:2], variants)
     assert kept.keys() == results.keys() and kept_groups == groups == [[v.label for v in STATEFUL[:2]]]

@@ -25,20 +25,23 @@ from kvprof.commands.common import (
 from kvprof.distributed import (
     AgentSource,
     RayCluster,
-    Shard,
     ShardHooks,
     ShardResult,
     absolute_files,
     absolute_source,
     plan_shards,
     replay_sharded,
+    resumable,
+    saved_shards,
+    shard_checkpoint,
+    shard_groups,
 )
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import AgentSet, agents_identity, load_agents_for_trace, trace_header
 from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
 from kvprof.policies.variants import ALL
-from kvprof.replay import DENSE, ReplayHooks, ReplayProgress, run_replay
+from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
 from kvprof.report import write_html
 from kvprof.report.replay import (
     cost_table,
@@ -138,19 +141,11 @@ def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str])
 def read_shard_checkpoint(
     checkpoint: Path, identity: dict, trajectories: list[Trajectory], variants: list[PolicyVariant]
 ) -> tuple[dict[str, ShardResult], list[list[str]]]:
-    """The shards an interrupted replay on Ray completed and its plan's groups of stateful variants
-    (`kvprof.distributed.plan_shards`; reused, so a cluster of another size resumes the same shards);
-    `read_checkpoint`'s refusals, and a shard of other trajectories than this replay's is refused too. A saved
-    shard that is not exactly a planned one (another --limit, or groups of another kvprof version) is dropped, to
-    be replayed again."""
+    """The shards an interrupted replay on Ray completed and its plan's grouping, as far as this replay can resume
+    them (`kvprof.distributed.resumable`); `read_checkpoint`'s refusals, and a shard of other trajectories than
+    this replay's is refused too."""
     progress = saved_progress(checkpoint, identity)
-    try:
-        saved = {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
-    except (KeyError, TypeError):
-        raise KvprofError(
-            f"checkpoint {checkpoint} is not a sharded replay's checkpoint of this kvprof version; delete it to start "
-            "again."
-        ) from None
+    saved = saved_shards(progress, checkpoint)
     _refuse_foreign(
         checkpoint,
         sorted(
@@ -158,23 +153,7 @@ def read_shard_checkpoint(
             - {traj.id for traj in trajectories}
         ),
     )
-    groups = progress.get("groups")
-    stateful = sorted(variant.label for variant in variants if not variant.trajectory_independent)
-    if groups is not None and sorted(label for group in groups for label in group) != stateful:
-        groups = None
-    shards = plan_shards(trajectories, variants, groups=groups)
-    planned = {shard.key: shard for shard in shards}
-    kept = {key: result for key, result in saved.items() if _replayed_whole(result, planned.get(key))}
-    return kept, [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
-
-
-def _replayed_whole(result: ShardResult, shard: Shard | None) -> bool:
-    """Whether `result` is `shard` replayed: its trajectories, in order, under its variants and the dense run."""
-    return (
-        shard is not None
-        and result.progress.trajectories == [traj.id for traj in shard.trajectories]
-        and set(result.progress.records) == {DENSE, *(variant.label for variant in shard.variants)}
-    )
+    return resumable(saved, progress.get("groups"), trajectories, variants)
 
 
 def _refuse_foreign(checkpoint: Path, foreign: list[str]) -> None:
@@ -452,7 +431,7 @@ def replay_on_ray(
     if resume and checkpoint.exists():
         done, groups = read_shard_checkpoint(checkpoint, identity, trajectories, variants)
     shards = plan_shards(trajectories, variants, cluster.size, groups)
-    groups = [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
+    groups = shard_groups(shards)
     if done is not None:
         console.print(f"resuming after {len(done)} of {len(shards)} replayed shards")
     for group in groups:
@@ -466,8 +445,7 @@ def replay_on_ray(
         )
 
     def save(results: dict[str, ShardResult]) -> None:
-        shard_records = {key: result.to_dict() for key, result in results.items()}
-        write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records, "groups": groups}})
+        write_json(checkpoint, {"identity": identity, "progress": shard_checkpoint(results, groups)})
 
     with progress() as bar:
         job = bar.add_task(

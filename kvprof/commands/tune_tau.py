@@ -252,20 +252,28 @@ def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict
     workers make fastest), under a progress bar. The sweep checkpoints every completed shard to `checkpoint` and
     continues from `saved` (a checkpoint's progress: its shards and their grouping); the held-out check is not
     checkpointed."""
-    from kvprof.distributed import ShardHooks, ShardResult, plan_shards, replay_sharded
+    from kvprof.distributed import (
+        ShardHooks,
+        ShardResult,
+        plan_shards,
+        replay_sharded,
+        resumable,
+        saved_shards,
+        shard_checkpoint,
+        shard_groups,
+    )
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
-        resumed = saved if sweep else None
-        groups = resumed["groups"] if resumed else None
+        done, groups = None, None
+        if sweep and saved is not None:
+            done, groups = resumable(saved_shards(saved, checkpoint), saved["groups"], list(trajectories), variants)
         shards = plan_shards(list(trajectories), variants, cluster.size, groups)
-        groups = [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
-        done = {key: ShardResult.from_dict(r) for key, r in resumed["shards"].items()} if resumed else None
+        groups = shard_groups(shards)
         if done is not None:
             console.print(f"resuming after {len(done)} of {len(shards)} replayed shards")
 
         def save(results: dict[str, ShardResult]) -> None:
-            shard_records = {key: result.to_dict() for key, result in results.items()}
-            write_json(checkpoint, {"identity": identity, "progress": {"shards": shard_records, "groups": groups}})
+            write_json(checkpoint, {"identity": identity, "progress": shard_checkpoint(results, groups)})
 
         label = f"replaying {len(variants)} variants in {len(shards)} shards on {cluster.size} Ray workers"
         with progress() as bar:
