@@ -5,7 +5,9 @@ own output; `kvprof.cache.capture_turn`). For every agent pair (i, j), i before 
 **span** is the shared segments both hold; on it:
 
 - lora mode: both agents read the span at identical positions after identical tokens, so C_i and C_j differ only by
-  the adapters. Each cache splits into the base part X·W0 and the adapter output s·X·A·B (keys post-RoPE).
+  the adapters. Each cache splits into the base part X·W0 and the adapter output s·X·A·B (keys post-RoPE; for a
+  model that normalises keys before RoPE, Qwen3 or OLMo 2, the key parts are taken before the norm and RoPE, the
+  parts a low-rank store shares: `kvprof.cache`).
 - prompt mode: the span sits after different role prompts, at different positions; agent i's keys are re-aligned to
   j's positions with the model's RoPE (`kvprof.rope.rotate_keys`) before anything is compared.
 
@@ -49,8 +51,8 @@ import torch
 from kvprof import metrics
 from kvprof.cache import TurnCapture, capture_turn
 from kvprof.errors import KvprofError
-from kvprof.model import AgentSet, head_dim
-from kvprof.rope import rotary_embedding, rotate_keys
+from kvprof.model import AgentSet, head_dim, kv_heads
+from kvprof.rope import Rope, rotate_keys
 from kvprof.trace import Trace, Trajectory
 
 KV_NAMES = ("K", "V")  # the two cache tensors, as result keys
@@ -229,7 +231,8 @@ METRICS = {
         )
     },
     "delta_relative": "‖Δ‖/‖C_j‖",
-    "adapter_relative": "‖adapter output‖/‖C‖ (mean of the two agents)",
+    "adapter_relative": "‖adapter output‖/‖C‖ (mean of the two agents; ‖base + adapter‖ for keys a model normalises "
+    "before RoPE)",
     "cache_cosine": "mean token cosine of C_i, C_j",
     "cache_cosine_flat": "cosine of flattened C_i, C_j",
     "base_cosine": "mean token cosine of the base parts",
@@ -239,11 +242,11 @@ METRICS = {
 }
 
 
-def _align(states: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor, is_key: bool) -> torch.Tensor:
+def _align(states: torch.Tensor, shift: torch.Tensor, rope: Rope, is_key: bool) -> torch.Tensor:
     """Move the source's (H, n, D) states to the target's positions: keys are rotated by `shift`, values unchanged."""
     if not is_key or not bool(shift.any()):
         return states
-    return rotate_keys(states, shift.to(states.device), inv_freq)
+    return rotate_keys(states, shift.to(states.device), rope)
 
 
 def compare_pair(
@@ -251,7 +254,7 @@ def compare_pair(
     target: TurnCapture,
     span: PairSpan,
     layer: int,
-    inv_freq: torch.Tensor,
+    rope: Rope,
     per_head: bool,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, PairLayer]:
@@ -269,15 +272,17 @@ def compare_pair(
         is_key = kv == "K"
         pairs = {
             "cache": (
-                _align((src.keys if is_key else src.values)[:, rows_s].double(), span.shift, inv_freq, is_key),
+                _align((src.keys if is_key else src.values)[:, rows_s].double(), span.shift, rope, is_key),
                 (dst.keys if is_key else dst.values)[:, rows_t].double(),
             )
         }
+        normalised = False
         if projection in src.split and projection in dst.split:
             split_s, split_t = src.split[projection], dst.split[projection]
+            normalised = split_s.normalised  # split before the key norm and RoPE: nothing to re-align
             for name in ("base", "adapter"):
                 pairs[name] = (
-                    _align(getattr(split_s, name)[:, rows_s].double(), span.shift, inv_freq, is_key),
+                    _align(getattr(split_s, name)[:, rows_s].double(), span.shift, rope, is_key and not normalised),
                     getattr(split_t, name)[:, rows_t].double(),
                 )
         cache_s, cache_t = pairs["cache"]
@@ -291,9 +296,11 @@ def compare_pair(
             values[f"{name}_cosine"], values[f"{name}_cosine_flat"] = similarity(*states, per_head)
         values.update(_rank_metrics("delta", stats["delta"]))
         if "adapter" in pairs:
+            totals = [base + adapter for base, adapter in zip(pairs["base"], pairs["adapter"])]
+            reference_s, reference_t = totals if normalised else (cache_s, cache_t)
             values["adapter_relative"] = (
-                metrics.relative_norm(pairs["adapter"][0], cache_s)
-                + metrics.relative_norm(pairs["adapter"][1], cache_t)
+                metrics.relative_norm(pairs["adapter"][0], reference_s)
+                + metrics.relative_norm(pairs["adapter"][1], reference_t)
             ) / 2
         spectra = {name: (sum(s["spectrum"] for s in group) / len(group)).cpu() for name, group in stats.items()}
         out[kv] = PairLayer(values=values, spectra=spectra)
@@ -338,7 +345,7 @@ def compare_reference(
     start: int,
     count: int,
     layer: int,
-    inv_freq: torch.Tensor,
+    rope: Rope,
     per_head: bool,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, PairLayer]:
@@ -357,7 +364,7 @@ def compare_reference(
     for kv in KV_NAMES:
         is_key = kv == "K"
         cache = (own.keys if is_key else own.values)[:, start : start + count].double()
-        aligned = _align((ref.keys if is_key else ref.values)[:, :count].double(), shift, inv_freq, is_key)
+        aligned = _align((ref.keys if is_key else ref.values)[:, :count].double(), shift, rope, is_key)
         delta = cache - aligned
         floor = noise_floor(cache, per_head, dtype)
         stats = {"cache": rank_stats(cache, per_head, floor), "delta": rank_stats(delta, per_head, floor)}
@@ -733,7 +740,7 @@ def _context_free_records(
     sequences: dict[str, AgentSequence],
     captures: dict[str, TurnCapture],
     layers: Sequence[int],
-    inv_freq: torch.Tensor,
+    rope: Rope,
     per_head: bool,
     columns: int,
 ) -> list[SegmentResult]:
@@ -764,7 +771,7 @@ def _context_free_records(
                     start,
                     stop - start,
                     layer,
-                    inv_freq,
+                    rope,
                     per_head,
                     agents.base_model.dtype,
                 )
@@ -798,11 +805,11 @@ def analyze_trace(
         layers=list(layers),
         per_head=per_head,
         head_dim=dim,
-        kv_heads=config.num_key_value_heads,
+        kv_heads=kv_heads(config),
     )
-    inv_freq = rotary_embedding(agents.base_model).inv_freq
+    rope = agents.rope
     parts = ("kv", "split") if mode == "lora" else ("kv",)
-    columns = dim if per_head else dim * config.num_key_value_heads
+    columns = dim if per_head else dim * kv_heads(config)
     for traj in trace.trajectories:
         # Agents that never act in this trajectory hold nothing there and are left out.
         sequences = {
@@ -838,7 +845,7 @@ def analyze_trace(
                                 captures[span.target],
                                 span,
                                 layer,
-                                inv_freq,
+                                rope,
                                 per_head,
                                 agents.base_model.dtype,
                             )
@@ -848,7 +855,7 @@ def analyze_trace(
                 )
             if mode == "prompt":
                 result.segments += _context_free_records(
-                    agents, traj, spans, sequences, captures, layers, inv_freq, per_head, columns
+                    agents, traj, spans, sequences, captures, layers, rope, per_head, columns
                 )
         if on_trajectory:
             on_trajectory(traj)

@@ -76,7 +76,7 @@ def fit_pool(
                 for name in names:
                     begin = len(runtime.prefix(name)) + segment.start
                     pool.add_delta(
-                        anchor, name, *stack(caches[name], begin, begin + segment.length, -begin, runtime.inv_freq)
+                        anchor, name, *stack(caches[name], begin, begin + segment.length, -begin, runtime.rope)
                     )
             if on_trajectory:
                 on_trajectory(traj)

@@ -9,8 +9,10 @@ One prefill of `input_ids` as one agent, observed through forward hooks, layer b
   on peft's `lora_B[name]` (times `scaling[name]`). RoPE is linear, so keys (and queries) split after RoPE too: each
   part is rotated on its own with the model's rotary cos/sin at the token positions, and base + adapter = the cached
   key. (The key's adapter part is expanded to full width before the rotation: it is not rank r after RoPE.) Models
-  that normalise keys or values per head before caching (`k_norm`/`v_norm`, e.g. Qwen3, Gemma 3) break that
-  linearity; their split is refused.
+  that normalise queries or keys before RoPE (`q_norm`/`k_norm`: Qwen3, OLMo 2) break that linearity: their q/k
+  split is taken before the norm and RoPE (`ProjectionSplit.normalised`), base + adapter is then the projection's
+  output, not the cached key — the part a low-rank store shares (`kvprof.policies.lowrank`). A value norm
+  (`v_norm`) is refused.
 - **hidden**: the hidden state entering each layer (the residual stream; DroidSpeak-style recompute starts here).
 - **lr**: the rank-r LR activations X·A_k of each projection for every loaded adapter k (PReCache's precomputed LR
   cache: all agents' down-projections applied to the hidden states of whoever runs the call), computed with peft's own
@@ -31,9 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.lora import decoder_layers
+from kvprof.lora import QKV, attention_of, decoder_layers, projection_columns
 from kvprof.model import AgentSet, head_dim
-from kvprof.rope import rotary_embedding, rotate_half
 
 PARTS = ("kv", "split", "hidden", "lr")
 ROTATED = {"q_proj", "k_proj"}  # projections RoPE rotates
@@ -52,10 +53,12 @@ class ProjectionSplit:
 
     base: torch.Tensor
     adapter: torch.Tensor
+    normalised: bool = False
 
     @property
     def total(self) -> torch.Tensor:
-        """base + adapter: for `k_proj` / `v_proj` the cached K / V."""
+        """base + adapter: for `k_proj` / `v_proj` the cached K / V, unless `normalised`: the layer normalises this
+        projection's output before RoPE, and the parts are the projection's output, before the norm and RoPE."""
         return self.base + self.adapter
 
 
@@ -115,28 +118,44 @@ def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
     return chosen
 
 
-def _projection(layer: torch.nn.Module, name: str, index: int) -> torch.nn.Module:
-    """The module named `name` (e.g. k_proj) inside one decoder layer: a peft LoRA layer or a plain Linear."""
+def _projection(layer: torch.nn.Module, name: str, index: int) -> tuple[torch.nn.Module, slice | None]:
+    """The module that computes projection `name` (e.g. k_proj) inside one decoder layer — a peft LoRA layer or a
+    plain Linear — and the columns of its output that are it (None: all; a block of a fused qkv_proj for q/k/v,
+    `kvprof.lora.projection_columns`)."""
+    if name in QKV:
+        return projection_columns(attention_of(layer, index), name, index)
     found = [(path, module) for path, module in layer.named_modules() if path.rsplit(".", 1)[-1] == name]
     if not found:
-        raise KvprofError(
-            f"layer {index} has no projection {name!r}; pass projections this model has "
-            "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."
+        present = sorted(
+            {path.rsplit(".", 1)[-1] for path, module in layer.named_modules() if _is_projection(path, module)}
         )
-    return min(found, key=lambda item: len(item[0]))[1]
+        raise KvprofError(f"layer {index} has no projection {name!r}; its projections are {', '.join(present)}.")
+    return min(found, key=lambda item: len(item[0]))[1], None
+
+
+def _is_projection(path: str, module: torch.nn.Module) -> bool:
+    """A linear layer of the model (plain or peft's LoRA wrapper), not a part of a LoRA layer (its base layer or
+    factors)."""
+    inside_lora = any(part == "base_layer" or part.startswith("lora_") for part in path.split("."))
+    return not inside_lora and (isinstance(module, torch.nn.Linear) or _is_lora(module))
 
 
 def _is_lora(module: torch.nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
 
 
-def _check_norm(attention: torch.nn.Module, name: str, index: int) -> None:
+def _normalised(attention: torch.nn.Module, name: str, index: int) -> bool:
+    """Whether the layer normalises the projection's output before RoPE (its split is then taken before the norm);
+    refuses a value norm, after which the cached values have no base + adapter split."""
     norm = NORMS.get(name)
-    if norm and getattr(attention, norm, None) is not None:
+    if not norm or getattr(attention, norm, None) is None:
+        return False
+    if name == "v_proj":
         raise KvprofError(
-            f"layer {index} normalises {name} per head ({norm}) before caching, so its output does not "
-            "split into base + adapter; capture without the 'split' part for this model."
+            f"layer {index} normalises v_proj ({norm}) before caching, so its cached values do not split into base "
+            "+ adapter; this model's cache cannot be split."
         )
+    return True
 
 
 def _check_plain_lora(module: torch.nn.Module, name: str, index: int) -> None:
@@ -159,20 +178,23 @@ class _LayerRecorder:
     def __init__(self, index: int, layer: torch.nn.Module, keep: slice):
         self.index, self.layer, self.keep = index, layer, keep
         self.modules: dict[str, torch.nn.Module] = {}
+        self.columns: dict[str, slice] = {}
         self.inputs: dict[str, torch.Tensor] = {}
         self.base: dict[str, torch.Tensor] = {}
         self.adapter: dict[str, torch.Tensor] = {}
+        self.normalised: set[str] = set()
         self.result = LayerCapture(layer=index)
 
     def hooks(self, projections: Sequence[str], want_split: bool) -> list:
         handles = []
-        attention = getattr(self.layer, "self_attn", self.layer)
+        attention = attention_of(self.layer, self.index)
         for name in projections:
-            module = _projection(self.layer, name, self.index)
-            if want_split:
-                _check_norm(attention, name, self.index)
+            module, columns = _projection(self.layer, name, self.index)
+            if want_split and _normalised(attention, name, self.index):
+                self.normalised.add(name)
             _check_plain_lora(module, name, self.index)
             self.modules[name] = module
+            self.columns[name] = columns or slice(None)
             base = module.base_layer if _is_lora(module) else module
             handles.append(base.register_forward_hook(self._on_base(name)))
             if want_split and _is_lora(module):
@@ -183,13 +205,13 @@ class _LayerRecorder:
     def _on_base(self, name: str):
         def hook(module, args, output):
             self.inputs[name] = args[0]
-            self.base[name] = output
+            self.base[name] = output[..., self.columns[name]]
 
         return hook
 
     def _on_lora_b(self, name: str, scaling: float):
         def hook(module, args, output):
-            part = output[:, self.keep].float() * scaling  # kept tokens only, summed in fp32
+            part = output[:, self.keep, self.columns[name]].float() * scaling  # kept tokens only, summed in fp32
             self.adapter[name] = self.adapter[name] + part if name in self.adapter else part
 
         return hook
@@ -203,12 +225,11 @@ class _Capture:
         agents: AgentSet,
         keep: slice,
         positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         last_layer: int,
     ):
         self.agents, self.keep, self.positions = agents, keep, positions
-        self.cos, self.sin, self.last_layer = cos, sin, last_layer
+        self.cos, self.sin = agents.rope.tables(positions[keep])
+        self.last_layer = last_layer
 
     def span(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         """Kept tokens of `tensor` along `axis`, copied to fp32."""
@@ -216,18 +237,18 @@ class _Capture:
         index[axis] = self.keep
         return tensor[tuple(index)].float().clone()
 
-    def shape(self, flat: torch.Tensor, name: str, kept: bool = False) -> torch.Tensor:
+    def shape(self, flat: torch.Tensor, name: str, kept: bool = False, rotate: bool = True) -> torch.Tensor:
         """(1, L, out) projection output → the `ProjectionSplit` layout of the kept tokens, fp32.
 
-        q/k/v: (H, L_kept, D), rotated with the model's RoPE for q and k; other projections (L_kept, out).
-        `kept`: the tokens were already cut to the kept range.
+        q/k/v: (H, L_kept, D), rotated with the model's RoPE for q and k unless `rotate` is False; other
+        projections (L_kept, out). `kept`: the tokens were already cut to the kept range.
         """
         rows = flat[0].float() if kept else self.span(flat[0], 0)
         if name not in PER_HEAD:
             return rows
         per_head = rows.view(rows.shape[0], -1, head_dim(self.agents.config)).transpose(0, 1)
-        if name in ROTATED:
-            per_head = per_head * self.cos + rotate_half(per_head) * self.sin
+        if name in ROTATED and rotate:
+            per_head = self.agents.rope.rotate(per_head, self.cos, self.sin)
         return per_head.contiguous()
 
 
@@ -278,9 +299,7 @@ def capture_turn(
     if missing:
         raise KvprofError(f"unknown adapter {', '.join(sorted(missing))}; loaded: {', '.join(agents.adapters)}.")
 
-    rotary = rotary_embedding(agents.base_model)
-    cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), pos[None, start:end])
-    state = _Capture(agents, slice(start, end), pos, cos.float()[0], sin.float()[0], chosen[-1])
+    state = _Capture(agents, slice(start, end), pos, chosen[-1])
 
     from transformers import DynamicCache
 
@@ -357,11 +376,17 @@ def _finish_hook(
             result.values = state.span(cached.values[0], 1)
         for name, module_ in recorder.modules.items():
             if "split" in parts:
-                base = state.shape(recorder.base[name], name)
+                normalised = name in recorder.normalised
+                base = state.shape(recorder.base[name], name, rotate=not normalised)
                 adapter = recorder.adapter.get(name)  # already cut to the kept tokens
                 result.split[name] = ProjectionSplit(
                     base=base,
-                    adapter=torch.zeros_like(base) if adapter is None else state.shape(adapter, name, kept=True),
+                    adapter=(
+                        torch.zeros_like(base)
+                        if adapter is None
+                        else state.shape(adapter, name, kept=True, rotate=not normalised)
+                    ),
+                    normalised=normalised,
                 )
             if "lr" in parts and _is_lora(module_):
                 result.lr[name] = {

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.rope import apply_rope
+from kvprof.model import head_dim, kv_heads
+from kvprof.rope import Rope, apply_rope
 
 CACHED_PROJECTIONS = ("k_proj", "v_proj")
 
@@ -51,29 +52,114 @@ class LayerSplit:
     value: ProjectionWeights
 
 
-def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+FUSED_QKV = "qkv_proj"  # Phi-3's fused projection: output columns q (H·D) | k (H_kv·D) | v (H_kv·D)
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def projection_columns(attention: torch.nn.Module, name: str, index: int) -> tuple[torch.nn.Module, slice | None]:
+    """The module that computes projection `name` (q_proj, k_proj or v_proj) of layer `index`'s attention, and which
+    columns of its output are that projection: the projection itself (None: every column), or its block of a fused
+    `qkv_proj` (Phi-3). Refuses any other layout in one sentence."""
+    if hasattr(attention, name):
+        return getattr(attention, name), None
+    fused = getattr(attention, FUSED_QKV, None)
+    config = attention.config
+    size = head_dim(config)
+    query, kv = config.num_attention_heads * size, kv_heads(config) * size
+    width = getattr(getattr(fused, "base_layer", fused), "out_features", None)
+    if fused is None or name not in QKV or width != query + 2 * kv:
+        raise KvprofError(
+            f"layer {index}'s attention has no {name} and no fused qkv_proj laid out q | k | v, so kvprof cannot "
+            f"find its {name} output; this model's cache cannot be split into base and adapter parts."
+        )
+    start = {"q_proj": 0, "k_proj": query, "v_proj": query + kv}[name]
+    return fused, slice(start, start + (query if name == "q_proj" else kv))
+
+
+def _linear_parts(module, rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
     base = getattr(module, "base_layer", module)
-    return base.weight.detach(), None if base.bias is None else base.bias.detach()
+    return base.weight.detach()[rows], None if base.bias is None else base.bias.detach()[rows]
 
 
 def layer_splits(agents) -> list[LayerSplit]:
-    """Per layer, the k/v projection weights of the base and of every agent's adapter (see `ProjectionWeights`)."""
+    """Per layer, the k/v projection weights of the base and of every agent's adapter (see `ProjectionWeights`).
+
+    A fused qkv_proj (Phi-3) splits by its column blocks: its k and v rows of W0 and of every B, its one A shared by
+    both. Refuses a model whose attention has neither layout, or normalises its values (v_norm): its cached values
+    are not X·W0 plus a low-rank part."""
     splits = []
-    for layer in decoder_layers(agents.base_model):
+    model_name = agents.base_model.config.name_or_path
+    for index, layer in enumerate(decoder_layers(agents.base_model)):
+        attention = attention_of(layer, index)
+        if getattr(attention, "v_norm", None) is not None:
+            raise KvprofError(
+                f"model {model_name!r} normalises its values (v_norm) in layer {index}, so its cached values do not "
+                "split into base and adapter parts; pick a policy that does not split the cache."
+            )
         parts = {}
         for name in CACHED_PROJECTIONS:
-            module = getattr(layer.self_attn, name)
-            weight, bias = _linear_parts(module)
+            module, columns = projection_columns(attention, name, index)
+            rows = columns or slice(None)
+            weight, bias = _linear_parts(module, rows)
             split = ProjectionWeights(weight, bias)
             for agent in getattr(module, "lora_A", {}):
                 if agent not in agents.spec.names:
                     continue
                 scale = module.scaling[agent]
                 split.down[agent] = module.lora_A[agent].weight.detach()
-                split.up[agent] = module.lora_B[agent].weight.detach() * scale
+                split.up[agent] = module.lora_B[agent].weight.detach()[rows] * scale
             parts[name] = split
         splits.append(LayerSplit(key=parts["k_proj"], value=parts["v_proj"]))
     return splits
+
+
+class KeyNorm:
+    """A layer's key norm (`k_norm`: Qwen3, OLMo 2, Gemma 3), applied as the layer applies it, between k_proj and
+    RoPE: per head (its weight has D entries) or over the whole projection (OLMo 2: H_kv·D entries)."""
+
+    def __init__(self, norm: torch.nn.Module, width: int):
+        self.norm = norm
+        weight = getattr(norm, "weight", None)
+        self.flat = weight is not None and weight.dim() == 1 and weight.numel() == width
+
+    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, L, D) pre-RoPE keys → normalised, same shape and dtype."""
+        if not self.flat:
+            return self.norm(keys)
+        batch, heads_kv, length, dim = keys.shape
+        flat = keys.transpose(1, 2).reshape(batch, length, heads_kv * dim)
+        return self.norm(flat).view(batch, length, heads_kv, dim).transpose(1, 2)
+
+
+def key_norms(model) -> list[KeyNorm] | None:
+    """Per layer the `KeyNorm` of a model that normalises its keys before RoPE, or None for a model that does not."""
+    layers = decoder_layers(model)
+    norms = [getattr(attention_of(layer, index), "k_norm", None) for index, layer in enumerate(layers)]
+    if all(norm is None for norm in norms):
+        return None
+    width = kv_heads(model.config) * head_dim(model.config)
+    found = [KeyNorm(norm, width) for norm in norms if norm is not None]
+    if len(found) != len(norms):
+        raise KvprofError(
+            f"model {model.config.name_or_path!r} normalises keys in some layers only; kvprof splits caches of "
+            "models that normalise keys in every layer or in none."
+        )
+    return found
+
+
+ATTENTION_NAMES = ("self_attn", "attention", "attn")  # a decoder layer's attention module, by architecture
+
+
+def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """The attention module of decoder layer `index` (`self_attn` in Llama-style decoders, `attention` in GPT-NeoX)."""
+    for name in ATTENTION_NAMES:
+        module = getattr(layer, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise KvprofError(
+        f"decoder layer {index} has no attention module ({', '.join(ATTENTION_NAMES)}); kvprof supports decoders "
+        "whose layers hold one."
+    )
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -123,7 +209,7 @@ class HiddenTap:
         handles = [
             module.register_forward_pre_hook(hook(target, i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
-            for module, target in ((layer.self_attn, self.hidden), (layer, self.residual))
+            for module, target in ((attention_of(layer, i), self.hidden), (layer, self.residual))
         ]
         try:
             yield self
@@ -142,12 +228,14 @@ def base_kv(
     split: LayerSplit,
     hidden: torch.Tensor,
     positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    attention_scaling: float,
+    rope: Rope,
     head_dim: int,
+    key_norm: KeyNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Base cache of tokens with attention inputs `hidden` (B, L, d_model) at `positions` (L,):
-    K_base = RoPE(X·W0_kᵀ), V_base = X·W0_vᵀ, each (B, H_kv, L, D)."""
+    K_base = RoPE(k_norm(X·W0_kᵀ)) (no norm unless `key_norm`), V_base = X·W0_vᵀ, each (B, H_kv, L, D)."""
     keys = heads(split.key.base(hidden), head_dim)
     values = heads(split.value.base(hidden), head_dim)
-    return apply_rope(keys, positions, inv_freq, attention_scaling), values
+    if key_norm is not None:
+        keys = key_norm(keys)
+    return apply_rope(keys, positions, rope), values

@@ -19,9 +19,11 @@ def relative_frobenius(approx: torch.Tensor, dense: torch.Tensor) -> float:
 
 
 def mean_token_cosine(approx: torch.Tensor, dense: torch.Tensor) -> float:
-    """Mean cosine similarity of matching token vectors: inputs (..., L, D), cosine over D, mean over the rest."""
-    cos = torch.nn.functional.cosine_similarity(approx.double(), dense.double(), dim=-1, eps=1e-12)
-    return float(cos.mean())
+    """Mean cosine similarity of matching token vectors: inputs (..., L, D), cosine over D, mean over the rest. Equal
+    vectors count 1, zero ones included (an untrained model's padding embedding is zero)."""
+    approx, dense = approx.double(), dense.double()
+    cos = torch.nn.functional.cosine_similarity(approx, dense, dim=-1, eps=1e-12)
+    return float(torch.where((approx == dense).all(dim=-1), 1.0, cos).mean())
 
 
 def reused_from_others(producers: list[str], agent: str, reused: int) -> int:

@@ -7,6 +7,7 @@ An `AgentSet` holds one base model shared by every agent. In lora mode each agen
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.rope import Rope, model_rope
 from kvprof.spec import WorkflowSpec
 
 if TYPE_CHECKING:
@@ -44,6 +46,12 @@ def head_dim(config) -> int:
     hidden_size // num_attention_heads.
     """
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads(config) -> int:
+    """The number H_kv of key/value heads of a transformers model `config`: `num_key_value_heads`, or every attention
+    head for an architecture without grouped-query attention, whose config has no such field (GPT-NeoX, Persimmon)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -116,11 +124,19 @@ def tokenizer_identity(tokenizer) -> dict:
 
 
 def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
+    """The causal LM in directory `name`, in `dtype` on `device`, attending with `attn` (an architecture that has no
+    sdpa attention falls back to its own eager one)."""
     from transformers import AutoModelForCausalLM
 
     check_model_path(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+        except ValueError as err:
+            if attn != "sdpa" or "scaled_dot_product_attention" not in str(err):
+                raise
+            # An architecture without sdpa support (e.g. Gemma 2 in transformers 5): its own eager attention.
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="eager")
     except (OSError, ValueError) as err:
         raise _load_error("model", name, err) from None
     except torch.OutOfMemoryError:
@@ -254,6 +270,12 @@ class AgentSet:
     @property
     def config(self):
         return self.base_model.config
+
+    @functools.cached_property
+    def rope(self) -> Rope:
+        """The base model's RoPE (`kvprof.rope.model_rope`), checked on the model once, adapters disabled."""
+        with self.activate(None):
+            return model_rope(self.base_model)
 
     @contextlib.contextmanager
     def activate(self, agent: str | None) -> Iterator[None]:

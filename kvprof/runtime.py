@@ -10,6 +10,7 @@ prompt in prompt mode; empty in lora mode). Caches handed to the model are `Buff
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,9 +21,8 @@ from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer
-from kvprof.lora import HiddenTap, layer_splits
-from kvprof.model import AgentSet, head_dim
-from kvprof.rope import rotary_embedding
+from kvprof.lora import HiddenTap, KeyNorm, LayerSplit, key_norms, layer_splits
+from kvprof.model import AgentSet, head_dim, kv_heads
 from kvprof.stopping import StopStrings
 from kvprof.trace import Trajectory
 from kvprof.workflow import Task, private_prompt
@@ -69,15 +69,12 @@ class Runtime:
         self.model = agents.model
         config = agents.config
         self.num_layers = config.num_hidden_layers
-        self.kv_heads = config.num_key_value_heads
+        self.kv_heads = kv_heads(config)
         self.head_dim = head_dim(config)
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
-        rotary = rotary_embedding(agents.base_model)
-        self.inv_freq = rotary.inv_freq.detach().float().to(agents.device)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.splits = layer_splits(agents) if agents.spec.mode == "lora" else []
+        self.rope = agents.rope
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.tap = HiddenTap(agents.base_model)
         self.dtype = agents.base_model.dtype
         self.device = agents.device
@@ -92,16 +89,30 @@ class Runtime:
             if p.dim() == 2 and "embed" not in name and "lora_" not in name
         )
 
+    @functools.cached_property
+    def splits(self) -> list[LayerSplit]:
+        """Per layer the base and adapter weights of k_proj and v_proj (`kvprof.lora.layer_splits`; lora mode, else
+        empty), read when a policy first needs them: a model whose cache does not split is refused then."""
+        return layer_splits(self.agents) if self.agents.spec.mode == "lora" else []
+
+    @functools.cached_property
+    def key_norms(self) -> list[KeyNorm] | None:
+        """Per layer the model's key norm before RoPE (`kvprof.lora.key_norms`), None for a model without one."""
+        return key_norms(self.agents.base_model)
+
+    def require_split(self) -> None:
+        """Read `splits` and `key_norms` now (they are kept), refusing in one sentence a model whose cache does not
+        split into base and adapter parts: what every low-rank policy's `check` asks first."""
+        _ = self.splits, self.key_norms
+
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the model's RoPE at positions 0..length−1, each (length, D) fp32, attention scaling
-        included: computed once for the longest context asked for and sliced after (policies that rotate a whole
-        context every turn would otherwise recompute the same angles)."""
-        if self._rope is None or self._rope[0].shape[0] < length:
-            size = max(length, 2 * self._rope[0].shape[0] if self._rope is not None else length)
-            angles = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-            angles = torch.cat((angles, angles), dim=-1)
-            self._rope = (angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling)
-        cos, sin = self._rope
+        """cos and sin of the model's RoPE at positions 0..length−1, each (length, R) fp32 (`kvprof.rope.Rope`),
+        attention scaling included: computed once for the longest context asked for and sliced after (policies that
+        rotate a whole context every turn would otherwise recompute the same angles)."""
+        if self._rope_tables is None or self._rope_tables[0].shape[0] < length:
+            size = max(length, 2 * self._rope_tables[0].shape[0] if self._rope_tables is not None else length)
+            self._rope_tables = self.rope.tables(torch.arange(size, device=self.device))
+        cos, sin = self._rope_tables
         return cos[:length], sin[:length]
 
     @property

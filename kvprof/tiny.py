@@ -10,6 +10,13 @@ The model is one of `ARCHITECTURES` (same sizes, tokenizer, adapters, tasks and 
   would leave every bias code path untested); RoPE θ = 10⁶, as Qwen2 ships.
 - `mistral`: sliding-window attention with a window (`MISTRAL_WINDOW`) longer than any tiny sequence, so results equal
   full attention while the model runs its sliding-window masks and cache layers; RoPE θ = 10⁶.
+- `qwen3`: per-head query and key norms (q_norm, k_norm) between the projections and RoPE, so a cached key is not a
+  base plus an adapter part; head size 16 set apart from hidden / heads; RoPE θ = 10⁶.
+- `phi`: partial rotary (RoPE on the first half of each head, the rest passed through), biases on every attention
+  projection (random, as for qwen2), an output projection named `dense`, LayerNorm, and attention and MLP side by
+  side on one norm.
+- `phi3`: one fused projection for queries, keys and values (`qkv_proj`, adapted as one module, as Phi-3 adapters
+  are), split by its column blocks.
 
     python -m kvprof.tiny DIR [ARCH]   # writes DIR/model, DIR/adapters/{plan,act,reflect}, DIR/adapters_shared_a/...,
                                        # DIR/tasks.jsonl,
@@ -20,13 +27,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvprof.lora import attention_of, decoder_layers
+
 AGENTS = ("plan", "act", "reflect")
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi", "phi3")
 MISTRAL_WINDOW = 4096  # tokens; longer than any sequence the tiny world produces
 BIAS_STD = 0.1  # of the random q/k/v biases, comparable to X·W0 (std ≈ 0.16 in the tiny model)
 CORPUS = [
@@ -92,7 +102,7 @@ def tiny_config(
     arch: str = "llama",
 ):
     """The transformers config of a tiny model of architecture `arch` (one of `ARCHITECTURES`)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -114,6 +124,12 @@ def tiny_config(
         return Qwen2Config(**common, rope_parameters=rope)
     if arch == "mistral":
         return MistralConfig(**common, head_dim=hidden // heads, sliding_window=MISTRAL_WINDOW, rope_parameters=rope)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=16, rope_parameters=rope)
+    if arch == "phi":
+        return PhiConfig(**common, rope_parameters={**rope, "partial_rotary_factor": 0.5})
+    if arch == "phi3":
+        return Phi3Config(**common, rope_parameters=rope)
     raise ValueError(f"unknown architecture {arch!r}; use one of {', '.join(ARCHITECTURES)}")
 
 
@@ -125,7 +141,7 @@ def build_model(config):
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "self_attn.dense.bias")):
                 parameter.normal_(0.0, BIAS_STD)
     return model
 
@@ -159,19 +175,46 @@ def build_adapter(
     return peft_model.unload()
 
 
-def build_tiny_world(root: str | Path, seed: int = 0, arch: str = "llama") -> TinyWorld:
-    """Write the tiny world of architecture `arch` under `root` (see module docstring) and return its paths."""
+def attention_targets(model) -> tuple[str, ...]:
+    """The names of the linear layers inside the first decoder layer's attention (q_proj, k_proj, v_proj, o_proj in
+    Llama; qkv_proj in Phi-3; dense in Phi), the LoRA targets of the tiny adapters."""
+    attention = attention_of(decoder_layers(model)[0], 0)
+    return tuple(
+        sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in attention.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+        )
+    )
+
+
+def build_tiny_world(
+    root: str | Path, seed: int = 0, arch: str = "llama", configure: Callable[[int, int], object] | None = None
+) -> TinyWorld:
+    """Write the tiny world of architecture `arch` under `root` (see module docstring) and return its paths.
+
+    `configure`, if given, builds the model's config instead of `tiny_config` from (vocabulary size, EOS id): any
+    transformers causal LM (`scripts/arch_survey.py`). The adapters target every linear layer of the attention."""
     world = TinyWorld(Path(root))
     world.root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = build_model(tiny_config(len(tokenizer), tokenizer.eos_token_id, arch=arch))
+    if configure is None:
+        config = tiny_config(len(tokenizer), tokenizer.eos_token_id, arch=arch)
+    else:
+        config = configure(len(tokenizer), tokenizer.eos_token_id)
+    model = build_model(config)
     model.save_pretrained(world.model)
     tokenizer.save_pretrained(world.model)
+    targets = attention_targets(model)
     for index, name in enumerate(AGENTS):
-        model = build_adapter(model, world.adapter(name), seed=seed + 1 + index)
+        model = build_adapter(model, world.adapter(name), seed=seed + 1 + index, targets=targets)
     for index, name in enumerate(AGENTS):
-        model = build_adapter(model, world.shared_a_adapter(name), seed=seed + 11 + index, shared_a_seed=seed + 10)
+        model = build_adapter(
+            model, world.shared_a_adapter(name), seed=seed + 11 + index, targets=targets, shared_a_seed=seed + 10
+        )
     with open(world.tasks, "w", encoding="utf-8") as handle:
         for index, (person, place) in enumerate([("Kalomir", "Norvash"), ("Tevren", "Osmadal"), ("Brinoth", "Quessa")]):
             task = {

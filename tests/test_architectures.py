@@ -1,5 +1,7 @@
-"""kvprof on architectures beyond Llama: tiny Qwen2 (q/k/v biases) and Mistral (sliding-window attention) worlds,
-through the command line: capture, rank-analysis and replay, in lora and prompt mode (Llama: the other tests)."""
+"""kvprof on architectures beyond Llama, through the command line (capture, rank-analysis and replay, in lora and
+prompt mode) on tiny worlds of Qwen2 (q/k/v biases), Mistral (sliding-window attention), Qwen3 (query and key norms
+before RoPE), Phi (partial rotary, biases, parallel attention and MLP) and Phi-3 (fused qkv_proj); Llama: the other
+tests."""
 
 from __future__ import annotations
 
@@ -9,17 +11,17 @@ import pytest
 import torch
 
 from kvprof.cache import capture_turn
-from kvprof.lora import HiddenTap, base_kv, layer_splits
+from kvprof.lora import HiddenTap, base_kv, key_norms, layer_splits
 from kvprof.model import head_dim, load_agents
 from kvprof.policies import enumerate_variants
-from kvprof.rope import rotary_embedding
+from kvprof.rope import apply_rope
 from kvprof.spec import build_spec
 from kvprof.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
 
 DEVICE = ("--device", "cpu")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["qwen2", "mistral", "qwen3", "phi", "phi3"])
 def world(request, tmp_path_factory) -> TinyWorld:
     """The tiny world of each architecture, built once per module."""
     return build_tiny_world(tmp_path_factory.mktemp(f"tiny_{request.param}"), arch=request.param)
@@ -75,18 +77,23 @@ def _check_selective_recompute_at_ratio_one(run_cli, trace: str, out) -> None:
 
 def test_cache_split_and_base_kv_carry_the_biases(world):
     """base + adapter is the cached K/V, and the base part from the weights (kvprof.lora) equals the captured one:
-    with Qwen2's biases, both must include the bias (before RoPE for keys)."""
+    with Qwen2's and Phi's biases, both must include the bias (before RoPE for keys); Qwen3 normalises keys before
+    RoPE, so its key split is the projection's output and RoPE(k_norm(base + adapter)) is the cached key."""
     agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu", dtype="float32")
     ids = agents.tokenizer.encode("Question: Where was Kalomir born?\nplan:", add_special_tokens=False)
     splits = layer_splits(agents)
-    assert agents.config.model_type in ("qwen2", "mistral")
-    if agents.config.model_type == "mistral":
+    model_type = agents.config.model_type
+    assert model_type in ("qwen2", "mistral", "qwen3", "phi", "phi3")
+    if model_type == "mistral":
         assert agents.config.sliding_window == MISTRAL_WINDOW
-    biased = agents.config.model_type == "qwen2"
+    if model_type == "phi":
+        assert agents.rope.rotary_dim == head_dim(agents.config) // 2
+    biased = model_type in ("qwen2", "phi")
     assert all((split.key.base_bias is not None) == biased for split in splits)
     if biased:
         assert all(float(split.value.base_bias.abs().mean()) > 0.01 for split in splits)
-    rotary = rotary_embedding(agents.base_model)
+    norms = key_norms(agents.base_model)
+    assert (norms is not None) == (model_type == "qwen3")
     tap = HiddenTap(agents.base_model)
     positions = torch.arange(len(ids))
     for agent in AGENTS:
@@ -95,20 +102,31 @@ def test_cache_split_and_base_kv_carry_the_biases(world):
             agents.model(input_ids=torch.tensor([ids]))
         for index, layer in captured.layers.items():
             keys, values = layer.split["k_proj"], layer.split["v_proj"]
-            torch.testing.assert_close(keys.total, layer.keys, rtol=1e-4, atol=1e-5)
+            norm = None if norms is None else norms[index]
+            assert keys.normalised == (norm is not None) and not values.normalised
+            cached_keys = keys.total if norm is None else apply_rope(norm(keys.total[None]), positions, agents.rope)[0]
+            torch.testing.assert_close(cached_keys, layer.keys, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(values.total, layer.values, rtol=1e-4, atol=1e-5)
             hidden = tap.hidden[index]
             assert hidden is not None
-            base_k, base_v = base_kv(
-                splits[index],
-                hidden,
-                positions,
-                rotary.inv_freq,
-                float(getattr(rotary, "attention_scaling", 1.0)),
-                head_dim(agents.config),
-            )
-            torch.testing.assert_close(base_k[0], keys.base, rtol=1e-4, atol=1e-5)
+            base_k, base_v = base_kv(splits[index], hidden, positions, agents.rope, head_dim(agents.config), norm)
+            base_keys = keys.base if norm is None else apply_rope(norm(keys.base[None]), positions, agents.rope)[0]
+            torch.testing.assert_close(base_k[0], base_keys, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(base_v[0], values.base, rtol=1e-4, atol=1e-5)
+
+
+def test_low_rank_policies_are_exact_when_every_agent_has_the_same_adapter(world, run_cli, tmp_path):
+    """With one adapter for every agent, a token's base plus the reader's adapter part is the reader's own cache:
+    BaseShared and PreLRShared must reproduce the dense run, through this architecture's biases, partial rotary or
+    key norm (Qwen3: the store keeps keys before the norm and RoPE)."""
+    trace = _capture(run_cli, world, world.lora_workflow, tmp_path / "capture")
+    same = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.adapter('act')}")]
+    result = _replay(run_cli, trace, tmp_path / "same", "--policy", "baseshared", "--policy", "prelrshared", *same)
+    assert set(result["policies"]) == {"baseshared-full", "prelrshared"}
+    for label, entry in result["policies"].items():
+        summary = entry["summary"]
+        assert summary["reuse_per_token"] > 0.3, label
+        assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-9, label
 
 
 def test_lora_capture_rank_analysis_and_replay(world, run_cli, tmp_path):

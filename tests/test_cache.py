@@ -9,7 +9,7 @@ from kvprof.cache import capture_turn
 from kvprof.errors import KvprofError
 from kvprof.lora import decoder_layers
 from kvprof.model import load_agents
-from kvprof.rope import rotary_embedding, rotate_keys
+from kvprof.rope import rotate_keys
 from kvprof.spec import build_spec
 
 TOKENS = list(range(3, 3 + 60))
@@ -103,7 +103,7 @@ def test_layer_selection_and_keep_are_slices_of_the_full_capture(lora_agents):
 def test_positions_offset_matches_the_model_and_rotation(lora_agents):
     """Context-free keys at positions p + δ are the keys at p rotated by δ, and rotation round-trips."""
     delta = 37
-    inv_freq = rotary_embedding(lora_agents.base_model).inv_freq
+    rope = lora_agents.rope
     at_zero = capture_turn(lora_agents, "plan", TOKENS, parts=("kv",))
     shifted_positions = torch.arange(len(TOKENS)) + delta
     shifted = capture_turn(lora_agents, "plan", TOKENS, parts=("kv", "split"), positions=shifted_positions)
@@ -111,11 +111,11 @@ def test_positions_offset_matches_the_model_and_rotation(lora_agents):
     for index, layer in shifted.layers.items():
         assert torch.equal(layer.keys, cache.layers[index].keys[0])
         assert _relative(layer.split["k_proj"].total, layer.keys) <= 1e-5
-        moved = rotate_keys(at_zero.layers[index].keys, delta, inv_freq)
+        moved = rotate_keys(at_zero.layers[index].keys, delta, rope)
         assert _relative(moved, layer.keys) <= 1e-5
-        back = rotate_keys(layer.keys, -delta, inv_freq)
+        back = rotate_keys(layer.keys, -delta, rope)
         assert _relative(back, at_zero.layers[index].keys) <= 1e-5
-        assert _relative(rotate_keys(rotate_keys(layer.keys, delta, inv_freq), -delta, inv_freq), layer.keys) <= 1e-5
+        assert _relative(rotate_keys(rotate_keys(layer.keys, delta, rope), -delta, rope), layer.keys) <= 1e-5
         # values do not move; keys really did (the check above is not vacuous)
         assert _relative(layer.values, at_zero.layers[index].values) <= 1e-5
         assert _relative(layer.keys, at_zero.layers[index].keys) > 0.1

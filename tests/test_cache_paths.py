@@ -98,8 +98,9 @@ def test_rope_tables_equal_the_rotation(shared_a_agents):  # noqa: F811
     states = torch.randn(1, runtime.kv_heads, 300, runtime.head_dim)
     cos, sin = runtime.rope_tables(300)
 
-    expected = apply_rope(states, torch.arange(300), runtime.inv_freq, runtime.attention_scaling)
+    expected = apply_rope(states, torch.arange(300), runtime.rope)
     torch.testing.assert_close(states * cos + rotate_half(states) * sin, expected)
+    torch.testing.assert_close(runtime.rope.rotate(states, cos, sin), expected)
     assert runtime.rope_tables(10)[0].shape == (10, runtime.head_dim)
 
 

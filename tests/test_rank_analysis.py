@@ -15,7 +15,7 @@ from kvprof.analysis import EXTENSION, agent_sequence, analyze_trace, pair_span,
 from kvprof.commands.rank_analysis import parse_layers
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
-from kvprof.rope import rotary_embedding, rotate_keys
+from kvprof.rope import rotate_keys
 from kvprof.trace import Trace, read_trace, write_trace
 
 
@@ -146,13 +146,13 @@ def test_prompt_mode_deltas_against_the_context_free_reference(prompt_analysis):
     with torch.no_grad():
         own = agents.model(input_ids=torch.tensor([traj.input_tokens(turn) + traj.output_tokens(turn)])).cache
         alone = agents.model(input_ids=torch.tensor([traj.segments[record.segment].tokens[: record.tokens]])).cache
-    inv_freq = rotary_embedding(agents.base_model).inv_freq
+    rope = agents.rope
     rows = slice(record.start, record.start + record.tokens)
     for kv, attr in (("K", "keys"), ("V", "values")):
         cache = getattr(own.layers[1], attr)[0, :, rows]
         reference = getattr(alone.layers[1], attr)[0]
         if kv == "K":
-            reference = rotate_keys(reference, record.start, inv_freq)
+            reference = rotate_keys(reference, record.start, rope)
         delta = _flat(cache) - _flat(reference)
         values = record.layers[1][kv].values
         assert values["delta_rank"] == pytest.approx(_numpy_effective_rank(delta, _flat(cache)), abs=1e-5)

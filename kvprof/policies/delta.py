@@ -46,7 +46,7 @@ from kvprof.errors import KvprofError
 from kvprof.kv_buffer import BufferCache, KVBuffer
 from kvprof.model import tokenizer_identity
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
-from kvprof.rope import rotate_keys
+from kvprof.rope import Rope, rotate_keys
 from kvprof.runtime import Runtime
 
 Stacked = tuple[torch.Tensor, torch.Tensor]  # keys and values (layers, H_kv, L, D), keys in the segment's frame
@@ -104,12 +104,12 @@ def pool_identity(runtime: Runtime) -> dict:
     }
 
 
-def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shift: int, inv_freq) -> Stacked:
+def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shift: int, rope: Rope) -> Stacked:
     """Batch row 0 of tokens [begin, end) of per-layer (K, V) (B, H_kv, T, D), stacked (layers, H_kv, L, D), keys
     rotated by `shift` positions."""
     keys = torch.stack([k[0, :, begin:end] for k, _ in kv])
     values = torch.stack([v[0, :, begin:end] for _, v in kv])
-    return (rotate_keys(keys, shift, inv_freq) if shift else keys), values
+    return (rotate_keys(keys, shift, rope) if shift else keys), values
 
 
 class NeutralContext:
@@ -149,7 +149,7 @@ class NeutralContext:
             self.kv = runtime.kv_of(cache)
         offset = len(self.ids)
         out = runtime.forward(None, ids, runtime.cache_from(self.kv), offset, last_logits_only=True)
-        return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.inv_freq)
+        return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.rope)
 
 
 def positive_int(value: str) -> int:
@@ -323,7 +323,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         """`agent`'s stored cache of `segment`, in the segment's frame."""
         begin = len(self.runtime.prefix(agent)) + segment.start
         kv = [buffer.view(begin - segment.start + self.seen[agent]) for buffer in self.own[agent]]
-        return stack(kv, begin, begin + segment.length, -begin, self.runtime.inv_freq)
+        return stack(kv, begin, begin + segment.length, -begin, self.runtime.rope)
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
         reference, source = self.reference(segment, shared, context)
@@ -379,7 +379,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
             refused = []
             at = prefix_len + segment.start
             keys, values = self.corrected_kv(agent, decision, context)
-            keys = rotate_keys(keys, at, runtime.inv_freq)
+            keys = rotate_keys(keys, at, runtime.rope)
             for layer, buffer in enumerate(buffers):
                 buffer.write(at, keys[layer][None], values[layer][None])
             context.corrected += segment.length

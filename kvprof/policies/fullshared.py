@@ -69,7 +69,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
             for prefix_part, buffer in zip(prefix_kv, self.shared):
                 keys, values = buffer.view(reused)
                 if bool(delta.any()):
-                    keys = rotate_keys(keys, delta.to(keys.device), self.runtime.inv_freq)
+                    keys = rotate_keys(keys, delta.to(keys.device), self.runtime.rope)
                     flops += 6.0 * keys.numel()
                 buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], len(shared) - reused))
             kv = [buffer.view(prefix_len + reused) for buffer in buffers]

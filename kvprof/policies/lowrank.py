@@ -9,6 +9,11 @@ BaseLRShared, PreLRShared) or adapter-free ones (ReBaseShared) — is the policy
 The value expansion is the torch reference of Flash-LoRA-Attention's O = P·V_base + (P·V_lr)·B (same result); the
 key expansion is inherent to LoRA on k_proj (RoPE does not commute with the rank-r factorisation).
 
+A model that normalises its keys between k_proj and RoPE (`k_norm`: Qwen3, OLMo 2) caches
+K = RoPE(k_norm(X·W0_kᵀ + (X·Aᵀ)·s·B_jᵀ)), which is not a base plus a low-rank part. For it the store keeps the
+un-normalised, un-rotated K_base = X·W0_kᵀ and every view computes k_norm and RoPE of the sum, for every agent and
+token it assembles (a cost Llama-style models do not pay, counted in the view's FLOPs). Values split as before.
+
 Dtypes, per operation, so that half-precision models (bfloat16 / float16, the CUDA default) replay as peft runs
 them: peft keeps adapter factors in float32 and computes a LoRA branch by upcasting X, so the down-projections X·Aᵀ
 and the expansions (X·Aᵀ)·s·Bᵀ run in the adapter's dtype (float32 for peft's default) and each sum
@@ -30,10 +35,10 @@ from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.kv_buffer import GrowingTensor, KVBuffer
 from kvprof.lora import base_kv, heads
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
-from kvprof.rope import rotate_half
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
+KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
 
 
 @dataclass
@@ -102,10 +107,15 @@ class LowRankStore:
         runtime = self.runtime
         count = hidden[0].shape[1]
         positions = torch.arange(start, start + count, device=hidden[0].device)
-        base = [
-            base_kv(split, x, positions, runtime.inv_freq, runtime.attention_scaling, runtime.head_dim)
-            for split, x in zip(runtime.splits, hidden)
-        ]
+        if runtime.key_norms is None:
+            base = [
+                base_kv(split, x, positions, runtime.rope, runtime.head_dim) for split, x in zip(runtime.splits, hidden)
+            ]
+        else:  # un-normalised, un-rotated keys: every view normalises and rotates base + adapter
+            base = [
+                (heads(split.key.base(x), runtime.head_dim), heads(split.value.base(x), runtime.head_dim))
+                for split, x in zip(runtime.splits, hidden)
+            ]
         flops = 2.0 * count * runtime.hidden_size * 2 * runtime.kv_heads * runtime.head_dim * runtime.num_layers
         return StoreUpdate(start=start, producer=producer, base=base), flops
 
@@ -198,26 +208,33 @@ class LowRankStore:
         self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], target: KVBuffer, begin: int, end: int
     ) -> float:
         """Write one layer's K/V of tokens begin..end as `agent` sees them — base plus B applied to each LR cache in
-        `sides` (the other side copied from the base) — into the same slots of `target`; returns the FLOPs.
-        Expansions run in the adapter's dtype, RoPE from the runtime's cos/sin tables, sums in float32."""
+        `sides` (the other side copied from the base; keys normalised and rotated for a model with a key norm) —
+        into the same slots of `target`; returns the FLOPs. Expansions run in the adapter's dtype, RoPE from the
+        runtime's cos/sin tables, sums in float32."""
         runtime = self.runtime
         split = runtime.splits[layer]
         base_keys, base_values = self.base[layer].view(end)
+        key_norm = None if runtime.key_norms is None else runtime.key_norms[layer]
         flops = 0.0
         for projection, grown, source in (("key", target.keys, base_keys), ("value", target.values, base_values)):
             out, source = grown.slot(begin, end - begin), source[:, :, begin:end]
-            if projection not in sides:
-                out.copy_(source)
-                continue
-            assert agent is not None  # sides is empty without an agent
-            proj = getattr(split, projection)
-            factors = sides[projection][:, begin:end]
-            expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
-            flops += 2.0 * expanded.numel() * factors.shape[-1]
-            if projection == "key":
+            norm = key_norm if projection == "key" else None
+            summed = source
+            if projection in sides:
+                assert agent is not None  # sides is empty without an agent
+                proj = getattr(split, projection)
+                factors = sides[projection][:, begin:end]
+                expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
+                flops += 2.0 * expanded.numel() * factors.shape[-1]
+                if projection == "key" and norm is None:
+                    cos, sin = runtime.rope_tables(end)
+                    expanded = runtime.rope.rotate(expanded, cos[begin:], sin[begin:])
+                summed = expanded.add_(source)
+            if norm is not None:  # k_norm of the sum in the model's dtype, as the layer applies it, then RoPE
                 cos, sin = runtime.rope_tables(end)
-                expanded = expanded * cos[begin:] + rotate_half(expanded) * sin[begin:]
-            out.copy_(expanded.add_(source))
+                summed = runtime.rope.rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:])
+                flops += KEY_FINISH_FLOPS * summed.numel()
+            out.copy_(summed)
         return flops
 
     def assemble(
@@ -252,7 +269,7 @@ class LowRankStore:
                 lora_b = lora_b_per_head(up, runtime.kv_heads, 1.0).to(base_values.dtype)
                 layer_lora = LoraValues(sides.pop("value")[:, :length], lora_b)
             lora_values.append(layer_lora)
-            if not sides:
+            if not sides and runtime.key_norms is None:
                 kv.append((base_keys, base_values))
                 buffers.append(base if length == len(self) else KVBuffer.of(base_keys, base_values, spare))
                 continue
@@ -347,6 +364,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
 
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
+        runtime.require_split()
         if self.settings.get("views") == "kept" and runtime.lora_attention:
             raise KvprofError(
                 f"policy {self.name} option views=kept keeps each agent's expanded values, which "

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from kvprof.errors import KvprofError
+from kvprof.lora import attention_of
 from kvprof.policies.base import Option, Published
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import RELAYCACHING
@@ -43,6 +45,7 @@ from kvprof.policies.selective import (
     SelectiveRecompute,
     budget,
     layer_index,
+    query_projection,
     ratio_option,
     select_top,
 )
@@ -51,6 +54,20 @@ from kvprof.runtime import Runtime
 
 THRESHOLD = 1.5  # × the mean deviation (RelayCaching) and × the mean influence (kvprof's reading of "high")
 WINDOW = 10  # the last tokens whose attention defines influence (RelayCaching)
+
+
+def normed_queries(attention: torch.nn.Module, queries: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A layer's projected queries (1, m, H_q·D) → (1, m, H_q, D) after its query norm, if it has one, applied as
+    the layer applies it: over the whole projection (OLMo 2: the norm's weight has H_q·D entries) or per head
+    (Qwen3, Gemma 3, Cohere)."""
+    norm = getattr(attention, "q_norm", None)
+    per_head = queries.view(*queries.shape[:2], -1, head_dim)
+    if norm is None:
+        return per_head
+    weight = getattr(norm, "weight", None)
+    if weight is not None and weight.dim() == 1 and weight.numel() == queries.shape[-1]:
+        return norm(queries).view_as(per_head)
+    return norm(per_head)
 
 
 class RelayCaching(SelectiveRecompute):
@@ -75,11 +92,17 @@ class RelayCaching(SelectiveRecompute):
         check, skip = self.layer_setting("check_layer"), self.layer_setting("skip_layers")
         self.check_layer_option(runtime, "check_layer", check)
         self.check_layer_option(runtime, "check_layer + skip_layers", check + skip)
+        if query_projection(attention_of(self.stack.layers[check], check)) is None:
+            raise KvprofError(
+                f"policy {self.name} measures attention influence from the check layer's queries, and model "
+                f"{runtime.agents.base_model.config.name_or_path!r} has neither q_proj nor a fused qkv_proj there; "
+                "pick another policy."
+            )
 
     def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
         check, skip = self.layer_setting("check_layer"), self.layer_setting("skip_layers")
         count = len(ids)
-        hidden, positions, probe = blend.full_then_probe(ids, check)
+        hidden, positions, probe = blend.full_then_probe(ids, check, queries=True)
         deviation = 1.0 - torch.nn.functional.cosine_similarity(
             _per_token(probe.values), _per_token(blend.reused(check, 1, count)), dim=-1
         )
@@ -94,13 +117,11 @@ class RelayCaching(SelectiveRecompute):
         (RoPE'd as the layer does) over the agent's prefix keys and the reused tokens' recomputed keys, causal,
         summed over query heads and the window."""
         runtime = self.runtime
-        attention = self.stack.layers[layer].self_attn
+        attention = attention_of(self.stack.layers[layer], layer)
         window = positions[-WINDOW:]
-        queries = probe.queries[:, -len(window) :]
-        queries = queries.view(1, len(window), -1, runtime.head_dim).transpose(1, 2)
-        if hasattr(attention, "q_norm"):  # Qwen3-style query norm before RoPE
-            queries = attention.q_norm(queries)
-        queries = apply_rope(queries, window, runtime.inv_freq, runtime.attention_scaling).float()
+        assert probe.queries is not None  # probed with queries=True
+        queries = normed_queries(attention, probe.queries[:, -len(window) :], runtime.head_dim).transpose(1, 2)
+        queries = apply_rope(queries, window, runtime.rope).float()
         keys = torch.cat((blend.kv[layer][0][:, :, : blend.prefix_len], probe.keys), dim=2).float()
         keys = keys.repeat_interleave(runtime.query_heads // runtime.kv_heads, dim=1)
         scores = queries @ keys.transpose(-1, -2) * attention.scaling

@@ -44,7 +44,8 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kv_buffer import KVBuffer
-from kvprof.lora import decoder_layers
+from kvprof.lora import attention_of, decoder_layers
+from kvprof.model import head_dim
 from kvprof.policies.base import Option, Published
 from kvprof.policies.fullshared import FullShared, FullSharedContext
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
@@ -115,10 +116,12 @@ class LayerStack:
         self.projection_params = [
             sum(
                 p.numel()
-                for name, p in layer.self_attn.named_parameters()
-                if p.dim() == 2 and "lora_" not in name and name.split(".")[0] in ("q_proj", "k_proj", "v_proj")
+                for name, p in attention_of(layer, index).named_parameters()
+                if p.dim() == 2
+                and "lora_" not in name
+                and name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
             )
-            for layer in self.layers
+            for index, layer in enumerate(self.layers)
         ]
         self._check_embeddings()
 
@@ -186,11 +189,12 @@ class ProbeCache:
 @dataclass
 class Probe:
     """The projections of m tokens at one layer, as the layer computes them: keys (post-RoPE) and values
-    (1, H_kv, m, D); queries (1, m, H_q·D), the query projection's output (before RoPE and any query norm)."""
+    (1, H_kv, m, D); queries (1, m, H_q·D), the query projection's output (before RoPE and any query norm), when
+    probed."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    queries: torch.Tensor
+    queries: torch.Tensor | None
 
 
 def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -246,7 +250,9 @@ class Blend:
         self.hidden_bytes = max(self.hidden_bytes, 2 * hidden.numel() * hidden.element_size())
         return out
 
-    def full_then_probe(self, ids: list[int], check: int) -> tuple[torch.Tensor, torch.Tensor, Probe]:
+    def full_then_probe(
+        self, ids: list[int], check: int, queries: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, Probe]:
         """Recompute layers 0 .. check − 1 for every reused token (`ids`, from their input embeddings), then probe
         layer `check` for all of them: the work a check-layer selection needs. Returns the hidden states entering
         `check` (1, n, d), the tokens' cache positions (n,) and the probe."""
@@ -254,7 +260,7 @@ class Blend:
         hidden = self.stack.embed(ids)
         for index in range(check):
             hidden = self.layer(index, hidden, positions)
-        return hidden, positions, self.probe(check, hidden, positions)
+        return hidden, positions, self.probe(check, hidden, positions, queries)
 
     def carry(self, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Recompute layers start .. end − 1 for the tokens at `positions` (hidden states entering `start`); the
@@ -270,12 +276,17 @@ class Blend:
             self.recomputed += len(positions)
         return hidden
 
-    def probe(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> Probe:
-        """The queries, keys and values layer `index` computes for the tokens at `positions` (hidden states
-        entering it (1, m, d)); nothing is written."""
+    def probe(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, queries: bool = False) -> Probe:
+        """The keys and values layer `index` computes for the tokens at `positions` (hidden states entering it
+        (1, m, d)), and with `queries` its query projection's output (`query_projection`); nothing is written."""
         layer = self.stack.layers[index]
-        queries: list[torch.Tensor] = []
-        handle = layer.self_attn.q_proj.register_forward_hook(lambda module, args, out: queries.append(out))
+        outputs: list[torch.Tensor] = []
+        handle = None
+        if queries:
+            projection = query_projection(attention_of(layer, index))
+            assert projection is not None, "queries probed on a model without a query projection"
+            module, width = projection
+            handle = module.register_forward_hook(lambda module, args, out: outputs.append(out[..., :width]))
         cache = ProbeCache()
         try:
             layer(
@@ -288,9 +299,20 @@ class Blend:
         except _Projected:
             pass
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         self.flops += self.stack.probe_flops(index, len(positions))
-        return Probe(keys=cache.keys, values=cache.values, queries=queries[0])
+        return Probe(keys=cache.keys, values=cache.values, queries=outputs[0] if outputs else None)
+
+
+def query_projection(attention: torch.nn.Module) -> tuple[torch.nn.Module, int] | None:
+    """The module whose output holds an attention layer's queries, and how many of its first columns they are:
+    `q_proj` (all of them), or Phi-3's fused `qkv_proj` (the first H_q·D); None for any other layout."""
+    width = attention.config.num_attention_heads * head_dim(attention.config)
+    for name in ("q_proj", "qkv_proj"):
+        if hasattr(attention, name):
+            return getattr(attention, name), width
+    return None
 
 
 class SelectiveRecompute(FullShared):
