@@ -81,12 +81,30 @@ def _linear_parts(module, rows: slice) -> tuple[torch.Tensor, torch.Tensor | Non
     return base.weight.detach()[rows], None if base.bias is None else base.bias.detach()[rows]
 
 
+def _check_plain_adapter(module: torch.nn.Module, agent: str, where: str) -> None:
+    """Refuse an adapter whose output on `module` is not s·(X·Aᵀ)·Bᵀ: a LoRA variant (DoRA rescales the whole
+    projection) or a bias on B."""
+    variant = getattr(module, "lora_variant", {}).get(agent)
+    if variant is not None:
+        kind = type(variant).__name__.removesuffix("LinearVariant")
+        raise KvprofError(
+            f"agent {agent}'s adapter on {where} is a LoRA variant ({kind}), whose output is not X·A·B, so its cache "
+            "does not split into base and LR parts; pick a policy that does not split the cache, or a plain LoRA "
+            "adapter."
+        )
+    if module.lora_B[agent].bias is not None:
+        raise KvprofError(
+            f"agent {agent}'s adapter on {where} has a bias on B (lora_bias), which kvprof's LR caches do not carry; "
+            "pick a policy that does not split the cache, or an adapter without lora_bias."
+        )
+
+
 def layer_splits(agents) -> list[LayerSplit]:
     """Per layer, the k/v projection weights of the base and of every agent's adapter (see `ProjectionWeights`).
 
     A fused qkv_proj (Phi-3) splits by its column blocks: its k and v rows of W0 and of every B, its one A shared by
-    both. Refuses a model whose attention has neither layout, or normalises its values (v_norm): its cached values
-    are not X·W0 plus a low-rank part."""
+    both. Refuses a model whose attention has neither layout, or normalises its values (v_norm), and an adapter that
+    is not plain LoRA (DoRA, a bias on B): their cached values are not X·W0 plus a low-rank part."""
     splits = []
     model_name = agents.base_model.config.name_or_path
     for index, layer in enumerate(decoder_layers(agents.base_model)):
@@ -105,6 +123,7 @@ def layer_splits(agents) -> list[LayerSplit]:
             for agent in getattr(module, "lora_A", {}):
                 if agent not in agents.spec.names:
                     continue
+                _check_plain_adapter(module, agent, f"layer {index} {name}")
                 scale = module.scaling[agent]
                 split.down[agent] = module.lora_A[agent].weight.detach()
                 split.up[agent] = module.lora_B[agent].weight.detach()[rows] * scale
@@ -168,8 +187,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise KvprofError(
-            f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof "
-            "supports Llama-style decoders (Llama, Qwen2, Mistral)."
+            f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof supports "
+            "decoders that keep one, as Llama, Qwen, Mistral, Gemma and Phi do."
         )
     return layers
 

@@ -89,6 +89,9 @@ def flat_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> float:
-    """‖part‖_F / ‖whole‖_F in fp64 (e.g. ‖Δ‖/‖C‖ or ‖adapter output‖/‖C‖); inf when `whole` is zero."""
-    denominator = whole.double().norm()
-    return float(part.double().norm() / denominator) if denominator > 0 else float("inf")
+    """‖part‖_F / ‖whole‖_F in fp64 (e.g. ‖Δ‖/‖C‖ or ‖adapter output‖/‖C‖); inf when only `whole` is zero, 0 when
+    both are (an untrained model's padding embedding is zero)."""
+    numerator, denominator = part.double().norm(), whole.double().norm()
+    if denominator > 0:
+        return float(numerator / denominator)
+    return float("inf") if numerator > 0 else 0.0

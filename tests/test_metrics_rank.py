@@ -68,6 +68,7 @@ def test_cosines_and_relative_norm_match_numpy():
         np.linalg.norm(a) / np.linalg.norm(b), abs=1e-12
     )
     assert metrics.flat_cosine(torch.zeros(3), torch.ones(3)) == 0.0
+    assert metrics.relative_norm(torch.zeros(3), torch.zeros(3)) == 0.0
     zero_row = torch.tensor([[0.0, 0.0], [1.0, 2.0]])  # equal rows count 1, a zero one included; zero vs not: 0
     assert metrics.mean_token_cosine(zero_row, zero_row.clone()) == 1.0
     assert metrics.mean_token_cosine(zero_row, torch.tensor([[1.0, 0.0], [1.0, 2.0]])) == 0.5

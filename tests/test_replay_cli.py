@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant, enumerate_variants
@@ -197,3 +198,31 @@ def test_resume_refuses_a_checkpoint_of_other_settings(run_cli, lora_trace, tmp_
     trajectories = read_trace(lora_trace).trajectories[:2]
     result = json.loads((tmp_path / "replay.json").read_text())
     assert len(result["policies"]["fullshared"]["turns"]) == sum(len(t.turns) for t in trajectories)
+
+
+@pytest.mark.parametrize("variant", [{"use_dora": True}, {"lora_bias": True}], ids=["dora", "lora_bias"])
+def test_adapters_that_are_not_plain_lora_skip_the_low_rank_policies(
+    run_cli, lora_trace, tiny_world, tmp_path, variant
+):
+    """A DoRA adapter (rescaled projection) or one with a bias on B has no X·A·B split: the low-rank policies are
+    skipped with the reason under `--policy all` and refused in one sentence when named; the others replay."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_world.model)
+    config = LoraConfig(r=4, target_modules=["k_proj", "v_proj"], init_lora_weights=False, **variant)
+    get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    agents = ("--agent", f"plan={tmp_path / 'adapter'}")
+    code, _, err = run_cli(
+        "replay", lora_trace, "--policy", "all", "--repeats", "1", "--out", tmp_path / "all", *agents
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "all" / "replay.json").read_text())
+    low_rank = {"baseshared-full", "baseshared-incremental", "prelrshared", "rebaseshared-lp", "rebaseshared-db"}
+    assert low_rank <= set(result["skipped"]) and not low_rank & set(result["policies"])
+    assert all("agent plan's adapter on layer 0 k_proj" in result["skipped"][label] for label in low_rank)
+    assert {"nonshared", "fullshared", "cacheblend-ratio=0.1"} <= set(result["policies"])
+    assert result["policies"]["nonshared"]["summary"]["k_error"] == 0.0
+    code, _, err = run_cli("replay", lora_trace, "--policy", "baseshared", "--out", tmp_path / "named", *agents)
+    assert code == 2 and err.count("\n") == 1 and "pick a policy that does not split the cache" in err

@@ -5,6 +5,7 @@ profile is saved, reused and refused when it does not fit, and its stored hidden
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -205,13 +206,13 @@ def test_droidspeak_recomputes_from_stored_hidden_states_counted_in_memory(runti
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"ratio": "1.5"}, "ratio='1.5' is not a valid recompute_ratio"),
+        ({"ratio": "1.5"}, "ratio='1.5' is not a number in [0, 1]"),
         ({"ratio": "0.2", "check_layer": "7"}, "check_layer=7 is past the model's 2 layers"),
     ],
 )
 def test_bad_options_are_refused(runtimes, options, message):
     runtime, _ = runtimes["lora"]
-    with pytest.raises(KvprofError, match=message):
+    with pytest.raises(KvprofError, match=re.escape(message)):
         PolicyVariant("cacheblend", options).build(runtime)
 
 

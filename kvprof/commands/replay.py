@@ -62,9 +62,7 @@ def _option_list() -> str:
     """Every registered policy option as POLICY.KEY=VALUES, for --help."""
     return (
         "; ".join(
-            f"{cls.name}.{key}={'|'.join(option.choices) if option.choices else option.help}"
-            for cls in REGISTRY.values()
-            for key, option in cls.options.items()
+            f"{cls.name}.{key}={option.describe()}" for cls in REGISTRY.values() for key, option in cls.options.items()
         )
         or "none"
     )

@@ -70,10 +70,21 @@ class Option:
         try:
             return self.parse(value)
         except ValueError:
-            raise KvprofError(
-                f"policy {policy} option {key}={value!r} is not a valid "
-                f"{getattr(self.parse, '__name__', 'value')}; {self.help or 'pass a valid value'}."
-            ) from None
+            meaning = f" ({key}: {self.help})" if self.help else ""
+            raise KvprofError(f"policy {policy} option {key}={value!r} is not {self.kind}{meaning}.") from None
+
+    @property
+    def kind(self) -> str:
+        """What a value must be, from the parser's docstring ("a number in [0, 1]"); "a valid value" for a parser
+        without one of its own."""
+        doc = "" if self.parse in (str, int, float) else (self.parse.__doc__ or "").strip()
+        return doc[0].lower() + doc[1:].rstrip(".") if doc else "a valid value"
+
+    def describe(self) -> str:
+        """The option's values and meaning, for --help: its choices, or its kind and help."""
+        if self.choices is not None:
+            return "|".join(self.choices)
+        return f"{self.kind}: {self.help}" if self.parse is not str else self.help
 
     def label(self, key: str, value: str) -> str:
         """How the value shows in a variant's label: the value itself for a choice, key=value otherwise; empty for
@@ -81,6 +92,30 @@ class Option:
         if not self.labelled or not self.sweep and value == self.default:
             return ""
         return value if self.choices is not None else f"{key}={value}"
+
+
+def positive_int(value: str) -> int:
+    """A whole number ≥ 1."""
+    number = int(value)
+    if number < 1:
+        raise ValueError(value)
+    return number
+
+
+def layer_index(value: str) -> int:
+    """A layer index ≥ 0."""
+    index = int(value)
+    if index < 0:
+        raise ValueError(value)
+    return index
+
+
+def unit_interval(value: str) -> float:
+    """A number in [0, 1]."""
+    number = float(value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(value)
+    return number
 
 
 def variant_label(name: str, options: dict[str, Option], values: dict[str, str]) -> str:

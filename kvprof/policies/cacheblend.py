@@ -31,10 +31,10 @@ FullShared's commit (the store keeps the producers' K/V, not this agent's blend)
 
 from __future__ import annotations
 
-from kvprof.policies.base import Option, Published
+from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import CACHEBLEND, CACHEBLEND_SETTING
-from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, budget, layer_index, ratio_option, select_top
+from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, budget, ratio_option, select_top
 from kvprof.runtime import Runtime
 
 

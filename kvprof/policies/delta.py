@@ -45,7 +45,7 @@ from kvprof.anchors import AnchorPool, Match, mixed_delta
 from kvprof.errors import KvprofError
 from kvprof.kv_buffer import BufferCache, KVBuffer
 from kvprof.model import tokenizer_identity
-from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
+from kvprof.policies.base import Chunk, Context, Option, SharingPolicy, positive_int, unit_interval
 from kvprof.rope import Rope, rotate_keys
 from kvprof.runtime import Runtime
 
@@ -152,33 +152,17 @@ class NeutralContext:
         return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.rope)
 
 
-def positive_int(value: str) -> int:
-    """A whole number ≥ 1."""
-    number = int(value)
-    if number < 1:
-        raise ValueError(value)
-    return number
-
-
-def unit_interval(value: str) -> float:
-    """A number in [0, 1]."""
-    number = float(value)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(value)
-    return number
-
-
 def threshold_option(default: str, meaning: str) -> Option:
     """A gate threshold on the normalized entropy of the anchor weights (what `kvprof tune-tau` sweeps)."""
-    return Option(default, parse=unit_interval, help=f"in [0, 1]: {meaning}")
+    return Option(default, parse=unit_interval, help=meaning)
 
 
 def pool_options(capacity: str) -> dict[str, Option]:
     """The options every anchor-pool policy has: the pool size per slot, the eviction window, and a fitted pool to
     start from."""
     return {
-        "anchors_per_slot": Option(capacity, parse=positive_int, help="a whole number ≥ 1: anchors kept per slot (V)"),
-        "window": Option("5", parse=positive_int, help="a whole number ≥ 1: the eviction window"),
+        "anchors_per_slot": Option(capacity, parse=positive_int, help="anchors kept per slot (V)"),
+        "window": Option("5", parse=positive_int, help="the eviction window"),
         "pool": Option(
             "grow",
             ("grow", "frozen"),

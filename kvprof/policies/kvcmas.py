@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvprof.anchors import Match
-from kvprof.policies.base import Option, Published
-from kvprof.policies.delta import DeltaCorrection, pool_options, positive_int, threshold_option
+from kvprof.policies.base import Option, Published, positive_int
+from kvprof.policies.delta import DeltaCorrection, pool_options, threshold_option
 from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING
 
 
@@ -38,7 +38,7 @@ class KVCMAS(DeltaCorrection):
             help="chain: correct from the latest materialised cache; nochain: from the context-free encoding",
         ),
         "tau": threshold_option("0.3", "accept when the anchor weights' normalized entropy < tau"),
-        "rank": Option("32", parse=positive_int, help="a whole number ≥ 1: the anchors' factor rank r"),
+        "rank": Option("32", parse=positive_int, help="the anchors' factor rank r"),
         **pool_options("10"),
     }
     published: ClassVar[tuple[Published, ...]] = (

@@ -35,7 +35,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.lora import attention_of
-from kvprof.policies.base import Option, Published
+from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import RELAYCACHING
 from kvprof.policies.selective import (
@@ -44,7 +44,6 @@ from kvprof.policies.selective import (
     Probe,
     SelectiveRecompute,
     budget,
-    layer_index,
     query_projection,
     ratio_option,
     select_top,

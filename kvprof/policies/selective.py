@@ -35,6 +35,7 @@ select) and is FullShared.
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import abstractmethod
 from dataclasses import dataclass
@@ -46,13 +47,14 @@ from kvprof.errors import KvprofError
 from kvprof.kv_buffer import KVBuffer
 from kvprof.lora import attention_of, decoder_layers
 from kvprof.model import head_dim
-from kvprof.policies.base import Option, Published
+from kvprof.policies.base import Option, Published, unit_interval
 from kvprof.policies.fullshared import FullShared, FullSharedContext
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
 from kvprof.rope import rotary_embedding
 from kvprof.runtime import KV, Runtime
 
 RATIO_SWEEP = ("0.1", "0.2", "0.3")
+CACHE_ARGUMENTS = ("cache", "layer_past")  # what a decoder layer's forward calls its cache, by architecture
 MEMORY = Published(
     PRECACHE,
     "memory",
@@ -61,25 +63,9 @@ MEMORY = Published(
 )  # PReCache's figure for the selective-recompute baselines it compares with
 
 
-def recompute_ratio(value: str) -> float:
-    """A recompute ratio R: a number in [0, 1]."""
-    ratio = float(value)
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(value)
-    return ratio
-
-
-def layer_index(value: str) -> int:
-    """A layer index: a whole number ≥ 0."""
-    index = int(value)
-    if index < 0:
-        raise ValueError(value)
-    return index
-
-
 def ratio_option(default: str, meaning: str) -> Option:
     """The recompute ratio R of a selective-recompute policy (`meaning`: what it is a share of, for `--help`)."""
-    return Option(default, sweep=RATIO_SWEEP, parse=recompute_ratio, help=f"R in [0, 1], {meaning}")
+    return Option(default, sweep=RATIO_SWEEP, parse=unit_interval, help=f"R, {meaning}")
 
 
 def budget(ratio: float, count: int) -> int:
@@ -123,7 +109,21 @@ class LayerStack:
             )
             for index, layer in enumerate(self.layers)
         ]
+        self.cache_argument = self._cache_argument()
         self._check_embeddings()
+
+    def _cache_argument(self) -> str:
+        """The name under which a decoder layer takes the cache it writes to: `cache` (Llama-style layers) or
+        `layer_past` (GPT-NeoX). Refuses a layer that takes neither."""
+        parameters = inspect.signature(self.layers[0].forward).parameters
+        for name in CACHE_ARGUMENTS:
+            if name in parameters:
+                return name
+        raise KvprofError(
+            f"the decoder layers of model {self.runtime.agents.base_model.config.name_or_path!r} take no cache "
+            f"argument ({' or '.join(CACHE_ARGUMENTS)}), so selective recompute cannot run them one at a time; "
+            "pick another policy for this model."
+        )
 
     def _check_embeddings(self) -> None:
         runtime = self.runtime
@@ -240,7 +240,7 @@ class Blend:
             hidden,
             attention_mask=mask,
             position_ids=positions[None],
-            cache=ScatterCache(keys, values, positions),
+            **{self.stack.cache_argument: ScatterCache(keys, values, positions)},
             use_cache=True,
             position_embeddings=self.stack.rotary(hidden, positions[None]),
         )
@@ -292,7 +292,7 @@ class Blend:
             layer(
                 hidden,
                 position_ids=positions[None],
-                cache=cache,
+                **{self.stack.cache_argument: cache},
                 use_cache=True,
                 position_embeddings=self.stack.rotary(hidden, positions[None]),
             )
@@ -332,7 +332,7 @@ class SelectiveRecompute(FullShared):
     @property
     def ratio(self) -> float:
         ratio = self.settings["ratio"]
-        assert isinstance(ratio, float)  # parsed by recompute_ratio
+        assert isinstance(ratio, float)  # parsed by unit_interval
         return ratio
 
     def layer_setting(self, key: str) -> int:
