@@ -132,32 +132,36 @@ def layer_splits(agents) -> list[LayerSplit]:
     return splits
 
 
-class KeyNorm:
-    """A layer's key norm (`k_norm`: Qwen3, OLMo 2, Gemma 3), applied as the layer applies it, between k_proj and
-    RoPE: per head (its weight has D entries) or over the whole projection (OLMo 2: H_kv·D entries)."""
+class ProjectionNorm:
+    """A layer's query or key norm (`q_norm` / `k_norm`: Qwen3, OLMo 2, Gemma 3, Cohere), applied as the layer
+    applies it, between the projection and RoPE: on the projection's output laid out (B, L, H, D) — per head, with
+    D weights (Qwen3) or H × D (Cohere) — or over the whole projection (OLMo 2: H·D weights)."""
 
     def __init__(self, norm: torch.nn.Module, width: int):
         self.norm = norm
         weight = getattr(norm, "weight", None)
         self.flat = weight is not None and weight.dim() == 1 and weight.numel() == width
 
-    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
-        """(B, H_kv, L, D) pre-RoPE keys → normalised, same shape and dtype."""
-        if not self.flat:
-            return self.norm(keys)
-        batch, heads_kv, length, dim = keys.shape
-        flat = keys.transpose(1, 2).reshape(batch, length, heads_kv * dim)
-        return self.norm(flat).view(batch, length, heads_kv, dim).transpose(1, 2)
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, D) pre-RoPE queries or keys → normalised, same shape and dtype."""
+        batch, heads_count, length, dim = states.shape
+        per_token = states.transpose(1, 2)
+        if self.flat:
+            normed = self.norm(per_token.reshape(batch, length, heads_count * dim)).view_as(per_token)
+        else:
+            normed = self.norm(per_token)
+        return normed.transpose(1, 2)
 
 
-def key_norms(model) -> list[KeyNorm] | None:
-    """Per layer the `KeyNorm` of a model that normalises its keys before RoPE, or None for a model that does not."""
+def key_norms(model) -> list[ProjectionNorm] | None:
+    """Per layer the key `ProjectionNorm` of a model that normalises its keys before RoPE; None for a model that does
+    not."""
     layers = decoder_layers(model)
     norms = [getattr(attention_of(layer, index), "k_norm", None) for index, layer in enumerate(layers)]
     if all(norm is None for norm in norms):
         return None
     width = kv_heads(model.config) * head_dim(model.config)
-    found = [KeyNorm(norm, width) for norm in norms if norm is not None]
+    found = [ProjectionNorm(norm, width) for norm in norms if norm is not None]
     if len(found) != len(norms):
         raise KvprofError(
             f"model {model.config.name_or_path!r} normalises keys in some layers only; kvprof splits caches of "
@@ -249,7 +253,7 @@ def base_kv(
     positions: torch.Tensor,
     rope: Rope,
     head_dim: int,
-    key_norm: KeyNorm | None = None,
+    key_norm: ProjectionNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Base cache of tokens with attention inputs `hidden` (B, L, d_model) at `positions` (L,):
     K_base = RoPE(k_norm(X·W0_kᵀ)) (no norm unless `key_norm`), V_base = X·W0_vᵀ, each (B, H_kv, L, D)."""

@@ -21,7 +21,7 @@ from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer
-from kvprof.lora import HiddenTap, KeyNorm, LayerSplit, key_norms, layer_splits
+from kvprof.lora import HiddenTap, LayerSplit, ProjectionNorm, key_norms, layer_splits
 from kvprof.model import AgentSet, head_dim, kv_heads
 from kvprof.stopping import StopStrings
 from kvprof.trace import Trajectory
@@ -96,7 +96,7 @@ class Runtime:
         return layer_splits(self.agents) if self.agents.spec.mode == "lora" else []
 
     @functools.cached_property
-    def key_norms(self) -> list[KeyNorm] | None:
+    def key_norms(self) -> list[ProjectionNorm] | None:
         """Per layer the model's key norm before RoPE (`kvprof.lora.key_norms`), None for a model without one."""
         return key_norms(self.agents.base_model)
 

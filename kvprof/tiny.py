@@ -92,19 +92,10 @@ def build_tokenizer(vocab_size: int = 384):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
 
 
-def tiny_config(
-    vocab_size: int,
-    eos_id: int,
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    arch: str = "llama",
-):
-    """The transformers config of a tiny model of architecture `arch` (one of `ARCHITECTURES`)."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen3Config
-
-    common = dict(
+def tiny_sizes(vocab_size: int, eos_id: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    """The config fields that make a model tiny, common to every architecture's config class (EOS also BOS and
+    padding; untied embeddings)."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -117,6 +108,21 @@ def tiny_config(
         pad_token_id=eos_id,
         tie_word_embeddings=False,
     )
+
+
+def tiny_config(
+    vocab_size: int,
+    eos_id: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    arch: str = "llama",
+):
+    """The transformers config of a tiny model of architecture `arch` (one of `ARCHITECTURES`)."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen3Config
+
+    common = tiny_sizes(vocab_size, eos_id, hidden, layers, heads, kv_heads)
     rope = {"rope_type": "default", "rope_theta": 1e6}
     if arch == "llama":
         return LlamaConfig(**common)

@@ -30,24 +30,15 @@ def configure(arch: str):
     """(vocab size, EOS id) → a tiny config of `arch`, its own defaults except for the sizes."""
     from transformers import CONFIG_MAPPING
 
+    from kvprof.tiny import tiny_sizes
+
     config_class = CONFIG_MAPPING[arch]
     defaults = config_class()
 
     def build(vocab: int, eos: int):
-        sizes = dict(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=4096,
-            eos_token_id=eos,
-            bos_token_id=eos,
-            pad_token_id=eos,
-            tie_word_embeddings=False,
-        )
-        if hasattr(defaults, "num_key_value_heads"):
-            sizes["num_key_value_heads"] = 2
+        sizes = tiny_sizes(vocab, eos)
+        if not hasattr(defaults, "num_key_value_heads"):  # no grouped-query attention
+            del sizes["num_key_value_heads"]
         if hasattr(defaults, "head_dim") and not isinstance(getattr(config_class, "head_dim", None), property):
             sizes["head_dim"] = 16
         if getattr(defaults, "sliding_window", None):

@@ -12,20 +12,10 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from kvprof.errors import KvprofError
 from kvprof.rope import Rope, check_rope, model_rope, rotate_keys
+from kvprof.tiny import tiny_sizes
 
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=0,
-    eos_token_id=0,
-)
+COMMON = tiny_sizes(vocab_size=64, eos_id=0)
+
 # architecture → (RoPE'd channels of a 16-channel head, interleaved pairs)
 LAYOUTS = {
     "llama": (16, False),

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.lora import attention_of
+from kvprof.lora import ProjectionNorm, attention_of
 from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import RELAYCACHING
@@ -53,20 +53,6 @@ from kvprof.runtime import Runtime
 
 THRESHOLD = 1.5  # × the mean deviation (RelayCaching) and × the mean influence (kvprof's reading of "high")
 WINDOW = 10  # the last tokens whose attention defines influence (RelayCaching)
-
-
-def normed_queries(attention: torch.nn.Module, queries: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A layer's projected queries (1, m, H_q·D) → (1, m, H_q, D) after its query norm, if it has one, applied as
-    the layer applies it: over the whole projection (OLMo 2: the norm's weight has H_q·D entries) or per head
-    (Qwen3, Gemma 3, Cohere)."""
-    norm = getattr(attention, "q_norm", None)
-    per_head = queries.view(*queries.shape[:2], -1, head_dim)
-    if norm is None:
-        return per_head
-    weight = getattr(norm, "weight", None)
-    if weight is not None and weight.dim() == 1 and weight.numel() == queries.shape[-1]:
-        return norm(queries).view_as(per_head)
-    return norm(per_head)
 
 
 class RelayCaching(SelectiveRecompute):
@@ -119,7 +105,10 @@ class RelayCaching(SelectiveRecompute):
         attention = attention_of(self.stack.layers[layer], layer)
         window = positions[-WINDOW:]
         assert probe.queries is not None  # probed with queries=True
-        queries = normed_queries(attention, probe.queries[:, -len(window) :], runtime.head_dim).transpose(1, 2)
+        queries = probe.queries[:, -len(window) :].view(1, len(window), -1, runtime.head_dim).transpose(1, 2)
+        query_norm = getattr(attention, "q_norm", None)
+        if query_norm is not None:  # as the layer applies it, before RoPE
+            queries = ProjectionNorm(query_norm, runtime.query_heads * runtime.head_dim)(queries)
         queries = apply_rope(queries, window, runtime.rope).float()
         keys = torch.cat((blend.kv[layer][0][:, :, : blend.prefix_len], probe.keys), dim=2).float()
         keys = keys.repeat_interleave(runtime.query_heads // runtime.kv_heads, dim=1)

@@ -45,7 +45,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kv_buffer import KVBuffer
-from kvprof.lora import attention_of, decoder_layers
+from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
 from kvprof.model import head_dim
 from kvprof.policies.base import Option, Published, unit_interval
 from kvprof.policies.fullshared import FullShared, FullSharedContext
@@ -103,9 +103,7 @@ class LayerStack:
             sum(
                 p.numel()
                 for name, p in attention_of(layer, index).named_parameters()
-                if p.dim() == 2
-                and "lora_" not in name
-                and name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
+                if p.dim() == 2 and "lora_" not in name and name.split(".")[0] in (*QKV, FUSED_QKV, "query_key_value")
             )
             for index, layer in enumerate(self.layers)
         ]
@@ -309,7 +307,7 @@ def query_projection(attention: torch.nn.Module) -> tuple[torch.nn.Module, int] 
     """The module whose output holds an attention layer's queries, and how many of its first columns they are:
     `q_proj` (all of them), or Phi-3's fused `qkv_proj` (the first H_q·D); None for any other layout."""
     width = attention.config.num_attention_heads * head_dim(attention.config)
-    for name in ("q_proj", "qkv_proj"):
+    for name in ("q_proj", FUSED_QKV):
         if hasattr(attention, name):
             return getattr(attention, name), width
     return None
