@@ -9,16 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 from kvprof.commands.common import DeviceOption, DtypeOption, OutOption, SeedOption, console, progress, write_result
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS
-from kvprof.kernels.benchmark import DEVICE_PEAKS, METHODS, build_cases, check_cpu_case_fits, implementations, run_case
-from kvprof.model import resolve_device, resolve_dtype
-from kvprof.report import write_html
-from kvprof.report.bench import results_table, sections
 
 DEFAULT_SEQ_LENS = {"cuda": "1024,4096,16384,32768", "cpu": "128,512"}
 
@@ -73,6 +67,21 @@ def command(
 ) -> None:
     """Kernel micro-benchmark: Flash-LoRA-Attention vs naive V expansion vs plain SDPA (median time, TFLOP/s, GB/s)."""
     args = dict(locals())
+    import torch
+
+    from kvprof.kernels.attention import SUPPORTED_HEAD_DIMS
+    from kvprof.kernels.benchmark import (
+        DEVICE_PEAKS,
+        METHODS,
+        build_cases,
+        check_cpu_case_fits,
+        implementations,
+        run_case,
+    )
+    from kvprof.model import resolve_device, resolve_dtype
+    from kvprof.report import write_html
+    from kvprof.report.bench import results_table, sections
+
     if threads < 0:
         raise KvprofError(f"--threads {threads} must be 0 (torch's default) or a positive count.")
     if threads:

@@ -8,18 +8,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvprof.capture import (
-    capture_spec,
-    capture_trajectories,
-    checkpoint_path,
-    resumed_trajectories,
-    sampled_trace_header,
-    trajectory_summary,
-)
 from kvprof.chat import resolve_chat_template, template_sha256
 from kvprof.commands.common import (
     DeviceOption,
@@ -32,12 +24,12 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.model import AgentSet, load_agents, load_tokenizer, tokenizer_identity
-from kvprof.report.capture import trace_table
-from kvprof.shapes import import_shape_csv
 from kvprof.spec import build_spec
 from kvprof.trace import TraceHeader, Trajectory, write_trace
-from kvprof.workflow import Sampling, Task, load_tasks
+
+if TYPE_CHECKING:
+    from kvprof.model import AgentSet
+    from kvprof.workflow import Sampling, Task
 
 
 def command(
@@ -106,6 +98,12 @@ def command(
 ) -> None:
     """Run a multi-agent workflow on tasks and write real trajectories to OUT/trace.jsonl."""
     args = dict(locals())
+    from kvprof.capture import capture_spec, checkpoint_path, sampled_trace_header, trajectory_summary
+    from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
+    from kvprof.report.capture import trace_table
+    from kvprof.shapes import import_shape_csv
+    from kvprof.workflow import Sampling, load_tasks
+
     trace_path = out / "trace.jsonl"
     if shapes is not None:
         agents_spec = build_spec(workflow, agent, role) if workflow or agent or role else None
@@ -154,6 +152,9 @@ def capture_with_progress(
 ) -> tuple[list[Trajectory], dict]:
     """`capture_trajectories` under a progress bar, timed; prints the trace table. Returns the trajectories and
     their `trajectory_summary`."""
+    from kvprof.capture import capture_trajectories, trajectory_summary
+    from kvprof.report.capture import trace_table
+
     started = time.perf_counter()
     with progress() as bar:
         job = bar.add_task("capturing", total=len(tasks), completed=len(resumed))
@@ -175,6 +176,8 @@ def capture_with_progress(
 
 def _resumed(checkpoint: Path, header: TraceHeader, tasks: list[Task]) -> list[Trajectory]:
     """The trajectories an interrupted capture left in `checkpoint` (none if there is no checkpoint)."""
+    from kvprof.capture import resumed_trajectories
+
     if not checkpoint.exists():
         console.print(f"no checkpoint {checkpoint}: capturing from the first task")
         return []

@@ -14,7 +14,6 @@ import typer
 
 import kvprof
 from kvprof.fileio import write_json
-from kvprof.profiling import cpu_description
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
@@ -49,6 +48,8 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
     """The schema-versioned wrapper of every JSON result file; `workers`: the Ray workers (host, device, CPU, ...)
     a distributed run replayed on, listed in its environment."""
     import torch
+
+    from kvprof.profiling import cpu_description
 
     envelope = {
         "schema": f"kvprof.result.{kind}",

@@ -13,15 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 import typer
 from rich.table import Table
 
-from kvprof.analysis import EXTENSION
-from kvprof.anchor_fit import fit_anchors
-from kvprof.capture import capture_spec, sampled_trace_header, trace_header
 from kvprof.commands import capture, rank_analysis, replay
 from kvprof.commands import fit_anchors as fit_anchors_command
 from kvprof.commands.common import (
@@ -36,23 +32,11 @@ from kvprof.commands.common import (
     progress,
     write_result,
 )
-from kvprof.demo.assets import DemoWorld, demo_world
-from kvprof.demo.codebook_world import EVALUATED as CODEBOOK_EVALUATED
-from kvprof.demo.codebook_world import codebook_world
-from kvprof.demo.evaluate import load_condition, run_tasks
-from kvprof.demo.world import read_tasks
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents, load_agents_for_trace
-from kvprof.policies import PolicyVariant, command_selection, enumerate_variants, runnable_variants
-from kvprof.policies.delta import pool_identity
-from kvprof.policies.variants import ALL
-from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
-from kvprof.report.anchors import fit_memory_table
-from kvprof.report.dashboard import dashboard_sections, write_dashboard
-from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
-from kvprof.runtime import Runtime
 from kvprof.trace import Trace, read_trace, write_trace
-from kvprof.workflow import Sampling, exact_match, load_tasks
+
+if TYPE_CHECKING:
+    from kvprof.demo.assets import DemoWorld
 
 
 @dataclass
@@ -93,6 +77,10 @@ class StageResult:
 
 
 def _capture(ctx: DemoContext, mode: str) -> StageResult:
+    from kvprof.capture import capture_spec, sampled_trace_header
+    from kvprof.model import load_agents
+    from kvprof.workflow import Sampling, load_tasks
+
     out = ctx.out / f"capture_{mode}"
     model, workflow, trace_path = str(ctx.world.model), ctx.world.workflow(mode), out / "trace.jsonl"
     spec = capture_spec(workflow)
@@ -140,6 +128,11 @@ def capture_lora(ctx: DemoContext) -> StageResult:
 
 def lora_without_adapters(ctx: DemoContext) -> StageResult:
     """The lora workflow run by the base model with every adapter disabled: what the adapters are worth."""
+    from kvprof.capture import trace_header
+    from kvprof.demo.evaluate import load_condition, run_tasks
+    from kvprof.demo.world import read_tasks
+    from kvprof.workflow import exact_match
+
     agents = load_condition(ctx.world, "lora_disabled", ctx.device, ctx.dtype)
     tasks = read_tasks(ctx.world.heldout_tasks)[: ctx.tasks]
     path = ctx.out / "lora_no_adapters" / "trace.jsonl"
@@ -166,6 +159,12 @@ def capture_lora_shared_a(ctx: DemoContext) -> StageResult:
 def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     """`kvprof rank-analysis` of the lora trace: effective rank and cross-agent similarity, per layer, with a
     verdict per published claim."""
+    import torch
+
+    from kvprof.analysis import EXTENSION
+    from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+    from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
+
     out, trace, limit = ctx.out / "rank_analysis", ctx.traces["lora"], min(ctx.tasks, 4)
     torch.manual_seed(ctx.seed)
     setup = prepare_rank_analysis(trace, limit=limit, device=ctx.device, dtype=ctx.dtype)
@@ -198,6 +197,8 @@ def _online_replay(
     """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written to OUT as the command
     writes it (`options`: its other arguments; without `policy`, the selection that replays `variants`,
     `command_selection`); returns the record, online accuracy per run and that as text."""
+    from kvprof.policies import command_selection
+
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)
     record = replay.replay_with_progress(
@@ -213,6 +214,11 @@ def _online_replay(
 def replay_all(ctx: DemoContext) -> StageResult:
     """`kvprof replay --policy all --online` of the shared-A trace: teacher-forced error, fidelity and cost of
     every policy against the dense run, then task accuracy with each policy generating."""
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies import enumerate_variants, runnable_variants
+    from kvprof.policies.variants import ALL
+    from kvprof.runtime import Runtime
+
     out = ctx.out / "replay"
     trace = ctx.traces["lora_shared_a"]
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
@@ -239,6 +245,13 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
     half under FullShared and the delta-correction policies (KVComm, GraphFlow: the full-dimensional pool; KVCMAS
     chained and not: its rank-32 factors): what correcting another agent's cache of a shared segment costs and
     saves when agents differ by role prompt."""
+    from kvprof.anchor_fit import fit_anchors
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies import PolicyVariant
+    from kvprof.policies.delta import pool_identity
+    from kvprof.report.anchors import fit_memory_table
+    from kvprof.runtime import Runtime
+
     out = ctx.out / "prompt_sharing"
     trace = ctx.traces["prompt"]
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
@@ -283,6 +296,10 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     key gives the shared manifest's symbols its own colours, so a shared segment's K/V depend on the prefix before
     it) under FullShared and the delta-correction policies from empty pools: what sharing costs when it is not
     free."""
+    from kvprof.demo.codebook_world import EVALUATED as CODEBOOK_EVALUATED
+    from kvprof.demo.codebook_world import codebook_world
+    from kvprof.model import load_agents_for_trace
+
     out = ctx.out / "codebook_sharing"
     trace = codebook_world().sample_traces["short"]
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
@@ -301,6 +318,8 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
 
 def report_all(ctx: DemoContext) -> StageResult:
     """`kvprof report` over every result the demo wrote: one HTML dashboard."""
+    from kvprof.report.dashboard import dashboard_sections, write_dashboard
+
     sources = ctx.results
     sections, environment = dashboard_sections(sources)
     print_sections(sections)
@@ -344,6 +363,8 @@ def command(
 ) -> None:
     """Run kvprof on the embedded demo world (trained model, role prompts, LoRA adapters) and summarise."""
     args = dict(locals())
+    from kvprof.demo.assets import demo_world
+
     if tasks < 1 or replay_tasks < 1:
         raise KvprofError(f"--tasks {tasks} / --replay-tasks {replay_tasks}: pass 1 or more tasks to each.")
     ctx = DemoContext(

@@ -9,10 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
-from kvprof.anchor_fit import fit_anchors
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -24,10 +22,6 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace
-from kvprof.policies.delta import pool_identity
-from kvprof.report.anchors import fit_error_table, fit_memory_table
-from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
 
 POOL_FILE = "anchors.safetensors"
@@ -58,6 +52,14 @@ def command(
     for `kvprof replay --policy kvcmas|kvcomm --policy-option POLICY.anchors=FILE`, and report the truncation
     error per layer against rank and the pool's memory, full-dimensional vs rank r."""
     args = dict(locals())
+    import torch
+
+    from kvprof.anchor_fit import fit_anchors
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies.delta import pool_identity
+    from kvprof.report.anchors import fit_error_table, fit_memory_table
+    from kvprof.runtime import Runtime
+
     torch.manual_seed(seed)
     if rank == "full":
         factor_rank = None

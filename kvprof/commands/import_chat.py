@@ -7,13 +7,10 @@ from typing import Annotated
 
 import typer
 
-from kvprof.capture import trajectory_summary
 from kvprof.chat import PLAIN_TEMPLATE, resolve_chat_template, template_sha256
 from kvprof.chat_log import import_log
 from kvprof.commands.common import OutOption, console, write_result
 from kvprof.errors import KvprofError
-from kvprof.model import load_tokenizer, tokenizer_identity
-from kvprof.report.capture import trace_table
 from kvprof.spec import build_spec, parse_assignment
 from kvprof.trace import write_trace
 
@@ -45,6 +42,10 @@ def command(
 ) -> None:
     """Import a chat log (OpenAI message format, one agent call per line) as OUT/trace.jsonl."""
     args = dict(locals())
+    from kvprof.capture import trajectory_summary
+    from kvprof.model import load_tokenizer, tokenizer_identity
+    from kvprof.report.capture import trace_table
+
     tokenizer = load_tokenizer(model)
     template = resolve_chat_template(chat_template, tokenizer) or PLAIN_TEMPLATE
     adapters = dict(parse_assignment("--agent", value) for value in agent or [])

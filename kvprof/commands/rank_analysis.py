@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 from kvprof.commands.common import (
@@ -24,8 +23,6 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
-from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 
 
 def command(
@@ -66,6 +63,11 @@ def command(
 ) -> None:
     """Effective rank and cross-agent cosine similarity of base caches, adapter outputs and deltas, per layer."""
     args = dict(locals())
+    import torch
+
+    from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+    from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
+
     if max_tokens is not None and max_tokens < 1:
         raise KvprofError(f"--max-tokens {max_tokens} must be at least 1.")
     if limit is not None and limit < 1:

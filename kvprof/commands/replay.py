@@ -7,10 +7,11 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from kvprof.cli_help import policy_names, policy_option_list
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -22,53 +23,19 @@ from kvprof.commands.common import (
     progress,
     write_result,
 )
-from kvprof.distributed import (
-    AgentSource,
-    RayCluster,
-    ShardHooks,
-    ShardResult,
-    absolute_files,
-    absolute_source,
-    plan_shards,
-    replay_sharded,
-    resumable,
-    saved_shards,
-    shard_checkpoint,
-    shard_groups,
-)
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
-from kvprof.model import AgentSet, agents_identity, load_agents_for_trace, trace_header
-from kvprof.policies import REGISTRY, PolicyVariant, enumerate_variants, parse_policy_options, runnable_variants
-from kvprof.policies.variants import ALL
-from kvprof.replay import ReplayHooks, ReplayProgress, run_replay
-from kvprof.report import write_html
-from kvprof.report.replay import (
-    cost_table,
-    delta_table,
-    dense_check,
-    fidelity_table,
-    policy_notes,
-    reuse_table,
-    sections,
-)
-from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory, iter_trajectories, read_header
 
+if TYPE_CHECKING:
+    from kvprof.distributed import RayCluster, ShardResult
+    from kvprof.model import AgentSet
+    from kvprof.policies import PolicyVariant
+    from kvprof.replay import ReplayProgress
+
+    Runnable = Callable[[list[PolicyVariant], bool], tuple[list[PolicyVariant], dict[str, str]]]
+
 SHORTHANDS = {"schedule": ("rebaseshared", "schedule"), "lr_prefill": ("baseshared", "lr_prefill")}
-
-
-def _option_list() -> str:
-    """Every registered policy option as POLICY.KEY=VALUES, for --help."""
-    return (
-        "; ".join(
-            f"{cls.name}.{key}={option.describe()}" for cls in REGISTRY.values() for key, option in cls.options.items()
-        )
-        or "none"
-    )
-
-
-Runnable = Callable[[list[PolicyVariant], bool], tuple[list[PolicyVariant], dict[str, str]]]
 
 
 def choose_variants(
@@ -77,6 +44,9 @@ def choose_variants(
     """--policy / --policy-option / the documented shorthands → the variants to replay; with `all`, those this
     setup cannot run are skipped (label → reason). `runnable(variants, skip)`: `runnable_variants` on the loaded
     agents (here, or on a Ray worker)."""
+    from kvprof.policies import enumerate_variants, parse_policy_options
+    from kvprof.policies.variants import ALL
+
     flags = list(policy_options)
     for value, (name, key) in zip((schedule, lr_prefill), SHORTHANDS.values()):
         if value:
@@ -131,6 +101,8 @@ def checkpoint_identity(
 def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str]) -> ReplayProgress:
     """The progress an interrupted replay left in `checkpoint`; refuses one made with other settings than
     `identity` (its records would be mixed with incomparable ones) or of trajectories outside `trajectory_ids`."""
+    from kvprof.replay import ReplayProgress
+
     state = ReplayProgress(**saved_progress(checkpoint, identity))
     _refuse_foreign(checkpoint, [traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids])
     return state
@@ -142,6 +114,8 @@ def read_shard_checkpoint(
     """The shards an interrupted replay on Ray completed and its plan's grouping, as far as this replay can resume
     them (`kvprof.distributed.resumable`); `read_checkpoint`'s refusals, and a shard of other trajectories than
     this replay's is refused too."""
+    from kvprof.distributed import resumable, saved_shards
+
     progress = saved_progress(checkpoint, identity)
     saved = saved_shards(progress, checkpoint)
     _refuse_foreign(
@@ -223,7 +197,7 @@ def command(
         typer.Option(
             "--policy",
             help=f"Policy to replay, repeatable, or 'all' (every policy, each option over its declared "
-            f"sweep): {', '.join(REGISTRY)}.",
+            f"sweep): {', '.join(policy_names())}.",
         ),
     ] = ["all"],
     policy_option: Annotated[
@@ -231,7 +205,7 @@ def command(
         typer.Option(
             "--policy-option",
             help="POLICY.KEY=VALUE: set a policy's option, repeatable (several values of one key "
-            "are each replayed). Options: " + _option_list() + ".",
+            "are each replayed). Options: " + policy_option_list() + ".",
         ),
     ] = None,
     schedule: Annotated[
@@ -332,6 +306,12 @@ def command(
     args = dict(locals())
     import torch
 
+    from kvprof.distributed import AgentSource, RayCluster, absolute_files, absolute_source
+    from kvprof.model import agents_identity, load_agents_for_trace, trace_header
+    from kvprof.policies import runnable_variants
+    from kvprof.policies.variants import ALL
+    from kvprof.runtime import Runtime
+
     torch.manual_seed(seed)
     if trace is None:
         trace, model = demo_trace(model)
@@ -424,6 +404,8 @@ def replay_on_ray(
 ) -> dict:
     """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
     completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
+    from kvprof.distributed import ShardHooks, plan_shards, replay_sharded, shard_checkpoint, shard_groups
+
     checkpoint = out / "replay.partial.json"
     done, groups = None, None
     if resume and checkpoint.exists():
@@ -479,6 +461,8 @@ def replay_with_progress(
 ) -> dict:
     """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`;
     the result names its trace, the trace's source and the variants `skipped`."""
+    from kvprof.replay import ReplayHooks, run_replay
+
     with progress() as bar:
         job = bar.add_task(f"replaying {len(variants)} policies", total=sum(len(t.turns) for t in trajectories))
         bar.update(job, completed=sum(len(t.turns) for t in trajectories if state and t.id in state.trajectories))
@@ -506,6 +490,8 @@ def replay_with_progress(
 def show(result: dict) -> None:
     """The replay's terminal output: a warning when the dense run does not reproduce a captured trace, then the
     fidelity, reuse and cost tables."""
+    from kvprof.report.replay import cost_table, delta_table, dense_check, fidelity_table, policy_notes, reuse_table
+
     check = dense_check(result)
     if check.startswith("WARNING"):
         console.print(f"[bold red]{check}[/]")
@@ -521,4 +507,7 @@ def show(result: dict) -> None:
 
 def write_page(out: Path, result: dict) -> Path:
     """OUT/replay.html: the replay's dashboard page."""
+    from kvprof.report import write_html
+    from kvprof.report.replay import sections
+
     return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result["trace"])

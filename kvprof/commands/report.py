@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from kvprof.commands.common import console, print_sections
-from kvprof.report.dashboard import dashboard_sections, write_dashboard
 
 
 def command(
@@ -16,6 +15,8 @@ def command(
     out: Annotated[Path, typer.Option("--out", help="Path of the HTML dashboard to write.")] = Path("runs/report.html"),
 ) -> None:
     """Merge result files into one dashboard (plotly, offline) and print their tables."""
+    from kvprof.report.dashboard import dashboard_sections, write_dashboard
+
     sections, environment = dashboard_sections(results)
     print_sections(sections)
     path = write_dashboard(out, sections, results, environment)

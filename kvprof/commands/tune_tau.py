@@ -14,13 +14,11 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 import typer
 
-from kvprof.anchor_fit import fit_anchors
-from kvprof.anchors import pool_digest
+from kvprof.cli_help import tune_grid
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -35,15 +33,10 @@ from kvprof.commands.common import (
 from kvprof.commands.fit_anchors import POOL_FILE
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
-from kvprof.model import load_agents_for_trace
-from kvprof.policies import PolicyVariant, policy_class
-from kvprof.policies.delta import pool_identity
-from kvprof.replay import ReplayHooks, ReplayProgress
-from kvprof.report import write_html
-from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
-from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory, read_trace
-from kvprof.tune import GRID, Replayer, Target, in_process, replay_flags, threshold_key, tune
+
+if TYPE_CHECKING:
+    from kvprof.tune import Replayer
 
 TUNED_KIND = "kvprof.tuned-policy"
 
@@ -62,6 +55,8 @@ def parse_grid(text: str) -> list[str]:
 
 def parse_options(policy: str, flags: list[str]) -> dict[str, str]:
     """KEY=VALUE flags → the policy's other options, checked against its declared ones."""
+    from kvprof.policies import policy_class
+
     cls = policy_class(policy)
     options = {}
     for flag in flags:
@@ -81,7 +76,7 @@ def command(
         typer.Argument(help="Prompt-mode trace: tuning then held-out trajectories [default: the demo's tuning trace]."),
     ] = None,
     policy: Annotated[str, typer.Option("--policy", help="Policy to tune: kvcmas (τ) or kvcomm (γ).")] = "kvcmas",
-    grid: Annotated[str, typer.Option("--grid", help="Thresholds to sweep, comma-separated.")] = ",".join(GRID),
+    grid: Annotated[str, typer.Option("--grid", help="Thresholds to sweep, comma-separated.")] = ",".join(tune_grid()),
     option: Annotated[
         list[str] | None,
         typer.Option("--option", help="KEY=VALUE: another option of the policy (e.g. chain=nochain), repeatable."),
@@ -141,6 +136,17 @@ def command(
     latency and memory per value; recommend the value with the most reuse that meets the target, verify it on the
     held-out trajectories, and write it to OUT/tuned.json for `kvprof replay --tuned`."""
     args = dict(locals())
+    import torch
+
+    from kvprof.anchor_fit import fit_anchors
+    from kvprof.anchors import pool_digest
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies import policy_class
+    from kvprof.policies.delta import pool_identity
+    from kvprof.replay import ReplayHooks, ReplayProgress
+    from kvprof.runtime import Runtime
+    from kvprof.tune import Target, in_process, threshold_key, tune
+
     torch.manual_seed(seed)
     key = threshold_key(policy)
     if max_accuracy_drop is None and max_kl is None and target_rho is None:
@@ -262,6 +268,7 @@ def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict
         shard_checkpoint,
         shard_groups,
     )
+    from kvprof.policies import PolicyVariant
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         done, groups = None, None
@@ -304,6 +311,10 @@ def finish(
 ) -> None:
     """Show the sweep and its recommendation, write tune_tau.json (with the Ray `workers` in its environment) /
     .html and tuned.json, drop the checkpoint."""
+    from kvprof.report import write_html
+    from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
+    from kvprof.tune import replay_flags
+
     result.update(trace=str(trace), model=model, pool=str(anchors))
     console.print(sweep_table(result).to_rich())
     for line in verification_lines(result):
