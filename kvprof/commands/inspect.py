@@ -1,4 +1,5 @@
-"""`kvprof inspect`: validate a trace (and optionally its tokenizer against a model) and summarise it."""
+"""`kvprof inspect`: validate a trace (and optionally its tokenizer against a model), summarise it, and show what its
+turns could reuse (`kvprof.reuse`), before any model runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import typer
 from rich.table import Table
 
 from kvprof.commands.common import console
-from kvprof.model import load_tokenizer, tokenizer_identity
+from kvprof.reuse import ReuseSummary, TurnReuse, trajectory_reuse
 from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
 
@@ -19,8 +20,16 @@ def command(
         str | None,
         typer.Option("--model", help="Also check that this model's tokenizer is the one the trace was captured with."),
     ] = None,
+    divergences: Annotated[
+        int,
+        typer.Option(
+            "--divergences", min=0, help="List up to N turns whose input leaves the cached sequence it extends."
+        ),
+    ] = 10,
 ) -> None:
-    """Validate a trace line by line and print what it holds."""
+    """Validate a trace line by line, print what it holds and what its turns could reuse."""
+    from kvprof.model import load_tokenizer, tokenizer_identity
+
     header = read_header(trace)
     if model is not None:
         check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
@@ -39,8 +48,15 @@ def command(
             column, justify="left" if column in ("trajectory", "agents", "answer", "prediction") else "right"
         )
     count = 0
+    reuse_table, total, diverged = _reuse_table(), ReuseSummary(), []
     for traj in iter_trajectories(trace):
         count += 1
+        rows = trajectory_reuse(traj)
+        summary = ReuseSummary()
+        summary.add(rows)
+        total.add(rows)
+        reuse_table.add_row(traj.id, *_reuse_cells(summary))
+        diverged += [(traj.id, row) for row in rows if row.divergence is not None]
         shared = shared_segment_ids(traj)
         table.add_row(
             traj.id,
@@ -53,8 +69,45 @@ def command(
             str(traj.prediction),
         )
     console.print(table)
+    reuse_table.add_section()
+    reuse_table.add_row("all", *_reuse_cells(total), style="bold")
+    console.print(reuse_table)
+    _print_divergences(diverged, divergences)
     console.print(
         f"valid: {count} trajectories; agents {', '.join(header.agent_names)}; tokenizer "
         f"{header.tokenizer['name']} ({header.tokenizer['vocab_size']} ids)"
         + ("; tokenizer matches --model" if model else "")
     )
+
+
+def _reuse_table() -> Table:
+    table = Table(
+        title="reuse structure: what each turn's input could reuse, as a prefix-caching server sees the ids "
+        "(per agent: each agent its own cache; shared: one cache for all agents)"
+    )
+    for column in ("trajectory", "turns", "input tokens", "per-agent prefix", "shared prefix", "moved spans", "new"):
+        table.add_column(column, justify="left" if column == "trajectory" else "right")
+    table.add_column("divergences")
+    return table
+
+
+def _reuse_cells(summary: ReuseSummary) -> list[str]:
+    shares = [
+        f"{summary.share(n):.1%}" for n in (summary.own_prefix, summary.shared_prefix, summary.moved, summary.new)
+    ]
+    causes = ", ".join(f"{count} {cause}" for cause, count in summary.divergences.items() if count) or "none"
+    return [str(summary.turns), str(summary.input_tokens), *shares, causes]
+
+
+def _print_divergences(diverged: list[tuple[str, TurnReuse]], limit: int) -> None:
+    """One line per turn whose input leaves the cached sequence its shared prefix comes from (the first `limit`)."""
+    for traj_id, row in diverged[:limit]:
+        assert row.divergence is not None
+        console.print(
+            f"trajectory {traj_id!r} turn {row.turn} ({row.agent}): leaves turn {row.divergence.turn}'s sequence at "
+            f"position {row.divergence.position} ({row.divergence.cause}); {row.moved} of the {row.new + row.moved} "
+            "ids after it are spans seen elsewhere",
+            markup=False,
+        )
+    if len(diverged) > limit:
+        console.print(f"... and {len(diverged) - limit} more turns that diverge (--divergences N lists more)")

@@ -1,0 +1,128 @@
+"""The reuse structure of a trajectory (kvprof.reuse) against brute force, and the divergence causes on traces
+shaped as chat templates render them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvprof.reuse import (
+    MIN_SPAN,
+    PrefixTree,
+    ReuseSummary,
+    SpanIndex,
+    common_prefix,
+    divergence_cause,
+    trajectory_reuse,
+)
+from kvprof.trace import Segment, Trajectory, Turn
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def trajectory(turns: list[tuple[str, list[int], list[int]]]) -> Trajectory:
+    """A trajectory whose turn i reads one input segment and writes one output segment."""
+    segments, rows = {}, []
+    for i, (agent, ids, out) in enumerate(turns):
+        segments[f"in:{i}"] = Segment("message", "shared", ids, "")
+        segments[f"out:{i}"] = Segment("output", "shared", out, "", producer=agent)
+        rows.append(Turn(agent, [f"in:{i}"], f"out:{i}"))
+    return Trajectory("t", segments, rows)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 200, 1000])
+def test_common_prefix_finds_the_first_difference(n):
+    a = list(range(1000))
+    b = a[:n] + [-1] + a[n + 1 :]
+    assert common_prefix(a, 0, b, 0, 1000) == n
+    assert common_prefix(a, 3, a, 3, 500) == 500
+
+
+def test_prefix_tree_matches_brute_force_on_branching_sequences():
+    rng = random.Random(0)
+    tree, sequences = PrefixTree(), []
+    for turn in range(300):
+        if sequences and rng.random() < 0.8:  # extend or branch from an earlier sequence
+            base = rng.choice(sequences)
+            ids = base[: rng.randint(0, len(base))] + [rng.randint(0, 5) for _ in range(rng.randint(0, 30))]
+        else:
+            ids = [rng.randint(0, 5) for _ in range(rng.randint(0, 40))]
+        best = max((lcp(ids, seq) for seq in sequences), default=0)
+        match = tree.match(ids)
+        assert match.length == best
+        if best:
+            assert lcp(ids, match.sequence) == best
+        assert tree.insert(turn, ids) == best
+        sequences.append(ids)
+
+
+def test_span_index_finds_runs_elsewhere():
+    index = SpanIndex()
+    earlier = list(range(100, 160))
+    index.add(earlier)
+    ids = [1, 2, 3] + earlier[10:40] + [7] * 5 + earlier[:5]
+    assert index.moved_spans(ids, 0) == [(3, 33)]
+    assert index.moved_spans(ids, 0, min_span=31) == []
+
+
+def test_growing_timeline_reuses_every_earlier_token():
+    q, out0, cue, out1 = [1] * 20, [2] * 5, [3] * 4, [4] * 6
+    rows = trajectory_reuse(
+        trajectory([("plan", q, out0), ("act", q + out0 + cue, out1), ("plan", q + out0 + cue + out1, [5])])
+    )
+    assert [r.shared_prefix for r in rows] == [0, 25, 35]
+    assert [r.own_prefix for r in rows] == [0, 0, 25]
+    assert [r.new for r in rows] == [20, 4, 0]
+    assert all(r.divergence is None for r in rows)
+    assert rows[1].source == 0 and rows[2].source == 1
+
+
+def test_divergence_causes():
+    header = list(range(1000, 1010))
+    question = list(range(100, 140))
+    reply = list(range(200, 230))
+    # a reply read back re-rendered: its first id trimmed away (Llama's `| trim`)
+    rows = trajectory_reuse(
+        trajectory([("a", header + question, reply), ("b", header + question + reply[1:] + [9] * 3, [8])])
+    )
+    assert rows[1].divergence.cause == "re-rendered reply" and rows[1].divergence.position == 50
+    assert rows[1].moved == len(reply) - 1  # the rest of the reply is a span seen elsewhere
+    # two ids of the earlier input became one (a merged "\n\n")
+    merged = question[:20] + [7777] + question[22:]
+    rows = trajectory_reuse(trajectory([("a", header + question, reply), ("b", header + merged, [8])]))
+    assert rows[1].divergence.cause == "merged token" and rows[1].divergence.position == 30
+    # the same message under another role header (AutoGen: another agent's reply arrives as `user`)
+    rows = trajectory_reuse(
+        trajectory([("a", header + [1, 2, 3] + question, reply), ("b", header + [4, 5] + question, [8])])
+    )
+    assert rows[1].divergence.cause == "different header"
+    assert rows[1].shared_prefix == 10 and rows[1].moved == len(question) and rows[1].new == 2
+    rows = trajectory_reuse(trajectory([("a", header + question, reply), ("b", header + list(range(500, 560)), [8])]))
+    assert rows[1].divergence.cause == "different content" and rows[1].moved == 0
+
+
+def test_divergence_cause_prefers_merged_token_in_a_reply():
+    earlier = list(range(60))
+    ids = earlier[:45] + [999] + earlier[47:]
+    assert divergence_cause(ids, earlier, 45, earlier_input=40) == "merged token"
+    assert divergence_cause(earlier[:45] + [999] * 20, earlier, 45, earlier_input=40) == "re-rendered reply"
+
+
+def test_summary_counts_every_input_token_once():
+    rng = random.Random(1)
+    turns, context = [], []
+    for i in range(30):
+        context = context[: rng.randint(0, len(context))] + [rng.randint(0, 50) for _ in range(rng.randint(1, 40))]
+        turns.append((f"agent{i % 3}", list(context), [rng.randint(0, 50) for _ in range(5)]))
+    rows = trajectory_reuse(trajectory(turns))
+    summary = ReuseSummary()
+    summary.add(rows)
+    assert summary.shared_prefix + summary.moved + summary.new == summary.input_tokens
+    assert all(r.own_prefix <= r.shared_prefix for r in rows)
+    assert all(r.moved == 0 or r.moved >= MIN_SPAN for r in rows)
