@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
+import os
 import sys
-from collections.abc import Callable
 
 import typer
 
@@ -48,38 +47,26 @@ def _root(
         raise typer.Exit(USAGE)
 
 
-def _quiet(command: Callable) -> Callable:
-    """`command` with transformers' loading bars and deprecation chatter kept out of kvprof's output. Applied when
-    the command runs, not at start-up: `--help` and usage errors import no transformers (nor torch)."""
-
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        _quiet_libraries()
-        return command(*args, **kwargs)
-
-    return run
-
-
-app.command("capture")(_quiet(capture.command))
-app.command("import-chat")(_quiet(import_chat.command))
-app.command("inspect")(_quiet(inspect.command))
-app.command("replay")(_quiet(replay.command))
-app.command("report")(_quiet(report.command))
-app.command("rank-analysis")(_quiet(rank_analysis.command))
-app.command("fit-anchors")(_quiet(fit_anchors.command))
-app.command("tune-tau")(_quiet(tune_tau.command))
-app.command("bench")(_quiet(bench.command))
-app.command("demo")(_quiet(demo.command))
+app.command("capture")(capture.command)
+app.command("import-chat")(import_chat.command)
+app.command("inspect")(inspect.command)
+app.command("replay")(replay.command)
+app.command("report")(report.command)
+app.command("rank-analysis")(rank_analysis.command)
+app.command("fit-anchors")(fit_anchors.command)
+app.command("tune-tau")(tune_tau.command)
+app.command("bench")(bench.command)
+app.command("demo")(demo.command)
 
 
 def _quiet_libraries() -> None:
-    """Keep transformers' loading bars and deprecation chatter out of kvprof's own output."""
+    """Keep transformers' loading bars and deprecation chatter out of kvprof's own output: set through the
+    environment variables transformers and huggingface_hub read when they are imported (unless the user set them),
+    so that `--help` and usage errors import neither."""
     import warnings
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
@@ -96,6 +83,7 @@ def usage_line(err: typer.TyperException) -> str:
 def main() -> None:
     """Entry point: usage errors and user mistakes (`KvprofError`) print one line and exit 2, without a traceback;
     Ctrl-C exits 130."""
+    _quiet_libraries()
     try:
         # typer turns Ctrl-C inside a command and `typer.Exit` into this value; the program is "kvprof" however it
         # was started (click would otherwise name it after `python -m ...`)

@@ -3,6 +3,7 @@ shaped as chat templates render them."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -126,3 +127,36 @@ def test_summary_counts_every_input_token_once():
     assert summary.shared_prefix + summary.moved + summary.new == summary.input_tokens
     assert all(r.own_prefix <= r.shared_prefix for r in rows)
     assert all(r.moved == 0 or r.moved >= MIN_SPAN for r in rows)
+
+
+def test_replay_prefills_what_the_reuse_structure_leaves_new(tiny_world, lora_trace):
+    """On a trace whose turns extend one timeline, NonShared prefills what the agent's own prefix leaves and
+    FullShared what the shared prefix leaves (each computes at least one token of its input)."""
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies import PolicyVariant
+    from kvprof.replay import replay_trace
+    from kvprof.trace import read_trace
+
+    trajectories = read_trace(lora_trace).trajectories[:2]
+    agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
+    result = replay_trace(agents, trajectories, [PolicyVariant("fullshared"), PolicyVariant("nonshared")])
+    rows = [row for traj in trajectories for row in trajectory_reuse(traj)]
+    expected = {
+        "nonshared": [row.input_tokens - min(row.own_prefix, row.input_tokens - 1) for row in rows],
+        "fullshared": [row.input_tokens - min(row.shared_prefix, row.input_tokens - 1) for row in rows],
+    }
+    for label, prefilled in expected.items():
+        assert [turn["prefilled"] for turn in result["policies"][label]["turns"]] == prefilled
+    assert sum(expected["fullshared"]) < sum(expected["nonshared"])
+
+
+def test_inspect_prints_and_writes_the_reuse_structure(lora_trace, run_cli, tmp_path):
+    code, out, err = run_cli("inspect", str(lora_trace), "--out", str(tmp_path))
+    assert code == 0, err
+    assert "reuse structure" in out and "shared prefix" in out
+    result = json.loads((tmp_path / "inspect.json").read_text())
+    total = result["total"]
+    assert result["schema"] == "kvprof.result.inspect"
+    assert total["shared_prefix"] + total["moved"] + total["new"] == total["input_tokens"] > 0
+    turns = [turn for traj in result["trajectories"].values() for turn in traj["turns"]]
+    assert len(turns) == total["turns"] and sum(t["new"] for t in turns) == total["new"]

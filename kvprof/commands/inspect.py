@@ -3,13 +3,14 @@ turns could reuse (`kvprof.reuse`), before any model runs."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from kvprof.commands.common import console
+from kvprof.commands.common import console, write_result
 from kvprof.reuse import ReuseSummary, TurnReuse, trajectory_reuse
 from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
@@ -26,12 +27,17 @@ def command(
             "--divergences", min=0, help="List up to N turns whose input leaves the cached sequence it extends."
         ),
     ] = 10,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Also write OUT/inspect.json: every turn's reuse structure and the totals."),
+    ] = None,
 ) -> None:
     """Validate a trace line by line, print what it holds and what its turns could reuse."""
-    from kvprof.model import load_tokenizer, tokenizer_identity
-
+    args = dict(locals())
     header = read_header(trace)
     if model is not None:
+        from kvprof.model import load_tokenizer, tokenizer_identity
+
         check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
     table = Table(title=f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
     for column in (
@@ -48,7 +54,7 @@ def command(
             column, justify="left" if column in ("trajectory", "agents", "answer", "prediction") else "right"
         )
     count = 0
-    reuse_table, total, diverged = _reuse_table(), ReuseSummary(), []
+    reuse_table, total, diverged, records = _reuse_table(), ReuseSummary(), [], {}
     for traj in iter_trajectories(trace):
         count += 1
         rows = trajectory_reuse(traj)
@@ -57,6 +63,7 @@ def command(
         total.add(rows)
         reuse_table.add_row(traj.id, *_reuse_cells(summary))
         diverged += [(traj.id, row) for row in rows if row.divergence is not None]
+        records[traj.id] = {"summary": asdict(summary), "turns": [row.to_json() for row in rows]}
         shared = shared_segment_ids(traj)
         table.add_row(
             traj.id,
@@ -73,6 +80,9 @@ def command(
     reuse_table.add_row("all", *_reuse_cells(total), style="bold")
     console.print(reuse_table)
     _print_divergences(diverged, divergences)
+    if out is not None:
+        payload = {"trace": str(trace), "mode": header.mode, "total": asdict(total), "trajectories": records}
+        console.print(f"wrote {write_result(out, 'inspect', payload, args)}")
     console.print(
         f"valid: {count} trajectories; agents {', '.join(header.agent_names)}; tokenizer "
         f"{header.tokenizer['name']} ({header.tokenizer['vocab_size']} ids)"
