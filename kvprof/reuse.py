@@ -220,7 +220,8 @@ class TurnReuse:
 
 def trajectory_reuse(traj: Trajectory, min_span: int = MIN_SPAN) -> list[TurnReuse]:
     """Each turn's reuse structure, in order (see the module docstring)."""
-    shared, own, index = PrefixTree(), {}, SpanIndex()
+    shared, index = PrefixTree(), SpanIndex()
+    own: dict[str, PrefixTree] = {}  # agent -> the tree of its own sequences
     private = {agent: len(ids) for agent, ids in traj.private_prefixes().items()}
     input_lengths: dict[int, int] = {}
     rows = []
