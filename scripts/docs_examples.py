@@ -61,7 +61,10 @@ EXAMPLES: dict[str, Example] = {
     "demo": Example(("kvprof demo --out runs/demo",), keep_from="kvprof demo ("),
     "demo-evaluate": Example(("python -m kvprof.demo.evaluate --threads 1",)),
     "codebook-heldout": Example(
-        (f"kvprof replay kvprof/demo/assets/codebook/sample_traces/heldout.jsonl{CODEBOOK_REPLAY} --out runs/replay-codebook",)
+        (
+            "kvprof replay kvprof/demo/assets/codebook/sample_traces/heldout.jsonl"
+            f"{CODEBOOK_REPLAY} --out runs/replay-codebook",
+        )
     ),
     "codebook-standing": Example(
         (
@@ -151,7 +154,10 @@ EXAMPLES: dict[str, Example] = {
     "fit-anchors": Example((FIT_PROMPT_POOLS[0],)),
     "tune-tau": Example(("kvprof tune-tau --out runs/tune-tau",)),
     "tune-tau-kl": Example(
-        ("kvprof tune-tau --max-kl 3e-8 --no-online --anchors runs/tune-tau/anchors.safetensors --out runs/tune-tau-kl",),
+        (
+            "kvprof tune-tau --max-kl 3e-8 --no-online --anchors runs/tune-tau/anchors.safetensors"
+            " --out runs/tune-tau-kl",
+        ),
         needs=("runs/tune-tau/anchors.safetensors",),
         setup=("kvprof tune-tau --out runs/tune-tau",),
     ),
