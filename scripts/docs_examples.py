@@ -92,6 +92,7 @@ EXAMPLES: dict[str, Example] = {
             " --chat-template world/chat_template.jinja --workflow world/workflow_prompt.toml --out runs/import",
         ),
     ),
+    "inspect-prompt": Example(("kvprof inspect world/sample_traces/prompt_short.jsonl --divergences 4",)),
     "inspect": Example(
         ("kvprof inspect runs/capture/trace.jsonl --model world/model",),
         needs=("runs/capture/trace.jsonl",),
