@@ -62,11 +62,16 @@ app.command("demo")(demo.command)
 def _quiet_libraries() -> None:
     """Keep transformers' loading bars and deprecation chatter out of kvprof's own output: set through the
     environment variables transformers and huggingface_hub read when they are imported (unless the user set them),
-    so that `--help` and usage errors import neither."""
+    so that `--help` and usage errors import neither; directly when transformers is already imported."""
     import warnings
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # imported before (kvprof called in-process): set it directly
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
