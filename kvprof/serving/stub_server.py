@@ -260,7 +260,7 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 
 def trace_config(path: str, **overrides) -> StubConfig:
     """A config answering every turn of the trace at `path` with its recorded output, and tokenizing its segments'
-    texts to their recorded ids."""
+    texts to their recorded ids; `overrides` set any field (answers and texts too)."""
     from kvprof.trace import read_trace
 
     trace = read_trace(path)
@@ -271,7 +271,7 @@ def trace_config(path: str, **overrides) -> StubConfig:
             answers[tuple(traj.input_tokens(turn))] = traj.output_tokens(turn)
         for segment in traj.segments.values():
             texts.setdefault(segment.text, segment.tokens)
-    return StubConfig(answers=answers, texts=texts, **overrides)
+    return StubConfig(**({"answers": answers, "texts": texts} | overrides))
 
 
 def main(argv: list[str] | None = None) -> None:
