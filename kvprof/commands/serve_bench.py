@@ -134,6 +134,7 @@ def command(
         server,
     ):
         client = ServerClient(address, timeout=request_timeout)
+        server_pid = server.pid if server else None
         try:
             runs, served = _drive(client, header, trace, trajectories, pattern, served_base, sweep, seed, max_seconds)
         except ServerError as err:
@@ -146,6 +147,7 @@ def command(
         "server": {
             "url": address,
             "started": server is not None,
+            "pid": server_pid,
             "command": server.command if server else None,
             "base": served.base,
             "adapters": served.adapters,

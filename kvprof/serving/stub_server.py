@@ -271,7 +271,8 @@ def trace_config(path: str, **overrides) -> StubConfig:
             answers[tuple(traj.input_tokens(turn))] = traj.output_tokens(turn)
         for segment in traj.segments.values():
             texts.setdefault(segment.text, segment.tokens)
-    return StubConfig(**({"answers": answers, "texts": texts} | overrides))
+    settings: dict = {"answers": answers, "texts": texts} | overrides
+    return StubConfig(**settings)
 
 
 def main(argv: list[str] | None = None) -> None:
