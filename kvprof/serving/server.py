@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from kvprof.serving.client import ServerClient
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
+EXCEPTION_MESSAGE = re.compile(r"\b[A-Za-z_]*(?:Error|Exception): ")
 
 
 def free_port() -> int:
@@ -154,13 +156,17 @@ class VllmServer:
         )
 
     def last_log_line(self) -> str:
-        """The last line of the log that says what went wrong (an error line if there is one), shortened."""
+        """What the log says went wrong: its first exception message (`SomeError: ...`, outside warnings; a failed
+        start-up's root cause comes before the errors it causes), else its last line; shortened."""
         try:
             lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return ""
-        errors = [line for line in lines if "Error" in line or "error" in line]
-        return (errors or lines or [""])[-1][-300:]
+        for line in lines:
+            found = EXCEPTION_MESSAGE.search(line)
+            if found and "WARNING" not in line:
+                return line[found.start() :][:300]
+        return (lines or [""])[-1][-300:]
 
     def stop(self) -> None:
         """End the server's process group: SIGTERM, then SIGKILL after `STOP_GRACE_S`; wait for the server."""
