@@ -260,7 +260,7 @@ def test_started_server_that_dies_is_named_and_stopped(run_cli, tmp_path, stub_e
     stub_env(die_after=6)
     out = tmp_path / "out"
     code, _, err = run_cli("serve-bench", TRACE, "--start", "--vllm-python", fake_vllm(tmp_path), "--out", out)
-    assert code == 2 and "the vLLM server exited during the run with code 3" in err
+    assert code == 2 and "the vLLM server exited with code 3 during the run" in err
     assert not (out / "serve_bench.json").exists() and gone(server_pid(tmp_path))
 
 
@@ -269,7 +269,7 @@ def test_started_server_that_does_not_come_up(run_cli, tmp_path):
     broken.write_text("#!/bin/sh\necho 'ValueError: no memory for the KV cache' >&2\nexit 1\n")
     broken.chmod(0o755)
     code, _, err = run_cli("serve-bench", TRACE, "--start", "--vllm-python", broken, "--out", tmp_path)
-    assert code == 2 and "exited during start-up with code 1" in err and "no memory for the KV cache" in err
+    assert code == 2 and "exited with code 1 during start-up" in err and "no memory for the KV cache" in err
     code, _, err = run_cli("serve-bench", TRACE, "--start", "--vllm-python", tmp_path / "nothing", "--out", tmp_path)
     assert code == 2 and "--vllm-python" in err and "does not exist" in err
 

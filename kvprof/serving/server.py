@@ -149,10 +149,16 @@ class VllmServer:
         )
 
     def describe_exit(self, when: str) -> str:
-        """One sentence: the server exited (`when`), with its code and its log's last informative line."""
+        """One sentence: the server exited (`when`), with its code (or the signal that killed it) and its log's
+        most telling line."""
+        code = self.exit_code()
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
         return (
-            f"the vLLM server exited {when} with code {self.exit_code()} (last log line: {self.last_log_line()!r}); "
-            f"see {self.log} for the whole log."
+            f"the vLLM server {how} {when} (last log line: {self.last_log_line()!r}); see {self.log} for the whole log."
         )
 
     def last_log_line(self) -> str:
