@@ -322,3 +322,21 @@ def test_serving_modules_import_no_engine_or_framework():
     env = os.environ | {"PYTHONPATH": str(REPO)}
     loaded = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def test_serve_check_passes_and_fails_on_the_acceptance(run_cli, tmp_path, stub_env):
+    """scripts/serve_check.py (used by .ci/run) passes a good run and fails a run whose agents' outputs differ."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_check", REPO / "scripts" / "serve_check.py")
+    assert spec is not None and spec.loader is not None
+    serve_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_check)
+    for settings, passes in (({}, True), ({"answers": {}}, False)):
+        stub_env(**settings)
+        out = tmp_path / f"out-{passes}"
+        code, _, err = run_cli("serve-bench", TRACE, "--start", "--vllm-python", fake_vllm(tmp_path), "--out", out)
+        assert code == 0, err
+        results = serve_check.checks(result_of(out))
+        assert all(ok for ok, _ in results) is passes
+        assert any("is gone" in what and ok for ok, what in results)
