@@ -21,7 +21,7 @@ from kvprof.serving.client import ServerClient
 from kvprof.serving.driver import run_load
 from kvprof.serving.prometheus import COUNTERS, GAUGES, metric_values
 from kvprof.serving.server import VllmServer, free_port, lora_rank_slot
-from kvprof.serving.stub_server import StubServer, trace_config
+from kvprof.serving.stub_server import STUB_VERSION, StubServer, trace_config
 from kvprof.serving.summary import percentile, summarize
 from kvprof.serving.traffic import Load, ServedModels, poisson_arrivals, trajectory_traffic
 from kvprof.trace import read_trace
@@ -145,6 +145,7 @@ def test_serve_bench_against_the_stub(run_cli, tmp_path):
     assert code == 0, err
     result = result_of(tmp_path)
     assert result["schema"] == "kvprof.result.serve_bench" and result["version"] == 1
+    assert result["server"]["version"] == STUB_VERSION
     turns = sum(len(traj.turns) for traj in read_trace(TRACE).trajectories)
     summaries = {(r["summary"]["pattern"], r["summary"]["load"]["label"]): r["summary"] for r in result["runs"]}
     assert set(summaries) == {(p, load) for p in ("agents", "base") for load in ("4 qps", "2 conc")}
@@ -225,12 +226,20 @@ def server_pid(tmp_path: Path) -> int:
     return int((tmp_path / "server.pid").read_text())
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie has exited
+def gone(pid: int, wait: float = 5.0) -> bool:
+    """Whether process `pid` has exited (or is a zombie), within `wait` seconds: a signalled process dies when it
+    is next scheduled."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -136,6 +136,7 @@ def command(
         client = ServerClient(address, timeout=request_timeout)
         server_pid = server.pid if server else None
         try:
+            engine = client.version()
             runs, served = _drive(client, header, trace, trajectories, pattern, served_base, sweep, seed, max_seconds)
         except ServerError as err:
             raise _server_failure(server, err) from None
@@ -146,6 +147,7 @@ def command(
         "model": header.model.get("path"),
         "server": {
             "url": address,
+            "version": engine,
             "started": server is not None,
             "pid": server_pid,
             "command": server.command if server else None,

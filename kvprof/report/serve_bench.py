@@ -168,7 +168,8 @@ def sections(result: dict) -> list[Section]:
     server = result["server"]
     text = [
         f"trace {result['trace']} ({result['mode']} mode, {len(result['trajectories'])} trajectories) on "
-        f"{'a vLLM server kvprof started' if server['started'] else 'the server'} at {server['url']}; base model "
+        f"{'a vLLM server kvprof started' if server['started'] else 'the server'} at {server['url']} (version "
+        f"{server.get('version') or 'unknown'}); base model "
         f"{server['base']}" + (f", adapters {', '.join(server['adapters'])}" if server["adapters"] else "") + ".",
         "agents: each turn on its agent's adapter (vLLM's prefix cache keys blocks by adapter: an agent reuses only "
         "its own earlier prefixes). base: every turn on the base model (prefixes shared across agents, FullShared's "

@@ -119,6 +119,12 @@ class ServerClient:
         """GET /v1/models: the served models (a LoRA adapter has its base model as `parent`)."""
         return list(self.get_json("/v1/models").get("data", []))
 
+    def version(self) -> str | None:
+        """GET /version: the engine's version (vLLM serves it), None if the server does not say."""
+        status, body = self._request("GET", "/version")
+        answer = _parsed(body) if status == 200 else None
+        return str(answer["version"]) if isinstance(answer, dict) and "version" in answer else None
+
     def tokenize(self, model: str, text: str) -> list[int]:
         """vLLM's /tokenize of `text` with `model`'s tokenizer, without special tokens."""
         return list(

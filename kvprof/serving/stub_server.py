@@ -1,11 +1,11 @@
 """A small stand-in for vLLM's OpenAI-compatible server, for serve-bench's tests and its driver benchmark.
 
-It serves /health, /v1/models, /tokenize, /detokenize, /metrics, /reset_prefix_cache and streamed /v1/completions
-the way vLLM 0.32 does (token ids per chunk, a final usage chunk with cached tokens and per-request timings), on
-127.0.0.1 only. What it answers is set by `StubConfig`: the outputs (by prompt), a latency (TTFT and per token), a
-prefix cache of whole blocks keyed by model as vLLM keys it by adapter (or shared across models), another model's
-name in its answers, dying after N completions. It stops itself after `max_requests` requests or `lifetime`
-seconds, whichever comes first.
+It serves /health, /version, /v1/models, /tokenize, /detokenize, /metrics, /reset_prefix_cache and streamed
+/v1/completions the way vLLM 0.32 does (token ids per chunk, a final usage chunk with cached tokens and per-request
+timings), on 127.0.0.1 only. What it answers is set by `StubConfig`: the outputs (by prompt), a latency (TTFT and
+per token), a prefix cache of whole blocks keyed by model as vLLM keys it by adapter (or shared across models),
+another model's name in its answers, dying after N completions. It stops itself after `max_requests` requests or
+`lifetime` seconds, whichever comes first.
 
 Run as a program (`python -m kvprof.serving.stub_server --port P --model M --lora-modules a=DIR ...`, vLLM's own
 arguments, the others ignored) it stands in for `vllm.entrypoints.openai.api_server` behind `serve-bench --start`;
@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+STUB_VERSION = "stub"  # what it answers on /version
 
 
 @dataclass
@@ -171,6 +173,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, {"object": "list", "data": stub.models()})
             elif self.path == "/metrics":
                 self._send(200, stub.metrics())
+            elif self.path == "/version":
+                self._send(200, {"version": STUB_VERSION})
             else:
                 self._send(404, {"detail": "Not Found"})
 
