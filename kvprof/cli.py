@@ -18,6 +18,7 @@ from kvprof.commands import (
     rank_analysis,
     replay,
     report,
+    serve_bench,
     tune_tau,
 )
 from kvprof.errors import KvprofError
@@ -56,6 +57,7 @@ app.command("rank-analysis")(rank_analysis.command)
 app.command("fit-anchors")(fit_anchors.command)
 app.command("tune-tau")(tune_tau.command)
 app.command("bench")(bench.command)
+app.command("serve-bench")(serve_bench.command)
 app.command("demo")(demo.command)
 
 

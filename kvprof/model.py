@@ -21,6 +21,7 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.rope import Rope, model_rope
 from kvprof.spec import WorkflowSpec
+from kvprof.trace import trace_header
 
 if TYPE_CHECKING:
     from kvprof.trace import TraceHeader
@@ -315,12 +316,6 @@ def agents_identity(agents: AgentSet) -> dict:
     }
 
 
-def _beside(folder: Path, path: str) -> str:
-    """`path` resolved against `folder` if it is relative and exists there, else unchanged."""
-    candidate = folder / path
-    return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
-
-
 def load_agents_for_trace(
     trace_path,
     model: str | None = None,
@@ -340,21 +335,6 @@ def load_agents_for_trace(
     return load_agents_for_header(
         trace_header(trace_path), str(trace_path), model, workflow, agent_flags, role_flags, device, dtype, attn
     )
-
-
-def trace_header(trace_path) -> TraceHeader:
-    """The header of the trace at `trace_path`, with relative model and adapter paths resolved against the trace's
-    folder where they exist there (`load_agents_for_trace`)."""
-    from kvprof.trace import read_header
-
-    header = read_header(trace_path)
-    folder = Path(trace_path).parent
-    if header.model.get("path"):
-        header.model["path"] = _beside(folder, header.model["path"])
-    for agent_fields in header.workflow.get("agents", []):
-        if agent_fields.get("adapter"):
-            agent_fields["adapter"] = _beside(folder, agent_fields["adapter"])
-    return header
 
 
 def load_agents_for_header(

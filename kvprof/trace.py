@@ -411,6 +411,25 @@ def read_trace(path: str | os.PathLike) -> Trace:
     return Trace(header=read_header(path), trajectories=trajectories)
 
 
+def _beside(folder: Path, path: str) -> str:
+    """`path` resolved against `folder` if it is relative and exists there, else unchanged."""
+    candidate = folder / path
+    return str(candidate.resolve()) if not Path(path).is_absolute() and candidate.exists() else path
+
+
+def trace_header(trace_path) -> TraceHeader:
+    """The header of the trace at `trace_path`, with relative model and adapter paths resolved against the trace's
+    folder where they exist there (`kvprof.model.load_agents_for_trace`)."""
+    header = read_header(trace_path)
+    folder = Path(trace_path).parent
+    if header.model.get("path"):
+        header.model["path"] = _beside(folder, header.model["path"])
+    for agent_fields in header.workflow.get("agents", []):
+        if agent_fields.get("adapter"):
+            agent_fields["adapter"] = _beside(folder, agent_fields["adapter"])
+    return header
+
+
 def check_tokenizer(header: TraceHeader, identity: dict, trace_path: str | os.PathLike, model_name: str) -> None:
     """Refuse to use a trace with a tokenizer other than the one it was captured with."""
     if header.tokenizer.get("fingerprint") != identity["fingerprint"]:

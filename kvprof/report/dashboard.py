@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.report import anchors, bench, capture, rank_analysis, replay
+from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
 
@@ -25,6 +25,7 @@ BUILDERS: dict[str, SectionBuilder] = {
     "rank_analysis": rank_analysis.sections,
     "fit_anchors": anchors.fit_sections,
     "tune_tau": anchors.tune_sections,
+    "serve_bench": serve_bench.sections,
 }
 
 
