@@ -160,3 +160,27 @@ def test_inspect_prints_and_writes_the_reuse_structure(lora_trace, run_cli, tmp_
     assert total["shared_prefix"] + total["moved"] + total["new"] == total["input_tokens"] > 0
     turns = [turn for traj in result["trajectories"].values() for turn in traj["turns"]]
     assert len(turns) == total["turns"] and sum(t["new"] for t in turns) == total["new"]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_engine_hits_match_a_brute_force_prefix_cache(block_size):
+    """A serving engine's hits: the longest prefix of the prompt among the computed ids of earlier turns in the same
+    scope (inputs and generated ids but the last), short of the prompt's last id, in whole blocks."""
+    rng = random.Random(block_size)
+    turns, context = [], []
+    for i in range(40):
+        context = context[: rng.randint(0, len(context))] + [rng.randint(0, 3) for _ in range(rng.randint(1, 30))]
+        output = [rng.randint(0, 3) for _ in range(rng.randint(1, 6))]
+        turns.append((f"agent{i % 3}", list(context), output))
+        context = context + output
+    rows = trajectory_reuse(trajectory(turns), block_size=block_size)
+
+    def hits(index: int, scope: str | None) -> int:
+        ids = turns[index][1]
+        computed = [t[1] + t[2][:-1] for t in turns[:index] if scope is None or t[0] == scope]
+        best = max((lcp(ids, seq) for seq in computed), default=0)
+        return min(best, len(ids) - 1) // block_size * block_size
+
+    for index, row in enumerate(rows):
+        assert (row.engine_own, row.engine_shared) == (hits(index, turns[index][0]), hits(index, None))
+        assert row.engine_own <= row.own_prefix and row.engine_shared <= row.shared_prefix

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from kvprof.commands.common import console, write_result
-from kvprof.reuse import ReuseSummary, TurnReuse, trajectory_reuse
+from kvprof.reuse import BLOCK_SIZE, ReuseSummary, TurnReuse, trajectory_reuse
 from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
 
@@ -27,6 +27,15 @@ def command(
             "--divergences", min=0, help="List up to N turns whose input leaves the cached sequence it extends."
         ),
     ] = 10,
+    block_size: Annotated[
+        int,
+        typer.Option(
+            "--block-size",
+            min=1,
+            help="Prefix-cache block size of the serving engine whose cache hits are shown (vLLM: 16 on GPUs, 128 "
+            "on its CPU backend).",
+        ),
+    ] = BLOCK_SIZE,
     out: Annotated[
         Path | None,
         typer.Option("--out", help="Also write OUT/inspect.json: every turn's reuse structure and the totals."),
@@ -54,10 +63,10 @@ def command(
             column, justify="left" if column in ("trajectory", "agents", "answer", "prediction") else "right"
         )
     count = 0
-    reuse_table, total, diverged, records = _reuse_table(), ReuseSummary(), [], {}
+    reuse_table, total, diverged, records = _reuse_table(block_size), ReuseSummary(), [], {}
     for traj in iter_trajectories(trace):
         count += 1
-        rows = trajectory_reuse(traj)
+        rows = trajectory_reuse(traj, block_size=block_size)
         summary = ReuseSummary()
         summary.add(rows)
         total.add(rows)
@@ -81,7 +90,13 @@ def command(
     console.print(reuse_table)
     _print_divergences(diverged, divergences)
     if out is not None:
-        payload = {"trace": str(trace), "mode": header.mode, "total": asdict(total), "trajectories": records}
+        payload = {
+            "trace": str(trace),
+            "mode": header.mode,
+            "block_size": block_size,
+            "total": asdict(total),
+            "trajectories": records,
+        }
         console.print(f"wrote {write_result(out, 'inspect', payload, args)}")
     console.print(
         f"valid: {count} trajectories; agents {', '.join(header.agent_names)}; tokenizer "
@@ -90,21 +105,21 @@ def command(
     )
 
 
-def _reuse_table() -> Table:
+def _reuse_table(block_size: int) -> Table:
     table = Table(
-        title="reuse structure: what each turn's input could reuse, as a prefix-caching server sees the ids "
-        "(per agent: each agent its own cache; shared: one cache for all agents)"
+        title="reuse structure: what each turn's input could reuse, derived from its ids (per agent: each agent "
+        f"its own cache; shared: one cache for all agents; engine: a prefix cache's hits in blocks of {block_size})"
     )
-    for column in ("trajectory", "turns", "input tokens", "per-agent prefix", "shared prefix", "moved spans", "new"):
+    columns = ("trajectory", "turns", "input tokens", "per-agent prefix", "shared prefix", "moved spans", "new")
+    for column in (*columns, "engine per agent", "engine shared"):
         table.add_column(column, justify="left" if column == "trajectory" else "right")
     table.add_column("divergences")
     return table
 
 
 def _reuse_cells(summary: ReuseSummary) -> list[str]:
-    shares = [
-        f"{summary.share(n):.1%}" for n in (summary.own_prefix, summary.shared_prefix, summary.moved, summary.new)
-    ]
+    counts = (summary.own_prefix, summary.shared_prefix, summary.moved, summary.new)
+    shares = [f"{summary.share(n):.1%}" for n in (*counts, summary.engine_own, summary.engine_shared)]
     causes = ", ".join(f"{count} {cause}" for cause, count in summary.divergences.items() if count) or "none"
     return [str(summary.turns), str(summary.input_tokens), *shares, causes]
 
