@@ -178,6 +178,8 @@ EXAMPLES: dict[str, Example] = {
         needs=("runs/tune-tau/tuned.json",),
         setup=("kvprof tune-tau --out runs/tune-tau",),
     ),
+    # a Markdown table (kernels.md includes it as one): ptxas' registers and spills of every shipped configuration
+    "kernels-aot": Example(("python tests/test_kernels_aot.py",)),
     "bench": Example(("kvprof bench --device cpu --seq-lens 256 --ranks 16 --threads 1 --out runs/bench",)),
 }
 

@@ -16,7 +16,7 @@ DOCS = REPO / "docs"
 # an absolute path of some machine: /work/..., /root/..., /home/..., /tmp/... (not a relative one such as
 # world/workflow.toml)
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(work|root|home|tmp)/")
-SNIPPET = re.compile(r'--8<-- "docs/examples/([^"]+)"')
+SNIPPET = re.compile(r'--8<-- "docs/examples/([^":]+)(?::[0-9:]*)?"')  # a file, optionally with a line range
 
 
 def load(path: Path, name: str) -> ModuleType:
