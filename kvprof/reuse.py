@@ -256,18 +256,17 @@ def trajectory_reuse(traj: Trajectory, min_span: int = MIN_SPAN, block_size: int
     shared, index, engine = PrefixTree(), SpanIndex(), EngineCache(block_size)
     own: dict[str, PrefixTree] = {}  # agent -> the tree of its own sequences
     private = {agent: len(ids) for agent, ids in traj.private_prefixes().items()}
-    input_lengths: dict[int, int] = {}
-    rows = []
+    rows: list[TurnReuse] = []
     for number, turn in enumerate(traj.turns):
-        ids = traj.input_tokens(turn)
-        sequence = ids + traj.output_tokens(turn)  # replay keeps the K/V of every output id
+        ids, output = traj.input_tokens(turn), traj.output_tokens(turn)
+        sequence = ids + output  # replay keeps the K/V of every output id
         agent_tree = own.setdefault(turn.agent, PrefixTree())
         own_prefix = agent_tree.match(ids).length
         prefix = shared.match(ids)
         divergence = None
         if prefix.turn is not None and prefix.length < min(len(ids), len(prefix.sequence)):
             cause = divergence_cause(
-                ids, prefix.sequence, prefix.length, input_lengths[prefix.turn], private.get(turn.agent, 0)
+                ids, prefix.sequence, prefix.length, rows[prefix.turn].input_tokens, private.get(turn.agent, 0)
             )
             divergence = Divergence(prefix.length, prefix.turn, cause)
         moved = sum(end - begin for begin, end in index.moved_spans(ids, prefix.length, min_span))
@@ -286,13 +285,11 @@ def trajectory_reuse(traj: Trajectory, min_span: int = MIN_SPAN, block_size: int
                 engine_shared=engine.hit(ALL_AGENTS, ids),
             )
         )
-        output = traj.output_tokens(turn)
         engine.add(turn.agent, number, ids, output)
         engine.add(ALL_AGENTS, number, ids, output)
         known = shared.insert(number, sequence)
         agent_tree.insert(number, sequence)
         index.add(sequence, known)
-        input_lengths[number] = len(ids)
     return rows
 
 
