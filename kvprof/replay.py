@@ -13,10 +13,11 @@ call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT,
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from kvprof.errors import KvprofError
+from kvprof.branches import BranchingTimeline, FollowedTimeline, plan_of
 from kvprof.metrics import (
     kl_divergence,
     mean_token_cosine,
@@ -34,34 +35,6 @@ from kvprof.trace import Trajectory
 from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
 
 DENSE = "dense"
-
-
-class Timeline:
-    """The shared timeline of one trajectory as replay sees it: token ids and, per token, the agent whose turn held
-    it first. Every turn's input after the agent's prefix must extend it: policies serve stored caches by position,
-    so a turn whose tokens differ from the timeline's would be silently mis-replayed — it is refused instead."""
-
-    def __init__(self, trajectory: str):
-        self.trajectory = trajectory
-        self.ids: list[int] = []
-        self.producers: list[str] = []
-
-    def check(self, index: int, agent: str, shared: list[int]) -> None:
-        known = min(len(shared), len(self.ids))
-        if shared[:known] != self.ids[:known]:
-            at = next(i for i in range(known) if shared[i] != self.ids[i])
-            raise KvprofError(
-                f"trajectory {self.trajectory!r} turn {index} ({agent}): its input differs from the tokens earlier "
-                f"turns read at shared position {at}, so its agents do not read one growing timeline; kvprof replays "
-                "traces whose turns extend one shared context — recapture it with kvprof capture (with "
-                "--chat-template off where a chat template renders earlier replies differently from their tokens)."
-            )
-
-    def extend(self, agent: str, tokens: list[int]) -> None:
-        """Record a turn's shared input and outputs (`tokens`, starting at timeline position 0)."""
-        added = tokens[len(self.ids) :]
-        self.ids += added
-        self.producers += [agent] * len(added)
 
 
 def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_outputs: list[int]) -> dict:
@@ -274,6 +247,8 @@ def replay_trace(
 ) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
 
+    Turns that leave the shared context reuse their longest common prefix with earlier turns and recompute the rest
+    (`kvprof.branches`); the dense run's records say where and why (`TurnStart.to_json`).
     With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped; a variant that
     keeps state across trajectories first replays them again, unrecorded, to rebuild that state (`rebuild_state`).
     With `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
@@ -294,15 +269,16 @@ def replay_trace(
         dense.reset()
         for policy in policies:
             policy.reset()
-        timeline = Timeline(traj.id)
+        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), [dense, *policies])
         for index, turn in enumerate(traj.turns):
             outputs = traj.output_tokens(turn)
             request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn), output_ids=outputs)
-            shared = request.input_ids[len(runtime.prefix(turn.agent)) :]
-            timeline.check(index, turn.agent, shared)
+            start = timeline.begin(index)
             dense_result = dense.run_turn(request, repeats)
             where = {"trajectory": traj.id, "turn": index}
-            state.records[DENSE].append(compare_turn(dense_result, dense_result, 0, outputs) | where)
+            state.records[DENSE].append(
+                compare_turn(dense_result, dense_result, 0, outputs) | where | {"start": start.to_json()}
+            )
             for policy in policies:
                 turn_result = policy.run_turn(request, repeats)
                 from_others = turn_result.from_others
@@ -318,7 +294,8 @@ def replay_trace(
                 if check_memory:
                     exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
                     state.memory_exact[policy.label] = state.memory_exact.get(policy.label, True) and exact
-            timeline.extend(turn.agent, shared + outputs)
+            shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
+            timeline.end(index, turn.agent, shared_len + len(outputs))
             if on_turn:
                 on_turn(traj, index)
         state.trajectories.append(traj.id)
@@ -338,10 +315,14 @@ def rebuild_state(runtime: Runtime, policies: list[SharingPolicy], trajectories:
         runtime.serve_trajectory(traj)
         for policy in policies:
             policy.reset()
-        for turn in traj.turns:
+        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), policies)
+        for index, turn in enumerate(traj.turns):
             request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+            timeline.begin(index)
             for policy in policies:
                 policy.run_turn(request)
+            shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
+            timeline.end(index, turn.agent, shared_len + len(request.output_ids or []))
 
 
 def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:
@@ -349,7 +330,7 @@ def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memo
     under `DENSE`) and each policy's `policy_entry` (in the order the result lists them): every summary is
     recomputed from the records, each policy's against the dense run's; `memory_exact` adds whether each policy's
     analytic memory matched its live tensors."""
-    dense_summary = summarise(records[DENSE])
+    dense_summary = summarise(records[DENSE]) | {"timeline": timeline_summary(records[DENSE])}
     policies: dict[str, dict] = {}
     for label, entry in entries.items():
         summary = summarise(records[label])
@@ -360,11 +341,31 @@ def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memo
     return {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": policies}
 
 
+def timeline_summary(dense_turns: list[dict]) -> dict:
+    """How the replayed turns followed the shared context (`kvprof.branches`): turns that left it (by cause), turns
+    that returned to an earlier turn's state, and the stored tokens turns dropped."""
+    starts = [turn["start"] for turn in dense_turns if "start" in turn]
+    causes = Counter(start["divergence"]["cause"] for start in starts if start["divergence"])
+    return {
+        "turns": len(starts),
+        "left": sum(causes.values()),
+        "causes": dict(causes),
+        "restored": sum(start["restored_from"] is not None for start in starts),
+        "dropped_tokens": sum(start["dropped"] for start in starts),
+    }
+
+
 def policy_responder(policy: SharingPolicy):
-    """A workflow responder that serves each agent call with `policy`, generating greedily."""
+    """A workflow responder that serves each agent call of one task with `policy`, generating greedily; a call whose
+    input leaves the context the calls before it built keeps their common prefix (`FollowedTimeline`)."""
+    timeline = FollowedTimeline(policy)
 
     def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
-        return policy.run_turn(TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new)).output_ids
+        shared = input_ids[len(policy.runtime.prefix(agent)) :]
+        timeline.begin(shared)
+        outputs = policy.run_turn(TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new)).output_ids
+        timeline.end(shared + outputs)
+        return outputs
 
     return respond
 

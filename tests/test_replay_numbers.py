@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 from test_policies import matrices, shared_a_agents  # noqa: F401  (fixtures)
 
+from kvprof.branches import BranchingTimeline, plan_trajectory
 from kvprof.demo.assets import demo_world
-from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant, TurnRequest
 from kvprof.policies.prelrshared import PreLRShared
-from kvprof.replay import Timeline, replay_trace
+from kvprof.replay import replay_trace
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory, read_header, read_trace
 
@@ -96,7 +97,7 @@ def test_dense_run_reproduces_every_captured_sample_trace(name):
     assert result["dense"]["summary"]["trace_agreement"] == 1.0
 
 
-def test_a_turn_that_does_not_extend_the_timeline_is_refused(lora_trace, monkeypatch):
+def test_a_turn_that_leaves_the_timeline_reuses_its_common_prefix(lora_trace, monkeypatch):
     agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
     traj = read_trace(lora_trace).trajectories[0]
     original = Trajectory.input_tokens
@@ -108,19 +109,22 @@ def test_a_turn_that_does_not_extend_the_timeline_is_refused(lora_trace, monkeyp
         return ids
 
     monkeypatch.setattr(Trajectory, "input_tokens", corrupted)
-    with pytest.raises(KvprofError, match="turn 2 .* differs from the tokens earlier turns read at shared position 3"):
-        replay_trace(agents, [traj], [PolicyVariant("fullshared")])
+    result = replay_trace(agents, [traj], [PolicyVariant("fullshared")])
+    start = result["dense"]["turns"][2]["start"]
+    assert start["kept"] == 3 and start["divergence"]["position"] == 3 and start["restored_from"] is None
+    assert result["policies"]["fullshared"]["turns"][2]["reused"] == 3
+    assert result["dense"]["summary"]["timeline"]["left"] == 1
 
 
-def test_timeline_records_who_processed_each_token_first():
-    timeline = Timeline("t")
-    timeline.extend("plan", [1, 2, 3])
-    timeline.check(1, "act", [1, 2, 3, 4])
-    timeline.extend("act", [1, 2, 3, 4, 5])
-    assert timeline.producers == ["plan", "plan", "plan", "act", "act"]
-    timeline.check(2, "plan", [1, 2])
-    with pytest.raises(KvprofError, match="shared position 1"):
-        timeline.check(3, "plan", [1, 9, 3])
+def test_the_timeline_records_who_processed_each_token_first():
+    policy = SimpleNamespace(truncate=lambda keep: None)
+    timeline = BranchingTimeline(plan_trajectory([[1, 2], [1, 2, 3, 4], [1, 9]], [[3], [5], [6]]), [policy])
+    for index, (agent, length) in enumerate([("plan", 3), ("act", 5), ("plan", 3)]):
+        timeline.begin(index)
+        timeline.end(index, agent, length)
+        if index == 1:
+            assert timeline.producers == ["plan", "plan", "plan", "act", "act"]
+    assert timeline.producers == ["plan", "plan", "plan"]
 
 
 def test_ttft_flops_give_the_speed_up_the_work_allows(lora):

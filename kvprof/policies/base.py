@@ -7,10 +7,17 @@ observations — everything every agent reads, in order). Policies store caches 
 input (the chunk) with its own adapter over that context, and its output tokens after it. `commit` lets the policy
 keep what it wants of the turn.
 
+Real traces do not always extend one timeline: a turn's input may leave it (a reply re-rendered by the chat
+template, another role header). The replay engine (`kvprof.branches`) then calls `truncate(keep)` before the turn —
+the policy forgets the timeline from the divergence on, and the turn computes the rest as new tokens — and, when the
+turn shares more with an earlier turn's sequence, first `restore`s the `snapshot` it took after that turn. So a
+policy only ever sees inputs that extend what it stores.
+
 A policy is one module: a subclass that declares its identity (`name`, `family`, `paper`, `approximate`, `modes`),
-its knobs (`options`: `Option`s, with the values `--policy all` sweeps) and its `published` figures, and implements
-`reset`, `assemble` (build the context; a policy that carries work from `assemble` to `commit` returns its own
-`Context` subclass), `commit`, `live_tensors` and `analytic_bytes`. Registering it is one line in
+its knobs (`options`: `Option`s, with the values `--policy all` sweeps), its `published` figures and its
+`timeline_state` (the attributes `snapshot` copies), and implements `reset`, `assemble` (build the context; a policy
+that carries work from `assemble` to `commit` returns its own `Context` subclass), `commit`, `truncate`,
+`live_tensors` and `analytic_bytes`. Registering it is one line in
 `kvprof.policies.REGISTRY`; the CLI, the test matrix and the reports pick it up from there.
 
 The turn (`run_turn`) is three named steps, and a policy's work is charged to the phase a serving system pays it in:
@@ -30,6 +37,7 @@ stored by `commit`, so a timed prefill can repeat without changing the policy's 
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -304,6 +312,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
     # run its trajectories in order in one process; sharding them would change its results. Per variant:
     # `independent_of_trajectories`.
     trajectory_independent: ClassVar[bool] = True
+    # The attributes holding the current trajectory's stored state (what `reset` creates, not what it keeps): what
+    # `snapshot` copies and `restore` puts back when a later turn returns to an earlier branch of the trajectory.
+    timeline_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
@@ -369,6 +380,25 @@ class SharingPolicy(ABC, Generic[ContextT]):
     @abstractmethod
     def analytic_bytes(self) -> dict[str, int]:
         """Bytes of each structure computed from token counts and shapes (must equal `live_tensors`' bytes)."""
+
+    @abstractmethod
+    def truncate(self, keep: int) -> None:
+        """Forget every stored token at shared-timeline index `keep` or later: the next turn's input leaves the
+        stored timeline there (`kvprof.branches`), so what follows is new tokens for it. Storage past `keep` may stay
+        allocated (the next turn overwrites it in place)."""
+
+    def snapshot(self) -> dict[str, object]:
+        """A copy of the trajectory's stored state (`timeline_state`; tensors cloned), for `restore`."""
+        with torch.inference_mode():
+            return copy.deepcopy(
+                {name: getattr(self, name) for name in self.timeline_state}, {id(self.runtime): self.runtime}
+            )
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Return to a `snapshot` (copied again: the snapshot stays valid for another return)."""
+        with torch.inference_mode():
+            for name, value in copy.deepcopy(state, {id(self.runtime): self.runtime}).items():
+                setattr(self, name, value)
 
     def prefix_context(self, agent: str) -> tuple[list[KV], float]:
         """The agent's private prefix computed alone at positions 0.. (exact: nothing precedes it), and its FLOPs."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -91,6 +91,18 @@ class SegmentLog:
                 added.append(segment)
                 self.length = end
         return added
+
+    def truncate(self, keep: int) -> list[SharedSegment]:
+        """Forget the timeline from index `keep` on: segments starting there or later are dropped, one running
+        across it ends there (same name and slot). Returns the dropped segments."""
+        dropped = [segment for segment in self.segments if segment.start >= keep]
+        self.segments = [
+            segment if segment.end <= keep else replace(segment, end=keep)
+            for segment in self.segments
+            if segment.start < keep
+        ]
+        self.length = min(self.length, keep)
+        return dropped
 
 
 def pool_identity(runtime: Runtime) -> dict:
@@ -209,6 +221,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     approximate = True
     modes = ("prompt",)
     trajectory_independent = False
+    timeline_state = ("log", "own", "seen", "latest", "readers", "corrected", "bases", "neutral")
     temperature = 1.0  # softmax temperature over anchor distances (the public KVComm code uses 1)
 
     def __init__(self, runtime: Runtime, **options: str):
@@ -259,6 +272,22 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.corrected: Counter[str] = Counter()  # agent -> tokens of its cache it got by correction
         self.bases: dict[str, Stacked] = {}  # segment name -> context-free encoding (kept for later readers)
         self.neutral = NeutralContext(self.runtime)
+
+    def truncate(self, keep: int) -> None:
+        """Cut the segment log at `keep` (kvprof's: the public code replays one growing timeline), each agent's cache
+        and the context-free encodings with it; the anchor pool keeps what it learnt."""
+        for segment in self.log.truncate(keep):
+            for table in (self.latest, self.readers, self.bases):
+                table.pop(segment.name, None)
+        for segment in self.log.segments[-1:]:
+            base = self.bases.get(segment.name)
+            if base is not None and base[0].shape[-2] > segment.length:
+                keys, values = base
+                self.bases[segment.name] = (
+                    keys[..., : segment.length, :].clone(),
+                    values[..., : segment.length, :].clone(),
+                )
+        self.seen = {agent: min(seen, keep) for agent, seen in self.seen.items()}
 
     def initial_pool(self) -> AnchorPool:
         path = self.settings.get("anchors")

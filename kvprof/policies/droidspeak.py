@@ -143,6 +143,7 @@ class DroidSpeak(SelectiveRecompute):
         MEMORY,
     )
     context_type = DroidSpeakContext
+    timeline_state = (*SelectiveRecompute.timeline_state, "states")
     # Without a profile file it profiles on the first trajectory it replays and uses that block for the others.
     trajectory_independent = False
     calibrating = False  # set by __init__; reset() runs first, from SharingPolicy.__init__

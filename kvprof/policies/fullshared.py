@@ -45,6 +45,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
             LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 5.3 points against NonShared"
         ),
     )
+    timeline_state: ClassVar[tuple[str, ...]] = ("shared", "offsets", "producers", "prefixes")
 
     def reset(self) -> None:
         self.shared: list[KVBuffer] | None = None  # per layer (K, V), (1, H_kv, ≥ N, D), keys at producer positions
@@ -102,6 +103,9 @@ class FullShared(SharingPolicy[FullSharedContext]):
         self.offsets += [prefix_len] * added
         self.producers += [chunk.agent] * added
         return 0.0
+
+    def truncate(self, keep: int) -> None:
+        del self.offsets[keep:], self.producers[keep:]
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = {"shared cache": [t for buffer in self.shared or [] for t in buffer.view(len(self.producers))]}

@@ -299,6 +299,11 @@ class LowRankStore:
         )
         return view, flops
 
+    def truncate(self, keep: int) -> None:
+        """Forget the tokens at timeline index `keep` or later (base and LR caches)."""
+        del self.producers[keep:]
+        self.lr_lengths = {name: min(length, keep) for name, length in self.lr_lengths.items()}
+
     # ------------------------------------------------------------------------------------------- memory
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -361,6 +366,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     (memory: one full cache per agent that has acted, counted as `view:AGENT`)."""
 
     modes: ClassVar[tuple[str, ...]] = ("lora",)
+    timeline_state: ClassVar[tuple[str, ...]] = ("store", "views", "view_lengths")
 
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
@@ -439,6 +445,10 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         self.store.apply(chunk.context.updates)
         self.keep_view(chunk)
         return 0.0
+
+    def truncate(self, keep: int) -> None:
+        self.store.truncate(keep)
+        self.view_lengths = {agent: min(length, keep) for agent, length in self.view_lengths.items()}
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = self.store.live_tensors()

@@ -22,6 +22,7 @@ class NonShared(SharingPolicy[Context]):
     approximate = False
     modes = ("lora", "prompt")
     serves_others = False
+    timeline_state = ("own", "seen")
 
     def reset(self) -> None:
         self.own: dict[str, list[KVBuffer]] = {}  # agent -> per layer (K, V) buffers, (1, H_kv, ≥ L_agent, D)
@@ -40,6 +41,9 @@ class NonShared(SharingPolicy[Context]):
         self.own[chunk.agent] = chunk.buffers
         self.seen[chunk.agent] = chunk.start + len(chunk.ids)
         return 0.0
+
+    def truncate(self, keep: int) -> None:
+        self.seen = {agent: min(seen, keep) for agent, seen in self.seen.items()}
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {

@@ -1,0 +1,164 @@
+"""How replay follows a trajectory whose turns do not extend one shared context.
+
+The policies store caches of one shared timeline per trajectory (`kvprof.policies.base`): an agent's input is its
+private prefix followed by the timeline's first tokens. Real traces are not one growing timeline: a turn is its
+exact ids as the server rendered them, and its shared input (after the acting agent's private prefix) may leave the
+timeline the policies hold — the previous turn's input and outputs — at some position: a reply re-rendered by the
+template (Llama's `| trim`, a stop string cut), another role header (a group chat shows others' replies as `user`
+messages), a boundary tokenized as one merged id. Replay then does what a serving engine's prefix cache does:
+
+- the policies keep the tokens of their timeline the input starts with (`SharingPolicy.truncate`) and everything
+  after the divergence is new tokens for the turn, computed by the acting agent;
+- when an earlier turn's sequence (its input and outputs) shares more with the input than the current timeline does
+  — agents alternating in a group chat, each reading its own replies under `assistant` and the others' under
+  `user` — the policies first return to the state they had after that turn (`SharingPolicy.snapshot` /
+  `restore`), so a turn reuses its longest common prefix with any earlier turn, as a prefix tree over all turns
+  keeps it (vLLM's automatic prefix caching, SGLang's radix cache).
+
+`plan_trajectory` derives each turn's start from the ids alone, before any model runs; `BranchingTimeline` applies
+it to the policies turn by turn and keeps a snapshot only of the turns a later turn returns to. Spans equal to ids
+processed at other positions (`kvprof.reuse` counts them as moved spans) are new tokens here: no policy moves them.
+Memory: a policy's analytic bytes count the branch it is on; the snapshots of branches a later turn returns to are
+the replay's, as a radix cache would keep those blocks besides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvprof.errors import KvprofError
+from kvprof.policies.base import SharingPolicy
+from kvprof.reuse import Divergence, PrefixTree, common_prefix, divergence_cause
+from kvprof.trace import Trajectory
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """Where the policies start one turn from.
+
+    restore: the earlier turn whose state they return to first (None: the state the previous turn left); keep:
+    tokens of that state's timeline the turn's shared input starts with, which they keep; dropped: tokens of that
+    timeline after `keep`, which they forget; divergence: where the input leaves the timeline it continues, and why
+    (None when it extends it)."""
+
+    restore: int | None
+    keep: int
+    dropped: int
+    divergence: Divergence | None
+
+    def to_json(self) -> dict:
+        divergence = self.divergence
+        return {
+            "restored_from": self.restore,
+            "kept": self.keep,
+            "dropped": self.dropped,
+            "divergence": None if divergence is None else {"position": divergence.position, "cause": divergence.cause},
+        }
+
+
+def plan_trajectory(inputs: Sequence[list[int]], outputs: Sequence[list[int]]) -> list[TurnStart]:
+    """Each turn's start, from its shared input ids and output ids (one list per turn, in order): the longest common
+    prefix with any earlier turn's sequence, restoring that turn's state when the previous turn's sequence shares
+    less (see the module docstring)."""
+    tree = PrefixTree()
+    starts: list[TurnStart] = []
+    previous: list[int] = []
+    for index, (ids, out) in enumerate(zip(inputs, outputs)):
+        best = tree.match(ids)
+        restore = None
+        timeline = previous
+        keep = common_prefix(ids, 0, previous, 0, min(len(ids), len(previous)))
+        if best.turn is not None and best.length > keep:
+            restore, timeline, keep = best.turn, best.sequence, best.length
+        divergence = None
+        if keep < min(len(ids), len(timeline)):
+            source = restore if restore is not None else index - 1
+            cause = divergence_cause(ids, timeline, keep, len(inputs[source]))
+            divergence = Divergence(keep, source, cause)
+        starts.append(TurnStart(restore, keep, len(timeline) - keep, divergence))
+        previous = ids + out
+        tree.insert(index, previous)
+    return starts
+
+
+def plan_of(traj: Trajectory, prefixes: Mapping[str, list[int]]) -> list[TurnStart]:
+    """`plan_trajectory` of `traj`, each turn's shared input being its input after the acting agent's private prefix
+    (`prefixes`: agent → ids; none for an agent not in it)."""
+    inputs = [traj.input_tokens(turn)[len(prefixes.get(turn.agent, [])) :] for turn in traj.turns]
+    return plan_trajectory(inputs, [traj.output_tokens(turn) for turn in traj.turns])
+
+
+def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
+    """`kvprof replay --strict`: refuse the trace if a turn of any trajectory leaves the shared context the turns
+    before it built (checked from the ids alone, before a model loads: in prompt mode each agent's private prefix
+    is the private segments its first turn starts with, `Trajectory.private_prefixes`)."""
+    for traj in trajectories:
+        prefixes = traj.private_prefixes() if mode == "prompt" else {}
+        for index, start in enumerate(plan_of(traj, prefixes)):
+            if start.divergence is None and start.restore is None:
+                continue
+            at = start.divergence.position if start.divergence else start.keep
+            cause = f" ({start.divergence.cause})" if start.divergence else ""
+            raise KvprofError(
+                f"trajectory {traj.id!r} turn {index} ({traj.turns[index].agent}): its input leaves the shared "
+                f"context of the turns before it at shared position {at}{cause}, and --strict replays only traces "
+                "whose turns extend one shared context; drop --strict to reuse the longest common prefix and "
+                "recompute the rest."
+            )
+
+
+class BranchingTimeline:
+    """Applies a trajectory's `plan_trajectory` to `policies` turn by turn (`begin` before a turn, `end` after it),
+    and keeps who held each token of the current timeline first (`producers`, for the replay's reuse count)."""
+
+    def __init__(self, starts: list[TurnStart], policies: Sequence[SharingPolicy]):
+        self.starts = starts
+        self.policies = list(policies)
+        self.producers: list[str] = []
+        self.pending = Counter(start.restore for start in starts if start.restore is not None)
+        self.snapshots: dict[int, tuple[list[dict[str, object]], list[str]]] = {}
+
+    def begin(self, index: int) -> TurnStart:
+        """Bring every policy to turn `index`'s start: restore the turn it returns to, then forget what its input
+        does not share."""
+        start = self.starts[index]
+        if start.restore is not None:
+            states, producers = self.snapshots[start.restore]
+            for policy, state in zip(self.policies, states):
+                policy.restore(state)
+            self.producers = list(producers)
+            self.pending[start.restore] -= 1
+            if not self.pending[start.restore]:
+                del self.snapshots[start.restore]
+        if start.dropped:
+            for policy in self.policies:
+                policy.truncate(start.keep)
+            del self.producers[start.keep :]
+        return start
+
+    def end(self, index: int, agent: str, sequence_len: int) -> None:
+        """After turn `index` of `agent` (its shared input and outputs: `sequence_len` tokens): record the tokens it
+        added and snapshot the policies if a later turn returns here."""
+        self.producers += [agent] * (sequence_len - len(self.producers))
+        if self.pending[index]:
+            self.snapshots[index] = ([policy.snapshot() for policy in self.policies], list(self.producers))
+
+
+class FollowedTimeline:
+    """The online counterpart (turns generated as they come, so no turn can be planned ahead): before each turn the
+    policy forgets what the input does not share with the timeline the previous turn left; no earlier state is
+    restored."""
+
+    def __init__(self, policy: SharingPolicy):
+        self.policy = policy
+        self.ids: list[int] = []
+
+    def begin(self, shared: list[int]) -> None:
+        keep = common_prefix(shared, 0, self.ids, 0, min(len(shared), len(self.ids)))
+        if keep < len(self.ids):
+            self.policy.truncate(keep)
+
+    def end(self, sequence: list[int]) -> None:
+        self.ids = sequence
