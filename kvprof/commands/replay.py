@@ -259,6 +259,14 @@ def command(
     skip: Annotated[
         int, typer.Option("--skip", min=0, help="Skip the first N trajectories (e.g. those a pool was fitted on).")
     ] = 0,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Refuse a trace any of whose turns leaves the shared context the turns before it built, instead of "
+            "reusing the longest common prefix and recomputing the rest.",
+        ),
+    ] = False,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted replay from OUT/replay.partial.json.")
     ] = False,
@@ -315,6 +323,10 @@ def command(
     torch.manual_seed(seed)
     if trace is None:
         trace, model = demo_trace(model)
+    if strict:
+        from kvprof.branches import require_one_timeline
+
+        require_one_timeline(select_trajectories(trace, skip, limit), trace_header(trace).mode)
     if lora_attention not in ("auto", "kernel", "expand"):
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
     flags = list(policy_option or [])
@@ -490,11 +502,22 @@ def replay_with_progress(
 def show(result: dict) -> None:
     """The replay's terminal output: a warning when the dense run does not reproduce a captured trace, then the
     fidelity, reuse and cost tables."""
-    from kvprof.report.replay import cost_table, delta_table, dense_check, fidelity_table, policy_notes, reuse_table
+    from kvprof.report.replay import (
+        cost_table,
+        delta_table,
+        dense_check,
+        fidelity_table,
+        policy_notes,
+        reuse_table,
+        timeline_note,
+    )
 
     check = dense_check(result)
     if check.startswith("WARNING"):
         console.print(f"[bold red]{check}[/]")
+    note = timeline_note(result)
+    if note:
+        console.print(note)
     console.print(fidelity_table(result).to_rich())
     console.print(reuse_table(result).to_rich())
     delta = delta_table(result)

@@ -71,6 +71,22 @@ def dense_check(result: dict) -> str:
     return text
 
 
+def timeline_note(result: dict) -> str:
+    """How the replayed turns followed the shared context (`kvprof.branches`), when any left it: how many, why,
+    how many returned to an earlier turn's state, and what that cost; empty when every turn extended it."""
+    timeline = result["dense"]["summary"].get("timeline")
+    if not timeline or not (timeline["left"] or timeline["restored"]):
+        return ""
+    causes = ", ".join(f"{count} {cause}" for cause, count in sorted(timeline["causes"].items()))
+    return (
+        f"{timeline['left']} of {timeline['turns']} turns left the shared context the turns before them built"
+        + (f" ({causes})" if causes else "")
+        + f"; {timeline['restored']} returned to an earlier turn's context; every policy reused each turn's longest "
+        f"common prefix with earlier turns and recomputed the rest ({timeline['dropped_tokens']} stored tokens "
+        "dropped at divergences)"
+    )
+
+
 def fidelity_table(result: dict) -> TableData:
     """Policy × cache error and output fidelity (and online accuracy when measured)."""
     online = bool(result.get("online"))
