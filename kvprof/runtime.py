@@ -23,7 +23,7 @@ from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer
 from kvprof.lora import HiddenTap, LayerSplit, ProjectionNorm, key_norms, layer_splits
 from kvprof.model import AgentSet, head_dim, kv_heads
-from kvprof.stopping import StopStrings
+from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Trajectory
 from kvprof.workflow import Task, private_prompt
 
@@ -83,6 +83,7 @@ class Runtime:
             self.role_prefixes = {a.name: self._role_prompt_ids(a.prompt or "") for a in agents.spec.agents}
         self.prefixes = dict(self.role_prefixes)
         self._stop = StopStrings(agents.tokenizer, agents.spec.stop) if agents.spec.stop else None
+        self._end = set(end_ids(agents.tokenizer, agents.model.generation_config, agents.spec.chat_template))
         self.linear_params = sum(
             p.numel()
             for name, p in agents.base_model.named_parameters()
@@ -246,9 +247,9 @@ class Runtime:
             model.set_attn_implementation(previous)
 
     def stops(self, new_tokens: list[int], max_new: int) -> bool:
-        """Capture's stopping rules, for greedy generation: EOS, a stop string in the text of `new_tokens`
-        (`kvprof.stopping`), or the token budget."""
-        if len(new_tokens) >= max_new or new_tokens[-1] == self.agents.tokenizer.eos_token_id:
+        """Capture's stopping rules, for greedy generation: an end id (`kvprof.stopping.end_ids`: EOS, the chat
+        template's end of turn), a stop string in the text of `new_tokens` (`kvprof.stopping`), or the token budget."""
+        if len(new_tokens) >= max_new or new_tokens[-1] in self._end:
             return True
         return self._stop is not None and self._stop.found(new_tokens)
 

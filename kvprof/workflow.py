@@ -24,7 +24,7 @@ from kvprof.errors import KvprofError
 from kvprof.fileio import jsonl_lines
 from kvprof.model import AgentSet
 from kvprof.spec import WorkflowSpec
-from kvprof.stopping import StopStrings
+from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Segment, Trajectory, Turn
 
 
@@ -167,13 +167,17 @@ def generate(
     spec: WorkflowSpec,
     sampling: Sampling,
 ) -> list[int]:
-    """One agent call with transformers' `generate`: returns the new token ids (stop string / EOS included); a
-    stop string ends the call once the generated text contains it (`kvprof.stopping`).
+    """One agent call with transformers' `generate`: returns the new token ids (stop string / end id included); a
+    stop string ends the call once the generated text contains it, an end id (EOS, the chat template's end of turn:
+    `kvprof.stopping.end_ids`) once it is generated.
 
     `agent` None runs the base model with adapters disabled (`AgentSet.activate`)."""
     tokenizer = agents.tokenizer
     ids = torch.tensor([input_ids], device=agents.device)
     kwargs: dict[str, object] = {"do_sample": sampling.temperature > 0}
+    ends = end_ids(tokenizer, agents.model.generation_config, spec.chat_template)
+    if ends:
+        kwargs["eos_token_id"] = ends
     if sampling.temperature > 0:
         kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
     if spec.stop:
