@@ -10,6 +10,7 @@ The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.
     assets/sample_traces/{prompt,lora}_{short,long}.jsonl, prompt_tune.jsonl (fit-anchors / tune-tau)
     assets/chat_template.jinja         the prompt-mode layout as a chat template (`kvprof capture/import-chat`)
     assets/sample_logs/prompt_short_chat.jsonl     prompt_short's calls as a chat log (`kvprof import-chat`)
+    assets/sample_logs/prompt_short_group_chat.jsonl  the same calls as a group chat logs them
     assets/training.json, assets/evaluation.json    what training and evaluation measured
     assets/codebook/                   the codebook world (`kvprof.demo.codebook_world`): prompt-role agents whose
                                        private keys change what the shared tokens mean
@@ -99,6 +100,11 @@ class DemoWorld(WorldFolder):
     def sample_chat_log(self) -> Path:
         """The held-out tasks of `prompt_short` as a chat log: one agent call per line, OpenAI message format."""
         return self.root / "sample_logs" / "prompt_short_chat.jsonl"
+
+    @property
+    def sample_group_chat_log(self) -> Path:
+        """The same calls as a group chat logs them: other agents' replies as `user` messages with a `name`."""
+        return self.root / "sample_logs" / "prompt_short_group_chat.jsonl"
 
 
 def demo_world(root: str | Path | None = None) -> DemoWorld:

@@ -136,16 +136,31 @@ def build_tune(world: DemoWorld, device: str = "cpu") -> dict:
 
 
 def write_sample_chat_log(world: DemoWorld) -> Path:
-    """`prompt_short` written as a chat log (`kvprof.chat_log.trajectory_calls`): what `kvprof import-chat` reads."""
-    lines = [
-        record_line(call)
-        for traj in read_trace(world.sample_traces["prompt_short"]).trajectories
-        for call in trajectory_calls(traj)
+    """`prompt_short` written as chat logs (`kvprof.chat_log.trajectory_calls`), what `kvprof import-chat` reads: as
+    kvprof lays calls out, and as a group chat (`group_chat`)."""
+    calls = [
+        call for traj in read_trace(world.sample_traces["prompt_short"]).trajectories for call in trajectory_calls(traj)
     ]
     world.sample_chat_log.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(world.sample_chat_log) as handle:
-        handle.write("".join(lines))
+    for path, lines in ((world.sample_chat_log, calls), (world.sample_group_chat_log, group_chat(calls))):
+        with atomic_open(path) as handle:
+            handle.write("".join(record_line(call) for call in lines))
     return world.sample_chat_log
+
+
+def group_chat(calls: list[dict]) -> list[dict]:
+    """Chat-log calls as a group chat logs them (AutoGen / AG2): each agent reads its own replies as `assistant`
+    messages and every other agent's as `user` messages with the author's `name`."""
+    shaped = []
+    for call in calls:
+        messages = [
+            {"role": "user", "name": m["name"], "content": m["content"]}
+            if m["role"] == "assistant" and m.get("name") not in (None, call["agent"])
+            else m
+            for m in call["messages"]
+        ]
+        shaped.append(call | {"messages": messages})
+    return shaped
 
 
 def main(world_dir: Annotated[Path | None, typer.Option("--world", help="Demo world folder.")] = None) -> None:
