@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvprof.errors import KvprofError
-from kvprof.policies.base import SharingPolicy
 from kvprof.reuse import Divergence, PrefixTree, common_prefix, divergence_cause
 from kvprof.trace import Trajectory
+
+if TYPE_CHECKING:  # the policies import torch; planning a trace (kvprof inspect) must not
+    from kvprof.policies.base import SharingPolicy
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,9 @@ def plan_of(traj: Trajectory, prefixes: Mapping[str, list[int]]) -> list[TurnSta
 
 def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
     """`kvprof replay --strict`: refuse the trace if a turn of any trajectory leaves the shared context the turns
-    before it built (checked from the ids alone, before a model loads: in prompt mode each agent's private prefix
-    is the private segments its first turn starts with, `Trajectory.private_prefixes`)."""
+    before it built (checked from the trace alone, before a model loads: in prompt mode each agent's private prefix
+    is the private segments its first turn starts with, `Trajectory.private_prefixes`, as replay serves them unless
+    --role overrides a role prompt; lora-mode agents have none)."""
     for traj in trajectories:
         prefixes = traj.private_prefixes() if mode == "prompt" else {}
         for index, start in enumerate(plan_of(traj, prefixes)):
@@ -107,6 +111,40 @@ def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
                 "whose turns extend one shared context; drop --strict to reuse the longest common prefix and "
                 "recompute the rest."
             )
+
+
+@dataclass
+class ReplayPlanSummary:
+    """What replay will do with a trace's turns (`trace_plan`), summed over trajectories (`add`): shared input
+    tokens (after private prefixes) and those kept from stored caches, turns that leave the context (by cause) and
+    turns that return to an earlier turn's."""
+
+    turns: int = 0
+    shared_tokens: int = 0
+    kept: int = 0
+    restored: int = 0
+    causes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, traj: Trajectory, mode: str) -> None:
+        prefixes = traj.private_prefixes() if mode == "prompt" else {}
+        for turn, start in zip(traj.turns, plan_of(traj, prefixes)):
+            self.turns += 1
+            self.shared_tokens += len(traj.input_tokens(turn)) - len(prefixes.get(turn.agent, []))
+            self.kept += start.keep
+            self.restored += start.restore is not None
+            if start.divergence is not None:
+                self.causes[start.divergence.cause] = self.causes.get(start.divergence.cause, 0) + 1
+
+    def describe(self) -> str:
+        left = sum(self.causes.values())
+        causes = ", ".join(f"{count} {cause}" for cause, count in sorted(self.causes.items()))
+        return (
+            f"replay: {left} of {self.turns} turns leave the shared context the turns before them built"
+            + (f" ({causes})" if causes else "")
+            + f", {self.restored} return to an earlier turn's; every policy reuses each turn's longest common prefix "
+            f"with earlier turns ({self.kept / max(self.shared_tokens, 1):.1%} of the input tokens after private "
+            "prefixes) and recomputes the rest"
+        )
 
 
 class BranchingTimeline:

@@ -202,6 +202,10 @@ def test_replay_cli_replays_a_branching_trace_and_strict_refuses_it(branching, r
     result = json.loads((tmp_path / "replay.json").read_text())
     assert result["dense"]["summary"]["timeline"]["left"] > 0
     assert "left the shared context" in out
+    code, out, err = run_cli("inspect", str(path), "--out", tmp_path / "inspect")
+    assert code == 0, err
+    planned = json.loads((tmp_path / "inspect" / "inspect.json").read_text())["replay"]
+    assert planned["restored"] > 0 and sum(planned["causes"].values()) > 0 and "replay: " in out
     code, _, err = run_cli("replay", str(path), "--strict", "--limit", "1", "--out", tmp_path / "strict")
     assert code == 2 and "--strict" in err and "turn 1" in err
     assert not (tmp_path / "strict" / "replay.json").exists()

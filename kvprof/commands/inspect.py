@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from kvprof.branches import ReplayPlanSummary
 from kvprof.commands.common import console, write_result
 from kvprof.reuse import BLOCK_SIZE, ReuseSummary, TurnReuse, trajectory_reuse
 from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
@@ -64,9 +65,11 @@ def command(
         )
     count = 0
     reuse_table, total, diverged, records = _reuse_table(block_size), ReuseSummary(), [], {}
+    replay = ReplayPlanSummary()
     for traj in iter_trajectories(trace):
         count += 1
         rows = trajectory_reuse(traj, block_size=block_size)
+        replay.add(traj, header.mode)
         summary = ReuseSummary()
         summary.add(rows)
         total.add(rows)
@@ -89,12 +92,14 @@ def command(
     reuse_table.add_row("all", *_reuse_cells(total), style="bold")
     console.print(reuse_table)
     _print_divergences(diverged, divergences)
+    console.print(replay.describe(), markup=False)
     if out is not None:
         payload = {
             "trace": str(trace),
             "mode": header.mode,
             "block_size": block_size,
             "total": asdict(total),
+            "replay": asdict(replay),
             "trajectories": records,
         }
         console.print(f"wrote {write_result(out, 'inspect', payload, args)}")
