@@ -188,15 +188,15 @@ class ChatFormat:
         if ends is not None:
             bounds = [0, *ends]
             contents = [_locate(full, m, bounds[k], bounds[k + 1]) for k, m in enumerate(messages)]
-            if all(found is not None or not _needle(m) for found, m in zip(contents, messages)):
+            # a content found in the call but outside its message's part: the template moved it (Gemma's system)
+            if not any(found is None and _locate(full, m) for found, m in zip(contents, messages)):
                 pieces = [Piece("message", k, bounds[k], bounds[k + 1]) for k in range(len(messages))]
                 pieces.append(Piece("tail", None, ends[-1] if ends else 0, len(full)))
                 _fill(pieces, ids, starts)
                 return Rendering(full, ids, starts, pieces, contents, full[bounds[-1] :], True)
         contents = _align(full, messages)
         pieces, cursor = [], 0
-        for k in sorted((k for k in range(len(messages)) if contents[k] is not None), key=lambda k: contents[k]):
-            begin, end = contents[k]  # type: ignore[misc]
+        for (begin, end), k in sorted((found, k) for k, found in enumerate(contents) if found is not None):
             if begin > cursor:
                 pieces.append(Piece("glue", k, cursor, begin))
             pieces.append(Piece("content", k, begin, end))

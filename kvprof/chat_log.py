@@ -114,8 +114,8 @@ def _call(path: Path, number: int, record: object) -> LoggedCall:
 def _message(path: Path, number: int, index: int, entry: object) -> Message:
     """One logged message: role and content (text or null), and the OpenAI fields templates read."""
     if not isinstance(entry, dict) or entry.get("role") not in ROLES:
-        problem = f"message {index} is not {{'role': one of {', '.join(ROLES)}, 'content': text}}"
-        raise _fail(path, number, problem, "fix that message")
+        shape = f"message {index} is not {{'role': one of {', '.join(ROLES)}, 'content': text}}"
+        raise _fail(path, number, shape, "fix that message")
     content, calls, call_id, author = (entry.get(key) for key in ("content", "tool_calls", "tool_call_id", "name"))
     problem = None
     if content is not None and not isinstance(content, str):

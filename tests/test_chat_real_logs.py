@@ -25,7 +25,7 @@ from real_chat import (
 )
 from transformers import AutoTokenizer
 
-from kvprof.chat import ChatFormat, Message
+from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
 from kvprof.errors import KvprofError
 from kvprof.model import tokenizer_identity
@@ -142,6 +142,29 @@ def test_group_chat_replies_read_as_user_messages_are_reported(tokenizers, tiny_
     assert found and all("same ids, read after '<|im_start|>user\\n'" in d.describe() for d in found)
     own = {(d.line, d.first_line) for d in found} | {(line, d.first_line) for d in found for line in d.also}
     assert all(records[reader - 1]["agent"] != records[line - 1]["agent"] for reader, line in own)
+
+
+def test_a_reply_merged_with_the_token_before_it_is_reported(tiny_world, tmp_path):
+    """Contents back to back through a byte-level BPE: after "You act " the space and the reply "abc" become one
+    token, so the executor does not read the ids the planner generated."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world.model)
+    records = [
+        {"agent": "planner", "messages": [{"role": "system", "content": "You plan."}], "output": "abc"},
+        {
+            "agent": "executor",
+            "messages": [
+                {"role": "system", "content": "You act "},
+                {"role": "assistant", "name": "planner", "content": "abc"},
+            ],
+            "output": " ok",
+        },
+    ]
+    log = write_log(records, tmp_path / "log.jsonl")
+    imported = import_log(log, tokenizer, PLAIN_TEMPLATE, tokenizer_identity(tokenizer), "tiny")
+    (found,) = read_backs(imported)
+    assert (found.line, found.first_line, found.producer) == (2, 1, "planner") and "(token 0: " in found.describe()
+    (traj,) = imported.trace.trajectories
+    assert traj.input_tokens(traj.turns[1]) == tokenizer.encode("You act abc", add_special_tokens=False)
 
 
 def test_cli_prints_the_first_differences_and_writes_all(family_models, tiny_world, tmp_path, run_cli):
