@@ -4,24 +4,35 @@
      {"role": "assistant", "name": "plan", "content": "..."}, {"role": "tool", "content": "..."}],
      "output": "search[ Ada Lovelace]\\n", "trajectory": "task-7"}
 
+Messages are taken as frameworks write them: `content` text or null, `name` on any message (AutoGen/AG2 group chats
+log other agents' messages as user messages with a name), `tool_calls` on assistant messages and `tool_call_id` on
+tool results; an optional per-call `tools` list holds the function schemas the call was served with. The template
+gets them as logged (a missing `content` as null, as servers pass it), so a turn's input ids are exactly
+`apply_chat_template(messages, tools=tools, add_generation_prompt=True)` tokenized.
+
 `trajectory` (optional) groups calls into trajectories (default: one trajectory, "log"); calls keep their order. An
 optional `task` object (`question`, `answer`, `documents`) on any call of a trajectory lets online replay re-run it
 with kvprof's ReAct runner. The calls are rendered through the chat template (`kvprof.chat`) into segments: a message
 rendered to the same ids in several calls is one segment, shared when several agents read it; a message whose ids
-differ between calls keeps each call's exact ids and is reported (`ImportedLog.differences`). The output is its text
-tokenized on its own; an earlier output read back as an assistant message is the generation prompt and output
-segments that produced it when the tokens agree (otherwise a difference: replay then refuses the turns that read it,
-since they no longer extend one shared context). The workflow's agents always come from the log; `--workflow` only
-supplies templates and limits for online re-runs.
+differ between calls keeps each call's exact ids and is reported, and so is every reply the template reads back
+differently from the ids its agent generated (`ImportedLog.differences`, each with its log line). The output is its
+text tokenized on its own; an earlier output read back is the generation prompt and output segments that produced it
+when the tokens agree. The workflow's agents always come from the log; `--workflow` only supplies templates and
+limits for online re-runs.
 
-Mode: with adapters (`--agent NAME=DIR`) lora mode, every agent needs one; otherwise prompt mode, each agent's role
-prompt being its system message (the first message, the same in all its calls). A trajectory's prediction is the
-last answer a call gave (the workflow's `answer_pattern`: `answer[...]` or `finish[...]` by default).
+Mode: with adapters (`--agent NAME=DIR`) lora mode, every agent needs one; a trajectory whose agents have different
+system messages keeps each agent's system message private (its private prefix), otherwise it is shared. Without
+adapters prompt mode: every call starts with the agent's system message; the agent's role prompt is its most common
+system message (the first on a tie), and a call whose system message differs (per-task memory) keeps it as that
+trajectory's private prefix for the agent (its private text after the role prompt, when it extends the role prompt).
+A trajectory's prediction is the last answer a call gave (the workflow's `answer_pattern`: `answer[...]` or
+`finish[...]` by default).
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,11 +55,13 @@ class LoggedCall:
     output: str
     trajectory: str
     task: dict | None = None
+    tools: list[dict] | None = None
 
 
 @dataclass
 class ImportedLog:
-    """The trace, how its mode was decided (a sentence), and the messages whose tokens differ between calls."""
+    """The trace, how its mode was decided (a sentence), and per trajectory the messages whose tokens differ between
+    calls and the replies read back differently from their generated ids (`kvprof.chat.Difference`, with log lines)."""
 
     trace: Trace
     mode_reason: str
@@ -77,17 +90,7 @@ def _call(path: Path, number: int, record: object) -> LoggedCall:
     for name, kind in (("agent", str), ("messages", list), ("output", str)):
         if not isinstance(record.get(name), kind):
             raise _fail(path, number, f"has no {kind.__name__} field {name!r}", f"write each call as {example}")
-    messages = []
-    for index, entry in enumerate(record["messages"]):
-        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or entry.get("role") not in ROLES:
-            raise _fail(
-                path,
-                number,
-                f"message {index} is not {{'role': one of {', '.join(ROLES)}, 'content': text}}",
-                "fix that message",
-            )
-        author = entry.get("name")
-        messages.append(Message(entry["role"], entry["content"], None if author is None else str(author)))
+    messages = [_message(path, number, index, entry) for index, entry in enumerate(record["messages"])]
     if not messages:
         raise _fail(path, number, "has no messages", "log the messages the agent was called with")
     last = messages[-1]
@@ -101,12 +104,35 @@ def _call(path: Path, number: int, record: object) -> LoggedCall:
     task = record.get("task")
     if task is not None and not (isinstance(task, dict) and isinstance(task.get("question"), str)):
         raise _fail(path, number, "has a 'task' without a string 'question'", "give task as {question, answer?}")
-    return LoggedCall(number, record["agent"], messages, record["output"], str(record.get("trajectory", "log")), task)
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise _fail(path, number, "has 'tools' that is not a list of objects", "give tools as function schemas")
+    trajectory = str(record.get("trajectory", "log"))
+    return LoggedCall(number, record["agent"], messages, record["output"], trajectory, task, tools)
+
+
+def _message(path: Path, number: int, index: int, entry: object) -> Message:
+    """One logged message: role and content (text or null), and the OpenAI fields templates read."""
+    if not isinstance(entry, dict) or entry.get("role") not in ROLES:
+        shape = f"message {index} is not {{'role': one of {', '.join(ROLES)}, 'content': text}}"
+        raise _fail(path, number, shape, "fix that message")
+    content, calls, call_id, author = (entry.get(key) for key in ("content", "tool_calls", "tool_call_id", "name"))
+    problem = None
+    if content is not None and not isinstance(content, str):
+        problem = "has a content that is neither text nor null (content parts are not supported)"
+    elif calls is not None and not (isinstance(calls, list) and all(isinstance(call, dict) for call in calls)):
+        problem = "has 'tool_calls' that is not a list of objects"
+    elif call_id is not None and not isinstance(call_id, str):
+        problem = "has a 'tool_call_id' that is not text"
+    if problem:
+        raise _fail(path, number, f"message {index} {problem}", "log it as the OpenAI chat format has it")
+    return Message.of(entry["role"], content, None if author is None else str(author), calls, call_id)
 
 
 def _role_prompts(path: Path, calls: list[LoggedCall]) -> dict[str, str]:
-    """Prompt mode: each agent's system message, which must open every call of that agent and never change."""
-    prompts: dict[str, str] = {}
+    """Prompt mode: each agent's role prompt, its most common system message (the first on a tie); every call must
+    start with a system message."""
+    seen: dict[str, Counter[str]] = {}
     for call in calls:
         first = call.messages[0]
         if first.role != "system":
@@ -116,14 +142,13 @@ def _role_prompts(path: Path, calls: list[LoggedCall]) -> dict[str, str]:
                 f"agent {call.agent!r} has no system message first, so prompt mode has no role prompt for it",
                 f"log its system message, or pass --agent {call.agent}=ADAPTER_DIR for lora mode",
             )
-        if prompts.setdefault(call.agent, first.content) != first.content:
-            raise _fail(
-                path,
-                call.line,
-                f"agent {call.agent!r} has a different system message than in its earlier calls",
-                "give each agent one role prompt (or split the log by role)",
-            )
-    return prompts
+        seen.setdefault(call.agent, Counter())[first.text] += 1
+    return {agent: counts.most_common(1)[0][0] for agent, counts in seen.items()}
+
+
+def _system(call: LoggedCall) -> str | None:
+    first = call.messages[0]
+    return first.text if first.role == "system" else None
 
 
 def import_log(
@@ -140,6 +165,8 @@ def import_log(
     path = Path(path)
     calls = read_log(path)
     names = list(dict.fromkeys(call.agent for call in calls))
+    private_in: set[str] = set()  # lora mode: trajectories whose agents have different system messages
+    prompts: dict[str, str] = {}  # prompt mode: each agent's role prompt
     if adapters:
         unknown = [call for call in calls if call.agent not in adapters]
         if unknown:
@@ -152,15 +179,30 @@ def import_log(
         mode = "lora"
         agents = [AgentSpec(name, adapter=adapters[name]) for name in names]
         reason = f"lora mode: adapters given for {', '.join(names)}"
-        system = {call.messages[0].content for call in calls if call.messages[0].role == "system"}
-        if len(system) > 1:
-            reason += " (their system messages differ: each stays in its own calls' segments)"
+        by_trajectory: dict[str, set[str | None]] = {}
+        for call in calls:
+            by_trajectory.setdefault(call.trajectory, set()).add(_system(call))
+        private_in = {tid for tid, systems in by_trajectory.items() if len(systems - {None}) > 1}
+        if private_in:
+            reason += (
+                f" (their system messages differ in {len(private_in)} of {len(by_trajectory)} trajectories: there "
+                "each agent's system message is private, its private prefix)"
+            )
     else:
         prompts = _role_prompts(path, calls)
         mode = "prompt"
         agents = [AgentSpec(name, prompt=prompts[name]) for name in names]
         distinct = len(set(prompts.values()))
-        reason = f"prompt mode: no adapters given; {len(names)} agents with {distinct} distinct system messages"
+        reason = (
+            f"prompt mode: no adapters given; {len(names)} agents with {distinct} distinct role prompts, each agent's "
+            "role prompt being its most common system message (the first on a tie)"
+        )
+        other = [call for call in calls if _system(call) != prompts[call.agent]]
+        if other:
+            reason += (
+                f"; {len(other)} calls have another system message (per-task memory, first on line "
+                f"{other[0].line}): each stays that trajectory's private prefix for its agent"
+            )
     base = workflow or WorkflowSpec(mode=mode, agents=[])
     spec = WorkflowSpec(**{**base.to_dict(), "mode": mode, "agents": agents, "chat_template": template})
     chat = ChatFormat(tokenizer, template)
@@ -176,10 +218,20 @@ def import_log(
             traj.answer = None if call.task.get("answer") is None else str(call.task["answer"])
             traj.documents = dict(call.task.get("documents") or {})
         elif not traj.question:
-            traj.question = next((m.content for m in call.messages if m.role == "user"), "")
+            traj.question = next((m.text for m in call.messages if m.role == "user"), "")
         segments = builders[call.trajectory]
-        private = {0} if mode == "prompt" else set()
-        inputs, prompt_segment = segments.call(len(traj.turns), call.messages, private)
+        system = _system(call)
+        private = {0} if mode == "prompt" or (system is not None and call.trajectory in private_in) else set()
+        if mode == "prompt" and system is not None and system != prompts[call.agent]:
+            role = prompts[call.agent]
+            if system.startswith(role) and call.agent not in traj.private:
+                traj.private[call.agent] = system[len(role) :]  # the task's private text after the role prompt
+        try:
+            inputs, prompt_segment = segments.call(
+                len(traj.turns), call.messages, private, call.tools, line=call.line, agent=call.agent
+            )
+        except KvprofError as err:  # the template refuses this call's messages
+            raise KvprofError(f"{path} line {call.line}: {err}") from None
         output_ids = tokenizer.encode(call.output, add_special_tokens=False)
         output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
         traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))

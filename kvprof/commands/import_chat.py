@@ -55,8 +55,14 @@ def command(
     rendering = "message contents back to back" if template == PLAIN_TEMPLATE else "a chat template"
     console.print(f"rendered with {rendering} ({template_sha256(template)})")
     differences = [(tid, d) for tid, found in imported.differences.items() for d in found]
+    differences.sort(key=lambda item: (item[1].line is None, item[1].line or 0))  # in log order
+    if differences:
+        console.print(
+            f"{len(differences)} differences (messages rendered to other ids than before, replies read back "
+            "otherwise than generated):"
+        )
     for trajectory, difference in differences[:MAX_DIFFERENCES_SHOWN]:
-        console.print(f"trajectory {trajectory!r}: {difference.describe()}")
+        console.print(f"trajectory {trajectory!r}: {difference.describe()}", markup=False)  # texts hold [INST] etc.
     if len(differences) > MAX_DIFFERENCES_SHOWN:
         console.print(f"... and {len(differences) - MAX_DIFFERENCES_SHOWN} more (all in OUT/import-chat.json)")
     if not imported.trace.trajectories:
@@ -69,7 +75,10 @@ def command(
         "mode": imported.trace.header.mode,
         "mode_reason": imported.mode_reason,
         "template": template_sha256(template),
-        "differences": [{"trajectory": tid, "message": d.describe()} for tid, d in differences],
+        "differences": [
+            {"trajectory": tid, "line": d.line, "read_back": d.producer is not None, "message": d.describe()}
+            for tid, d in differences
+        ],
         "summary": summary,
     }
     write_result(out, "import-chat", payload, args)

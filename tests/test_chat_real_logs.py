@@ -1,0 +1,211 @@
+"""Chat logs as real frameworks write them, through real models' official chat templates (`tests/real_chat.py`):
+every call the template itself renders imports, each turn's input ids are exactly what transformers'
+`apply_chat_template(messages, tools=tools, add_generation_prompt=True)` gives, also where the template is not
+incremental, and every reply read back differently from its generated ids is reported with its log line."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+from real_chat import (
+    ADAPTERS,
+    AGENTS,
+    CASES,
+    FAMILIES,
+    MEMORY_TASKS,
+    MODES,
+    ROLE_PROMPTS,
+    TASKS,
+    build_family,
+    log_cases,
+    renderable,
+    write_log,
+)
+from transformers import AutoTokenizer
+
+from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
+from kvprof.chat_log import import_log
+from kvprof.errors import KvprofError
+from kvprof.model import tokenizer_identity
+from kvprof.trace import read_trace, write_trace
+
+
+@pytest.fixture(scope="session")
+def family_models(tiny_world, tmp_path_factory):
+    """Each family's tiny model folder, built once per session."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family(tiny_world, family, root / name) for name, family in FAMILIES.items()}
+
+
+@pytest.fixture(scope="session")
+def tokenizers(family_models):
+    return {name: AutoTokenizer.from_pretrained(folder) for name, folder in family_models.items()}
+
+
+def server_ids(tokenizer, record: dict) -> list[int]:
+    """The ids a server gives the call: transformers' own `apply_chat_template`, tokenized."""
+    out = tokenizer.apply_chat_template(
+        record["messages"], tools=record.get("tools"), add_generation_prompt=True, tokenize=True
+    )
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def import_records(tiny_world, tokenizer, family: str, mode: str, records: list[dict], path):
+    adapters = None if mode == "prompt" else {agent: str(tiny_world.adapter(ADAPTERS[agent])) for agent in AGENTS}
+    log = write_log(records, path)
+    template = FAMILIES[family].template_text
+    return import_log(log, tokenizer, template, tokenizer_identity(tokenizer), family, adapters)
+
+
+def read_backs(imported) -> list:
+    return [difference for found in imported.differences.values() for difference in found if difference.producer]
+
+
+MATRIX = [pytest.param(f, m, c, id=f"{f}-{m}-{c}") for f in FAMILIES for m in MODES for c in CASES]
+
+
+@pytest.mark.parametrize(("family", "mode", "case"), MATRIX)
+def test_renderable_logs_import_with_the_servers_ids(tokenizers, tiny_world, tmp_path, family, mode, case):
+    tokenizer = tokenizers[family]
+    records, refused = renderable(tokenizer, log_cases(mode)[case])
+    if not records:
+        pytest.skip(f"the {family} template refuses this shape: {refused[0]}")
+    imported = import_records(tiny_world, tokenizer, family, mode, records, tmp_path / "log.jsonl")
+    trace = read_trace(write_trace(tmp_path / "trace.jsonl", imported.trace))  # a valid trace
+    by_trajectory = defaultdict(list)
+    for record in records:
+        by_trajectory[record["trajectory"]].append(record)
+    assert [traj.id for traj in trace.trajectories] == list(by_trajectory)
+    for traj in trace.trajectories:
+        readers = defaultdict(set)
+        for turn, record in zip(traj.turns, by_trajectory[traj.id], strict=True):
+            assert turn.agent == record["agent"]
+            assert traj.input_tokens(turn) == server_ids(tokenizer, record), (traj.id, turn.agent)
+            assert traj.output_tokens(turn) == tokenizer.encode(record["output"], add_special_tokens=False)
+            system = record["messages"][0]["content"]
+            private = [traj.segments[seg_id] for seg_id in turn.input if traj.segments[seg_id].scope == "private"]
+            if mode == "lora":  # one system message for every agent: nothing is private
+                assert not private
+            else:  # each agent's system message is its own
+                assert any(segment.text == system for segment in private), (traj.id, turn.agent)
+            for seg_id in turn.input:
+                readers[seg_id].add(turn.agent)
+        private_read = [agents for seg_id, agents in readers.items() if traj.segments[seg_id].scope == "private"]
+        assert all(len(agents) == 1 for agents in private_read)  # private segments are one agent's own
+        if mode != "lora":
+            assert set(traj.private_prefixes()) == {record["agent"] for record in by_trajectory[traj.id]}
+    if mode == "prompt":
+        assert "most common system message" in imported.mode_reason
+        assert {agent["name"]: agent["prompt"] for agent in trace.header.workflow["agents"]} == ROLE_PROMPTS
+        memory = {traj.id: traj.private for traj in trace.trajectories}
+        for task, private in enumerate(memory.values()):
+            memorised = case == "memory" and task in MEMORY_TASKS  # the per-task text after each role prompt
+            assert private == (dict.fromkeys(AGENTS, f" Memory: {TASKS[task][0]} is a painter.") if memorised else {})
+    elif mode == "lora_agent_prompts":
+        assert "each agent's system message is private" in imported.mode_reason
+
+
+def expected_read_backs(records: list[dict]) -> set[tuple[int, int]]:
+    """(reading line, producing line) of every reply a later call reads (log lines count from 1)."""
+    pairs = set()
+    for reader, record in enumerate(records):
+        contents = {message.get("content") for message in record["messages"]}
+        pairs |= {(reader + 1, line + 1) for line in range(reader) if records[line]["output"] in contents}
+    return pairs
+
+
+def test_trimmed_replies_are_reported_with_their_log_lines(tokenizers, tiny_world, tmp_path):
+    """Llama 3.1 renders every message `| trim`: each reply with the whitespace models emit is read back without it,
+    and every (reading line, reply line) pair is reported; Qwen 2.5 keeps the whitespace and reports none."""
+    records = log_cases("prompt", trajectories=1)["whitespace"]
+    imported = import_records(tiny_world, tokenizers["llama3.1"], "llama3.1", "prompt", records, tmp_path / "l.jsonl")
+    found = read_backs(imported)
+    reported = {(d.line, d.first_line) for d in found} | {(line, d.first_line) for d in found for line in d.also}
+    assert reported == expected_read_backs(records) and len(reported) > len(found)
+    first = found[0]
+    assert (first.line, first.first_line, first.agent, first.producer) == (2, 1, "executor", "planner")
+    assert first.describe().startswith(
+        "line 2: agent 'executor' reads the reply of line 1 (planner) differently from its generated ids (token 0: "
+    )
+    qwen = import_records(tiny_world, tokenizers["qwen2.5"], "qwen2.5", "prompt", records, tmp_path / "q.jsonl")
+    assert not read_backs(qwen)
+
+
+def test_group_chat_replies_read_as_user_messages_are_reported(tokenizers, tiny_world, tmp_path):
+    """AutoGen / AG2: another agent's reply arrives as a user message with a name; its ids are the generated ones,
+    but read after the user header instead of the generation prompt it was generated after."""
+    records = log_cases("prompt", trajectories=1)["group_chat"]
+    imported = import_records(tiny_world, tokenizers["qwen2.5"], "qwen2.5", "prompt", records, tmp_path / "g.jsonl")
+    found = read_backs(imported)
+    assert found and all("same ids, read after '<|im_start|>user\\n'" in d.describe() for d in found)
+    own = {(d.line, d.first_line) for d in found} | {(line, d.first_line) for d in found for line in d.also}
+    assert all(records[reader - 1]["agent"] != records[line - 1]["agent"] for reader, line in own)
+
+
+def test_a_reply_merged_with_the_token_before_it_is_reported(tiny_world, tmp_path):
+    """Contents back to back through a byte-level BPE: after "You act " the space and the reply "abc" become one
+    token, so the executor does not read the ids the planner generated."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world.model)
+    records = [
+        {"agent": "planner", "messages": [{"role": "system", "content": "You plan."}], "output": "abc"},
+        {
+            "agent": "executor",
+            "messages": [
+                {"role": "system", "content": "You act "},
+                {"role": "assistant", "name": "planner", "content": "abc"},
+            ],
+            "output": " ok",
+        },
+    ]
+    log = write_log(records, tmp_path / "log.jsonl")
+    imported = import_log(log, tokenizer, PLAIN_TEMPLATE, tokenizer_identity(tokenizer), "tiny")
+    (found,) = read_backs(imported)
+    assert (found.line, found.first_line, found.producer) == (2, 1, "planner") and "(token 0: " in found.describe()
+    (traj,) = imported.trace.trajectories
+    assert traj.input_tokens(traj.turns[1]) == tokenizer.encode("You act abc", add_special_tokens=False)
+
+
+def test_cli_prints_the_first_differences_and_writes_all(family_models, tiny_world, tmp_path, run_cli):
+    records = log_cases("prompt", trajectories=2)["whitespace"]
+    log = write_log(records, tmp_path / "log.jsonl")
+    code, out, err = run_cli("import-chat", log, "--model", family_models["llama3.1"], "--out", tmp_path / "o")
+    assert code == 0, err
+    assert "line 2: agent 'executor' reads the reply of line 1 (planner) differently from its generated ids" in out
+    result = json.loads((tmp_path / "o" / "import-chat.json").read_text())
+    differences = result["differences"]
+    assert len(differences) == 12 and all(d["read_back"] and d["line"] for d in differences)
+    assert "... and 2 more (all in OUT/import-chat.json)" in out
+
+
+def test_templates_that_move_messages_fall_back_to_the_whole_rendering(tokenizers):
+    """Mistral moves the system prompt into the last user message: the call is split in text order (contents
+    located, template text between them), its ids exactly the server's; per-message spans are refused."""
+    tokenizer = tokenizers["mistral-nemo"]
+    chat = ChatFormat(tokenizer, FAMILIES["mistral-nemo"].template_text)
+    messages = [
+        Message("system", ROLE_PROMPTS["planner"]),
+        Message("user", "Where was Kalomir born?"),
+        Message("assistant", "search[Kalomir]"),
+        Message("user", "Observation: Kalomir is a painter."),
+    ]
+    rendering = chat.render(messages)
+    assert not rendering.incremental
+    assert [tok for piece in rendering.pieces for tok in piece.ids] == rendering.ids
+    assert rendering.ids == server_ids(tokenizer, {"messages": [m.as_dict() for m in messages]})
+    assert [piece.message for piece in rendering.pieces if piece.part == "content"] == [1, 2, 0, 3]
+    with pytest.raises(KvprofError, match="out of their order"):
+        chat.spans(messages)
+
+
+def test_template_files_name_their_source_and_render_as_without_the_header(tokenizers):
+    messages = [{"role": "user", "content": "Where was Kalomir born?"}, {"role": "assistant", "content": "Norvash"}]
+    messages.append({"role": "user", "content": "Why?"})
+    for name, family in FAMILIES.items():
+        header, body = family.template_text.split("\n", 1)
+        assert header.startswith("{#-") and header.endswith("-#}") and "huggingface/huggingface.js" in header
+        render = tokenizers[name].apply_chat_template
+        assert render(messages, chat_template=family.template_text, tokenize=False) == render(
+            messages, chat_template=body, tokenize=False
+        )
