@@ -96,10 +96,10 @@ def plan_of(traj: Trajectory, prefixes: Mapping[str, list[int]]) -> list[TurnSta
 def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
     """`kvprof replay --strict`: refuse the trace if a turn of any trajectory leaves the shared context the turns
     before it built (checked from the trace alone, before a model loads: in prompt mode each agent's private prefix
-    is the private segments its first turn starts with, `Trajectory.private_prefixes`, as replay serves them unless
-    --role overrides a role prompt; lora-mode agents have none)."""
+    is the private segments its calls start with, `Trajectory.served_prefixes`, as replay serves them unless --role
+    overrides a role prompt; lora-mode agents have none)."""
     for traj in trajectories:
-        prefixes = traj.private_prefixes() if mode == "prompt" else {}
+        prefixes = traj.served_prefixes({}) if mode == "prompt" else {}
         for index, start in enumerate(plan_of(traj, prefixes)):
             if start.divergence is None and start.restore is None:
                 continue
@@ -126,7 +126,7 @@ class ReplayPlanSummary:
     causes: dict[str, int] = field(default_factory=dict)
 
     def add(self, traj: Trajectory, mode: str) -> None:
-        prefixes = traj.private_prefixes() if mode == "prompt" else {}
+        prefixes = traj.served_prefixes({}) if mode == "prompt" else {}
         for turn, start in zip(traj.turns, plan_of(traj, prefixes)):
             self.turns += 1
             self.shared_tokens += len(traj.input_tokens(turn)) - len(prefixes.get(turn.agent, []))

@@ -21,7 +21,7 @@ follow messages: a message rendered to the same ids in several calls is one segm
 it; one whose ids differ between calls keeps each call's exact ids and the difference is recorded
 (`ChatSegments.differences`). An earlier reply read back is stored as the generation prompt and output segments that
 produced it when its rendering starts with exactly those ids (or as the output segment alone when only its content
-was aligned), so the shared timeline stays one growing sequence; every reply the template reads back differently from
+was aligned), so later calls extend the sequence that produced it; every reply the template reads back differently from
 its generated ids (trimmed, under another role's header, merged with a neighbouring token) is recorded too, with the
 log line that reads it.
 """

@@ -142,9 +142,9 @@ class Runtime:
 
     def serve_trajectory(self, traj: Trajectory) -> None:
         """Serve `traj`'s own private prefixes (`Trajectory.private_prefixes`), so a task whose agents read private
-        text (notes, memory) after their role prompts replays with exactly the prefixes it was captured with. Call
-        before the policies' `reset`."""
-        self.prefixes = {**self.role_prefixes, **traj.private_prefixes()} if self.role_prefixes else {}
+        text (notes, memory) after their role prompts replays with exactly the prefixes it was captured with
+        (`Trajectory.served_prefixes`). Call before the policies' `reset`."""
+        self.prefixes = traj.served_prefixes(self.role_prefixes) if self.role_prefixes else {}
 
     def serve_task(self, task: Task) -> None:
         """Serve `task`'s private prefixes for an online re-run: each role prompt followed by the task's private

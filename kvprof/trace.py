@@ -92,6 +92,18 @@ class Trajectory:
                 prefixes[turn.agent] = tokens
         return prefixes
 
+    def served_prefixes(self, defaults: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Each agent's private prefix as replay serves it (prompt mode): its `private_prefixes` entry, else its
+        entry of `defaults` (its role prompt); none for an agent whose calls do not all start with it (a template
+        that moves the system prompt, e.g. Mistral's into the last user message): its role prompt is then part of
+        its input, which leaves the other agents' context where it differs (`kvprof.branches`)."""
+        prefixes = {**defaults, **self.private_prefixes()}
+        for turn in self.turns:
+            ids = prefixes.get(turn.agent)
+            if ids and self.input_tokens(turn)[: len(ids)] != ids:
+                prefixes[turn.agent] = []
+        return prefixes
+
     def segment_spans(self, turn: Turn) -> list[tuple[str, int, int]]:
         """`(segment_id, start, end)` token offsets of each input segment inside the turn's input."""
         spans, start = [], 0

@@ -9,6 +9,7 @@ import json
 from collections import defaultdict
 
 import pytest
+import torch
 from real_chat import (
     ADAPTERS,
     AGENTS,
@@ -23,12 +24,19 @@ from real_chat import (
     renderable,
     write_log,
 )
+from test_branches import brute_force_prefix
+from test_policies import CASES as POLICY_CASES
+from test_policies import check_variant
 from transformers import AutoTokenizer
 
+from kvprof.branches import BranchingTimeline, plan_of
 from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
 from kvprof.errors import KvprofError
-from kvprof.model import tokenizer_identity
+from kvprof.model import load_agents_for_trace, tokenizer_identity
+from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
+from kvprof.replay import replay_trace
+from kvprof.runtime import Runtime
 from kvprof.trace import read_trace, write_trace
 
 
@@ -209,3 +217,66 @@ def test_template_files_name_their_source_and_render_as_without_the_header(token
         assert render(messages, chat_template=family.template_text, tokenize=False) == render(
             messages, chat_template=body, tokenize=False
         )
+
+
+@pytest.mark.parametrize(("family", "mode", "case"), MATRIX)
+def test_renderable_logs_replay_every_turn_under_every_policy(
+    family_models, tokenizers, tiny_world, tmp_path, family, mode, case
+):
+    """Issue #31's acceptance, per renderable case (its first trajectory; the first two of the memory and tool-call
+    cases, whose second carries per-task memory and the parallel tool call): every policy of the mode, at its
+    default options, replays every turn (the option sweeps of `--policy all` replay branching traces in
+    tests/test_branches.py); the dense run's logits equal the model's own forward over each turn's whole input and
+    outputs; in lora mode FullShared reuses, per turn, exactly the longest common prefix of the server's ids for the
+    call with any earlier call's ids and outputs (short of the last input id), computed here from the log alone."""
+    tokenizer = tokenizers[family]
+    records, refused = renderable(
+        tokenizer, log_cases(mode, trajectories=2 if case in ("memory", "tool_calls") else 1)[case]
+    )
+    if not records:
+        pytest.skip(f"the {family} template refuses this shape: {refused[0]}")
+    imported = import_records(tiny_world, tokenizer, family, mode, records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    trajectories = read_trace(path).trajectories
+    lora = mode != "prompt"
+    flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS] if lora else None
+    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
+    names = dict.fromkeys(variant.name for m, variant in POLICY_CASES if m == ("lora" if lora else "prompt"))
+    variants = [PolicyVariant(name) for name in names]
+    runnable, skipped = runnable_variants(variants, Runtime(agents), skip=True)
+    assert not skipped
+    result = replay_trace(agents, trajectories, runnable)
+    assert result["dense"]["summary"]["turns"] == len(records)
+    for entry in result["policies"].values():
+        check_variant(entry, result["dense"], memory_checked=False)
+    if lora:
+        calls = iter(result["policies"]["fullshared"]["turns"])
+        by_trajectory = defaultdict(list)
+        for record in records:
+            by_trajectory[record["trajectory"]].append(record)
+        for calls_of_trajectory in by_trajectory.values():
+            sequences: list[list[int]] = []
+            for record in calls_of_trajectory:
+                ids = server_ids(tokenizer, record)
+                assert next(calls)["reused"] == min(brute_force_prefix(ids, sequences), len(ids) - 1)
+                sequences.append(ids + tokenizer.encode(record["output"], add_special_tokens=False))
+    check_dense_is_a_full_forward(agents, trajectories)
+
+
+def check_dense_is_a_full_forward(agents, trajectories) -> None:
+    """NonShared, driven through each trajectory as replay drives it, against the model's own forward over each
+    turn's whole input and outputs (transformers' attention, no cache, peft's adapter)."""
+    runtime = Runtime(agents)
+    dense = PolicyVariant("nonshared").build(runtime)
+    for traj in trajectories:
+        runtime.serve_trajectory(traj)
+        dense.reset()
+        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), [dense])
+        for index, turn in enumerate(traj.turns):
+            ids, outputs = traj.input_tokens(turn), traj.output_tokens(turn)
+            timeline.begin(index)
+            logits = dense.run_turn(TurnRequest(turn.agent, ids, outputs)).logits
+            timeline.end(index, turn.agent, len(ids) - len(runtime.prefix(turn.agent)) + len(outputs))
+            with torch.inference_mode(), agents.activate(turn.agent):
+                full = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
+            torch.testing.assert_close(logits, full[len(ids) - 1 : len(ids) - 1 + len(outputs)], rtol=1e-4, atol=1e-4)
