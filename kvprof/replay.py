@@ -46,6 +46,7 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         "output_tokens": len(result.output_ids),
         "reused": result.reused,
         "recomputed": result.recomputed,
+        "realigned": result.realigned,
         "corrected": result.corrected,
         "fallback": result.fallback,
         "from_others": from_others,

@@ -145,8 +145,12 @@ def test_fullshared_reuses_the_longest_common_prefix(branching):
             shared = traj.input_tokens(turn)[len(runtime.prefix(turn.agent)) :]
             assert next(reused) == min(brute_force_prefix(shared, sequences), len(shared) - 1)
             sequences.append(shared + traj.output_tokens(turn))
-    if mode == "lora":
+    realigned = [turn["realigned"] for turn in result["policies"]["fullshared"]["turns"]]
+    if mode == "lora":  # no private prefixes: every reused token sits where it was computed
         assert not any(runtime.prefix(turn.agent) for traj in trajectories for turn in traj.turns)
+        assert not any(realigned)
+    else:  # role prompts of different lengths: another agent's tokens are re-rotated to the reader's positions
+        assert any(realigned)
 
 
 def test_nonshared_on_a_branching_trace_equals_a_full_forward(branching):

@@ -175,7 +175,8 @@ class Context:
     (whatever lies past `kv`'s length there is scratch the policy will overwrite or not read); None: the turn
     copies `kv` into fresh buffers.
     recomputed: (token, layer) K/V entries of the reused span the policy recomputed for this agent in `assemble`
-    (selective recompute, `kvprof.policies.selective`); reused × layers of them means all of it.
+    (selective recompute, `kvprof.policies.selective`); reused × layers of them means all of it. realigned: reused
+    tokens whose keys were re-rotated from the positions another agent computed them at (prompt mode).
     corrected / fallback: tokens of other agents' segments read this turn that a delta-correction gate accepted
     (served corrected) / refused (prefilled densely) (`kvprof.policies.delta`); from_others: when not None, the
     reused tokens whose K/V came from another agent's computation, for a policy whose reused span also holds tokens
@@ -194,6 +195,7 @@ class Context:
     lora_values: list[LoraValues | None] | None = None
     buffers: list[KVBuffer] | None = None
     recomputed: int = 0
+    realigned: int = 0
     corrected: int = 0
     fallback: int = 0
     from_others: int | None = None
@@ -234,7 +236,7 @@ class TurnResult:
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
     turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed,
-    corrected, fallback, from_others, corrected_spans: the context's (`Context`).
+    realigned, corrected, fallback, from_others, corrected_spans: the context's (`Context`).
     """
 
     agent: str
@@ -256,6 +258,7 @@ class TurnResult:
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
     recomputed: int = 0
+    realigned: int = 0
     corrected: int = 0
     fallback: int = 0
     from_others: int | None = None
@@ -483,6 +486,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
             recomputed=context.recomputed,
+            realigned=context.realigned,
             corrected=context.corrected,
             fallback=context.fallback,
             from_others=context.from_others,

@@ -61,11 +61,12 @@ class FullShared(SharingPolicy[FullSharedContext]):
             prefix_kv, flops = self.prefix_context(agent)
             extra_prefill = prefix_len
         reused = min(len(self.producers), len(shared) - 1)
-        kv, buffers = prefix_kv, None
+        kv, buffers, realigned = prefix_kv, None, 0
         if self.shared is not None and prefix_len == 0 and reused == len(self.producers):
             kv, buffers = [buffer.view(reused) for buffer in self.shared], self.shared
         elif reused and self.shared is not None:
             delta = torch.tensor([prefix_len - offset for offset in self.offsets[:reused]])
+            realigned = int(delta.count_nonzero())
             buffers = []
             for prefix_part, buffer in zip(prefix_kv, self.shared):
                 keys, values = buffer.view(reused)
@@ -80,6 +81,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
             extra_prefill=extra_prefill,
             extra_flops=flops,
             buffers=buffers,
+            realigned=realigned,
             prefix=prefix_kv,
         )
 
