@@ -153,10 +153,9 @@ def test_fullshared_reuses_the_longest_common_prefix(branching):
         assert any(realigned)
 
 
-def test_nonshared_on_a_branching_trace_equals_a_full_forward(branching):
-    """The dense run's logits on every turn equal the model's own forward over the turn's whole input and outputs
-    (transformers' attention, no cache, peft's adapter), however much of each turn it reused."""
-    _, _, trajectories, agents, _ = branching
+def check_dense_is_a_full_forward(agents, trajectories) -> None:
+    """NonShared, driven through each trajectory as replay drives it, against the model's own forward over each
+    turn's whole input and outputs (transformers' attention, no cache, peft's adapter)."""
     runtime = Runtime(agents)
     dense = PolicyVariant("nonshared").build(runtime)
     for traj in trajectories:
@@ -166,12 +165,17 @@ def test_nonshared_on_a_branching_trace_equals_a_full_forward(branching):
         for index, turn in enumerate(traj.turns):
             ids, outputs = traj.input_tokens(turn), traj.output_tokens(turn)
             timeline.begin(index)
-            result = dense.run_turn(TurnRequest(turn.agent, ids, outputs))
+            logits = dense.run_turn(TurnRequest(turn.agent, ids, outputs)).logits
             timeline.end(index, turn.agent, len(ids) - len(runtime.prefix(turn.agent)) + len(outputs))
             with torch.inference_mode(), agents.activate(turn.agent):
-                logits = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
-            expected = logits[len(ids) - 1 : len(ids) - 1 + len(outputs)]
-            torch.testing.assert_close(result.logits, expected, rtol=1e-4, atol=1e-4)
+                full = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
+            torch.testing.assert_close(logits, full[len(ids) - 1 : len(ids) - 1 + len(outputs)], rtol=1e-4, atol=1e-4)
+
+
+def test_nonshared_on_a_branching_trace_equals_a_full_forward(branching):
+    """The dense run's logits on every turn equal the model's own forward, however much of each turn it reused."""
+    _, _, trajectories, agents, _ = branching
+    check_dense_is_a_full_forward(agents, trajectories)
 
 
 @pytest.mark.parametrize("name", sorted({v.name for _, v in CASES}))

@@ -9,7 +9,6 @@ import json
 from collections import defaultdict
 
 import pytest
-import torch
 from real_chat import (
     ADAPTERS,
     AGENTS,
@@ -24,17 +23,16 @@ from real_chat import (
     renderable,
     write_log,
 )
-from test_branches import brute_force_prefix
+from test_branches import brute_force_prefix, check_dense_is_a_full_forward
 from test_policies import CASES as POLICY_CASES
 from test_policies import check_variant
 from transformers import AutoTokenizer
 
-from kvprof.branches import BranchingTimeline, plan_of
 from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace, tokenizer_identity
-from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
+from kvprof.policies import PolicyVariant, runnable_variants
 from kvprof.replay import replay_trace
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace, write_trace
@@ -261,22 +259,3 @@ def test_renderable_logs_replay_every_turn_under_every_policy(
                 assert next(calls)["reused"] == min(brute_force_prefix(ids, sequences), len(ids) - 1)
                 sequences.append(ids + tokenizer.encode(record["output"], add_special_tokens=False))
     check_dense_is_a_full_forward(agents, trajectories)
-
-
-def check_dense_is_a_full_forward(agents, trajectories) -> None:
-    """NonShared, driven through each trajectory as replay drives it, against the model's own forward over each
-    turn's whole input and outputs (transformers' attention, no cache, peft's adapter)."""
-    runtime = Runtime(agents)
-    dense = PolicyVariant("nonshared").build(runtime)
-    for traj in trajectories:
-        runtime.serve_trajectory(traj)
-        dense.reset()
-        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), [dense])
-        for index, turn in enumerate(traj.turns):
-            ids, outputs = traj.input_tokens(turn), traj.output_tokens(turn)
-            timeline.begin(index)
-            logits = dense.run_turn(TurnRequest(turn.agent, ids, outputs)).logits
-            timeline.end(index, turn.agent, len(ids) - len(runtime.prefix(turn.agent)) + len(outputs))
-            with torch.inference_mode(), agents.activate(turn.agent):
-                full = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
-            torch.testing.assert_close(logits, full[len(ids) - 1 : len(ids) - 1 + len(outputs)], rtol=1e-4, atol=1e-4)
