@@ -3,15 +3,16 @@
 For each trajectory the shared timeline is cut into segments exactly as the delta policies cut it online
 (`kvprof.policies.delta.SegmentLog`); every agent of the workflow prefills its prefix and the whole timeline once
 (its dense cache of every segment: causal attention makes the cache of a segment inside one long prefill the cache
-the agent computes when it reads the segment in its turn), and every segment is encoded context-free (its base,
-`kvprof.policies.delta.NeutralContext`). Each segment becomes an anchor of its slot with a delta for every agent;
-the pool keeps V per slot (the eviction of `kvprof.anchors.AnchorPool`: with no activations yet, the oldest go
-first, so the last V remain).
+the agent computes when it reads the segment in its turn). Each segment becomes an anchor of its slot, its base the
+cache the delta policies correct it from: an output's producer's cache, an input's context-free encoding
+(`kvprof.policies.delta.NeutralContext`; KVComm's reference, while KVCMAS reads an input anchor's base + Δ of the
+agent it corrects from), with a delta for every other agent; the pool keeps V + 1 per slot (the eviction of
+`kvprof.anchors.AnchorPool`: with no activations yet, the oldest go first, so the last V + 1 remain).
 
-The fit is full-dimensional; the low-rank pool is its per-(layer, head) truncated SVD at rank r. The report gives,
-per layer, the relative Frobenius error of that truncation at ranks 1, 2, 4, … (from the singular values: the
-energy beyond rank k), the entropy effective rank of bases and deltas, and the pool's bytes, full-dimensional and
-low-rank, measured on the tensors and by the formula (`kvprof.anchors.stored_bytes`).
+The fit is full-dimensional; the low-rank pool is the truncated SVD of each layer's (L × H_kv·D) matrix at rank r.
+The report gives, per layer, the relative Frobenius error of that truncation at ranks 1, 2, 4, … (from the singular
+values: the energy beyond rank k), the entropy effective rank of bases and deltas, and the pool's bytes,
+full-dimensional and low-rank, measured on the tensors and by the formula (`kvprof.anchors.stored_bytes`).
 """
 
 from __future__ import annotations
@@ -71,13 +72,15 @@ def fit_pool(
             neutral = NeutralContext(runtime)
             caches = {name: dense_cache(runtime, name, timeline) for name in names}
             for segment in log.segments:
-                base = neutral.encode(timeline[segment.start : segment.end])
-                anchor = pool.add(segment.slot, segment.name, *base)
+                views = {}
                 for name in names:
                     begin = len(runtime.prefix(name)) + segment.start
-                    pool.add_delta(
-                        anchor, name, *stack(caches[name], begin, begin + segment.length, -begin, runtime.rope)
-                    )
+                    views[name] = stack(caches[name], begin, begin + segment.length, -begin, runtime.rope)
+                owner = segment.producer if segment.is_output else None
+                base = views[owner] if owner is not None else neutral.encode(timeline[segment.start : segment.end])
+                anchor = pool.add(segment.slot, segment.name, owner, *base)
+                for name in names:
+                    pool.add_delta(anchor, name, *views[name])
             if on_trajectory:
                 on_trajectory(traj)
     return pool
@@ -90,6 +93,7 @@ def truncated(pool: AnchorPool, rank: int) -> AnchorPool:
         for anchor in anchors:
             copy = Anchor(
                 anchor.name,
+                anchor.owner,
                 Stored.of(anchor.base_keys.dense(anchor.length).to(anchor.base_keys.tensors()[0].dtype), rank),
                 Stored.of(anchor.base_values.dense(anchor.length).to(anchor.base_values.tensors()[0].dtype), rank),
                 activations=anchor.activations,
@@ -123,13 +127,14 @@ def spectra(pool: AnchorPool, layers: int) -> _Spectra:
             for keys, values in anchor.deltas.values():
                 matrices += [(2, keys), (3, values)]
             for part, stored in matrices:
-                sigma = torch.linalg.svdvals(stored.dense(anchor.length).double())  # (layers, H, min(L, D))
+                matrix = stored.dense(anchor.length).double().transpose(1, 2).flatten(2)  # (layers, L, H·D)
+                sigma = torch.linalg.svdvals(matrix)  # (layers, min(L, H·D))
                 energy = sigma**2
-                total[:, part] += energy.sum(dim=(1, 2))
+                total[:, part] += energy.sum(dim=1)
                 for index, rank in enumerate(RANKS):
-                    tail[:, part, index] += energy[..., rank:].sum(dim=(1, 2))
+                    tail[:, part, index] += energy[..., rank:].sum(dim=1)
                 for layer in range(layers):
-                    effective[layer][part] += [entropy_effective_rank(row) for row in sigma[layer]]
+                    effective[layer][part].append(entropy_effective_rank(sigma[layer]))
     return _Spectra(total, tail, effective)
 
 
@@ -138,7 +143,7 @@ def fit_report(pool: AnchorPool, low: AnchorPool, runtime: Runtime) -> dict:
     rank = low.rank
     shape = (runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize)
     stats = spectra(pool, runtime.num_layers)
-    ranks = [r for r in RANKS if r <= runtime.head_dim]
+    ranks = [r for r in RANKS if r <= runtime.kv_heads * runtime.head_dim]
     layers = []
     for layer in range(runtime.num_layers):
         row: dict = {"layer": layer}

@@ -264,8 +264,8 @@ def test_paths_reach_workers_absolute(lora_trace, tmp_path, monkeypatch):
         f"act={tmp_path / 'adapter'}",
         "plan=org/hub-adapter",
     ]
-    (variant,) = absolute_files([PolicyVariant("kvcmas", {"anchors": "pool.safetensors", "chain": "nochain"})])
-    assert variant.options == {"anchors": str(tmp_path / "pool.safetensors"), "chain": "nochain"}
+    (variant,) = absolute_files([PolicyVariant("kvcmas", {"anchors": "pool.safetensors", "chain": "star"})])
+    assert variant.options == {"anchors": str(tmp_path / "pool.safetensors"), "chain": "star"}
 
 
 def test_ray_missing_is_one_sentence(run_cli, lora_trace, prompt_trace, tmp_path, monkeypatch):

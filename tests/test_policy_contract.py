@@ -126,11 +126,11 @@ def test_command_selection_replays_exactly_the_variants():
     variants = [
         PolicyVariant("fullshared"),
         PolicyVariant("kvcmas", {"chain": "chain", "anchors": "pool.safetensors"}),
-        PolicyVariant("kvcmas", {"chain": "nochain", "anchors": "pool.safetensors"}),
+        PolicyVariant("kvcmas", {"chain": "star", "anchors": "pool.safetensors"}),
     ]
     names, flags = command_selection(variants)
     assert names == ["fullshared", "kvcmas"]
-    assert flags == ["kvcmas.chain=chain", "kvcmas.anchors=pool.safetensors", "kvcmas.chain=nochain"]
+    assert flags == ["kvcmas.chain=chain", "kvcmas.anchors=pool.safetensors", "kvcmas.chain=star"]
     replayed = enumerate_variants(names, parse_policy_options(flags))
     assert [v.label for v in replayed] == [v.label for v in variants]
     assert all(v.options["anchors"] == "pool.safetensors" for v in replayed if v.name == "kvcmas")

@@ -62,10 +62,15 @@ class SharedSegment:
     producer: str
     slot: str
     name: str
+    part: str  # "in": an input nobody had read (question, tool result, cue); "out": the producer's output
 
     @property
     def length(self) -> int:
         return self.end - self.start
+
+    @property
+    def is_output(self) -> bool:
+        return self.part == "out"
 
 
 class SegmentLog:
@@ -86,7 +91,7 @@ class SegmentLog:
         for part, end in (("in", input_len), ("out", total_len)):
             if end > self.length:
                 name = f"{self.trajectory}#{len(self.segments)}"
-                segment = SharedSegment(self.length, end, agent, f"{agent}.{part}{turn}", name)
+                segment = SharedSegment(self.length, end, agent, f"{agent}.{part}{turn}", name, part)
                 self.segments.append(segment)
                 added.append(segment)
                 self.length = end
@@ -186,43 +191,60 @@ def pool_options(capacity: str) -> dict[str, Option]:
     }
 
 
+def fallback_option() -> Option:
+    """What a gate's refusal makes the reader prefill densely."""
+    return Option(
+        "call",
+        ("call", "segment"),
+        help="call: a refused segment makes every reader prefill its whole call densely (code); segment: only the "
+        "refused segments (kvprof)",
+    )
+
+
 @dataclass
 class Decision:
-    """What the gate decided for one segment the agent read this turn: `match` (None when it was not matched),
-    `accepted`, `source` (the agent whose cache was the reference, None for the context-free encoding) and the
-    `reference` itself (in the segment's frame), kept for the correction."""
+    """What happened to one segment of others the agent read this turn. source: whose cache the reference is (None:
+    the context-free encoding); reference: that cache in the segment's frame; gated: whether a gate decided for the
+    segment (`verdict`: the gate accepted it, decided once per segment); match: the anchors the correction mixes
+    (None when not matched); corrected: the agent got the segment corrected (else it prefilled it densely)."""
 
     segment: SharedSegment
-    accepted: bool
+    source: str | None
+    reference: Stacked
+    gated: bool
+    verdict: bool
+    corrected: bool = False
     match: Match | None = None
-    source: str | None = None
-    reference: Stacked | None = None
 
 
 @dataclass
 class DeltaContext(Context):
     """shared / shared_len: the turn's shared input and its length; decisions: per segment of others read this
     turn; first: the agent's first turn (its buffers are new); bases: context-free encodings computed this turn, by
-    segment name."""
+    segment name; gates: the matches of segments gated for the first time this turn (their verdicts and activations
+    are kept at commit)."""
 
     shared: list[int] = field(default_factory=list)
     shared_len: int = 0
     decisions: list[Decision] = field(default_factory=list)
     first: bool = False
     bases: dict[str, Stacked] = field(default_factory=dict)
+    gates: dict[str, Match] = field(default_factory=dict)
 
 
 class DeltaCorrection(SharingPolicy[DeltaContext]):
-    """Base class of the delta-correction policies (see module docstring). A subclass sets `chain` (reference: the
-    latest materialised cache, else the context-free encoding), `rank` (anchor factor rank, None: full-dimensional)
-    and implements `accepts`, the gate."""
+    """Base class of the delta-correction policies (see module docstring). A subclass sets `rank` (anchor factor
+    rank, None: full-dimensional), `source_of` (whose cache a reader corrects from), `gated` (which segments a gate
+    decides for) and implements `accepts`, the gate."""
 
     family = "delta"
     approximate = True
     modes = ("prompt",)
     trajectory_independent = False
-    timeline_state = ("log", "own", "seen", "latest", "readers", "corrected", "bases", "neutral")
-    temperature = 1.0  # softmax temperature over anchor distances (the public KVComm code uses 1)
+    timeline_state = ("log", "own", "seen", "latest", "readers", "corrected", "bases", "neutral", "verdicts")
+    temperature = 1.0  # softmax temperature over anchor distances (the public code hard-codes 1)
+    per_token = True  # per-token K and V correction weights (the public code); False: the gate's weights
+    admits_dense_inputs = False  # an input computed densely joins its slot while it has < V anchors (KVCMAS)
 
     def __init__(self, runtime: Runtime, **options: str):
         self.pool: AnchorPool | None = None
@@ -235,10 +257,6 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return options.get("pool") == "frozen"
 
     @property
-    def chain(self) -> bool:
-        return False
-
-    @property
     def rank(self) -> int | None:
         return None
 
@@ -247,13 +265,29 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         """Whether refused segments become anchors (option `pool`; growing is the published behaviour)."""
         return self.settings["pool"] == "grow"
 
+    @property
+    def whole_call(self) -> bool:
+        """Whether a refused segment makes its reader prefill its whole call densely (option `fallback`, the public
+        code's), rather than only the refused segments (kvprof's)."""
+        return self.settings.get("fallback") == "call"
+
+    def source_of(self, reader: str, segment: SharedSegment) -> str | None:
+        """Whose cache `reader` corrects `segment` from: its producer's for an output, the context-free encoding
+        (None) for an input (KVComm's references; KVCMAS overrides the inputs')."""
+        return segment.producer if segment.is_output else None
+
+    def owner_of(self, segment: SharedSegment) -> str | None:
+        """The base of a new anchor of `segment`: the cache its readers were corrected from at the time (the
+        producer's for an output, the context-free encoding for an input)."""
+        return segment.producer if segment.is_output else None
+
+    def gated(self, segment: SharedSegment) -> bool:
+        """Whether a gate decides for `segment` (otherwise it is always corrected)."""
+        return True
+
     @abstractmethod
     def accepts(self, match: Match) -> bool:
         """The gate: whether `match` is trusted enough to correct instead of prefilling densely."""
-
-    def matching_agents(self, reader: str, source: str | None) -> tuple[str, ...]:
-        """The agents an anchor needs deltas for to correct `reader`'s cache from `source`'s."""
-        return (reader,) if source is None else (reader, source)
 
     def notes(self) -> list[str]:
         path = self.settings.get("anchors")
@@ -271,13 +305,14 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.readers: Counter[str] = Counter()  # segment name -> agents besides its producer that read it
         self.corrected: Counter[str] = Counter()  # agent -> tokens of its cache it got by correction
         self.bases: dict[str, Stacked] = {}  # segment name -> context-free encoding (kept for later readers)
+        self.verdicts: dict[str, bool] = {}  # segment name -> its gate's verdict (decided once per segment)
         self.neutral = NeutralContext(self.runtime)
 
     def truncate(self, keep: int) -> None:
         """Cut the segment log at `keep` (kvprof's: the public code replays one growing timeline), each agent's cache
         and the context-free encodings with it; the anchor pool keeps what it learnt."""
         for segment in self.log.truncate(keep):
-            for table in (self.latest, self.readers, self.bases):
+            for table in (self.latest, self.readers, self.bases, self.verdicts):
                 table.pop(segment.name, None)
         for segment in self.log.segments[-1:]:
             base = self.bases.get(segment.name)
@@ -324,43 +359,57 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         context.extra_prefill += segment.length + neutral_tokens
         return base, flops + self.runtime.flops(segment.length, len(self.neutral.ids))
 
-    def reference(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> tuple[Stacked, str | None]:
-        """The cache a correction starts from, in the segment's frame, and whose it is (None: the context-free
-        encoding)."""
-        if not self.chain:
-            return self.base_of(segment, shared, context), None
-        owner = self.latest[segment.name]
-        return self.stored_segment(owner, segment), owner
-
     def stored_segment(self, agent: str, segment: SharedSegment) -> Stacked:
         """`agent`'s stored cache of `segment`, in the segment's frame."""
         begin = len(self.runtime.prefix(agent)) + segment.start
         kv = [buffer.view(begin - segment.start + self.seen[agent]) for buffer in self.own[agent]]
         return stack(kv, begin, begin + segment.length, -begin, self.runtime.rope)
 
+    def cache_of(self, owner: str | None, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Stacked:
+        """`owner`'s cache of `segment` in its frame; None: its context-free encoding (charged to this turn when
+        computed now)."""
+        return self.base_of(segment, shared, context) if owner is None else self.stored_segment(owner, segment)
+
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
-        reference, source = self.reference(segment, shared, context)
+        """The reference `agent` corrects `segment` from, the gate's verdict (decided by the first reader, once per
+        segment: the candidate is the same reference for every reader) and the anchors the correction mixes."""
         assert self.pool is not None
-        match = self.pool.match(
-            segment.slot,
-            reference[1][1:],
-            self.matching_agents(agent, source),
-            self.temperature,
-            exclude=segment.name,
-        )
-        context.extra_flops += 3.0 * reference[1][1:].numel() * len(match.anchors)
-        return Decision(segment, self.accepts(match), match, source, reference)
+        source = self.source_of(agent, segment)
+        reference = self.cache_of(source, segment, shared, context)
+        gated = self.gated(segment)
+        verdict = True
+        if gated:
+            known = self.verdicts.get(segment.name)
+            if known is None:
+                gate = self.pool.match(
+                    segment.slot, reference, source, (), self.temperature, exclude=segment.name, per_token=False
+                )
+                context.extra_flops += 3.0 * reference[1].numel() * len(gate.anchors)
+                known = self.accepts(gate)
+                context.gates[segment.name] = gate
+            verdict = known
+        decision = Decision(segment, source, reference, gated, verdict)
+        if verdict:
+            decision.match = self.pool.match(
+                segment.slot, reference, source, (agent,), self.temperature, segment.name, self.per_token
+            )
+            context.extra_flops += 2 * 3.0 * reference[1].numel() * len(decision.match.anchors)
+        return decision
 
     def corrected_kv(self, agent: str, decision: Decision, context: DeltaContext) -> Stacked:
-        """The accepted segment's K/V for `agent`, in its frame: reference + mixed deltas on layers 1.."""
-        match, source = decision.match, decision.source
-        assert match is not None and decision.reference is not None
+        """The accepted segment's K/V for `agent`, in its frame: reference + mixed deltas on layers 1.. (the
+        reference alone when no anchor holds `agent`'s cache of a segment this long: the public code reuses it
+        uncorrected)."""
+        match = decision.match
+        assert match is not None
         keys, values = decision.reference
         out_keys, out_values = keys.clone(), values.clone()
+        if not match.anchors:
+            return out_keys, out_values
         for layer in range(1, self.runtime.num_layers):
-            mixed_delta(match, agent, source, layer, False, keys[layer], out_keys[layer])
-            mixed_delta(match, agent, source, layer, True, values[layer], out_values[layer])
-        terms = len(match.anchors) * (2 if source is not None else 1)
+            mixed_delta(match, agent, layer, False, keys[layer], out_keys[layer])
+            mixed_delta(match, agent, layer, True, values[layer], out_values[layer])
+        terms = sum((agent != a.owner) + (match.source != a.owner) for a in match.anchors)
         context.extra_flops += 2.0 * 2 * terms * keys[1:].numel() * (self.rank or keys.shape[-1])
         return out_keys, out_values
 
@@ -378,18 +427,21 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         known = min(self.log.length, len(shared) - 1)
         pending = [s for s in self.log.segments if s.start >= seen and s.end <= known]
         context.decisions = [self.decide(agent, segment, shared, context) for segment in pending]
-        accepted = [d for d in context.decisions if d.accepted]
-        reused = accepted[-1].segment.end if accepted else seen
-        refused: list[SharedSegment] = []  # a run of refused segments before an accepted one: one dense forward
+        refused = any(not d.verdict for d in context.decisions)
+        for decision in context.decisions:
+            decision.corrected = decision.verdict and not (refused and self.whole_call)
+        corrected = [d for d in context.decisions if d.corrected]
+        reused = corrected[-1].segment.end if corrected else seen
+        dense: list[SharedSegment] = []  # a run of densely read segments before a corrected one: one forward
         for decision in context.decisions:
             segment = decision.segment
-            if not decision.accepted:
+            if not decision.corrected:
                 context.fallback += segment.length
                 if segment.end <= reused:
-                    refused.append(segment)
+                    dense.append(segment)
                 continue
-            self.prefill_densely(agent, refused, buffers, context)
-            refused = []
+            self.prefill_densely(agent, dense, buffers, context)
+            dense = []
             at = prefix_len + segment.start
             keys, values = self.corrected_kv(agent, decision, context)
             keys = rotate_keys(keys, at, runtime.rope)
@@ -423,32 +475,54 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.own[agent] = chunk.buffers
         self.seen[agent] = chunk.start + len(chunk.ids)
         self.corrected[agent] += context.corrected
-        if not self.chain:
-            self.bases.update(context.bases)
+        self.bases.update(context.bases)
+        assert self.pool is not None
+        for name, gate in context.gates.items():
+            self.verdicts[name] = self.accepts(gate)
+            if self.verdicts[name]:
+                self.pool.activate(gate)
         for decision in context.decisions:
             self.latest[decision.segment.name] = agent
             self.readers[decision.segment.name] += 1
-        for segment in self.log.observe(agent, context.shared_len, self.seen[agent]):
+        added = self.log.observe(agent, context.shared_len, self.seen[agent])
+        for segment in added:
             self.latest[segment.name] = agent
-        assert self.pool is not None
         flops = 0.0
         for decision in context.decisions:
-            if decision.accepted and decision.match is not None:
-                self.pool.activate(decision.match)
-            elif self.grow:
-                flops += self.learn(agent, decision.segment, chunk, context)
+            segment = decision.segment
+            if decision.gated and not decision.verdict and self.grow:
+                flops += self.learn(agent, segment, context)
+            elif not decision.corrected and self.admits(segment):
+                flops += self.learn(agent, segment, context)
+        for segment in added:
+            if self.admits(segment):
+                flops += self.learn(agent, segment, context)
         return flops
 
-    def learn(self, agent: str, segment: SharedSegment, chunk: Chunk[DeltaContext], context: DeltaContext) -> float:
-        """Keep a refused segment as an anchor of its slot (creating it, with the producer's delta, on its first
-        refusal) and add `agent`'s dense K/V of it as its delta. Returns the FLOPs: a reference prefill when the
-        segment's context-free encoding was not computed yet."""
+    def admits(self, segment: SharedSegment) -> bool:
+        """Whether a dense computation of an ungated input joins its slot (KVCMAS: its anchor exists, or the slot has
+        fewer than V anchors; no eviction)."""
+        assert self.pool is not None
+        if not (self.admits_dense_inputs and self.grow) or segment.is_output:
+            return False
+        anchors = self.pool.slots.get(segment.slot, [])
+        return self.pool.anchor(segment.slot, segment.name) is not None or len(anchors) < self.pool.capacity
+
+    def learn(self, agent: str, segment: SharedSegment, context: DeltaContext) -> float:
+        """Keep `agent`'s dense K/V of `segment` in its slot's anchor of it, creating that anchor (its base:
+        `owner_of`; the producer's delta) on the segment's first admission. Returns the FLOPs: a reference prefill
+        when the base is a context-free encoding not computed yet."""
         assert self.pool is not None
         flops = 0.0
         anchor = self.pool.anchor(segment.slot, segment.name)
         if anchor is None:
-            base, flops = self.encoding(segment, context.shared, context)
-            anchor = self.pool.add(segment.slot, segment.name, *base)
+            owner = self.owner_of(segment)
+            if owner is None:
+                base, flops = self.encoding(segment, context.shared, context)
+                self.bases[segment.name] = base
+            else:
+                base = self.stored_segment(owner, segment)
+            anchor = self.pool.add(segment.slot, segment.name, owner, *base)
             self.pool.add_delta(anchor, segment.producer, *self.stored_segment(segment.producer, segment))
         self.pool.add_delta(anchor, agent, *self.stored_segment(agent, segment))  # commit stored the turn's cache
         return flops

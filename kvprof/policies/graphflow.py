@@ -1,13 +1,14 @@
-"""GraphFlow: a context-free encoding of each shared segment, corrected by what earlier edges of the same workflow
-graph showed (approximated: GraphFlow has no public code; this follows its public description as the KVCMAS paper
-compares against it).
+"""GraphFlow: a shared segment corrected by what earlier edges of the same workflow graph showed (approximated:
+GraphFlow has no public code; this follows its public description as the KVCMAS paper compares against it).
 
-Each new shared segment is encoded context-free (a reference prefill, once per segment, keys re-aligned). For reader
-j the correction is the mean delta Δ_j of the segments observed before in the same slot — the same edge of the
-workflow graph (the placeholder and the reading agent) — with no confidence gate: a slot with an observed delta for
-j is always corrected; one without is prefilled densely and its delta observed (kept as in
-`kvprof.anchors.AnchorPool`, full-dimensional, up to 20 per slot). What is approximated: how GraphFlow learns the
-correction from observed edges (kvprof averages them uniformly, with no learned parameters).
+Reference: the same as KVComm's public code (`kvprof.policies.kvcomm`): an output is reused from its producer's
+in-context cache (an edge of the graph carries the producer's cache to its reader), an external input from its
+context-free encoding (a reference prefill, once per segment). For reader j the correction is the mean delta Δ_j of
+the segments observed before in the same slot — the same edge of the workflow graph (the placeholder and the reading
+agent) — with no confidence gate: a slot with an observed delta for j is always corrected; one without is prefilled
+densely (only that segment) and its delta observed (kept as in `kvprof.anchors.AnchorPool`, full-dimensional, V =
+20 per slot). What is approximated: how GraphFlow learns the correction from observed edges (kvprof averages them
+uniformly, with no learned parameters) and which cache an edge carries.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvprof.policies.papers import GRAPHFLOW, KVCMAS_PAPER, KVCMAS_SETTING
 class GraphFlow(DeltaCorrection):
     name = "graphflow"
     paper = GRAPHFLOW
+    per_token = False
     options: ClassVar[dict[str, Option]] = pool_options("20")
     published: ClassVar[tuple[Published, ...]] = (
         Published(
@@ -40,8 +42,9 @@ class GraphFlow(DeltaCorrection):
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
         assert self.pool is not None
-        base = self.base_of(segment, shared, context)
-        anchors = self.pool.eligible(segment.slot, segment.length, (agent,), exclude=segment.name)
+        source = self.source_of(agent, segment)
+        reference = self.cache_of(source, segment, shared, context)
+        anchors = self.pool.eligible(segment.slot, segment.length, source, (agent,), exclude=segment.name)
         weights = torch.full((len(anchors),), 1.0 / max(len(anchors), 1))
-        match = Match(anchors, weights, 1.0)
-        return Decision(segment, self.accepts(match), match, None, base)
+        match = Match(anchors, source, weights, 1.0)
+        return Decision(segment, source, reference, True, self.accepts(match), match=match)

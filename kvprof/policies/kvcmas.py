@@ -1,20 +1,40 @@
-"""KVCMAS: low-rank anchor pools and chain correction (the KVCMAS paper; τ and the pool defaults as published).
+"""KVCMAS: low-rank anchor pools and chain correction (the KVCMAS paper), as its public code runs it (hjeon2k/KVCMAS,
+`KVCMAS/llm/gpt_chat.py` and `KVCMAS/llm/kvcmas_engine.py`).
 
-Anchors keep their context-free base and per-agent deltas as rank-r truncated-SVD factors (r = 32, V = 10 anchors
-per slot; `kvprof.anchors.Stored`): O(V·N·L·D) → O(V·N·r·(L + D)). Chain correction (`chain=true`, the method):
-the first agent to read a segment computes it densely (it is that agent's own input or output); every later reader
-j starts from the segment's latest materialised cache C_i (the last reader's, corrected or dense, keys re-aligned),
-matches its values against the slot's anchors' reconstructed bases (softmax over −L2 distance), and when the
-weights' normalized entropy is below τ gets C_i + Σ w·(Δ_j − Δ_i) — one fused GEMM over the concatenated factors
-per layer and side (`kvprof.kernels.correction`), layer 0 uncorrected — which then becomes the next edge's
-reference. No reference prefill is needed for a correction; a refused segment is prefilled densely and becomes an
-anchor (its context-free encoding is computed then, for the anchor's base). `chain=false` is the paper's ablation:
-the context-free encoding is the reference, as in KVComm, with low-rank anchors.
+References. An agent's output is reused from its producer's own in-context cache, keys rotated back to position 0,
+in both modes. An external input (the question) is never encoded on its own: its first reader computes it densely
+(hop 0) and its cache is harvested (`_fs_harvest_question`); with `chain=chain` (the code's default,
+`KVCMAS_CHAIN_DELTA=1`) every later reader corrects from the previous reader's cache of it (corrected or dense,
+harvested again after every hop), with `chain=star` from hop 0's.
 
-τ = 0.3: the paper reports thresholds of 0.29–0.34 for its LLM tasks; 0.3 lies inside that range. `kvprof tune-tau`
-picks τ for a user's own trajectories.
+Gate. Only outputs are gated, once, when produced (`predict_as_anchor`, as KVComm's: values of every layer,
+softmax(−‖X − A‖₂), accepted when H(w) ≤ τ·log2 N with at least two anchors, τ = 0.3); a refused output becomes an
+anchor and every reader prefills its whole call densely. Inputs are never gated: they are always corrected, and an
+input computed densely (hop 0, or inside a refused call) joins its slot while the slot holds fewer than V anchors
+(`_admit_q`).
 
-Approximate: the correction is estimated from other segments' deltas, truncated to rank r.
+Correction. reference + Σ w·(Δ_reader − Δ_source) with per-token K and V weights, softmax of −mean |X − A| over
+layers, heads and dims (temperature 1), layer 0 uncorrected; the candidate X is matched against each anchor's cache
+of the same owner as the reference (its base, or base + Δ_source), so a chained reference is compared like for like.
+Anchors keep their base and deltas as rank-r factors of each layer's (L × H_kv·D) matrix (r = 32): per matrix
+layers·r·(L + H_kv·D) parameters; the correction is one fused GEMM per layer and side over the concatenated factors
+(`kvprof.kernels.correction`). Pool: V = 10 per slot (the published runs), trimmed above V by the least-activated of
+the oldest 5.
+
+τ = 0.3: the code's default; its runners use 0.29–0.34 for the LLM tasks. `kvprof tune-tau` picks τ for a user's
+own trajectories.
+
+Remaining deviations from the public code:
+- the candidate is compared with the anchor's cache of the reference's owner; the code compares it with the anchor's
+  stored base, which each later dense writer overwrites with the reference it read (`set_anchor_streaming_raw`),
+  and takes each reader's delta against the reference that reader read rather than as Δ_reader − Δ_source;
+- the factors are an exact truncated SVD, where the code runs a randomized range finder (two iterations, seed 42)
+  and stores them in the model's dtype;
+- the per-layer top-10 "hot" anchor selection is not modelled (it only acts on a slot holding 11 anchors);
+- hop 0's blank question anchor is not modelled;
+- keys are compared in the segment's frame; the gate's FLOPs are charged to the first reader's turn; an anchor
+  lacking the reader's delta is skipped, and a segment no anchor covers is reused uncorrected, as the code does;
+- `fallback=segment` (kvprof's) prefills only refused segments densely.
 """
 
 from __future__ import annotations
@@ -23,22 +43,25 @@ from typing import ClassVar
 
 from kvprof.anchors import Match
 from kvprof.policies.base import Option, Published, positive_int
-from kvprof.policies.delta import DeltaCorrection, pool_options, threshold_option
+from kvprof.policies.delta import DeltaCorrection, SharedSegment, fallback_option, pool_options, threshold_option
 from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING
 
 
 class KVCMAS(DeltaCorrection):
     name = "kvcmas"
     paper = KVCMAS_PAPER
+    admits_dense_inputs = True
     options: ClassVar[dict[str, Option]] = {
         "chain": Option(
             "chain",
-            ("chain", "nochain"),
-            sweep=("chain", "nochain"),
-            help="chain: correct from the latest materialised cache; nochain: from the context-free encoding",
+            ("chain", "star"),
+            sweep=("chain", "star"),
+            help="chain: an input is corrected from its previous reader's cache (code default); star: from its "
+            "first reader's (the code's non-chained mode)",
         ),
-        "tau": threshold_option("0.3", "accept when the anchor weights' normalized entropy < tau"),
-        "rank": Option("32", parse=positive_int, help="the anchors' factor rank r"),
+        "tau": threshold_option("0.3", "accept when the anchor weights' entropy ≤ tau·log2(#anchors)"),
+        "rank": Option("32", parse=positive_int, help="the anchors' factor rank r (per layer)"),
+        "fallback": fallback_option(),
         **pool_options("10"),
     }
     published: ClassVar[tuple[Published, ...]] = (
@@ -61,12 +84,19 @@ class KVCMAS(DeltaCorrection):
     )
 
     @property
-    def chain(self) -> bool:
-        return self.settings["chain"] == "chain"
-
-    @property
     def rank(self) -> int | None:
         return int(self.values["rank"])
+
+    def source_of(self, reader: str, segment: SharedSegment) -> str | None:
+        if segment.is_output or self.settings["chain"] == "star":
+            return segment.producer
+        return self.latest[segment.name]
+
+    def owner_of(self, segment: SharedSegment) -> str | None:
+        return segment.producer
+
+    def gated(self, segment: SharedSegment) -> bool:
+        return segment.is_output
 
     def accepts(self, match: Match) -> bool:
         return match.confident(float(self.values["tau"]))

@@ -1,18 +1,38 @@
-"""KVComm: online anchor pools of full-dimensional deltas over a context-free reference (KVCOMM, Ye et al., NeurIPS
-2025, arXiv:2510.12872; the FastMAS/KVCOMM defaults).
+"""KVComm: online anchor pools of full-dimensional deltas behind an entropy gate (KVCOMM, Ye et al., NeurIPS 2025,
+arXiv:2510.12872), as the official public code runs it (delsiiin/KVCOMM, `KVCOMM/llm/gpt_chat.py` and
+`KVCOMM/llm/kvcomm_engine.py`).
 
-Each new shared segment is encoded context-free (a reference prefill of its tokens alone, once per segment); a
-reader matches that encoding's values against its slot's anchors (`kvprof.anchors.AnchorPool.match`: softmax over
-−L2 distance) and, when the weights' entropy is below γ·log2(#anchors) — normalized entropy < γ, γ = 0.3 — gets
-encoding + Σ w·Δ_reader, layer 0 uncorrected; otherwise it prefills the segment densely and the segment becomes an
-anchor. Anchors are full-dimensional: V = 20 per slot, eviction of the least-activated of the oldest 5. The machinery
-is `kvprof.policies.delta`.
+References. An agent's output is reused from its producer's own in-context cache, keys rotated back to position 0
+(`LLMChat.agen_kvcomm`: the response cache after generation); an external input (the question, a tool result, a
+cue) from its stand-alone encoding (`update_input_anchor`: the text encoded inside the template's header, the
+header's tokens dropped; kvprof encodes it after `kvprof.policies.delta.NeutralContext`).
 
-Approximate: the reader's cache is estimated from other segments' deltas. Simplifications against the public code:
-one weight vector per segment (from the values of every corrected layer) mixes both keys and values, where the code
-weighs keys and values per token; only shared segments are corrected (a reader's own prefix is its own, so nothing
-after a placeholder in a template needs an offset); the gate accepts strictly below the threshold, where the public
-code also accepts an entropy exactly at it, so that γ = 0 accepts nothing.
+Gate. Once per segment (`predict_as_anchor`): the reference's values on every layer against each anchor of its slot
+at least as long (the anchor's cache of the same owner), w = softmax(−‖X_V − A_V‖₂), accepted when at least two
+anchors qualify and H(w) = −Σ w·log2(w + 1e-40) ≤ γ·log2 N, γ = 0.3; the top anchors up to 0.9 of the weight
+count an activation. A refused segment becomes an anchor, and each agent that reads it prefills its whole call
+densely (`has_active_anchor` → `dense_prefill`), its cache of the segment kept as the anchor's delta for it
+(`set_anchor`).
+
+Correction (`offset_kv_cache_pair`). A reader of an accepted segment gets reference + Σ w·Δ_reader with per-token
+weights, separately for K and V, softmax over anchors of −mean |X − A| over layers, heads and dims (temperature 1,
+`_compute_anchor_weight_entry`), layer 0 left as the reference. Anchors: full-dimensional, V = 20 per slot, the
+slot trimmed when it holds more than V (so up to 21) by dropping the least-activated of its oldest 5
+(`update_anchor`). The machinery is `kvprof.policies.delta` and `kvprof.anchors`.
+
+Remaining deviations from the public code:
+- the first reader of an external input computes it densely in its own chunk (kvprof learns of a segment only after
+  the turn that adds it), where the code may correct it for that reader too;
+- keys are compared and deltas stored in the segment's own frame (positions 0..L−1); the code rotates the
+  placeholder to its position in the reader's prompt first (`_rotate_segment_caches`);
+- only shared segments are corrected: the code also corrects the template text after each placeholder (its
+  `pf` deltas), which kvprof's agents read in their own chunk;
+- slots are (producer, turn) placeholders (`AGENT.outK`); the code pools per producer's current response
+  (`agent_<id>_current`);
+- an anchor lacking the reader's delta is skipped (the code would fail on it); a segment no anchor covers is reused
+  uncorrected, as the code does;
+- the gate's matching FLOPs are charged to the first reader's turn (the code runs the gate after generation);
+- `fallback=segment` (kvprof's) prefills only refused segments densely.
 """
 
 from __future__ import annotations
@@ -21,7 +41,7 @@ from typing import ClassVar
 
 from kvprof.anchors import Match
 from kvprof.policies.base import Option, Published
-from kvprof.policies.delta import DeltaCorrection, pool_options, threshold_option
+from kvprof.policies.delta import DeltaCorrection, fallback_option, pool_options, threshold_option
 from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING, KVCOMM, KVCOMM_SETTING
 
 
@@ -29,7 +49,8 @@ class KVComm(DeltaCorrection):
     name = "kvcomm"
     paper = KVCOMM
     options: ClassVar[dict[str, Option]] = {
-        "gamma": threshold_option("0.3", "accept when the anchor weights' entropy < gamma·log2(#anchors)"),
+        "gamma": threshold_option("0.3", "accept when the anchor weights' entropy ≤ gamma·log2(#anchors)"),
+        "fallback": fallback_option(),
         **pool_options("20"),
     }
     published: ClassVar[tuple[Published, ...]] = (
