@@ -54,7 +54,7 @@ DROIDSPEAK_PROFILES = (
 )
 CODEBOOK_REPLAY = (
     " --online --policy fullshared --policy kvcomm --policy kvcmas"
-    " --policy-option kvcmas.chain=chain --policy-option kvcmas.chain=nochain"
+    " --policy-option kvcmas.chain=chain --policy-option kvcmas.chain=star"
 )
 
 EXAMPLES: dict[str, Example] = {
@@ -136,7 +136,7 @@ EXAMPLES: dict[str, Example] = {
         (
             "kvprof replay world/sample_traces/prompt_tune.jsonl --skip 12 --policy fullshared --policy graphflow"
             " --policy kvcomm --policy kvcmas --policy-option kvcmas.chain=chain"
-            " --policy-option kvcmas.chain=nochain"
+            " --policy-option kvcmas.chain=star"
             " --policy-option kvcmas.anchors=runs/fit-anchors/anchors.safetensors"
             " --policy-option kvcomm.anchors=runs/fit-anchors-full/anchors.safetensors"
             " --policy-option graphflow.anchors=runs/fit-anchors-full/anchors.safetensors --online"

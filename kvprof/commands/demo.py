@@ -277,7 +277,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
         PolicyVariant("graphflow", {"anchors": str(pools["full"])}),
         PolicyVariant("kvcomm", {"anchors": str(pools["full"])}),
         PolicyVariant("kvcmas", {"chain": "chain", "anchors": str(pools["rank32"])}),
-        PolicyVariant("kvcmas", {"chain": "nochain", "anchors": str(pools["rank32"])}),
+        PolicyVariant("kvcmas", {"chain": "star", "anchors": str(pools["rank32"])}),
     ]
     record, online, accuracy = _online_replay(
         ctx, out, trace, agents, replayed, variants, {}, False, skip=half, limit=len(replayed),

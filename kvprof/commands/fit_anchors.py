@@ -48,7 +48,8 @@ def command(
     dtype: DtypeOption = "auto",
     seed: SeedOption = 0,
 ) -> None:
-    """Fit anchor pools (a context-free base and per-agent deltas per segment, V per slot) from a trace, save them
+    """Fit anchor pools (per segment a base — the producer's cache of an output, the context-free encoding of an
+    input — and per-agent deltas, V per slot) from a trace, save them
     for `kvprof replay --policy kvcmas|kvcomm --policy-option POLICY.anchors=FILE`, and report the truncation
     error per layer against rank and the pool's memory, full-dimensional vs rank r."""
     args = dict(locals())

@@ -79,7 +79,7 @@ def command(
     grid: Annotated[str, typer.Option("--grid", help="Thresholds to sweep, comma-separated.")] = ",".join(tune_grid()),
     option: Annotated[
         list[str] | None,
-        typer.Option("--option", help="KEY=VALUE: another option of the policy (e.g. chain=nochain), repeatable."),
+        typer.Option("--option", help="KEY=VALUE: another option of the policy (e.g. chain=star), repeatable."),
     ] = None,
     anchors: Annotated[
         Path | None,

@@ -50,7 +50,7 @@ EVALUATED = (
     PolicyVariant("fullshared"),
     PolicyVariant("kvcomm"),
     PolicyVariant("kvcmas", {"chain": "chain"}),
-    PolicyVariant("kvcmas", {"chain": "nochain"}),
+    PolicyVariant("kvcmas", {"chain": "star"}),
 )
 """The policies `evaluate` replays besides the dense run (pools start empty and grow, as published)."""
 KEPT = ("accuracy", "diverged_turns", "k_error", "v_error", "kl", "top1", "delta_reuse", "reuse_per_token")

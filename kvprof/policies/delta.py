@@ -1,34 +1,39 @@
 """Delta correction: reuse another agent's cache of a shared segment after adding an estimate of how the reader's
-prefix would have changed it — the machinery KVComm, KVCMAS and GraphFlow share (one module per method: `kvcomm`,
-`kvcmas`, `graphflow`). Prompt mode only: agents differ by their private prefix PF_a, and a shared segment (the
-question, an observation, another agent's output) read after PF_j has K/V C_j ≠ C_i.
+context would have changed it — the machinery KVComm, KVCMAS and GraphFlow share (one module per method: `kvcomm`,
+`kvcmas`, `graphflow`), as the authors' public code runs it. Prompt mode only: agents differ by their private prefix
+PF_a, and a shared segment (the question, an observation, another agent's output) read after PF_j has K/V C_j ≠ C_i.
 
 Segments and slots. The shared timeline is cut into segments as it grows: each turn adds the tokens of its input
-nobody had read yet (its chunk: the question, an observation, the workflow's cue) and its output. A segment's slot
-is its place in the workflow, `AGENT.inK` / `AGENT.outK` (the K-th input or output of that agent's turns), the
-placeholder its anchors are pooled under (`kvprof.anchors`), so segments in the same place of different
-trajectories share a pool.
+nobody had read yet (`part` "in": the question, an observation, the workflow's cue) and its output ("out"). A
+segment's slot is its place in the workflow, `AGENT.inK` / `AGENT.outK` (the K-th input or output of that agent's
+turns), the placeholder its anchors are pooled under (`kvprof.anchors`), so segments in the same place of
+different trajectories share a pool.
 
 A turn of agent j. Each agent keeps its own cache (its prefix and every token it has read, as NonShared does: the
-active caches are full-dimensional; the saving is prefill compute, not their memory). The segments others added
-since j's last turn are each either
+active caches are full-dimensional; the saving is prefill compute, not their memory). For each segment others added
+since j's last turn (`decide`):
 
-- accepted: the gate (`accepts`) trusts a match of the segment against its slot's anchors, and j gets the
-  reference cache plus the weighted sum of the anchors' deltas, keys rotated from the segment's frame to j's
-  positions, layer 0 left uncorrected (as published; its K/V depend only on the token and its position, so the
-  re-aligned reference is exact there). The reference is the segment's latest materialised cache — the cache of
-  the last agent that read it, itself corrected or dense — with Δ_{j←i} = Δ_j − Δ_i (`chain`, KVCMAS), or its
-  context-free encoding with Δ_j (KVComm, GraphFlow, KVCMAS chain=false: one reference prefill per segment);
-- or refused: j computes it densely in its own context (dense prefill), and with `grow` the segment becomes an anchor
-  of its slot (base: its context-free encoding; deltas: the producer's and each refusing reader's dense caches),
-  evicting per `kvprof.anchors.AnchorPool`. Refused segments after the last accepted one are simply part of j's
-  chunk, so a gate that accepts nothing replays exactly what NonShared computes.
+- the reference: the cache j corrects from, `source_of` — an output's producer's in-context cache (KVComm and
+  KVCMAS alike), an input's context-free encoding (KVComm, GraphFlow: one reference prefill per segment,
+  `NeutralContext`) or its previous / first reader's cache (KVCMAS chain / star); keys rotated into the segment's
+  frame;
+- the gate (`accepts`), decided once per segment by its first reader (`verdicts`): the reference against its slot's
+  anchors (`kvprof.anchors.AnchorPool.match`); `gated` says which segments have one (KVCMAS: outputs only);
+- accepted: j gets reference + Σ w·(Δ_j − Δ_source) with per-token weights, keys rotated to j's positions, layer 0
+  left as the reference (its K/V depend only on the token and its position, so the re-aligned reference is exact
+  there); refused: j prefills densely — its whole call (`fallback=call`, the code's) or only the refused segments
+  (`fallback=segment`, kvprof's) — and with `pool=grow` its dense cache joins the segment's anchor (created on the
+  first refusal, its base `owner_of`: the reference of the time). KVCMAS also keeps every dense computation of an
+  input while its slot has fewer than V anchors (`admits`). Densely read segments after the last corrected one are
+  simply part of j's chunk, so a gate that accepts nothing replays exactly what NonShared computes.
 
-Every matching, correction, reference prefill and dense fallback runs in `assemble`, inside the timed prefill; pool
-growth runs in `commit`. The acceptance rate ρ (`Context.corrected` / `fallback`: tokens of others' segments served
-corrected / prefilled densely) is the replay's `delta_reuse`. The pool outlives `reset` (it is fitted once
-(`kvprof fit-anchors`, option `anchors`) and grows online across trajectories, in replay order), so these policies
-are not trajectory-independent.
+Every matching, correction, reference prefill and dense fallback runs in `assemble`, inside the timed prefill; the
+gate's verdicts, activations and pool growth are kept in `commit`. The acceptance rate ρ (`Context.corrected` /
+`fallback`: tokens of others' segments served corrected / prefilled densely) is the replay's `delta_reuse`. The pool
+outlives `reset` (it is fitted once (`kvprof fit-anchors`, option `anchors`) and grows online across trajectories,
+in replay order), so these policies are not trajectory-independent. A branching trace (`truncate`) cuts the segment
+log, the caches and the verdicts; the pool keeps what it learnt (kvprof's: the public code replays one growing
+timeline).
 
 Approximate: the correction is an estimate from other segments' deltas.
 """
@@ -309,8 +314,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.neutral = NeutralContext(self.runtime)
 
     def truncate(self, keep: int) -> None:
-        """Cut the segment log at `keep` (kvprof's: the public code replays one growing timeline), each agent's cache
-        and the context-free encodings with it; the anchor pool keeps what it learnt."""
+        """Cut the segment log at `keep` (kvprof's: the public code replays one growing timeline), each agent's cache,
+        the context-free encodings and the gate's verdicts with it; the anchor pool keeps what it learnt."""
         for segment in self.log.truncate(keep):
             for table in (self.latest, self.readers, self.bases, self.verdicts):
                 table.pop(segment.name, None)

@@ -16,11 +16,11 @@ def fit_error_table(report: dict) -> TableData:
     and the deltas' and bases' mean effective rank."""
     ranks = report["ranks"]
     table = TableData(
-        f"anchor deltas, truncated SVD per (layer, head): relative error at rank k (K / V), {report['anchors']} "
-        f"anchors",
+        "anchor deltas, truncated SVD of each layer's (L × H_kv·D) matrix: relative error at rank k (K / V), "
+        f"{report['anchors']} anchors",
         ["layer", *[f"k={rank}" for rank in ranks], "eff. rank Δ K/V", "eff. rank base K/V"],
-        caption="error: energy of the deltas beyond rank k, ‖Z − Z_k‖/‖Z‖ over every anchor, agent and head of the "
-        "layer; effective rank: exp(entropy of σ/Σσ), mean over matrices.",
+        caption="error: energy of the deltas beyond rank k, ‖Z − Z_k‖/‖Z‖ over every anchor and agent of the layer"
+        "; effective rank: exp(entropy of σ/Σσ), mean over matrices.",
     )
     for row in report["layers"]:
         keys, values = row["delta_k"], row["delta_v"]
@@ -40,8 +40,8 @@ def fit_memory_table(report: dict) -> TableData:
         f"anchor pool memory ({report['anchors']} anchors, V = {report['anchors_per_slot']} per slot, "
         f"{len(report['agents'])} agents)",
         ["storage", "measured", "formula", "formula"],
-        caption="formula per stored matrix: layers·H_kv·L·D (full) or layers·H_kv·min(r, L, D)·(L + D) (rank r); "
-        "a base and one delta per agent, K and V, per anchor.",
+        caption="formula per stored matrix: layers·H_kv·L·D (full) or layers·min(r, L, H_kv·D)·(L + H_kv·D) (rank r); "
+        "per anchor, K and V of its base and of one delta per other agent.",
     )
     table.add_row(
         "full-dimensional (KVComm)",
@@ -53,7 +53,7 @@ def fit_memory_table(report: dict) -> TableData:
         f"rank {report['rank']} factors (KVCMAS)",
         _bytes(memory["low_rank_bytes"]),
         _bytes(memory["low_rank_formula_bytes"]),
-        "O(V·N·r·(L+D))",
+        "O(V·N·r·(L+H·D))",
     )
     saving = memory["saving"]
     table.add_row("saving", f"{saving:.2f}×" if saving else "—", "", "")
