@@ -122,7 +122,7 @@ def test_low_rank_policies_are_exact_when_every_agent_has_the_same_adapter(world
     trace = _capture(run_cli, world, world.lora_workflow, tmp_path / "capture")
     same = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.adapter('act')}")]
     result = _replay(run_cli, trace, tmp_path / "same", "--policy", "baseshared", "--policy", "prelrshared", *same)
-    assert set(result["policies"]) == {"baseshared-full", "prelrshared"}
+    assert set(result["policies"]) == {"baseshared-code", "prelrshared"}
     for label, entry in result["policies"].items():
         summary = entry["summary"]
         assert summary["reuse_per_token"] > 0.3, label

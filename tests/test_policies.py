@@ -14,6 +14,7 @@ from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, runnable_variants
 from kvprof.replay import DENSE, replay_trace, run_online, summarise_online
 from kvprof.runtime import Runtime
+from kvprof.tiny import build_tiny_world, tiny_config
 from kvprof.trace import read_trace
 from kvprof.workflow import load_tasks
 
@@ -205,8 +206,10 @@ def test_prelrshared_precomputes_every_agents_down_projection(lora_trace, tiny_w
 
 
 def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
+    """The paper text's LR prefill (`full`) re-runs the context with the agent's adapter from position 0: its LR
+    cache is the agent's own dense down-projection."""
     agents = _agents(lora_trace, tiny_world)
-    policy = PolicyVariant("baseshared").build(Runtime(agents))
+    policy = PolicyVariant("baseshared", {"lr_prefill": "full"}).build(Runtime(agents))
     traj = read_trace(lora_trace).trajectories[0]
     policy.reset()
     for turn in traj.turns[:2]:
@@ -220,6 +223,57 @@ def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
             expected = layer.self_attn.v_proj.lora_A[second.agent](hidden[index])
         stored = policy.store.lr(second.agent)[index]["value"][:, : result.reused]
         torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def deep_lora(tmp_path_factory):
+    """A three-layer tiny world and its lora trace: in the two-layer world BaseShared's gap tokens reach the same
+    K/V whatever they attend to (layer 0 reads the embeddings; only layer 1's output, which nothing reads, differs)."""
+    from conftest import capture_tiny_trace
+
+    world = build_tiny_world(
+        tmp_path_factory.mktemp("deep"), configure=lambda vocab, eos: tiny_config(vocab, eos, layers=3)
+    )
+    return world, capture_tiny_trace(world, world.lora_workflow, world.root / "trace.jsonl")
+
+
+def test_baseshared_code_prefills_since_own_last_turn(deep_lora):
+    """BaseShared's default LR prefill (`code`, as LRAgent's code runs it) feeds each turn only the tokens after the
+    agent's own LR cache — what others added since its last turn, then its chunk: per turn exactly what NonShared
+    prefills. Those gap tokens attend to the shared base K/V plus their own LR term (the store's base plus B over
+    the X·A the same forward computed, which the turn then stores), not to their own fresh K/V as `incremental`'s
+    separate pass does. Layer 0 reads the embeddings and the shared base there is what the agent's own would be, so
+    their layer-1 inputs, hence K/V, agree; at layer 1 they attend to the producer's base instead of their own, so
+    from layer 2 on their K/V differ."""
+    world, trace = deep_lora
+    runtime = Runtime(_agents(trace, world))
+    traj = read_trace(trace).trajectories[0]
+    code = PolicyVariant("baseshared").build(runtime)
+    incremental = PolicyVariant("baseshared", {"lr_prefill": "incremental"}).build(runtime)
+    dense = PolicyVariant("nonshared").build(runtime)
+    for policy in (code, incremental, dense):
+        policy.reset()
+    ends: dict[str, int] = {}
+    gaps = 0
+    for turn in traj.turns:
+        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+        have = ends.get(turn.agent, 0)
+        ours, theirs, nonshared = (policy.run_turn(request) for policy in (code, incremental, dense))
+        assert ours.prefilled == len(request.input_ids) - have == nonshared.prefilled
+        assert theirs.prefilled == ours.prefilled and theirs.reused == ours.reused
+        with torch.inference_mode():
+            view = code.store.assemble(turn.agent, code.store.lr(turn.agent), ours.reused).kv
+        for layer, ((keys, values), (_, other_values)) in enumerate(zip(ours.input_kv, theirs.input_kv)):
+            stored_keys, stored_values = view[layer]
+            torch.testing.assert_close(keys[:, : ours.reused], stored_keys[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(values[:, : ours.reused], stored_values[0], rtol=1e-5, atol=1e-5)
+            if ours.reused > have:
+                gap = slice(have, ours.reused)
+                difference = float((values[:, gap] - other_values[:, gap]).norm() / other_values[:, gap].norm())
+                assert difference > 1e-3 if layer >= 2 else difference < 1e-5, (layer, difference)
+        gaps += ours.reused - have
+        ends[turn.agent] = len(request.input_ids) + len(ours.output_ids)
+    assert gaps > 20
 
 
 @pytest.mark.parametrize("workflow", ["lora_workflow", "prompt_workflow"])

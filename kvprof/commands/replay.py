@@ -220,8 +220,9 @@ def command(
         str | None,
         typer.Option(
             "--lr-prefill",
-            help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: full (published) or "
-            "incremental; default full, both with --policy all.",
+            help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: code (LRAgent's code: the tokens "
+            "since the agent's last turn, attending to the shared base), full (paper text: the whole context "
+            "again) or incremental (kvprof); default code, all three with --policy all.",
         ),
     ] = None,
     tuned: Annotated[

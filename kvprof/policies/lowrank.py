@@ -33,11 +33,10 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.kv_buffer import GrowingTensor, KVBuffer
-from kvprof.lora import base_kv, heads
+from kvprof.lora import SPLIT_SIDES, base_kv, heads
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
 from kvprof.runtime import KV, ChunkForward, Runtime
 
-SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
 KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
 
 
@@ -204,13 +203,21 @@ class LowRankStore:
             if projection in low_rank[layer] and agent in getattr(split, projection).up
         }
 
-    def _write_expanded(
-        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], target: KVBuffer, begin: int, end: int
+    def write_expanded(
+        self,
+        layer: int,
+        agent: str | None,
+        sides: dict[str, torch.Tensor],
+        target: KVBuffer,
+        begin: int,
+        end: int,
+        offset: int = 0,
     ) -> float:
         """Write one layer's K/V of tokens begin..end as `agent` sees them — base plus B applied to each LR cache in
-        `sides` (the other side copied from the base; keys normalised and rotated for a model with a key norm) —
-        into the same slots of `target`; returns the FLOPs. Expansions run in the adapter's dtype, RoPE from the
-        runtime's cos/sin tables, sums in float32."""
+        `sides` ("key"|"value" → (1, ≥ end − offset, r), its first token at timeline index `offset`; the other side
+        copied from the base; keys normalised and rotated for a model with a key norm) — into the same slots of
+        `target`; returns the FLOPs. Expansions run in the adapter's dtype, RoPE from the runtime's cos/sin tables,
+        sums in float32."""
         runtime = self.runtime
         split = runtime.splits[layer]
         base_keys, base_values = self.base[layer].view(end)
@@ -223,7 +230,7 @@ class LowRankStore:
             if projection in sides:
                 assert agent is not None  # sides is empty without an agent
                 proj = getattr(split, projection)
-                factors = sides[projection][:, begin:end]
+                factors = sides[projection][:, begin - offset : end - offset]
                 expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
                 flops += 2.0 * expanded.numel() * factors.shape[-1]
                 if projection == "key" and norm is None:
@@ -274,7 +281,7 @@ class LowRankStore:
                 buffers.append(base if length == len(self) else KVBuffer.of(base_keys, base_values, spare))
                 continue
             turn = KVBuffer.like(base_keys, base_values, length + spare)
-            flops += self._write_expanded(layer, agent, sides, turn, 0, length)
+            flops += self.write_expanded(layer, agent, sides, turn, 0, length)
             kv.append(turn.view(length))
             buffers.append(turn)
         return StoreView(kv, flops, lora_values if any(v is not None for v in lora_values) else None, buffers)
@@ -294,7 +301,7 @@ class LowRankStore:
         if view is None:
             view = [KVBuffer.like(*buffer.view(0), length + spare) for buffer in self.base]
         flops = sum(
-            self._write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
+            self.write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
             for layer, target in enumerate(view)
         )
         return view, flops
