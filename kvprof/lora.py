@@ -19,7 +19,6 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.model import head_dim, kv_heads
-from kvprof.rope import Rope, apply_rope
 
 CACHED_PROJECTIONS = ("k_proj", "v_proj")
 SPLIT_SIDES = ("key", "value")  # the fields of a `LayerSplit`, in the order of CACHED_PROJECTIONS
@@ -279,20 +278,3 @@ def heads(flat: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(B, L, H·D) → (B, H, L, D)."""
     batch, length, width = flat.shape
     return flat.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
-
-
-def base_kv(
-    split: LayerSplit,
-    hidden: torch.Tensor,
-    positions: torch.Tensor,
-    rope: Rope,
-    head_dim: int,
-    key_norm: ProjectionNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Base cache of tokens with attention inputs `hidden` (B, L, d_model) at `positions` (L,):
-    K_base = RoPE(k_norm(X·W0_kᵀ)) (no norm unless `key_norm`), V_base = X·W0_vᵀ, each (B, H_kv, L, D)."""
-    keys = heads(split.key.base(hidden), head_dim)
-    values = heads(split.value.base(hidden), head_dim)
-    if key_norm is not None:
-        keys = key_norm(keys)
-    return apply_rope(keys, positions, rope), values

@@ -276,6 +276,43 @@ def test_baseshared_code_prefills_since_own_last_turn(deep_lora):
     assert gaps > 20
 
 
+def test_prelrshared_and_rebaseshared_lp_charge_the_same_prefill_but_the_other_agents_a(lora_trace, tiny_world):
+    """Base K/V and the acting agent's X·A come from the forward itself (never projected again), so where
+    PreLRShared and ReBaseShared-LP prefill the same tokens their TTFT FLOPs are equal but for what PReCache's
+    PreLRShared computes in prefill and LP after the turn: the other agents' down-projections X·A_k of the new
+    tokens — and, with an adapter on k_proj (outside the papers' setting), the RoPE of the new tokens' base keys
+    (6 FLOPs per entry), which the forward's adapted keys do not give."""
+    runtime = Runtime(_agents(lora_trace, tiny_world))
+    names = runtime.agents.spec.names
+    precomputed = PolicyVariant("prelrshared").build(runtime)
+    lazy = PolicyVariant("rebaseshared", {"schedule": "lp"}).build(runtime)
+    ratios = []
+    for traj in read_trace(lora_trace).trajectories:
+        precomputed.reset()
+        lazy.reset()
+        for turn in traj.turns:
+            request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+            new = len(request.input_ids) - len(precomputed.store)
+            ours, theirs = precomputed.run_turn(request), lazy.run_turn(request)
+            assert ours.prefilled == theirs.prefilled and ours.reused == theirs.reused
+            down = sum(
+                2.0 * new * runtime.hidden_size * projection.down[other].shape[0]
+                for split in runtime.splits
+                for projection in (split.key, split.value)
+                for other in names
+                if other != turn.agent and other in projection.down
+            )
+            rotation = sum(
+                6.0 * new * runtime.kv_heads * runtime.head_dim
+                for split in runtime.splits
+                if turn.agent in split.key.up
+            )
+            assert down > 0 and rotation > 0  # the tiny adapters target every attention projection
+            assert ours.ttft_flops - theirs.ttft_flops == pytest.approx(down + rotation, rel=1e-9)
+            ratios.append(ours.ttft_flops / theirs.ttft_flops)
+    assert 1.0 < min(ratios) and max(ratios) < 1.05
+
+
 @pytest.mark.parametrize("workflow", ["lora_workflow", "prompt_workflow"])
 def test_nonshared_online_replay_reproduces_generate(tiny_world, tmp_path, run_cli, workflow):
     """The captured trace came from transformers' generate; NonShared online replay must regenerate it exactly."""

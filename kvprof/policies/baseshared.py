@@ -92,15 +92,13 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
             own_view = store.assemble(agent, own, have, spare=reused - have)
             cache = runtime.cache_over(own_view.kv, own_view.buffers, reused - have)
             out = runtime.forward(agent, shared[have:reused], cache, have, capture=True, last_logits_only=True)
-            assert out.hidden is not None  # captured: capture=True
-            gap = LowRankStore.down_projections(runtime, out.hidden, [agent])
+            gap = LowRankStore.forward_down_projections(runtime, out, agent)
             low_rank = (
-                gap[agent]
+                gap
                 if have == 0 or own is None
-                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap[agent])]
+                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap)]
             )
             flops = own_view.flops + runtime.flops(reused - have, have)
-            flops += LowRankStore.down_projection_flops(runtime, gap)
             working = runtime.kv_bytes_per_token * reused + runtime.hidden_bytes_per_token * (reused - have)
         view = self.store_view(agent, low_rank, reused, len(shared) - reused)
         return BaseSharedContext(
@@ -162,16 +160,14 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         return rewrite
 
     def on_forward(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
-        """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet."""
-        assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
-        own = LowRankStore.down_projections(self.runtime, forward.hidden, [agent])
-        context.own.append(own[agent])
-        flops = LowRankStore.down_projection_flops(self.runtime, own)
-        new = self.new_tokens(context, forward.hidden, start)
-        if new is not None:
-            update, base_flops = self.store.base_update(*new, agent)
-            context.updates.append(update)
-            flops += base_flops
+        """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet, both
+        from the forward itself (`LowRankStore.forward_down_projections`, `LowRankStore.base_update`)."""
+        context.own.append(LowRankStore.forward_down_projections(self.runtime, forward, agent))
+        skip = self.new_tokens(context, forward, start)
+        if skip is None:
+            return 0.0
+        update, flops = self.store.base_update(forward, start + skip, agent, agent, skip=skip)
+        context.updates.append(update)
         return flops
 
     def commit(self, chunk: Chunk[BaseSharedContext]) -> float:
