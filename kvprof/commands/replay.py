@@ -253,7 +253,10 @@ def command(
     repeats: Annotated[
         int,
         typer.Option(
-            "--repeats", min=1, help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median."
+            "--repeats",
+            min=1,
+            help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the first "
+            "decode step also runs once untimed before the timed ones.",
         ),
     ] = 3,
     limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,

@@ -461,7 +461,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         stored_before = sum(self.analytic_bytes().values())
         meter = CudaPeak(runtime.device, stored_before)
         first = self.prefill(request.agent, shared, repeats)
-        decoded = self.decode(request, first)
+        decoded = self.decode(request, first, warm_up=repeats > 1)
         commit_started = clock(runtime.device)
         context = first.context
         commit_flops = self.commit(
@@ -551,16 +551,25 @@ class SharingPolicy(ABC, Generic[ContextT]):
         )
 
     @torch.inference_mode()
-    def decode(self, request: TurnRequest, first: Prefill[ContextT]) -> Decoded:
+    def decode(self, request: TurnRequest, first: Prefill[ContextT], warm_up: bool = False) -> Decoded:
         """The output tokens after the prefill, one forward per token over the growing cache as serving decodes:
         teacher-forced (the trace's next token is fed, the logits before it are kept) on `request.output_ids`, or
-        greedy with transformers' stopping rules. The last forward writes the last token's K/V."""
+        greedy with transformers' stopping rules. The last forward writes the last token's K/V.
+
+        With `warm_up`, the first step's forward runs once untimed before the timed steps (its token is then taken
+        off the cache again): what a decode step pays only on its first run — the Triton kernels' compilation and
+        autotuning for the decode shape, the allocator's first blocks — stays out of TPOT, as the prefill's
+        warm-up keeps it out of TTFT."""
         runtime, agent, context = self.runtime, request.agent, first.context
         forced = request.output_ids
         outputs: list[int] = []
         rows = [first.forward.logits[0, -1]]
         last, flops = first.forward, 0.0
         shared_len = len(request.input_ids) - (first.start - context.reused)
+        if warm_up and (forced is None or forced):
+            token = forced[0] if forced is not None else int(rows[0].argmax())
+            self._forward(agent, [token], last.cache, len(request.input_ids), context)
+            last.cache.crop(-1)
         started = clock(runtime.device)
         while forced is None or len(outputs) < len(forced):
             outputs.append(forced[len(outputs)] if forced is not None else int(rows[-1].argmax()))
