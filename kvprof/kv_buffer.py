@@ -23,6 +23,8 @@ Stored-memory figures count valid tokens (`view`), as a paged server would hold 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
@@ -134,13 +136,20 @@ class KVBuffer:
         return self.keys.view(end), self.values.view(end)
 
 
+Rewrite = Callable[[int, "KVBuffer", int, int], None]
+"""`rewrite(layer, buffer, start, count)`: called by a `BufferLayer` after it wrote a forward's `count` new tokens at
+slots start.. of `buffer`, before attention reads them; may overwrite any of those slots in place."""
+
+
 class BufferLayer(DynamicLayer):
     """A cache layer over a `KVBuffer`: the first `length` tokens are the context; `update` writes the new tokens
-    in place after them and returns views of everything so far."""
+    in place after them (then lets `rewrite`, if any, overwrite some of them: `Rewrite`) and returns views of
+    everything so far. `index`: the decoder layer's index, for `rewrite`."""
 
-    def __init__(self, buffer: KVBuffer, length: int):
+    def __init__(self, buffer: KVBuffer, length: int, index: int = 0, rewrite: Rewrite | None = None):
         super().__init__()
         self.buffer, self.length = buffer, length
+        self.index, self.rewrite = index, rewrite
         self.keys, self.values = buffer.view(length)
         self.device = self.keys.device
         self.is_initialized = True
@@ -152,6 +161,8 @@ class BufferLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.buffer.write(self.length, key_states, value_states)
+        if self.rewrite is not None:
+            self.rewrite(self.index, self.buffer, self.length, int(key_states.shape[-2]))
         self.length += int(key_states.shape[-2])
         self.keys, self.values = self.buffer.view(self.length)
         return self.keys, self.values
@@ -167,7 +178,10 @@ class BufferLayer(DynamicLayer):
 
 
 class BufferCache(DynamicCache):
-    """A `DynamicCache` whose layer i appends in place to `buffers[i]` after the first `length` tokens."""
+    """A `DynamicCache` whose layer i appends in place to `buffers[i]` after the first `length` tokens (each
+    forward's new tokens passed to `rewrite` once written, when given)."""
 
-    def __init__(self, buffers: list[KVBuffer], length: int):
-        Cache.__init__(self, layers=[BufferLayer(buffer, length) for buffer in buffers])
+    def __init__(self, buffers: list[KVBuffer], length: int, rewrite: Rewrite | None = None):
+        Cache.__init__(
+            self, layers=[BufferLayer(buffer, length, index, rewrite) for index, buffer in enumerate(buffers)]
+        )

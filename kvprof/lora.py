@@ -19,9 +19,9 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.model import head_dim, kv_heads
-from kvprof.rope import Rope, apply_rope
 
 CACHED_PROJECTIONS = ("k_proj", "v_proj")
+SPLIT_SIDES = ("key", "value")  # the fields of a `LayerSplit`, in the order of CACHED_PROJECTIONS
 
 
 @dataclass
@@ -210,16 +210,46 @@ def shared_down_projection(splits: list[LayerSplit], agents: list[str]) -> bool:
 
 
 class HiddenTap:
-    """Captures, during forwards inside `capture()`, X, the input of each layer's attention projections, and the
-    residual stream entering each decoder layer (what a policy recomputing layers from a stored state starts from).
+    """Captures, during forwards inside `capture()`, X, the input of each layer's attention projections, the
+    residual stream entering each decoder layer (what a policy recomputing layers from a stored state starts from),
+    and what the cached projections (k_proj, v_proj, or their blocks of a fused qkv_proj) computed on X: their base
+    outputs X·W0ᵀ (+ bias), from the LoRA layer's `base_layer` (or the projection itself when it has no adapter),
+    and each adapter's down-projection X·Aᵀ, from its `lora_A` module — the forward's own results, which policies
+    store instead of recomputing them.
 
-    `hidden[i]` and `residual[i]` are (B, L, d_model) for layer i, from the last forward.
+    From the last forward: `hidden[i]` and `residual[i]` are (B, L, d_model) for layer i; `base[i]` is
+    {"key"|"value": (B, L, H_kv·D)} (keys before any key norm and RoPE); `down[i]` is {"key"|"value": {agent:
+    (B_a, L, r)}} for the adapters that ran there, in the adapter's dtype (B_a: the rows of a mixed batch that
+    adapter ran on, all rows otherwise; a fused qkv_proj's one A serves both sides). Entries are set as the layer
+    runs, so they are readable from inside the forward once the layer has projected (the cache's `update`).
     """
 
     def __init__(self, model):
         self.layers = decoder_layers(model)
         self.hidden: list[torch.Tensor | None] = [None] * len(self.layers)
         self.residual: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.base: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+        self.down: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in self.layers]
+
+    def _projection_hooks(self, index: int, layer: torch.nn.Module) -> list:
+        """Forward hooks on layer `index`'s cached projections: base outputs into `base`, X·Aᵀ into `down`."""
+        attention = attention_of(layer, index)
+        handles = []
+        for side, name in zip(SPLIT_SIDES, CACHED_PROJECTIONS):
+            module, columns = projection_columns(attention, name, index)
+            rows = columns or slice(None)
+
+            def keep_base(module, args, output, side=side, rows=rows):
+                self.base[index][side] = output[..., rows]
+
+            handles.append(getattr(module, "base_layer", module).register_forward_hook(keep_base))
+            for agent, down in getattr(module, "lora_A", {}).items():
+
+                def keep_down(module, args, output, side=side, agent=agent):
+                    self.down[index].setdefault(side, {})[agent] = output
+
+                handles.append(down.register_forward_hook(keep_down))
+        return handles
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[HiddenTap]:
@@ -229,11 +259,14 @@ class HiddenTap:
 
             return grab
 
+        self.base = [{} for _ in self.layers]
+        self.down = [{} for _ in self.layers]
         handles = [
             module.register_forward_pre_hook(hook(target, i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
             for module, target in ((attention_of(layer, i), self.hidden), (layer, self.residual))
         ]
+        handles += [handle for i, layer in enumerate(self.layers) for handle in self._projection_hooks(i, layer)]
         try:
             yield self
         finally:
@@ -245,20 +278,3 @@ def heads(flat: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(B, L, H·D) → (B, H, L, D)."""
     batch, length, width = flat.shape
     return flat.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
-
-
-def base_kv(
-    split: LayerSplit,
-    hidden: torch.Tensor,
-    positions: torch.Tensor,
-    rope: Rope,
-    head_dim: int,
-    key_norm: ProjectionNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Base cache of tokens with attention inputs `hidden` (B, L, d_model) at `positions` (L,):
-    K_base = RoPE(k_norm(X·W0_kᵀ)) (no norm unless `key_norm`), V_base = X·W0_vᵀ, each (B, H_kv, L, D)."""
-    keys = heads(split.key.base(hidden), head_dim)
-    values = heads(split.value.base(hidden), head_dim)
-    if key_norm is not None:
-        keys = key_norm(keys)
-    return apply_rope(keys, positions, rope), values

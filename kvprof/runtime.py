@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
-from kvprof.kv_buffer import BufferCache, KVBuffer
+from kvprof.kv_buffer import BufferCache, KVBuffer, Rewrite
 from kvprof.lora import HiddenTap, LayerSplit, ProjectionNorm, key_norms, layer_splits
 from kvprof.model import AgentSet, head_dim, kv_heads
 from kvprof.stopping import StopStrings, end_ids
@@ -36,13 +36,17 @@ class ChunkForward:
 
     logits: (B, n, vocab) fp32; hidden: per layer the attention inputs X, (B, n, d_model), when captured;
     cache: the DynamicCache after the forward (context + chunk); residual: per layer the residual stream entering
-    the decoder layer, (B, n, d_model), when captured.
+    the decoder layer, (B, n, d_model), when captured; base: per layer the cached projections' base outputs
+    {"key"|"value": (B, n, H_kv·D)} (keys before any key norm and RoPE) and down: per layer {"key"|"value":
+    {agent: (B_a, n, r)}}, the down-projections X·Aᵀ of the adapters that ran, when captured (`kvprof.lora.HiddenTap`).
     """
 
     logits: torch.Tensor
     hidden: list[torch.Tensor] | None
     cache: DynamicCache
     residual: list[torch.Tensor] | None = None
+    base: list[dict[str, torch.Tensor]] | None = None
+    down: list[dict[str, dict[str, torch.Tensor]]] | None = None
 
 
 def _captured(state: torch.Tensor | None) -> torch.Tensor:
@@ -157,18 +161,22 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ caches
 
-    def cache_from(self, layers: list[KV], spare: int = 0) -> BufferCache:
+    def cache_from(self, layers: list[KV], spare: int = 0, rewrite: Rewrite | None = None) -> BufferCache:
         """A cache holding copies of `layers[i] = (K, V)`, each (B, H_kv, L, D), in fresh buffers with room for
-        `spare` more tokens; the model's appends write in place (`kvprof.kv_buffer`), the inputs stay untouched."""
-        return BufferCache([KVBuffer.of(keys, values, spare) for keys, values in layers], int(layers[0][0].shape[2]))
+        `spare` more tokens; the model's appends write in place (`kvprof.kv_buffer`; then `rewrite` may overwrite
+        them), the inputs stay untouched."""
+        buffers = [KVBuffer.of(keys, values, spare) for keys, values in layers]
+        return BufferCache(buffers, int(layers[0][0].shape[2]), rewrite)
 
-    def cache_over(self, kv: list[KV], buffers: list[KVBuffer] | None, spare: int = 0) -> BufferCache:
+    def cache_over(
+        self, kv: list[KV], buffers: list[KVBuffer] | None, spare: int = 0, rewrite: Rewrite | None = None
+    ) -> BufferCache:
         """A cache whose context is `kv` (per layer (K, V), (B, H_kv, L, D)): when `buffers` holds them (kv are
         their first L tokens), in place — not copied, the model's appends write after them; otherwise a copy
-        (`cache_from`) with room for `spare` more tokens."""
+        (`cache_from`) with room for `spare` more tokens. `rewrite`: see `kvprof.kv_buffer.Rewrite`."""
         if buffers is None or not self.fast_paths:
-            return self.cache_from(kv, spare)
-        return BufferCache(buffers, int(kv[0][0].shape[2]))
+            return self.cache_from(kv, spare, rewrite)
+        return BufferCache(buffers, int(kv[0][0].shape[2]), rewrite)
 
     @staticmethod
     def buffers_of(cache: BufferCache) -> list[KVBuffer]:
@@ -220,13 +228,18 @@ class Runtime:
                 f"out of memory replaying a {tokens.shape[1]}-token chunk at position {start}; "
                 "replay fewer trajectories, use --dtype bfloat16, or a larger device."
             ) from None
-        hidden: list[torch.Tensor] | None = None
-        residual: list[torch.Tensor] | None = None
-        if capture:
-            # The forward above ran every decoder layer inside tap.capture(), whose pre-hooks set each entry.
-            hidden = [_captured(h) for h in self.tap.hidden]
-            residual = [_captured(h) for h in self.tap.residual]
-        return ChunkForward(logits=out.logits.float(), hidden=hidden, cache=out.cache, residual=residual)
+        if not capture:
+            return ChunkForward(logits=out.logits.float(), hidden=None, cache=out.cache)
+        # The forward above ran every decoder layer inside tap.capture(), whose hooks set each entry.
+        tap = self.tap
+        return ChunkForward(
+            logits=out.logits.float(),
+            hidden=[_captured(h) for h in tap.hidden],
+            cache=out.cache,
+            residual=[_captured(h) for h in tap.residual],
+            base=tap.base,
+            down=tap.down,
+        )
 
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:

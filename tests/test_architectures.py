@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvprof.cache import capture_turn
-from kvprof.lora import HiddenTap, base_kv, key_norms, layer_splits
+from kvprof.lora import HiddenTap, heads, key_norms, layer_splits
 from kvprof.model import head_dim, load_agents
 from kvprof.policies import enumerate_variants
 from kvprof.rope import apply_rope
@@ -76,9 +76,10 @@ def _check_selective_recompute_at_ratio_one(run_cli, trace: str, out) -> None:
 
 
 def test_cache_split_and_base_kv_carry_the_biases(world):
-    """base + adapter is the cached K/V, and the base part from the weights (kvprof.lora) equals the captured one:
-    with Qwen2's and Phi's biases, both must include the bias (before RoPE for keys); Qwen3 normalises keys before
-    RoPE, so its key split is the projection's output and RoPE(k_norm(base + adapter)) is the cached key."""
+    """base + adapter is the cached K/V, and the base part the forward's own projections give (`HiddenTap.base`,
+    which the low-rank stores keep) equals the captured one: with Qwen2's and Phi's biases, both must include the
+    bias (before RoPE for keys); Qwen3 normalises keys before RoPE, so its key split is the projection's output and
+    RoPE(k_norm(base + adapter)) is the cached key. The tapped down-projections are X·Aᵀ of the split's A."""
     agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu", dtype="float32")
     ids = agents.tokenizer.encode("Question: Where was Kalomir born?\nplan:", add_special_tokens=False)
     splits = layer_splits(agents)
@@ -109,10 +110,15 @@ def test_cache_split_and_base_kv_carry_the_biases(world):
             torch.testing.assert_close(values.total, layer.values, rtol=1e-4, atol=1e-5)
             hidden = tap.hidden[index]
             assert hidden is not None
-            base_k, base_v = base_kv(splits[index], hidden, positions, agents.rope, head_dim(agents.config), norm)
-            base_keys = keys.base if norm is None else apply_rope(norm(keys.base[None]), positions, agents.rope)[0]
-            torch.testing.assert_close(base_k[0], base_keys, rtol=1e-4, atol=1e-5)
+            size = head_dim(agents.config)
+            base_k, base_v = (heads(tap.base[index][side], size) for side in ("key", "value"))
+            if norm is None:
+                base_k = apply_rope(base_k, positions, agents.rope)
+            torch.testing.assert_close(base_k[0], keys.base, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(base_v[0], values.base, rtol=1e-4, atol=1e-5)
+            for side in ("key", "value"):
+                down = getattr(splits[index], side).down[agent]
+                torch.testing.assert_close(tap.down[index][side][agent], hidden @ down.T, rtol=1e-4, atol=1e-5)
 
 
 def test_low_rank_policies_are_exact_when_every_agent_has_the_same_adapter(world, run_cli, tmp_path):
@@ -122,7 +128,7 @@ def test_low_rank_policies_are_exact_when_every_agent_has_the_same_adapter(world
     trace = _capture(run_cli, world, world.lora_workflow, tmp_path / "capture")
     same = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.adapter('act')}")]
     result = _replay(run_cli, trace, tmp_path / "same", "--policy", "baseshared", "--policy", "prelrshared", *same)
-    assert set(result["policies"]) == {"baseshared-full", "prelrshared"}
+    assert set(result["policies"]) == {"baseshared-code", "prelrshared"}
     for label, entry in result["policies"].items():
         summary = entry["summary"]
         assert summary["reuse_per_token"] > 0.3, label

@@ -14,6 +14,7 @@ from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, runnable_variants
 from kvprof.replay import DENSE, replay_trace, run_online, summarise_online
 from kvprof.runtime import Runtime
+from kvprof.tiny import build_tiny_world, tiny_config
 from kvprof.trace import read_trace
 from kvprof.workflow import load_tasks
 
@@ -205,8 +206,10 @@ def test_prelrshared_precomputes_every_agents_down_projection(lora_trace, tiny_w
 
 
 def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
+    """The paper text's LR prefill (`full`) re-runs the context with the agent's adapter from position 0: its LR
+    cache is the agent's own dense down-projection."""
     agents = _agents(lora_trace, tiny_world)
-    policy = PolicyVariant("baseshared").build(Runtime(agents))
+    policy = PolicyVariant("baseshared", {"lr_prefill": "full"}).build(Runtime(agents))
     traj = read_trace(lora_trace).trajectories[0]
     policy.reset()
     for turn in traj.turns[:2]:
@@ -220,6 +223,94 @@ def test_baseshared_lr_cache_is_own_down_projection(lora_trace, tiny_world):
             expected = layer.self_attn.v_proj.lora_A[second.agent](hidden[index])
         stored = policy.store.lr(second.agent)[index]["value"][:, : result.reused]
         torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def deep_lora(tmp_path_factory):
+    """A three-layer tiny world and its lora trace: in the two-layer world BaseShared's gap tokens reach the same
+    K/V whatever they attend to (layer 0 reads the embeddings; only layer 1's output, which nothing reads, differs)."""
+    from conftest import capture_tiny_trace
+
+    world = build_tiny_world(
+        tmp_path_factory.mktemp("deep"), configure=lambda vocab, eos: tiny_config(vocab, eos, layers=3)
+    )
+    return world, capture_tiny_trace(world, world.lora_workflow, world.root / "trace.jsonl")
+
+
+def test_baseshared_code_prefills_since_own_last_turn(deep_lora):
+    """BaseShared's default LR prefill (`code`, as LRAgent's code runs it) feeds each turn only the tokens after the
+    agent's own LR cache — what others added since its last turn, then its chunk: per turn exactly what NonShared
+    prefills. Those gap tokens attend to the shared base K/V plus their own LR term (the store's base plus B over
+    the X·A the same forward computed, which the turn then stores), not to their own fresh K/V as `incremental`'s
+    separate pass does. Layer 0 reads the embeddings and the shared base there is what the agent's own would be, so
+    their layer-1 inputs, hence K/V, agree; at layer 1 they attend to the producer's base instead of their own, so
+    from layer 2 on their K/V differ."""
+    world, trace = deep_lora
+    runtime = Runtime(_agents(trace, world))
+    traj = read_trace(trace).trajectories[0]
+    code = PolicyVariant("baseshared").build(runtime)
+    incremental = PolicyVariant("baseshared", {"lr_prefill": "incremental"}).build(runtime)
+    dense = PolicyVariant("nonshared").build(runtime)
+    for policy in (code, incremental, dense):
+        policy.reset()
+    ends: dict[str, int] = {}
+    gaps = 0
+    for turn in traj.turns:
+        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+        have = ends.get(turn.agent, 0)
+        ours, theirs, nonshared = (policy.run_turn(request) for policy in (code, incremental, dense))
+        assert ours.prefilled == len(request.input_ids) - have == nonshared.prefilled
+        assert theirs.prefilled == ours.prefilled and theirs.reused == ours.reused
+        with torch.inference_mode():
+            view = code.store.assemble(turn.agent, code.store.lr(turn.agent), ours.reused).kv
+        for layer, ((keys, values), (_, other_values)) in enumerate(zip(ours.input_kv, theirs.input_kv)):
+            stored_keys, stored_values = view[layer]
+            torch.testing.assert_close(keys[:, : ours.reused], stored_keys[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(values[:, : ours.reused], stored_values[0], rtol=1e-5, atol=1e-5)
+            if ours.reused > have:
+                gap = slice(have, ours.reused)
+                difference = float((values[:, gap] - other_values[:, gap]).norm() / other_values[:, gap].norm())
+                assert difference > 1e-3 if layer >= 2 else difference < 1e-5, (layer, difference)
+        gaps += ours.reused - have
+        ends[turn.agent] = len(request.input_ids) + len(ours.output_ids)
+    assert gaps > 20
+
+
+def test_prelrshared_and_rebaseshared_lp_charge_the_same_prefill_but_the_other_agents_a(lora_trace, tiny_world):
+    """Base K/V and the acting agent's X·A come from the forward itself (never projected again), so where
+    PreLRShared and ReBaseShared-LP prefill the same tokens their TTFT FLOPs are equal but for what PReCache's
+    PreLRShared computes in prefill and LP after the turn: the other agents' down-projections X·A_k of the new
+    tokens — and, with an adapter on k_proj (outside the papers' setting), the RoPE of the new tokens' base keys
+    (6 FLOPs per entry), which the forward's adapted keys do not give."""
+    runtime = Runtime(_agents(lora_trace, tiny_world))
+    names = runtime.agents.spec.names
+    precomputed = PolicyVariant("prelrshared").build(runtime)
+    lazy = PolicyVariant("rebaseshared", {"schedule": "lp"}).build(runtime)
+    ratios = []
+    for traj in read_trace(lora_trace).trajectories:
+        precomputed.reset()
+        lazy.reset()
+        for turn in traj.turns:
+            request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+            new = len(request.input_ids) - len(precomputed.store)
+            ours, theirs = precomputed.run_turn(request), lazy.run_turn(request)
+            assert ours.prefilled == theirs.prefilled and ours.reused == theirs.reused
+            down = sum(
+                2.0 * new * runtime.hidden_size * projection.down[other].shape[0]
+                for split in runtime.splits
+                for projection in (split.key, split.value)
+                for other in names
+                if other != turn.agent and other in projection.down
+            )
+            rotation = sum(
+                6.0 * new * runtime.kv_heads * runtime.head_dim
+                for split in runtime.splits
+                if turn.agent in split.key.up
+            )
+            assert down > 0 and rotation > 0  # the tiny adapters target every attention projection
+            assert ours.ttft_flops - theirs.ttft_flops == pytest.approx(down + rotation, rel=1e-9)
+            ratios.append(ours.ttft_flops / theirs.ttft_flops)
+    assert 1.0 < min(ratios) and max(ratios) < 1.05
 
 
 @pytest.mark.parametrize("workflow", ["lora_workflow", "prompt_workflow"])

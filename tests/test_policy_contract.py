@@ -20,6 +20,7 @@ from kvprof.policies import (
     parse_policy_options,
     runnable_variants,
 )
+from kvprof.policies.base import ORIGINS
 from kvprof.replay import replay_trace
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
@@ -110,9 +111,21 @@ def test_policy_all_sweeps_every_declared_option_value():
     assert labels[-1] == "nonshared"
 
 
+def test_option_origins_name_choices_and_show_in_help():
+    """Where an option's choices come from (the authors' code, the paper's text, kvprof) is one of `ORIGINS`, given
+    for choices the option has, and `--help` shows it."""
+    for cls in REGISTRY.values():
+        for key, option in cls.options.items():
+            assert set(option.origins) <= set(option.choices or ()), (cls.name, key)
+            assert set(option.origins.values()) <= set(ORIGINS), (cls.name, key)
+            for choice, origin in option.origins.items():
+                assert f"{choice} ({origin})" in option.describe()
+    assert REGISTRY["baseshared"].options["lr_prefill"].origins["code"] == "code"
+
+
 def test_named_policy_runs_its_published_defaults_and_shorthands_still_work(run_cli, lora_trace, tmp_path):
     assert [v.label for v in enumerate_variants(["rebaseshared"])] == ["rebaseshared-lp"]
-    assert [v.label for v in enumerate_variants(["baseshared"])] == ["baseshared-full"]
+    assert [v.label for v in enumerate_variants(["baseshared"])] == ["baseshared-code"]
     both = parse_policy_options(["rebaseshared.schedule=lp", "rebaseshared.schedule=db"])
     assert [v.label for v in enumerate_variants(["rebaseshared"], both)] == ["rebaseshared-lp", "rebaseshared-db"]
     assert _replayed(run_cli, lora_trace, tmp_path, "--policy", "rebaseshared", "--schedule", "db") == [

@@ -219,7 +219,14 @@ def test_adapters_that_are_not_plain_lora_skip_the_low_rank_policies(
     )
     assert code == 0, err
     result = json.loads((tmp_path / "all" / "replay.json").read_text())
-    low_rank = {"baseshared-full", "baseshared-incremental", "prelrshared", "rebaseshared-lp", "rebaseshared-db"}
+    low_rank = {
+        "baseshared-code",
+        "baseshared-full",
+        "baseshared-incremental",
+        "prelrshared",
+        "rebaseshared-lp",
+        "rebaseshared-db",
+    }
     assert low_rank <= set(result["skipped"]) and not low_rank & set(result["policies"])
     assert all("agent plan's adapter on layer 0 k_proj" in result["skipped"][label] for label in low_rank)
     assert {"nonshared", "fullshared", "cacheblend-ratio=0.1"} <= set(result["policies"])

@@ -103,10 +103,11 @@ def test_error_does_not_grow_with_the_ratio_on_the_demo_traces(demo_sweeps, mode
     assert ran[0] == 0.0 and ran[-1] == 1.0 and ran == sorted(ran)
 
 
-def test_recompute_is_counted_and_charged_to_ttft(runtimes):
+@pytest.mark.parametrize("check_update", ["original", "lmcache"])
+def test_recompute_is_counted_and_charged_to_ttft(runtimes, check_update):
     runtime, trace = runtimes["lora"]
     layers = runtime.num_layers
-    blend = PolicyVariant("cacheblend", {"ratio": "0.3"}).build(runtime)
+    blend = PolicyVariant("cacheblend", {"ratio": "0.3", "check_update": check_update}).build(runtime)
     relay = PolicyVariant("relaycaching", {"ratio": "0.3", "check_layer": "0", "skip_layers": "1"}).build(runtime)
     full = PolicyVariant("fullshared").build(runtime)
     reused = 0
@@ -115,8 +116,11 @@ def test_recompute_is_counted_and_charged_to_ttft(runtimes):
             policy.reset()
         for request in _requests(trajectory):
             got, plain, skipped = blend.run_turn(request), full.run_turn(request), relay.run_turn(request)
-            # CacheBlend: layer 0 in full, the top 30 % from the check layer (1) on
-            assert got.recomputed == (got.reused + budget(0.3, got.reused) * (layers - 1) if got.reused else 0)
+            # CacheBlend: layer 0 in full, the top 30 % from the check layer (1) on; the original code also writes
+            # every token's new K/V at the check layer, LMCache's only the selected ones'
+            carried = budget(0.3, got.reused) * (layers - 1)
+            check = got.reused - budget(0.3, got.reused) if check_update == "original" else 0
+            assert got.recomputed == (got.reused + check + carried if got.reused else 0)
             # RelayCaching with the check at layer 0 and a skip band of one layer: 30 % through layers 0 .. L − 2
             assert skipped.recomputed == budget(0.3, skipped.reused) * (layers - 1)
             if got.reused:

@@ -220,8 +220,9 @@ def command(
         str | None,
         typer.Option(
             "--lr-prefill",
-            help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: full (published) or "
-            "incremental; default full, both with --policy all.",
+            help="Shorthand for --policy-option baseshared.lr_prefill=VALUE: code (LRAgent's code: the tokens "
+            "since the agent's last turn, attending to the shared base), full (paper text: the whole context "
+            "again) or incremental (kvprof); default code, all three with --policy all.",
         ),
     ] = None,
     tuned: Annotated[
@@ -252,7 +253,10 @@ def command(
     repeats: Annotated[
         int,
         typer.Option(
-            "--repeats", min=1, help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median."
+            "--repeats",
+            min=1,
+            help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the first "
+            "decode step also runs once untimed before the timed ones.",
         ),
     ] = 3,
     limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,

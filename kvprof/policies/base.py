@@ -49,17 +49,21 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
-from kvprof.kv_buffer import KVBuffer
+from kvprof.kv_buffer import KVBuffer, Rewrite
 from kvprof.runtime import KV, ChunkForward, Runtime
+
+ORIGINS = ("code", "paper text", "kvprof")  # where an option's choice comes from (`Option.origins`)
 
 
 @dataclass(frozen=True)
 class Option:
     """One knob of a policy. Values are strings on the command line; `parse` turns one into the setting.
 
-    choices: the allowed values (None: any value `parse` accepts); default: the published setting;
-    sweep: the values `--policy all` replays (empty: the default only); labelled: False for an option that never
-    shows in a variant's label (a file path: the policy's notes name it), which then takes one value per replay.
+    choices: the allowed values (None: any value `parse` accepts); default: the setting of the authors' public
+    code; sweep: the values `--policy all` replays (empty: the default only); labelled: False for an option that
+    never shows in a variant's label (a file path: the policy's notes name it), which then takes one value per
+    replay; origins: where a choice comes from, one of `ORIGINS` ("code": the authors' public code, "paper text":
+    a reading of the paper's text the code does not follow, "kvprof": kvprof's own), shown in `--help`.
     """
 
     default: str
@@ -68,6 +72,7 @@ class Option:
     help: str = ""
     parse: Callable[[str], object] = str
     labelled: bool = True
+    origins: dict[str, str] = field(default_factory=dict)
 
     def check(self, policy: str, key: str, value: str) -> object:
         """The parsed setting, or a `KvprofError` naming the policy, the option and the allowed values."""
@@ -91,7 +96,9 @@ class Option:
     def describe(self) -> str:
         """The option's values and meaning, for --help: its choices, or its kind and help."""
         if self.choices is not None:
-            return "|".join(self.choices)
+            return "|".join(
+                f"{choice} ({self.origins[choice]})" if choice in self.origins else choice for choice in self.choices
+            )
         return f"{self.kind}: {self.help}" if self.parse is not str else self.help
 
     def label(self, key: str, value: str) -> str:
@@ -169,8 +176,8 @@ class Context:
     the chunk; extra_flops: analytic FLOPs of the policy's own work in `assemble` (LR prefill, expansions,
     rotations). working_bytes: bytes of transient structures the policy's own work holds during the turn beyond
     the turn's cache (e.g. an LR prefill's cache and hidden states).
-    lora_values: per layer the rank-r value side (v_lr (1, reused, r), B (H_kv, r, D)) when the values in `kv`
-    are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
+    lora_values: per layer the rank-r value side (v_lr (1, reused − refreshed, r), B (H_kv, r, D)) when the values
+    in `kv` are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
     buffers: the storage `kv` are views of (per layer a `KVBuffer`), when the turn may append in place after them
     (whatever lies past `kv`'s length there is scratch the policy will overwrite or not read); None: the turn
     copies `kv` into fresh buffers.
@@ -183,6 +190,12 @@ class Context:
     the agent computed itself (otherwise the replay counts them from the timeline, `reused_from_others`);
     corrected_spans: (start, end, hop) of each corrected segment in shared-timeline coordinates, hop = 1 + how many
     agents besides its producer read it before this one (the replay measures the error per hop).
+    refreshed / rewrite: the last `refreshed` tokens of the reused span go through the turn's forward with the
+    chunk (their queries, hidden states and everything after attention computed there), while the K/V they and
+    the chunk attend to at their slots are what `rewrite` writes over the forward's own once each layer has
+    projected them (`kvprof.kv_buffer.Rewrite`; BaseShared's LR prefill as LRAgent's code runs it); `kv` then
+    covers only the first reused − refreshed tokens, and `extra_prefill` / `extra_flops` count the refreshed
+    tokens' pass.
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -200,6 +213,8 @@ class Context:
     fallback: int = 0
     from_others: int | None = None
     corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    refreshed: int = 0
+    rewrite: Rewrite | None = None
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -446,7 +461,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         stored_before = sum(self.analytic_bytes().values())
         meter = CudaPeak(runtime.device, stored_before)
         first = self.prefill(request.agent, shared, repeats)
-        decoded = self.decode(request, first)
+        decoded = self.decode(request, first, warm_up=repeats > 1)
         commit_started = clock(runtime.device)
         context = first.context
         commit_flops = self.commit(
@@ -510,18 +525,20 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @torch.inference_mode()
     def prefill(self, agent: str, shared: list[int], repeats: int = 1) -> Prefill[ContextT]:
-        """Assemble the context and run the chunk over it; timed (median of `repeats` after a warm-up)."""
+        """Assemble the context and run the chunk over it (after the context's refreshed tokens, when it has any:
+        `Context.refreshed`); timed (median of `repeats` after a warm-up)."""
         timings, context, forward, start, flops = [], None, None, 0, 0.0
         for _ in range(repeats + 1 if repeats > 1 else 1):
             started = clock(self.runtime.device)
             context = self.assemble(agent, shared)
             if context.reused >= len(shared):
                 raise RuntimeError(f"{self.name} left no token of the input to compute")
+            begin = context.reused - context.refreshed
             start = len(self.runtime.prefix(agent)) + context.reused
-            chunk = shared[context.reused :]
-            cache = self.runtime.cache_over(context.kv, context.buffers, spare=len(chunk))
-            forward = self._forward(agent, chunk, cache, start, context, prefill=True)
-            flops = self.on_prefill(agent, context, forward, context.reused)
+            ids = shared[begin:]
+            cache = self.runtime.cache_over(context.kv, context.buffers, len(ids), context.rewrite)
+            forward = self._forward(agent, ids, cache, start - context.refreshed, context, prefill=True)
+            flops = self.on_prefill(agent, context, forward, begin)
             timings.append(clock(self.runtime.device) - started)
         assert context is not None and forward is not None
         return Prefill(
@@ -534,16 +551,25 @@ class SharingPolicy(ABC, Generic[ContextT]):
         )
 
     @torch.inference_mode()
-    def decode(self, request: TurnRequest, first: Prefill[ContextT]) -> Decoded:
+    def decode(self, request: TurnRequest, first: Prefill[ContextT], warm_up: bool = False) -> Decoded:
         """The output tokens after the prefill, one forward per token over the growing cache as serving decodes:
         teacher-forced (the trace's next token is fed, the logits before it are kept) on `request.output_ids`, or
-        greedy with transformers' stopping rules. The last forward writes the last token's K/V."""
+        greedy with transformers' stopping rules. The last forward writes the last token's K/V.
+
+        With `warm_up`, the first step's forward runs once untimed before the timed steps (its token is then taken
+        off the cache again): what a decode step pays only on its first run — the Triton kernels' compilation and
+        autotuning for the decode shape, the allocator's first blocks — stays out of TPOT, as the prefill's
+        warm-up keeps it out of TTFT."""
         runtime, agent, context = self.runtime, request.agent, first.context
         forced = request.output_ids
         outputs: list[int] = []
         rows = [first.forward.logits[0, -1]]
         last, flops = first.forward, 0.0
         shared_len = len(request.input_ids) - (first.start - context.reused)
+        if warm_up and (forced is None or forced):
+            token = forced[0] if forced is not None else int(rows[0].argmax())
+            self._forward(agent, [token], last.cache, len(request.input_ids), context)
+            last.cache.crop(-1)
         started = clock(runtime.device)
         while forced is None or len(outputs) < len(forced):
             outputs.append(forced[len(outputs)] if forced is not None else int(rows[-1].argmax()))
@@ -576,16 +602,16 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
 def attended_kv(kv: list[KV], context: Context, prefix_len: int) -> list[KV]:
     """Per layer (K, V), (H_kv, T_in, D), of batch row 0 as attention effectively uses them: under
-    Flash-LoRA-Attention the cache holds V_base on the reused span and attention adds (P·V_lr)·B, so the values
-    measured there are V_base + V_lr·B (formed in float32, returned in the cache's dtype) — the same values the
+    Flash-LoRA-Attention the cache holds V_base on the tokens v_lr covers and attention adds (P·V_lr)·B, so the
+    values measured there are V_base + V_lr·B (formed in float32, returned in the cache's dtype) — the same values the
     expanded path caches. For metrics only: outside the timed prefill."""
     rows = [(keys[0], values[0]) for keys, values in kv]
     if context.lora_values is None:
         return rows
-    span = slice(prefix_len, prefix_len + context.reused)
     for layer, entry in enumerate(context.lora_values):
         if entry is None:
             continue
+        span = slice(prefix_len, prefix_len + entry.v_lr.shape[1])
         keys, values = rows[layer]
         low_rank = torch.einsum("lr,hrd->hld", entry.v_lr[0].float(), entry.lora_b.float())
         values = values.clone()

@@ -47,5 +47,5 @@ class BaseLRShared(PreLRShared):
     def lr_name(self, agent: str) -> str:
         return SHARED
 
-    def lr_caches(self) -> dict[str, str]:
-        return {SHARED: self.runtime.agents.spec.names[0]}
+    def lr_caches(self, agent: str) -> dict[str, str]:
+        return {SHARED: agent}  # every agent's A is the same: the acting agent's forward computes X·A once

@@ -1,15 +1,34 @@
-"""BaseShared (LRAgent): one shared base cache; each agent rebuilds its own rank-r LR cache by an "LR prefill".
+"""BaseShared (LRAgent): one shared base cache; each agent extends its own rank-r LR cache by an "LR prefill".
 
-The base cache X_i·W0 is stored once, by whichever agent processed a token first. Before its turn agent j passes
-the accumulated context through the backbone with its adapter again to rebuild its LR cache X_j·A_j (the published
-LR prefill, `lr_prefill=full`); `lr_prefill=incremental` only passes the tokens j has not yet down-projected, over
-its own view of the earlier ones (a kvprof extra). Agent j attends to V = X_i·W0 + s·(X_j·A_j)·B_j. Compute ≥
-NonShared with the full LR prefill; memory ≈ 1× + N·r/d. Approximate: the base part was shaped by agent i.
-Paper: LRAgent (BaseShared).
+The base cache X_i·W0 is stored once, by whichever agent processed a token first; each agent j keeps its own LR
+cache X_j·A_j and attends to V = X_i·W0 + s·(X_j·A_j)·B_j (keys likewise when its adapter targets k_proj).
+Approximate: the base part was shaped by agent i. Paper: LRAgent (BaseShared), code: hjeon2k/LRAgent, branch
+`baseshared`.
 
-Phases: TTFT — the LR prefill (its cache and hidden states are the turn's transients), the context, the chunk's
-forward, and the chunk's own down-projections and base K/V; each decode step — the same for its token; after the
-turn — storing them.
+The LR prefill, `lr_prefill`:
+
+- `code` (the default, what the authors' code does): one forward over the tokens after the end of the agent's own
+  LR cache — what others added since its last turn (the gap), then its new chunk — timed as the turn's prefill.
+  The gap tokens attend to the shared K_base / V_base at their own positions plus their own LR term (the forward's
+  X·A_j of them, B_j applied), not to their own fresh K/V; base K/V are appended only past the base cache's end;
+  the forward's X·A_j of every token it ran extends the agent's LR cache (`fastchat/serve/inference.py`
+  `generate_stream`: `input_ids[past_seq_length:]`; `modeling_llama.py` `LlamaAttention.forward`: keys sliced to
+  those past the base cache; `peft/tuners/lora/layer.py` `Linear.forward`: `base_layer` on those tokens only,
+  `past_lr_cache.update(lora_A(x))` on all). Compute ≈ NonShared's.
+- `full` (paper text): the whole accumulated context re-run from position 0 with the agent's adapter into a fresh
+  cache, rebuilding its LR cache; compute ≥ NonShared.
+- `incremental` (kvprof): the code's extent, but the gap tokens pass in a separate forward over the agent's own
+  view of the earlier ones, attending to their own fresh K/V.
+
+Memory ≈ 1× + N·r/d. Where kvprof departs from the code: LRAgent adapts v_proj only (K fully shared); an adapter on
+k_proj here adds RoPE(s·(X·A_k)·B_k) to the shared base keys in the same way, a kvprof extension. The code runs
+Flash-LoRA-Attention over V_base and the rank-r values; kvprof expands the values unless `--lora-attention` (same
+result), and always writes the gap tokens' values expanded.
+
+Phases: TTFT — the context (the agent's view of the tokens its LR cache covers), the forward over the gap and the
+chunk (with `full` / `incremental`: the separate LR prefill, its cache and hidden states being the turn's
+transients, then the chunk's forward), and the down-projections and base K/V of the tokens it adds; each decode
+step — the same for its token; after the turn — storing them.
 """
 
 from __future__ import annotations
@@ -18,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvprof.kv_buffer import KVBuffer, Rewrite
+from kvprof.lora import SPLIT_SIDES
 from kvprof.policies.base import Chunk, Option, Published
 from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
@@ -42,11 +63,14 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
     approximate = True
     options = {
         "lr_prefill": Option(
-            "full",
-            ("full", "incremental"),
-            sweep=("full", "incremental"),
-            help="full: the published LR prefill over the whole context; incremental: only the tokens the agent "
-            "has not down-projected yet",
+            "code",
+            ("code", "full", "incremental"),
+            sweep=("code", "full", "incremental"),
+            help="code: one forward over the tokens after the agent's own LR cache (others' tokens since its last "
+            "turn, then its chunk), those tokens attending to the shared base K/V plus their own LR term "
+            "(LRAgent's code); full: the whole context re-run from position 0 into a fresh cache (paper text); "
+            "incremental: the code's extent, its tokens attending to their own fresh K/V in a separate pass (kvprof)",
+            origins={"code": "code", "full": "paper text", "incremental": "kvprof"},
         )
     }
     published = (
@@ -57,6 +81,8 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
     )
 
     def assemble(self, agent: str, shared: list[int]) -> BaseSharedContext:
+        if self.settings["lr_prefill"] == "code":
+            return self._assemble_code(agent, shared)
         runtime, store = self.runtime, self.store
         reused = self.reused_span(shared)
         own = store.lr(agent)
@@ -66,15 +92,13 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
             own_view = store.assemble(agent, own, have, spare=reused - have)
             cache = runtime.cache_over(own_view.kv, own_view.buffers, reused - have)
             out = runtime.forward(agent, shared[have:reused], cache, have, capture=True, last_logits_only=True)
-            assert out.hidden is not None  # captured: capture=True
-            gap = LowRankStore.down_projections(runtime, out.hidden, [agent])
+            gap = LowRankStore.forward_down_projections(runtime, out, agent)
             low_rank = (
-                gap[agent]
+                gap
                 if have == 0 or own is None
-                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap[agent])]
+                else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap)]
             )
             flops = own_view.flops + runtime.flops(reused - have, have)
-            flops += LowRankStore.down_projection_flops(runtime, gap)
             working = runtime.kv_bytes_per_token * reused + runtime.hidden_bytes_per_token * (reused - have)
         view = self.store_view(agent, low_rank, reused, len(shared) - reused)
         return BaseSharedContext(
@@ -87,25 +111,72 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
             low_rank=low_rank,
         )
 
+    def _assemble_code(self, agent: str, shared: list[int]) -> BaseSharedContext:
+        """The LR prefill as LRAgent's code runs it (`lr_prefill=code`): the context is the agent's view of the
+        tokens its LR cache covers (base + its B over its LR cache); the tokens after them up to the store's end
+        (the gap: what others added since the agent's last turn) are refreshed by the turn's own forward, with the
+        chunk after them (`Context.refreshed`). At each layer the forward's K/V of the gap tokens are replaced,
+        before attention, by the shared base K/V plus the agent's B over their down-projections X·Aᵀ from that
+        same forward (`kvprof.lora.HiddenTap.down`): `inference.py` feeds `input_ids[past_lr_seq_length:]`,
+        `modeling_llama.py` keeps the base cache's keys for positions it holds and `LRCache.update` appends the
+        forward's X·A to the agent's LR cache."""
+        runtime, store = self.runtime, self.store
+        reused = self.reused_span(shared)
+        have = min(store.lr_length(agent), reused)
+        own = store.lr(agent) if have else None
+        view = self.store_view(agent, own, have, len(shared) - have)
+        context = BaseSharedContext(
+            kv=view.kv,
+            reused=reused,
+            extra_prefill=reused - have,
+            extra_flops=view.extra_flops + runtime.flops(reused - have, have),
+            working_bytes=runtime.hidden_bytes_per_token * (reused - have),
+            lora_values=view.lora_values,
+            buffers=view.buffers,
+            low_rank=own,
+            refreshed=reused - have,
+        )
+        if reused > have:
+            context.rewrite = self._gap_rewrite(agent, context, have, reused)
+        return context
+
+    def _gap_rewrite(self, agent: str, context: BaseSharedContext, have: int, reused: int) -> Rewrite:
+        """The cache rewrite of `_assemble_code`: slots have..reused of each layer (the gap tokens, written by the
+        forward that starts at `have`) become the store's base K/V plus `agent`'s B over the gap tokens' X·Aᵀ the
+        forward just computed; the expansions' FLOPs are added to the context's `extra_flops`."""
+        store, tap, splits = self.store, self.runtime.tap, self.runtime.splits
+
+        def rewrite(layer: int, buffer: KVBuffer, start: int, count: int) -> None:
+            if start >= reused:  # a decode step: past the gap
+                return
+            down = tap.down[layer]
+            sides = {
+                side: down[side][agent][:, : reused - have]
+                for side in SPLIT_SIDES
+                if agent in down.get(side, {}) and agent in getattr(splits[layer], side).up
+            }
+            context.extra_flops += store.write_expanded(layer, agent, sides, buffer, have, reused, offset=have)
+
+        return rewrite
+
     def on_forward(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
-        """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet."""
-        assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
-        own = LowRankStore.down_projections(self.runtime, forward.hidden, [agent])
-        context.own.append(own[agent])
-        flops = LowRankStore.down_projection_flops(self.runtime, own)
-        new = self.new_tokens(context, forward.hidden, start)
-        if new is not None:
-            update, base_flops = self.store.base_update(*new, agent)
-            context.updates.append(update)
-            flops += base_flops
+        """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet, both
+        from the forward itself (`LowRankStore.forward_down_projections`, `LowRankStore.base_update`)."""
+        context.own.append(LowRankStore.forward_down_projections(self.runtime, forward, agent))
+        skip = self.new_tokens(context, forward, start)
+        if skip is None:
+            return 0.0
+        update, flops = self.store.base_update(forward, start + skip, agent, agent, skip=skip)
+        context.updates.append(update)
         return flops
 
     def commit(self, chunk: Chunk[BaseSharedContext]) -> float:
         self.store.apply(chunk.context.updates)
         earlier, own = chunk.context.low_rank, chunk.context.own
-        if chunk.start and not earlier:
+        keep = chunk.start - chunk.context.refreshed  # the tokens `earlier` serves; `own` starts there
+        if keep and not earlier:
             raise RuntimeError("baseshared reused tokens without an LR cache for them")
-        pieces = ([[{p: t[:, : chunk.start] for p, t in layer.items()} for layer in earlier]] if earlier else []) + own
+        pieces = ([[{p: t[:, :keep] for p, t in layer.items()} for layer in earlier]] if earlier else []) + own
         start = 0
         for piece in pieces:
             self.store.write_low_rank(chunk.agent, start, piece)

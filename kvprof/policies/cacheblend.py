@@ -9,9 +9,12 @@ cache (FullShared's store, keys re-rotated in prompt mode) is blended (`kvprof.p
 2. at the check layer the reused tokens' new values (`deviation=value`, the paper's Σ(V_new − V_old)² over heads
    and channels) or keys (`deviation=key`, what LMCache's blender scores) are projected from the new hidden
    states, and the top R of them by that deviation are selected (R = `ratio`, a share of the reused tokens);
-3. the selected tokens are carried through the check layer and every layer after it, attending to the blended
-   cache, their K/V scattered over the reused ones; the other tokens keep the reused K/V from the check layer on
-   (as LMCache's blender keeps them, though it projected theirs at the check layer too).
+3. at the check layer, with `check_update=original` (the default, the original CacheBlend code,
+   YaoJiayi/CacheBlend), every reused token's K/V become the ones just projected; with `check_update=lmcache`
+   only the selected tokens' do and the others keep the reused K/V there (LMCache's blender, though it projected
+   theirs too);
+4. the selected tokens are carried through the check layer and every layer after it, attending to the blended
+   cache, their K/V scattered over the reused ones; the other tokens keep the reused K/V after the check layer.
 
 The query suffix (the turn's new input tokens) is always recomputed: it is the turn's chunk, computed after the
 blend (see `kvprof.policies.selective`). At R = 0 nothing is selected and the policy is FullShared; at R = 1 it
@@ -21,8 +24,9 @@ Approximate, and where kvprof departs from the paper: CacheBlend fuses chunks ea
 (positions re-aligned); here the reused span is one shared cache of tokens computed by earlier agents in their own
 contexts (with their adapters, after their prefixes), which is the setting of the multi-agent papers that compare
 against it. The paper picks the ratio per layer with a gradual filtering schedule; kvprof selects once, at the
-check layer, as LMCache's implementation does. The ratio counts reused tokens only (LMCache's counts the suffix
-too).
+check layer, as both public implementations do. The default ratio is the original code's, 0.16 (the paper's text
+says 15 %; PReCache compares at 30 %, which `--policy all` sweeps). The ratio counts reused tokens only (LMCache's
+counts the suffix too).
 
 Phases: TTFT — FullShared's context, the blend (the full layers, the check-layer projections and the selected
 tokens' layers: all of the selection work), the chunk's forward; each decode step — one token; after the turn —
@@ -42,12 +46,20 @@ class CacheBlend(SelectiveRecompute):
     name = "cacheblend"
     paper = CACHEBLEND
     options = {
-        "ratio": ratio_option("0.15", "the share of reused tokens recomputed after the check layer"),
+        "ratio": ratio_option("0.16", "the share of reused tokens recomputed after the check layer"),
         "check_layer": Option(
             "1", parse=layer_index, help="the layer at which tokens are selected (layers before it: recomputed in full)"
         ),
         "deviation": Option(
             "value", ("value", "key"), help="value: Σ(V_new − V_old)² (the paper); key: Σ(K_new − K_old)² (LMCache)"
+        ),
+        "check_update": Option(
+            "original",
+            ("original", "lmcache"),
+            help="original: at the check layer every reused token's K/V become the newly projected ones (the "
+            "original CacheBlend code); lmcache: only the selected tokens' (LMCache's blender keeps the old K/V of "
+            "the others there)",
+            origins={"original": "code", "lmcache": "code"},
         ),
     }
     published = (
@@ -71,4 +83,9 @@ class CacheBlend(SelectiveRecompute):
         new = probe.keys if side == 0 else probe.values
         deviation = (new.float() - blend.reused(check, side, len(ids)).float()).pow(2).sum(dim=(0, 1, 3))
         chosen = select_top(deviation, budget(self.ratio, len(ids)))
+        if self.settings["check_update"] == "original":  # every token's check-layer K/V from the probe
+            keys, values = blend.kv[check]
+            keys.index_copy_(2, positions, probe.keys)
+            values.index_copy_(2, positions, probe.values)
+            blend.recomputed += len(ids) - len(chosen)  # the chosen ones' are counted by the carry below
         blend.carry(check, self.runtime.num_layers, hidden[:, chosen], positions[chosen])

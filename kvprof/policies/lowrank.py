@@ -2,8 +2,13 @@
 
 Per layer the store holds K_base = RoPE(X·W0_kᵀ) and V_base = X·W0_vᵀ, each (1, H_kv, N, D), for the N tokens of the
 timeline processed so far, and any number of LR caches `X·Aᵀ` (1, N_c, r) under a name (an agent, or "shared"),
-each for the projections its adapter targets. Which hidden states X feed it — the processing agent's (BaseShared,
-BaseLRShared, PreLRShared) or adapter-free ones (ReBaseShared) — is the policy's choice.
+each for the projections its adapter targets. Which forward feeds it — the processing agent's (BaseShared,
+BaseLRShared, PreLRShared) or an adapter-free one (ReBaseShared) — is the policy's choice. What that forward
+computed is stored, never projected again, as the authors' code takes it: the base K/V from the forward's own
+projections (`LowRankStore.base_update`: V from v_proj's `base_layer`, K from k_proj when the adapter leaves it
+alone, else its base output rotated) and the processing agent's X·Aᵀ from its own `lora_A`
+(`LowRankStore.forward_down_projections`); only the other agents' X·A_kᵀ (PReCache's precomputation) are extra
+GEMMs (`LowRankStore.down_projections`).
 
 `assemble` rebuilds what agent j attends to: K = K_base + RoPE((X·Aᵀ)·s·B_jᵀ) and V = V_base + (X·Aᵀ)·s·B_jᵀ.
 The value expansion is the torch reference of Flash-LoRA-Attention's O = P·V_base + (P·V_lr)·B (same result); the
@@ -33,11 +38,10 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.kv_buffer import GrowingTensor, KVBuffer
-from kvprof.lora import base_kv, heads
+from kvprof.lora import SPLIT_SIDES, heads
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
 from kvprof.runtime import KV, ChunkForward, Runtime
 
-SPLIT_SIDES = ("key", "value")  # the fields of a `kvprof.lora.LayerSplit` whose LR caches the store keeps
 KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
 
 
@@ -101,22 +105,37 @@ class LowRankStore:
 
     # ------------------------------------------------------------------------------------------- writing
 
-    def base_update(self, hidden: list[torch.Tensor], start: int, producer: str) -> tuple[StoreUpdate, float]:
-        """The base K/V of tokens at timeline indices start.. with attention inputs `hidden` (per layer
-        (1, n, d_model)), as an update (the store is not changed), and its FLOPs."""
+    def base_update(
+        self, forward: ChunkForward, start: int, producer: str, adapter: str | None, row: int = 0, skip: int = 0
+    ) -> tuple[StoreUpdate, float]:
+        """The base K/V of the tokens `forward` computed from its `skip`-th on (timeline indices start..), batch row
+        `row`, taken from the forward itself, as an update (the store is not changed), and its FLOPs.
+
+        V_base is the value projection's base output (peft's `base_layer`, `HiddenTap.base`), as PReCache's
+        `precache_value` and LRAgent's `Linear.forward` take it. K_base is the forward's own cached key where the
+        row's adapter (`adapter`; None: adapters off) does not target k_proj — it is the base key, as the papers'
+        code reads it from k_proj — else RoPE of the key projection's base output (6 FLOPs per entry: a rotation the
+        forward's own keys do not give); for a model with a key norm, that base output un-normalised and
+        un-rotated (every view normalises and rotates base + adapter). Nothing is projected again: the only FLOPs
+        are those rotations."""
         runtime = self.runtime
-        count = hidden[0].shape[1]
-        positions = torch.arange(start, start + count, device=hidden[0].device)
-        if runtime.key_norms is None:
-            base = [
-                base_kv(split, x, positions, runtime.rope, runtime.head_dim) for split, x in zip(runtime.splits, hidden)
-            ]
-        else:  # un-normalised, un-rotated keys: every view normalises and rotates base + adapter
-            base = [
-                (heads(split.key.base(x), runtime.head_dim), heads(split.value.base(x), runtime.head_dim))
-                for split, x in zip(runtime.splits, hidden)
-            ]
-        flops = 2.0 * count * runtime.hidden_size * 2 * runtime.kv_heads * runtime.head_dim * runtime.num_layers
+        assert forward.base is not None  # captured: every forward of a low-rank policy's turn captures
+        cached = runtime.kv_of(forward.cache)
+        base, flops = [], 0.0
+        for layer, (split, outputs) in enumerate(zip(runtime.splits, forward.base)):
+            values = heads(outputs["value"][row : row + 1, skip:], runtime.head_dim)
+            count = int(values.shape[2])
+            if runtime.key_norms is None and (adapter is None or adapter not in split.key.up):
+                keys = cached[layer][0]
+                end = int(keys.shape[2])
+                keys = keys[row : row + 1, :, end - count : end]
+            else:
+                keys = heads(outputs["key"][row : row + 1, skip:], runtime.head_dim)
+                if runtime.key_norms is None:
+                    cos, sin = runtime.rope_tables(start + count)
+                    keys = runtime.rope.rotate(keys.float(), cos[start:], sin[start:]).to(keys.dtype)
+                    flops += 6.0 * keys.numel()
+            base.append((keys, values))
         return StoreUpdate(start=start, producer=producer, base=base), flops
 
     def apply(self, updates: list[StoreUpdate]) -> None:
@@ -166,6 +185,25 @@ class LowRankStore:
         return result
 
     @staticmethod
+    def forward_down_projections(
+        runtime: Runtime, forward: ChunkForward, agent: str, skip: int = 0
+    ) -> list[dict[str, torch.Tensor]]:
+        """X·A_agentᵀ of the tokens `forward` computed from its `skip`-th on, as the forward's own LoRA layers
+        computed them (`HiddenTap.down`: the adapter's rows of the batch): per layer {"key"|"value": (1, n, r)} for
+        the projections `agent` adapts, in the forward's hidden dtype (the LR cache's storage dtype). No FLOPs
+        beyond the forward's: LRAgent's and PReCache's code append the forward's own `lora_A(x)` to the LR cache."""
+        assert forward.down is not None and forward.hidden is not None  # captured
+        dtype = forward.hidden[0].dtype
+        return [
+            {
+                side: layer[side][agent][:1, skip:].to(dtype)
+                for side in SPLIT_SIDES
+                if agent in layer.get(side, {}) and agent in getattr(split, side).down
+            }
+            for split, layer in zip(runtime.splits, forward.down)
+        ]
+
+    @staticmethod
     def down_projection_flops(runtime: Runtime, projections: dict[str, list[dict[str, torch.Tensor]]]) -> float:
         """Analytic FLOPs of `down_projections`' result: 2·n·d_model per output column."""
         return sum(
@@ -204,13 +242,21 @@ class LowRankStore:
             if projection in low_rank[layer] and agent in getattr(split, projection).up
         }
 
-    def _write_expanded(
-        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], target: KVBuffer, begin: int, end: int
+    def write_expanded(
+        self,
+        layer: int,
+        agent: str | None,
+        sides: dict[str, torch.Tensor],
+        target: KVBuffer,
+        begin: int,
+        end: int,
+        offset: int = 0,
     ) -> float:
         """Write one layer's K/V of tokens begin..end as `agent` sees them — base plus B applied to each LR cache in
-        `sides` (the other side copied from the base; keys normalised and rotated for a model with a key norm) —
-        into the same slots of `target`; returns the FLOPs. Expansions run in the adapter's dtype, RoPE from the
-        runtime's cos/sin tables, sums in float32."""
+        `sides` ("key"|"value" → (1, ≥ end − offset, r), its first token at timeline index `offset`; the other side
+        copied from the base; keys normalised and rotated for a model with a key norm) — into the same slots of
+        `target`; returns the FLOPs. Expansions run in the adapter's dtype, RoPE from the runtime's cos/sin tables,
+        sums in float32."""
         runtime = self.runtime
         split = runtime.splits[layer]
         base_keys, base_values = self.base[layer].view(end)
@@ -223,7 +269,7 @@ class LowRankStore:
             if projection in sides:
                 assert agent is not None  # sides is empty without an agent
                 proj = getattr(split, projection)
-                factors = sides[projection][:, begin:end]
+                factors = sides[projection][:, begin - offset : end - offset]
                 expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
                 flops += 2.0 * expanded.numel() * factors.shape[-1]
                 if projection == "key" and norm is None:
@@ -274,7 +320,7 @@ class LowRankStore:
                 buffers.append(base if length == len(self) else KVBuffer.of(base_keys, base_values, spare))
                 continue
             turn = KVBuffer.like(base_keys, base_values, length + spare)
-            flops += self._write_expanded(layer, agent, sides, turn, 0, length)
+            flops += self.write_expanded(layer, agent, sides, turn, 0, length)
             kv.append(turn.view(length))
             buffers.append(turn)
         return StoreView(kv, flops, lora_values if any(v is not None for v in lora_values) else None, buffers)
@@ -294,7 +340,7 @@ class LowRankStore:
         if view is None:
             view = [KVBuffer.like(*buffer.view(0), length + spare) for buffer in self.base]
         flops = sum(
-            self._write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
+            self.write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
             for layer, target in enumerate(view)
         )
         return view, flops
@@ -354,9 +400,9 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     """Shared base of the policies that keep a `LowRankStore` (lora mode): the store, its memory, the context an
     agent gets from it (base cache plus its B applied to the LR cache it reads), and the turn's store updates.
 
-    Phases: the base K/V and LR caches of the tokens a turn adds to the timeline are computed from the hidden states
-    of the forward that processed them — during prefill for the chunk, at each decode step for an output token —
-    and appended after the turn by `commit`.
+    Phases: the base K/V and LR caches of the tokens a turn adds to the timeline are taken from the forward that
+    processed them (see the module docstring) — during prefill for the chunk, at each decode step for an output
+    token — and appended after the turn by `commit`.
 
     What is recomputed per turn: with `views=per-turn` (a policy that declares the `VIEWS` option; the default)
     the acting agent's view of the whole reused context — K_base + RoPE(K_lr·B_j) and V_base + V_lr·B_j — is
@@ -418,17 +464,13 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
             self.views[chunk.agent] = chunk.context.view
             self.view_lengths[chunk.agent] = chunk.context.reused
 
-    def new_tokens(
-        self, context: LowRankContext, hidden: list[torch.Tensor], start: int
-    ) -> tuple[list[torch.Tensor], int] | None:
-        """The part of `hidden` (per layer (B, n, d_model), tokens at timeline indices start..) that neither the
-        store nor an earlier update of this turn holds, and the timeline index of its first token; None when every
-        token is known."""
+    def new_tokens(self, context: LowRankContext, forward: ChunkForward, start: int) -> int | None:
+        """How many of the tokens `forward` computed (timeline indices start..; captured) the store or an earlier
+        update of this turn already holds (the rest are new); None when every token is known."""
+        assert forward.hidden is not None  # needs_hidden: every forward of the turn captures
         known = max([len(self.store)] + [u.start + len(u) for u in context.updates])
         skip = max(known - start, 0)
-        if skip >= hidden[0].shape[1]:
-            return None
-        return [x[:, skip:] for x in hidden], start + skip
+        return None if skip >= forward.hidden[0].shape[1] else skip
 
     def on_prefill(self, agent: str, context: LowRankContextT, forward: ChunkForward, start: int) -> float:
         return self.on_forward(agent, context, forward, start)

@@ -6,8 +6,12 @@ V = X_i·W0 + s·(X_i·A_j)·B_j. Only new tokens go through the backbone. Appro
 effects from earlier layers. Paper: PReCache (PreLRShared).
 
 Phases: TTFT — the context from the store (expansions of the LR caches, or Flash-LoRA-Attention's rank-r values),
-the chunk's forward, and the chunk's base K/V and down-projections for every agent (serving computes them while
-prefilling the chunk); each decode step — the same for its token; after the turn — appending them to the store.
+the chunk's forward, and the chunk's down-projections for every other agent (serving computes them while
+prefilling the chunk: PReCache's `precache_value` runs every adapter's `lora_A`); the base K/V and the acting
+agent's own X·A are the forward's own (`LowRankStore.base_update`, `forward_down_projections`); each decode step —
+the same for its token; after the turn — appending them to the store. Where kvprof departs from the code: PReCache
+adapts v_proj only (K shared); an adapter on k_proj here costs a rotation of the base keys (their projection is
+the forward's) and an expansion of the key LR caches in every view.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
         """The LR cache agent `agent` reads."""
         return agent
 
-    def lr_caches(self) -> dict[str, str]:
-        """The LR caches a processed token extends: cache name → the agent whose A computes it."""
+    def lr_caches(self, agent: str) -> dict[str, str]:
+        """The LR caches a token `agent` processes extends: cache name → the agent whose A computes it."""
         return {agent: agent for agent in self.runtime.agents.spec.names}
 
     def assemble(self, agent: str, shared: list[int]) -> LowRankContext:
@@ -49,15 +53,19 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
         return self.store_view(agent, self.store.lr(self.lr_name(agent)), reused, len(shared) - reused)
 
     def on_forward(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
-        """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet."""
-        assert forward.hidden is not None  # needs_hidden: every forward of the turn captures X
-        new = self.new_tokens(context, forward.hidden, start)
-        if new is None:
+        """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet: the base K/V and the
+        acting agent's X·A from the forward itself, the other agents' down-projections in one GEMM over their A
+        (PReCache's `precache_value` runs every adapter's `lora_A` on the projection's input: the writers)."""
+        skip = self.new_tokens(context, forward, start)
+        if skip is None:
             return 0.0
-        hidden, first = new
-        update, flops = self.store.base_update(hidden, first, agent)
-        caches = self.lr_caches()
-        projections = LowRankStore.down_projections(self.runtime, hidden, list(dict.fromkeys(caches.values())))
+        assert forward.hidden is not None  # needs_hidden
+        update, flops = self.store.base_update(forward, start + skip, agent, agent, skip=skip)
+        caches = self.lr_caches(agent)
+        others = [source for source in dict.fromkeys(caches.values()) if source != agent]
+        projections = LowRankStore.down_projections(self.runtime, [x[:, skip:] for x in forward.hidden], others)
+        if agent in caches.values():
+            projections[agent] = LowRankStore.forward_down_projections(self.runtime, forward, agent, skip)
         update.low_rank = {name: projections[source] for name, source in caches.items()}
         context.updates.append(update)
-        return flops + LowRankStore.down_projection_flops(self.runtime, projections)
+        return flops + LowRankStore.down_projection_flops(self.runtime, {k: projections[k] for k in others})

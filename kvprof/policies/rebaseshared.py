@@ -32,7 +32,8 @@ NEUTRAL = "neutral"
 @dataclass
 class ReBaseSharedContext(LowRankContext):
     """own: the acting agent's own down-projections X_i·A_i of the turn's new tokens, per forward, in timeline order
-    (per layer {"key"|"value": (1, n, r)}); the lazy-prefill schedule stores them with the after-turn pass."""
+    (per layer {"key"|"value": (1, n, r)}, from the forward's LoRA layers); the lazy-prefill schedule stores them
+    with the after-turn pass."""
 
     own: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)
 
@@ -91,39 +92,44 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         )
 
     def on_forward(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
-        """For the forward's tokens new to the store: the agent's own X_i·A_i (own_lr=adapted), and with double
-        batching the neutral base and LR caches from the adapter-free row."""
+        """For the forward's tokens new to the store: the agent's own X_i·A_i (own_lr=adapted, from the forward's
+        own LoRA layer), and with double batching the neutral base and LR caches from the adapter-free row."""
         if forward.hidden is None:
             return 0.0
-        new = self.new_tokens(context, forward.hidden, start)
-        if new is None:
+        skip = self.new_tokens(context, forward, start)
+        if skip is None:
             return 0.0
-        hidden, first = new
-        flops = 0.0
         own = None
         if self.settings["own_lr"] == "adapted":
-            own = LowRankStore.down_projections(self.runtime, [x[:1] for x in hidden], [agent])
-            flops += LowRankStore.down_projection_flops(self.runtime, own)
-            context.own.append(own[agent])
+            own = LowRankStore.forward_down_projections(self.runtime, forward, agent, skip)
+            context.own.append(own)
         if self.settings["schedule"] == "db":
-            update, neutral_flops = self._neutral_update([x[1:2] for x in hidden], first, agent, own)
+            update, flops = self._neutral_update(forward, 1, skip, start + skip, agent, own)
             context.updates.append(update)
-            flops += neutral_flops
-        return flops
+            return flops
+        return 0.0
 
     def _neutral_update(
-        self, neutral: list[torch.Tensor], start: int, agent: str, own: dict | None
+        self,
+        forward: ChunkForward,
+        row: int,
+        skip: int,
+        start: int,
+        agent: str,
+        own: list[dict[str, torch.Tensor]] | None,
     ) -> tuple[StoreUpdate, float]:
-        """The neutral base cache and LR caches of tokens with adapter-free attention inputs `neutral` (per layer
-        (1, n, d_model)); `agent`'s own LR cache is `own` when given (computed from its adapted hidden states)."""
-        update, flops = self.store.base_update(neutral, start, NEUTRAL)
+        """The neutral base cache and LR caches of the tokens `forward` computed adapter-free in batch row `row`,
+        from its `skip`-th on (timeline indices start..): the base K/V from the forward itself, the other agents'
+        X_neut·A_k in one GEMM (PReCache's adapter-free pass runs their `lora_A`); `agent`'s own LR cache is `own`
+        when given (from its adapted row)."""
+        assert forward.hidden is not None  # captured
+        update, flops = self.store.base_update(forward, start, NEUTRAL, None, row=row, skip=skip)
         names = self.runtime.agents.spec.names
         others = [name for name in names if own is None or name != agent]
+        neutral = [x[row : row + 1, skip:] for x in forward.hidden]
         projections = LowRankStore.down_projections(self.runtime, neutral, others)
         flops += LowRankStore.down_projection_flops(self.runtime, projections)
-        update.low_rank = {
-            name: (own[agent] if own is not None and name == agent else projections[name]) for name in names
-        }
+        update.low_rank = {name: (own if own is not None and name == agent else projections[name]) for name in names}
         return update, flops
 
     def commit(self, chunk: Chunk[ReBaseSharedContext]) -> float:
@@ -140,16 +146,13 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         base = store.assemble(None, None, context_len, spare=len(new_ids))
         cache = runtime.cache_over(base.kv, base.buffers, len(new_ids))
         out = runtime.forward(None, new_ids, cache, context_len, capture=True, last_logits_only=True)
-        assert out.hidden is not None  # captured: capture=True
         own = None
         if chunk.context.own:
             pieces = chunk.context.own
-            own = {
-                chunk.agent: [
-                    {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
-                    for layer in range(runtime.num_layers)
-                ]
-            }
-        update, flops = self._neutral_update(out.hidden, context_len, chunk.agent, own)
+            own = [
+                {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
+                for layer in range(runtime.num_layers)
+            ]
+        update, flops = self._neutral_update(out, 0, 0, context_len, chunk.agent, own)
         store.apply([update])
         return flops + runtime.flops(len(new_ids), context_len)

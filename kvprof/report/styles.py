@@ -40,7 +40,7 @@ FALLBACK_SYMBOLS = ("circle", "square", "diamond", "triangle-left", "triangle-ri
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # The variants the registry sweeps today, pinned so that no two variants of one policy share a dash; other variant
 # suffixes get an offset from a hash.
-KNOWN_VARIANTS: dict[str, int] = {"full": 0, "incremental": 2, "lp": 0, "db": 4, "chain": 0, "star": 1}
+KNOWN_VARIANTS: dict[str, int] = {"code": 1, "full": 0, "incremental": 2, "lp": 0, "db": 4, "chain": 0, "star": 1}
 FILLS = ("", "-open", "-dot")  # plotly marker symbol suffixes: filled, open, dotted
 # Per variant offset: how far the family colour is mixed towards white (> 0) or black (< 0), so that variants of one
 # policy differ in shade where a figure has no dash (bars, boxes).
