@@ -18,8 +18,8 @@ so caches read at different positions compare and subtract directly. Tensors are
   over all layers (the public KVCOMM code's `predict_as_anchor`), their entropy in bits against γ·log2 N, and per-token
   correction weights, separately for K and V, softmax(−mean |X − A| over layers, heads and dims) (its
   `_compute_anchor_weight_entry`). `mixed_delta` adds Σ_n w_n·(Δ_target − Δ_source)_n to the reference. Admission and
-  eviction follow the code's `set_anchor` / `update_anchor`: a slot is trimmed when it holds more than V anchors, by
-  dropping the least-activated of its oldest `window` (the first on ties), so it holds up to V + 1; an accepted
+  eviction follow the code's `set_anchor` / `update_anchor`: on every dense reader's call a slot holding more than
+  V anchors drops the least-activated of its oldest `window` (the first on ties), so it holds up to V + 1; an accepted
   match activates its top weights by the code's top-p cut-off (`activate`).
 - Saving and loading (`save` / `load`): safetensors for the tensors, a JSON header for the layout and the identity
   of the model and tokenizer the pool was fitted on, checked on load.
@@ -214,14 +214,24 @@ class AnchorPool:
         self, slot: str, name: str, owner: str | None, base_keys: torch.Tensor, base_values: torch.Tensor
     ) -> Anchor:
         """A new anchor for a segment: base K/V (layers, H_kv, L, D) in its frame, `owner`'s cache (None: the
-        context-free encoding). A slot holding more than V anchors first drops the least-activated of its oldest
-        `window` (the code checks before adding, so a slot holds up to V + 1)."""
+        context-free encoding), after `trim` (the code checks before adding, so a slot holds up to V + 1)."""
+        self.trim(slot)
+        return self.insert(slot, name, owner, base_keys, base_values)
+
+    def trim(self, slot: str) -> None:
+        """The public code's size check (`set_anchor` → `update_anchor`), run on every dense reader's call: a slot
+        holding more than V anchors drops the least-activated of its oldest `window` (the first on ties)."""
         anchors = self.slots.setdefault(slot, [])
         if len(anchors) > self.capacity:
             oldest = anchors[: self.window]
             anchors.remove(min(oldest, key=lambda a: a.activations))
+
+    def insert(
+        self, slot: str, name: str, owner: str | None, base_keys: torch.Tensor, base_values: torch.Tensor
+    ) -> Anchor:
+        """`add` without the size check."""
         anchor = Anchor(name, owner, Stored.of(base_keys, self.rank), Stored.of(base_values, self.rank))
-        anchors.append(anchor)
+        self.slots.setdefault(slot, []).append(anchor)
         return anchor
 
     def add_delta(self, anchor: Anchor, agent: str, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -604,19 +604,15 @@ def test_eviction_after_a_scripted_sequence():
     assert state() == [("a2", 3), ("a5", 2), ("a6", 1), ("a7", 0)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kvprof checks the slot's size only when an anchor is created (AnchorPool.add); KVCOMM's set_anchor "
-    "checks len > max_anchor_num on every dense reader's call, also when it only adds that reader's delta to an "
-    "existing anchor (AnchorPool.add_delta in kvprof), so a slot at V + 1 loses one more anchor per further reader",
-)
 def test_eviction_when_a_second_reader_adds_its_delta():
+    """KVCOMM's set_anchor checks the slot's size on every dense reader's call, also when it only adds that reader's
+    delta to an existing anchor: a slot at V + 1 loses one more anchor per further reader."""
     pool, code = AnchorPool(2, 2, None), CodeSlot(2, 2)
     tiny = torch.zeros(1, 1, 2, 2)
     for name in ("b0", "b1", "b2"):
         anchor = pool.add("s", name, "a", tiny, tiny)
         code.set_anchor(name)
-    pool.add_delta(anchor, "c", tiny, tiny)  # a second reader of b2, computed densely
+    pool.trim("s")  # a second reader of b2, computed densely: DeltaCorrection.learn checks the size first
+    pool.add_delta(anchor, "c", tiny, tiny)
     code.set_anchor("b2")
     assert [a.name for a in pool.slots["s"]] == list(code.info)

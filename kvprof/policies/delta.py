@@ -515,10 +515,11 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
 
     def learn(self, agent: str, segment: SharedSegment, context: DeltaContext) -> float:
         """Keep `agent`'s dense K/V of `segment` in its slot's anchor of it, creating that anchor (its base:
-        `owner_of`; the producer's delta) on the segment's first admission. Returns the FLOPs: a reference prefill
-        when the base is a context-free encoding not computed yet."""
+        `owner_of`; the producer's delta) on the segment's first admission, after the slot's size check. Returns the
+        FLOPs: a reference prefill when the base is a context-free encoding not computed yet."""
         assert self.pool is not None
         flops = 0.0
+        self.pool.trim(segment.slot)  # the public code's size check runs on every dense reader's call
         anchor = self.pool.anchor(segment.slot, segment.name)
         if anchor is None:
             owner = self.owner_of(segment)
@@ -527,7 +528,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 self.bases[segment.name] = base
             else:
                 base = self.stored_segment(owner, segment)
-            anchor = self.pool.add(segment.slot, segment.name, owner, *base)
+            anchor = self.pool.insert(segment.slot, segment.name, owner, *base)
             self.pool.add_delta(anchor, segment.producer, *self.stored_segment(segment.producer, segment))
         self.pool.add_delta(anchor, agent, *self.stored_segment(agent, segment))  # commit stored the turn's cache
         return flops
