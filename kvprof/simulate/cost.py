@@ -1,0 +1,235 @@
+"""The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read, and e once per request on
+its TTFT.
+
+- a: seconds per step (reading the weights, launching the step, the scheduler's own work);
+- b: seconds per dense-equivalent prefill token (a scheduled prefill token × the policy's `prefill_weight`);
+- c: seconds per decoding sequence in the step (× the policy's `decode_weight`: a second batch row counts twice);
+- d: seconds per token of K/V the step reads (a prefill chunk's context, each decoding sequence's context);
+- e: seconds added once to each request's TTFT (HTTP, tokenisation, detokenising the first token).
+
+Three sources, each named in `StepCost.source` wherever the model is shown:
+
+- a least-squares fit (non-negative, on relative errors) to serve-bench's request timings: each request gives a
+  TTFT observation (its prefill step: its own uncached prompt tokens, the sequences then decoding) and a decode
+  observation (the steps between its first and last token, with the other requests' prefills and decode tokens
+  that fell in that interval, reconstructed from their send, first-token and finish times);
+- the same fit to a replay's dense per-turn timings (ttft_s against prefilled tokens and context, decode_s over
+  decode steps against context): single-sequence timings, which cannot tell a (per step) from c (per sequence) —
+  c is then folded into a and the fit says so;
+- a roofline from a device's peak FLOP/s and HBM bandwidth (`DEVICES`), uncalibrated: a = weight bytes ÷ bandwidth,
+  b = dense FLOPs per prefill token ÷ peak, c = dense FLOPs per decode step ÷ peak, d = KV bytes per token ÷
+  bandwidth, e = 0; compute and memory time are added, not overlapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvprof.errors import KvprofError
+from kvprof.simulate.workload import ReplayWork
+
+ROOFLINE = "roofline, uncalibrated"
+COEFFICIENTS = ("a", "b", "c", "d", "e")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's dense bf16 peak (FLOP/s) and HBM bandwidth (bytes/s), from its vendor's data sheet."""
+
+    name: str
+    peak_flops: float
+    bandwidth: float
+
+
+DEVICES = {
+    "a100": Device("NVIDIA A100 SXM 80GB", 312e12, 2.0e12),
+    "h100": Device("NVIDIA H100 SXM", 989e12, 3.35e12),
+    "h200": Device("NVIDIA H200 SXM", 989e12, 4.8e12),
+}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The coefficients (seconds; see the module docstring), where they come from, and the fit's statistics
+    (observations, R² per kind) when fitted."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    e: float
+    source: str
+    fit: dict = field(default_factory=dict)
+
+    def step_time(self, prefill: float, decode_seqs: float, kv_read: float) -> float:
+        """Seconds of a step that computes `prefill` dense-equivalent prefill tokens, `decode_seqs` weighted
+        decoding sequences and reads `kv_read` tokens of K/V."""
+        return self.a + self.b * prefill + self.c * decode_seqs + self.d * kv_read
+
+    def describe(self) -> str:
+        """One line: the source and the coefficients in readable units."""
+        return (
+            f"{self.source}: a = {1e3 * self.a:.3g} ms/step, b = {1e6 * self.b:.3g} µs/prefill token, "
+            f"c = {1e6 * self.c:.3g} µs/decoding seq, d = {1e9 * self.d:.3g} ns/KV token read, "
+            f"e = {1e3 * self.e:.3g} ms/request"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A measured interval: `seconds` long, spanning `steps` engine steps that together computed `prefill`
+    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens; `requests` the TTFTs it holds (1 for
+    a TTFT observation, 0 for a decode one); `kind` "ttft" or "decode"."""
+
+    kind: str
+    seconds: float
+    steps: float
+    prefill: float
+    decode: float
+    kv_read: float
+    requests: float
+
+    def features(self) -> list[float]:
+        return [self.steps, self.prefill, self.decode, self.kv_read, self.requests]
+
+
+def fit(observations: list[Observation], source: str) -> StepCost:
+    """Non-negative least squares of the observations' seconds on their features, each row divided by its
+    seconds (relative errors weigh short and long intervals alike). When the observations cannot separate the
+    per-step and per-sequence costs (single-sequence timings), c is fixed at 0 and folded into a."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    rows = [o for o in observations if o.seconds > 0]
+    if len(rows) < len(COEFFICIENTS):
+        raise KvprofError(
+            f"{source} holds {len(rows)} usable timings, fewer than the {len(COEFFICIENTS)} coefficients of the step "
+            "model; pass a result with more requests."
+        )
+    x = np.array([o.features() for o in rows], dtype=float)
+    y = np.array([o.seconds for o in rows], dtype=float)
+    weights = 1.0 / y
+    columns = list(range(len(COEFFICIENTS)))
+    notes = []
+    if np.linalg.matrix_rank(x * weights[:, None]) < len(columns):
+        columns.remove(COEFFICIENTS.index("c"))
+        notes.append("every step decoded one sequence: the per-sequence cost c is not identifiable, folded into a")
+    solution, _ = nnls(x[:, columns] * weights[:, None], np.ones(len(rows)))
+    coefficients = [0.0] * len(COEFFICIENTS)
+    for column, value in zip(columns, solution):
+        coefficients[column] = float(value)
+    predicted = x @ np.array(coefficients)
+    stats: dict = {"observations": len(rows), "notes": notes}
+    for kind in ("ttft", "decode"):
+        mask = np.array([o.kind == kind for o in rows])
+        stats[f"r2_{kind}"] = _r2(y[mask], predicted[mask]) if mask.sum() > 1 else None
+        stats[f"{kind}_observations"] = int(mask.sum())
+    a, b, c, d, e = coefficients
+    return StepCost(a, b, c, d, e, source, stats)
+
+
+def _r2(measured, predicted) -> float | None:
+    """Coefficient of determination of `predicted` against `measured` (numpy arrays); None without variance."""
+    total = float(((measured - measured.mean()) ** 2).sum())
+    return 1.0 - float(((measured - predicted) ** 2).sum()) / total if total > 0 else None
+
+
+def replay_observations(data: dict) -> list[Observation]:
+    """The dense run's per-turn timings of a replay result's JSON: one TTFT observation (one step: the prefilled
+    tokens, reading the turn's input as context) and one decode observation (decode_steps steps of one sequence, its
+    context growing by one token a step) per turn."""
+    observations = []
+    for turn in data["dense"]["turns"]:
+        context, steps = turn["input_tokens"], int(turn.get("decode_steps") or turn["output_tokens"])
+        observations.append(Observation("ttft", turn["ttft_s"], 1, turn["prefilled"], 0, context, 1))
+        if steps and turn.get("decode_s"):
+            read = steps * context + steps * (steps + 1) / 2
+            observations.append(Observation("decode", turn["decode_s"], steps, 0, steps, read, 0))
+    return observations
+
+
+def serve_bench_observations(run: dict) -> list[Observation]:
+    """One serve-bench run's requests as observations (see the module docstring): times from each request's send
+    time (due + send_delay), TTFT and end-to-end latency; server-side queueing is taken off the TTFT where the
+    server reported it; prefill tokens are the prompt tokens the server did not find cached."""
+    requests = []
+    for r in run["requests"]:
+        sent = r["due"] + r["send_delay"]
+        requests.append(
+            {
+                "sent": sent,
+                "first": sent + r["ttft"],
+                "done": sent + r["e2e"],
+                "queue": r.get("server_queue") or 0.0,
+                "prefill": max(1, r["prompt_tokens"] - (r.get("cached_tokens") or 0)),
+                "prompt": r["prompt_tokens"],
+                "output": r["output_tokens"],
+            }
+        )
+    observations = []
+    for r in requests:
+        decoding = [q for q in requests if q is not r and q["first"] < r["first"] <= q["done"]]
+        read = r["prompt"] + sum(_context_at(q, r["first"]) for q in decoding)
+        seconds = r["first"] - r["sent"] - min(r["queue"], r["first"] - r["sent"])
+        observations.append(Observation("ttft", seconds, 1, r["prefill"], len(decoding), read, 1))
+        steps = r["output"] - 1
+        if steps < 1 or r["done"] <= r["first"]:
+            continue
+        prefill, decode = 0.0, float(steps)
+        read = steps * r["prompt"] + steps * (steps + 1) / 2
+        for q in requests:
+            if q is r:
+                continue
+            if r["first"] < q["first"] <= r["done"]:
+                prefill += q["prefill"]
+                read += q["prompt"]
+            tokens = _tokens_within(q, r["first"], r["done"])
+            decode += tokens
+            if tokens:
+                middle = (max(q["first"], r["first"]) + min(q["done"], r["done"])) / 2
+                read += tokens * _context_at(q, middle)
+        observations.append(Observation("decode", r["done"] - r["first"], steps, prefill, decode, read, 0))
+    return observations
+
+
+def _tokens_within(q: dict, start: float, end: float) -> float:
+    """Decode tokens request `q` produced in (start, end], assuming an even pace between its first and last token."""
+    span = q["done"] - q["first"]
+    if span <= 0 or q["output"] < 2:
+        return 0.0
+    overlap = max(0.0, min(end, q["done"]) - max(start, q["first"]))
+    return (q["output"] - 1) * overlap / span
+
+
+def _context_at(q: dict, moment: float) -> float:
+    """Tokens in request `q`'s context at `moment` of its decoding: its prompt and the tokens it had produced."""
+    span = q["done"] - q["first"]
+    progress = (moment - q["first"]) / span if span > 0 else 1.0
+    return q["prompt"] + 1 + (q["output"] - 1) * min(1.0, max(0.0, progress))
+
+
+def serve_bench_cost(data: dict, source: str) -> StepCost:
+    """The step model fitted to every run of a serve-bench result's JSON `data`."""
+    runs = data.get("runs") or []
+    if data.get("schema") != "kvprof.result.serve_bench" or not runs:
+        raise KvprofError(
+            f"{source} is not a kvprof serve-bench result with runs; pass the serve_bench.json `kvprof serve-bench` "
+            "wrote."
+        )
+    return fit([o for run in runs for o in serve_bench_observations(run)], f"fit to serve-bench runs of {source}")
+
+
+def roofline_cost(device: str, work: ReplayWork) -> StepCost:
+    """The uncalibrated roofline model of the replayed model on `device` (a key of `DEVICES`)."""
+    spec = DEVICES[device]
+    return StepCost(
+        a=work.weight_bytes() / spec.bandwidth,
+        b=work.prefill_flops_per_token / spec.peak_flops,
+        c=work.decode_flops_per_step / spec.peak_flops,
+        d=work.kv_bytes_per_token / spec.bandwidth,
+        e=0.0,
+        source=f"{ROOFLINE} ({spec.name}: {spec.peak_flops / 1e12:g} TFLOP/s, {spec.bandwidth / 1e12:g} TB/s)",
+    )
