@@ -19,6 +19,7 @@ from kvprof.commands import (
     replay,
     report,
     serve_bench,
+    simulate,
     tune_tau,
 )
 from kvprof.errors import KvprofError
@@ -60,6 +61,7 @@ app.command("fit-anchors")(fit_anchors.command)
 app.command("tune-tau")(tune_tau.command)
 app.command("bench")(bench.command)
 app.command("serve-bench")(serve_bench.command)
+app.command("simulate")(simulate.command)
 app.command("demo")(demo.command)
 
 

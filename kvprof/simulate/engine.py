@@ -222,7 +222,8 @@ class _Engine:
     def _schedule(self) -> tuple[list[tuple[_Request, int]], bool]:
         """This step's (request, tokens): running requests first (preempting the newest when blocks run out), then
         waiting ones if nothing was preempted; and whether anything was."""
-        budget, scheduled, preempted, index = self.config.token_budget, [], False, 0
+        scheduled: list[tuple[_Request, int]] = []
+        budget, preempted, index = self.config.token_budget, False, 0
         running = self.running
         while index < len(running):
             request = running[index]

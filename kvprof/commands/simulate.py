@@ -1,0 +1,186 @@
+"""`kvprof simulate`: every sharing policy of a replay served by a modelled continuous-batching engine at the
+user's loads; the maths lives in kvprof/simulate/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvprof.commands.common import OutOption, SeedOption, console, write_result
+from kvprof.errors import KvprofError
+from kvprof.serving.traffic import loads
+
+DEVICE_MODELS = ("a100", "h100", "h200")
+DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def command(
+    replay: Annotated[
+        Path, typer.Argument(help="A replay result (replay.json from `kvprof replay --policy all`).")
+    ] = Path("runs/replay/replay.json"),
+    calibration: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibration",
+            help="A serve-bench result (serve_bench.json) to fit the step-time model to (preferred); without it "
+            "and without --device-model, the model is fitted to the replay's own dense timings.",
+        ),
+    ] = None,
+    device_model: Annotated[
+        str | None,
+        typer.Option(
+            "--device-model",
+            help="Uncalibrated roofline step times from a device's peak FLOP/s and bandwidth: a100, h100 or h200.",
+        ),
+    ] = None,
+    policy: Annotated[
+        list[str] | None, typer.Option("--policy", help="A policy label of the replay, repeatable (default: all).")
+    ] = None,
+    qps: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--qps",
+            help="Open loop: trajectories per second (Poisson arrivals); repeatable (default, without --concurrency: "
+            f"{', '.join(f'{q:g}' for q in DEFAULT_QPS)}).",
+        ),
+    ] = None,
+    concurrency: Annotated[
+        list[int] | None,
+        typer.Option("--concurrency", help="Closed loop: trajectories in flight; repeatable."),
+    ] = None,
+    memory: Annotated[
+        float, typer.Option("--memory", min=0.0, help="Device memory in GiB (KV capacity = this minus the weights).")
+    ] = 80.0,
+    ttft_slo: Annotated[
+        float | None,
+        typer.Option("--ttft-slo", min=0.0, help="TTFT p90 target in seconds: report the highest load meeting it."),
+    ] = None,
+    duration: Annotated[
+        float, typer.Option("--duration", min=1.0, help="Seconds of arrivals per policy and load.")
+    ] = 600.0,
+    token_budget: Annotated[
+        int, typer.Option("--token-budget", min=1, help="Tokens per engine step (vLLM's max_num_batched_tokens).")
+    ] = 8192,
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", min=1, help="Sequences per engine step (vLLM's max_num_seqs).")
+    ] = 256,
+    shapes: Annotated[
+        bool,
+        typer.Option(
+            "--shapes",
+            help="Scale every turn's input-side work linearly so that trajectories reach --shared-tokens of context "
+            "(the papers' 32K).",
+        ),
+    ] = False,
+    shared_tokens: Annotated[
+        int, typer.Option("--shared-tokens", min=1, help="With --shapes: the final context length to scale to.")
+    ] = 32768,
+    out: OutOption = Path("runs/simulate"),
+    seed: SeedOption = 0,
+) -> None:
+    """Serve every policy's measured per-turn work (from a replay) on a modelled vLLM-style engine at each load:
+    TTFT p50/p90/p99, throughput, peak KV memory, out-of-memory, and the highest load meeting a TTFT SLO."""
+    args = dict(locals())
+    from kvprof.simulate import cost as costs
+    from kvprof.simulate import sweep as sweeps
+    from kvprof.simulate.workload import load_replay, scale_to_shapes
+
+    if calibration is not None and device_model is not None:
+        raise KvprofError("pass either --calibration or --device-model, not both.")
+    if device_model is not None and device_model not in DEVICE_MODELS:
+        raise KvprofError(
+            f"--device-model {device_model!r} is not one of {', '.join(DEVICE_MODELS)}; pass one of them."
+        )
+    sweep_loads = loads(qps or [], concurrency or []) or loads(list(DEFAULT_QPS), [])
+    work = load_replay(replay)
+    labels = policy or list(work.policies)
+    unknown = [label for label in labels if label not in work.policies]
+    if unknown:
+        raise KvprofError(
+            f"policy {unknown[0]!r} is not in {replay}; pass one of {', '.join(work.policies)} (or no --policy)."
+        )
+    replay_data = json.loads(replay.read_text(encoding="utf-8"))
+    calibration_data = _read_json(calibration) if calibration is not None else None
+    if device_model is not None:
+        step_cost = costs.roofline_cost(device_model, work)
+    elif calibration_data is not None:
+        step_cost = costs.serve_bench_cost(calibration_data, str(calibration))
+    else:
+        step_cost = costs.fit(costs.replay_observations(replay_data), f"fit to the dense timings of {replay}")
+    settings = sweeps.Settings(
+        memory_bytes=memory * sweeps.GIB,
+        duration=duration,
+        ttft_slo=ttft_slo,
+        token_budget=token_budget,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+    )
+    errors = []
+    if calibration_data is not None:
+        errors = sweeps.serve_bench_errors(calibration_data, work, step_cost, settings)
+    elif device_model is None:
+        errors = sweeps.replay_errors(replay_data, work, step_cost, settings)
+    if shapes:
+        work = scale_to_shapes(work, shared_tokens)
+    with console.status(f"simulating {len(labels)} policies at {len(sweep_loads)} loads"):
+        rows = sweeps.sweep(work, step_cost, settings, sweep_loads, labels)
+    payload = {
+        "replay": str(replay),
+        "calibration": str(calibration) if calibration is not None else None,
+        "cost_model": step_cost.as_dict(),
+        "calibration_errors": errors,
+        "scale": {"factor": work.scale, "shared_tokens": shared_tokens if shapes else None, "linear": True},
+        "model": {
+            "params": work.params,
+            "weight_bytes": work.weight_bytes(),
+            "kv_bytes_per_token": work.kv_bytes_per_token,
+        },
+        "settings": {
+            "memory_bytes": settings.memory_bytes,
+            "token_budget": token_budget,
+            "max_num_seqs": max_num_seqs,
+            "block_size": 16,
+            "duration_s": duration,
+            "ttft_slo_s": ttft_slo,
+        },
+        "runs": rows,
+        "sustainable": sweeps.sustainable_loads(rows, ttft_slo) if ttft_slo is not None else None,
+    }
+    show(payload)
+    path = write_result(out, "simulate", payload, args)
+    console.print(f"wrote {path}")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON result file, or one sentence saying why it cannot be read."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KvprofError(
+            f"calibration {path} does not exist; pass the serve_bench.json of a serve-bench run."
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise KvprofError(f"calibration {path} is not JSON; pass the serve_bench.json of a serve-bench run.") from None
+    if not isinstance(data, dict):
+        raise KvprofError(f"calibration {path} is not a serve-bench result; pass the serve_bench.json it wrote.")
+    return data
+
+
+def show(result: dict) -> None:
+    """The cost model line, the calibration's errors, the per-policy table and the sustainable loads."""
+    from kvprof.report.simulate import cost_lines, errors_table, out_of_memory_lines, runs_table, sustainable_table
+
+    for line in cost_lines(result):
+        console.print(line, markup=False)
+    errors = errors_table(result)
+    if errors is not None:
+        console.print(errors.to_rich())
+    console.print(runs_table(result).to_rich())
+    for line in out_of_memory_lines(result):
+        console.print(line, markup=False)
+    sustainable = sustainable_table(result)
+    if sustainable is not None:
+        console.print(sustainable.to_rich())

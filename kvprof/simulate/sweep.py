@@ -1,0 +1,189 @@
+"""Every policy at every load: latency percentiles, throughput, peak memory, out-of-memory verdicts, the highest
+load meeting a TTFT SLO (on TTFT p90), and how far the step model is from the runs it was calibrated on.
+
+Out of memory is declared before simulating when a single request's peak exceeds the KV memory, or, in a closed
+loop, when the bytes a trajectory keeps between turns (its largest) × the concurrency exceed it; and during the run
+when the caches kept by the trajectories in flight leave no room for the next request (`engine`).
+Percentiles interpolate linearly (as serve-bench's); times are seconds, memory bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from kvprof.errors import KvprofError
+from kvprof.serving.summary import percentile
+from kvprof.serving.traffic import Load
+from kvprof.simulate.cost import StepCost
+from kvprof.simulate.engine import MAX_NUM_SEQS, TOKEN_BUDGET, EngineConfig, Traffic, simulate, single_request_fits
+from kvprof.simulate.workload import ReplayWork, TrajectoryWork
+
+GIB = 2**30
+PATTERN_POLICY = {"agents": "nonshared", "base": "fullshared"}  # serve-bench's patterns as the policies they do
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The server and the run: total device memory (bytes; the KV capacity is this minus the weights), token budget
+    and sequence limit per step, seconds of arrivals, the arrival seed, and the TTFT SLO (s) on TTFT p90."""
+
+    memory_bytes: float
+    duration: float
+    ttft_slo: float | None = None
+    token_budget: int = TOKEN_BUDGET
+    max_num_seqs: int = MAX_NUM_SEQS
+    seed: int = 0
+
+    def engine(self, work: ReplayWork, memory_bytes: float | None = None) -> EngineConfig:
+        """The modelled server for `work`'s model with `memory_bytes` (default: the settings') of device memory."""
+        memory = self.memory_bytes if memory_bytes is None else memory_bytes
+        kv_bytes = memory - work.weight_bytes()
+        if kv_bytes < work.kv_bytes_per_token * 16:
+            raise KvprofError(
+                f"--memory {memory / GIB:g} GiB leaves no room for KV blocks next to the model's "
+                f"{work.weight_bytes() / GIB:.3g} GiB of weights; pass a larger --memory."
+            )
+        return EngineConfig.from_memory(
+            kv_bytes, work.kv_bytes_per_token, token_budget=self.token_budget, max_num_seqs=self.max_num_seqs
+        )
+
+
+def static_out_of_memory(trajectories: tuple[TrajectoryWork, ...], config: EngineConfig, load: Load) -> str | None:
+    """Why the policy cannot run at `load` whatever the timing, or None."""
+    capacity = config.capacity_blocks * config.block_bytes
+    largest = max((r for t in trajectories for r in t.requests), key=lambda r: r.working_bytes)
+    if not single_request_fits(largest, config):
+        return (
+            f"a single request needs {largest.working_bytes / GIB:.3g} GiB, more than the {capacity / GIB:.3g} GiB "
+            "of KV memory"
+        )
+    kept = max(r.kept_bytes for t in trajectories for r in t.requests)
+    if load.kind == "concurrency" and kept * load.value > capacity:
+        return (
+            f"{load.value:g} trajectories keep up to {kept * load.value / GIB:.3g} GiB between turns, more than "
+            f"the {capacity / GIB:.3g} GiB of KV memory"
+        )
+    return None
+
+
+def run_policy(
+    label: str, trajectories: tuple[TrajectoryWork, ...], cost: StepCost, config: EngineConfig, traffic: Traffic
+) -> dict:
+    """One policy at one load: its row of the result (see the module docstring)."""
+    row: dict = {"policy": label, "load": {"kind": traffic.load.kind, "value": traffic.load.value}}
+    row["load"]["label"] = traffic.load.label
+    verdict = static_out_of_memory(trajectories, config, traffic.load)
+    if verdict is not None:
+        return row | {"out_of_memory": verdict, "requests": 0}
+    run = simulate(trajectories, cost, config, traffic)
+    duration = max(run.duration, 1e-12)
+    return row | {
+        "out_of_memory": run.out_of_memory,
+        "requests": len(run.e2e),
+        "ttft": _distribution(run.ttft),
+        "e2e": _distribution(run.e2e),
+        "throughput": {
+            "requests_per_s": len(run.e2e) / duration,
+            "tokens_per_s": run.tokens / duration,
+            "output_tokens_per_s": run.output_tokens / duration,
+        },
+        "peak_kv_bytes": run.peak_blocks * config.block_bytes,
+        "preemptions": run.preemptions,
+        "steps": run.steps,
+        "duration_s": run.duration,
+    }
+
+
+def _distribution(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def sweep(work: ReplayWork, cost: StepCost, settings: Settings, loads: list[Load], policies: list[str]) -> list[dict]:
+    """Every policy in `policies` at every load, for `settings.duration` seconds of arrivals each."""
+    config = settings.engine(work)
+    rows = []
+    for label in policies:
+        for load in loads:
+            traffic = Traffic(load, duration=settings.duration, seed=settings.seed)
+            rows.append(run_policy(label, work.policies[label], cost, config, traffic))
+    return rows
+
+
+def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
+    """Per policy and load kind: the highest swept load whose TTFT p90 meets `slo` seconds without running out of
+    memory (None when none does)."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        kind = row["load"]["kind"]
+        entry = best.setdefault(row["policy"], {}).setdefault(kind, None)
+        meets = not row["out_of_memory"] and row.get("ttft") and row["ttft"]["p90"] <= slo
+        if meets and (entry is None or row["load"]["value"] > entry):
+            best[row["policy"]][kind] = row["load"]["value"]
+    return best
+
+
+def serve_bench_errors(data: dict, work: ReplayWork, cost: StepCost, settings: Settings) -> list[dict]:
+    """Each serve-bench run re-simulated: the pattern's policy (agents: nonshared, base: fullshared) on the run's
+    trajectories in the order they started, at its measured arrival times (open loop) or concurrency, on the run's
+    KV memory (`--kv-cache-gib`, else the settings'); the simulated median TTFT and throughput against the measured,
+    as relative errors."""
+    kv_gib = (data.get("args") or {}).get("kv_cache_gib")
+    memory = settings.memory_bytes if kv_gib is None else kv_gib * GIB + work.weight_bytes()
+    config = settings.engine(work, memory)
+    rows = []
+    for run in data["runs"]:
+        summary = run["summary"]
+        label = PATTERN_POLICY.get(summary["pattern"])
+        if label not in work.policies:
+            continue
+        by_id = {t.id: t for t in work.policies[label]}
+        starts: dict[str, float] = {}
+        for request in run["requests"]:
+            starts[request["trajectory"]] = min(request["due"], starts.get(request["trajectory"], request["due"]))
+        order = sorted((t for t in starts if t in by_id), key=starts.__getitem__)
+        if not order or summary["overall"]["ttft"] is None:
+            continue
+        load = Load(summary["load"]["kind"], summary["load"]["value"])
+        arrivals = tuple(starts[t] for t in order) if load.kind == "qps" else None
+        traffic = Traffic(load, count=len(order), arrivals=arrivals)
+        simulated = run_policy(label, tuple(by_id[t] for t in order), cost, config, traffic)
+        rows.append(_errors(f"{summary['pattern']} ({label}) @ {load.label}", summary, simulated))
+    return rows
+
+
+def _errors(label: str, measured: dict, simulated: dict) -> dict:
+    """Measured against simulated median TTFT (s) and request throughput (requests/s), with relative errors."""
+    ttft = measured["overall"]["ttft"]["p50"]
+    rate = measured["throughput"]["requests_per_s"]
+    sim_ttft = simulated["ttft"]["p50"] if simulated.get("ttft") else None
+    sim_rate = simulated["throughput"]["requests_per_s"] if "throughput" in simulated else None
+    return {
+        "run": label,
+        "ttft_p50": ttft,
+        "ttft_p50_simulated": sim_ttft,
+        "ttft_error": None if sim_ttft is None else sim_ttft / ttft - 1,
+        "requests_per_s": rate,
+        "requests_per_s_simulated": sim_rate,
+        "throughput_error": None if sim_rate is None else sim_rate / rate - 1,
+    }
+
+
+def replay_errors(data: dict, work: ReplayWork, cost: StepCost, settings: Settings) -> list[dict]:
+    """The replay's dense run re-simulated as the replay ran it (one trajectory at a time, closed loop of 1, the
+    nonshared policy's work): simulated median TTFT and throughput against the replay's per-turn timings."""
+    turns = data["dense"]["turns"]
+    if "nonshared" not in work.policies:
+        return []
+    trajectories = work.policies["nonshared"]
+    load = Load("concurrency", 1)
+    simulated = run_policy(
+        "nonshared", trajectories, cost, settings.engine(work), Traffic(load, count=len(trajectories))
+    )
+    measured = {
+        "overall": {"ttft": {"p50": statistics.median(t["ttft_s"] for t in turns)}},
+        "throughput": {"requests_per_s": len(turns) / sum(t["ttft_s"] + t["decode_s"] for t in turns)},
+    }
+    return [_errors("dense replay (nonshared) @ 1 conc", measured, simulated)]
