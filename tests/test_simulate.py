@@ -1,0 +1,248 @@
+"""`kvprof simulate`: the modelled engine's sanity (monotone in load and in work, out of memory when it must be, a
+lone request costs exactly its step model), the step-model fit, and the command's answers to bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvprof.serving.traffic import Load
+from kvprof.simulate.cost import Observation, StepCost, fit, serve_bench_observations
+from kvprof.simulate.engine import EngineConfig, Traffic, simulate
+from kvprof.simulate.sweep import run_policy, static_out_of_memory
+from kvprof.simulate.workload import RequestWork, TrajectoryWork, replay_work
+
+KV_PER_TOKEN = 4096.0
+COST = StepCost(a=2e-3, b=50e-6, c=100e-6, d=1e-7, e=1e-3, source="test")
+
+
+def request(prefill: int, context: int, output: int = 8, kept: int = 0, working: int = 0) -> RequestWork:
+    return RequestWork(
+        agent="a",
+        prefill_tokens=prefill,
+        prefill_weight=1.0,
+        context_tokens=context,
+        decode_steps=output,
+        decode_weight=1.0,
+        working_bytes=working or (context + output) * int(KV_PER_TOKEN),
+        kept_bytes=kept,
+        input_tokens=context,
+        output_tokens=output,
+    )
+
+
+def trajectories(prefill_share: float = 1.0, kept_share: float = 1.0, output: int = 8) -> tuple[TrajectoryWork, ...]:
+    """Four trajectories of five turns whose context grows by 200 tokens a turn; `prefill_share` of each turn's
+    context is prefilled (1: everything, as NonShared's first sight; less: a reusing policy); the turn's peak is
+    its whole context's KV (input and `output` tokens), `kept_share` of it is kept until the next turn."""
+    result = []
+    for t in range(4):
+        turns = []
+        for i in range(5):
+            context = 200 * (i + 1) + 10 * t
+            working = (context + output) * int(KV_PER_TOKEN)
+            kept = int(kept_share * working)
+            turns.append(request(max(1, int(prefill_share * context)), context, output, kept, working))
+        result.append(TrajectoryWork(f"t{t}", tuple(turns)))
+    return tuple(result)
+
+
+def config(gib: float = 1.0) -> EngineConfig:
+    return EngineConfig.from_memory(gib * 2**30, KV_PER_TOKEN)
+
+
+def p90(label: str, work, load: Load, engine: EngineConfig | None = None) -> float:
+    row = run_policy(label, work, COST, engine or config(64), Traffic(load, duration=120, seed=3))
+    assert row["out_of_memory"] is None
+    return row["ttft"]["p90"]
+
+
+def test_more_load_never_lowers_p90_ttft():
+    work = trajectories()
+    open_loop = [p90("nonshared", work, Load("qps", q)) for q in (0.5, 1, 2, 4, 8, 16)]
+    closed_loop = [p90("nonshared", work, Load("concurrency", n)) for n in (1, 2, 4, 8, 16)]
+    assert open_loop == sorted(open_loop) and open_loop[-1] > 2 * open_loop[0]
+    assert closed_loop == sorted(closed_loop) and closed_loop[-1] > 2 * closed_loop[0]
+
+
+@pytest.mark.parametrize("load", [Load("qps", 2), Load("qps", 12), Load("concurrency", 8)], ids=lambda x: x.label)
+def test_fewer_prefilled_tokens_never_raise_ttft_at_equal_memory(load):
+    dense, reusing = trajectories(1.0), trajectories(0.3)
+    assert p90("reusing", reusing, load) <= p90("dense", dense, load)
+    assert p90("reusing", reusing, load) < p90("dense", dense, load) * 0.9
+
+
+def test_a_budget_below_a_policys_need_is_out_of_memory():
+    work = trajectories()
+    largest = max(r.working_bytes for t in work for r in t.requests)
+    small = EngineConfig.from_memory(largest * 0.9, KV_PER_TOKEN)
+    row = run_policy("nonshared", work, COST, small, Traffic(Load("qps", 1), duration=60))
+    assert row["requests"] == 0 and "a single request needs" in row["out_of_memory"]
+    # each trajectory fits alone, but eight keep more between turns than the memory holds
+    roomy = EngineConfig.from_memory(largest * 3, KV_PER_TOKEN)
+    assert static_out_of_memory(work, roomy, Load("concurrency", 1)) is None
+    assert "keep up to" in static_out_of_memory(work, roomy, Load("concurrency", 8))
+    # open loop: the kept caches of the trajectories in flight fill the memory during the run
+    row = run_policy("nonshared", work, COST, roomy, Traffic(Load("qps", 50), duration=20))
+    assert row["out_of_memory"] and "trajectories" in row["out_of_memory"]
+    assert (
+        run_policy("nonshared", work, COST, config(4), Traffic(Load("qps", 50), duration=20))["out_of_memory"] is None
+    )
+
+
+def test_a_lone_request_costs_exactly_its_step_model():
+    work = (TrajectoryWork("t", (request(300, 500, output=5),)),)
+    run = simulate(work, COST, config(), Traffic(Load("concurrency", 1), count=1))
+    prefill = COST.step_time(300, 0, 500)
+    decode = sum(COST.step_time(0, 1, 500 + j) for j in range(1, 5))
+    assert run.ttft == [pytest.approx(COST.e + prefill, rel=1e-12)]
+    assert run.e2e == [pytest.approx(COST.e + prefill + decode, rel=1e-12)]
+    # a prefill longer than the token budget is chunked: two steps, each reading the context computed so far
+    chunked = simulate(
+        work,
+        COST,
+        EngineConfig.from_memory(2**30, KV_PER_TOKEN, token_budget=200),
+        Traffic(Load("concurrency", 1), count=1),
+    )
+    two_chunks = COST.step_time(200, 0, 500 * 200 / 300) + COST.step_time(100, 0, 500)
+    assert chunked.ttft == [pytest.approx(COST.e + two_chunks, rel=1e-12)]
+
+
+def test_preemption_frees_memory_and_everything_still_finishes():
+    # four kept caches fit (2 × the largest turn), four running turns, whose long outputs grow their memory, do not
+    work = trajectories(kept_share=0.5, output=400)
+    tight = EngineConfig.from_memory(2.5 * max(r.working_bytes for t in work for r in t.requests), KV_PER_TOKEN)
+    run = simulate(work, COST, tight, Traffic(Load("concurrency", 4), count=4))
+    assert run.out_of_memory is None and run.preemptions > 0
+    assert len(run.e2e) == 20 and run.peak_blocks <= tight.capacity_blocks
+
+
+def test_fit_recovers_known_coefficients():
+    truth = StepCost(a=3e-3, b=40e-6, c=150e-6, d=2e-8, e=5e-3, source="truth")
+    rng = random.Random(0)
+    observations = []
+    for _ in range(60):
+        steps, prefill = rng.randint(1, 40), rng.randint(0, 4000)
+        decode, read = steps * rng.randint(1, 8), rng.randint(0, 200_000)
+        ttft = rng.random() < 0.4
+        seconds = truth.a * steps + truth.b * prefill + truth.c * decode + truth.d * read + (truth.e if ttft else 0.0)
+        observations.append(Observation("ttft" if ttft else "decode", seconds, steps, prefill, decode, read, ttft))
+    fitted = fit(observations, "synthetic")
+    for name in ("a", "b", "c", "d", "e"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert fitted.fit["r2_ttft"] == pytest.approx(1.0) and fitted.fit["r2_decode"] == pytest.approx(1.0)
+
+
+def test_serve_bench_requests_become_the_steps_they_spanned():
+    # one request alone: a 100-token prefill step, then 4 decode steps
+    lone = {
+        "due": 0.0,
+        "send_delay": 0.0,
+        "ttft": 0.1,
+        "e2e": 0.5,
+        "server_queue": 0.02,
+        "prompt_tokens": 120,
+        "cached_tokens": 20,
+        "output_tokens": 5,
+    }
+    ttft, decode = serve_bench_observations({"requests": [lone]})
+    assert (ttft.seconds, ttft.prefill, ttft.decode, ttft.kv_read) == (pytest.approx(0.08), 100, 0, 120)
+    assert (decode.seconds, decode.steps, decode.decode) == (pytest.approx(0.4), 4, 4)
+    assert decode.kv_read == 4 * 120 + 10
+
+
+def replay_json(path) -> dict:
+    turn = {
+        "agent": "a",
+        "trajectory": "t0",
+        "turn": 0,
+        "input_tokens": 50,
+        "output_tokens": 4,
+        "prefilled": 50,
+        "ttft_flops": 5e6,
+        "flops": 7e6,
+        "decode_steps": 4,
+        "ttft_s": 0.01,
+        "decode_s": 0.02,
+        "memory_bytes": 54 * 4096,
+        "working_peak_bytes": 54 * 4096,
+    }
+    second = turn | {"turn": 1, "input_tokens": 80, "prefilled": 30, "memory_bytes": 84 * 4096}
+    turns = [  # four trajectories, timings growing with the work
+        one
+        | {
+            "trajectory": f"t{k}",
+            "input_tokens": one["input_tokens"] + 7 * k,
+            "prefilled": one["prefilled"] + 3 * k,
+            "ttft_s": one["ttft_s"] * (1 + 0.2 * k),
+            "memory_bytes": (one["input_tokens"] + 7 * k + 4) * 4096,
+            "working_peak_bytes": (one["input_tokens"] + 7 * k + 4) * 4096,
+        }
+        for k in range(4)
+        for one in (turn, second)
+    ]
+    data = {
+        "schema": "kvprof.result.replay",
+        "dtype": "float32",
+        "dense": {"turns": turns},
+        "policies": {"nonshared": {"turns": turns}, "fullshared": {"turns": turns}},
+    }
+    path.write_text(json.dumps(data))
+    return data
+
+
+def test_replay_records_become_requests(tmp_path):
+    data = replay_json(tmp_path / "replay.json")
+    work = replay_work(data, tmp_path / "replay.json")
+    first, second = work.policies["nonshared"][0].requests
+    assert len(work.policies["nonshared"]) == 4
+    assert work.kv_bytes_per_token == 4096 and (first.prefill_tokens, second.prefill_tokens) == (50, 30)
+    assert first.prefill_weight == 1.0 and first.decode_weight == 1.0 and second.kept_bytes == 84 * 4096
+
+
+def test_the_command_writes_a_result(tmp_path, run_cli):
+    replay_json(tmp_path / "replay.json")
+    code, out, err = run_cli(
+        "simulate",
+        str(tmp_path / "replay.json"),
+        "--qps",
+        "1",
+        "--concurrency",
+        "2",
+        "--duration",
+        "30",
+        "--ttft-slo",
+        "1",
+        "--memory",
+        "1",
+        "--out",
+        str(tmp_path / "sim"),
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "sim" / "simulate.json").read_text())
+    assert result["schema"] == "kvprof.result.simulate" and len(result["runs"]) == 4
+    assert result["calibration_errors"] and "fit to the dense timings" in result["cost_model"]["source"]
+    assert "simulated serving" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--qps", "-1"], "--qps -1 is not a positive rate"),
+        (["--device-model", "tpu"], "--device-model 'tpu' is not one of"),
+        (["--memory", "0.000001"], "leaves no room for KV blocks"),
+        (["--policy", "nosuch"], "policy 'nosuch' is not in"),
+    ],
+)
+def test_bad_options_give_one_sentence(tmp_path, run_cli, args, message):
+    replay_json(tmp_path / "replay.json")
+    code, _, err = run_cli("simulate", str(tmp_path / "replay.json"), *args, "--out", str(tmp_path / "sim"))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_file_that_is_no_replay_is_refused(tmp_path, run_cli):
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "kvprof.result.serve_bench", "runs": []}))
+    code, _, err = run_cli("simulate", str(tmp_path / "other.json"), "--out", str(tmp_path / "sim"))
+    assert code == 2 and "is not a kvprof replay result" in err and len(err.strip().splitlines()) == 1
