@@ -238,9 +238,10 @@ def run_shard(
     on_turn: Callable[[], None] | None = None,
     on_task: Callable[[], None] | None = None,
     worker: str = "",
+    timing: str = "turn",
 ) -> ShardResult:
     """Replay `shard` here (what a worker does): the teacher-forced lockstep replay of its trajectories, then their
-    online re-runs when `online`; `on_turn` / `on_task` after each turn / online task."""
+    online re-runs when `online`; `on_turn` / `on_task` after each turn / online task; `timing` as `replay_trace`'s."""
     state = ReplayProgress()
     replayed = replay_trace(
         agents,
@@ -250,6 +251,7 @@ def run_shard(
         on_turn=(lambda traj, index: on_turn()) if on_turn else None,
         progress=state,
         lora_attention=lora_attention,
+        timing=timing,
     )
     entries = {
         label: {key: value for key, value in entry.items() if key not in ("summary", "turns")}
@@ -264,7 +266,7 @@ def run_shard(
             on_task=(lambda label, task: on_task()) if on_task else None,
             lora_attention=lora_attention,
         )
-    return ShardResult(shard.key, state, entries, runs, run_setting(agents, repeats, lora_attention), worker)
+    return ShardResult(shard.key, state, entries, runs, run_setting(agents, repeats, lora_attention, timing), worker)
 
 
 def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool) -> dict:
@@ -435,7 +437,7 @@ class ReplayWorker:
 
         return runnable_variants(variants, Runtime(self._loaded()), skip)
 
-    def run(self, shard: Shard, attempt: int, counter, repeats: int, online: bool, lora_attention: bool):
+    def run(self, shard: Shard, attempt: int, counter, repeats: int, online: bool, lora_attention: bool, timing: str):
         """`run_shard`, reporting each turn and online task to the `ShardCounter` actor `counter`."""
         import torch
 
@@ -450,6 +452,7 @@ class ReplayWorker:
             on_turn=lambda: counter.advance.remote(shard.key, attempt, 1, 0),
             on_task=lambda: counter.advance.remote(shard.key, attempt, 0, 1),
             worker=f"{socket.gethostname()}:{os.getpid()}",
+            timing=timing,
         )
 
 
@@ -659,6 +662,7 @@ class RayCluster:
         online: bool,
         lora_attention: bool,
         hooks: ShardHooks,
+        timing: str = "turn",
     ) -> dict[str, ShardResult]:
         """Replay the shards without a result in `results` on the workers, largest first (`Shard.cost`: a long
         sequential shard starts early rather than last); returns every shard's result."""
@@ -683,7 +687,7 @@ class RayCluster:
                 shard = pending.popleft()
                 attempts[shard.key] += 1
                 ref = self.handles[worker].run.remote(
-                    shard, attempts[shard.key], self._counter, repeats, online, lora_attention
+                    shard, attempts[shard.key], self._counter, repeats, online, lora_attention, timing
                 )
                 running[ref] = _Running(worker, shard, attempts[shard.key])
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S) if running else ([], [])
@@ -770,6 +774,7 @@ def replay_sharded(
     done: dict[str, ShardResult] | None = None,
     hooks: ShardHooks | None = None,
     groups: list[list[str]] | None = None,
+    timing: str = "turn",
 ) -> dict:
     """What `run_replay` returns for the same arguments, replayed in shards on `cluster`'s workers and merged
     (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again;
@@ -788,6 +793,7 @@ def replay_sharded(
         online,
         lora_attention,
         hooks or ShardHooks(),
+        timing,
     )
     merged = merge(shards, results, variants, online)
     used = dict.fromkeys(results[shard.key].worker for shard in shards)

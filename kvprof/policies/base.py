@@ -250,7 +250,9 @@ class TurnResult:
     time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
-    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed,
+    turn above what was allocated before it, plus the policy's stored bytes; cuda_allocated_bytes: on CUDA,
+    `torch.cuda.max_memory_allocated` during the turn, everything the process holds included (weights, other
+    runs' caches) (both None elsewhere). recomputed,
     realigned, corrected, fallback, from_others, corrected_spans: the context's (`Context`).
     """
 
@@ -272,6 +274,7 @@ class TurnResult:
     stored_before_bytes: int = 0
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
+    cuda_allocated_bytes: int | None = None
     recomputed: int = 0
     realigned: int = 0
     corrected: int = 0
@@ -500,6 +503,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             stored_before_bytes=stored_before,
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
+            cuda_allocated_bytes=meter.allocated(),
             recomputed=context.recomputed,
             realigned=context.realigned,
             corrected=context.corrected,
@@ -652,6 +656,13 @@ class CudaPeak:
             return None
         torch.cuda.synchronize(self.device)
         return self.stored + torch.cuda.max_memory_allocated(self.device) - self.start
+
+    def allocated(self) -> int | None:
+        """The allocator's peak since the turn started, everything allocated counted (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
 
 
 def tensor_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:

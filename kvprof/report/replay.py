@@ -196,14 +196,15 @@ def delta_table(result: dict) -> TableData | None:
 def cost_table(result: dict) -> TableData:
     """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
     cuda = any(summary.get("cuda_peak_bytes") is not None for _, summary, _, _ in _rows(result))
+    timing = result.get("timing") or {"mode": "turn", "origin": "kvprof", "runs": result.get("repeats", 1)}
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
     columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else [])
     table = TableData(
-        title=f"cost: {_device(result)} {result.get('dtype', '')}, TTFT = median of "
-        f"{result.get('repeats', 1)} repeats per turn"
-        + (" after a warm-up" if result.get("repeats", 1) > 1 else " (no warm-up)"),
+        title=f"cost: {_device(result)} {result.get('dtype', '')}, {timing_text(timing)}",
         columns=columns,
-        caption="TTFT s / latency s: summed over turns; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up "
+        caption="TTFT s / latency s: summed over turns"
+        + (" (each turn's mean over the timed runs of its trajectory)" if timing["mode"] == "trajectory" else "")
+        + "; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up "
         "the work allows that the replay realises; below 1, the harness or fixed per-turn costs eat it); TPOT: "
         "decode time per output token (one forward per token over the cache); × = dense ÷ policy, measured side by "
         "side in this run (working ×: policy ÷ dense); stored: peak analytic bytes of what the policy keeps between "
@@ -230,6 +231,20 @@ def cost_table(result: dict) -> TableData:
             cells.append(_num(summary.get("cuda_peak_bytes") and summary["cuda_peak_bytes"] / 2**20, ".2f"))
         table.add_row(*cells)
     return table
+
+
+def timing_text(timing: dict) -> str:
+    """A result's timing mode (`kvprof.replay.timing_setting`) in words, labelled with whose practice it follows."""
+    runs = timing["runs"]
+    if timing["mode"] == "trajectory":
+        return (
+            f"trajectory timing ({timing['origin']}: PReCache's bench/single_stream.py): each run alone, one untimed "
+            f"warm-up run of each trajectory, then the mean of {runs} timed runs; TTFT = the sum of its synced "
+            "prefill calls"
+        )
+    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn" + (
+        " after a warm-up" if runs > 1 else " (no warm-up)"
+    )
 
 
 def layer_table(result: dict) -> TableData:
