@@ -12,12 +12,14 @@ call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT,
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from kvprof.branches import BranchingTimeline, FollowedTimeline, plan_of
+from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
     kl_divergence,
     mean_token_cosine,
@@ -35,6 +37,8 @@ from kvprof.trace import Trajectory
 from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
 
 DENSE = "dense"
+PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
+UNPAGED = ("anchor pool",)  # stored structures that are not token-indexed caches: counted at their exact bytes
 TIMINGS = ("turn", "trajectory")
 """`replay_trace`'s timing modes: per-turn medians (kvprof) or PReCache's trajectory timing (code)."""
 
@@ -126,6 +130,60 @@ def error_by_hop(turns: list[dict]) -> dict[str, dict]:
     }
 
 
+def weights_bytes(model) -> int:
+    """Bytes of every parameter and buffer of `model` (the base model with every agent's adapter loaded): what
+    `torch.cuda.max_memory_allocated` counts besides caches and activations."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
+    """The bytes `tensors` (a policy's `live_tensors`) occupy in KV blocks of `page_size` tokens, as vLLM holds
+    caches: each tensor's token axis — −2 in every token-indexed cache kvprof stores: K/V (B, H_kv, T, D), LR caches
+    (1, T, r), hidden states (1, T, d_model) — rounded up to whole blocks; `UNPAGED` structures at their exact
+    bytes."""
+    total = 0
+    for name, group in tensors.items():
+        for t in group:
+            exact = t.numel() * t.element_size()
+            tokens = t.shape[-2] if t.dim() >= 2 and name not in UNPAGED else 0
+            total += exact * math.ceil(tokens / page_size) * page_size // tokens if tokens else exact
+    return total
+
+
+def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_size: int) -> dict:
+    """Memory of one turn as the papers report it, besides kvprof's analytic bytes: `kv_block_bytes`, the stored
+    caches after the turn in KV blocks of `page_size` tokens (`paged_bytes`) and `kv_blocks`, those bytes in full
+    K/V blocks (`page_size` tokens × every layer's K and V: exactly vLLM's block count for full-dimension caches, a
+    fraction for rank-r ones); `allocator_peak_bytes`, the allocator's peak with the weights (`weights`): on CUDA the
+    weights + the allocator's peak above the turn's start + the policy's stored bytes (`TurnResult.cuda_peak_bytes`:
+    as if the policy ran alone), elsewhere the analytic equivalent, the weights + the turn's working peak."""
+    paged = paged_bytes(policy.live_tensors(), page_size)
+    working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
+    peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
+    return {
+        "kv_block_bytes": paged,
+        "kv_blocks": paged / (page_size * policy.runtime.kv_bytes_per_token),
+        "allocator_peak_bytes": weights + peak,
+    }
+
+
+def allocator_peak(turns: list[dict]) -> tuple[int | None, str | None]:
+    """The allocator's peak with the weights over a policy's turns, and how it was read: with trajectory timing on
+    CUDA, `torch.cuda.max_memory_allocated` over each timed run of a trajectory, the policy alone (PReCache's
+    reading); else the per-turn readings (`paper_memory`)."""
+    if not turns or "allocator_peak_bytes" not in turns[0]:
+        return None, None
+    alone = [b for t in turns for b in t.get("runs", {}).get("cuda_allocated_bytes", []) if b is not None]
+    if alone:
+        return max(alone), "cuda: max_memory_allocated over each timed trajectory run, the policy alone"
+    source = (
+        "cuda: weights + the allocator's peak above each turn's start + the policy's stored bytes"
+        if turns[0]["cuda_peak_bytes"] is not None
+        else "analytic (no CUDA): weights + the peak of stored + working bytes"
+    )
+    return max(t["allocator_peak_bytes"] for t in turns), source
+
+
 def summarise(turns: list[dict]) -> dict:
     """Aggregate per-turn records of one policy (token-weighted fidelity, summed cost, per-layer mean error)."""
     outputs = sum(t["output_tokens"] for t in turns)
@@ -140,6 +198,7 @@ def summarise(turns: list[dict]) -> dict:
     decode_s = sum(row["decode_s"] for row in timed)
     decode_steps = sum(t["decode_steps"] for t in turns)
     cuda_peaks = [t["cuda_peak_bytes"] for t in turns if t["cuda_peak_bytes"] is not None]
+    allocator_bytes, allocator_source = allocator_peak(turns)
     summary = {
         "turns": len(turns),
         "input_tokens": inputs,
@@ -173,6 +232,10 @@ def summarise(turns: list[dict]) -> dict:
         "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
         "peak_working_bytes": max((t["working_peak_bytes"] for t in turns), default=0),
         "cuda_peak_bytes": max(cuda_peaks) if cuda_peaks else None,
+        "allocator_peak_bytes": allocator_bytes,
+        "allocator_peak_source": allocator_source,
+        "peak_kv_block_bytes": max((t.get("kv_block_bytes", 0) for t in turns), default=0),
+        "peak_kv_blocks": max((t.get("kv_blocks", 0.0) for t in turns), default=0.0),
         "layers": per_layer,
         "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
         "v_error": statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
@@ -224,6 +287,8 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
         ),
         "memory_ratio": ratio(summary["peak_memory_bytes"], dense["peak_memory_bytes"]),
         "working_memory_ratio": ratio(summary["peak_working_bytes"], dense["peak_working_bytes"]),
+        "allocator_peak_ratio": ratio(summary["allocator_peak_bytes"], dense["allocator_peak_bytes"]),
+        "kv_block_ratio": ratio(summary["peak_kv_block_bytes"], dense["peak_kv_block_bytes"]),
     }
 
 
@@ -268,8 +333,12 @@ def replay_trace(
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
     lora_attention: bool = False,
     timing: str = "turn",
+    page_size: int = PAGE_SIZE,
 ) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
+
+    Each turn's record adds its memory as the papers report it (`paper_memory`: KV blocks of `page_size` tokens,
+    the allocator's peak with the weights).
 
     `timing` "turn" (kvprof): each turn's TTFT is the median of `repeats` timed prefills after a warm-up of the same
     turn on hot caches. "trajectory" (PReCache's `bench/single_stream.py`): the lockstep pass runs each turn once
@@ -294,6 +363,7 @@ def replay_trace(
     if timing not in TIMINGS:
         raise ValueError(f"timing {timing!r} is not one of {TIMINGS}")
     per_turn = repeats if timing == "turn" else 1
+    weights = weights_bytes(agents.model)
     timers = (
         {DENSE: NonShared(runtime), **{p.label: v.build(runtime) for p, v in zip(policies, variants)}}
         if timing == "trajectory"
@@ -319,7 +389,10 @@ def replay_trace(
             dense_result = dense.run_turn(request, per_turn)
             where = {"trajectory": traj.id, "turn": index}
             state.records[DENSE].append(
-                compare_turn(dense_result, dense_result, 0, outputs) | where | {"start": start.to_json()}
+                compare_turn(dense_result, dense_result, 0, outputs)
+                | paper_memory(dense, dense_result, weights, page_size)
+                | where
+                | {"start": start.to_json()}
             )
             for policy in policies:
                 turn_result = policy.run_turn(request, per_turn)
@@ -331,7 +404,9 @@ def replay_trace(
                         else 0
                     )
                 state.records[policy.label].append(
-                    compare_turn(turn_result, dense_result, from_others, outputs) | where
+                    compare_turn(turn_result, dense_result, from_others, outputs)
+                    | paper_memory(policy, turn_result, weights, page_size)
+                    | where
                 )
                 if check_memory:
                     exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
@@ -523,6 +598,7 @@ def run_replay(
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
     timing: str = "turn",
+    page_size: int = PAGE_SIZE,
 ) -> dict:
     """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay (`timing` as
     `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode, repeats, timing,
@@ -538,13 +614,15 @@ def run_replay(
         on_trajectory=hooks.on_trajectory,
         lora_attention=lora_attention,
         timing=timing,
+        page_size=page_size,
     )
     if online:
         runs = run_online(
             agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task, lora_attention=lora_attention
         )
         result["online"] = summarise_online(runs)
-    result.update(run_setting(agents, repeats, lora_attention, timing))
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size))
+    result["memory_claims"] = memory_verdicts(result)
     return result
 
 
@@ -561,14 +639,18 @@ def timing_setting(timing: str, repeats: int) -> dict:
     }
 
 
-def run_setting(agents: AgentSet, repeats: int, lora_attention: bool, timing: str = "turn") -> dict:
-    """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), attention
-    path, device, CPU, dtype and GPU memory (read now: the allocator's peak so far)."""
+def run_setting(
+    agents: AgentSet, repeats: int, lora_attention: bool, timing: str = "turn", page_size: int = PAGE_SIZE
+) -> dict:
+    """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), KV page size,
+    the weights' bytes, attention path, device, CPU, dtype and GPU memory (read now: the allocator's peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
         timing=timing_setting(timing, repeats),
+        page_size=page_size,
+        weights_bytes=weights_bytes(agents.model),
         lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
         device=str(agents.device),
         cpu=cpu_description(),

@@ -64,6 +64,7 @@ SETTINGS = {
     "policies": "--policy",
     "repeats": "--repeats",
     "timing": "--timing",
+    "page_size": "--page-size",
     "dtype": "--dtype",
     "device": "--device",
     "lora_attention": "--lora-attention",
@@ -82,11 +83,12 @@ def checkpoint_identity(
     sharded: bool = False,
     online: bool = False,
     timing: str = "turn",
+    page_size: int = 16,
 ) -> dict:
     """The settings a replay's records depend on, which its checkpoint records: the trace's content, the model
     and agents, dtype and device (`loaded`: `kvprof.model.agents_identity`), the policy variants with their
-    options, repeats, timing and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards, with
-    their online re-runs when `online`."""
+    options, repeats, timing, page size and attention path; `sharded` for a replay on Ray, whose checkpoint holds
+    shards, with their online re-runs when `online`."""
     identity = {
         "trace": "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(),
         "model": loaded["model"],
@@ -94,6 +96,7 @@ def checkpoint_identity(
         "policies": {variant.label: variant.options for variant in variants},
         "repeats": repeats,
         "timing": timing,
+        "page_size": page_size,
         "dtype": loaded["dtype"],
         "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
@@ -273,6 +276,15 @@ def command(
             "synced prefill calls, mean over the runs.",
         ),
     ] = "turn",
+    page_size: Annotated[
+        int,
+        typer.Option(
+            "--page-size",
+            min=1,
+            help="Tokens per KV block (vLLM's block size) for the memory the papers report: the policy's stored "
+            "caches in whole blocks, peak over the replay.",
+        ),
+    ] = 16,
     limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
     skip: Annotated[
         int, typer.Option("--skip", min=0, help="Skip the first N trajectories (e.g. those a pool was fitted on).")
@@ -369,7 +381,7 @@ def command(
                 raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
             trajectories = select_trajectories(trace, skip, limit)
             identity = checkpoint_identity(
-                trace, loaded, variants, repeats, use_kernel, sharded=True, online=online, timing=timing
+                trace, loaded, variants, repeats, use_kernel, True, online, timing, page_size
             )
             result = replay_on_ray(
                 cluster,
@@ -384,6 +396,7 @@ def command(
                 identity,
                 resume,
                 timing,
+                page_size,
             )
         finish(out, result, args, workers=result["distributed"].pop("workers"))
         return
@@ -398,7 +411,9 @@ def command(
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
     trajectories = select_trajectories(trace, skip, limit)
     checkpoint = out / "replay.partial.json"
-    identity = checkpoint_identity(trace, agents_identity(agents), variants, repeats, use_kernel, timing=timing)
+    identity = checkpoint_identity(
+        trace, agents_identity(agents), variants, repeats, use_kernel, timing=timing, page_size=page_size
+    )
     state = None
     if resume and checkpoint.exists():
         state = read_checkpoint(checkpoint, identity, [t.id for t in trajectories])
@@ -415,6 +430,7 @@ def command(
         state=state,
         on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
         timing=timing,
+        page_size=page_size,
     )
     finish(out, result, args)
 
@@ -450,6 +466,7 @@ def replay_on_ray(
     identity: dict,
     resume: bool,
     timing: str = "turn",
+    page_size: int = 16,
 ) -> dict:
     """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
     completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
@@ -492,7 +509,7 @@ def replay_on_ray(
             on_progress=show_progress, on_shard=save, on_event=lambda line: bar.console.print(f"[yellow]{line}[/]")
         )
         result = replay_sharded(
-            cluster, trajectories, variants, repeats, online, lora_attention, done, hooks, groups, timing
+            cluster, trajectories, variants, repeats, online, lora_attention, done, hooks, groups, timing, page_size
         )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
@@ -510,10 +527,11 @@ def replay_with_progress(
     state: ReplayProgress | None = None,
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
     timing: str = "turn",
+    page_size: int = 16,
 ) -> dict:
     """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`,
-    timed as `timing` says (`kvprof.replay.replay_trace`); the result names its trace, the trace's source and the
-    variants `skipped`."""
+    timed as `timing` says, KV blocks of `page_size` tokens (`kvprof.replay.replay_trace`); the result names its
+    trace, the trace's source and the variants `skipped`."""
     from kvprof.replay import ReplayHooks, run_replay
 
     with progress() as bar:
@@ -536,6 +554,7 @@ def replay_with_progress(
             progress=state,
             hooks=hooks,
             timing=timing,
+            page_size=page_size,
         )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
@@ -549,6 +568,7 @@ def show(result: dict) -> None:
         delta_table,
         dense_check,
         fidelity_table,
+        memory_claims_table,
         policy_notes,
         reuse_table,
         timeline_note,
@@ -566,6 +586,9 @@ def show(result: dict) -> None:
     if delta is not None:
         console.print(delta.to_rich())
     console.print(cost_table(result).to_rich())
+    claims = memory_claims_table(result)
+    if claims is not None:
+        console.print(claims.to_rich())
     for line in policy_notes(result):
         console.print(line)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from kvprof.errors import KvprofError
 from kvprof.lora import shared_down_projection
 from kvprof.policies.base import Published
+from kvprof.policies.baseshared import LRAGENT_MEMORY
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.runtime import Runtime
@@ -32,6 +33,7 @@ class BaseLRShared(PreLRShared):
             LRAGENT_SETTING,
             "TTFT up to 4.44× lower than NonShared; throughput up to 2.46× with Flash-LoRA-Attention",
         ),
+        LRAGENT_MEMORY,
     )
 
     def check(self, runtime: Runtime) -> None:
