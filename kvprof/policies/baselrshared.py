@@ -9,7 +9,7 @@ A differ. Paper: LRAgent (BaseLRShared).
 from __future__ import annotations
 
 from kvprof.errors import KvprofError
-from kvprof.lora import shared_down_projection
+from kvprof.lora import unshared_down_projections
 from kvprof.policies.base import Published
 from kvprof.policies.baseshared import LRAGENT_MEMORY
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
@@ -39,11 +39,13 @@ class BaseLRShared(PreLRShared):
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
         names = runtime.agents.spec.names
-        if not shared_down_projection(runtime.splits, names):
+        unshared = unshared_down_projections(runtime.splits, names)
+        if unshared:
+            shown = ", ".join(unshared[:3]) + (f" and {len(unshared) - 3} more" if len(unshared) > 3 else "")
             raise KvprofError(
-                "policy baselrshared needs adapters that share their down-projection A (only B "
-                f"differs), but the adapters of {', '.join(names)} have different A; use adapters "
-                "trained with a shared A, or policy prelrshared."
+                "policy baselrshared needs adapters that share their down-projection A on every cached projection "
+                f"they adapt (only B differs), but the adapters of {', '.join(names)} differ on {shown}; use "
+                "adapters trained with a shared A there, or policy prelrshared."
             )
 
     def lr_name(self, agent: str) -> str:
