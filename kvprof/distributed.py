@@ -38,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from kvprof.errors import KvprofError
+from kvprof.memory_claims import memory_verdicts
 from kvprof.model import AgentSet, agents_identity, load_agents_for_header
 from kvprof.policies import PolicyVariant
 from kvprof.replay import (
     DENSE,
+    PAGE_SIZE,
     ReplayProgress,
     relative_to_dense,
     replay_result,
@@ -238,9 +240,12 @@ def run_shard(
     on_turn: Callable[[], None] | None = None,
     on_task: Callable[[], None] | None = None,
     worker: str = "",
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
 ) -> ShardResult:
     """Replay `shard` here (what a worker does): the teacher-forced lockstep replay of its trajectories, then their
-    online re-runs when `online`; `on_turn` / `on_task` after each turn / online task."""
+    online re-runs when `online`; `on_turn` / `on_task` after each turn / online task;
+    `timing` and `page_size` as `replay_trace`'s."""
     state = ReplayProgress()
     replayed = replay_trace(
         agents,
@@ -250,6 +255,8 @@ def run_shard(
         on_turn=(lambda traj, index: on_turn()) if on_turn else None,
         progress=state,
         lora_attention=lora_attention,
+        timing=timing,
+        page_size=page_size,
     )
     entries = {
         label: {key: value for key, value in entry.items() if key not in ("summary", "turns")}
@@ -264,7 +271,8 @@ def run_shard(
             on_task=(lambda label, task: on_task()) if on_task else None,
             lora_attention=lora_attention,
         )
-    return ShardResult(shard.key, state, entries, runs, run_setting(agents, repeats, lora_attention), worker)
+    setting = run_setting(agents, repeats, lora_attention, timing, page_size)
+    return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
 def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool) -> dict:
@@ -319,7 +327,9 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
     setting["device"] = ", ".join(dict.fromkeys(s["device"] for s in settings))
     readings = [s["gpu_memory"] for s in settings if s["gpu_memory"]]
     setting["gpu_memory"] = max(readings, key=lambda r: r["allocator_peak_bytes"]) if readings else None
-    return merged | setting
+    merged |= setting
+    merged["memory_claims"] = memory_verdicts(merged)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -435,7 +445,17 @@ class ReplayWorker:
 
         return runnable_variants(variants, Runtime(self._loaded()), skip)
 
-    def run(self, shard: Shard, attempt: int, counter, repeats: int, online: bool, lora_attention: bool):
+    def run(
+        self,
+        shard: Shard,
+        attempt: int,
+        counter,
+        repeats: int,
+        online: bool,
+        lora_attention: bool,
+        timing: str,
+        page_size: int,
+    ):
         """`run_shard`, reporting each turn and online task to the `ShardCounter` actor `counter`."""
         import torch
 
@@ -450,6 +470,8 @@ class ReplayWorker:
             on_turn=lambda: counter.advance.remote(shard.key, attempt, 1, 0),
             on_task=lambda: counter.advance.remote(shard.key, attempt, 0, 1),
             worker=f"{socket.gethostname()}:{os.getpid()}",
+            timing=timing,
+            page_size=page_size,
         )
 
 
@@ -659,6 +681,8 @@ class RayCluster:
         online: bool,
         lora_attention: bool,
         hooks: ShardHooks,
+        timing: str = "turn",
+        page_size: int = PAGE_SIZE,
     ) -> dict[str, ShardResult]:
         """Replay the shards without a result in `results` on the workers, largest first (`Shard.cost`: a long
         sequential shard starts early rather than last); returns every shard's result."""
@@ -683,7 +707,7 @@ class RayCluster:
                 shard = pending.popleft()
                 attempts[shard.key] += 1
                 ref = self.handles[worker].run.remote(
-                    shard, attempts[shard.key], self._counter, repeats, online, lora_attention
+                    shard, attempts[shard.key], self._counter, repeats, online, lora_attention, timing, page_size
                 )
                 running[ref] = _Running(worker, shard, attempts[shard.key])
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S) if running else ([], [])
@@ -770,6 +794,8 @@ def replay_sharded(
     done: dict[str, ShardResult] | None = None,
     hooks: ShardHooks | None = None,
     groups: list[list[str]] | None = None,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
 ) -> dict:
     """What `run_replay` returns for the same arguments, replayed in shards on `cluster`'s workers and merged
     (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again;
@@ -788,6 +814,8 @@ def replay_sharded(
         online,
         lora_attention,
         hooks or ShardHooks(),
+        timing,
+        page_size,
     )
     merged = merge(shards, results, variants, online)
     used = dict.fromkeys(results[shard.key].worker for shard in shards)

@@ -197,16 +197,21 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
-def shared_down_projection(splits: list[LayerSplit], agents: list[str]) -> bool:
-    """True when every agent adapts the same projections with an identical A (BaseLRShared's requirement)."""
-    for split in splits:
-        for projection in (split.key, split.value):
+def unshared_down_projections(splits: list[LayerSplit], agents: list[str]) -> list[str]:
+    """The cached projections (k_proj, v_proj of each layer) whose down-projection A the agents do not share: adapted
+    by some agents only, or with different A ("layer 0 k_proj", ...). BaseLRShared shares one LR cache X·A for
+    exactly these projections, so this asks nothing of the others: a projection no agent adapts (K in PReCache's
+    and LRAgent's q/v setting, where A is shared on v_proj only) and the projections outside the cache (q_proj,
+    o_proj), whose A may differ per agent."""
+    unshared = []
+    for index, split in enumerate(splits):
+        for side, projection in (("k_proj", split.key), ("v_proj", split.value)):
             downs = [projection.down.get(agent) for agent in agents]
-            if any(d is None for d in downs) and not all(d is None for d in downs):
-                return False
-            if downs[0] is not None and not all(torch.equal(downs[0], d) for d in downs[1:]):
-                return False
-    return True
+            if all(d is None for d in downs):
+                continue
+            if any(d is None for d in downs) or not all(torch.equal(downs[0], d) for d in downs[1:]):
+                unshared.append(f"layer {index} {side}")
+    return unshared
 
 
 class HiddenTap:

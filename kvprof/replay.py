@@ -12,12 +12,14 @@ call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT,
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from kvprof.branches import BranchingTimeline, FollowedTimeline, plan_of
+from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
     kl_divergence,
     mean_token_cosine,
@@ -35,6 +37,10 @@ from kvprof.trace import Trajectory
 from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
 
 DENSE = "dense"
+PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
+UNPAGED = ("anchor pool",)  # stored structures that are not token-indexed caches: counted at their exact bytes
+TIMINGS = ("turn", "trajectory")
+"""`replay_trace`'s timing modes: per-turn medians (kvprof) or PReCache's trajectory timing (code)."""
 
 
 def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_outputs: list[int]) -> dict:
@@ -124,6 +130,60 @@ def error_by_hop(turns: list[dict]) -> dict[str, dict]:
     }
 
 
+def weights_bytes(model) -> int:
+    """Bytes of every parameter and buffer of `model` (the base model with every agent's adapter loaded): what
+    `torch.cuda.max_memory_allocated` counts besides caches and activations."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
+    """The bytes `tensors` (a policy's `live_tensors`) occupy in KV blocks of `page_size` tokens, as vLLM holds
+    caches: each tensor's token axis — −2 in every token-indexed cache kvprof stores: K/V (B, H_kv, T, D), LR caches
+    (1, T, r), hidden states (1, T, d_model) — rounded up to whole blocks; `UNPAGED` structures at their exact
+    bytes."""
+    total = 0
+    for name, group in tensors.items():
+        for t in group:
+            exact = t.numel() * t.element_size()
+            tokens = t.shape[-2] if t.dim() >= 2 and name not in UNPAGED else 0
+            total += exact * math.ceil(tokens / page_size) * page_size // tokens if tokens else exact
+    return total
+
+
+def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_size: int) -> dict:
+    """Memory of one turn as the papers report it, besides kvprof's analytic bytes: `kv_block_bytes`, the stored
+    caches after the turn in KV blocks of `page_size` tokens (`paged_bytes`) and `kv_blocks`, those bytes in full
+    K/V blocks (`page_size` tokens × every layer's K and V: exactly vLLM's block count for full-dimension caches, a
+    fraction for rank-r ones); `allocator_peak_bytes`, the allocator's peak with the weights (`weights`): on CUDA the
+    weights + the allocator's peak above the turn's start + the policy's stored bytes (`TurnResult.cuda_peak_bytes`:
+    as if the policy ran alone), elsewhere the analytic equivalent, the weights + the turn's working peak."""
+    paged = paged_bytes(policy.live_tensors(), page_size)
+    working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
+    peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
+    return {
+        "kv_block_bytes": paged,
+        "kv_blocks": paged / (page_size * policy.runtime.kv_bytes_per_token),
+        "allocator_peak_bytes": weights + peak,
+    }
+
+
+def allocator_peak(turns: list[dict]) -> tuple[int | None, str | None]:
+    """The allocator's peak with the weights over a policy's turns, and how it was read: with trajectory timing on
+    CUDA, `torch.cuda.max_memory_allocated` over each timed run of a trajectory, the policy alone (PReCache's
+    reading); else the per-turn readings (`paper_memory`)."""
+    if not turns or "allocator_peak_bytes" not in turns[0]:
+        return None, None
+    alone = [b for t in turns for b in t.get("runs", {}).get("cuda_allocated_bytes", []) if b is not None]
+    if alone:
+        return max(alone), "cuda: max_memory_allocated over each timed trajectory run, the policy alone"
+    source = (
+        "cuda: weights + the allocator's peak above each turn's start + the policy's stored bytes"
+        if turns[0]["cuda_peak_bytes"] is not None
+        else "analytic (no CUDA): weights + the peak of stored + working bytes"
+    )
+    return max(t["allocator_peak_bytes"] for t in turns), source
+
+
 def summarise(turns: list[dict]) -> dict:
     """Aggregate per-turn records of one policy (token-weighted fidelity, summed cost, per-layer mean error)."""
     outputs = sum(t["output_tokens"] for t in turns)
@@ -134,9 +194,11 @@ def summarise(turns: list[dict]) -> dict:
     for layer in range(layer_count):
         rows = [t["layers"][layer] for t in reusable]
         per_layer.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0]})
-    decode_s = sum(t["decode_s"] for t in turns)
+    timed = trajectory_timed(turns)
+    decode_s = sum(row["decode_s"] for row in timed)
     decode_steps = sum(t["decode_steps"] for t in turns)
     cuda_peaks = [t["cuda_peak_bytes"] for t in turns if t["cuda_peak_bytes"] is not None]
+    allocator_bytes, allocator_source = allocator_peak(turns)
     summary = {
         "turns": len(turns),
         "input_tokens": inputs,
@@ -160,20 +222,43 @@ def summarise(turns: list[dict]) -> dict:
         "prefilled": sum(t["prefilled"] for t in turns),
         "flops": sum(t["flops"] for t in turns),
         "ttft_flops": sum(t["ttft_flops"] for t in turns),
-        "ttft_s": sum(t["ttft_s"] for t in turns),
+        "timing": "trajectory" if turns and "runs" in turns[0] else "turn",
+        "ttft_s": sum(row["ttft_s"] for row in timed),
+        "trajectory_ttft_s": trajectory_sums(turns, [row["ttft_s"] for row in timed]),
         "decode_s": decode_s,
         "tpot_s": decode_s / decode_steps if decode_steps else None,
         "decode_tokens_per_s": decode_steps / decode_s if decode_s else None,
-        "latency_s": sum(t["latency_s"] for t in turns),
+        "latency_s": sum(row["latency_s"] for row in timed),
         "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
         "peak_working_bytes": max((t["working_peak_bytes"] for t in turns), default=0),
         "cuda_peak_bytes": max(cuda_peaks) if cuda_peaks else None,
+        "allocator_peak_bytes": allocator_bytes,
+        "allocator_peak_source": allocator_source,
+        "peak_kv_block_bytes": max((t.get("kv_block_bytes", 0) for t in turns), default=0),
+        "peak_kv_blocks": max((t.get("kv_blocks", 0.0) for t in turns), default=0.0),
         "layers": per_layer,
         "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
         "v_error": statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
     }
     summary["tokens_per_s"] = outputs / summary["latency_s"] if summary["latency_s"] else None
     return summary
+
+
+def trajectory_timed(turns: list[dict]) -> list[dict[str, float]]:
+    """Each turn's TTFT, decode time and latency as the result reports them: with trajectory timing (a record has
+    `runs`), the mean over the timed runs of its trajectory (the warm-up run excluded); else the turn's own
+    measurement (the median of its timed repeats)."""
+    keys = ("ttft_s", "decode_s", "latency_s")
+    return [{key: statistics.fmean(t["runs"][key]) if "runs" in t else t[key] for key in keys} for t in turns]
+
+
+def trajectory_sums(turns: list[dict], values: list[float]) -> dict[str, float]:
+    """`values` (one per turn) summed per trajectory (trajectory id → sum), in replay order."""
+    sums: dict[str, float] = {}
+    for turn, value in zip(turns, values):
+        key = str(turn.get("trajectory"))
+        sums[key] = sums.get(key, 0.0) + value
+    return sums
 
 
 def delta_reuse(turns: list[dict]) -> float | None:
@@ -202,6 +287,8 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
         ),
         "memory_ratio": ratio(summary["peak_memory_bytes"], dense["peak_memory_bytes"]),
         "working_memory_ratio": ratio(summary["peak_working_bytes"], dense["peak_working_bytes"]),
+        "allocator_peak_ratio": ratio(summary["allocator_peak_bytes"], dense["allocator_peak_bytes"]),
+        "kv_block_ratio": ratio(summary["peak_kv_block_bytes"], dense["peak_kv_block_bytes"]),
     }
 
 
@@ -245,8 +332,20 @@ def replay_trace(
     progress: ReplayProgress | None = None,
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
     lora_attention: bool = False,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
 ) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
+
+    Each turn's record adds its memory as the papers report it (`paper_memory`: KV blocks of `page_size` tokens,
+    the allocator's peak with the weights).
+
+    `timing` "turn" (kvprof): each turn's TTFT is the median of `repeats` timed prefills after a warm-up of the same
+    turn on hot caches. "trajectory" (PReCache's `bench/single_stream.py`): the lockstep pass runs each turn once
+    (its records give fidelity and work), then each run (dense, every policy) replays every trajectory alone on a
+    timing instance of its own (`time_trajectory`): one untimed warm-up run, then `repeats` timed runs; a turn's
+    record keeps its per-run TTFT, decode time and latency (`runs`, the warm-up's under `warm_up`), and the
+    summaries take their mean over the runs.
 
     Turns that leave the shared context reuse their longest common prefix with earlier turns and recompute the rest
     (`kvprof.branches`); the dense run's records say where and why (`TurnStart.to_json`).
@@ -261,8 +360,20 @@ def replay_trace(
     state = progress or ReplayProgress()
     for label in [DENSE] + [policy.label for policy in policies]:
         state.records.setdefault(label, [])
+    if timing not in TIMINGS:
+        raise ValueError(f"timing {timing!r} is not one of {TIMINGS}")
+    per_turn = repeats if timing == "turn" else 1
+    weights = weights_bytes(agents.model)
+    timers = (
+        {DENSE: NonShared(runtime), **{p.label: v.build(runtime) for p, v in zip(policies, variants)}}
+        if timing == "trajectory"
+        else {}
+    )
     stateful = [policy for policy, variant in zip(policies, variants) if not variant.trajectory_independent]
-    rebuild_state(runtime, stateful, [traj for traj in trajectories if traj.id in state.trajectories])
+    done = [traj for traj in trajectories if traj.id in state.trajectories]
+    rebuild_state(runtime, stateful, done)
+    stateful_timers = [timers[v.label] for v in variants if not v.trajectory_independent and v.label in timers]
+    rebuild_state(runtime, stateful_timers, done, passes=repeats + 1)
     for traj in trajectories:
         if traj.id in state.trajectories:
             continue
@@ -275,13 +386,16 @@ def replay_trace(
             outputs = traj.output_tokens(turn)
             request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn), output_ids=outputs)
             start = timeline.begin(index)
-            dense_result = dense.run_turn(request, repeats)
+            dense_result = dense.run_turn(request, per_turn)
             where = {"trajectory": traj.id, "turn": index}
             state.records[DENSE].append(
-                compare_turn(dense_result, dense_result, 0, outputs) | where | {"start": start.to_json()}
+                compare_turn(dense_result, dense_result, 0, outputs)
+                | paper_memory(dense, dense_result, weights, page_size)
+                | where
+                | {"start": start.to_json()}
             )
             for policy in policies:
-                turn_result = policy.run_turn(request, repeats)
+                turn_result = policy.run_turn(request, per_turn)
                 from_others = turn_result.from_others
                 if from_others is None:
                     from_others = (
@@ -290,7 +404,9 @@ def replay_trace(
                         else 0
                     )
                 state.records[policy.label].append(
-                    compare_turn(turn_result, dense_result, from_others, outputs) | where
+                    compare_turn(turn_result, dense_result, from_others, outputs)
+                    | paper_memory(policy, turn_result, weights, page_size)
+                    | where
                 )
                 if check_memory:
                     exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
@@ -299,6 +415,13 @@ def replay_trace(
             timeline.end(index, turn.agent, shared_len + len(outputs))
             if on_turn:
                 on_turn(traj, index)
+        if timers:
+            for run in [dense, *policies]:
+                run.reset()  # the lockstep runs' stored caches are released: each timed run holds only its own
+            for label, timer in timers.items():
+                records = state.records[label][-len(traj.turns) :]
+                for record, runs in zip(records, time_trajectory(timer, traj, repeats), strict=True):
+                    record.update(runs)
         state.trajectories.append(traj.id)
         if on_trajectory:
             on_trajectory(state)
@@ -309,21 +432,60 @@ def replay_trace(
     )
 
 
-def rebuild_state(runtime: Runtime, policies: list[SharingPolicy], trajectories: list[Trajectory]) -> None:
+def rebuild_state(
+    runtime: Runtime, policies: list[SharingPolicy], trajectories: list[Trajectory], passes: int = 1
+) -> None:
     """Replay `trajectories` under `policies` (those that keep state across trajectories) without recording
-    anything, so that a resumed replay continues from the state an uninterrupted one would have reached."""
+    anything, each trajectory `passes` times (a trajectory-timing instance ran each 1 + repeats times), so that a
+    resumed replay continues from the state an uninterrupted one would have reached."""
     for traj in trajectories if policies else []:
         runtime.serve_trajectory(traj)
-        for policy in policies:
-            policy.reset()
-        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), policies)
-        for index, turn in enumerate(traj.turns):
-            request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
-            timeline.begin(index)
+        for _ in range(passes):
             for policy in policies:
-                policy.run_turn(request)
-            shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
-            timeline.end(index, turn.agent, shared_len + len(request.output_ids or []))
+                policy.reset()
+            run_trajectory(runtime, policies, traj)
+
+
+def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajectory) -> list[list[TurnResult]]:
+    """Every turn of `traj` (already served: `Runtime.serve_trajectory`) under `policies` in lockstep, each turn
+    once (no per-turn repeats), following the trajectory's timeline (`kvprof.branches`); per turn, each policy's
+    result."""
+    timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), policies)
+    results = []
+    for index, turn in enumerate(traj.turns):
+        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
+        timeline.begin(index)
+        results.append([policy.run_turn(request) for policy in policies])
+        shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
+        timeline.end(index, turn.agent, shared_len + len(request.output_ids or []))
+    return results
+
+
+def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> list[dict]:
+    """Trajectory timing as PReCache's `bench/single_stream.py` times a method: `policy` alone replays `traj` once
+    untimed (warm-up), then `repeats` times, each run from an empty store (`reset`), every turn once; the store is
+    released after the last run. Per turn: `runs` (per timed run: TTFT — the synced prefill call, so a
+    double-batched policy's two rows are inside and a lazy prefill's adapter-free pass outside —, decode time,
+    latency and, on CUDA, the allocator's peak with the weights, `torch.cuda.max_memory_allocated` during the turn)
+    and the warm-up run's TTFT and latency (`warm_up`)."""
+    runs = []
+    for _ in range(repeats + 1):
+        policy.reset()
+        runs.append([turn[0] for turn in run_trajectory(policy.runtime, [policy], traj)])
+    policy.reset()
+    warm_up, timed = runs[0], runs[1:]
+    return [
+        {
+            "warm_up": {"ttft_s": warm_up[index].ttft_s, "latency_s": warm_up[index].latency_s},
+            "runs": {
+                "ttft_s": [run[index].ttft_s for run in timed],
+                "decode_s": [run[index].decode_s for run in timed],
+                "latency_s": [run[index].latency_s for run in timed],
+                "cuda_allocated_bytes": [run[index].cuda_allocated_bytes for run in timed],
+            },
+        }
+        for index in range(len(traj.turns))
+    ]
 
 
 def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:
@@ -435,9 +597,12 @@ def run_replay(
     lora_attention: bool = False,
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
 ) -> dict:
-    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay, the online re-runs
-    when `online`, and the run's setting (model, mode, repeats, attention path, device, CPU, dtype, GPU memory)."""
+    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay (`timing` as
+    `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode, repeats, timing,
+    attention path, device, CPU, dtype, GPU memory)."""
     hooks = hooks or ReplayHooks()
     result = replay_trace(
         agents,
@@ -448,23 +613,44 @@ def run_replay(
         progress=progress,
         on_trajectory=hooks.on_trajectory,
         lora_attention=lora_attention,
+        timing=timing,
+        page_size=page_size,
     )
     if online:
         runs = run_online(
             agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task, lora_attention=lora_attention
         )
         result["online"] = summarise_online(runs)
-    result.update(run_setting(agents, repeats, lora_attention))
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size))
+    result["memory_claims"] = memory_verdicts(result)
     return result
 
 
-def run_setting(agents: AgentSet, repeats: int, lora_attention: bool) -> dict:
-    """What a replay's result records of how it ran: model, mode, repeats, attention path, device, CPU, dtype and
-    GPU memory (read now: the allocator's peak so far)."""
+def timing_setting(timing: str, repeats: int) -> dict:
+    """How a replay timed TTFT, TPOT and latency (`replay_trace`'s `timing`): the mode, whose practice it follows
+    (`Option.origins`' labels), the timed runs (turn: repeats per turn; trajectory: runs per trajectory) and the
+    untimed warm-up runs before them."""
+    trajectory = timing == "trajectory"
+    return {
+        "mode": timing,
+        "origin": "code" if trajectory else "kvprof",
+        "runs": repeats,
+        "warm_up_runs": 1 if trajectory or repeats > 1 else 0,
+    }
+
+
+def run_setting(
+    agents: AgentSet, repeats: int, lora_attention: bool, timing: str = "turn", page_size: int = PAGE_SIZE
+) -> dict:
+    """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), KV page size,
+    the weights' bytes, attention path, device, CPU, dtype and GPU memory (read now: the allocator's peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
+        timing=timing_setting(timing, repeats),
+        page_size=page_size,
+        weights_bytes=weights_bytes(agents.model),
         lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
         device=str(agents.device),
         cpu=cpu_description(),

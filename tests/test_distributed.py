@@ -45,6 +45,7 @@ from kvprof.trace import read_trace
 TIMINGS = {"ttft_s", "decode_s", "latency_s"}
 TIMED_SUMMARY = TIMINGS | {
     "tpot_s",
+    "trajectory_ttft_s",
     "decode_tokens_per_s",
     "tokens_per_s",
     "ttft_speedup",

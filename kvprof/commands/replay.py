@@ -63,6 +63,8 @@ SETTINGS = {
     "agents": "other agents (--agent/--role)",
     "policies": "--policy",
     "repeats": "--repeats",
+    "timing": "--timing",
+    "page_size": "--page-size",
     "dtype": "--dtype",
     "device": "--device",
     "lora_attention": "--lora-attention",
@@ -80,17 +82,21 @@ def checkpoint_identity(
     use_kernel: bool,
     sharded: bool = False,
     online: bool = False,
+    timing: str = "turn",
+    page_size: int = 16,
 ) -> dict:
     """The settings a replay's records depend on, which its checkpoint records: the trace's content, the model
     and agents, dtype and device (`loaded`: `kvprof.model.agents_identity`), the policy variants with their
-    options, repeats and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards, with their
-    online re-runs when `online`."""
+    options, repeats, timing, page size and attention path; `sharded` for a replay on Ray, whose checkpoint holds
+    shards, with their online re-runs when `online`."""
     identity = {
         "trace": "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(),
         "model": loaded["model"],
         "agents": loaded["agents"],
         "policies": {variant.label: variant.options for variant in variants},
         "repeats": repeats,
+        "timing": timing,
+        "page_size": page_size,
         "dtype": loaded["dtype"],
         "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
@@ -256,9 +262,29 @@ def command(
             "--repeats",
             min=1,
             help="Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the first "
-            "decode step also runs once untimed before the timed ones.",
+            "decode step also runs once untimed before the timed ones. With --timing trajectory: timed runs of each "
+            "trajectory after its warm-up run.",
         ),
     ] = 3,
+    timing: Annotated[
+        str,
+        typer.Option(
+            "--timing",
+            help="turn (kvprof): TTFT, TPOT and latency per turn, the median of --repeats after a warm-up of the "
+            "same turn on hot caches; trajectory (code: PReCache's bench/single_stream.py): each policy replays "
+            "each trajectory alone, once untimed, then --repeats timed runs; TTFT = the sum of the trajectory's "
+            "synced prefill calls, mean over the runs.",
+        ),
+    ] = "turn",
+    page_size: Annotated[
+        int,
+        typer.Option(
+            "--page-size",
+            min=1,
+            help="Tokens per KV block (vLLM's block size) for the memory the papers report: the policy's stored "
+            "caches in whole blocks, peak over the replay.",
+        ),
+    ] = 16,
     limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
     skip: Annotated[
         int, typer.Option("--skip", min=0, help="Skip the first N trajectories (e.g. those a pool was fitted on).")
@@ -331,6 +357,10 @@ def command(
         from kvprof.branches import require_one_timeline
 
         require_one_timeline(select_trajectories(trace, skip, limit), trace_header(trace).mode)
+    from kvprof.replay import TIMINGS
+
+    if timing not in TIMINGS:
+        raise KvprofError(f"--timing {timing!r} is not {' or '.join(TIMINGS)}; pass one of them.")
     if lora_attention not in ("auto", "kernel", "expand"):
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
     flags = list(policy_option or [])
@@ -350,9 +380,23 @@ def command(
             if not variants:
                 raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
             trajectories = select_trajectories(trace, skip, limit)
-            identity = checkpoint_identity(trace, loaded, variants, repeats, use_kernel, sharded=True, online=online)
+            identity = checkpoint_identity(
+                trace, loaded, variants, repeats, use_kernel, True, online, timing, page_size
+            )
             result = replay_on_ray(
-                cluster, trace, trajectories, variants, skipped, repeats, online, use_kernel, out, identity, resume
+                cluster,
+                trace,
+                trajectories,
+                variants,
+                skipped,
+                repeats,
+                online,
+                use_kernel,
+                out,
+                identity,
+                resume,
+                timing,
+                page_size,
             )
         finish(out, result, args, workers=result["distributed"].pop("workers"))
         return
@@ -367,7 +411,9 @@ def command(
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
     trajectories = select_trajectories(trace, skip, limit)
     checkpoint = out / "replay.partial.json"
-    identity = checkpoint_identity(trace, agents_identity(agents), variants, repeats, use_kernel)
+    identity = checkpoint_identity(
+        trace, agents_identity(agents), variants, repeats, use_kernel, timing=timing, page_size=page_size
+    )
     state = None
     if resume and checkpoint.exists():
         state = read_checkpoint(checkpoint, identity, [t.id for t in trajectories])
@@ -383,6 +429,8 @@ def command(
         lora_attention=use_kernel,
         state=state,
         on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
+        timing=timing,
+        page_size=page_size,
     )
     finish(out, result, args)
 
@@ -417,6 +465,8 @@ def replay_on_ray(
     out: Path,
     identity: dict,
     resume: bool,
+    timing: str = "turn",
+    page_size: int = 16,
 ) -> dict:
     """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
     completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
@@ -458,7 +508,9 @@ def replay_on_ray(
         hooks = ShardHooks(
             on_progress=show_progress, on_shard=save, on_event=lambda line: bar.console.print(f"[yellow]{line}[/]")
         )
-        result = replay_sharded(cluster, trajectories, variants, repeats, online, lora_attention, done, hooks, groups)
+        result = replay_sharded(
+            cluster, trajectories, variants, repeats, online, lora_attention, done, hooks, groups, timing, page_size
+        )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
 
@@ -474,9 +526,12 @@ def replay_with_progress(
     lora_attention: bool,
     state: ReplayProgress | None = None,
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
+    timing: str = "turn",
+    page_size: int = 16,
 ) -> dict:
-    """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`;
-    the result names its trace, the trace's source and the variants `skipped`."""
+    """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`,
+    timed as `timing` says, KV blocks of `page_size` tokens (`kvprof.replay.replay_trace`); the result names its
+    trace, the trace's source and the variants `skipped`."""
     from kvprof.replay import ReplayHooks, run_replay
 
     with progress() as bar:
@@ -498,6 +553,8 @@ def replay_with_progress(
             lora_attention=lora_attention,
             progress=state,
             hooks=hooks,
+            timing=timing,
+            page_size=page_size,
         )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
@@ -511,6 +568,7 @@ def show(result: dict) -> None:
         delta_table,
         dense_check,
         fidelity_table,
+        memory_claims_table,
         policy_notes,
         reuse_table,
         timeline_note,
@@ -528,6 +586,9 @@ def show(result: dict) -> None:
     if delta is not None:
         console.print(delta.to_rich())
     console.print(cost_table(result).to_rich())
+    claims = memory_claims_table(result)
+    if claims is not None:
+        console.print(claims.to_rich())
     for line in policy_notes(result):
         console.print(line)
 

@@ -1,6 +1,7 @@
 """Train the demo world from scratch on CPU: tokenizer, base model, role adapters, shared-A adapters.
 
     python -m kvprof.demo.train [--out DIR] [--seed N]
+    python -m kvprof.demo.train --qv-only [--out DIR]   # only the q/v adapter sets, on the base already in DIR
 
 Phases (each with a progress bar; timings, losses and per-call held-out accuracy go to OUT/training.json):
 
@@ -13,7 +14,12 @@ Phases (each with a progress bar; timings, losses and per-call held-out accuracy
    prompt: the only thing that tells an agent its role in lora mode.
 4. shared-A — the same three roles with one common, frozen, seeded A per layer and projection; only B is trained
    (adapters for the BaseLRShared policy).
-5. world — workflow specs, held-out and long tasks.
+5. lora_qv, shared_a_qv — the papers' setting (PReCache's main results, LRAgent): r=8, α=16 on q_proj and v_proj
+   only (K carries no adapter, V = base + LR), and its shared-A twin whose roles share one frozen, seeded A on
+   v_proj only (q_proj's A is each role's own and trained). `--qv-only` trains just these two sets on the base
+   model already in OUT, exactly as the full run trains them (same seeds, same example streams, same base weights),
+   and adds their phases to OUT/training.json.
+6. world — workflow specs (one per adapter set), held-out and long tasks.
 
 Deterministic for a fixed seed and thread count: tasks, example order and initialisation all derive from the seed.
 Training uses bf16 autocast (master weights stay fp32) and computes the loss on output tokens only.
@@ -47,10 +53,12 @@ from kvprof.demo.world import (
     write_tasks,
     write_workflow_toml,
 )
+from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.ui import progress
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+QV_TARGETS = ("q_proj", "v_proj")  # PReCache's main results and LRAgent's setting: K is the base's, fully shared
 
 
 @dataclass
@@ -87,6 +95,36 @@ class TrainConfig:
     eval_tasks: int = 100
     heldout_tasks: int = 250
     long_tasks: int = 2
+
+
+@dataclass(frozen=True)
+class AdapterSet:
+    """One trained adapter set: its folder under OUT/adapters (and workflow_{workflow}.toml), the LoRA targets,
+    rank r and α, the projections on which every role shares one frozen, seeded A (the others' A is each role's
+    own), and the offset of the seed its initialisation draws from (`TrainConfig.seed` + offset)."""
+
+    name: str
+    workflow: str
+    targets: tuple[str, ...]
+    rank: int
+    alpha: int
+    shared_a: tuple[str, ...]
+    seed_offset: int
+
+
+def adapter_sets(cfg: TrainConfig) -> tuple[AdapterSet, ...]:
+    """The demo's adapter sets: q/k/v/o at `cfg.adapter_rank` (α = 2r) and its shared-A twin (A shared on every
+    target), then the papers' q/v setting (r=8, α=16) and its twin with A shared on v_proj only."""
+    rank = cfg.adapter_rank
+    return (
+        AdapterSet("lora", "lora", LORA_TARGETS, rank, 2 * rank, (), 1),
+        AdapterSet("shared_a", "lora_shared_a", LORA_TARGETS, rank, 2 * rank, LORA_TARGETS, 2),
+        AdapterSet("lora_qv", "lora_qv", QV_TARGETS, 8, 16, (), 3),
+        AdapterSet("shared_a_qv", "lora_shared_a_qv", QV_TARGETS, 8, 16, ("v_proj",), 4),
+    )
+
+
+QV_SETS = ("lora_qv", "shared_a_qv")  # what --qv-only trains
 
 
 class ModelShape(Protocol):
@@ -409,28 +447,17 @@ class Trainer:
         )
         return model
 
-    def adapters(self, model, tokenizer, name: str, shared_a: bool):
-        from peft import LoraConfig, get_peft_model
-
-        cfg = self.cfg
-        config = LoraConfig(
-            r=cfg.adapter_rank, lora_alpha=2 * cfg.adapter_rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0
-        )
-        torch.manual_seed(cfg.seed + (2 if shared_a else 1))
-        peft_model = get_peft_model(model, config, adapter_name=ROLES[0])
-        for role in ROLES[1:]:
-            peft_model.add_adapter(role, config)
-        if shared_a:
-            for module in peft_model.modules():
-                if hasattr(module, "lora_A") and ROLES[0] in module.lora_A:
-                    for role in ROLES[1:]:
-                        module.lora_A[role].weight.data.copy_(module.lora_A[ROLES[0]].weight.data)
+    def adapters(self, model, tokenizer, adapters: AdapterSet):
+        """Train `adapters` (one adapter per role) on the frozen `model`; saves them under OUT/adapters and returns
+        the model without them."""
+        cfg, name = self.cfg, adapters.name
+        peft_model = role_adapters(model, adapters, cfg.seed)
         metrics = {}
         for role in ROLES:
             peft_model.set_adapter(role)
             params = []
             for param_name, param in peft_model.named_parameters():
-                trainable = f".{role}." in param_name and (not shared_a or "lora_B" in param_name)
+                trainable = trained(param_name, role, adapters)
                 param.requires_grad_(trainable)
                 if trainable:
                     params.append(param)
@@ -441,7 +468,7 @@ class Trainer:
                 params,
                 stream,
                 cfg.adapter_steps,
-                cfg.shared_a_lr if shared_a else cfg.adapter_lr,
+                cfg.shared_a_lr if adapters.shared_a else cfg.adapter_lr,
                 cfg.warmup // 3,
                 tokenizer.pad_token_id,
                 step,
@@ -460,16 +487,48 @@ class Trainer:
         self.record["phases"][f"{name}:eval"] = {"per_call_heldout": accuracy, "per_call_heldout_disabled": disabled}
         return peft_model.unload()
 
-    def world(self):
+    def world(self, sets: tuple[AdapterSet, ...], tasks: bool = True):
+        """The workflow specs (prompt mode, and lora mode for each of `sets`) and, with `tasks`, the held-out and
+        long tasks."""
         step, done = self.phase("world", 1)
         out = self.out
-        write_workflow_toml(out / "workflow_prompt.toml", workflow_spec("prompt"))
-        for name, file in (("lora", "workflow_lora.toml"), ("shared_a", "workflow_lora_shared_a.toml")):
-            adapters = {role: str((out / "adapters" / name / role).resolve()) for role in ROLES}
-            write_workflow_toml(out / file, workflow_spec("lora", adapters))
-        write_tasks(out / "tasks" / "heldout.jsonl", make_tasks("heldout", self.cfg.heldout_tasks))
-        write_tasks(out / "tasks" / "long.jsonl", make_tasks("long", self.cfg.long_tasks))
+        if tasks:
+            write_workflow_toml(out / "workflow_prompt.toml", workflow_spec("prompt"))
+        for adapter_set in sets:
+            adapters = {role: str((out / "adapters" / adapter_set.name / role).resolve()) for role in ROLES}
+            write_workflow_toml(out / f"workflow_{adapter_set.workflow}.toml", workflow_spec("lora", adapters))
+        if tasks:
+            write_tasks(out / "tasks" / "heldout.jsonl", make_tasks("heldout", self.cfg.heldout_tasks))
+            write_tasks(out / "tasks" / "long.jsonl", make_tasks("long", self.cfg.long_tasks))
         done()
+
+
+def role_adapters(model, adapters: AdapterSet, seed: int):
+    """`model` with one untrained LoRA adapter per role (`adapters`' targets, r and α; no dropout), initialised from
+    `seed` + the set's offset; on the set's `shared_a` projections every role's A is a copy of the first role's."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=adapters.rank, lora_alpha=adapters.alpha, target_modules=list(adapters.targets), lora_dropout=0.0
+    )
+    torch.manual_seed(seed + adapters.seed_offset)
+    peft_model = get_peft_model(model, config, adapter_name=ROLES[0])
+    for role in ROLES[1:]:
+        peft_model.add_adapter(role, config)
+    for module_name, module in peft_model.named_modules():
+        if module_name.rsplit(".", 1)[-1] in adapters.shared_a and ROLES[0] in getattr(module, "lora_A", {}):
+            for role in ROLES[1:]:
+                module.lora_A[role].weight.data.copy_(module.lora_A[ROLES[0]].weight.data)
+    return peft_model
+
+
+def trained(param_name: str, role: str, adapters: AdapterSet) -> bool:
+    """Whether parameter `param_name` trains while `role`'s adapter of `adapters` does: the role's own B, and its A
+    except on a projection whose A the roles share (frozen, so it stays shared)."""
+    if f".{role}." not in param_name:
+        return False
+    projection = param_name.split(".lora_", 1)[0].rsplit(".", 1)[-1]
+    return "lora_B" in param_name or projection not in adapters.shared_a
 
 
 def _portable(folder: Path) -> None:
@@ -490,24 +549,45 @@ def _adapter(peft_model, role: str) -> contextlib.nullcontext[None]:
     return contextlib.nullcontext()
 
 
-def run(out: Path, cfg: TrainConfig) -> dict:
-    """All phases into `out`; returns the training record (also written to OUT/training.json)."""
+def run(out: Path, cfg: TrainConfig, qv_only: bool = False) -> dict:
+    """All phases into `out`; returns the training record (also written to OUT/training.json). With `qv_only`, only
+    the q/v adapter sets (`QV_SETS`) on the tokenizer and base model already in OUT/model, their phases added to
+    OUT/training.json."""
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    sets = adapter_sets(cfg)
+    if qv_only:
+        sets = tuple(adapter_set for adapter_set in sets if adapter_set.name in QV_SETS)
     with progress() as bar:
         trainer = Trainer(out, cfg, bar)
-        tokenizer = trainer.tokenizer()
-        model = trainer.base(tokenizer)
-        for round_ in range(cfg.recall_rounds):
-            model = trainer.recall(model, tokenizer, round_)
-        model = trainer.adapters(model, tokenizer, "lora", shared_a=False)
-        trainer.adapters(model, tokenizer, "shared_a", shared_a=True)
-        trainer.world()
-    trainer.record["seconds"] = round(time.perf_counter() - started, 1)
+        if qv_only:
+            tokenizer, model = existing_base(out)
+            trainer.record = json.loads((out / "training.json").read_text(encoding="utf-8"))
+        else:
+            tokenizer = trainer.tokenizer()
+            model = trainer.base(tokenizer)
+            for round_ in range(cfg.recall_rounds):
+                model = trainer.recall(model, tokenizer, round_)
+        for adapter_set in sets:
+            model = trainer.adapters(model, tokenizer, adapter_set)
+        trainer.world(sets, tasks=not qv_only)
+    trainer.record["adapter_sets"] = {s.name: asdict(s) for s in adapter_sets(cfg)}
+    trainer.record["seconds" if not qv_only else "seconds_qv"] = round(time.perf_counter() - started, 1)
     write_json(out / "training.json", trainer.record)
     return trainer.record
+
+
+def existing_base(out: Path):
+    """The tokenizer and base model a full run saved in OUT/model (fp32, sdpa attention: as training holds them)."""
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if not (out / "model" / "config.json").exists():
+        raise KvprofError(f"{out / 'model'} holds no base model; train the whole world first (without --qv-only).")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "model")
+    model = LlamaForCausalLM.from_pretrained(out / "model", dtype=torch.float32, attn_implementation="sdpa")
+    return tokenizer, model
 
 
 def main(
@@ -522,9 +602,17 @@ def main(
     adapter_steps: Annotated[int, typer.Option("--adapter-steps", help="Optimizer steps per adapter.")] = (
         TrainConfig.adapter_steps
     ),
+    qv_only: Annotated[
+        bool,
+        typer.Option(
+            "--qv-only",
+            help="Train only the q/v adapter sets (r=8, α=16; and the twin sharing A on v_proj) on the base model "
+            "already in OUT.",
+        ),
+    ] = False,
 ) -> None:
     """Train the demo world (see module docstring) and print its per-call held-out accuracy."""
-    record = run(out, TrainConfig(seed=seed, base_steps=base_steps, adapter_steps=adapter_steps))
+    record = run(out, TrainConfig(seed=seed, base_steps=base_steps, adapter_steps=adapter_steps), qv_only)
     print(json.dumps(record["phases"], indent=1))
 
 

@@ -140,16 +140,44 @@ def variant_label(name: str, options: dict[str, Option], values: dict[str, str])
 
 
 @dataclass(frozen=True)
+class MemoryClaim:
+    """A published memory figure as a ratio a replay measures (`kvprof.memory_claims` gives it a verdict): the
+    claiming policy's peak `measure` over each reference run's, claimed within [low, high].
+
+    measure: "allocator" (the allocator's peak with the weights over a trajectory, as PReCache reads
+    `torch.cuda.max_memory_allocated`; the summary's `allocator_peak_bytes`) or "kv_blocks" (the stored caches in
+    KV blocks of --page-size tokens, as vLLM holds them; `peak_kv_block_bytes`). references: the policy names the
+    ratio is taken against ("nonshared": the dense run). context_tokens: the longest context of the claim's setting
+    (a trace whose longest turn is shorter is not comparable: with the weights counted, short contexts push every
+    ratio towards 1); agents: the setting's number of agents (0: any); reference_options: option values the
+    references ran with in the setting (key, value). reading: how [low, high] reads the claim's words, labelled
+    with whose reading it is ("paper text" where the paper gives the bound, "kvprof" where it gives a word such
+    as "≈").
+    """
+
+    measure: str
+    references: tuple[str, ...]
+    low: float
+    high: float
+    reading: str
+    context_tokens: int = 0
+    agents: int = 0
+    reference_options: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Published:
     """A figure the method's paper reports, for side-by-side reading with kvprof's measurement.
 
-    paper: short citation; where: section / table / figure; setting: models, data, hardware; claim: the figure.
+    paper: short citation; where: section / table / figure; setting: models, data, hardware; claim: the figure;
+    memory: for a memory figure, the ratio it claims (`MemoryClaim`), which each replay gives a verdict.
     """
 
     paper: str
     where: str
     setting: str
     claim: str
+    memory: MemoryClaim | None = None
 
     def __str__(self) -> str:
         return f"{self.paper}, {self.where} ({self.setting}): {self.claim}"
@@ -250,7 +278,9 @@ class TurnResult:
     time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
     after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
     captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
-    turn above what was allocated before it, plus the policy's stored bytes (None elsewhere). recomputed,
+    turn above what was allocated before it, plus the policy's stored bytes; cuda_allocated_bytes: on CUDA,
+    `torch.cuda.max_memory_allocated` during the turn, everything the process holds included (weights, other
+    runs' caches) (both None elsewhere). recomputed,
     realigned, corrected, fallback, from_others, corrected_spans: the context's (`Context`).
     """
 
@@ -272,6 +302,7 @@ class TurnResult:
     stored_before_bytes: int = 0
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
+    cuda_allocated_bytes: int | None = None
     recomputed: int = 0
     realigned: int = 0
     corrected: int = 0
@@ -500,6 +531,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             stored_before_bytes=stored_before,
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
+            cuda_allocated_bytes=meter.allocated(),
             recomputed=context.recomputed,
             realigned=context.realigned,
             corrected=context.corrected,
@@ -652,6 +684,13 @@ class CudaPeak:
             return None
         torch.cuda.synchronize(self.device)
         return self.stored + torch.cuda.max_memory_allocated(self.device) - self.start
+
+    def allocated(self) -> int | None:
+        """The allocator's peak since the turn started, everything allocated counted (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
 
 
 def tensor_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:

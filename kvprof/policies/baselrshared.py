@@ -9,8 +9,9 @@ A differ. Paper: LRAgent (BaseLRShared).
 from __future__ import annotations
 
 from kvprof.errors import KvprofError
-from kvprof.lora import shared_down_projection
+from kvprof.lora import unshared_down_projections
 from kvprof.policies.base import Published
+from kvprof.policies.baseshared import LRAGENT_MEMORY
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.runtime import Runtime
@@ -32,16 +33,19 @@ class BaseLRShared(PreLRShared):
             LRAGENT_SETTING,
             "TTFT up to 4.44× lower than NonShared; throughput up to 2.46× with Flash-LoRA-Attention",
         ),
+        LRAGENT_MEMORY,
     )
 
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
         names = runtime.agents.spec.names
-        if not shared_down_projection(runtime.splits, names):
+        unshared = unshared_down_projections(runtime.splits, names)
+        if unshared:
+            shown = ", ".join(unshared[:3]) + (f" and {len(unshared) - 3} more" if len(unshared) > 3 else "")
             raise KvprofError(
-                "policy baselrshared needs adapters that share their down-projection A (only B "
-                f"differs), but the adapters of {', '.join(names)} have different A; use adapters "
-                "trained with a shared A, or policy prelrshared."
+                "policy baselrshared needs adapters that share their down-projection A on every cached projection "
+                f"they adapt (only B differs), but the adapters of {', '.join(names)} differ on {shown}; use "
+                "adapters trained with a shared A there, or policy prelrshared."
             )
 
     def lr_name(self, agent: str) -> str:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import CACHEBLEND, CACHEBLEND_SETTING
-from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, budget, ratio_option, select_top
+from kvprof.policies.selective import Blend, SelectiveRecompute, budget, ratio_option, select_top
 from kvprof.runtime import Runtime
 
 
@@ -69,7 +69,6 @@ class CacheBlend(SelectiveRecompute):
             CACHEBLEND_SETTING,
             "recompute ratio 15 % by default; TTFT 2.2–3.3× lower than full prefill without quality loss",
         ),
-        MEMORY,
     )
 
     def check(self, runtime: Runtime) -> None:

@@ -42,7 +42,7 @@ from kvprof.kv_buffer import GrowingTensor
 from kvprof.policies.base import Chunk, Option, Published
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import DROIDSPEAK, LRAGENT, LRAGENT_SETTING
-from kvprof.policies.selective import MEMORY, Blend, SelectiveRecompute, ratio_option
+from kvprof.policies.selective import Blend, SelectiveRecompute, ratio_option
 from kvprof.runtime import ChunkForward, Runtime
 
 PROFILE_KIND = "kvprof.droidspeak-profile"
@@ -140,7 +140,6 @@ class DroidSpeak(SelectiveRecompute):
         Published(
             LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 2.6 points against NonShared"
         ),
-        MEMORY,
     )
     context_type = DroidSpeakContext
     timeline_state = (*SelectiveRecompute.timeline_state, "states")

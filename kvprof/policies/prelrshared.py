@@ -16,10 +16,40 @@ the forward's) and an expansion of the key LR caches in every view.
 
 from __future__ import annotations
 
-from kvprof.policies.base import Published
+from typing import ClassVar
+
+from kvprof.policies.base import MemoryClaim, Published
 from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
 from kvprof.runtime import ChunkForward
+
+PRECACHE_CONTEXT = 66_400  # tokens: the longest trajectory of PReCache's setting, where its memory figures are read
+PRECACHE_MEMORY = (
+    Published(
+        PRECACHE,
+        "memory",
+        PRECACHE_SETTING,
+        "peak memory within 2 % of FullShared at 66.4k tokens",
+        MemoryClaim(
+            "allocator", ("fullshared",), 0.98, 1.02, "paper text: |ratio − 1| ≤ 0.02", context_tokens=PRECACHE_CONTEXT
+        ),
+    ),
+    Published(
+        PRECACHE,
+        "memory",
+        PRECACHE_SETTING,
+        "peak memory 17–23 % below the selective-recompute baselines (30 % recompute) at 66.4k tokens",
+        MemoryClaim(
+            "allocator",
+            ("droidspeak", "cacheblend", "relaycaching"),
+            0.77,
+            0.83,
+            "paper text: 1 − ratio in [0.17, 0.23]",
+            context_tokens=PRECACHE_CONTEXT,
+            reference_options=(("ratio", "0.3"),),
+        ),
+    ),
+)  # the memory figures of PReCache's two methods (PreLRShared, ReBaseShared)
 
 
 class PreLRShared(LowRankPolicy[LowRankContext]):
@@ -28,7 +58,7 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
     paper = f"{PRECACHE}, PreLRShared"
     approximate = True
     options = {"views": VIEWS}
-    published = (
+    published: ClassVar[tuple[Published, ...]] = (
         Published(
             PRECACHE, "accuracy (Table 2)", PRECACHE_SETTING, "mean accuracy drop 1.0–3.3 points against NonShared"
         ),
@@ -38,6 +68,7 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
             PRECACHE_SETTING,
             "TTFT up to 3.1× lower than NonShared, per-request throughput up to 2.3×",
         ),
+        *PRECACHE_MEMORY,
     )
 
     def lr_name(self, agent: str) -> str:

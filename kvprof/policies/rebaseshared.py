@@ -24,6 +24,7 @@ from kvprof.kv_buffer import KVBuffer
 from kvprof.policies.base import Chunk, Option, Published
 from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore, StoreUpdate
 from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.policies.prelrshared import PRECACHE_MEMORY
 from kvprof.runtime import ChunkForward
 
 NEUTRAL = "neutral"
@@ -63,6 +64,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
             PRECACHE_SETTING,
             "LP: TTFT up to 3.0× lower than NonShared, throughput up to 1.6×",
         ),
+        *PRECACHE_MEMORY,
     )
 
     @property

@@ -39,7 +39,6 @@ from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import RELAYCACHING
 from kvprof.policies.selective import (
-    MEMORY,
     Blend,
     Probe,
     SelectiveRecompute,
@@ -69,7 +68,6 @@ class RelayCaching(SelectiveRecompute):
         Published(
             RELAYCACHING, "reported reuse", "multi-agent pipelines relaying decode-phase KV", "> 80 % of KV reused"
         ),
-        MEMORY,
     )
 
     def check(self, runtime: Runtime) -> None:

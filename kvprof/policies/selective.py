@@ -47,20 +47,13 @@ from kvprof.errors import KvprofError
 from kvprof.kv_buffer import KVBuffer
 from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
 from kvprof.model import head_dim
-from kvprof.policies.base import Option, Published, unit_interval
+from kvprof.policies.base import Option, unit_interval
 from kvprof.policies.fullshared import FullShared, FullSharedContext
-from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
 from kvprof.rope import rotary_embedding
 from kvprof.runtime import KV, Runtime
 
 RATIO_SWEEP = ("0.1", "0.2", "0.3")
 CACHE_ARGUMENTS = ("cache", "layer_past")  # what a decoder layer's forward calls its cache, by architecture
-MEMORY = Published(
-    PRECACHE,
-    "memory",
-    PRECACHE_SETTING,
-    "selective recompute (30 % ratio) holds 17–23 % more peak memory than PreLRShared / ReBaseShared at 66.4k tokens",
-)  # PReCache's figure for the selective-recompute baselines it compares with
 
 
 def ratio_option(default: str, meaning: str) -> Option:

@@ -196,21 +196,25 @@ def delta_table(result: dict) -> TableData | None:
 def cost_table(result: dict) -> TableData:
     """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
     cuda = any(summary.get("cuda_peak_bytes") is not None for _, summary, _, _ in _rows(result))
+    timing = result.get("timing") or {"mode": "turn", "origin": "kvprof", "runs": result.get("repeats", 1)}
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
-    columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else [])
+    columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else []) + ["alloc. MiB", "blocks MiB", "blocks ×"]
     table = TableData(
-        title=f"cost: {_device(result)} {result.get('dtype', '')}, TTFT = median of "
-        f"{result.get('repeats', 1)} repeats per turn"
-        + (" after a warm-up" if result.get("repeats", 1) > 1 else " (no warm-up)"),
+        title=f"cost: {_device(result)} {result.get('dtype', '')}, {timing_text(timing)}",
         columns=columns,
-        caption="TTFT s / latency s: summed over turns; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up "
+        caption="TTFT s / latency s: summed over turns"
+        + (" (each turn's mean over the timed runs of its trajectory)" if timing["mode"] == "trajectory" else "")
+        + "; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up "
         "the work allows that the replay realises; below 1, the harness or fixed per-turn costs eat it); TPOT: "
         "decode time per output token (one forward per token over the cache); × = dense ÷ policy, measured side by "
         "side in this run (working ×: policy ÷ dense); stored: peak analytic bytes of what the policy keeps between "
         "turns; working: peak during a turn, adding its transients (the turn's cache, captured hidden states, an LR "
         "prefill's working set)"
         + ("; CUDA: allocator peak of the policy's own turns plus its stored bytes" if cuda else "")
-        + ".",
+        + "; as the papers report memory: alloc., the allocator's peak with the weights ("
+        + (_allocator_source(result) or "not recorded")
+        + f"); blocks, the stored caches in KV blocks of {result.get('page_size', 16)} tokens as vLLM holds them "
+        "(peak; × = policy ÷ dense).",
     )
     for label, summary, ratios, _ in _rows(result):
         cells = [
@@ -228,8 +232,58 @@ def cost_table(result: dict) -> TableData:
         ]
         if cuda:
             cells.append(_num(summary.get("cuda_peak_bytes") and summary["cuda_peak_bytes"] / 2**20, ".2f"))
+        cells += [
+            _num(summary.get("allocator_peak_bytes") and summary["allocator_peak_bytes"] / 2**20, ".2f"),
+            _num(summary.get("peak_kv_block_bytes") and summary["peak_kv_block_bytes"] / 2**20, ".2f"),
+            _num(ratios.get("kv_block_ratio"), ".2f"),
+        ]
         table.add_row(*cells)
     return table
+
+
+def _allocator_source(result: dict) -> str | None:
+    """How the allocator peaks of a result were read (`kvprof.replay.allocator_peak`)."""
+    return result["dense"]["summary"].get("allocator_peak_source")
+
+
+def memory_claims_table(result: dict) -> TableData | None:
+    """A verdict for each published memory claim of the replayed policies (`kvprof.memory_claims`), None without
+    any."""
+    claims = result.get("memory_claims")
+    if not claims:
+        return None
+    table = TableData(
+        title="published memory claims",
+        columns=["policy", "claim", "vs", "ratio", "claimed", "verdict", "why"],
+        caption="ratio: the policy's peak over the reference run's, as the paper measures it (measure); claimed: "
+        "the interval the claim's words give (reading, labelled paper text or kvprof).",
+    )
+    for claim in claims:
+        low, high = claim["claimed"]
+        table.add_row(
+            claim["policy"],
+            claim["claim"],
+            claim["reference"] or "–",
+            _num(claim["ratio"], ".3f"),
+            f"{low:.3f}–{high:.3f} ({claim['reading']})",
+            claim["verdict"],
+            claim["why"],
+        )
+    return table
+
+
+def timing_text(timing: dict) -> str:
+    """A result's timing mode (`kvprof.replay.timing_setting`) in words, labelled with whose practice it follows."""
+    runs = timing["runs"]
+    if timing["mode"] == "trajectory":
+        return (
+            f"trajectory timing ({timing['origin']}: PReCache's bench/single_stream.py): each run alone, one untimed "
+            f"warm-up run of each trajectory, then the mean of {runs} timed runs; TTFT = the sum of its synced "
+            "prefill calls"
+        )
+    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn" + (
+        " after a warm-up" if runs > 1 else " (no warm-up)"
+    )
 
 
 def layer_table(result: dict) -> TableData:

@@ -1,0 +1,111 @@
+"""Verdicts on the published memory figures the replayed policies carry (`Published.memory`, a `MemoryClaim`).
+
+A claim is a ratio: the claiming policy's peak memory, read as the paper reads it (`MemoryClaim.measure`), over a
+reference run's in the same replay. For each replayed policy with such a figure and each reference run the replay
+holds, the verdict is "holds" (the measured ratio lies in the claimed interval), "does not hold", or "not
+comparable" — the reference was not replayed, or only with other options than the claim's setting; the trace's
+longest context is shorter than the claim's, or its agents are not as many; the measure was not recorded — always
+with the measured ratio where there is one, and why. It reads a replay's result (a dict, as `kvprof replay` writes
+it), so it applies to saved results too.
+"""
+
+from __future__ import annotations
+
+MEASURES = {
+    "allocator": ("allocator_peak_bytes", "allocator peak with the weights"),
+    "kv_blocks": ("peak_kv_block_bytes", "stored caches in KV blocks"),
+}
+VERDICTS = {True: "holds", False: "does not hold", None: "not comparable"}
+DENSE_NAME = "nonshared"  # the dense run is NonShared: a claim against NonShared reads the replay's dense run
+
+
+def memory_verdicts(result: dict) -> list[dict]:
+    """One verdict per (replayed policy with a memory claim, claim, reference run) in `result` (`kvprof replay`'s
+    payload): policy, claim (its text), reference (a label, "dense" for NonShared), measure, ratio (policy ÷
+    reference, None when either reading is missing), claimed [low, high], reading (how the interval reads the
+    claim), holds (True / False / None), verdict (`VERDICTS`) and why."""
+    dense_turns = result["dense"]["turns"]
+    context = max((t["input_tokens"] + t["output_tokens"] for t in dense_turns), default=0)
+    agents = len({t["agent"] for t in dense_turns})
+    runs = {"dense": {"name": DENSE_NAME, "options": {}, "summary": result["dense"]["summary"]}}
+    runs |= result["policies"]
+    verdicts = []
+    for label, entry in result["policies"].items():
+        for figure in entry.get("published", []):
+            claim = figure.get("memory")
+            if not claim:
+                continue
+            references = [ref for ref, run in runs.items() if run["name"] in claim["references"]]
+            if not references:
+                verdicts.append(
+                    _verdict(label, figure, claim, None, None, f"no {' / '.join(claim['references'])} run replayed")
+                )
+            for reference in references:
+                verdicts.append(_judge(label, figure, claim, reference, entry, runs[reference], context, agents))
+    return verdicts
+
+
+def _judge(
+    label: str, figure: dict, claim: dict, reference: str, entry: dict, run: dict, context: int, agents: int
+) -> dict:
+    """The verdict of `claim` (policy `label`'s, `entry`) against one reference run (`run`, labelled `reference`),
+    on a trace whose longest context is `context` tokens among `agents` agents."""
+    key, what = MEASURES[claim["measure"]]
+    mine, theirs = entry["summary"].get(key), run["summary"].get(key)
+    ratio = mine / theirs if mine is not None and theirs else None
+    if ratio is None:
+        return _verdict(label, figure, claim, reference, None, f"the replay recorded no {what}")
+    options = dict(claim.get("reference_options", []))
+    other = {k: run["options"].get(k) for k, v in options.items() if _value(run["options"].get(k)) != _value(v)}
+    if other:
+        ran = ", ".join(f"{k} {v}" for k, v in other.items())
+        wanted = ", ".join(f"{k} {v}" for k, v in options.items())
+        why = f"{reference} ran with {ran}, the claim's setting with {wanted}"
+        return _verdict(label, figure, claim, reference, ratio, why)
+    if context < claim.get("context_tokens", 0):
+        return _verdict(
+            label,
+            figure,
+            claim,
+            reference,
+            ratio,
+            f"the trace's longest context is {context} tokens, the claim's setting {claim['context_tokens']}",
+        )
+    if claim.get("agents") and agents != claim["agents"]:
+        why = f"the trace has {agents} agents, the claim's setting {claim['agents']}"
+        return _verdict(label, figure, claim, reference, ratio, why)
+    holds = claim["low"] <= ratio <= claim["high"]
+    why = f"{what}: {label} ÷ {reference} = {ratio:.3f}, {'inside' if holds else 'outside'} the claimed interval"
+    return _verdict(label, figure, claim, reference, ratio, why, holds)
+
+
+def _value(value) -> object:
+    """An option value compared as a number where it reads as one ("0.3" equals 0.3)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _verdict(
+    label: str,
+    figure: dict,
+    claim: dict,
+    reference: str | None,
+    ratio: float | None,
+    why: str,
+    holds: bool | None = None,
+) -> dict:
+    return {
+        "policy": label,
+        "claim": figure["claim"],
+        "paper": figure["paper"],
+        "reference": reference,
+        "measure": claim["measure"],
+        "ratio": ratio,
+        "claimed": [claim["low"], claim["high"]],
+        "reading": claim["reading"],
+        "holds": holds,
+        "verdict": VERDICTS[holds],
+        "why": why,
+    }
