@@ -114,13 +114,16 @@ def test_demo_command(tmp_path):
     record = json.loads((tmp_path / "demo.json").read_text())
     assert list(record["stages"]) == [name for name, _ in STAGES]
     captures = [stage for name, stage in record["stages"].items() if "accuracy" in stage]
-    assert len(captures) == 4 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
+    assert len(captures) == 5 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
     online = record["stages"]["replay"]["online_accuracy"]
     assert {"dense", "fullshared", "baselrshared", "rebaseshared-lp"} <= set(online)
+    qv = record["stages"]["replay lora q/v"]  # the papers' setting: BaseLRShared runs (A shared on v_proj)
+    assert {"dense", "fullshared", "baselrshared", "prelrshared"} <= set(qv["online_accuracy"])
+    assert not any(label.startswith(("droidspeak", "cacheblend", "relaycaching")) for label in qv["k_error"])
     assert (tmp_path / "report.html").stat().st_size > 0
     recorded = json.loads((tmp_path / "capture_lora" / "capture.json").read_text())["args"]
     assert list(recorded) == list(inspect.signature(capture.command).parameters)  # what `kvprof capture` records
-    for stage in ("prompt_sharing", "codebook_sharing"):  # the recorded command replays the stage's variants
+    for stage in ("prompt_sharing", "codebook_sharing", "replay_qv"):  # the recorded command replays its variants
         written = json.loads((tmp_path / stage / "replay.json").read_text())
         args = written["args"]
         replayed = enumerate_variants(args["policy"], parse_policy_options(args["policy_option"]))

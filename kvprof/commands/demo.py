@@ -53,6 +53,7 @@ class DemoContext:
     repeats: int
     traces: dict[str, Path] = field(default_factory=dict)
     results: list[Path] = field(default_factory=list)  # the result files written so far
+    k_error: dict[str, float] = field(default_factory=dict)  # policy → K error of the q/k/v/o replay
 
     def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
         """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
@@ -229,10 +230,49 @@ def replay_all(ctx: DemoContext) -> StageResult:
         ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda",
         policy=[ALL], limit=ctx.replay_tasks,
     )  # fmt: skip
+    ctx.k_error = {label: entry["summary"]["k_error"] for label, entry in record["policies"].items()}
     return StageResult(
         f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
         {"online_accuracy": online},
+    )
+
+
+def capture_lora_qv(ctx: DemoContext) -> StageResult:
+    """`kvprof capture` in lora mode with the papers' adapter setting: q_proj and v_proj only, r = 8, α = 16 (K is
+    the base's, V = base + LR), A shared on v_proj (BaseLRShared's requirement)."""
+    return _capture(ctx, "lora_shared_a_qv")
+
+
+def replay_lora_qv(ctx: DemoContext) -> StageResult:
+    """`kvprof replay --online` of the q/v trace under the LoRA-aware policies (LRAgent's, PReCache's) and FullShared:
+    the regime the papers measured, beside the q/k/v/o replay; K error per policy in both regimes."""
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies import enumerate_variants, runnable_variants
+    from kvprof.policies.variants import ALL
+    from kvprof.runtime import Runtime
+
+    out = ctx.out / "replay_qv"
+    trace = ctx.traces["lora_shared_a_qv"]
+    agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
+    families = ("baseline", "LRAgent", "PReCache")
+    every = [v for v in enumerate_variants([ALL]) if v.policy.family in families]
+    variants, skipped = runnable_variants(every, Runtime(agents), skip=True)
+    replay.print_skipped(skipped)
+    trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
+    record, online, accuracy = _online_replay(
+        ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda", limit=ctx.replay_tasks
+    )
+    qkvo = ctx.k_error
+    k_error = {label: entry["summary"]["k_error"] for label, entry in record["policies"].items()}
+    compared = ", ".join(
+        f"{label} {value:.2f} (q/k/v/o {qkvo[label]:.2f})" for label, value in k_error.items() if label in qkvo
+    )
+    return StageResult(
+        f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}; K error: "
+        f"{compared}",
+        [out / "replay.json", out / "replay.html"],
+        {"online_accuracy": online, "k_error": k_error},
     )
 
 
@@ -335,6 +375,8 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
     ("lora, adapters disabled", lora_without_adapters),
     ("rank-analysis", rank_analysis_lora),
     ("replay", replay_all),
+    ("capture lora q/v, the papers' setting", capture_lora_qv),
+    ("replay lora q/v", replay_lora_qv),
     ("prompt-role sharing", prompt_sharing),
     ("codebook: sharing that costs accuracy", codebook_sharing),
     ("report", report_all),

@@ -5,7 +5,8 @@ The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.
     assets/model/                      base model + tokenizer (transformers format, safetensors)
     assets/adapters/lora/{plan,act,reflect}/        r=8 LoRA on q/k/v/o (the primary adapters)
     assets/adapters/shared_a/{plan,act,reflect}/    r=8 LoRA on q/k/v/o sharing one A (BaseLRShared)
-    assets/workflow_{prompt,lora,lora_shared_a}.toml
+    assets/adapters/{lora_qv,shared_a_qv}/…         r=8, α=16 on q/v only (the papers'); A shared on v_proj
+    assets/workflow_{prompt,lora,lora_shared_a,lora_qv,lora_shared_a_qv}.toml
     assets/tasks/{heldout,long}.jsonl
     assets/sample_traces/{prompt,lora}_{short,long}.jsonl, prompt_tune.jsonl (fit-anchors / tune-tau)
     assets/chat_template.jinja         the prompt-mode layout as a chat template (`kvprof capture/import-chat`)
@@ -74,7 +75,7 @@ class DemoWorld(WorldFolder):
         return {role: self.root / "adapters" / "shared_a" / role for role in ROLES}
 
     def workflow(self, mode: str) -> Path:
-        """`prompt`, `lora` or `lora_shared_a`."""
+        """`prompt`, `lora`, `lora_shared_a`, `lora_qv` or `lora_shared_a_qv`."""
         return self.root / f"workflow_{mode}.toml"
 
     @property
