@@ -29,6 +29,14 @@ def command(
             "and without --device-model, the model is fitted to the replay's own dense timings.",
         ),
     ] = None,
+    fit_load: Annotated[
+        float | None,
+        typer.Option(
+            "--fit-load",
+            help="With --calibration: fit only to the serve-bench runs at this load (a qps or concurrency value); "
+            "the file's other runs then validate the fit (their errors are printed too).",
+        ),
+    ] = None,
     device_model: Annotated[
         str | None,
         typer.Option(
@@ -90,6 +98,8 @@ def command(
 
     if calibration is not None and device_model is not None:
         raise KvprofError("pass either --calibration or --device-model, not both.")
+    if fit_load is not None and calibration is None:
+        raise KvprofError("--fit-load selects runs of a --calibration file; pass --calibration SERVE_BENCH.json too.")
     if device_model is not None and device_model not in DEVICE_MODELS:
         raise KvprofError(
             f"--device-model {device_model!r} is not one of {', '.join(DEVICE_MODELS)}; pass one of them."
@@ -107,7 +117,7 @@ def command(
     if device_model is not None:
         step_cost = costs.roofline_cost(device_model, work)
     elif calibration_data is not None:
-        step_cost = costs.serve_bench_cost(calibration_data, str(calibration))
+        step_cost = costs.serve_bench_cost(calibration_data, str(calibration), fit_load)
     else:
         step_cost = costs.fit(costs.replay_observations(replay_data), f"fit to the dense timings of {replay}")
     settings = sweeps.Settings(
@@ -120,7 +130,7 @@ def command(
     )
     errors = []
     if calibration_data is not None:
-        errors = sweeps.serve_bench_errors(calibration_data, work, step_cost, settings)
+        errors = sweeps.serve_bench_errors(calibration_data, work, step_cost, settings, fit_load)
     elif device_model is None:
         errors = sweeps.replay_errors(replay_data, work, step_cost, settings)
     if shapes:

@@ -20,9 +20,10 @@ def cost_lines(result: dict) -> list[str]:
     """The step model (its source, coefficients and fit statistics) and the scaling, as lines of text."""
     model = result["cost_model"]
     lines = [
-        f"step time t = a + b·prefill + c·decode_seqs + d·kv_read (+ e per request on TTFT), {model['source']}: "
-        f"a = {1e3 * model['a']:.3g} ms, b = {1e6 * model['b']:.3g} µs/token, c = {1e6 * model['c']:.3g} µs/seq, "
-        f"d = {1e9 * model['d']:.3g} ns/token read, e = {1e3 * model['e']:.3g} ms"
+        "step time t = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_prefill + g·adapter_seqs (+ e per "
+        f"request on TTFT), {model['source']}: a = {1e3 * model['a']:.3g} ms, b = {1e6 * model['b']:.3g} µs/token, "
+        f"c = {1e6 * model['c']:.3g} µs/seq, d = {1e9 * model['d']:.3g} ns/token read, e = {1e3 * model['e']:.3g} "
+        f"ms, f = {1e6 * model.get('f', 0.0):.3g} µs/adapter token, g = {1e6 * model.get('g', 0.0):.3g} µs/adapter seq"
     ]
     fit = model.get("fit") or {}
     if fit:
@@ -48,13 +49,15 @@ def errors_table(result: dict) -> TableData | None:
     if not rows:
         return None
     table = TableData(
-        title="the step model on its own calibration runs (simulated against measured)",
-        columns=["run", "TTFT p50 ms", "simulated", "error", "req/s", "simulated ", "error "],
-        caption="error = simulated ÷ measured − 1.",
+        title="the step model on the calibration file's runs (simulated against measured)",
+        columns=["run", "use", "TTFT p50 ms", "simulated", "error", "req/s", "simulated ", "error "],
+        caption="error = simulated ÷ measured − 1; use: fit (the step model was fitted to this run) or check (a "
+        "run it was not fitted to: a validation).",
     )
     for row in rows:
         table.add_row(
             row["run"],
+            "fit" if row.get("fitted", True) else "check",
             f"{1000 * row['ttft_p50']:.1f}",
             "-" if row["ttft_p50_simulated"] is None else f"{1000 * row['ttft_p50_simulated']:.1f}",
             _error(row["ttft_error"]),

@@ -1,11 +1,14 @@
-"""The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read, and e once per request on
-its TTFT.
+"""The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_prefill +
+g·adapter_seqs, and e once per request on its TTFT.
 
 - a: seconds per step (reading the weights, launching the step, the scheduler's own work);
 - b: seconds per dense-equivalent prefill token (a scheduled prefill token × the policy's `prefill_weight`);
 - c: seconds per decoding sequence in the step (× the policy's `decode_weight`: a second batch row counts twice);
 - d: seconds per token of K/V the step reads (a prefill chunk's context, each decoding sequence's context);
-- e: seconds added once to each request's TTFT (HTTP, tokenisation, detokenising the first token).
+- e: seconds added once to each request's TTFT (HTTP, tokenisation, detokenising the first token);
+- f, g: the extra seconds per prefill token and per decoding sequence of a request that runs a LoRA adapter (an
+  engine's multi-LoRA kernels cost more than the adapter's FLOPs suggest); identifiable only where the fit's
+  timings mix adapter and adapter-free requests (serve-bench's `agents` and `base` patterns), else fixed at 0.
 
 Three sources, each named in `StepCost.source` wherever the model is shown:
 
@@ -29,7 +32,8 @@ from kvprof.errors import KvprofError
 from kvprof.simulate.workload import ReplayWork
 
 ROOFLINE = "roofline, uncalibrated"
-COEFFICIENTS = ("a", "b", "c", "d", "e")
+COEFFICIENTS = ("a", "b", "c", "d", "e", "f", "g")
+OPTIONAL = ("g", "f", "c")  # dropped (fixed at 0), in this order, while the timings cannot identify the rest
 
 
 @dataclass(frozen=True)
@@ -60,18 +64,36 @@ class StepCost:
     e: float
     source: str
     fit: dict = field(default_factory=dict)
+    f: float = 0.0
+    g: float = 0.0
 
-    def step_time(self, prefill: float, decode_seqs: float, kv_read: float) -> float:
+    def step_time(
+        self,
+        prefill: float,
+        decode_seqs: float,
+        kv_read: float,
+        adapter_prefill: float = 0.0,
+        adapter_seqs: float = 0.0,
+    ) -> float:
         """Seconds of a step that computes `prefill` dense-equivalent prefill tokens, `decode_seqs` weighted
-        decoding sequences and reads `kv_read` tokens of K/V."""
-        return self.a + self.b * prefill + self.c * decode_seqs + self.d * kv_read
+        decoding sequences and reads `kv_read` tokens of K/V, `adapter_prefill` of those tokens and `adapter_seqs` of
+        those sequences with a LoRA adapter."""
+        return (
+            self.a
+            + self.b * prefill
+            + self.c * decode_seqs
+            + self.d * kv_read
+            + self.f * adapter_prefill
+            + self.g * adapter_seqs
+        )
 
     def describe(self) -> str:
         """One line: the source and the coefficients in readable units."""
         return (
             f"{self.source}: a = {1e3 * self.a:.3g} ms/step, b = {1e6 * self.b:.3g} µs/prefill token, "
             f"c = {1e6 * self.c:.3g} µs/decoding seq, d = {1e9 * self.d:.3g} ns/KV token read, "
-            f"e = {1e3 * self.e:.3g} ms/request"
+            f"e = {1e3 * self.e:.3g} ms/request, f = {1e6 * self.f:.3g} µs/adapter prefill token, "
+            f"g = {1e6 * self.g:.3g} µs/adapter seq"
         )
 
     def as_dict(self) -> dict:
@@ -81,8 +103,9 @@ class StepCost:
 @dataclass(frozen=True)
 class Observation:
     """A measured interval: `seconds` long, spanning `steps` engine steps that together computed `prefill`
-    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens; `requests` the TTFTs it holds (1 for
-    a TTFT observation, 0 for a decode one); `kind` "ttft" or "decode"."""
+    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens, `adapter_prefill` of those tokens and
+    `adapter_decode` of those sequences with a LoRA adapter; `requests` the TTFTs it holds (1 for a TTFT
+    observation, 0 for a decode one); `kind` "ttft" or "decode"."""
 
     kind: str
     seconds: float
@@ -91,15 +114,21 @@ class Observation:
     decode: float
     kv_read: float
     requests: float
+    adapter_prefill: float = 0.0
+    adapter_decode: float = 0.0
 
     def features(self) -> list[float]:
-        return [self.steps, self.prefill, self.decode, self.kv_read, self.requests]
+        return [
+            self.steps, self.prefill, self.decode, self.kv_read, self.requests, self.adapter_prefill,
+            self.adapter_decode,
+        ]  # fmt: skip
 
 
 def fit(observations: list[Observation], source: str) -> StepCost:
     """Non-negative least squares of the observations' seconds on their features, each row divided by its
-    seconds (relative errors weigh short and long intervals alike). When the observations cannot separate the
-    per-step and per-sequence costs (single-sequence timings), c is fixed at 0 and folded into a."""
+    seconds (relative errors weigh short and long intervals alike). Coefficients the observations cannot identify
+    are fixed at 0, in the order of `OPTIONAL`: g and f when every request ran an adapter or none did (folded into c
+    and b), then c when every step decoded one sequence (single-sequence timings: it is folded into a)."""
     import numpy as np
     from scipy.optimize import nnls
 
@@ -114,9 +143,17 @@ def fit(observations: list[Observation], source: str) -> StepCost:
     weights = 1.0 / y
     columns = list(range(len(COEFFICIENTS)))
     notes = []
-    if np.linalg.matrix_rank(x * weights[:, None]) < len(columns):
-        columns.remove(COEFFICIENTS.index("c"))
-        notes.append("every step decoded one sequence: the per-sequence cost c is not identifiable, folded into a")
+    reasons = {
+        "g": "every request ran an adapter, or none did: the adapter costs f and g are not identifiable, folded into b "
+        "and c",
+        "c": "every step decoded one sequence: the per-sequence cost c is not identifiable, folded into a",
+    }
+    for name in OPTIONAL:
+        if np.linalg.matrix_rank(x[:, columns] * weights[:, None]) >= len(columns):
+            break
+        columns.remove(COEFFICIENTS.index(name))
+        if name in reasons:
+            notes.append(reasons[name])
     solution, _ = nnls(x[:, columns] * weights[:, None], np.ones(len(rows)))
     coefficients = [0.0] * len(COEFFICIENTS)
     for column, value in zip(columns, solution):
@@ -127,8 +164,8 @@ def fit(observations: list[Observation], source: str) -> StepCost:
         mask = np.array([o.kind == kind for o in rows])
         stats[f"r2_{kind}"] = _r2(y[mask], predicted[mask]) if mask.sum() > 1 else None
         stats[f"{kind}_observations"] = int(mask.sum())
-    a, b, c, d, e = coefficients
-    return StepCost(a, b, c, d, e, source, stats)
+    a, b, c, d, e, f, g = coefficients
+    return StepCost(a, b, c, d, e, source, stats, f, g)
 
 
 def _r2(measured, predicted) -> float | None:
@@ -141,20 +178,24 @@ def replay_observations(data: dict) -> list[Observation]:
     """The dense run's per-turn timings of a replay result's JSON: one TTFT observation (one step: the prefilled
     tokens, reading the turn's input as context) and one decode observation (decode_steps steps of one sequence, its
     context growing by one token a step) per turn."""
+    adapter = 1.0 if data.get("mode") == "lora" else 0.0
     observations = []
     for turn in data["dense"]["turns"]:
         context, steps = turn["input_tokens"], int(turn.get("decode_steps") or turn["output_tokens"])
-        observations.append(Observation("ttft", turn["ttft_s"], 1, turn["prefilled"], 0, context, 1))
+        prefill = turn["prefilled"]
+        observations.append(Observation("ttft", turn["ttft_s"], 1, prefill, 0, context, 1, adapter * prefill))
         if steps and turn.get("decode_s"):
             read = steps * context + steps * (steps + 1) / 2
-            observations.append(Observation("decode", turn["decode_s"], steps, 0, steps, read, 0))
+            observations.append(Observation("decode", turn["decode_s"], steps, 0, steps, read, 0, 0, adapter * steps))
     return observations
 
 
 def serve_bench_observations(run: dict) -> list[Observation]:
     """One serve-bench run's requests as observations (see the module docstring): times from each request's send
     time (due + send_delay), TTFT and end-to-end latency; server-side queueing is taken off the TTFT where the
-    server reported it; prefill tokens are the prompt tokens the server did not find cached."""
+    server reported it; prefill tokens are the prompt tokens the server did not find cached. Every request of the
+    `agents` pattern runs an adapter, none of the `base` pattern's."""
+    adapter = 1.0 if (run.get("summary") or {}).get("pattern") == "agents" else 0.0
     requests = []
     for r in run["requests"]:
         sent = r["due"] + r["send_delay"]
@@ -174,7 +215,19 @@ def serve_bench_observations(run: dict) -> list[Observation]:
         decoding = [q for q in requests if q is not r and q["first"] < r["first"] <= q["done"]]
         read = r["prompt"] + sum(_context_at(q, r["first"]) for q in decoding)
         seconds = r["first"] - r["sent"] - min(r["queue"], r["first"] - r["sent"])
-        observations.append(Observation("ttft", seconds, 1, r["prefill"], len(decoding), read, 1))
+        observations.append(
+            Observation(
+                "ttft",
+                seconds,
+                1,
+                r["prefill"],
+                len(decoding),
+                read,
+                1,
+                adapter * r["prefill"],
+                adapter * len(decoding),
+            )
+        )
         steps = r["output"] - 1
         if steps < 1 or r["done"] <= r["first"]:
             continue
@@ -191,7 +244,11 @@ def serve_bench_observations(run: dict) -> list[Observation]:
             if tokens:
                 middle = (max(q["first"], r["first"]) + min(q["done"], r["done"])) / 2
                 read += tokens * _context_at(q, middle)
-        observations.append(Observation("decode", r["done"] - r["first"], steps, prefill, decode, read, 0))
+        observations.append(
+            Observation(
+                "decode", r["done"] - r["first"], steps, prefill, decode, read, 0, adapter * prefill, adapter * decode
+            )
+        )
     return observations
 
 
@@ -211,15 +268,34 @@ def _context_at(q: dict, moment: float) -> float:
     return q["prompt"] + 1 + (q["output"] - 1) * min(1.0, max(0.0, progress))
 
 
-def serve_bench_cost(data: dict, source: str) -> StepCost:
-    """The step model fitted to every run of a serve-bench result's JSON `data`."""
+def serve_bench_cost(data: dict, source: str, fit_load: float | None = None) -> StepCost:
+    """The step model fitted to the runs of a serve-bench result's JSON `data`: every run, or only those at load
+    `fit_load` (a qps or concurrency value)."""
     runs = data.get("runs") or []
     if data.get("schema") != "kvprof.result.serve_bench" or not runs:
         raise KvprofError(
             f"{source} is not a kvprof serve-bench result with runs; pass the serve_bench.json `kvprof serve-bench` "
             "wrote."
         )
+    if fit_load is not None:
+        runs = [run for run in runs if fitted_run(run, fit_load)]
+        if not runs:
+            raise KvprofError(
+                f"{source} has no run at load {fit_load:g}; pass --fit-load with one of its loads "
+                f"({', '.join(sorted({_load_label(run) for run in data['runs']}))})."
+            )
+        source = f"{source} at load {fit_load:g}"
     return fit([o for run in runs for o in serve_bench_observations(run)], f"fit to serve-bench runs of {source}")
+
+
+def fitted_run(run: dict, fit_load: float | None) -> bool:
+    """Whether a serve-bench run is one the step model was fitted to (all are when `fit_load` is None)."""
+    return fit_load is None or run["summary"]["load"]["value"] == fit_load
+
+
+def _load_label(run: dict) -> str:
+    load = run["summary"]["load"]
+    return f"{load['value']:g} {load['kind']}"
 
 
 def roofline_cost(device: str, work: ReplayWork) -> StepCost:

@@ -306,16 +306,18 @@ class _Engine:
         return max(1, steps)
 
     def _decode_terms(self, scheduled: list[tuple[_Request, int]]) -> tuple[float, float, float]:
-        """(weighted decoding sequences, their K/V read this step, the read's growth per step)."""
+        """(the per-step cost of the decoding sequences besides a and the K/V read: c × their weights + g × those
+        with an adapter, their K/V read this step, the read's growth per step)."""
         weight = sum(r.work.decode_weight for r, _ in scheduled)
+        adapters = sum(r.work.adapter for r, _ in scheduled)
         read = sum(r.work.decode_weight * (r.work.context_tokens + r.decoded) for r, _ in scheduled)
-        return weight, read, weight
+        return self.cost.c * weight + self.cost.g * adapters, read, weight
 
     def _steps_until(self, scheduled: list[tuple[_Request, int]], gap: float) -> int:
         """The number of decode steps whose summed time first reaches `gap` seconds (at least 1)."""
         cost = self.cost
-        weight, read, growth = self._decode_terms(scheduled)
-        base = cost.a + cost.c * weight + cost.d * read
+        sequences, read, growth = self._decode_terms(scheduled)
+        base = cost.a + sequences + cost.d * read
         half = cost.d * growth / 2  # T(k) = base·k + half·k(k − 1)
         if half <= 0:
             return max(1, math.ceil(gap / base)) if base > 0 else 1
@@ -325,8 +327,8 @@ class _Engine:
     def _advance_decodes(self, scheduled: list[tuple[_Request, int]], steps: int) -> None:
         """`steps` decode steps of every running request at once, their times summed in closed form."""
         cost = self.cost
-        weight, read, growth = self._decode_terms(scheduled)
-        self.now += steps * (cost.a + cost.c * weight + cost.d * read) + cost.d * growth * steps * (steps - 1) / 2
+        sequences, read, growth = self._decode_terms(scheduled)
+        self.now += steps * (cost.a + sequences + cost.d * read) + cost.d * growth * steps * (steps - 1) / 2
         for request, _ in scheduled:
             need = request.blocks_at(request.units + steps) - request.blocks
             self._allocate(request, need)
@@ -369,13 +371,15 @@ class _Engine:
 def _step_time(scheduled: list[tuple[_Request, int]], cost: StepCost) -> float:
     """Seconds of one step: prefill chunks in dense-equivalent tokens reading their context so far, decoding
     sequences by their decode weight reading their context."""
-    prefill = decode = read = 0.0
+    prefill = decode = read = adapter_prefill = adapter_seqs = 0.0
     for request, tokens in scheduled:
         work = request.work
         if request.prefilling():
             prefill += tokens * work.prefill_weight
+            adapter_prefill += tokens * work.adapter
             read += work.context_tokens * (request.prefill_done + tokens) / request.prefill_total
         else:
             decode += work.decode_weight
+            adapter_seqs += work.adapter
             read += work.decode_weight * (work.context_tokens + request.decoded)
-    return cost.step_time(prefill, decode, read)
+    return cost.step_time(prefill, decode, read, adapter_prefill, adapter_seqs)

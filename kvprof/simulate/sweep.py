@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from kvprof.errors import KvprofError
 from kvprof.serving.summary import percentile
 from kvprof.serving.traffic import Load
-from kvprof.simulate.cost import StepCost
+from kvprof.simulate.cost import StepCost, fitted_run
 from kvprof.simulate.engine import MAX_NUM_SEQS, TOKEN_BUDGET, EngineConfig, Traffic, simulate, single_request_fits
-from kvprof.simulate.workload import ReplayWork, TrajectoryWork
+from kvprof.simulate.workload import ReplayWork, TrajectoryWork, without_adapters
 
 GIB = 2**30
 PATTERN_POLICY = {"agents": "nonshared", "base": "fullshared"}  # serve-bench's patterns as the policies they do
@@ -125,11 +125,13 @@ def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
     return best
 
 
-def serve_bench_errors(data: dict, work: ReplayWork, cost: StepCost, settings: Settings) -> list[dict]:
+def serve_bench_errors(
+    data: dict, work: ReplayWork, cost: StepCost, settings: Settings, fit_load: float | None = None
+) -> list[dict]:
     """Each serve-bench run re-simulated: the pattern's policy (agents: nonshared, base: fullshared) on the run's
     trajectories in the order they started, at its measured arrival times (open loop) or concurrency, on the run's
     KV memory (`--kv-cache-gib`, else the settings'); the simulated median TTFT and throughput against the measured,
-    as relative errors."""
+    as relative errors, each row marked `fitted` (the step model was fitted to it) or not (a validation run)."""
     kv_gib = (data.get("args") or {}).get("kv_cache_gib")
     memory = settings.memory_bytes if kv_gib is None else kv_gib * GIB + work.weight_bytes()
     config = settings.engine(work, memory)
@@ -139,7 +141,10 @@ def serve_bench_errors(data: dict, work: ReplayWork, cost: StepCost, settings: S
         label = PATTERN_POLICY.get(summary["pattern"])
         if label not in work.policies:
             continue
-        by_id = {t.id: t for t in work.policies[label]}
+        trajectories = work.policies[label]
+        if summary["pattern"] == "base":
+            trajectories = without_adapters(trajectories)
+        by_id = {t.id: t for t in trajectories}
         starts: dict[str, float] = {}
         for request in run["requests"]:
             starts[request["trajectory"]] = min(request["due"], starts.get(request["trajectory"], request["due"]))
@@ -150,7 +155,8 @@ def serve_bench_errors(data: dict, work: ReplayWork, cost: StepCost, settings: S
         arrivals = tuple(starts[t] for t in order) if load.kind == "qps" else None
         traffic = Traffic(load, count=len(order), arrivals=arrivals)
         simulated = run_policy(label, tuple(by_id[t] for t in order), cost, config, traffic)
-        rows.append(_errors(f"{summary['pattern']} ({label}) @ {load.label}", summary, simulated))
+        row = _errors(f"{summary['pattern']} ({label}) @ {load.label}", summary, simulated)
+        rows.append(row | {"fitted": fitted_run(run, fit_load)})
     return rows
 
 

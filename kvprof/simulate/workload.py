@@ -48,6 +48,7 @@ class RequestWork:
     kept_bytes: int
     input_tokens: int
     output_tokens: int
+    adapter: bool = False  # the turn runs a LoRA adapter (lora-mode traces)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,10 @@ def replay_work(data: dict, path: Path) -> ReplayWork:
     kv_per_token = statistics.median(t["memory_bytes"] / (t["input_tokens"] + t["output_tokens"]) for t in firsts)
     return ReplayWork(
         path=path,
-        policies={label: _trajectories(entry["turns"], dense, label, path) for label, entry in policies.items()},
+        policies={
+            label: _trajectories(entry["turns"], dense, label, path, data.get("mode") == "lora")
+            for label, entry in policies.items()
+        },
         prefill_flops_per_token=prefill_per_token,
         decode_flops_per_step=decode_per_step,
         kv_bytes_per_token=kv_per_token,
@@ -125,8 +129,9 @@ def _steps(turn: dict) -> int:
     return int(turn.get("decode_steps") or turn["output_tokens"])
 
 
-def _trajectories(turns: list[dict], dense: dict, label: str, path: Path) -> tuple[TrajectoryWork, ...]:
-    """A policy's turns grouped by trajectory, in turn order, each compared with the dense run's same turn."""
+def _trajectories(turns: list[dict], dense: dict, label: str, path: Path, adapter: bool) -> tuple[TrajectoryWork, ...]:
+    """A policy's turns grouped by trajectory, in turn order, each compared with the dense run's same turn;
+    `adapter`: the turns run LoRA adapters."""
     grouped: dict[str, list[RequestWork]] = {}
     for turn in sorted(turns, key=lambda t: (t["trajectory"], t["turn"])):
         reference = dense.get((turn["trajectory"], turn["turn"]))
@@ -135,11 +140,11 @@ def _trajectories(turns: list[dict], dense: dict, label: str, path: Path) -> tup
                 f"{path}: policy {label} replayed turn {turn['turn']} of {turn['trajectory']}, which the dense run "
                 "did not; rerun `kvprof replay` on one trace."
             )
-        grouped.setdefault(turn["trajectory"], []).append(_request(turn, reference))
+        grouped.setdefault(turn["trajectory"], []).append(_request(turn, reference, adapter))
     return tuple(TrajectoryWork(traj, tuple(requests)) for traj, requests in grouped.items())
 
 
-def _request(turn: dict, dense: dict) -> RequestWork:
+def _request(turn: dict, dense: dict, adapter: bool) -> RequestWork:
     prefilled = max(1, int(turn["prefilled"]))
     dense_ttft = dense["ttft_flops"] / max(1, dense["prefilled"])  # dense FLOPs per prefilled token of this turn
     steps, dense_steps = _steps(turn), _steps(dense)
@@ -157,6 +162,15 @@ def _request(turn: dict, dense: dict) -> RequestWork:
         kept_bytes=memory,
         input_tokens=int(turn["input_tokens"]),
         output_tokens=int(turn["output_tokens"]),
+        adapter=adapter,
+    )
+
+
+def without_adapters(trajectories: tuple[TrajectoryWork, ...]) -> tuple[TrajectoryWork, ...]:
+    """The same work run with no adapter (serve-bench's `base` pattern serves the base model)."""
+    return tuple(
+        TrajectoryWork(traj.id, tuple(replace(request, adapter=False) for request in traj.requests))
+        for traj in trajectories
     )
 
 
