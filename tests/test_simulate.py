@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -120,19 +121,29 @@ def test_preemption_frees_memory_and_everything_still_finishes():
 
 
 def test_fit_recovers_known_coefficients():
-    truth = StepCost(a=3e-3, b=40e-6, c=150e-6, d=2e-8, e=5e-3, source="truth")
+    truth = StepCost(a=3e-3, b=40e-6, c=150e-6, d=2e-8, e=5e-3, source="truth", f=25e-6, g=300e-6)
     rng = random.Random(0)
     observations = []
-    for _ in range(60):
+    for _ in range(80):
         steps, prefill = rng.randint(1, 40), rng.randint(0, 4000)
         decode, read = steps * rng.randint(1, 8), rng.randint(0, 200_000)
-        ttft = rng.random() < 0.4
+        ttft, adapter = rng.random() < 0.4, rng.random() < 0.5  # the agents and base patterns mixed
         seconds = truth.a * steps + truth.b * prefill + truth.c * decode + truth.d * read + (truth.e if ttft else 0.0)
-        observations.append(Observation("ttft" if ttft else "decode", seconds, steps, prefill, decode, read, ttft))
+        seconds += adapter * (truth.f * prefill + truth.g * decode)
+        observations.append(
+            Observation(
+                "ttft" if ttft else "decode", seconds, steps, prefill, decode, read, ttft, adapter * prefill,
+                adapter * decode,
+            )
+        )  # fmt: skip
     fitted = fit(observations, "synthetic")
-    for name in ("a", "b", "c", "d", "e"):
+    for name in ("a", "b", "c", "d", "e", "f", "g"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert fitted.fit["r2_ttft"] == pytest.approx(1.0) and fitted.fit["r2_decode"] == pytest.approx(1.0)
+    # every request with an adapter: f and g cannot be told from b and c, and are folded into them
+    every = [replace(o, adapter_prefill=o.prefill, adapter_decode=o.decode) for o in observations]
+    folded = fit(every, "all adapters")
+    assert folded.f == folded.g == 0.0 and any("not identifiable" in note for note in folded.fit["notes"])
 
 
 def test_serve_bench_requests_become_the_steps_they_spanned():
@@ -246,3 +257,33 @@ def test_a_file_that_is_no_replay_is_refused(tmp_path, run_cli):
     (tmp_path / "other.json").write_text(json.dumps({"schema": "kvprof.result.serve_bench", "runs": []}))
     code, _, err = run_cli("simulate", str(tmp_path / "other.json"), "--out", str(tmp_path / "sim"))
     assert code == 2 and "is not a kvprof replay result" in err and len(err.strip().splitlines()) == 1
+
+
+def _serve_bench(loads: tuple[int, ...]) -> dict:
+    """A serve-bench result with one run per pattern and load, each of 8 requests sent one after another."""
+    runs = []
+    for pattern in ("agents", "base"):
+        for load in loads:
+            requests = [
+                {
+                    "trajectory": f"t{i}", "due": 0.2 * i, "send_delay": 0.0, "ttft": 0.01 * load + 0.002 * i,
+                    "e2e": 0.05 + 0.01 * load, "server_queue": 0.0, "prompt_tokens": 40 + 10 * i,
+                    "cached_tokens": 0, "output_tokens": 4 + i % 3,
+                }
+                for i in range(8)
+            ]  # fmt: skip
+            summary = {"pattern": pattern, "load": {"kind": "concurrency", "value": load}}
+            runs.append({"summary": summary, "requests": requests})
+    return {"schema": "kvprof.result.serve_bench", "runs": runs}
+
+
+def test_fit_load_fits_one_load_and_refuses_a_missing_one():
+    from kvprof.errors import KvprofError
+    from kvprof.simulate.cost import fitted_run, serve_bench_cost
+
+    data = _serve_bench((1, 2))
+    one = serve_bench_cost(data, "sb.json", fit_load=2)
+    assert "at load 2" in one.source and one.fit["observations"] < serve_bench_cost(data, "sb.json").fit["observations"]
+    assert [fitted_run(run, 2) for run in data["runs"]] == [False, True, False, True]
+    with pytest.raises(KvprofError, match="has no run at load 3"):
+        serve_bench_cost(data, "sb.json", fit_load=3)

@@ -33,7 +33,7 @@ from kvprof.simulate.workload import ReplayWork
 
 ROOFLINE = "roofline, uncalibrated"
 COEFFICIENTS = ("a", "b", "c", "d", "e", "f", "g")
-OPTIONAL = ("g", "f", "c")  # dropped (fixed at 0), in this order, while the timings cannot identify the rest
+OPTIONAL = ("g", "f", "c")  # each fixed at 0, in this order, when the other features already span it
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ class Observation:
 def fit(observations: list[Observation], source: str) -> StepCost:
     """Non-negative least squares of the observations' seconds on their features, each row divided by its
     seconds (relative errors weigh short and long intervals alike). Coefficients the observations cannot identify
-    are fixed at 0, in the order of `OPTIONAL`: g and f when every request ran an adapter or none did (folded into c
-    and b), then c when every step decoded one sequence (single-sequence timings: it is folded into a)."""
+    are fixed at 0 (`OPTIONAL`, each when the other features already span its column): c when every step decoded
+    one sequence (single-sequence timings: it is folded into a), g and f when every request ran an adapter or none
+    did (folded into c and b)."""
     import numpy as np
     from scipy.optimize import nnls
 
@@ -149,11 +150,14 @@ def fit(observations: list[Observation], source: str) -> StepCost:
         "c": "every step decoded one sequence: the per-sequence cost c is not identifiable, folded into a",
     }
     for name in OPTIONAL:
-        if np.linalg.matrix_rank(x[:, columns] * weights[:, None]) >= len(columns):
+        rank = np.linalg.matrix_rank(x[:, columns] * weights[:, None])
+        if rank == len(columns):
             break
-        columns.remove(COEFFICIENTS.index(name))
-        if name in reasons:
-            notes.append(reasons[name])
+        rest = [column for column in columns if column != COEFFICIENTS.index(name)]
+        if np.linalg.matrix_rank(x[:, rest] * weights[:, None]) == rank:
+            columns = rest
+            if name in reasons:
+                notes.append(reasons[name])
     solution, _ = nnls(x[:, columns] * weights[:, None], np.ones(len(rows)))
     coefficients = [0.0] * len(COEFFICIENTS)
     for column, value in zip(columns, solution):
