@@ -287,3 +287,22 @@ def test_fit_load_fits_one_load_and_refuses_a_missing_one():
     assert [fitted_run(run, 2) for run in data["runs"]] == [False, True, False, True]
     with pytest.raises(KvprofError, match="has no run at load 3"):
         serve_bench_cost(data, "sb.json", fit_load=3)
+
+
+def test_adapter_costs_count_prefill_tokens_and_distinct_adapters_decoding():
+    """f per adapter prefill token; g once per distinct adapter among a step's decoding sequences: two sequences of
+    one agent's adapter decode as cheaply as one adapter's, two agents' adapters cost g twice."""
+    cost = StepCost(a=1e-3, b=0.0, c=0.0, d=0.0, e=0.0, source="adapters", f=1e-5, g=4e-3)
+    lone = (TrajectoryWork("t", (replace(request(100, 100, output=3), adapter=True),)),)
+    run = simulate(lone, cost, config(), Traffic(Load("concurrency", 1), count=1))
+    assert run.ttft == [pytest.approx(1e-3 + 100 * 1e-5)] and run.e2e[0] == pytest.approx(run.ttft[0] + 2 * 5e-3)
+
+    def finish(agents: tuple[str, str]) -> float:
+        work = tuple(
+            TrajectoryWork(f"t{i}", (replace(request(10, 10, output=50), adapter=True, agent=agent),))
+            for i, agent in enumerate(agents)
+        )
+        return max(simulate(work, cost, config(), Traffic(Load("concurrency", 2), count=2)).e2e)
+
+    same, different = finish(("a", "a")), finish(("a", "b"))
+    assert different - same == pytest.approx(48 * 4e-3, rel=0.05)  # ~48 shared decode steps, g more each

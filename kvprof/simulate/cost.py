@@ -1,14 +1,15 @@
 """The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_prefill +
-g·adapter_seqs, and e once per request on its TTFT.
+g·adapters_decoding, and e once per request on its TTFT.
 
 - a: seconds per step (reading the weights, launching the step, the scheduler's own work);
 - b: seconds per dense-equivalent prefill token (a scheduled prefill token × the policy's `prefill_weight`);
 - c: seconds per decoding sequence in the step (× the policy's `decode_weight`: a second batch row counts twice);
 - d: seconds per token of K/V the step reads (a prefill chunk's context, each decoding sequence's context);
 - e: seconds added once to each request's TTFT (HTTP, tokenisation, detokenising the first token);
-- f, g: the extra seconds per prefill token and per decoding sequence of a request that runs a LoRA adapter (an
-  engine's multi-LoRA kernels cost more than the adapter's FLOPs suggest); identifiable only where the fit's
-  timings mix adapter and adapter-free requests (serve-bench's `agents` and `base` patterns), else fixed at 0.
+- f: the extra seconds per prefill token of a request that runs a LoRA adapter; g: per distinct adapter among the
+  step's decoding sequences (an engine's multi-LoRA kernels run once per adapter in the batch, and cost more than
+  the adapters' FLOPs suggest); identifiable only where the fit's timings mix adapter and adapter-free requests
+  (serve-bench's `agents` and `base` patterns), else fixed at 0.
 
 Three sources, each named in `StepCost.source` wherever the model is shown:
 
@@ -73,18 +74,18 @@ class StepCost:
         decode_seqs: float,
         kv_read: float,
         adapter_prefill: float = 0.0,
-        adapter_seqs: float = 0.0,
+        adapters_decoding: float = 0.0,
     ) -> float:
         """Seconds of a step that computes `prefill` dense-equivalent prefill tokens, `decode_seqs` weighted
-        decoding sequences and reads `kv_read` tokens of K/V, `adapter_prefill` of those tokens and `adapter_seqs` of
-        those sequences with a LoRA adapter."""
+        decoding sequences and reads `kv_read` tokens of K/V, `adapter_prefill` of those tokens with a LoRA adapter,
+        `adapters_decoding` distinct adapters among the decoding sequences."""
         return (
             self.a
             + self.b * prefill
             + self.c * decode_seqs
             + self.d * kv_read
             + self.f * adapter_prefill
-            + self.g * adapter_seqs
+            + self.g * adapters_decoding
         )
 
     def describe(self) -> str:
@@ -93,7 +94,7 @@ class StepCost:
             f"{self.source}: a = {1e3 * self.a:.3g} ms/step, b = {1e6 * self.b:.3g} µs/prefill token, "
             f"c = {1e6 * self.c:.3g} µs/decoding seq, d = {1e9 * self.d:.3g} ns/KV token read, "
             f"e = {1e3 * self.e:.3g} ms/request, f = {1e6 * self.f:.3g} µs/adapter prefill token, "
-            f"g = {1e6 * self.g:.3g} µs/adapter seq"
+            f"g = {1e6 * self.g:.3g} µs/adapter decoding"
         )
 
     def as_dict(self) -> dict:
@@ -103,9 +104,9 @@ class StepCost:
 @dataclass(frozen=True)
 class Observation:
     """A measured interval: `seconds` long, spanning `steps` engine steps that together computed `prefill`
-    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens, `adapter_prefill` of those tokens and
-    `adapter_decode` of those sequences with a LoRA adapter; `requests` the TTFTs it holds (1 for a TTFT
-    observation, 0 for a decode one); `kind` "ttft" or "decode"."""
+    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens, `adapter_prefill` of those tokens
+    with a LoRA adapter and `adapter_decode` distinct adapters decoding, summed over its steps; `requests` the TTFTs
+    it holds (1 for a TTFT observation, 0 for a decode one); `kind` "ttft" or "decode"."""
 
     kind: str
     seconds: float
@@ -198,7 +199,8 @@ def serve_bench_observations(run: dict) -> list[Observation]:
     """One serve-bench run's requests as observations (see the module docstring): times from each request's send
     time (due + send_delay), TTFT and end-to-end latency; server-side queueing is taken off the TTFT where the
     server reported it; prefill tokens are the prompt tokens the server did not find cached. Every request of the
-    `agents` pattern runs an adapter, none of the `base` pattern's."""
+    `agents` pattern runs its agent's adapter, none of the `base` pattern's; the distinct adapters decoding in an
+    interval count each other agent by the share of the interval its requests were decoding."""
     adapter = 1.0 if (run.get("summary") or {}).get("pattern") == "agents" else 0.0
     requests = []
     for r in run["requests"]:
@@ -212,6 +214,7 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 "prefill": max(1, r["prompt_tokens"] - (r.get("cached_tokens") or 0)),
                 "prompt": r["prompt_tokens"],
                 "output": r["output_tokens"],
+                "agent": r.get("agent", ""),
             }
         )
     observations = []
@@ -229,7 +232,7 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 read,
                 1,
                 adapter * r["prefill"],
-                adapter * len(decoding),
+                adapter * len({q["agent"] for q in decoding}),
             )
         )
         steps = r["output"] - 1
@@ -237,6 +240,7 @@ def serve_bench_observations(run: dict) -> list[Observation]:
             continue
         prefill, decode = 0.0, float(steps)
         read = steps * r["prompt"] + steps * (steps + 1) / 2
+        share: dict[str, float] = {r["agent"]: 1.0}  # agent → share of the interval it was decoding
         for q in requests:
             if q is r:
                 continue
@@ -245,12 +249,21 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 read += q["prompt"]
             tokens = _tokens_within(q, r["first"], r["done"])
             decode += tokens
+            share[q["agent"]] = min(1.0, share.get(q["agent"], 0.0) + tokens / steps)
             if tokens:
                 middle = (max(q["first"], r["first"]) + min(q["done"], r["done"])) / 2
                 read += tokens * _context_at(q, middle)
         observations.append(
             Observation(
-                "decode", r["done"] - r["first"], steps, prefill, decode, read, 0, adapter * prefill, adapter * decode
+                "decode",
+                r["done"] - r["first"],
+                steps,
+                prefill,
+                decode,
+                read,
+                0,
+                adapter * prefill,
+                adapter * steps * sum(share.values()),
             )
         )
     return observations

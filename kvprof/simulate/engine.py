@@ -306,10 +306,10 @@ class _Engine:
         return max(1, steps)
 
     def _decode_terms(self, scheduled: list[tuple[_Request, int]]) -> tuple[float, float, float]:
-        """(the per-step cost of the decoding sequences besides a and the K/V read: c × their weights + g × those
-        with an adapter, their K/V read this step, the read's growth per step)."""
+        """(the per-step cost of the decoding sequences besides a and the K/V read: c × their weights + g × the
+        distinct adapters among them, their K/V read this step, the read's growth per step)."""
         weight = sum(r.work.decode_weight for r, _ in scheduled)
-        adapters = sum(r.work.adapter for r, _ in scheduled)
+        adapters = len({r.work.agent for r, _ in scheduled if r.work.adapter})
         read = sum(r.work.decode_weight * (r.work.context_tokens + r.decoded) for r, _ in scheduled)
         return self.cost.c * weight + self.cost.g * adapters, read, weight
 
@@ -371,7 +371,8 @@ class _Engine:
 def _step_time(scheduled: list[tuple[_Request, int]], cost: StepCost) -> float:
     """Seconds of one step: prefill chunks in dense-equivalent tokens reading their context so far, decoding
     sequences by their decode weight reading their context."""
-    prefill = decode = read = adapter_prefill = adapter_seqs = 0.0
+    prefill = decode = read = adapter_prefill = 0.0
+    adapters: set[str] = set()
     for request, tokens in scheduled:
         work = request.work
         if request.prefilling():
@@ -380,6 +381,7 @@ def _step_time(scheduled: list[tuple[_Request, int]], cost: StepCost) -> float:
             read += work.context_tokens * (request.prefill_done + tokens) / request.prefill_total
         else:
             decode += work.decode_weight
-            adapter_seqs += work.adapter
+            if work.adapter:
+                adapters.add(work.agent)
             read += work.decode_weight * (work.context_tokens + request.decoded)
-    return cost.step_time(prefill, decode, read, adapter_prefill, adapter_seqs)
+    return cost.step_time(prefill, decode, read, adapter_prefill, len(adapters))
