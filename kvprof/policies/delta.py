@@ -308,7 +308,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
         self.latest: dict[str, str] = {}  # segment name -> the agent holding its latest materialised cache
         self.readers: Counter[str] = Counter()  # segment name -> agents besides its producer that read it
-        self.corrected: Counter[str] = Counter()  # agent -> tokens of its cache it got by correction
+        self.corrected: dict[str, list[tuple[int, int]]] = {}  # agent -> timeline spans of its cache got by correction
         self.bases: dict[str, Stacked] = {}  # segment name -> context-free encoding (kept for later readers)
         self.verdicts: dict[str, bool] = {}  # segment name -> its gate's verdict (decided once per segment)
         self.neutral = NeutralContext(self.runtime)
@@ -328,6 +328,10 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                     values[..., : segment.length, :].clone(),
                 )
         self.seen = {agent: min(seen, keep) for agent, seen in self.seen.items()}
+        self.corrected = {
+            agent: [(start, min(end, keep)) for start, end in spans if start < keep]
+            for agent, spans in self.corrected.items()
+        }
 
     def initial_pool(self) -> AnchorPool:
         path = self.settings.get("anchors")
@@ -457,7 +461,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         context.kv = [buffer.view(prefix_len + reused) for buffer in buffers]
         context.buffers = buffers
         context.reused = reused
-        context.from_others = self.corrected[agent] + context.corrected
+        earlier = sum(max(0, min(end, reused) - start) for start, end in self.corrected.get(agent, []))
+        context.from_others = earlier + context.corrected
         return context
 
     def prefill_densely(
@@ -479,7 +484,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         agent, context = chunk.agent, chunk.context
         self.own[agent] = chunk.buffers
         self.seen[agent] = chunk.start + len(chunk.ids)
-        self.corrected[agent] += context.corrected
+        self.corrected.setdefault(agent, []).extend((start, end) for start, end, _ in context.corrected_spans)
         self.bases.update(context.bases)
         assert self.pool is not None
         for name, gate in context.gates.items():
