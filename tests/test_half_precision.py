@@ -8,7 +8,9 @@ moves K/V error by ≤ 2.2 % and KL by ≤ 2.4 %, float16 by ≤ 0.3 %):
 - KL(dense ‖ policy): within 5 % (bfloat16) / 1 % (float16);
 - top-1 agreement: within 0.05 (the untrained tiny model has near-tied logits, so a few argmaxes flip);
 - the exact policy (NonShared) stays exactly equal to the dense run: same computation, same dtype;
-- KL below 1e-7 nats per token: within 1e-7 absolutely;
+- KL below 1e-6 (bfloat16) / 1e-7 (float16) nats per token: within that absolutely (the rounding of the two runs
+  alone moves a KL that small: CacheBlend recomputing every token at its check layer, KL 1e-15 in float32, gives
+  3e-7 in bfloat16);
 - K/V error: also within half the dtype's rounding unit absolutely (bfloat16 2^-9, float16 2^-12): an error that
   small is the rounding of the caches themselves (a chained correction's K error of 0.003 moves by 0.0005);
 - selective recompute and delta correction: 15 % / 5 % (a token ranking that rounding can reorder; differences of
@@ -37,7 +39,9 @@ SELECTION_TOLERANCE = {"bfloat16": 0.15, "float16": 0.05}
 # reference: their rounding is relative to the caches, not to the much smaller differences
 DELTA_TOLERANCE = {"bfloat16": 0.15, "float16": 0.05}
 TOP1_TOLERANCE = 0.05
-KL_FLOOR = 1e-7  # KL below this (nats per token) is compared absolutely: 16-bit caches do not resolve it
+# KL below this (nats per token) is compared absolutely: the dtype's rounding alone moves it that far (bfloat16: a
+# policy that recomputes every token at CacheBlend's check layer, KL 1e-15 in float32, gives 3e-7)
+KL_FLOOR = {"bfloat16": 1e-6, "float16": 1e-7}
 ERROR_FLOOR = {"bfloat16": 2.0**-9, "float16": 2.0**-12}  # half the rounding unit: K/V errors compared absolutely
 
 
@@ -90,7 +94,7 @@ def test_every_policy_runs_in_half_precision_and_matches_float32(
             assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0, label
             continue
         for key in ("k_error", "v_error", "kl"):
-            floor = KL_FLOOR if key == "kl" else ERROR_FLOOR[dtype]
+            floor = KL_FLOOR[dtype] if key == "kl" else ERROR_FLOOR[dtype]
             assert summary[key] == pytest.approx(expected[key], rel=tolerance(entry, dtype), abs=floor), (label, key)
         assert abs(summary["top1"] - expected["top1"]) <= TOP1_TOLERANCE, label
 
