@@ -8,11 +8,7 @@ import plotly.graph_objects as go
 
 from kvprof.report.figures import base_layout, cycle_style, line_figure
 from kvprof.report.html import Section
-from kvprof.report.tables import TableData
-
-
-def _ms(stats: dict | None, key: str) -> str:
-    return "-" if not stats else f"{1000 * stats[key]:.0f}"
+from kvprof.report.tables import TableData, milliseconds
 
 
 def _percent(value: float | None) -> str:
@@ -58,11 +54,11 @@ def runs_table(result: dict) -> TableData:
             summary["requests"],
             f"{agreement['matching']}/{agreement['requests']}",
             _percent(summary["prefix_hit_ratio"]),
-            _ms(overall["ttft"], "p50"),
-            _ms(overall["ttft"], "p90"),
-            _ms(overall["tpot"], "p50"),
-            _ms(overall["e2e"], "p90"),
-            _ms(overall["server_queue"], "p90"),
+            milliseconds(overall["ttft"], "p50"),
+            milliseconds(overall["ttft"], "p90"),
+            milliseconds(overall["tpot"], "p50"),
+            milliseconds(overall["e2e"], "p90"),
+            milliseconds(overall["server_queue"], "p90"),
             f"{summary['throughput']['requests_per_s']:.2f}",
             f"{summary['throughput']['tokens_per_s']:.0f}",
             _gauge(summary, "waiting"),
@@ -87,10 +83,10 @@ def agents_table(result: dict) -> TableData:
                 agent,
                 stats["requests"],
                 _percent(stats["prefix_hit_ratio"]),
-                _ms(stats["ttft"], "p50"),
-                _ms(stats["ttft"], "p90"),
-                _ms(stats["ttft"], "p99"),
-                _ms(stats["e2e"], "p90"),
+                milliseconds(stats["ttft"], "p50"),
+                milliseconds(stats["ttft"], "p90"),
+                milliseconds(stats["ttft"], "p99"),
+                milliseconds(stats["e2e"], "p90"),
             )
     return table
 

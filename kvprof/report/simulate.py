@@ -3,13 +3,9 @@ calibrated on, one row per policy and load, and the highest load meeting the TTF
 
 from __future__ import annotations
 
-from kvprof.report.tables import TableData
+from kvprof.report.tables import TableData, milliseconds
 
 GIB = 2**30
-
-
-def _ms(stats: dict | None, key: str) -> str:
-    return "-" if not stats else f"{1000 * stats[key]:.0f}"
 
 
 def _error(value: float | None) -> str:
@@ -100,10 +96,10 @@ def runs_table(result: dict) -> TableData:
             row["policy"],
             row["load"]["label"],
             row["requests"],
-            _ms(row["ttft"], "p50"),
-            _ms(row["ttft"], "p90"),
-            _ms(row["ttft"], "p99"),
-            _ms(row["e2e"], "p90"),
+            milliseconds(row["ttft"], "p50"),
+            milliseconds(row["ttft"], "p90"),
+            milliseconds(row["ttft"], "p99"),
+            milliseconds(row["e2e"], "p90"),
             f"{row['throughput']['requests_per_s']:.2f}",
             f"{row['throughput']['tokens_per_s']:.0f}",
             f"{row['peak_kv_bytes'] / 2**20:.1f}",

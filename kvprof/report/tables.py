@@ -31,3 +31,8 @@ class TableData:
         for row in self.rows:
             table.add_row(*row)
         return table
+
+
+def milliseconds(stats: dict | None, key: str) -> str:
+    """A table cell: the statistic `key` of a latency distribution (seconds) in whole milliseconds, "-" without one."""
+    return "-" if not stats else f"{1000 * stats[key]:.0f}"

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from kvprof.errors import KvprofError
-from kvprof.serving.summary import percentile
+from kvprof.serving.summary import distribution
 from kvprof.serving.traffic import Load
 from kvprof.simulate.cost import StepCost, fitted_run
 from kvprof.simulate.engine import MAX_NUM_SEQS, TOKEN_BUDGET, EngineConfig, Traffic, simulate, single_request_fits
@@ -81,8 +81,8 @@ def run_policy(
     return row | {
         "out_of_memory": run.out_of_memory,
         "requests": len(run.e2e),
-        "ttft": _distribution(run.ttft),
-        "e2e": _distribution(run.e2e),
+        "ttft": distribution(run.ttft),
+        "e2e": distribution(run.e2e),
         "throughput": {
             "requests_per_s": len(run.e2e) / duration,
             "tokens_per_s": run.tokens / duration,
@@ -93,12 +93,6 @@ def run_policy(
         "steps": run.steps,
         "duration_s": run.duration,
     }
-
-
-def _distribution(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}
 
 
 def sweep(work: ReplayWork, cost: StepCost, settings: Settings, loads: list[Load], policies: list[str]) -> list[dict]:
