@@ -212,25 +212,40 @@ def _online_replay(
     return record, online, ", ".join(f"{name} {value:.0%}" for name, value in online.items())
 
 
-def replay_all(ctx: DemoContext) -> StageResult:
-    """`kvprof replay --policy all --online` of the shared-A trace: teacher-forced error, fidelity and cost of
-    every policy against the dense run, then task accuracy with each policy generating."""
+def _replay_lora(
+    ctx: DemoContext, trace_name: str, out: Path, families: tuple[str, ...] | None = None, **options
+) -> tuple[dict, dict[str, float], str]:
+    """`kvprof replay --online` of the lora capture `trace_name` under every runnable variant of `--policy all`
+    (only those of `families` when given); returns what `_online_replay` returns."""
     from kvprof.model import load_agents_for_trace
     from kvprof.policies import enumerate_variants, runnable_variants
     from kvprof.policies.variants import ALL
     from kvprof.runtime import Runtime
 
-    out = ctx.out / "replay"
-    trace = ctx.traces["lora_shared_a"]
+    trace = ctx.traces[trace_name]
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
-    variants, skipped = runnable_variants(enumerate_variants([ALL]), Runtime(agents), skip=True)
+    every = [v for v in enumerate_variants([ALL]) if families is None or v.policy.family in families]
+    variants, skipped = runnable_variants(every, Runtime(agents), skip=True)
     replay.print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
-    record, online, accuracy = _online_replay(
+    return _online_replay(
         ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda",
-        policy=[ALL], limit=ctx.replay_tasks,
+        limit=ctx.replay_tasks, **options,
     )  # fmt: skip
-    ctx.k_error = {label: entry["summary"]["k_error"] for label, entry in record["policies"].items()}
+
+
+def _k_errors(record: dict) -> dict[str, float]:
+    return {label: entry["summary"]["k_error"] for label, entry in record["policies"].items()}
+
+
+def replay_all(ctx: DemoContext) -> StageResult:
+    """`kvprof replay --policy all --online` of the shared-A trace: teacher-forced error, fidelity and cost of
+    every policy against the dense run, then task accuracy with each policy generating."""
+    from kvprof.policies.variants import ALL
+
+    out = ctx.out / "replay"
+    record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, policy=[ALL])
+    ctx.k_error = _k_errors(record)
     return StageResult(
         f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
@@ -247,24 +262,9 @@ def capture_lora_qv(ctx: DemoContext) -> StageResult:
 def replay_lora_qv(ctx: DemoContext) -> StageResult:
     """`kvprof replay --online` of the q/v trace under the LoRA-aware policies (LRAgent's, PReCache's) and FullShared:
     the regime the papers measured, beside the q/k/v/o replay; K error per policy in both regimes."""
-    from kvprof.model import load_agents_for_trace
-    from kvprof.policies import enumerate_variants, runnable_variants
-    from kvprof.policies.variants import ALL
-    from kvprof.runtime import Runtime
-
     out = ctx.out / "replay_qv"
-    trace = ctx.traces["lora_shared_a_qv"]
-    agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
-    families = ("baseline", "LRAgent", "PReCache")
-    every = [v for v in enumerate_variants([ALL]) if v.policy.family in families]
-    variants, skipped = runnable_variants(every, Runtime(agents), skip=True)
-    replay.print_skipped(skipped)
-    trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
-    record, online, accuracy = _online_replay(
-        ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda", limit=ctx.replay_tasks
-    )
-    qkvo = ctx.k_error
-    k_error = {label: entry["summary"]["k_error"] for label, entry in record["policies"].items()}
+    record, online, accuracy = _replay_lora(ctx, "lora_shared_a_qv", out, ("baseline", "LRAgent", "PReCache"))
+    qkvo, k_error = ctx.k_error, _k_errors(record)
     compared = ", ".join(
         f"{label} {value:.2f} (q/k/v/o {qkvo[label]:.2f})" for label, value in k_error.items() if label in qkvo
     )
