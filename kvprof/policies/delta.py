@@ -211,7 +211,8 @@ class Decision:
     """What happened to one segment of others the agent read this turn. source: whose cache the reference is (None:
     the context-free encoding); reference: that cache in the segment's frame; gated: whether a gate decided for the
     segment (`verdict`: the gate accepted it, decided once per segment); match: the anchors the correction mixes
-    (None when not matched); corrected: the agent got the segment corrected (else it prefilled it densely)."""
+    (None: `corrected_kv` weighs them when the segment is corrected); corrected: the agent got the segment
+    corrected (else it prefilled it densely)."""
 
     segment: SharedSegment
     source: str | None
@@ -380,8 +381,9 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return self.base_of(segment, shared, context) if owner is None else self.stored_segment(owner, segment)
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
-        """The reference `agent` corrects `segment` from, the gate's verdict (decided by the first reader, once per
-        segment: the candidate is the same reference for every reader) and the anchors the correction mixes."""
+        """The reference `agent` corrects `segment` from and the gate's verdict (decided by the first reader, once per
+        segment: the candidate is the same reference for every reader); `correction_match` adds the anchors the
+        correction mixes, for the segments that are corrected."""
         assert self.pool is not None
         source = self.source_of(agent, segment)
         reference = self.cache_of(source, segment, shared, context)
@@ -397,20 +399,23 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 known = self.accepts(gate)
                 context.gates[segment.name] = gate
             verdict = known
-        decision = Decision(segment, source, reference, gated, verdict)
-        if verdict:
-            decision.match = self.pool.match(
-                segment.slot, reference, source, (agent,), self.temperature, segment.name, self.per_token
-            )
-            context.extra_flops += 2 * 3.0 * reference[1].numel() * len(decision.match.anchors)
-        return decision
+        return Decision(segment, source, reference, gated, verdict)
+
+    def correction_match(self, agent: str, decision: Decision, context: DeltaContext) -> Match:
+        """The anchors holding `agent`'s cache of the segment, weighed (per token) against its reference."""
+        assert self.pool is not None
+        segment, reference = decision.segment, decision.reference
+        match = self.pool.match(
+            segment.slot, reference, decision.source, (agent,), self.temperature, segment.name, self.per_token
+        )
+        context.extra_flops += 2 * 3.0 * reference[1].numel() * len(match.anchors)
+        return match
 
     def corrected_kv(self, agent: str, decision: Decision, context: DeltaContext) -> Stacked:
         """The accepted segment's K/V for `agent`, in its frame: reference + mixed deltas on layers 1.. (the
         reference alone when no anchor holds `agent`'s cache of a segment this long: the public code reuses it
         uncorrected)."""
-        match = decision.match
-        assert match is not None
+        match = decision.match or self.correction_match(agent, decision, context)
         keys, values = decision.reference
         out_keys, out_values = keys.clone(), values.clone()
         if not match.anchors:
@@ -487,10 +492,12 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.corrected.setdefault(agent, []).extend((start, end) for start, end, _ in context.corrected_spans)
         self.bases.update(context.bases)
         assert self.pool is not None
-        for name, gate in context.gates.items():
-            self.verdicts[name] = self.accepts(gate)
-            if self.verdicts[name]:
-                self.pool.activate(gate)
+        for decision in context.decisions:
+            gate = context.gates.get(decision.segment.name)
+            if gate is not None:
+                self.verdicts[decision.segment.name] = decision.verdict
+                if decision.verdict:
+                    self.pool.activate(gate)
         for decision in context.decisions:
             self.latest[decision.segment.name] = agent
             self.readers[decision.segment.name] += 1
