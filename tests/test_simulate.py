@@ -12,8 +12,8 @@ import pytest
 from kvprof.serving.traffic import Load
 from kvprof.simulate.cost import Observation, StepCost, fit, serve_bench_observations
 from kvprof.simulate.engine import EngineConfig, Traffic, simulate
-from kvprof.simulate.sweep import run_policy, static_out_of_memory
-from kvprof.simulate.workload import RequestWork, TrajectoryWork, replay_work
+from kvprof.simulate.sweep import cached_block, run_policy, static_out_of_memory
+from kvprof.simulate.workload import RequestWork, TrajectoryWork, at_block_granularity, replay_work
 
 KV_PER_TOKEN = 4096.0
 COST = StepCost(a=2e-3, b=50e-6, c=100e-6, d=1e-7, e=1e-3, source="test")
@@ -129,11 +129,11 @@ def test_fit_recovers_known_coefficients():
         decode, read = steps * rng.randint(1, 8), rng.randint(0, 200_000)
         ttft, adapter = rng.random() < 0.4, rng.random() < 0.5  # the agents and base patterns mixed
         seconds = truth.a * steps + truth.b * prefill + truth.c * decode + truth.d * read + (truth.e if ttft else 0.0)
-        seconds += adapter * (truth.f * prefill + truth.g * decode)
+        seconds += adapter * (truth.f * (prefill + decode) + truth.g * steps)
         observations.append(
             Observation(
-                "ttft" if ttft else "decode", seconds, steps, prefill, decode, read, ttft, adapter * prefill,
-                adapter * decode,
+                "ttft" if ttft else "decode", seconds, steps, prefill, decode, read, ttft, adapter * (prefill + decode),
+                adapter * steps,
             )
         )  # fmt: skip
     fitted = fit(observations, "synthetic")
@@ -141,7 +141,7 @@ def test_fit_recovers_known_coefficients():
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert fitted.fit["r2_ttft"] == pytest.approx(1.0) and fitted.fit["r2_decode"] == pytest.approx(1.0)
     # every request with an adapter: f and g cannot be told from b and c, and are folded into them
-    every = [replace(o, adapter_prefill=o.prefill, adapter_decode=o.decode) for o in observations]
+    every = [replace(o, adapter_tokens=o.prefill + o.decode, adapter_steps=o.steps) for o in observations]
     folded = fit(every, "all adapters")
     assert folded.f == folded.g == 0.0 and any("not identifiable" in note for note in folded.fit["notes"])
 
@@ -159,9 +159,21 @@ def test_serve_bench_requests_become_the_steps_they_spanned():
         "output_tokens": 5,
     }
     ttft, decode = serve_bench_observations({"requests": [lone]})
-    assert (ttft.seconds, ttft.prefill, ttft.decode, ttft.kv_read) == (pytest.approx(0.08), 100, 0, 120)
+    assert (ttft.seconds, ttft.steps, ttft.prefill, ttft.decode, ttft.kv_read) == (pytest.approx(0.1), 1, 100, 0, 120)
     assert (decode.seconds, decode.steps, decode.decode) == (pytest.approx(0.4), 4, 4)
     assert decode.kv_read == 4 * 120 + 10
+    # a second request sent while the first decodes: its TTFT spans the first's decode steps until its prefill
+    second = lone | {"due": 0.2, "ttft": 0.15, "e2e": 0.4, "prompt_tokens": 60, "cached_tokens": 0, "output_tokens": 3}
+    observations = serve_bench_observations({"requests": [lone, second]})
+    spanned = observations[2]
+    assert spanned.kind == "ttft" and spanned.prefill == 60
+    assert spanned.decode == pytest.approx(4 * 0.15 / 0.4) and spanned.steps == pytest.approx(4 * 0.15 / 0.4)
+    # a stream whose tokens after the first came in one burst gives one observation, send to last token
+    burst = lone | {"due": 1.0, "ttft": 0.45, "e2e": 0.4501}
+    paced = [lone | {"due": 2.0 + k} for k in range(3)]
+    observations = serve_bench_observations({"requests": [burst, *paced]})
+    assert observations[0].kind == "ttft" and observations[1].kind == "ttft"
+    assert (observations[0].seconds, observations[0].steps, observations[0].decode) == (pytest.approx(0.4501), 5, 4)
 
 
 def replay_json(path) -> dict:
@@ -289,20 +301,34 @@ def test_fit_load_fits_one_load_and_refuses_a_missing_one():
         serve_bench_cost(data, "sb.json", fit_load=3)
 
 
-def test_adapter_costs_count_prefill_tokens_and_distinct_adapters_decoding():
-    """f per adapter prefill token; g once per distinct adapter among a step's decoding sequences: two sequences of
-    one agent's adapter decode as cheaply as one adapter's, two agents' adapters cost g twice."""
+def test_adapter_costs_count_adapter_tokens_and_steps_with_any_adapter():
+    """f per token (prefill or decode) of a request with an adapter; g once per step in which any request has one:
+    an adapter-free request decoding beside an adapter one adds no g, two adapter requests share theirs."""
     cost = StepCost(a=1e-3, b=0.0, c=0.0, d=0.0, e=0.0, source="adapters", f=1e-5, g=4e-3)
     lone = (TrajectoryWork("t", (replace(request(100, 100, output=3), adapter=True),)),)
     run = simulate(lone, cost, config(), Traffic(Load("concurrency", 1), count=1))
-    assert run.ttft == [pytest.approx(1e-3 + 100 * 1e-5)] and run.e2e[0] == pytest.approx(run.ttft[0] + 2 * 5e-3)
+    assert run.ttft == [pytest.approx(1e-3 + 100 * 1e-5 + 4e-3)]
+    assert run.e2e[0] == pytest.approx(run.ttft[0] + 2 * (1e-3 + 1e-5 + 4e-3))
 
-    def finish(agents: tuple[str, str]) -> float:
+    def finish(adapters: tuple[bool, bool]) -> float:
         work = tuple(
-            TrajectoryWork(f"t{i}", (replace(request(10, 10, output=50), adapter=True, agent=agent),))
-            for i, agent in enumerate(agents)
+            TrajectoryWork(f"t{i}", (replace(request(10, 10, output=50), adapter=adapter, agent=f"a{i}"),))
+            for i, adapter in enumerate(adapters)
         )
         return max(simulate(work, cost, config(), Traffic(Load("concurrency", 2), count=2)).e2e)
 
-    same, different = finish(("a", "a")), finish(("a", "b"))
-    assert different - same == pytest.approx(48 * 4e-3, rel=0.05)  # ~48 shared decode steps, g more each
+    none, one, both = finish((False, False)), finish((True, False)), finish((True, True))
+    # one prefill step (10 adapter tokens) and 49 decode steps (1 adapter token each): g in all 50, f for 59 tokens
+    assert one - none == pytest.approx(50 * 4e-3 + 59 * 1e-5, rel=1e-9)
+    assert both - one == pytest.approx(59 * 1e-5, rel=1e-9)  # the second adapter request adds only its tokens' f
+
+
+def test_an_engines_prefix_cache_reuses_whole_blocks():
+    """Reused tokens are rounded down to whole blocks, the rest prefilled densely; the block a serve-bench run's
+    server cached by is read off its cached token counts."""
+    reused = request(30, 300)  # 270 reused tokens: two blocks of 128, 14 tokens recomputed
+    (rounded,) = at_block_granularity((TrajectoryWork("t", (reused,)),), 128)[0].requests
+    assert rounded.prefill_tokens == 44 and rounded.prefill_weight == pytest.approx(1.0)
+    assert at_block_granularity((TrajectoryWork("t", (reused,)),), 1)[0].requests[0] is reused
+    runs = [{"requests": [{"cached_tokens": 256}, {"cached_tokens": 0}, {"cached_tokens": 384}]}]
+    assert cached_block({"runs": runs}) == 128 and cached_block({"runs": [{"requests": [{}]}]}) is None

@@ -75,6 +75,16 @@ def command(
     max_num_seqs: Annotated[
         int, typer.Option("--max-num-seqs", min=1, help="Sequences per engine step (vLLM's max_num_seqs).")
     ] = 256,
+    prefix_block: Annotated[
+        int | None,
+        typer.Option(
+            "--prefix-block",
+            min=1,
+            help="Tokens per block of the engine's prefix cache: reused tokens are rounded down to whole blocks "
+            "(default: the block the --calibration server cached by, else 16 as vLLM on GPU; its CPU backend uses "
+            "128; 1: token-exact reuse, as the policies' reference code).",
+        ),
+    ] = None,
     shapes: Annotated[
         bool,
         typer.Option(
@@ -120,7 +130,10 @@ def command(
         step_cost = costs.serve_bench_cost(calibration_data, str(calibration), fit_load)
     else:
         step_cost = costs.fit(costs.replay_observations(replay_data), f"fit to the dense timings of {replay}")
+    if prefix_block is None:
+        prefix_block = (sweeps.cached_block(calibration_data) if calibration_data else None) or 16
     settings = sweeps.Settings(
+        prefix_block=prefix_block,
         memory_bytes=memory * sweeps.GIB,
         duration=duration,
         ttft_slo=ttft_slo,
@@ -153,6 +166,7 @@ def command(
             "token_budget": token_budget,
             "max_num_seqs": max_num_seqs,
             "block_size": 16,
+            "prefix_block": prefix_block,
             "duration_s": duration,
             "ttft_slo_s": ttft_slo,
         },

@@ -16,12 +16,18 @@ def cost_lines(result: dict) -> list[str]:
     """The step model (its source, coefficients and fit statistics) and the scaling, as lines of text."""
     model = result["cost_model"]
     lines = [
-        "step time t = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_prefill + g·adapters_decoding (+ e per "
+        "step time t = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens + g·adapter_step (+ e per "
         f"request on TTFT), {model['source']}: a = {1e3 * model['a']:.3g} ms, b = {1e6 * model['b']:.3g} µs/token, "
         f"c = {1e6 * model['c']:.3g} µs/seq, d = {1e9 * model['d']:.3g} ns/token read, e = {1e3 * model['e']:.3g} "
         f"ms, f = {1e6 * model.get('f', 0.0):.3g} µs/adapter token, "
-        f"g = {1e6 * model.get('g', 0.0):.3g} µs/adapter decoding"
+        f"g = {1e3 * model.get('g', 0.0):.3g} ms/step with adapters"
     ]
+    block = result["settings"].get("prefix_block")
+    if block:
+        lines.append(
+            f"prefix cache: reused tokens rounded down to whole blocks of {block} tokens, the rest prefilled again "
+            "(as an engine's paged prefix cache reuses)"
+        )
     fit = model.get("fit") or {}
     if fit:
         r2 = ", ".join(

@@ -1,15 +1,16 @@
-"""The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_prefill +
-g·adapters_decoding, and e once per request on its TTFT.
+"""The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens +
+g·adapter_step, and e once per request on its TTFT.
 
 - a: seconds per step (reading the weights, launching the step, the scheduler's own work);
 - b: seconds per dense-equivalent prefill token (a scheduled prefill token × the policy's `prefill_weight`);
 - c: seconds per decoding sequence in the step (× the policy's `decode_weight`: a second batch row counts twice);
 - d: seconds per token of K/V the step reads (a prefill chunk's context, each decoding sequence's context);
 - e: seconds added once to each request's TTFT (HTTP, tokenisation, detokenising the first token);
-- f: the extra seconds per prefill token of a request that runs a LoRA adapter; g: per distinct adapter among the
-  step's decoding sequences (an engine's multi-LoRA kernels run once per adapter in the batch, and cost more than
-  the adapters' FLOPs suggest); identifiable only where the fit's timings mix adapter and adapter-free requests
-  (serve-bench's `agents` and `base` patterns), else fixed at 0.
+- f: the extra seconds per token (prefill or decode) of a request that runs a LoRA adapter; g: the extra seconds of a
+  step in which any request runs one (vLLM's multi-LoRA layers launch their shrink/expand kernels for the whole step
+  whenever one token has an adapter, and skip them when none does; on its CPU backend they gather each token's
+  adapter weights, a cost per token); identifiable only where the fit's timings mix adapter and adapter-free
+  requests (serve-bench's `agents` and `base` patterns), else fixed at 0 (folded into a, b and c).
 
 Three sources, each named in `StepCost.source` wherever the model is shown:
 
@@ -27,6 +28,7 @@ Three sources, each named in `StepCost.source` wherever the model is shown:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from kvprof.errors import KvprofError
@@ -35,6 +37,7 @@ from kvprof.simulate.workload import ReplayWork
 ROOFLINE = "roofline, uncalibrated"
 COEFFICIENTS = ("a", "b", "c", "d", "e", "f", "g")
 OPTIONAL = ("g", "f", "c")  # each fixed at 0, in this order, when the other features already span it
+COALESCED = 0.1  # a stream whose tokens after the first came faster than this × the run's median pace came in one burst
 
 
 @dataclass(frozen=True)
@@ -73,19 +76,19 @@ class StepCost:
         prefill: float,
         decode_seqs: float,
         kv_read: float,
-        adapter_prefill: float = 0.0,
-        adapters_decoding: float = 0.0,
+        adapter_tokens: float = 0.0,
     ) -> float:
         """Seconds of a step that computes `prefill` dense-equivalent prefill tokens, `decode_seqs` weighted
-        decoding sequences and reads `kv_read` tokens of K/V, `adapter_prefill` of those tokens with a LoRA adapter,
-        `adapters_decoding` distinct adapters among the decoding sequences."""
+        decoding sequences and reads `kv_read` tokens of K/V, `adapter_tokens` of its tokens (prefill or decode)
+        with a LoRA adapter (g is charged when there is any)."""
+        adapter_step = 1.0 if adapter_tokens > 0 else 0.0
         return (
             self.a
             + self.b * prefill
             + self.c * decode_seqs
             + self.d * kv_read
-            + self.f * adapter_prefill
-            + self.g * adapters_decoding
+            + self.f * adapter_tokens
+            + self.g * adapter_step
         )
 
     def describe(self) -> str:
@@ -93,8 +96,8 @@ class StepCost:
         return (
             f"{self.source}: a = {1e3 * self.a:.3g} ms/step, b = {1e6 * self.b:.3g} µs/prefill token, "
             f"c = {1e6 * self.c:.3g} µs/decoding seq, d = {1e9 * self.d:.3g} ns/KV token read, "
-            f"e = {1e3 * self.e:.3g} ms/request, f = {1e6 * self.f:.3g} µs/adapter prefill token, "
-            f"g = {1e6 * self.g:.3g} µs/adapter decoding"
+            f"e = {1e3 * self.e:.3g} ms/request, f = {1e6 * self.f:.3g} µs/adapter token, "
+            f"g = {1e3 * self.g:.3g} ms/step with adapters"
         )
 
     def as_dict(self) -> dict:
@@ -104,9 +107,9 @@ class StepCost:
 @dataclass(frozen=True)
 class Observation:
     """A measured interval: `seconds` long, spanning `steps` engine steps that together computed `prefill`
-    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens, `adapter_prefill` of those tokens
-    with a LoRA adapter and `adapter_decode` distinct adapters decoding, summed over its steps; `requests` the TTFTs
-    it holds (1 for a TTFT observation, 0 for a decode one); `kind` "ttft" or "decode"."""
+    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens, `adapter_tokens` of its tokens
+    (prefill or decode) with a LoRA adapter in `adapter_steps` of its steps, summed over its steps; `requests` the
+    TTFTs it holds (1 for a TTFT observation, 0 for a decode one); `kind` "ttft" or "decode"."""
 
     kind: str
     seconds: float
@@ -115,13 +118,13 @@ class Observation:
     decode: float
     kv_read: float
     requests: float
-    adapter_prefill: float = 0.0
-    adapter_decode: float = 0.0
+    adapter_tokens: float = 0.0
+    adapter_steps: float = 0.0
 
     def features(self) -> list[float]:
         return [
-            self.steps, self.prefill, self.decode, self.kv_read, self.requests, self.adapter_prefill,
-            self.adapter_decode,
+            self.steps, self.prefill, self.decode, self.kv_read, self.requests, self.adapter_tokens,
+            self.adapter_steps,
         ]  # fmt: skip
 
 
@@ -146,8 +149,8 @@ def fit(observations: list[Observation], source: str) -> StepCost:
     columns = list(range(len(COEFFICIENTS)))
     notes = []
     reasons = {
-        "g": "every request ran an adapter, or none did: the adapter costs f and g are not identifiable, folded into b "
-        "and c",
+        "g": "every request ran an adapter, or none did: the adapter costs f and g are not identifiable, folded "
+        "into a, b and c",
         "c": "every step decoded one sequence: the per-sequence cost c is not identifiable, folded into a",
     }
     for name in OPTIONAL:
@@ -188,19 +191,24 @@ def replay_observations(data: dict) -> list[Observation]:
     for turn in data["dense"]["turns"]:
         context, steps = turn["input_tokens"], int(turn.get("decode_steps") or turn["output_tokens"])
         prefill = turn["prefilled"]
-        observations.append(Observation("ttft", turn["ttft_s"], 1, prefill, 0, context, 1, adapter * prefill))
+        observations.append(Observation("ttft", turn["ttft_s"], 1, prefill, 0, context, 1, adapter * prefill, adapter))
         if steps and turn.get("decode_s"):
             read = steps * context + steps * (steps + 1) / 2
-            observations.append(Observation("decode", turn["decode_s"], steps, 0, steps, read, 0, 0, adapter * steps))
+            observations.append(
+                Observation("decode", turn["decode_s"], steps, 0, steps, read, 0, adapter * steps, adapter * steps)
+            )
     return observations
 
 
 def serve_bench_observations(run: dict) -> list[Observation]:
     """One serve-bench run's requests as observations (see the module docstring): times from each request's send
-    time (due + send_delay), TTFT and end-to-end latency; server-side queueing is taken off the TTFT where the
-    server reported it; prefill tokens are the prompt tokens the server did not find cached. Every request of the
-    `agents` pattern runs its agent's adapter, none of the `base` pattern's; the distinct adapters decoding in an
-    interval count each other agent by the share of the interval its requests were decoding."""
+    time (due + send_delay), TTFT and end-to-end latency; a TTFT spans the steps from the send to the first token
+    (the step then running, the others' prefills and decodes in between, its own prefill step); prefill tokens are
+    the prompt tokens the server did not find cached. Every request of the `agents` pattern runs its agent's adapter
+    (every token of its steps), none of the `base` pattern's. A request whose tokens after the first arrived in one
+    burst (its mean inter-token time below `COALESCED` × the run's median: the server's output process fell behind and
+    sent them together, so its first-token time is late too) gives one observation from its send to its last token
+    instead."""
     adapter = 1.0 if (run.get("summary") or {}).get("pattern") == "agents" else 0.0
     requests = []
     for r in run["requests"]:
@@ -210,49 +218,43 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 "sent": sent,
                 "first": sent + r["ttft"],
                 "done": sent + r["e2e"],
-                "queue": r.get("server_queue") or 0.0,
                 "prefill": max(1, r["prompt_tokens"] - (r.get("cached_tokens") or 0)),
                 "prompt": r["prompt_tokens"],
                 "output": r["output_tokens"],
                 "agent": r.get("agent", ""),
             }
         )
+    paces = [(r["done"] - r["first"]) / (r["output"] - 1) for r in requests if r["output"] > 1]
+    pace = statistics.median(paces) if paces else 0.0
     observations = []
     for r in requests:
-        decoding = [q for q in requests if q is not r and q["first"] < r["first"] <= q["done"]]
-        read = r["prompt"] + sum(_context_at(q, r["first"]) for q in decoding)
-        seconds = r["first"] - r["sent"] - min(r["queue"], r["first"] - r["sent"])
+        steps = r["output"] - 1
+        coalesced = steps >= 1 and (r["done"] - r["first"]) < COALESCED * pace * steps
+        end = r["done"] if coalesced else r["first"]
+        prefill, decode, read, prefills, paced = _others_within(requests, r, r["sent"], end)
+        own_steps, own_decode, own_read = 1, 0, float(r["prompt"])
+        if coalesced:
+            own_steps, own_decode = 1 + steps, steps
+            own_read += steps * r["prompt"] + steps * (steps + 1) / 2
+        total = max(own_steps + prefills, paced)
         observations.append(
             Observation(
                 "ttft",
-                seconds,
+                end - r["sent"],
+                total,
+                r["prefill"] + prefill,
+                own_decode + decode,
+                own_read + read,
                 1,
-                r["prefill"],
-                len(decoding),
-                read,
-                1,
-                adapter * r["prefill"],
-                adapter * len({q["agent"] for q in decoding}),
+                adapter * (r["prefill"] + prefill + own_decode + decode),
+                adapter * total,
             )
         )
-        steps = r["output"] - 1
-        if steps < 1 or r["done"] <= r["first"]:
+        if steps < 1 or coalesced:
             continue
-        prefill, decode = 0.0, float(steps)
-        read = steps * r["prompt"] + steps * (steps + 1) / 2
-        share: dict[str, float] = {r["agent"]: 1.0}  # agent → share of the interval it was decoding
-        for q in requests:
-            if q is r:
-                continue
-            if r["first"] < q["first"] <= r["done"]:
-                prefill += q["prefill"]
-                read += q["prompt"]
-            tokens = _tokens_within(q, r["first"], r["done"])
-            decode += tokens
-            share[q["agent"]] = min(1.0, share.get(q["agent"], 0.0) + tokens / steps)
-            if tokens:
-                middle = (max(q["first"], r["first"]) + min(q["done"], r["done"])) / 2
-                read += tokens * _context_at(q, middle)
+        prefill, decode, read, _, _ = _others_within(requests, r, r["first"], r["done"])
+        decode += steps
+        read += steps * r["prompt"] + steps * (steps + 1) / 2
         observations.append(
             Observation(
                 "decode",
@@ -262,11 +264,33 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 decode,
                 read,
                 0,
-                adapter * prefill,
-                adapter * steps * sum(share.values()),
+                adapter * (prefill + decode),
+                adapter * steps,
             )
         )
     return observations
+
+
+def _others_within(requests: list[dict], r: dict, start: float, end: float) -> tuple[float, float, float, int, float]:
+    """What the requests other than `r` computed in the steps of (start, end]: (prefill tokens of those whose first
+    token came in it, their decode tokens in it, the K/V tokens both read, how many of those prefills completed
+    before `end`, the most decode tokens any one of them produced in it — a lower bound on the steps)."""
+    prefill = decode = read = paced = 0.0
+    prefills = 0
+    for q in requests:
+        if q is r:
+            continue
+        if start < q["first"] <= end:
+            prefill += q["prefill"]
+            read += q["prompt"]
+            prefills += q["first"] < end
+        tokens = _tokens_within(q, start, end)
+        if tokens:
+            decode += tokens
+            paced = max(paced, tokens)
+            middle = (max(q["first"], start) + min(q["done"], end)) / 2
+            read += tokens * _context_at(q, middle)
+    return prefill, decode, read, prefills, paced
 
 
 def _tokens_within(q: dict, start: float, end: float) -> float:

@@ -306,12 +306,13 @@ class _Engine:
         return max(1, steps)
 
     def _decode_terms(self, scheduled: list[tuple[_Request, int]]) -> tuple[float, float, float]:
-        """(the per-step cost of the decoding sequences besides a and the K/V read: c × their weights + g × the
-        distinct adapters among them, their K/V read this step, the read's growth per step)."""
+        """(the per-step cost of the decoding sequences besides a and the K/V read: c × their weights, f × those
+        running an adapter, g if any does; their K/V read this step, the read's growth per step)."""
         weight = sum(r.work.decode_weight for r, _ in scheduled)
-        adapters = len({r.work.agent for r, _ in scheduled if r.work.adapter})
+        adapter_tokens = sum(1 for r, _ in scheduled if r.work.adapter)
         read = sum(r.work.decode_weight * (r.work.context_tokens + r.decoded) for r, _ in scheduled)
-        return self.cost.c * weight + self.cost.g * adapters, read, weight
+        adapters = self.cost.f * adapter_tokens + (self.cost.g if adapter_tokens else 0.0)
+        return self.cost.c * weight + adapters, read, weight
 
     def _steps_until(self, scheduled: list[tuple[_Request, int]], gap: float) -> int:
         """The number of decode steps whose summed time first reaches `gap` seconds (at least 1)."""
@@ -371,17 +372,14 @@ class _Engine:
 def _step_time(scheduled: list[tuple[_Request, int]], cost: StepCost) -> float:
     """Seconds of one step: prefill chunks in dense-equivalent tokens reading their context so far, decoding
     sequences by their decode weight reading their context."""
-    prefill = decode = read = adapter_prefill = 0.0
-    adapters: set[str] = set()
+    prefill = decode = read = adapter_tokens = 0.0
     for request, tokens in scheduled:
         work = request.work
+        adapter_tokens += tokens * work.adapter
         if request.prefilling():
             prefill += tokens * work.prefill_weight
-            adapter_prefill += tokens * work.adapter
             read += work.context_tokens * (request.prefill_done + tokens) / request.prefill_total
         else:
             decode += work.decode_weight
-            if work.adapter:
-                adapters.add(work.agent)
             read += work.decode_weight * (work.context_tokens + request.decoded)
-    return cost.step_time(prefill, decode, read, adapter_prefill, len(adapters))
+    return cost.step_time(prefill, decode, read, adapter_tokens)

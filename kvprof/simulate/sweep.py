@@ -9,6 +9,7 @@ Percentiles interpolate linearly (as serve-bench's); times are seconds, memory b
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -16,8 +17,16 @@ from kvprof.errors import KvprofError
 from kvprof.serving.summary import distribution
 from kvprof.serving.traffic import Load
 from kvprof.simulate.cost import StepCost, fitted_run
-from kvprof.simulate.engine import MAX_NUM_SEQS, TOKEN_BUDGET, EngineConfig, Traffic, simulate, single_request_fits
-from kvprof.simulate.workload import ReplayWork, TrajectoryWork, without_adapters
+from kvprof.simulate.engine import (
+    BLOCK_SIZE,
+    MAX_NUM_SEQS,
+    TOKEN_BUDGET,
+    EngineConfig,
+    Traffic,
+    simulate,
+    single_request_fits,
+)
+from kvprof.simulate.workload import ReplayWork, TrajectoryWork, at_block_granularity, without_adapters
 
 GIB = 2**30
 PATTERN_POLICY = {"agents": "nonshared", "base": "fullshared"}  # serve-bench's patterns as the policies they do
@@ -26,7 +35,8 @@ PATTERN_POLICY = {"agents": "nonshared", "base": "fullshared"}  # serve-bench's 
 @dataclass(frozen=True)
 class Settings:
     """The server and the run: total device memory (bytes; the KV capacity is this minus the weights), token budget
-    and sequence limit per step, seconds of arrivals, the arrival seed, and the TTFT SLO (s) on TTFT p90."""
+    and sequence limit per step, the tokens per block of its prefix cache, seconds of arrivals, the arrival seed, and
+    the TTFT SLO (s) on TTFT p90."""
 
     memory_bytes: float
     duration: float
@@ -34,6 +44,7 @@ class Settings:
     token_budget: int = TOKEN_BUDGET
     max_num_seqs: int = MAX_NUM_SEQS
     seed: int = 0
+    prefix_block: int = BLOCK_SIZE
 
     def engine(self, work: ReplayWork, memory_bytes: float | None = None) -> EngineConfig:
         """The modelled server for `work`'s model with `memory_bytes` (default: the settings') of device memory."""
@@ -100,10 +111,19 @@ def sweep(work: ReplayWork, cost: StepCost, settings: Settings, loads: list[Load
     config = settings.engine(work)
     rows = []
     for label in policies:
+        trajectories = at_block_granularity(work.policies[label], settings.prefix_block)
         for load in loads:
             traffic = Traffic(load, duration=settings.duration, seed=settings.seed)
-            rows.append(run_policy(label, work.policies[label], cost, config, traffic))
+            rows.append(run_policy(label, trajectories, cost, config, traffic))
     return rows
+
+
+def cached_block(data: dict) -> int | None:
+    """The block size of the prefix cache that served a serve-bench result's JSON `data`: the greatest common divisor
+    of its requests' cached token counts (an engine caches whole blocks), or None when no request found any cached."""
+    counts = {r.get("cached_tokens") or 0 for run in data.get("runs") or [] for r in run.get("requests") or []}
+    block = math.gcd(*counts)
+    return block or None
 
 
 def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
@@ -124,11 +144,13 @@ def serve_bench_errors(
 ) -> list[dict]:
     """Each serve-bench run re-simulated: the pattern's policy (agents: nonshared, base: fullshared) on the run's
     trajectories in the order they started, at its measured arrival times (open loop) or concurrency, on the run's
-    KV memory (`--kv-cache-gib`, else the settings'); the simulated median TTFT and throughput against the measured,
+    KV memory (`--kv-cache-gib`, else the settings') and its prefix cache's block (`cached_block`, else the
+    settings'); the simulated median TTFT and throughput against the measured,
     as relative errors, each row marked `fitted` (the step model was fitted to it) or not (a validation run)."""
     kv_gib = (data.get("args") or {}).get("kv_cache_gib")
     memory = settings.memory_bytes if kv_gib is None else kv_gib * GIB + work.weight_bytes()
     config = settings.engine(work, memory)
+    block = cached_block(data) or settings.prefix_block
     rows = []
     for run in data["runs"]:
         summary = run["summary"]
@@ -138,7 +160,7 @@ def serve_bench_errors(
         trajectories = work.policies[label]
         if summary["pattern"] == "base":
             trajectories = without_adapters(trajectories)
-        by_id = {t.id: t for t in trajectories}
+        by_id = {t.id: t for t in at_block_granularity(trajectories, block)}
         starts: dict[str, float] = {}
         for request in run["requests"]:
             starts[request["trajectory"]] = min(request["due"], starts.get(request["trajectory"], request["due"]))

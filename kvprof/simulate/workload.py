@@ -15,6 +15,12 @@ What a request carries (all from the policy's per-turn record, `policies[label][
   (caches, LR caches, anchor pools, stored hidden states); a trajectory holds `kept_bytes` until its next turn and
   frees it when it ends.
 
+An engine's prefix cache holds whole blocks (vLLM: 16 tokens on GPU, 128 on its CPU backend), so it recomputes the
+tail of a reused prefix that does not fill a block: `at_block_granularity` rounds every turn's reused tokens
+(input − prefilled) down to a multiple of the block, the rest prefilled densely — exact for a prefix (NonShared's
+own history, FullShared's and the LoRA policies' base cache), an approximation for reused segments (delta and
+selective policies), whose engines would page them too.
+
 `--shapes` scales every turn's input-side work linearly (prefilled tokens, context, FLOPs as weights per token stay,
 bytes) so that the trajectories' final contexts reach the papers' shared-context length; output lengths stay.
 Attention's quadratic growth and the papers' agent counts are not modelled by that scaling.
@@ -172,6 +178,25 @@ def without_adapters(trajectories: tuple[TrajectoryWork, ...]) -> tuple[Trajecto
         TrajectoryWork(traj.id, tuple(replace(request, adapter=False) for request in traj.requests))
         for traj in trajectories
     )
+
+
+def at_block_granularity(trajectories: tuple[TrajectoryWork, ...], block: int) -> tuple[TrajectoryWork, ...]:
+    """The same work on an engine whose prefix cache holds whole blocks of `block` tokens: each turn's reused
+    tokens (input − prefilled, when positive) rounded down to a multiple of `block`, the remainder prefilled as dense
+    tokens (weight 1, so the turn's `prefill_weight` becomes the mean over its old and added tokens)."""
+    if block <= 1:
+        return trajectories
+
+    def rounded(request: RequestWork) -> RequestWork:
+        reused = request.input_tokens - request.prefill_tokens
+        extra = reused % block if reused > 0 else 0
+        if not extra:
+            return request
+        tokens = request.prefill_tokens + extra
+        weight = (request.prefill_tokens * request.prefill_weight + extra) / tokens
+        return replace(request, prefill_tokens=tokens, prefill_weight=weight)
+
+    return tuple(TrajectoryWork(t.id, tuple(rounded(r) for r in t.requests)) for t in trajectories)
 
 
 def shared_tokens(work: ReplayWork) -> float:
