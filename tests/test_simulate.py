@@ -332,3 +332,40 @@ def test_an_engines_prefix_cache_reuses_whole_blocks():
     assert at_block_granularity((TrajectoryWork("t", (reused,)),), 1)[0].requests[0] is reused
     runs = [{"requests": [{"cached_tokens": 256}, {"cached_tokens": 0}, {"cached_tokens": 384}]}]
     assert cached_block({"runs": runs}) == 128 and cached_block({"runs": [{"requests": [{}]}]}) is None
+
+
+def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
+    from kvprof.simulate.claims import serving_verdicts
+
+    def row(policy: str, qps: float, ttft: float, oom: str | None = None) -> dict:
+        load = {"kind": "qps", "value": qps, "label": f"{qps:g} qps"}
+        return {"policy": policy, "load": load, "out_of_memory": oom, "ttft": {"p50": ttft}, "e2e": {"p50": 2 * ttft}}
+
+    claim = {
+        "measure": "ttft_p50", "low": 0.4, "high": 0.6, "reading": "r", "references": ("nonshared",),
+        "shared_tokens": 1000, "qps": 8.0, "reference_options": (), "policy_options": (("chain", "chain"),),
+    }  # fmt: skip
+    oom = claim | {"measure": "out_of_memory", "low": 1.0, "high": 1.0, "references": (), "policy_options": ()}
+    published = {
+        "kvcmas": [{"paper": "P", "where": "w", "claim": "2× lower", "serving": claim}],
+        "kvcomm": [{"paper": "P", "where": "w", "claim": "out of memory", "serving": oom}],
+    }
+    policies = {
+        "kvcmas-chain": {"name": "kvcmas", "options": {"chain": "chain"}},
+        "kvcmas-star": {"name": "kvcmas", "options": {"chain": "star"}},
+        "kvcomm": {"name": "kvcomm", "options": {}},
+    }
+    runs = [row("kvcmas-chain", 8, 0.5), row("kvcmas-star", 8, 0.9), row("nonshared", 8, 1.0)]
+    runs.append(row("kvcomm", 8, 0.0, oom="a single request needs more"))
+    result = {"runs": runs, "scale": {"shared_tokens": 1050}, "cost_model": {"source": "roofline"}}
+    verdicts = serving_verdicts(result, policies, published)
+    assert [(v["policy"], v["reference"], v["holds"]) for v in verdicts] == [
+        ("kvcmas-chain", "nonshared", True),  # 0.5 in [0.4, 0.6]; the star variant makes no such claim
+        ("kvcomm", None, True),
+    ]
+    result["runs"][0] = row("kvcmas-chain", 8, 0.7)
+    assert serving_verdicts(result, policies, published)[0]["verdict"] == "does not hold (simulated)"
+    unscaled = result | {"scale": {"shared_tokens": None}}
+    assert "not scaled to 1000" in serving_verdicts(unscaled, policies, published)[0]["why"]
+    other_load = result | {"runs": [row(r["policy"], 2, 0.5) for r in runs]}
+    assert "8 qps not simulated" in serving_verdicts(other_load, policies, published)[0]["why"]

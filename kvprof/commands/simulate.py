@@ -173,9 +173,24 @@ def command(
         "runs": rows,
         "sustainable": sweeps.sustainable_loads(rows, ttft_slo) if ttft_slo is not None else None,
     }
+    payload["serving_claims"] = serving_claims(payload, replay_data)
     show(payload)
     path = write_result(out, "simulate", payload, args)
     console.print(f"wrote {path}")
+
+
+def serving_claims(payload: dict, replay_data: dict) -> list[dict]:
+    """Verdicts on the simulated policies' published serving figures (kvprof.simulate.claims), the claims read from
+    the policy registry so that replays saved before a claim was recorded get its verdict too."""
+    from dataclasses import asdict
+
+    from kvprof.policies import REGISTRY
+    from kvprof.simulate.claims import serving_verdicts
+
+    runs = {label: {"name": entry.get("name", label), "options": entry.get("options") or {}} for label, entry in
+            replay_data["policies"].items()}  # fmt: skip
+    published = {name: [asdict(figure) for figure in cls.published] for name, cls in REGISTRY.items()}
+    return serving_verdicts(payload, runs, published)
 
 
 def _read_json(path: Path) -> dict:
@@ -195,7 +210,14 @@ def _read_json(path: Path) -> dict:
 
 def show(result: dict) -> None:
     """The cost model line, the calibration's errors, the per-policy table and the sustainable loads."""
-    from kvprof.report.simulate import cost_lines, errors_table, out_of_memory_lines, runs_table, sustainable_table
+    from kvprof.report.simulate import (
+        claim_lines,
+        cost_lines,
+        errors_table,
+        out_of_memory_lines,
+        runs_table,
+        sustainable_table,
+    )
 
     for line in cost_lines(result):
         console.print(line, markup=False)
@@ -208,3 +230,5 @@ def show(result: dict) -> None:
     sustainable = sustainable_table(result)
     if sustainable is not None:
         console.print(sustainable.to_rich())
+    for line in claim_lines(result):
+        console.print(line, markup=False)

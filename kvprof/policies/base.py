@@ -166,11 +166,39 @@ class MemoryClaim:
 
 
 @dataclass(frozen=True)
+class ServingClaim:
+    """A published serving figure as a ratio `kvprof simulate` gives a verdict, stated as simulated
+    (`kvprof.simulate.claims`): the claiming policy's `measure` over each reference run's at the claim's setting,
+    claimed within [low, high].
+
+    measure: "ttft_p50" (median TTFT), "request_throughput" (per-request throughput, read as the reference's median
+    end-to-end latency over the policy's: both serve the same outputs) or "out_of_memory" (1 when the policy runs out
+    of memory, 0 when not; no reference). references: the policy names the ratio is taken against ("nonshared": the
+    dense run), with `reference_options` (key, value) they ran with in the setting; policy_options: the claiming
+    policy's option values the claim is about (a variant). shared_tokens: the setting's shared context (the
+    simulation must have been scaled to it with --shapes, within 10 %); qps: the setting's load (None: the lowest
+    simulated load, read as the paper's "unsaturated"). reading: how [low, high] reads the claim's words, labelled
+    with whose reading it is.
+    """
+
+    measure: str
+    low: float
+    high: float
+    reading: str
+    references: tuple[str, ...] = ()
+    shared_tokens: int = 0
+    qps: float | None = None
+    reference_options: tuple[tuple[str, str], ...] = ()
+    policy_options: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Published:
     """A figure the method's paper reports, for side-by-side reading with kvprof's measurement.
 
     paper: short citation; where: section / table / figure; setting: models, data, hardware; claim: the figure;
-    memory: for a memory figure, the ratio it claims (`MemoryClaim`), which each replay gives a verdict.
+    memory: for a memory figure, the ratio it claims (`MemoryClaim`), which each replay gives a verdict;
+    serving: for a serving figure, the ratio it claims (`ServingClaim`), which each simulation gives a verdict.
     """
 
     paper: str
@@ -178,6 +206,7 @@ class Published:
     setting: str
     claim: str
     memory: MemoryClaim | None = None
+    serving: ServingClaim | None = None
 
     def __str__(self) -> str:
         return f"{self.paper}, {self.where} ({self.setting}): {self.claim}"

@@ -40,7 +40,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvprof.anchors import Match
-from kvprof.policies.base import Option, Published
+from kvprof.policies.base import Option, Published, ServingClaim
 from kvprof.policies.delta import DeltaCorrection, fallback_option, pool_options, threshold_option
 from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING, KVCOMM, KVCOMM_SETTING
 
@@ -67,6 +67,7 @@ class KVComm(DeltaCorrection):
             KVCMAS_SETTING,
             "KVComm's full-dimensional anchors run out of memory at 8K and 32K shared tokens; KVCMAS needs up to 3.7× "
             "less peak GPU memory",
+            serving=ServingClaim("out_of_memory", 1.0, 1.0, "paper text: out of memory at 32K", (), 32_768, 8.0),
         ),
     )
 

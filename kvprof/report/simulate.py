@@ -139,3 +139,16 @@ def sustainable_table(result: dict) -> TableData | None:
     for policy, by_kind in best.items():
         table.add_row(policy, *("-" if by_kind.get(kind) is None else f"{by_kind[kind]:g}" for kind in kinds))
     return table
+
+
+def claim_lines(result: dict) -> list[str]:
+    """The published serving figures' verdicts, stated as simulated, with the cost model they used."""
+    verdicts = result.get("serving_claims") or []
+    if not verdicts:
+        return []
+    lines = [f"published serving claims, simulated with {verdicts[0]['cost_model']}:"]
+    for v in verdicts:
+        against = f" vs {v['reference']}" if v["reference"] else ""
+        claimed = f"claimed [{v['claimed'][0]:.3g}, {v['claimed'][1]:.3g}], {v['reading']}"
+        lines.append(f"  {v['policy']}{against}: {v['verdict']} — {v['why']} ({claimed}) — {v['claim']}")
+    return lines

@@ -37,6 +37,7 @@ from pathlib import Path
 from kvprof.errors import KvprofError
 
 TURN_FIELDS = ("agent", "trajectory", "turn", "input_tokens", "output_tokens", "prefilled", "ttft_flops", "flops")
+DENSE_LABEL = "nonshared"  # a replay's dense run is NonShared; simulated under this label when not replayed as a policy
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -117,12 +118,13 @@ def replay_work(data: dict, path: Path) -> ReplayWork:
     )
     firsts = [t for t in dense_turns if t["turn"] == 0 and t.get("memory_bytes")]
     kv_per_token = statistics.median(t["memory_bytes"] / (t["input_tokens"] + t["output_tokens"]) for t in firsts)
+    lora = data.get("mode") == "lora"
+    work = {label: _trajectories(entry["turns"], dense, label, path, lora) for label, entry in policies.items()}
+    if DENSE_LABEL not in work:  # the dense run is NonShared's
+        work[DENSE_LABEL] = _trajectories(dense_turns, dense, DENSE_LABEL, path, lora)
     return ReplayWork(
         path=path,
-        policies={
-            label: _trajectories(entry["turns"], dense, label, path, data.get("mode") == "lora")
-            for label, entry in policies.items()
-        },
+        policies=work,
         prefill_flops_per_token=prefill_per_token,
         decode_flops_per_step=decode_per_step,
         kv_bytes_per_token=kv_per_token,
