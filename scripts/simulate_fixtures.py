@@ -4,7 +4,7 @@ validation read, for tests/data/simulate/ (tests/test_simulate_validation.py):
     python scripts/simulate_fixtures.py SERVE_BENCH.json REPLAY.json tests/data/simulate
 
 The replay keeps its dense run and the policies serve-bench's patterns stand for (nonshared, fullshared); times are
-rounded to microseconds.
+rounded to microseconds, token arrival times to 10 µs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 REQUEST_FIELDS = (
     "trajectory", "index", "agent", "due", "send_delay", "ttft", "e2e", "prompt_tokens", "cached_tokens",
-    "output_tokens",
+    "output_tokens", "token_times",
 )  # fmt: skip
 TURN_FIELDS = (
     "agent", "trajectory", "turn", "input_tokens", "output_tokens", "prefilled", "flops", "ttft_flops", "ttft_s",
@@ -24,6 +24,8 @@ TURN_FIELDS = (
 
 
 def rounded(value: object) -> object:
+    if isinstance(value, list):
+        return [round(v, 5) for v in value]  # token arrival times to 10 µs
     return round(value, 6) if isinstance(value, float) else value
 
 

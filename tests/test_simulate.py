@@ -315,12 +315,33 @@ def test_adapter_costs_count_adapter_tokens_and_steps_with_any_adapter():
             TrajectoryWork(f"t{i}", (replace(request(10, 10, output=50), adapter=adapter, agent=f"a{i}"),))
             for i, adapter in enumerate(adapters)
         )
-        return max(simulate(work, cost, config(), Traffic(Load("concurrency", 2), count=2)).e2e)
+        return max(simulate(work, cost, config(), Traffic(Load("concurrency", 2), count=2, arrivals=(0.0, 0.0))).e2e)
 
     none, one, both = finish((False, False)), finish((True, False)), finish((True, True))
     # one prefill step (10 adapter tokens) and 49 decode steps (1 adapter token each): g in all 50, f for 59 tokens
     assert one - none == pytest.approx(50 * 4e-3 + 59 * 1e-5, rel=1e-9)
     assert both - one == pytest.approx(59 * 1e-5, rel=1e-9)  # the second adapter request adds only its tokens' f
+
+
+def test_token_arrival_times_give_the_engines_single_steps():
+    """A decodes alone for a step, then B's prefill joins its decode step, then both decode: three timed steps (the
+    first group follows an idle engine and is not one); a token that came in a burst hides its step."""
+
+    def sent_at(due: float, prompt: int, times: list[float]) -> dict:
+        record = {"due": due, "send_delay": 0.0, "ttft": times[0], "e2e": times[-1], "prompt_tokens": prompt}
+        return record | {"cached_tokens": 0, "output_tokens": len(times), "token_times": times}
+
+    first = sent_at(0.0, 10, [0.010, 0.015, 0.020, 0.025])
+    second = sent_at(0.012, 20, [0.008, 0.013])
+    steps = [o for o in serve_bench_observations({"requests": [first, second]}) if o.kind == "decode"]
+    assert [(o.seconds, o.prefill, o.decode) for o in steps] == [
+        (pytest.approx(0.005), 0, 1),
+        (pytest.approx(0.005), 20, 1),
+        (pytest.approx(0.005), 0, 2),
+    ]
+    burst = first | {"token_times": [0.010, 0.015, 0.01501, 0.025]}  # its third token 10 µs after the second
+    steps = [o for o in serve_bench_observations({"requests": [burst, second]}) if o.kind == "decode"]
+    assert [o.decode for o in steps] == [1, 2]  # the step with the burst token and the one after it are left out
 
 
 def test_an_engines_prefix_cache_reuses_whole_blocks():

@@ -26,7 +26,8 @@ class ServerError(KvprofError):
 @dataclass
 class Completion:
     """What one streamed completion returned, with `perf_counter` times: `sent` before the request was written,
-    `first_token` when the first generated token arrived, `done` when the stream ended."""
+    `first_token` when the first generated token arrived, `done` when the stream ended, `token_times` when each
+    generated token arrived (the tokens of one chunk share its time)."""
 
     model: str
     sent: float
@@ -37,6 +38,7 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int | None
     server_timings: dict = field(default_factory=dict)
+    token_times: list[float] = field(default_factory=list)
 
 
 class ServerClient:
@@ -176,6 +178,7 @@ class ServerClient:
 
     def _read_stream(self, response: http.client.HTTPResponse, request: TurnRequest, sent: float) -> Completion:
         token_ids: list[int] = []
+        token_times: list[float] = []
         prompt_ids: list[int] | None = None
         first_token = 0.0
         usage: dict = {}
@@ -211,8 +214,10 @@ class ServerClient:
                         f"the server at {self.url} does not return generated token ids (return_token_ids); "
                         "serve-bench needs vLLM 0.10.2 or newer."
                     )
-                if ids and not token_ids:
-                    first_token = time.perf_counter()
+                if ids:
+                    arrived = time.perf_counter()
+                    first_token = first_token or arrived
+                    token_times += [arrived] * len(ids)
                 token_ids += ids or []
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -229,6 +234,7 @@ class ServerClient:
             prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt))),
             cached_tokens=details.get("cached_tokens"),
             server_timings=timings,
+            token_times=token_times,
         )
 
 

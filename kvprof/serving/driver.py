@@ -25,7 +25,8 @@ class RequestRecord:
     """One request as measured, times in seconds: `due` (since the run's start) when the driver should send it (the
     trajectory's arrival, or its previous turn's answer), `send_delay` how late it actually went out, `ttft` and
     `e2e` from sending to the first and the last token, `tpot` the mean time per output token after the first,
-    `server_queue` the time the server kept it waiting before scheduling it (vLLM's per-request metrics)."""
+    `server_queue` the time the server kept it waiting before scheduling it (vLLM's per-request metrics),
+    `token_times` when each output token arrived, from sending (tokens streamed in one chunk share a time)."""
 
     trajectory: str
     index: int
@@ -43,6 +44,7 @@ class RequestRecord:
     output_tokens: int
     matches: bool
     first_mismatch: int | None
+    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +86,7 @@ def request_record(request: TurnRequest, completion: Completion, due: float, sta
         output_tokens=len(ids),
         matches=mismatch is None,
         first_mismatch=mismatch,
+        token_times=[round(moment - completion.sent, 6) for moment in completion.token_times],
     )
 
 

@@ -14,10 +14,11 @@ g·adapter_step, and e once per request on its TTFT.
 
 Three sources, each named in `StepCost.source` wherever the model is shown:
 
-- a least-squares fit (non-negative, on relative errors) to serve-bench's request timings: each request gives a
-  TTFT observation (its prefill step: its own uncached prompt tokens, the sequences then decoding) and a decode
-  observation (the steps between its first and last token, with the other requests' prefills and decode tokens
-  that fell in that interval, reconstructed from their send, first-token and finish times);
+- a non-negative least-squares fit (`fit`) to serve-bench's request timings: each request gives a TTFT
+  observation (the steps from its send to its first token: the step then running, the others' work in between,
+  its own prefill step), and the decode side gives step observations — each engine step, read off the tokens'
+  arrival times where serve-bench recorded them, else each request's decode phase with the other requests' prefills
+  and decode tokens that fell in it, reconstructed from their send, first-token and finish times;
 - the same fit to a replay's dense per-turn timings (ttft_s against prefilled tokens and context, decode_s over
   decode steps against context): single-sequence timings, which cannot tell a (per step) from c (per sequence) —
   c is then folded into a and the fit says so;
@@ -37,6 +38,7 @@ from kvprof.simulate.workload import ReplayWork
 ROOFLINE = "roofline, uncalibrated"
 COEFFICIENTS = ("a", "b", "c", "d", "e", "f", "g")
 OPTIONAL = ("g", "f", "c")  # each fixed at 0, in this order, when the other features already span it
+STEP_SPREAD = 0.0025  # seconds: a step's tokens reach the client within this of each other (vLLM streams them in turn)
 COALESCED = 0.1  # a stream whose tokens after the first came faster than this × the run's median pace came in one burst
 
 
@@ -129,8 +131,10 @@ class Observation:
 
 
 def fit(observations: list[Observation], source: str) -> StepCost:
-    """Non-negative least squares of the observations' seconds on their features, each row divided by its
-    seconds (relative errors weigh short and long intervals alike). Coefficients the observations cannot identify
+    """Non-negative least squares of the observations' seconds on their features. A TTFT observation weighs its
+    relative error (one per request, from a few to hundreds of milliseconds: the fit follows the median request); a
+    step observation its error per step, relative to the mean step (an interval of n steps counts as n steps' worth
+    of error: the fit follows the mean step, which sets throughput). Coefficients the observations cannot identify
     are fixed at 0 (`OPTIONAL`, each when the other features already span its column): c when every step decoded
     one sequence (single-sequence timings: it is folded into a), g and f when every request ran an adapter or none
     did (folded into c and b)."""
@@ -145,7 +149,10 @@ def fit(observations: list[Observation], source: str) -> StepCost:
         )
     x = np.array([o.features() for o in rows], dtype=float)
     y = np.array([o.seconds for o in rows], dtype=float)
-    weights = 1.0 / y
+    steps = np.array([o.steps for o in rows], dtype=float)
+    decoding = np.array([o.kind == "decode" for o in rows])
+    per_step = (y[decoding] / steps[decoding]).mean() if decoding.any() else 1.0
+    weights = np.where(decoding, 1.0 / (steps * per_step), 1.0 / y)
     columns = list(range(len(COEFFICIENTS)))
     notes = []
     reasons = {
@@ -162,7 +169,7 @@ def fit(observations: list[Observation], source: str) -> StepCost:
             columns = rest
             if name in reasons:
                 notes.append(reasons[name])
-    solution, _ = nnls(x[:, columns] * weights[:, None], np.ones(len(rows)))
+    solution, _ = nnls(x[:, columns] * weights[:, None], y * weights)
     coefficients = [0.0] * len(COEFFICIENTS)
     for column, value in zip(columns, solution):
         coefficients[column] = float(value)
@@ -208,7 +215,9 @@ def serve_bench_observations(run: dict) -> list[Observation]:
     (every token of its steps), none of the `base` pattern's. A request whose tokens after the first arrived in one
     burst (its mean inter-token time below `COALESCED` × the run's median: the server's output process fell behind and
     sent them together, so its first-token time is late too) gives one observation from its send to its last token
-    instead."""
+    instead. Where serve-bench recorded every token's arrival (`token_times`), the decode side is the engine's
+    single steps (`_step_observations`); else each request's decode phase, the others' work in it reconstructed
+    assuming even paces."""
     adapter = 1.0 if (run.get("summary") or {}).get("pattern") == "agents" else 0.0
     requests = []
     for r in run["requests"]:
@@ -222,8 +231,10 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 "prompt": r["prompt_tokens"],
                 "output": r["output_tokens"],
                 "agent": r.get("agent", ""),
+                "times": [sent + moment for moment in r.get("token_times") or ()],
             }
         )
+    timed = all(len(r["times"]) == r["output"] for r in requests)
     paces = [(r["done"] - r["first"]) / (r["output"] - 1) for r in requests if r["output"] > 1]
     pace = statistics.median(paces) if paces else 0.0
     observations = []
@@ -250,7 +261,7 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 adapter * total,
             )
         )
-        if steps < 1 or coalesced:
+        if steps < 1 or coalesced or timed:
             continue
         prefill, decode, read, _, _ = _others_within(requests, r, r["first"], r["done"])
         decode += steps
@@ -267,6 +278,43 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 adapter * (prefill + decode),
                 adapter * steps,
             )
+        )
+    if timed:
+        observations += _step_observations(requests, adapter, COALESCED * pace)
+    return observations
+
+
+def _step_observations(requests: list[dict], adapter: float, burst: float) -> list[Observation]:
+    """The engine's steps read off the requests' token arrival times (absolute seconds, `times`): merged in time,
+    the tokens that arrive within `STEP_SPREAD` of a group's first, one per request, are one step's. A step is
+    timed from the previous group's first token to its own when the engine ran it right after that one (a request
+    in it had its previous token in the previous group); its work: the prefills that completed in it (their uncached
+    prompts), its decode tokens, the K/V they read. Steps with a token that came in a burst (less than `burst`
+    seconds after its request's previous one: the server sent them together, so the step's end is not seen), and the
+    step after, are left out."""
+    tokens = sorted(
+        (moment, index, k, k > 0 and moment - r["times"][k - 1] < burst)
+        for index, r in enumerate(requests)
+        for k, moment in enumerate(r["times"])
+    )
+    groups: list[list[tuple]] = []
+    for token in tokens:
+        group = groups[-1] if groups else None
+        if group and token[0] - group[0][0] < STEP_SPREAD and all(token[1] != other[1] for other in group):
+            group.append(token)
+        else:
+            groups.append([token])
+    observations = []
+    for previous, group in zip(groups, groups[1:]):
+        before = {index: k for _, index, k, _ in previous}
+        if any(burst for *_, burst in previous + group) or not any(before.get(i) == k - 1 for _, i, k, _ in group):
+            continue
+        prefill = sum(requests[i]["prefill"] for _, i, k, _ in group if k == 0)
+        decode = sum(1 for _, _, k, _ in group if k > 0)
+        read = sum(requests[i]["prompt"] + k for _, i, k, _ in group)
+        seconds = group[0][0] - previous[0][0]
+        observations.append(
+            Observation("decode", seconds, 1, prefill, decode, read, 0, adapter * (prefill + decode), adapter)
         )
     return observations
 

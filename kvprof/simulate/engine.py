@@ -38,6 +38,8 @@ from kvprof.simulate.workload import RequestWork, TrajectoryWork
 BLOCK_SIZE = 16
 TOKEN_BUDGET = 8192
 MAX_NUM_SEQS = 256
+CLOSED_LOOP_STAGGER = 1e-3  # s between a closed loop's first trajectories (a client opens its connections in turn;
+# started at one instant, trajectories with the same first turns would be prefilled in lockstep for good)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class EngineConfig:
 class Traffic:
     """How trajectories arrive: `load` (Poisson `qps` or closed-loop `concurrency`), until `duration` seconds (no new
     trajectory after it) or, for `count`, that many trajectories; trajectory k is the work's k mod n-th.
-    `arrivals`, if given, are the open-loop start times themselves (a measured run's)."""
+    `arrivals`, if given, are the start times themselves (a measured run's): every trajectory's in an open loop, the
+    first `concurrency` trajectories' in a closed loop (else they start `CLOSED_LOOP_STAGGER` apart)."""
 
     load: Load
     duration: float | None = None
@@ -160,8 +163,9 @@ class _Engine:
         traffic = self.traffic
         if traffic.load.kind == "concurrency":
             first = int(traffic.load.value)
-            for _ in range(first if traffic.count is None else min(first, traffic.count)):
-                self._start(0.0)
+            starts = list(traffic.arrivals or ())
+            for k in range(first if traffic.count is None else min(first, traffic.count)):
+                self._start(starts[k] if k < len(starts) else k * CLOSED_LOOP_STAGGER)
         else:
             for moment in traffic.open_loop_arrivals():
                 self._start(moment)

@@ -168,7 +168,7 @@ def serve_bench_errors(
         if not order or summary["overall"]["ttft"] is None:
             continue
         load = Load(summary["load"]["kind"], summary["load"]["value"])
-        arrivals = tuple(starts[t] for t in order) if load.kind == "qps" else None
+        arrivals = tuple(starts[t] for t in order)  # a closed loop's first trajectories start as they were sent
         traffic = Traffic(load, count=len(order), arrivals=arrivals)
         simulated = run_policy(label, tuple(by_id[t] for t in order), cost, config, traffic)
         row = _errors(f"{summary['pattern']} ({label}) @ {load.label}", summary, simulated)
