@@ -250,6 +250,23 @@ def test_the_command_writes_a_result(tmp_path, run_cli):
     assert "simulated serving" in out
 
 
+def test_shapes_sweep_each_length_and_the_dashboard_draws_load_and_memory(tmp_path, run_cli):
+    replay_json(tmp_path / "replay.json")
+    code, _, err = run_cli(
+        "simulate", tmp_path / "replay.json", "--device-model", "h100", "--shapes", "--shared-tokens", "1000",
+        "--shared-tokens", "4000", "--qps", "1", "--qps", "4", "--duration", "20", "--out", tmp_path / "sim",
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads((tmp_path / "sim" / "simulate.json").read_text())
+    assert sorted({row["shared_tokens"] for row in result["runs"]}) == [1000, 4000] and len(result["runs"]) == 8
+    memory = {row["shared_tokens"]: row["peak_kv_bytes"] for row in result["runs"] if row["load"]["value"] == 1}
+    assert memory[4000] > memory[1000]  # four times the context keeps more
+    code, _, err = run_cli("report", tmp_path / "sim" / "simulate.json", "--out", tmp_path / "report.html")
+    assert code == 0, err
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "TTFT p90 against load (simulated)" in page and "peak KV memory against shared context" in page
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -360,7 +377,10 @@ def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
 
     def row(policy: str, qps: float, ttft: float, oom: str | None = None) -> dict:
         load = {"kind": "qps", "value": qps, "label": f"{qps:g} qps"}
-        return {"policy": policy, "load": load, "out_of_memory": oom, "ttft": {"p50": ttft}, "e2e": {"p50": 2 * ttft}}
+        return {
+            "policy": policy, "load": load, "out_of_memory": oom, "ttft": {"p50": ttft}, "e2e": {"p50": 2 * ttft},
+            "shared_tokens": 1050,
+        }  # fmt: skip
 
     claim = {
         "measure": "ttft_p50", "low": 0.4, "high": 0.6, "reading": "r", "references": ("nonshared",),
@@ -378,7 +398,7 @@ def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
     }
     runs = [row("kvcmas-chain", 8, 0.5), row("kvcmas-star", 8, 0.9), row("nonshared", 8, 1.0)]
     runs.append(row("kvcomm", 8, 0.0, oom="a single request needs more"))
-    result = {"runs": runs, "scale": {"shared_tokens": 1050}, "cost_model": {"source": "roofline"}}
+    result = {"runs": runs, "cost_model": {"source": "roofline"}, "model": {"kv_bytes_per_token": 1000.0}}
     verdicts = serving_verdicts(result, policies, published)
     assert [(v["policy"], v["reference"], v["holds"]) for v in verdicts] == [
         ("kvcmas-chain", "nonshared", True),  # 0.5 in [0.4, 0.6]; the star variant makes no such claim
@@ -386,7 +406,13 @@ def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
     ]
     result["runs"][0] = row("kvcmas-chain", 8, 0.7)
     assert serving_verdicts(result, policies, published)[0]["verdict"] == "does not hold (simulated)"
-    unscaled = result | {"scale": {"shared_tokens": None}}
+    unscaled = result | {"runs": [r | {"shared_tokens": None} for r in runs]}
     assert "not scaled to 1000" in serving_verdicts(unscaled, policies, published)[0]["why"]
+    small_model = serving_verdicts(
+        result,
+        policies,
+        published | {"kvcomm": [published["kvcomm"][0] | {"serving": oom | {"kv_bytes_per_token": 131072}}]},
+    )
+    assert small_model[1]["holds"] is None and "bytes of K/V per token" in small_model[1]["why"]
     other_load = result | {"runs": [row(r["policy"], 2, 0.5) for r in runs]}
     assert "8 qps not simulated" in serving_verdicts(other_load, policies, published)[0]["why"]

@@ -94,8 +94,14 @@ def command(
         ),
     ] = False,
     shared_tokens: Annotated[
-        int, typer.Option("--shared-tokens", min=1, help="With --shapes: the final context length to scale to.")
-    ] = 32768,
+        list[int] | None,
+        typer.Option(
+            "--shared-tokens",
+            min=1,
+            help="With --shapes: the final context length to scale to; repeatable, each length swept in turn "
+            "(default 32768).",
+        ),
+    ] = None,
     out: OutOption = Path("runs/simulate"),
     seed: SeedOption = 0,
 ) -> None:
@@ -146,16 +152,20 @@ def command(
         errors = sweeps.serve_bench_errors(calibration_data, work, step_cost, settings, fit_load)
     elif device_model is None:
         errors = sweeps.replay_errors(replay_data, work, step_cost, settings)
-    if shapes:
-        work = scale_to_shapes(work, shared_tokens)
-    with console.status(f"simulating {len(labels)} policies at {len(sweep_loads)} loads"):
-        rows = sweeps.sweep(work, step_cost, settings, sweep_loads, labels)
+    lengths: list[int | None] = list(shared_tokens or [32768]) if shapes else [None]
+    rows, factors = [], {}
+    with console.status(f"simulating {len(labels)} policies at {len(sweep_loads)} loads × {len(lengths)} lengths"):
+        for length in lengths:
+            scaled = work if length is None else scale_to_shapes(work, length)
+            factors[str(length)] = scaled.scale
+            for row in sweeps.sweep(scaled, step_cost, settings, sweep_loads, labels):
+                rows.append(row | {"shared_tokens": length})
     payload = {
         "replay": str(replay),
         "calibration": str(calibration) if calibration is not None else None,
         "cost_model": step_cost.as_dict(),
         "calibration_errors": errors,
-        "scale": {"factor": work.scale, "shared_tokens": shared_tokens if shapes else None, "linear": True},
+        "scale": {"shared_tokens": lengths if shapes else None, "factors": factors, "linear": True},
         "model": {
             "params": work.params,
             "weight_bytes": work.weight_bytes(),
@@ -176,7 +186,7 @@ def command(
     payload["serving_claims"] = serving_claims(payload, replay_data)
     show(payload)
     path = write_result(out, "simulate", payload, args)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path} (dashboard: kvprof report {path})")
 
 
 def serving_claims(payload: dict, replay_data: dict) -> list[dict]:

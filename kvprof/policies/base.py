@@ -177,8 +177,9 @@ class ServingClaim:
     dense run), with `reference_options` (key, value) they ran with in the setting; policy_options: the claiming
     policy's option values the claim is about (a variant). shared_tokens: the setting's shared context (the
     simulation must have been scaled to it with --shapes, within 10 %); qps: the setting's load (None: the lowest
-    simulated load, read as the paper's "unsaturated"). reading: how [low, high] reads the claim's words, labelled
-    with whose reading it is.
+    simulated load, read as the paper's "unsaturated"); kv_bytes_per_token: for a memory-bound claim, the setting's
+    model's (a simulated model more than 2× off is not comparable; 0: any). reading: how [low, high] reads the
+    claim's words, labelled with whose reading it is.
     """
 
     measure: str
@@ -190,6 +191,7 @@ class ServingClaim:
     qps: float | None = None
     reference_options: tuple[tuple[str, str], ...] = ()
     policy_options: tuple[tuple[str, str], ...] = ()
+    kv_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from typing import ClassVar
 from kvprof.anchors import Match
 from kvprof.policies.base import Option, Published, ServingClaim
 from kvprof.policies.delta import DeltaCorrection, fallback_option, pool_options, threshold_option
-from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING, KVCOMM, KVCOMM_SETTING
+from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING, KVCOMM, KVCOMM_SETTING, LLAMA_8B_KV_BYTES
 
 
 class KVComm(DeltaCorrection):
@@ -67,7 +67,16 @@ class KVComm(DeltaCorrection):
             KVCMAS_SETTING,
             "KVComm's full-dimensional anchors run out of memory at 8K and 32K shared tokens; KVCMAS needs up to 3.7× "
             "less peak GPU memory",
-            serving=ServingClaim("out_of_memory", 1.0, 1.0, "paper text: out of memory at 32K", (), 32_768, 8.0),
+            serving=ServingClaim(
+                "out_of_memory",
+                1.0,
+                1.0,
+                "paper text: out of memory at 32K",
+                (),
+                32_768,
+                8.0,
+                kv_bytes_per_token=LLAMA_8B_KV_BYTES,
+            ),
         ),
     )
 

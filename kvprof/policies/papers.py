@@ -43,6 +43,7 @@ KVCOMM = (
     "KVCOMM: Online Cross-context KV-cache Communication for Efficient LLM-based Multi-agent Systems "
     "(Ye et al., NeurIPS 2025; arXiv:2510.12872)"
 )
+LLAMA_8B_KV_BYTES = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B's K and V per token: 32 layers, 8 KV heads of 128, bfloat16
 KVCOMM_SETTING = "retrieval-augmented generation, math reasoning and collaborative coding multi-agent workloads"
 
 GRAPHFLOW = "GraphFlow (delta correction learned from observed edges of the workflow graph; no public code)"

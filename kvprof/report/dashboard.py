@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench
+from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench, simulate
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
 
@@ -26,6 +26,7 @@ BUILDERS: dict[str, SectionBuilder] = {
     "fit_anchors": anchors.fit_sections,
     "tune_tau": anchors.tune_sections,
     "serve_bench": serve_bench.sections,
+    "simulate": simulate.sections,
 }
 
 

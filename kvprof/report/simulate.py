@@ -38,9 +38,10 @@ def cost_lines(result: dict) -> list[str]:
         lines.append(f"fit: {r2}" + "".join(f"; {note}" for note in fit.get("notes", [])))
     scale = result["scale"]
     if scale["shared_tokens"]:
+        scaled = ", ".join(f"{scale['factors'][str(n)]:.1f}× to {n}" for n in scale["shared_tokens"])
         lines.append(
-            f"--shapes: every turn's input-side work scaled linearly by {scale['factor']:.1f}× to "
-            f"{scale['shared_tokens']} tokens of final context (scaled linearly: attention's quadratic cost and "
+            f"--shapes: every turn's input-side work scaled linearly ({scaled} tokens of final context; scaled "
+            "linearly: attention's quadratic cost and "
             "the papers' agent counts are not modelled)"
         )
     return lines
@@ -74,10 +75,12 @@ def errors_table(result: dict) -> TableData | None:
 def runs_table(result: dict) -> TableData:
     """One row per policy and load: TTFT p50/p90/p99 (ms), e2e p90, throughput, peak KV memory, preemptions,
     OOM (why: `out_of_memory_lines`)."""
+    scaled = bool(result["scale"]["shared_tokens"])
     table = TableData(
         title=f"simulated serving ({result['cost_model']['source']})",
         columns=[
             "policy",
+            *(["context"] if scaled else []),
             "load",
             "requests",
             "TTFT p50",
@@ -95,11 +98,13 @@ def runs_table(result: dict) -> TableData:
     )
     for row in result["runs"]:
         oom = row["out_of_memory"]
+        context = [str(row.get("shared_tokens"))] if scaled else []
         if row["requests"] == 0:
-            table.add_row(row["policy"], row["load"]["label"], 0, "-", "-", "-", "-", "-", "-", "-", "-", "OOM")
+            table.add_row(row["policy"], *context, row["load"]["label"], 0, *["-"] * 7, "OOM")
             continue
         table.add_row(
             row["policy"],
+            *context,
             row["load"]["label"],
             row["requests"],
             milliseconds(row["ttft"], "p50"),
@@ -118,10 +123,14 @@ def runs_table(result: dict) -> TableData:
 def out_of_memory_lines(result: dict) -> list[str]:
     """Why each policy and load that ran out of memory did (one line each)."""
     return [
-        f"{row['policy']} @ {row['load']['label']}: out of memory: {row['out_of_memory']}"
+        f"{row['policy']} @ {row['load']['label']}{_context(row)}: out of memory: {row['out_of_memory']}"
         for row in result["runs"]
         if row["out_of_memory"]
     ]
+
+
+def _context(row: dict) -> str:
+    return f", {row['shared_tokens']} tokens" if row.get("shared_tokens") else ""
 
 
 def sustainable_table(result: dict) -> TableData | None:
@@ -152,3 +161,89 @@ def claim_lines(result: dict) -> list[str]:
         claimed = f"claimed [{v['claimed'][0]:.3g}, {v['claimed'][1]:.3g}], {v['reading']}"
         lines.append(f"  {v['policy']}{against}: {v['verdict']} — {v['why']} ({claimed}) — {v['claim']}")
     return lines
+
+
+def claims_table(result: dict) -> TableData | None:
+    """The published serving figures' verdicts as a table (the dashboard's); None without any."""
+    verdicts = result.get("serving_claims") or []
+    if not verdicts:
+        return None
+    table = TableData(
+        title="published serving claims (simulated)",
+        columns=["policy", "reference", "claim", "ratio", "claimed", "verdict", "why"],
+        caption=f"simulated with {verdicts[0]['cost_model']}; the interval's reading is in the JSON.",
+    )
+    for v in verdicts:
+        table.add_row(
+            v["policy"],
+            v["reference"] or "-",
+            v["claim"],
+            "-" if v["ratio"] is None else f"{v['ratio']:.3g}",
+            f"[{v['claimed'][0]:.3g}, {v['claimed'][1]:.3g}]",
+            v["verdict"],
+            v["why"],
+        )
+    return table
+
+
+def figures(result: dict) -> list:
+    """TTFT p90 against load, one line per policy (at the longest simulated context), and, where several
+    --shared-tokens lengths were swept, peak KV memory against the shared context (at the lowest load)."""
+    from kvprof.report.figures import line_figure
+
+    runs = [row for row in result["runs"] if row["requests"]]
+    lengths = sorted({row.get("shared_tokens") or 0 for row in result["runs"]})
+    longest = [row for row in runs if (row.get("shared_tokens") or 0) == lengths[-1]]
+    loads = sorted({row["load"]["value"] for row in longest})
+    policies = list(dict.fromkeys(row["policy"] for row in result["runs"]))
+
+    def at(rows: list[dict], policy: str, key) -> dict | None:
+        return next((row for row in rows if row["policy"] == policy and key(row)), None)
+
+    ttft = {
+        policy: [
+            1000 * row["ttft"]["p90"] if (row := at(longest, policy, lambda r, v=value: r["load"]["value"] == v))
+            else None
+            for value in loads
+        ]
+        for policy in policies
+    }  # fmt: skip
+    kind = longest[0]["load"]["kind"] if longest else "qps"
+    shown = [line_figure(loads, ttft, "TTFT p90 against load (simulated)", kind, "TTFT p90 (ms)", log_y=True)]
+    if len(lengths) > 1:
+        lowest = min(row["load"]["value"] for row in result["runs"])
+        memory = {
+            policy: [
+                row["peak_kv_bytes"] / GIB
+                if (row := at(runs, policy, lambda r, n=n: (r.get("shared_tokens") or 0) == n
+                              and r["load"]["value"] == lowest))
+                else None
+                for n in lengths
+            ]
+            for policy in policies
+        }  # fmt: skip
+        shown.append(
+            line_figure(
+                lengths, memory, f"peak KV memory against shared context at {lowest:g} {kind} (simulated)",
+                "shared context (tokens)", "peak KV memory (GiB)",
+            )
+        )  # fmt: skip
+    return shown
+
+
+def sections(result: dict) -> list:
+    """The simulate dashboard section, from the JSON result."""
+    from kvprof.report.html import Section
+
+    tables = [table for table in (errors_table(result), runs_table(result), sustainable_table(result),
+                                  claims_table(result)) if table is not None]  # fmt: skip
+    return [
+        Section(
+            "simulate: every policy served by a modelled engine (simulated, not measured)",
+            text=[*cost_lines(result), *out_of_memory_lines(result)],
+            tables=tables,
+            figures=figures(result),
+            order="details",
+            wide=1,
+        )
+    ]

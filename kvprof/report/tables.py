@@ -34,5 +34,9 @@ class TableData:
 
 
 def milliseconds(stats: dict | None, key: str) -> str:
-    """A table cell: the statistic `key` of a latency distribution (seconds) in whole milliseconds, "-" without one."""
-    return "-" if not stats else f"{1000 * stats[key]:.0f}"
+    """A table cell: the statistic `key` of a latency distribution (seconds) in milliseconds — whole from 10 ms, three
+    significant digits below (a roofline's microseconds stay readable) — "-" without one."""
+    if not stats:
+        return "-"
+    value = 1000 * stats[key]
+    return f"{value:.0f}" if value >= 10 else f"{value:.3g}"

@@ -42,10 +42,14 @@ def _judge(label: str, figure: dict, claim: dict, rows: dict, policies: dict, re
     mine = _row_at(rows[label], claim)
     if isinstance(mine, str):
         return [verdict(None, None, None, mine)]
-    if not _scaled(claim, result):
-        wanted = claim["shared_tokens"]
-        return [verdict(None, None, None, f"the simulation was not scaled to {wanted} shared tokens (--shapes)")]
     if claim["measure"] == "out_of_memory":
+        wanted, simulated = claim.get("kv_bytes_per_token") or 0, result["model"]["kv_bytes_per_token"]
+        if wanted and not 0.5 <= simulated / wanted <= 2:
+            why = (
+                f"the simulated model keeps {simulated:.0f} bytes of K/V per token, the setting's {wanted}: its memory "
+                "does not run out where theirs does"
+            )
+            return [verdict(None, None, None, why)]
         oom = bool(mine["out_of_memory"])
         return [verdict(None, float(oom), oom, mine["out_of_memory"] or "the simulation ran without running out")]
     references = [
@@ -89,7 +93,17 @@ def _verdict_for(label: str, figure: dict, claim: dict, result: dict):
 
 
 def _row_at(rows: list[dict], claim: dict) -> dict | str:
-    """The policy's simulated row at the claim's load (the lowest qps when the claim names none), or why none."""
+    """The policy's simulated row at the claim's shared context and load (the lowest qps when the claim names
+    none), or why none."""
+    wanted = claim["shared_tokens"]
+    if wanted:
+        rows = [
+            row
+            for row in rows
+            if row.get("shared_tokens") and abs(row["shared_tokens"] / wanted - 1) <= SHARED_TOLERANCE
+        ]
+        if not rows:
+            return f"the simulation was not scaled to {wanted} shared tokens (--shapes --shared-tokens {wanted})"
     open_loop = sorted((row for row in rows if row["load"]["kind"] == "qps"), key=lambda row: row["load"]["value"])
     if not open_loop:
         return "no open-loop (--qps) load simulated"
@@ -99,13 +113,6 @@ def _row_at(rows: list[dict], claim: dict) -> dict | str:
         if abs(row["load"]["value"] - claim["qps"]) < 1e-9:
             return row
     return f"{claim['qps']:g} qps not simulated (add --qps {claim['qps']:g})"
-
-
-def _scaled(claim: dict, result: dict) -> bool:
-    if not claim["shared_tokens"]:
-        return True
-    shared = result["scale"]["shared_tokens"]
-    return bool(shared) and abs(shared / claim["shared_tokens"] - 1) <= SHARED_TOLERANCE
 
 
 def _ratio(measure: str, mine: dict, theirs: dict) -> float:
