@@ -179,6 +179,28 @@ EXAMPLES: dict[str, Example] = {
         setup=("kvprof tune-tau --out runs/tune-tau",),
     ),
     # a Markdown table (kernels.md includes it as one): ptxas' registers and spills of every shipped configuration
+    "simulate-validation": Example(
+        (
+            "kvprof simulate tests/data/simulate/replay.json --calibration tests/data/simulate/serve_bench.json"
+            " --fit-load 1 --qps 2 --duration 60 --out runs/simulate-validation",
+        ),
+    ),
+    "simulate-kvcmas": Example(
+        (
+            "kvprof simulate runs/replay-delta/replay.json --device-model a100 --shapes --shared-tokens 8192"
+            " --shared-tokens 32768 --qps 1 --qps 8 --duration 300 --out runs/simulate-kvcmas",
+        ),
+        needs=("runs/replay-delta/replay.json",),
+        setup=("python scripts/docs_examples.py run replay-delta",),
+    ),
+    "simulate-precache": Example(
+        (
+            "kvprof simulate runs/demo/replay/replay.json --device-model a100 --shapes --qps 0.5 --qps 2"
+            " --duration 300 --out runs/simulate-precache",
+        ),
+        needs=("runs/demo/replay/replay.json",),
+        setup=("python scripts/docs_examples.py run demo",),
+    ),
     "kernels-aot": Example(("python tests/test_kernels_aot.py",)),
     "bench": Example(("kvprof bench --device cpu --seq-lens 256 --ranks 16 --threads 1 --out runs/bench",)),
 }
