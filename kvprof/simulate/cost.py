@@ -230,7 +230,6 @@ def serve_bench_observations(run: dict) -> list[Observation]:
                 "prefill": max(1, r["prompt_tokens"] - (r.get("cached_tokens") or 0)),
                 "prompt": r["prompt_tokens"],
                 "output": r["output_tokens"],
-                "agent": r.get("agent", ""),
                 "times": [sent + moment for moment in r.get("token_times") or ()],
             }
         )
@@ -307,7 +306,7 @@ def _step_observations(requests: list[dict], adapter: float, burst: float) -> li
     observations = []
     for previous, group in zip(groups, groups[1:]):
         before = {index: k for _, index, k, _ in previous}
-        if any(burst for *_, burst in previous + group) or not any(before.get(i) == k - 1 for _, i, k, _ in group):
+        if any(late for *_, late in previous + group) or not any(before.get(i) == k - 1 for _, i, k, _ in group):
             continue
         prefill = sum(requests[i]["prefill"] for _, i, k, _ in group if k == 0)
         decode = sum(1 for _, _, k, _ in group if k > 0)
