@@ -81,8 +81,8 @@ def test_a_budget_below_a_policys_need_is_out_of_memory():
     small = EngineConfig.from_memory(largest * 0.9, KV_PER_TOKEN)
     row = run_policy("nonshared", work, COST, small, Traffic(Load("qps", 1), duration=60))
     assert row["requests"] == 0 and "a single request needs" in row["out_of_memory"]
-    # each trajectory fits alone, but eight keep more between turns than the memory holds
-    roomy = EngineConfig.from_memory(largest * 3, KV_PER_TOKEN)
+    # held kept state (not evicted): each trajectory fits alone, but eight keep more between turns than the memory
+    roomy = EngineConfig.from_memory(largest * 3, KV_PER_TOKEN, evict_kept=False)
     assert static_out_of_memory(work, roomy, Load("concurrency", 1)) is None
     assert "keep up to" in static_out_of_memory(work, roomy, Load("concurrency", 8))
     # open loop: the kept caches of the trajectories in flight fill the memory during the run
@@ -91,6 +91,23 @@ def test_a_budget_below_a_policys_need_is_out_of_memory():
     assert (
         run_policy("nonshared", work, COST, config(4), Traffic(Load("qps", 50), duration=20))["out_of_memory"] is None
     )
+
+
+def test_evicted_kept_state_is_recomputed_instead_of_running_out_of_memory():
+    """vLLM's way: idle trajectories' kept blocks are reclaimed (least recently used first) when blocks run out; the
+    evicted trajectories' next turns prefill their whole input, so the run finishes, slower than with memory to
+    spare."""
+    work = trajectories(prefill_share=0.3)  # a reusing policy: eviction costs it its reuse
+    largest = max(r.working_bytes for t in work for r in t.requests)
+    evicting = EngineConfig.from_memory(largest * 3, KV_PER_TOKEN)
+    assert static_out_of_memory(work, evicting, Load("concurrency", 8)) is None
+    traffic = Traffic(Load("qps", 50), duration=20, seed=1)
+    tight = run_policy("reusing", work, COST, evicting, traffic)
+    spare = run_policy("reusing", work, COST, config(64), traffic)
+    assert tight["out_of_memory"] is None and tight["requests"] == spare["requests"]
+    assert tight["evictions"] > 0 and spare["evictions"] == 0
+    assert tight["ttft"]["p50"] > spare["ttft"]["p50"]
+    assert tight["peak_kv_bytes"] <= evicting.capacity_blocks * evicting.block_bytes
 
 
 def test_a_lone_request_costs_exactly_its_step_model():

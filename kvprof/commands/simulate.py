@@ -15,6 +15,7 @@ from kvprof.serving.traffic import loads
 
 DEVICE_MODELS = ("a100", "h100", "h200")
 DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0, 8.0)
+KEPT = ("evict", "hold")
 
 
 def command(
@@ -85,6 +86,16 @@ def command(
             "128; 1: token-exact reuse, as the policies' reference code).",
         ),
     ] = None,
+    kept: Annotated[
+        str,
+        typer.Option(
+            "--kept",
+            help="What the engine does with the state a trajectory keeps between turns when blocks run out: evict "
+            "(vLLM's way: idle trajectories' cached blocks are reclaimed, least recently used first, before anything "
+            "is preempted; their next turn prefills its whole input) or hold (kept until the trajectory ends; "
+            "out of memory when the kept state fills the memory).",
+        ),
+    ] = "evict",
     shapes: Annotated[
         bool,
         typer.Option(
@@ -120,6 +131,8 @@ def command(
         raise KvprofError(
             f"--device-model {device_model!r} is not one of {', '.join(DEVICE_MODELS)}; pass one of them."
         )
+    if kept not in KEPT:
+        raise KvprofError(f"--kept {kept!r} is not one of {', '.join(KEPT)}; pass evict or hold.")
     sweep_loads = loads(qps or [], concurrency or []) or loads(list(DEFAULT_QPS), [])
     work = load_replay(replay)
     labels = policy or list(work.policies)
@@ -140,6 +153,7 @@ def command(
         prefix_block = (sweeps.cached_block(calibration_data) if calibration_data else None) or 16
     settings = sweeps.Settings(
         prefix_block=prefix_block,
+        evict_kept=kept == "evict",
         memory_bytes=memory * sweeps.GIB,
         duration=duration,
         ttft_slo=ttft_slo,
@@ -177,6 +191,7 @@ def command(
             "max_num_seqs": max_num_seqs,
             "block_size": 16,
             "prefix_block": prefix_block,
+            "kept": kept,
             "duration_s": duration,
             "ttft_slo_s": ttft_slo,
         },

@@ -91,16 +91,18 @@ def runs_table(result: dict) -> TableData:
             "tok/s",
             "peak KV MiB",
             "preempt",
+            "evict",
             "out of memory",
         ],
         caption="simulated, not measured: times in ms; tok/s counts input and output tokens; peak KV: blocks in use "
-        "at the peak (kept caches of the trajectories in flight and the running turns').",
+        "at the peak (kept caches of the trajectories in flight and the running turns'); evict: trajectories whose "
+        "kept state was evicted (their next turn recomputed).",
     )
     for row in result["runs"]:
         oom = row["out_of_memory"]
         context = [str(row.get("shared_tokens"))] if scaled else []
         if row["requests"] == 0:
-            table.add_row(row["policy"], *context, row["load"]["label"], 0, *["-"] * 7, "OOM")
+            table.add_row(row["policy"], *context, row["load"]["label"], 0, *["-"] * 8, "OOM")
             continue
         table.add_row(
             row["policy"],
@@ -115,6 +117,7 @@ def runs_table(result: dict) -> TableData:
             f"{row['throughput']['tokens_per_s']:.0f}",
             f"{row['peak_kv_bytes'] / 2**20:.1f}",
             row["preemptions"],
+            row.get("evictions", 0),
             "OOM" if oom else "-",
         )
     return table

@@ -4,11 +4,13 @@ Each step:
 
 1. the running requests, oldest first, get tokens from the step's token budget: a request still prefilling its
    next chunk (chunked prefill: as many of its remaining prefill tokens as the budget has left), a decoding one 1
-   token. Each needs KV blocks for what it computes; when the free blocks do not suffice, the newest running request
-   is preempted (recompute: its turn's blocks are freed, it goes back to the head of the waiting queue, and when
-   rescheduled it prefills its prompt and the tokens it had produced again);
+   token. Each needs KV blocks for what it computes; when the free blocks do not suffice, idle trajectories' kept
+   state is evicted first (`evict_kept`, see Memory), then the newest running request is preempted (recompute: its
+   turn's blocks are freed, it goes back to the head of the waiting queue, and when rescheduled it prefills its
+   prompt and the tokens it had produced again);
 2. if nothing was preempted, waiting requests are admitted first come, first served, while fewer than
-   `max_num_seqs` run, budget is left and the head's first chunk finds blocks (otherwise admission stops);
+   `max_num_seqs` run, budget is left and the head's first chunk finds blocks, evicting idle kept state if need be
+   (otherwise admission stops);
 3. the step takes `StepCost.step_time` of what it computed; a request whose prefill completes samples its first
    token at the end of the step (its TTFT), a decoding one its next token; a request that has all its output tokens
    finishes, and its trajectory sends its next turn at once (`e` later the engine sees it).
@@ -16,10 +18,14 @@ Each step:
 Memory: the KV capacity is `memory − weights` in blocks of `block_size` tokens × the model's KV bytes per token.
 A trajectory holds the blocks of the bytes its policy keeps between turns (`kept_bytes` of its last turn) until
 it ends; a request allocates the rest of its turn's peak (`working_bytes − held`) in proportion to the tokens it
-has computed, and frees it when it finishes (keeping `kept_bytes`). If nothing runs and the head of the queue
-cannot get its blocks, the kept caches of the trajectories in flight have filled the memory: the run is out of
-memory. Steps in which every running request only decodes and nothing can change are advanced together (their
-times summed in closed form), which is what makes an hour of traffic take seconds.
+has computed, and frees it when it finishes (keeping `kept_bytes`). With `evict_kept` (vLLM's way: cached blocks no
+running request holds are reclaimed before anything is preempted), a request that lacks blocks first evicts the kept
+state of idle trajectories (between turns, or waiting), least recently used first; such a trajectory's next turn
+prefills its whole input as a dense recompute (weight 1). Without it, kept state stays until the trajectory ends,
+and if nothing runs and the head of the queue cannot get its blocks, the kept caches of the trajectories in flight
+have filled the memory: the run is out of memory. Steps in which every running request only decodes and nothing
+can change are advanced together (their times summed in closed form), which is what makes an hour of traffic take
+seconds.
 
 Times are seconds from the start of the run.
 """
@@ -45,13 +51,15 @@ CLOSED_LOOP_STAGGER = 1e-3  # s between a closed loop's first trajectories (a cl
 @dataclass(frozen=True)
 class EngineConfig:
     """The server: tokens per step (`token_budget`), concurrent sequences (`max_num_seqs`), KV blocks of
-    `block_size` tokens, each `block_bytes` bytes, and `capacity_blocks` of them."""
+    `block_size` tokens, each `block_bytes` bytes, and `capacity_blocks` of them; `evict_kept`: idle trajectories'
+    kept state is reclaimed when blocks run out (else held until the trajectory ends)."""
 
     capacity_blocks: int
     block_bytes: float
     token_budget: int = TOKEN_BUDGET
     max_num_seqs: int = MAX_NUM_SEQS
     block_size: int = BLOCK_SIZE
+    evict_kept: bool = True
 
     @classmethod
     def from_memory(cls, kv_bytes: float, kv_bytes_per_token: float, **options) -> EngineConfig:
@@ -97,33 +105,55 @@ class RunResult:
     duration: float = 0.0
     peak_blocks: int = 0
     preemptions: int = 0
+    evictions: int = 0
     steps: int = 0
     out_of_memory: str | None = None
 
 
 class _Trajectory:
-    """A trajectory in flight: its work, the index of its next turn, the blocks it keeps between turns."""
+    """A trajectory in flight: its work, the index of its next turn, the blocks it keeps between turns, and whether
+    they were evicted since its last turn."""
 
-    __slots__ = ("work", "next_turn", "held")
+    __slots__ = ("work", "next_turn", "held", "evicted")
 
     def __init__(self, work: TrajectoryWork) -> None:
         self.work = work
         self.next_turn = 0
         self.held = 0
+        self.evicted = False
 
 
 class _Request:
-    """A turn in the engine: prefill progress (tokens), output tokens produced, tokens of KV computed (`units`),
-    blocks of the turn's own memory, and the blocks per computed token it allocates."""
+    """A turn in the engine: the tokens its prefill computes (`prompt`, at `weight` dense-equivalents each), prefill
+    progress (tokens), output tokens produced, tokens of KV computed (`units`), blocks of the turn's own memory, and
+    the blocks per computed token it allocates."""
 
-    __slots__ = ("traj", "work", "sent", "first", "prefill_total", "prefill_done", "decoded", "units", "blocks", "rate")
+    __slots__ = (
+        "traj", "work", "sent", "first", "prompt", "weight", "prefill_total", "prefill_done", "decoded", "units",
+        "blocks", "rate",
+    )  # fmt: skip
 
     def __init__(self, traj: _Trajectory, sent: float, block_bytes: float) -> None:
         work = traj.work.requests[traj.next_turn]
         self.traj, self.work, self.sent, self.first = traj, work, sent, -1.0
+        self.prompt, self.weight = work.prefill_tokens, work.prefill_weight
         self.prefill_total, self.prefill_done, self.decoded, self.units, self.blocks = work.prefill_tokens, 0, 0, 0, 0
-        extra = max(0.0, work.working_bytes - traj.held * block_bytes)
-        self.rate = extra / block_bytes / (work.prefill_tokens + max(0, work.decode_steps - 1))
+        self.rate = 0.0
+        if traj.evicted:
+            self.recompute_all(block_bytes)
+        else:
+            self._size(traj.held, block_bytes)
+
+    def _size(self, held: int, block_bytes: float) -> None:
+        extra = max(0.0, self.work.working_bytes - held * block_bytes)
+        self.rate = extra / block_bytes / (self.prompt + max(0, self.work.decode_steps - 1))
+
+    def recompute_all(self, block_bytes: float) -> None:
+        """Its trajectory's kept state was evicted before the turn started: it prefills its whole input densely."""
+        self.traj.evicted = False
+        self.prompt, self.weight = max(self.work.prefill_tokens, self.work.input_tokens), 1.0
+        self.prefill_total = self.prompt + self.decoded
+        self._size(0, block_bytes)
 
     def blocks_at(self, units: int) -> int:
         """Blocks of the turn's own memory once `units` tokens are computed."""
@@ -157,6 +187,8 @@ class _Engine:
         self.events: list[tuple[float, int, _Trajectory]] = []  # (time the engine sees it, tie-break, trajectory)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self.idle: dict[_Trajectory, None] = {}  # trajectories holding kept blocks, none running: least recent first
+        self.idle_blocks = 0
         self.free, self.used, self.now, self.started, self.ticket = config.capacity_blocks, 0, 0.0, 0, 0
 
     def run(self) -> RunResult:
@@ -236,6 +268,8 @@ class _Engine:
                 index += 1
                 continue
             need = request.blocks_at(request.units + tokens) - request.blocks
+            if need > self.free:
+                self._reclaim(need, request.traj)
             while need > self.free and index < len(running):
                 victim = running.pop()
                 if victim is request and not running:
@@ -257,8 +291,11 @@ class _Engine:
             tokens = min(request.prefill_total - request.prefill_done, budget)
             need = request.blocks_at(request.units + tokens) - request.blocks
             if need > self.free:
+                self._reclaim(need, request.traj)
+            if need > self.free:
                 break
             self.waiting.popleft()
+            self._busy(request.traj)
             running.append(request)
             self._allocate(request, need)
             budget -= tokens
@@ -270,10 +307,43 @@ class _Engine:
         again when it is rescheduled (from the head of the waiting queue)."""
         self.free += request.blocks
         self.used -= request.blocks
-        request.prefill_total = request.work.prefill_tokens + request.decoded
+        request.prefill_total = request.prompt + request.decoded
         request.prefill_done = request.units = request.blocks = 0
         self.waiting.appendleft(request)
+        self._idle(request.traj)
         self.result.preemptions += 1
+
+    def _idle(self, traj: _Trajectory) -> None:
+        """`traj` runs nothing now: its kept blocks become evictable, as its most recently used."""
+        if self.config.evict_kept and traj.held and traj not in self.idle:
+            self.idle[traj] = None
+            self.idle_blocks += traj.held
+
+    def _busy(self, traj: _Trajectory) -> None:
+        """`traj`'s request runs: its kept blocks are its context, no longer evictable."""
+        if traj in self.idle:
+            del self.idle[traj]
+            self.idle_blocks -= traj.held
+
+    def _reclaim(self, need: int, keep: _Trajectory) -> None:
+        """Evict idle trajectories' kept state, least recently used first (not `keep`'s), until `need` blocks are
+        free; their waiting requests, and their next turns, then prefill their whole input."""
+        evicted = 0
+        for traj in list(self.idle):
+            if self.free >= need:
+                break
+            if traj is keep:
+                continue
+            self._busy(traj)
+            self.free += traj.held
+            self.used -= traj.held
+            traj.held, traj.evicted = 0, True
+            evicted += 1
+        if evicted:
+            self.result.evictions += evicted
+            for request in self.waiting:
+                if request.traj.evicted:
+                    request.recompute_all(self.config.block_bytes)
 
     def _progress(self, request: _Request, tokens: int) -> None:
         """After a step: the request computed `tokens`; completing a prefill or a decode step samples a token."""
@@ -298,7 +368,8 @@ class _Engine:
         if self.waiting and len(running) < self.config.max_num_seqs:
             head = self.waiting[0]
             tokens = min(head.prefill_total - head.prefill_done, self.config.token_budget - len(running))
-            if tokens > 0 and head.blocks_at(head.units + tokens) - head.blocks <= self.free:
+            evictable = self.idle_blocks - (head.traj.held if head.traj in self.idle else 0)
+            if tokens > 0 and head.blocks_at(head.units + tokens) - head.blocks <= self.free + evictable:
                 return 1
         steps = min(r.work.decode_steps - r.decoded for r in running)
         if steps <= 1:
@@ -357,6 +428,8 @@ class _Engine:
             self.free += released
             self.used -= released
             traj.held = 0 if ends else kept
+            if not ends:
+                self._idle(traj)
             result.e2e.append(self.now - request.sent)
             result.tokens += request.work.input_tokens + request.work.output_tokens
             result.output_tokens += request.work.output_tokens
@@ -381,7 +454,7 @@ def _step_time(scheduled: list[tuple[_Request, int]], cost: StepCost) -> float:
         work = request.work
         adapter_tokens += tokens * work.adapter
         if request.prefilling():
-            prefill += tokens * work.prefill_weight
+            prefill += tokens * request.weight
             read += work.context_tokens * (request.prefill_done + tokens) / request.prefill_total
         else:
             decode += work.decode_weight

@@ -1,9 +1,10 @@
 """Every policy at every load: latency percentiles, throughput, peak memory, out-of-memory verdicts, the highest
 load meeting a TTFT SLO (on TTFT p90), and how far the step model is from the runs it was calibrated on.
 
-Out of memory is declared before simulating when a single request's peak exceeds the KV memory, or, in a closed
-loop, when the bytes a trajectory keeps between turns (its largest) × the concurrency exceed it; and during the run
-when the caches kept by the trajectories in flight leave no room for the next request (`engine`).
+Out of memory is declared before simulating when a single request's peak exceeds the KV memory; and, where kept
+state is held rather than evicted (`Settings.evict_kept` False), in a closed loop when the bytes a trajectory keeps
+between turns (its largest) × the concurrency exceed it, and during the run when the caches kept by the
+trajectories in flight leave no room for the next request (`engine`).
 Percentiles interpolate linearly (as serve-bench's); times are seconds, memory bytes.
 """
 
@@ -35,8 +36,9 @@ PATTERN_POLICY = {"agents": "nonshared", "base": "fullshared"}  # serve-bench's 
 @dataclass(frozen=True)
 class Settings:
     """The server and the run: total device memory (bytes; the KV capacity is this minus the weights), token budget
-    and sequence limit per step, the tokens per block of its prefix cache, seconds of arrivals, the arrival seed, and
-    the TTFT SLO (s) on TTFT p90."""
+    and sequence limit per step, the tokens per block of its prefix cache, whether idle trajectories' kept state is
+    evicted when blocks run out (vLLM's way) or held, seconds of arrivals, the arrival seed, and the TTFT SLO (s) on
+    TTFT p90."""
 
     memory_bytes: float
     duration: float
@@ -45,6 +47,7 @@ class Settings:
     max_num_seqs: int = MAX_NUM_SEQS
     seed: int = 0
     prefix_block: int = BLOCK_SIZE
+    evict_kept: bool = True
 
     def engine(self, work: ReplayWork, memory_bytes: float | None = None) -> EngineConfig:
         """The modelled server for `work`'s model with `memory_bytes` (default: the settings') of device memory."""
@@ -56,7 +59,11 @@ class Settings:
                 f"{work.weight_bytes() / GIB:.3g} GiB of weights; pass a larger --memory."
             )
         return EngineConfig.from_memory(
-            kv_bytes, work.kv_bytes_per_token, token_budget=self.token_budget, max_num_seqs=self.max_num_seqs
+            kv_bytes,
+            work.kv_bytes_per_token,
+            token_budget=self.token_budget,
+            max_num_seqs=self.max_num_seqs,
+            evict_kept=self.evict_kept,
         )
 
 
@@ -70,7 +77,7 @@ def static_out_of_memory(trajectories: tuple[TrajectoryWork, ...], config: Engin
             "of KV memory"
         )
     kept = max(r.kept_bytes for t in trajectories for r in t.requests)
-    if load.kind == "concurrency" and kept * load.value > capacity:
+    if not config.evict_kept and load.kind == "concurrency" and kept * load.value > capacity:
         return (
             f"{load.value:g} trajectories keep up to {kept * load.value / GIB:.3g} GiB between turns, more than "
             f"the {capacity / GIB:.3g} GiB of KV memory"
@@ -101,6 +108,7 @@ def run_policy(
         },
         "peak_kv_bytes": run.peak_blocks * config.block_bytes,
         "preemptions": run.preemptions,
+        "evictions": run.evictions,
         "steps": run.steps,
         "duration_s": run.duration,
     }
