@@ -13,5 +13,5 @@ engine under a load, without a GPU or a serving engine that implements the polic
 - `claims`: the published serving figures' verdicts from a simulation, stated as simulated.
 
 Pure Python (no torch; numpy and scipy only for the fit): an hour of traffic at 8 qps for each of 17 policies takes
-about 40 s on one core (scripts/simulate_bench.py).
+40–50 s on one core (scripts/simulate_bench.py).
 """
