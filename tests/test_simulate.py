@@ -93,6 +93,18 @@ def test_a_budget_below_a_policys_need_is_out_of_memory():
     )
 
 
+def test_a_policy_out_of_memory_is_a_row_of_the_table(tmp_path, run_cli):
+    replay_json(tmp_path / "replay.json")
+    weights = replay_work(json.loads((tmp_path / "replay.json").read_text()), tmp_path).weight_bytes()
+    memory = (weights + 48 * 4096) / 2**30  # room for 48 tokens of K/V (4 KiB each): the largest turn needs 105
+    code, out, err = run_cli(
+        "simulate", tmp_path / "replay.json", "--qps", "1", "--memory", f"{memory:.9f}", "--duration", "5",
+        "--out", tmp_path / "sim",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "OOM" in out and "out of memory: a single request needs" in out
+
+
 def test_evicted_kept_state_is_recomputed_instead_of_running_out_of_memory():
     """vLLM's way: idle trajectories' kept blocks are reclaimed (least recently used first) when blocks run out; the
     evicted trajectories' next turns prefill their whole input, so the run finishes, slower than with memory to

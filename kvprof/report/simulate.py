@@ -102,7 +102,7 @@ def runs_table(result: dict) -> TableData:
         oom = row["out_of_memory"]
         context = [str(row.get("shared_tokens"))] if scaled else []
         if row["requests"] == 0:
-            table.add_row(row["policy"], *context, row["load"]["label"], 0, *["-"] * 8, "OOM")
+            table.add_row(row["policy"], *context, row["load"]["label"], 0, *["-"] * 9, "OOM")
             continue
         table.add_row(
             row["policy"],
