@@ -93,6 +93,50 @@ def test_a_budget_below_a_policys_need_is_out_of_memory():
     )
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_keeps_the_block_books_and_never_runs_out_when_each_request_fits(seed):
+    """Random trajectories in a memory a few requests fill: with eviction every request finishes (nothing is out of
+    memory when each fits alone), the peak stays within the capacity, and when the run ends every block is free."""
+    from kvprof.simulate.engine import _Engine
+
+    rng = random.Random(seed)
+    work = []
+    for t in range(12):
+        requests, context = [], 0
+        for _ in range(rng.randint(1, 6)):
+            new, output = rng.randint(5, 200), rng.randint(1, 120)
+            reused = context if rng.random() < 0.7 else 0
+            context += new
+            kept = int((context + output) * KV_PER_TOKEN * rng.choice([0.0, 0.5, 1.0]))
+            requests.append(replace(request(context - reused, context, output, kept=kept), agent=f"a{t % 3}"))
+            context += output
+        work.append(TrajectoryWork(f"t{t}", tuple(requests)))
+    largest = max(r.working_bytes for t in work for r in t.requests)
+    tight = EngineConfig.from_memory(largest * rng.uniform(1.0, 2.5), KV_PER_TOKEN)
+    load = Load("qps", 40) if seed % 2 else Load("concurrency", 6)
+    engine = _Engine(tuple(work), COST, tight, Traffic(load, count=24, seed=seed))
+    run = engine.run()
+    assert run.out_of_memory is None and len(run.e2e) == sum(len(work[k % 12].requests) for k in range(24))
+    assert run.peak_blocks <= tight.capacity_blocks and run.evictions > 0 and run.preemptions > 0
+    assert engine.free == tight.capacity_blocks and engine.used == 0 and not engine.idle and engine.idle_blocks == 0
+
+
+def test_a_preempted_requests_kept_state_is_evicted_before_the_next_request_is_preempted():
+    """A grows alone; B runs a turn that needs nothing beyond the state its trajectory keeps. When A lacks a block,
+    B (newest) is preempted — freeing none of its turn's blocks — and its now idle kept state is evicted, so A goes
+    on instead of being preempted itself (which, alone, would be out of memory)."""
+    block = 16 * KV_PER_TOKEN
+    kept = 40 * block
+    grower = request(10, 10, output=400, working=int(410 * KV_PER_TOKEN))
+    first = request(10, 10, output=1, kept=kept, working=kept)
+    second = request(1, 11, output=1000, kept=kept, working=kept)
+    work = (TrajectoryWork("A", (grower,)), TrajectoryWork("B", (first, second)))
+    memory = EngineConfig.from_memory(kept + 20 * block, KV_PER_TOKEN)  # A's 26 blocks fit alone, not beside B's 40
+    run = simulate(work, COST, memory, Traffic(Load("concurrency", 2), count=2, arrivals=(0.0, 0.001)))
+    assert run.out_of_memory is None and len(run.e2e) == 3
+    assert run.preemptions >= 1 and run.evictions >= 1
+
+
 def test_a_policy_out_of_memory_is_a_row_of_the_table(tmp_path, run_cli):
     replay_json(tmp_path / "replay.json")
     weights = replay_work(json.loads((tmp_path / "replay.json").read_text()), tmp_path).weight_bytes()
@@ -399,6 +443,8 @@ def test_an_engines_prefix_cache_reuses_whole_blocks():
     assert at_block_granularity((TrajectoryWork("t", (reused,)),), 1)[0].requests[0] is reused
     runs = [{"requests": [{"cached_tokens": 256}, {"cached_tokens": 0}, {"cached_tokens": 384}]}]
     assert cached_block({"runs": runs}) == 128 and cached_block({"runs": [{"requests": [{}]}]}) is None
+    one_prefix = [{"requests": [{"cached_tokens": 2048}, {"cached_tokens": 2048}]}]  # every hit the same prefix
+    assert cached_block({"runs": one_prefix}) is None
 
 
 def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
@@ -443,5 +489,7 @@ def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
         published | {"kvcomm": [published["kvcomm"][0] | {"serving": oom | {"kv_bytes_per_token": 131072}}]},
     )
     assert small_model[1]["holds"] is None and "bytes of K/V per token" in small_model[1]["why"]
+    evicting = result | {"runs": [*runs[:3], row("kvcomm", 8, 0.2)], "settings": {"kept": "evict"}}
+    assert "--kept hold" in serving_verdicts(evicting, policies, published)[1]["why"]
     other_load = result | {"runs": [row(r["policy"], 2, 0.5) for r in runs]}
     assert "8 qps not simulated" in serving_verdicts(other_load, policies, published)[0]["why"]

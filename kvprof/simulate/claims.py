@@ -50,6 +50,12 @@ def _judge(label: str, figure: dict, claim: dict, rows: dict, policies: dict, re
                 "does not run out where theirs does"
             )
             return [verdict(None, None, None, why)]
+        if not mine["out_of_memory"] and (result.get("settings") or {}).get("kept") == "evict":
+            why = (
+                "the engine evicted kept state instead of running out (--kept evict); rerun with --kept hold for "
+                "state an engine cannot drop, such as anchor pools"
+            )
+            return [verdict(None, None, None, why)]
         oom = bool(mine["out_of_memory"])
         return [verdict(None, float(oom), oom, mine["out_of_memory"] or "the simulation ran without running out")]
     references = [

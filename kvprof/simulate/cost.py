@@ -29,6 +29,7 @@ Three sources, each named in `StepCost.source` wherever the model is shown:
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -133,8 +134,8 @@ class Observation:
 def fit(observations: list[Observation], source: str) -> StepCost:
     """Non-negative least squares of the observations' seconds on their features. A TTFT observation weighs its
     relative error (one per request, from a few to hundreds of milliseconds: the fit follows the median request); a
-    step observation its error per step, relative to the mean step (an interval of n steps counts as n steps' worth
-    of error: the fit follows the mean step, which sets throughput). Coefficients the observations cannot identify
+    step observation its mean error per step, relative to the mean step (a single step and an interval of n steps
+    count alike: the fit follows the mean step, which sets throughput). Coefficients the observations cannot identify
     are fixed at 0 (`OPTIONAL`, each when the other features already span its column): c when every step decoded
     one sequence (single-sequence timings: it is folded into a), g and f when every request ran an adapter or none
     did (folded into c and b)."""
@@ -320,23 +321,28 @@ def _step_observations(requests: list[dict], adapter: float, burst: float) -> li
 
 def _others_within(requests: list[dict], r: dict, start: float, end: float) -> tuple[float, float, float, int, float]:
     """What the requests other than `r` computed in the steps of (start, end]: (prefill tokens of those whose first
-    token came in it, their decode tokens in it, the K/V tokens both read, how many of those prefills completed
-    before `end`, the most decode tokens any one of them produced in it — a lower bound on the steps)."""
+    token came in it — or within `STEP_SPREAD` after `end`, in the last step —, their decode tokens in it, the K/V
+    tokens both read, the steps those prefills completed in before the last one — first tokens within `STEP_SPREAD`
+    of each other are one step's —, the most decode tokens any one of them produced in it — a lower bound on the
+    steps)."""
     prefill = decode = read = paced = 0.0
-    prefills = 0
+    firsts = []
     for q in requests:
         if q is r:
             continue
-        if start < q["first"] <= end:
+        if start < q["first"] <= end + STEP_SPREAD:
             prefill += q["prefill"]
             read += q["prompt"]
-            prefills += q["first"] < end
+            if q["first"] < end - STEP_SPREAD:
+                firsts.append(q["first"])
         tokens = _tokens_within(q, start, end)
         if tokens:
             decode += tokens
             paced = max(paced, tokens)
             middle = (max(q["first"], start) + min(q["done"], end)) / 2
             read += tokens * _context_at(q, middle)
+    firsts.sort()
+    prefills = sum(1 for before, after in zip([-math.inf, *firsts], firsts) if after - before > STEP_SPREAD)
     return prefill, decode, read, prefills, paced
 
 

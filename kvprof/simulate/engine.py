@@ -280,6 +280,7 @@ class _Engine:
                     return scheduled, True
                 self._preempt(victim)
                 preempted = True
+                self._reclaim(need, request.traj)  # the victim's kept state is idle now: evictable first
             if index >= len(running):
                 break
             self._allocate(request, need)
@@ -290,10 +291,10 @@ class _Engine:
             request = self.waiting[0]
             tokens = min(request.prefill_total - request.prefill_done, budget)
             need = request.blocks_at(request.units + tokens) - request.blocks
+            if need > self.free + self._evictable(request.traj):
+                break  # as vLLM: nothing is evicted for a request that would not fit even so
             if need > self.free:
                 self._reclaim(need, request.traj)
-            if need > self.free:
-                break
             self.waiting.popleft()
             self._busy(request.traj)
             running.append(request)
@@ -324,6 +325,10 @@ class _Engine:
         if traj in self.idle:
             del self.idle[traj]
             self.idle_blocks -= traj.held
+
+    def _evictable(self, keep: _Trajectory) -> int:
+        """Blocks `_reclaim` could free for a request of `keep`."""
+        return self.idle_blocks - (keep.held if keep in self.idle else 0)
 
     def _reclaim(self, need: int, keep: _Trajectory) -> None:
         """Evict idle trajectories' kept state, least recently used first (not `keep`'s), until `need` blocks are
@@ -368,8 +373,9 @@ class _Engine:
         if self.waiting and len(running) < self.config.max_num_seqs:
             head = self.waiting[0]
             tokens = min(head.prefill_total - head.prefill_done, self.config.token_budget - len(running))
-            evictable = self.idle_blocks - (head.traj.held if head.traj in self.idle else 0)
-            if tokens > 0 and head.blocks_at(head.units + tokens) - head.blocks <= self.free + evictable:
+            if tokens > 0 and head.blocks_at(head.units + tokens) - head.blocks <= self.free + self._evictable(
+                head.traj
+            ):
                 return 1
         steps = min(r.work.decode_steps - r.decoded for r in running)
         if steps <= 1:

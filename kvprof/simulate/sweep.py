@@ -128,22 +128,25 @@ def sweep(work: ReplayWork, cost: StepCost, settings: Settings, loads: list[Load
 
 def cached_block(data: dict) -> int | None:
     """The block size of the prefix cache that served a serve-bench result's JSON `data`: the greatest common divisor
-    of its requests' cached token counts (an engine caches whole blocks), or None when no request found any cached."""
+    of its requests' cached token counts (an engine caches whole blocks), or None when fewer than two distinct
+    non-zero counts leave it undetermined (every hit the same shared prefix would read as one huge block)."""
     counts = {r.get("cached_tokens") or 0 for run in data.get("runs") or [] for r in run.get("requests") or []}
-    block = math.gcd(*counts)
-    return block or None
+    counts.discard(0)
+    return math.gcd(*counts) if len(counts) >= 2 else None
 
 
 def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
-    """Per policy and load kind: the highest swept load whose TTFT p90 meets `slo` seconds without running out of
-    memory (None when none does)."""
+    """Per policy (and shared context, where several were swept: "policy @ N tokens") and load kind: the highest
+    swept load whose TTFT p90 meets `slo` seconds without running out of memory (None when none does)."""
+    lengths = {row.get("shared_tokens") for row in rows}
     best: dict[str, dict] = {}
     for row in rows:
         kind = row["load"]["kind"]
-        entry = best.setdefault(row["policy"], {}).setdefault(kind, None)
+        name = row["policy"] if len(lengths) < 2 else f"{row['policy']} @ {row['shared_tokens']} tokens"
+        entry = best.setdefault(name, {}).setdefault(kind, None)
         meets = not row["out_of_memory"] and row.get("ttft") and row["ttft"]["p90"] <= slo
         if meets and (entry is None or row["load"]["value"] > entry):
-            best[row["policy"]][kind] = row["load"]["value"]
+            best[name][kind] = row["load"]["value"]
     return best
 
 
