@@ -38,7 +38,9 @@ def memory_verdicts(result: dict) -> list[dict]:
             references = [ref for ref, run in runs.items() if run["name"] in claim["references"]]
             if not references:
                 verdicts.append(
-                    _verdict(label, figure, claim, None, None, f"no {' / '.join(claim['references'])} run replayed")
+                    verdict_entry(
+                        label, figure, claim, None, None, f"no {' / '.join(claim['references'])} run replayed"
+                    )
                 )
             for reference in references:
                 verdicts.append(_judge(label, figure, claim, reference, entry, runs[reference], context, agents))
@@ -54,16 +56,16 @@ def _judge(
     mine, theirs = entry["summary"].get(key), run["summary"].get(key)
     ratio = mine / theirs if mine is not None and theirs else None
     if ratio is None:
-        return _verdict(label, figure, claim, reference, None, f"the replay recorded no {what}")
+        return verdict_entry(label, figure, claim, reference, None, f"the replay recorded no {what}")
     options = dict(claim.get("reference_options", []))
     other = {k: run["options"].get(k) for k, v in options.items() if _value(run["options"].get(k)) != _value(v)}
     if other:
         ran = ", ".join(f"{k} {v}" for k, v in other.items())
         wanted = ", ".join(f"{k} {v}" for k, v in options.items())
         why = f"{reference} ran with {ran}, the claim's setting with {wanted}"
-        return _verdict(label, figure, claim, reference, ratio, why)
+        return verdict_entry(label, figure, claim, reference, ratio, why)
     if context < claim.get("context_tokens", 0):
-        return _verdict(
+        return verdict_entry(
             label,
             figure,
             claim,
@@ -73,10 +75,10 @@ def _judge(
         )
     if claim.get("agents") and agents != claim["agents"]:
         why = f"the trace has {agents} agents, the claim's setting {claim['agents']}"
-        return _verdict(label, figure, claim, reference, ratio, why)
+        return verdict_entry(label, figure, claim, reference, ratio, why)
     holds = claim["low"] <= ratio <= claim["high"]
     why = f"{what}: {label} ÷ {reference} = {ratio:.3f}, {'inside' if holds else 'outside'} the claimed interval"
-    return _verdict(label, figure, claim, reference, ratio, why, holds)
+    return verdict_entry(label, figure, claim, reference, ratio, why, holds)
 
 
 def _value(value) -> object:
@@ -87,7 +89,7 @@ def _value(value) -> object:
         return value
 
 
-def _verdict(
+def verdict_entry(
     label: str,
     figure: dict,
     claim: dict,
@@ -96,6 +98,8 @@ def _verdict(
     why: str,
     holds: bool | None = None,
 ) -> dict:
+    """One verdict of `claim` (a `MemoryClaim` or `ServingClaim` as a dict, from `figure`, a `Published` as a dict)
+    of policy `label` against `reference`: the fields every claim verdict has (see `memory_verdicts`)."""
     return {
         "policy": label,
         "claim": figure["claim"],

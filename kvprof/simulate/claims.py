@@ -13,6 +13,8 @@ payload and the claims as dicts (`dataclasses.asdict` of `Published`).
 
 from __future__ import annotations
 
+from kvprof.memory_claims import verdict_entry
+
 VERDICTS = {True: "holds (simulated)", False: "does not hold (simulated)", None: "not comparable"}
 SHARED_TOLERANCE = 0.1  # the simulation's shared context within 10 % of the claim's
 
@@ -80,18 +82,13 @@ def _judge(label: str, figure: dict, claim: dict, rows: dict, policies: dict, re
 
 
 def _verdict_for(label: str, figure: dict, claim: dict, result: dict):
+    """A verdict as a memory claim's (`verdict_entry`), its claim text with the paper and section, stated as
+    simulated, with the cost model."""
+
     def verdict(reference: str | None, ratio: float | None, holds: bool | None, why: str) -> dict:
-        return {
-            "policy": label,
+        return verdict_entry(label, figure, claim, reference, ratio, why, holds) | {
             "claim": f"{figure['paper']}, {figure['where']}: {figure['claim']}",
-            "reference": reference,
-            "measure": claim["measure"],
-            "ratio": ratio,
-            "claimed": [claim["low"], claim["high"]],
-            "reading": claim["reading"],
-            "holds": holds,
             "verdict": VERDICTS[holds],
-            "why": why,
             "cost_model": result["cost_model"]["source"],
         }
 
