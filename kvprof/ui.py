@@ -5,20 +5,29 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 progress_console = Console(stderr=True)
 
 
 def progress() -> Progress:
-    """A rich progress bar on stderr (stdout stays clean for tables)."""
+    """A rich progress bar on stderr (stdout stays clean for tables): what runs, how far, time spent and left."""
     return Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=progress_console,
         transient=False,
     )

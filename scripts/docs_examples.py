@@ -59,6 +59,7 @@ CODEBOOK_REPLAY = (
 
 EXAMPLES: dict[str, Example] = {
     "demo": Example(("kvprof demo --out runs/demo",), keep_from="kvprof demo ("),
+    "demo-full": Example(("kvprof demo --full --out runs/demo-full",), keep_from="kvprof demo --full ("),
     "demo-evaluate": Example(("python -m kvprof.demo.evaluate --threads 1",)),
     "codebook-heldout": Example(
         (
@@ -195,11 +196,11 @@ EXAMPLES: dict[str, Example] = {
     ),
     "simulate-precache": Example(
         (
-            "kvprof simulate runs/demo/replay/replay.json --device-model a100 --shapes --qps 0.5 --qps 2"
+            "kvprof simulate runs/demo-full/replay/replay.json --device-model a100 --shapes --qps 0.5 --qps 2"
             " --duration 300 --out runs/simulate-precache",
         ),
-        needs=("runs/demo/replay/replay.json",),
-        setup=("python scripts/docs_examples.py run demo",),
+        needs=("runs/demo-full/replay/replay.json",),
+        setup=("python scripts/docs_examples.py run demo-full",),
     ),
     "kernels-aot": Example(("python tests/test_kernels_aot.py",)),
     "bench": Example(("kvprof bench --device cpu --seq-lens 256 --ranks 16 --threads 1 --out runs/bench",)),

@@ -5,7 +5,7 @@
 Fails (exit 1) when the page logs a console error or a figure is not drawn. Writes OUT_DIR/fig-<i>.png for every
 figure and OUT_DIR/decision.png for the page's first section (the decision, on a dashboard with a replay). Needs a
 system Chromium and playwright (`pip install -e '.[browser]'`); see kvprof/report/browser.py. The README's
-docs/img/decision.png is OUT_DIR/fig-0.png of the demo's runs/demo/report.html.
+docs/img/decision.png is OUT_DIR/fig-0.png of the full demo's runs/demo-full/report.html.
 """
 
 from __future__ import annotations

@@ -104,15 +104,43 @@ def test_adapters_set_the_role(world):
     assert as_reflect == task.output("reflect", 0)
 
 
-def test_demo_command(tmp_path):
-    from kvprof.commands.demo import STAGES
+def test_quick_demo_decides_for_both_families(tmp_path):
+    from kvprof.commands.demo import QUICK_STAGES
 
     result = CliRunner().invoke(
         app, ["demo", "--tasks", "2", "--replay-tasks", "1", "--repeats", "1", "--out", str(tmp_path)]
     )
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "demo.json").read_text())
-    assert list(record["stages"]) == [name for name, _ in STAGES]
+    assert list(record["stages"]) == [stage.name for stage in QUICK_STAGES] and record["full"] is False
+    for index, stage in enumerate(QUICK_STAGES, start=1):  # progress: what runs and how long is left
+        assert f"[{index}/{len(QUICK_STAGES)}] {stage.name}" in result.output
+    assert result.output.count("left in all") == len(QUICK_STAGES)
+    lora = record["stages"]["replay lora"]["online_accuracy"]
+    # every LoRA-family and selective policy at its published defaults, no sweep
+    assert {"dense", "fullshared", "baselrshared", "prelrshared", "cacheblend", "droidspeak", "relaycaching"} <= set(
+        lora
+    )
+    assert not any("ratio=" in label for label in lora)
+    prompt = record["stages"]["prompt-role sharing"]["online_accuracy"]
+    assert {"dense", "fullshared", "kvcomm", "kvcmas-chain"} <= set(prompt)
+    report = (tmp_path / "report.html").read_text()
+    assert report.index("Decision: which policy") < report.index("fidelity: ")  # the decision first
+    written = json.loads((tmp_path / "replay" / "replay.json").read_text())  # the recorded command replays it
+    args = written["args"]
+    replayed = enumerate_variants(args["policy"], parse_policy_options(args["policy_option"]))
+    assert sorted(v.label for v in replayed) == sorted(written["policies"])
+
+
+def test_full_demo(tmp_path):
+    from kvprof.commands.demo import FULL_STAGES
+
+    result = CliRunner().invoke(
+        app, ["demo", "--full", "--tasks", "2", "--replay-tasks", "1", "--repeats", "1", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "demo.json").read_text())
+    assert list(record["stages"]) == [stage.name for stage in FULL_STAGES] and record["full"] is True
     captures = [stage for name, stage in record["stages"].items() if "accuracy" in stage]
     assert len(captures) == 5 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
     online = record["stages"]["replay"]["online_accuracy"]

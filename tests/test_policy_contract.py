@@ -147,6 +147,9 @@ def test_command_selection_replays_exactly_the_variants():
     replayed = enumerate_variants(names, parse_policy_options(flags))
     assert [v.label for v in replayed] == [v.label for v in variants]
     assert all(v.options["anchors"] == "pool.safetensors" for v in replayed if v.name == "kvcmas")
+    defaults = enumerate_variants(["droidspeak", "prelrshared"])  # every option given, at its default ('' too)
+    assert any(value == "" for v in defaults for value in v.options.values())
+    assert command_selection(defaults) == (["droidspeak", "prelrshared"], [])
     not_a_product = [
         PolicyVariant("cacheblend", {"ratio": "0.1", "deviation": "key"}),
         PolicyVariant("cacheblend", {"ratio": "0.2", "deviation": "value"}),

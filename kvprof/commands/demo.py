@@ -1,9 +1,10 @@
 """`kvprof demo`: the kvprof pipeline on the embedded demo world, on CPU, in minutes.
 
-The demo is a list of stages; each is one function `(DemoContext) -> StageResult` appended to `STAGES`. A stage
-runs the library functions of the command it stands for, prints what that command prints and writes its files under
-`ctx.out`. It reads what earlier stages left in the context (e.g. `ctx.traces["lora"]`) and adds the results it
-wrote to `ctx.results`, from which the report stage builds the dashboard.
+The demo is a list of stages: `QUICK_STAGES` (the decision for both families, the default) or `FULL_STAGES`
+(`--full`: every world and adapter set). A stage is one function `(DemoContext) -> StageResult` with its expected
+time; it runs the library functions of the command it stands for, prints what that command prints and writes its
+files under `ctx.out`. It reads what earlier stages left in the context (e.g. `ctx.traces["lora"]`) and adds the
+results it wrote to `ctx.results`, from which the report stage builds the dashboard.
 """
 
 from __future__ import annotations
@@ -213,18 +214,20 @@ def _online_replay(
 
 
 def _replay_lora(
-    ctx: DemoContext, trace_name: str, out: Path, families: tuple[str, ...] | None = None, **options
+    ctx: DemoContext, trace_name: str, out: Path, families: tuple[str, ...] | None = None, sweep: bool = True, **options
 ) -> tuple[dict, dict[str, float], str]:
     """`kvprof replay --online` of the lora capture `trace_name` under every runnable variant of `--policy all`
-    (only those of `families` when given); returns what `_online_replay` returns."""
+    (`sweep`), or of every policy at its published defaults; only those of `families` when given. Returns what
+    `_online_replay` returns."""
     from kvprof.model import load_agents_for_trace
-    from kvprof.policies import enumerate_variants, runnable_variants
+    from kvprof.policies import REGISTRY, enumerate_variants, runnable_variants
     from kvprof.policies.variants import ALL
     from kvprof.runtime import Runtime
 
     trace = ctx.traces[trace_name]
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
-    every = [v for v in enumerate_variants([ALL]) if families is None or v.policy.family in families]
+    selection = [ALL] if sweep else list(REGISTRY)
+    every = [v for v in enumerate_variants(selection) if families is None or v.policy.family in families]
     variants, skipped = runnable_variants(every, Runtime(agents), skip=True)
     replay.print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
@@ -246,6 +249,21 @@ def replay_all(ctx: DemoContext) -> StageResult:
     out = ctx.out / "replay"
     record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, policy=[ALL])
     ctx.k_error = _k_errors(record)
+    return StageResult(
+        f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
+        [out / "replay.json", out / "replay.html"],
+        {"online_accuracy": online},
+    )
+
+
+LORA_FAMILIES = ("baseline", "LRAgent", "PReCache", "selective recompute")
+
+
+def replay_lora_defaults(ctx: DemoContext) -> StageResult:
+    """`kvprof replay --online` of the shared-A lora trace under the LoRA-family and selective-recompute policies at
+    their published defaults: error, fidelity, cost and task accuracy of each against the dense run."""
+    out = ctx.out / "replay"
+    record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, LORA_FAMILIES, sweep=False)
     return StageResult(
         f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
@@ -365,27 +383,86 @@ def report_all(ctx: DemoContext) -> StageResult:
     print_sections(sections)
     path = write_dashboard(ctx.out / "report.html", sections, sources, environment)
     console.print(f"wrote {path} ({len(sections)} sections from {len(sources)} result files)")
-    return StageResult(f"{len(sources)} result files merged", [path])
+    decisions = {section.title: section.card for section in sections if section.order == "decision" and section.card}
+    return StageResult(f"{len(sources)} result files merged", [path], {"decisions": decisions})
 
 
-STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
-    ("capture prompt", capture_prompt),
-    ("capture lora", capture_lora),
-    ("capture lora, shared-A adapters", capture_lora_shared_a),
-    ("lora, adapters disabled", lora_without_adapters),
-    ("rank-analysis", rank_analysis_lora),
-    ("replay", replay_all),
-    ("capture lora q/v, the papers' setting", capture_lora_qv),
-    ("replay lora q/v", replay_lora_qv),
-    ("prompt-role sharing", prompt_sharing),
-    ("codebook: sharing that costs accuracy", codebook_sharing),
-    ("report", report_all),
+@dataclass(frozen=True)
+class Stage:
+    """One step of the demo: its title, what it runs, and its expected seconds on 2 CPU cores at the full demo's
+    task counts, growing with `per` ("tasks", "replay_tasks" or "" for a fixed cost)."""
+
+    name: str
+    run: Callable[[DemoContext], StageResult]
+    seconds: float
+    per: str = ""
+
+    def expected(self, ctx: DemoContext) -> float:
+        """Expected seconds at this demo's task counts."""
+        if not self.per:
+            return self.seconds
+        return self.seconds * getattr(ctx, self.per) / DEFAULTS["full"][self.per]
+
+
+# Task counts per demo: the quick one decides for both families; the full one runs every world and adapter set.
+DEFAULTS = {"quick": {"tasks": 12, "replay_tasks": 6}, "full": {"tasks": 20, "replay_tasks": 10}}
+
+QUICK_STAGES = [
+    Stage("capture lora, shared-A adapters", capture_lora_shared_a, 8.0, "tasks"),
+    Stage("capture prompt", capture_prompt, 6.0, "tasks"),
+    Stage("replay lora", replay_lora_defaults, 75.0, "replay_tasks"),
+    Stage("prompt-role sharing", prompt_sharing, 60.0, "replay_tasks"),
+    Stage("report", report_all, 2.0),
+]
+
+FULL_STAGES = [
+    Stage("capture prompt", capture_prompt, 9.0, "tasks"),
+    Stage("capture lora", capture_lora, 7.0, "tasks"),
+    Stage("capture lora, shared-A adapters", capture_lora_shared_a, 7.0, "tasks"),
+    Stage("lora, adapters disabled", lora_without_adapters, 7.0, "tasks"),
+    Stage("rank-analysis", rank_analysis_lora, 2.0),
+    Stage("replay", replay_all, 220.0, "replay_tasks"),
+    Stage("capture lora q/v, the papers' setting", capture_lora_qv, 9.0, "tasks"),
+    Stage("replay lora q/v", replay_lora_qv, 115.0, "replay_tasks"),
+    Stage("prompt-role sharing", prompt_sharing, 77.0, "replay_tasks"),
+    Stage("codebook: sharing that costs accuracy", codebook_sharing, 9.0, "replay_tasks"),
+    Stage("report", report_all, 3.0),
 ]
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _announce(index: int, stages: list[Stage], ctx: DemoContext, spent: float, done_expected: float) -> None:
+    """The stage about to run, its expected time and what is left in all: expected times scaled by how this
+    machine has kept to them so far."""
+    stage = stages[index]
+    pace = spent / done_expected if done_expected > 0 else 1.0
+    left = pace * sum(s.expected(ctx) for s in stages[index:])
+    console.rule(f"[{index + 1}/{len(stages)}] {stage.name}")
+    console.print(
+        f"about {_duration(pace * stage.expected(ctx))}; about {_duration(left)} left in all", style="dim", markup=False
+    )
+    console.print(" ".join((stage.run.__doc__ or "").split()), style="dim", markup=False)
+
+
 def command(
-    tasks: Annotated[int, typer.Option("--tasks", help="Held-out demo tasks per capture.")] = 20,
-    replay_tasks: Annotated[int, typer.Option("--replay-tasks", help="Tasks replayed under every policy.")] = 10,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="Every world and adapter set (captures without adapters and with the papers' q/v adapters, the "
+            "rank analysis, every variant of every policy, the codebook world): about 10 minutes on 2 CPU cores.",
+        ),
+    ] = False,
+    tasks: Annotated[
+        int | None, typer.Option("--tasks", help="Held-out demo tasks per capture (default 12; 20 with --full).")
+    ] = None,
+    replay_tasks: Annotated[
+        int | None,
+        typer.Option("--replay-tasks", help="Tasks replayed under every policy (default 6; 10 with --full)."),
+    ] = None,
     repeats: Annotated[
         int,
         typer.Option(
@@ -403,10 +480,14 @@ def command(
     dtype: DtypeOption = "auto",
     seed: SeedOption = 0,
 ) -> None:
-    """Run kvprof on the embedded demo world (trained model, role prompts, LoRA adapters) and summarise."""
+    """Run kvprof on the embedded demo world (trained model, role prompts, LoRA adapters): the sharing decision for
+    both agent families in about three minutes on 2 CPU cores, or every stage with --full."""
     args = dict(locals())
     from kvprof.demo.assets import demo_world
 
+    defaults = DEFAULTS["full" if full else "quick"]
+    tasks = defaults["tasks"] if tasks is None else tasks
+    replay_tasks = defaults["replay_tasks"] if replay_tasks is None else replay_tasks
     if tasks < 1 or replay_tasks < 1:
         raise KvprofError(f"--tasks {tasks} / --replay-tasks {replay_tasks}: pass 1 or more tasks to each.")
     ctx = DemoContext(
@@ -419,31 +500,46 @@ def command(
         replay_tasks=min(replay_tasks, tasks),
         repeats=repeats,
     )
+    stages = FULL_STAGES if full else QUICK_STAGES
+    expected = sum(stage.expected(ctx) for stage in stages)
     console.print(f"demo world: {ctx.world.root}")
+    console.print(
+        f"kvprof demo{' --full' if full else ''}: {len(stages)} stages, about {_duration(expected)} on 2 CPU cores"
+        + ("" if full else " (every stage: kvprof demo --full)"),
+        markup=False,
+    )
     results: dict[str, dict] = {}
     rows = []
     started = time.perf_counter()
-    for name, stage in STAGES:
-        console.rule(name)
-        console.print(" ".join((stage.__doc__ or "").split()), style="dim", markup=False)
+    done_expected = 0.0
+    for index, stage in enumerate(stages):
+        _announce(index, stages, ctx, time.perf_counter() - started, done_expected)
         stage_started = time.perf_counter()
-        result = stage(ctx)
+        result = stage.run(ctx)
         seconds = time.perf_counter() - stage_started
-        results[name] = {
+        done_expected += stage.expected(ctx)
+        results[stage.name] = {
             "summary": result.summary,
             "seconds": round(seconds, 1),
             **result.metrics,
             "outputs": [str(p) for p in result.outputs],
         }
-        rows.append((name, result.summary, seconds, result.outputs))
+        rows.append((stage.name, result.summary, seconds, result.outputs))
     total = time.perf_counter() - started
-    table = Table(title=f"kvprof demo ({total:.0f} s)")
+    table = Table(title=f"kvprof demo{' --full' if full else ''} ({total:.0f} s)")
     for column in ("stage", "result", "seconds", "outputs"):
         table.add_column(column, justify="right" if column == "seconds" else "left")
     for name, summary, seconds, outputs in rows:
         table.add_row(name, summary, f"{seconds:.1f}", "\n".join(str(p) for p in outputs))
     console.print(table)
+    for title, card in results["report"]["decisions"].items():  # the answer last, where the terminal stops
+        console.rule(title)
+        for line in card:
+            console.print(line, style="bold", markup=False)
     path = write_result(
-        out, "demo", {"world": str(ctx.world.root), "stages": results, "seconds": round(total, 1)}, args
+        out,
+        "demo",
+        {"world": str(ctx.world.root), "full": full, "stages": results, "seconds": round(total, 1)},
+        args | {"tasks": tasks, "replay_tasks": replay_tasks},
     )
     console.print(f"wrote {path}")

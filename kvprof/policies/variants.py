@@ -117,8 +117,24 @@ def command_selection(variants: Sequence[PolicyVariant]) -> tuple[list[str], lis
     """The `--policy` names and `--policy-option POLICY.KEY=VALUE` flags that make `enumerate_variants` replay
     `variants` (their labels, in order), e.g. for the command line a result file records; a `KvprofError` when no
     selection does (`enumerate_variants` replays the product of each policy's given values)."""
+    from kvprof.policies import policy_class
+
     names = list(dict.fromkeys(variant.name for variant in variants))
-    flags = list(dict.fromkeys(f"{v.name}.{key}={value}" for v in variants for key, value in v.options.items()))
+    # an option every variant of its policy leaves at its default needs no flag (an empty default could not take one)
+    at_default = {
+        (name, key)
+        for name in names
+        for key, option in policy_class(name).options.items()
+        if all(v.options.get(key, option.default) == option.default for v in variants if v.name == name)
+    }
+    flags = list(
+        dict.fromkeys(
+            f"{v.name}.{key}={value}"
+            for v in variants
+            for key, value in v.options.items()
+            if (v.name, key) not in at_default
+        )
+    )
     replayed = [variant.label for variant in enumerate_variants(names, parse_policy_options(flags))]
     if sorted(replayed) != sorted(variant.label for variant in variants):
         raise KvprofError(
