@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvprof.tiny import TinyWorld, build_tiny_world
+
+# One intra-op thread per test process (and the subprocesses it starts): the tiny models gain nothing from more,
+# and OpenMP threads that spin while another process holds a core made the suite many times slower.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,8 +26,9 @@ TOLERANCE = 1e-5
 METRICS = ("kl", "kl_sum", "top1_sum", "trace_agreement_sum", "reused", "prefilled", "flops", "ttft_flops")
 
 
-def replay_both_ways(agents, trajectory, mode: str) -> None:
-    """Every runnable variant of `mode` over `trajectory` on the fast and the plain runtime, turn by turn."""
+def replay_both_ways(agents, trajectory, mode: str, turns: int | None = None) -> None:
+    """Every runnable variant of `mode` over `trajectory` (its first `turns` turns) on the fast and the plain
+    runtime, turn by turn."""
     runs = {fast: Runtime(agents, fast_paths=fast) for fast in (True, False)}
     variants, _ = runnable_variants(
         [variant for case_mode, variant in CASES if case_mode == mode], runs[True], skip=True
@@ -35,7 +36,7 @@ def replay_both_ways(agents, trajectory, mode: str) -> None:
     assert variants
     dense = {fast: NonShared(runtime) for fast, runtime in runs.items()}
     policies = {fast: [variant.build(runtime) for variant in variants] for fast, runtime in runs.items()}
-    for turn in trajectory.turns:
+    for turn in trajectory.turns[:turns]:
         request = TurnRequest(turn.agent, trajectory.input_tokens(turn), trajectory.output_tokens(turn))
         dense_results = {fast: dense[fast].run_turn(request) for fast in runs}
         for index, variant in enumerate(variants):
@@ -66,10 +67,12 @@ def test_tiny_prompt_world(prompt_trace):
 
 
 def test_demo_trace():
+    """The shipped long trace's first five turns: contexts of 1.6K and 3.2K tokens, each appended to the buffers in
+    one step past their capacity (its later turns repeat that at 4.9K)."""
     world = demo_world()
     trace = world.sample_traces["lora_long"]
     agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
-    replay_both_ways(agents, read_trace(trace).trajectories[0], "lora")
+    replay_both_ways(agents, read_trace(trace).trajectories[0], "lora", turns=5)
 
 
 def test_growing_tensor_keeps_its_contents_across_growth():

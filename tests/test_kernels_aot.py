@@ -10,7 +10,8 @@ argument binder for the CUDA backend, so the signature, pointer dtypes, compile-
 divisibility and value-1 specializations are the ones a real launch gets. ptxas' `-v` report (which Triton
 prints with `knobs.nvidia.dump_ptxas_log`) gives the registers and spill bytes per thread; a shipped mask-free
 16-bit configuration (prefill or decode) that spills fails the test; `python tests/test_kernels_aot.py` prints the
-table. Compiles run in two spawned processes (TRITON_INTERPRET forced off there) because each takes a second or more.
+table. Compiles run in two spawned processes (TRITON_INTERPRET forced off there) because each takes a second or more;
+their results are kept in pytest's cache, keyed by everything they depend on (`compile_key`).
 """
 
 from __future__ import annotations
@@ -205,9 +206,30 @@ def register_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def compile_key() -> str:
+    """What the compiles depend on: Triton's version, the kernels' and the launchers' source, this file's shapes."""
+    import hashlib
+    from pathlib import Path
+
+    import triton
+
+    import kvprof.kernels
+
+    digest = hashlib.sha256(triton.__version__.encode())
+    for path in sorted(Path(kvprof.kernels.__file__).parent.glob("*.py")) + [Path(__file__)]:
+        digest.update(path.read_bytes())
+    return f"kvprof/sm90-compiles/{digest.hexdigest()[:24]}"
+
+
 @pytest.fixture(scope="module")
-def compiled_configurations() -> dict:
-    results = compile_all()
+def compiled_configurations(request) -> dict:
+    """The compile of every configuration: from pytest's cache (.pytest_cache) when nothing it depends on has
+    changed since a run that compiled them, else compiled now and cached."""
+    key = compile_key()
+    results = request.config.cache.get(key, None)
+    if results is None or set(results) != set(map(_config_id, CONFIGURATIONS)):
+        results = compile_all()
+        request.config.cache.set(key, results)
     print("\n" + register_table(results))
     return results
 

@@ -4,6 +4,7 @@ nothing written and any started server stopped. The real-vLLM acceptance run is 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -308,8 +309,14 @@ def test_ctrl_c_exits_130_and_stops_the_server(tmp_path):
     }
     out = tmp_path / "out"
     command = [sys.executable, "-m", "kvprof", "serve-bench", str(TRACE), "--start", "--out", str(out)]
+    # A test worker (pytest-xdist's, or a shell without job control) may ignore SIGINT, and its children inherit that
+    restore = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
     process = subprocess.Popen(
-        [*command, "--vllm-python", str(fake_vllm(tmp_path))], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, "--vllm-python", str(fake_vllm(tmp_path))],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=restore,
     )
     deadline = time.monotonic() + 60
     while not (out / "vllm-server.log").exists() or not (tmp_path / "server.pid").exists():
