@@ -353,10 +353,11 @@ def command(
     torch.manual_seed(seed)
     if trace is None:
         trace, model = demo_trace(model)
+    trajectories = select_trajectories(trace, skip, limit)  # the whole trace validated before any model loads
     if strict:
         from kvprof.branches import require_one_timeline
 
-        require_one_timeline(select_trajectories(trace, skip, limit), trace_header(trace).mode)
+        require_one_timeline(trajectories, trace_header(trace).mode)
     from kvprof.replay import TIMINGS
 
     if timing not in TIMINGS:
@@ -379,7 +380,6 @@ def command(
             print_skipped(skipped)
             if not variants:
                 raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
-            trajectories = select_trajectories(trace, skip, limit)
             identity = checkpoint_identity(
                 trace, loaded, variants, repeats, use_kernel, True, online, timing, page_size
             )
@@ -409,7 +409,6 @@ def command(
     print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
-    trajectories = select_trajectories(trace, skip, limit)
     checkpoint = out / "replay.partial.json"
     identity = checkpoint_identity(
         trace, agents_identity(agents), variants, repeats, use_kernel, timing=timing, page_size=page_size
