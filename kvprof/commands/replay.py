@@ -24,7 +24,7 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.fileio import write_json
+from kvprof.fileio import check_fields, read_json_file, write_json
 from kvprof.trace import Trajectory, iter_trajectories, read_header
 
 if TYPE_CHECKING:
@@ -177,12 +177,12 @@ def read_tuned(path: Path) -> tuple[str, list[str]]:
     """The policy and its `--policy-option` values in a tuned.json written by `kvprof tune-tau`."""
     from kvprof.commands.tune_tau import TUNED_KIND
 
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        saved = None
-    if not isinstance(saved, dict) or saved.get("kind") != TUNED_KIND:
-        raise KvprofError(f"--tuned {path} is not a tuned.json written by kvprof tune-tau; pass that file.")
+    fix = "pass the tuned.json `kvprof tune-tau` wrote"
+    saved = check_fields(
+        read_json_file(path, "--tuned file", fix), {"kind": str, "policy": str, "policy_options": list}, str(path), fix
+    )
+    if saved["kind"] != TUNED_KIND or not all(isinstance(flag, str) for flag in saved["policy_options"]):
+        raise KvprofError(f"--tuned {path} is not a tuned.json written by kvprof tune-tau; {fix}.")
     return saved["policy"], list(saved["policy_options"])
 
 
