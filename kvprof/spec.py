@@ -157,22 +157,23 @@ def parse_assignment(flag: str, value: str) -> tuple[str, str]:
     return name.strip(), rest
 
 
-def _infer_mode(agents: list[AgentSpec], declared: str | None) -> str:
+def _infer_mode(agents: list[AgentSpec], declared: str | None, origin: str = "") -> str:
+    """The workflow's mode: `declared`, else lora unless the agents have role prompts; `origin` begins refusals."""
     with_adapter = [a.name for a in agents if a.adapter]
     with_prompt = [a.name for a in agents if a.prompt is not None]
     if with_adapter and with_prompt:
         raise KvprofError(
-            f"agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
+            f"{origin}agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
             "prompts; give every agent an adapter (lora mode) or every agent a role prompt "
             "(prompt mode)."
         )
     mode = declared or ("prompt" if with_prompt else "lora")
     if mode not in ("lora", "prompt"):
-        raise KvprofError(f"mode {mode!r} is not 'lora' or 'prompt'; set mode to one of them.")
+        raise KvprofError(f"{origin}mode {mode!r} is not 'lora' or 'prompt'; set mode to one of them.")
     if mode == "prompt" and len(with_prompt) != len(agents):
         missing = [a.name for a in agents if a.prompt is None]
         raise KvprofError(
-            f"prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
+            f"{origin}prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
             "pass --role NAME=PROMPT for each."
         )
     return mode
@@ -230,33 +231,35 @@ def build_spec(
         previous = agents.get(name, AgentSpec(name))
         agents[name] = replace(previous, prompt=prompt, adapter=None)
         declared_mode = None
+    origin = "" if workflow_file is None else f"workflow file {workflow_file}: "
     if not agents:
         raise KvprofError(
-            "no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
+            f"{origin}no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
             "(prompt mode) or --workflow FILE."
         )
     agent_list = list(agents.values())
-    mode = _infer_mode(agent_list, declared_mode)
+    mode = _infer_mode(agent_list, declared_mode, origin)
     if mode == "lora" and require_adapters:
         missing = [a.name for a in agent_list if not a.adapter]
         if missing:
             raise KvprofError(
-                f"lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
+                f"{origin}lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
                 "pass --agent NAME=ADAPTER_DIR for each."
             )
     fields = {key: value for key, value in data.items() if key not in ("agents", "mode")}
     return WorkflowSpec(mode=mode, agents=agent_list, **fields)
 
 
-def check_react_roles(spec: WorkflowSpec) -> None:
-    """The ReAct schedule knows the roles plan, act and reflect; `act` is required."""
+def check_react_roles(spec: WorkflowSpec, origin: str = "") -> None:
+    """The ReAct schedule knows the roles plan, act and reflect; `act` is required. `origin` begins refusals (the
+    workflow file the agents come from)."""
     unknown = [name for name in spec.names if name not in ROLES]
     if unknown:
         raise KvprofError(
-            f"unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
+            f"{origin}unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
             f"{', '.join(ROLES)} — rename the agent to one of them."
         )
     if "act" not in spec.names:
         raise KvprofError(
-            "the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR (or --role act=PROMPT)."
+            f"{origin}the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR (or --role act=PROMPT)."
         )
