@@ -383,7 +383,13 @@ def read_serve_bench(path: Path) -> dict:
     loads, measured medians and requests); a file that is not one is refused with a sentence naming it."""
     _, data = read_result(path, SERVE_BENCH_FIX, "serve_bench")
     check_fields(data, {"runs": list, "args": (dict, type(None))}, str(path), SERVE_BENCH_FIX)
-    check_fields(data.get("args") or {}, {"kv_cache_gib": (int, float, type(None))}, f"{path}, args", SERVE_BENCH_FIX)
+    args = check_fields(
+        data.get("args") or {}, {"kv_cache_gib": (int, float, type(None))}, f"{path}, args", SERVE_BENCH_FIX
+    )
+    if args.get("kv_cache_gib") is not None and args["kv_cache_gib"] <= 0:
+        raise KvprofError(
+            f"{path} ran with kv_cache_gib {args['kv_cache_gib']}, not a positive size; {SERVE_BENCH_FIX}."
+        )
     if not data["runs"]:
         raise KvprofError(f"{path} holds no serve-bench runs; {SERVE_BENCH_FIX}.")
     for index, run in enumerate(data["runs"]):
