@@ -44,7 +44,7 @@ def require_file(path: Path, kind: str, fix: str) -> None:
         raise KvprofError(f"{kind} {path} does not exist; {fix}.")
 
 
-def read_bytes_file(path: str | os.PathLike, kind: str, fix: str) -> bytes:
+def _read_bytes(path: str | os.PathLike, kind: str, fix: str) -> bytes:
     """The bytes of the file at `path`, refused (`require_file`) when missing, a directory, unreadable or empty."""
     path = Path(path)
     require_file(path, kind, fix)
@@ -58,8 +58,9 @@ def read_bytes_file(path: str | os.PathLike, kind: str, fix: str) -> bytes:
 
 
 def read_text_file(path: str | os.PathLike, kind: str, fix: str) -> str:
-    """The text of the UTF-8 file at `path`; refused as `read_bytes_file`, and when it is not UTF-8."""
-    data = read_bytes_file(path, kind, fix)
+    """The text of the UTF-8 file at `path`, refused when it is missing, a directory, unreadable, empty or not
+    UTF-8."""
+    data = _read_bytes(path, kind, fix)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -309,13 +309,13 @@ def _parse_header(where: _Where, record: dict) -> TraceHeader:
     agents = workflow.get("agents")
     if not isinstance(agents, list) or not agents or not all(isinstance(a, dict) and "name" in a for a in agents):
         raise where.fail("workflow.agents", "must be a non-empty list of {name, ...} objects")
-    names = [agent["name"] for agent in agents]
-    if len(set(map(str, names))) < len(names):
-        raise where.fail("workflow.agents", f"declares an agent twice ({', '.join(map(str, names))})")
     for index, agent in enumerate(agents):
         problem = agent_problem(agent, {"name": str, **AGENT_TYPES})
         if problem:
             raise where.fail(f"workflow.agents[{index}]", problem)
+    names = [agent["name"] for agent in agents]
+    if len(set(names)) < len(names):
+        raise where.fail("workflow.agents", f"declares an agent twice ({', '.join(names)})")
     if workflow.get("mode") not in ("lora", "prompt"):
         raise where.fail("workflow.mode", f"is {workflow.get('mode')!r}, not 'lora' or 'prompt'")
     for key, value in workflow.items():
