@@ -61,10 +61,11 @@ def test_inspect_refuses_a_bad_trace(world, tmp_path, run_cli, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["replay", "fit-anchors", "tune-tau"])
 @pytest.mark.parametrize("case", ["binary", "header_only", "no_turns"])
-def test_replay_refuses_a_bad_trace_before_loading_the_model(world, tmp_path, run_cli, no_model, case):
+def test_a_bad_trace_is_refused_before_the_model_loads(world, tmp_path, run_cli, no_model, command, case):
     path, message = bad_traces(world, tmp_path)[case]
-    refused(run_cli("replay", path, "--device", "cpu", "--out", tmp_path / "out"), path, message)
+    refused(run_cli(command, path, "--device", "cpu", "--out", tmp_path / "out"), path, message)
     assert not (tmp_path / "out").exists()
 
 
@@ -96,3 +97,10 @@ def test_import_chat_refuses_a_tool_call_that_is_not_one(world, tmp_path, run_cl
     result = run_cli("import-chat", path, "--model", world.model, "--out", tmp_path / "out")
     refused(result, path, f"line 2: message {len(record['messages']) - 1} has tool call 0 {message}")
     assert not (tmp_path / "out" / "trace.jsonl").exists()
+
+
+def test_every_workflow_setting_is_type_checked():
+    from kvprof.spec import AGENT_TYPES, SETTING_TYPES, AgentSpec, WorkflowSpec
+
+    assert set(SETTING_TYPES) == set(WorkflowSpec.__dataclass_fields__) - {"agents"}
+    assert set(AGENT_TYPES) == set(AgentSpec.__dataclass_fields__) - {"name"}

@@ -158,6 +158,7 @@ def command(
     if trace is None:
         trace, model = demo_prompt_trace(model)
         args.update(trace=trace, model=model)
+    trajectories = read_trace(trace).trajectories  # the whole trace validated before the model loads
     with ExitStack() as stack:
         cluster = None
         if ray:
@@ -173,7 +174,6 @@ def command(
         agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
         if agents.spec.mode != "prompt":
             raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
-        trajectories = read_trace(trace).trajectories
         count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
         if not 1 <= count <= len(trajectories):
             raise KvprofError(f"--tune {count} must be between 1 and the trace's {len(trajectories)} trajectories.")
