@@ -39,12 +39,14 @@ from pathlib import Path
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import atomic_open
+from kvprof.fileio import JsonType, atomic_open, check_fields, require_file
 from kvprof.kernels.attention import MAX_RANK
 from kvprof.kernels.correction import low_rank_correction
 
 POOL_KIND = "kvprof.anchor-pool"
 POOL_VERSION = 2
+POOL_FIX = "pass a file written by kvprof fit-anchors"
+ANCHOR_FIELDS: dict[str, JsonType] = {"name": str, "owner": (str, type(None)), "agents": list, "activations": int}
 TOP_P = 0.9  # the share of an accepted match's weight whose anchors count an activation (the public KVCOMM code's)
 ENTROPY_EPS = 1e-40  # added inside the gate's log2, as the public KVCOMM code does
 
@@ -357,52 +359,121 @@ class AnchorPool:
     @classmethod
     def load(cls, path: str | Path, identity: dict, device: torch.device) -> AnchorPool:
         """A pool written by `save`, refused with one sentence when the file is not one or was fitted on another
-        model or tokenizer than `identity` names."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-            tensors = load_file(str(path), device=str(device))
-        except (OSError, SafetensorError) as err:
-            raise KvprofError(
-                f"anchor pool {path} cannot be read ({err.__class__.__name__}); pass a file written by kvprof "
-                "fit-anchors."
-            ) from None
+        model or tokenizer than `identity` (`kvprof.policies.delta.pool_identity`) names."""
+        metadata, tensors = _read_pool(path, device)
         if metadata.get("kind") != POOL_KIND:
-            raise KvprofError(f"{path} is not a kvprof anchor pool; pass a file written by kvprof fit-anchors.")
+            raise KvprofError(f"{path} is not a kvprof anchor pool; {POOL_FIX}.")
         if metadata.get("version") != str(POOL_VERSION):
             raise KvprofError(
                 f"anchor pool {path} is in format {metadata.get('version')} (per-head factors over context-free "
                 f"bases), not {POOL_VERSION}; refit it with kvprof fit-anchors."
             )
-        fitted = json.loads(metadata["identity"])
+        fitted = _metadata_json(path, metadata, "identity")
         differs = sorted(key for key in identity if fitted.get(key) != identity[key])
         if differs:
             raise KvprofError(
                 f"anchor pool {path} was fitted on another {' and '.join(differs)} ({fitted.get(differs[0])} vs "
                 f"{identity[differs[0]]}); fit a pool for this model with kvprof fit-anchors."
             )
-        rank = int(metadata["rank"]) if metadata["rank"] else None
-        pool = cls(int(metadata["capacity"]), int(metadata["window"]), rank)
-
-        heads = int(metadata["heads"])
-
-        def stored(prefix: str) -> Stored:
-            if f"{prefix}/full" in tensors:
-                return Stored(full=tensors[f"{prefix}/full"], heads=heads)
-            return Stored(u=tensors[f"{prefix}/u"], v=tensors[f"{prefix}/v"], heads=heads)
-
-        for slot, rows in json.loads(metadata["layout"]).items():
+        sizes = {key: metadata.get(key, "") for key in ("capacity", "window", "rank")}
+        if not all(value.isdigit() for key, value in sizes.items() if value or key != "rank"):
+            raise KvprofError(f"anchor pool {path} has sizes {sizes} that are not whole numbers; {POOL_FIX}.")
+        rank = int(sizes["rank"]) if sizes["rank"] else None
+        pool = cls(int(sizes["capacity"]), int(sizes["window"]), rank)
+        shapes = _PoolShapes(path, identity, rank, tensors)
+        for slot, rows in _metadata_json(path, metadata, "layout").items():
+            if not isinstance(rows, list):
+                raise KvprofError(f"anchor pool {path} has slot {slot!r} that is not a list of anchors; {POOL_FIX}.")
             for index, row in enumerate(rows):
                 head = f"{slot}/{index}"
-                anchor = Anchor(row["name"], row["owner"], stored(f"{head}/base.k"), stored(f"{head}/base.v"))
+                check_fields(row, ANCHOR_FIELDS, f"anchor pool {path}, anchor {head!r}", POOL_FIX)
+                if not all(isinstance(agent, str) for agent in row["agents"]):
+                    raise KvprofError(
+                        f"anchor pool {path}, anchor {head!r} names agents that are not texts; {POOL_FIX}."
+                    )
+                anchor = Anchor(
+                    row["name"], row["owner"], shapes.stored(f"{head}/base.k"), shapes.stored(f"{head}/base.v")
+                )
                 anchor.activations = row["activations"]
                 for agent in row["agents"]:
-                    anchor.deltas[agent] = (stored(f"{head}/delta.{agent}.k"), stored(f"{head}/delta.{agent}.v"))
+                    anchor.deltas[agent] = (
+                        shapes.stored(f"{head}/delta.{agent}.k"),
+                        shapes.stored(f"{head}/delta.{agent}.v"),
+                    )
+                if len({part.length for part in anchor.stored()}) > 1:
+                    raise KvprofError(
+                        f"anchor pool {path}, anchor {head!r} has parts of different lengths; {POOL_FIX}."
+                    )
                 pool.slots.setdefault(slot, []).append(anchor)
         return pool
+
+
+def _read_pool(path: str | Path, device: torch.device | str = "cpu") -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of a safetensors file, refused in one sentence when it is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    require_file(Path(path), "anchor pool", POOL_FIX)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path), device=str(device))
+    except (OSError, SafetensorError) as err:
+        raise KvprofError(f"anchor pool {path} cannot be read ({err.__class__.__name__}); {POOL_FIX}.") from None
+    return metadata, tensors
+
+
+def _metadata_json(path: str | Path, metadata: dict[str, str], key: str) -> dict:
+    """The JSON object a pool's metadata holds under `key`."""
+    try:
+        value = json.loads(metadata.get(key, ""))
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise KvprofError(f"anchor pool {path} has no JSON object as its {key}; {POOL_FIX}.")
+    return value
+
+
+class _PoolShapes:
+    """The stored tensors of a pool file being loaded, checked against the model's shape (`identity["shape"]`:
+    layers x H_kv x D), its dtype and the pool's rank."""
+
+    def __init__(self, path: str | Path, identity: dict, rank: int | None, tensors: dict[str, torch.Tensor]):
+        self.path, self.rank, self.tensors = path, rank, tensors
+        self.layers, self.heads, self.head_dim = map(int, identity["shape"].split("x"))
+        self.dtype = identity["dtype"]
+
+    def stored(self, prefix: str) -> Stored:
+        """The `Stored` under `prefix`: full-dimensional without a rank, factors with one."""
+        names = [f"{prefix}/full"] if self.rank is None else [f"{prefix}/u", f"{prefix}/v"]
+        missing = [name for name in names if name not in self.tensors]
+        if missing:
+            raise KvprofError(f"anchor pool {self.path} lacks tensor {missing[0]!r}; {POOL_FIX}.")
+        parts = [self.tensors[name] for name in names]
+        if self.rank is None:
+            full = parts[0]
+            fits = full.dim() == 4 and (full.shape[0], full.shape[1], full.shape[3]) == (
+                self.layers,
+                self.heads,
+                self.head_dim,
+            )
+            stored = Stored(full=full, heads=self.heads)
+        else:
+            u, v = parts
+            fits = (
+                u.dim() == v.dim() == 3
+                and u.shape[0] == v.shape[0] == self.layers
+                and u.shape[2] == v.shape[1] <= self.rank
+                and v.shape[2] == self.heads * self.head_dim
+            )
+            stored = Stored(u=u, v=v, heads=self.heads)
+        if not fits or any(str(part.dtype).removeprefix("torch.") != self.dtype for part in parts):
+            raise KvprofError(
+                f"anchor pool {self.path} holds tensor {names[0]!r} of shape {tuple(parts[0].shape)} and dtype "
+                f"{parts[0].dtype}, which does not fit the model ({self.layers}x{self.heads}x{self.head_dim}, "
+                f"{self.dtype}) and rank {self.rank}; {POOL_FIX}."
+            )
+        return stored
 
 
 def pool_digest(path: str | Path) -> str:
@@ -410,12 +481,9 @@ def pool_digest(path: str | Path) -> str:
     bytes are not canonical (safetensors writes its metadata in no fixed order)."""
     import hashlib
 
-    from safetensors.torch import load_file, safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
+    metadata, tensors = _read_pool(path)
     digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
-    for name, tensor in sorted(load_file(str(path)).items()):
+    for name, tensor in sorted(tensors.items()):
         digest.update(name.encode())
         digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     return f"sha256:{digest.hexdigest()}"

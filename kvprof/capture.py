@@ -43,7 +43,7 @@ def capture_spec(
         spec.max_rounds = max_rounds
     if max_new_tokens is not None:
         spec.max_new_tokens = max_new_tokens
-    check_react_roles(spec)
+    check_react_roles(spec, "" if workflow is None else f"workflow file {workflow}: ")
     return spec
 
 

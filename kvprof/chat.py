@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import read_text_file
 from kvprof.trace import Segment
 
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -111,11 +112,11 @@ def resolve_chat_template(choice: str, tokenizer) -> str | None:
             )
         return own
     path = Path(choice)
-    if not path.is_file():
+    if not path.exists():
         raise KvprofError(
             f"--chat-template {choice!r} is neither auto, on, off nor a template file; pass one of those."
         )
-    return path.read_text(encoding="utf-8")
+    return read_text_file(path, "chat template", "pass a Jinja chat template file, or auto, on or off")
 
 
 @dataclass

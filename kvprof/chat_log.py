@@ -75,9 +75,8 @@ def _fail(path: Path, line: int, problem: str, fix: str) -> KvprofError:
 def read_log(path: str | Path) -> list[LoggedCall]:
     """The calls of a chat log, refusing a malformed line with its number and the fix."""
     path = Path(path)
-    if not path.is_file():
-        raise KvprofError(f"chat log {path} does not exist; pass a JSONL file with one agent call per line.")
-    calls = [_call(path, number, record) for number, record in jsonl_lines(path)]
+    fix = "pass a JSONL file with one agent call per line"
+    calls = [_call(path, number, record) for number, record in jsonl_lines(path, "chat log", fix)]
     if not calls:
         raise KvprofError(f"chat log {path} holds no calls; add one JSON object per agent call.")
     return calls
@@ -104,6 +103,9 @@ def _call(path: Path, number: int, record: object) -> LoggedCall:
     task = record.get("task")
     if task is not None and not (isinstance(task, dict) and isinstance(task.get("question"), str)):
         raise _fail(path, number, "has a 'task' without a string 'question'", "give task as {question, answer?}")
+    documents = (task or {}).get("documents") or {}
+    if not (isinstance(documents, dict) and all(isinstance(text, str) for text in documents.values())):
+        raise _fail(path, number, "has task documents that are not texts by name", "give documents as {name: text}")
     tools = record.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
         raise _fail(path, number, "has 'tools' that is not a list of objects", "give tools as function schemas")
@@ -120,13 +122,33 @@ def _message(path: Path, number: int, index: int, entry: object) -> Message:
     problem = None
     if content is not None and not isinstance(content, str):
         problem = "has a content that is neither text nor null (content parts are not supported)"
-    elif calls is not None and not (isinstance(calls, list) and all(isinstance(call, dict) for call in calls)):
-        problem = "has 'tool_calls' that is not a list of objects"
+    elif calls is not None and not isinstance(calls, list):
+        problem = "has 'tool_calls' that is not a list"
     elif call_id is not None and not isinstance(call_id, str):
         problem = "has a 'tool_call_id' that is not text"
     if problem:
         raise _fail(path, number, f"message {index} {problem}", "log it as the OpenAI chat format has it")
+    for k, call in enumerate(calls or []):
+        problem = _tool_call_problem(call)
+        if problem:
+            fix = 'log each tool call as {"type": "function", "function": {"name": ..., "arguments": ...}}'
+            raise _fail(path, number, f"message {index} has tool call {k} {problem}", fix)
     return Message.of(entry["role"], content, None if author is None else str(author), calls, call_id)
+
+
+def _tool_call_problem(call: object) -> str | None:
+    """What keeps an entry of an assistant message's `tool_calls` from being an OpenAI tool call
+    (`{"type": "function", "function": {"name", "arguments"}}`), or None."""
+    if not isinstance(call, dict):
+        return f"that is {type(call).__name__}, not an object"
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return "without a 'function' object"
+    if not isinstance(function.get("name"), str):
+        return "whose function has no text 'name'"
+    if not isinstance(function.get("arguments"), (str, dict)):
+        return "whose function has no 'arguments' (JSON text or an object)"
+    return None
 
 
 def _role_prompts(path: Path, calls: list[LoggedCall]) -> dict[str, str]:

@@ -1,6 +1,10 @@
-"""Atomic file writes (write to a temporary file beside the target, then rename over it), and JSONL reading.
+"""Atomic file writes (write to a temporary file beside the target, then rename over it), and reading the files users
+pass, refusing garbage in one sentence.
 
-A reader never sees a half-written result, and an interrupted command leaves the previous file intact.
+A reader never sees a half-written result, and an interrupted command leaves the previous file intact. A file a user
+passes that is missing, a directory, empty, not UTF-8 or not JSON is refused with a `KvprofError` naming it and the
+fix (`read_text_file`, `read_json_file`, `jsonl_lines`); `read_result` also checks a result file's envelope and
+`check_fields` the fields a reader then uses.
 """
 
 from __future__ import annotations
@@ -15,12 +19,138 @@ from typing import IO
 
 from kvprof.errors import KvprofError
 
+RESULT_SCHEMA = "kvprof.result."
+RESULT_VERSION = 1
 
-def jsonl_lines(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON raises a
-    `KvprofError` naming the file, the line and the parser's complaint."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+JsonType = type | tuple[type, ...]
+NUMBER = (int, float)
+TYPE_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "text",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
+
+
+def require_file(path: Path, kind: str, fix: str) -> None:
+    """Refuse a `path` that does not exist or is a directory; `kind` names the file ("trace file"), `fix` says what
+    to pass instead."""
+    if path.is_dir():
+        raise KvprofError(f"{kind} {path} is a directory, not a file; {fix}.")
+    if not path.exists():
+        raise KvprofError(f"{kind} {path} does not exist; {fix}.")
+
+
+def _read_bytes(path: str | os.PathLike, kind: str, fix: str) -> bytes:
+    """The bytes of the file at `path`, refused (`require_file`) when missing, a directory, unreadable or empty."""
+    path = Path(path)
+    require_file(path, kind, fix)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise KvprofError(f"{kind} {path} cannot be read ({err.strerror}); {fix}.") from None
+    if not data.strip():
+        raise KvprofError(f"{kind} {path} is empty; {fix}.")
+    return data
+
+
+def read_text_file(path: str | os.PathLike, kind: str, fix: str) -> str:
+    """The text of the UTF-8 file at `path`, refused when it is missing, a directory, unreadable, empty or not
+    UTF-8."""
+    data = _read_bytes(path, kind, fix)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise KvprofError(f"{kind} {path} is not UTF-8 text (line {line} holds other bytes); {fix}.") from None
+
+
+def read_json_file(path: str | os.PathLike, kind: str, fix: str) -> object:
+    """The JSON value in the file at `path`; refused as `read_text_file`, and when it is not JSON."""
+    text = read_text_file(path, kind, fix)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise KvprofError(
+            f"{kind} {path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}."
+        ) from None
+
+
+def read_result(path: str | os.PathLike, fix: str, kind: str | None = None) -> tuple[str, dict]:
+    """(kind, payload) of a result file a kvprof command wrote (`kvprof.commands.common.result_envelope`): a JSON
+    object whose schema is `kvprof.result.<kind>` (`kind`, when given) of a version this kvprof reads (none: this
+    one)."""
+    what = "result" if kind is None else f"{kind.replace('_', '-')} result"
+    payload = read_json_file(path, f"{what} file", fix)
+    schema = payload.get("schema") if isinstance(payload, dict) else None
+    if not isinstance(payload, dict) or not isinstance(schema, str) or not schema.startswith(RESULT_SCHEMA):
+        raise KvprofError(f"{path} is not a kvprof {what} (no '{RESULT_SCHEMA}{kind or '*'}' schema); {fix}.")
+    found = schema.removeprefix(RESULT_SCHEMA)
+    if kind is not None and found != kind:
+        raise KvprofError(f"{path} is not a kvprof {what} but a {found.replace('_', '-')} result; {fix}.")
+    version = payload.get("version", RESULT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= RESULT_VERSION:
+        raise KvprofError(
+            f"{path} is a result of format version {version!r}, which this kvprof does not read "
+            f"(it reads {RESULT_VERSION}); {fix}."
+        )
+    return found, payload
+
+
+def is_json(value: object, kind: JsonType) -> bool:
+    """Whether a JSON value has type `kind` (a bool is not a number)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        return False
+    return isinstance(value, kinds)
+
+
+def type_name(kind: JsonType) -> str:
+    """How a refusal names a JSON type ("a number", "text or null")."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds:
+        kinds = tuple(k for k in kinds if k is not int)
+    return " or ".join(TYPE_NAMES.get(k, k.__name__) for k in kinds)
+
+
+def check_fields(record: object, fields: dict[str, JsonType], where: str, fix: str) -> dict:
+    """`record` as a JSON object that has each of `fields` with a value of its type (a type tuple with None makes a
+    field optional: missing or null); else a `KvprofError` '{where}: ...; {fix}.'."""
+    if not isinstance(record, dict):
+        raise KvprofError(f"{where} is not a JSON object; {fix}.")
+    for name, kind in fields.items():
+        optional = isinstance(kind, tuple) and type(None) in kind
+        if name not in record:
+            if optional:
+                continue
+            raise KvprofError(f"{where} has no field '{name}'; {fix}.")
+        if not is_json(record[name], kind):
+            raise KvprofError(
+                f"{where}, field '{name}' should be {type_name(kind)}, not {type(record[name]).__name__}; {fix}."
+            )
+    return record
+
+
+def jsonl_lines(path: str | os.PathLike, kind: str, fix: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file, refused as `require_file`; a line that
+    is not UTF-8 or not JSON raises a `KvprofError` naming the file, the line and the parser's complaint."""
+    path = Path(path)
+    require_file(path, kind, fix)
+    try:
+        handle = open(path, "rb")
+    except OSError as err:
+        raise KvprofError(f"{kind} {path} cannot be read ({err.strerror}); {fix}.") from None
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise KvprofError(
+                    f"{kind} {path} line {number} is not UTF-8 text (byte {err.start + 1}); {fix}."
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import check_fields, read_json_file
 from kvprof.rope import Rope, model_rope
 from kvprof.spec import WorkflowSpec
 from kvprof.trace import trace_header
@@ -184,9 +185,11 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
             f"adapter {path} has no adapter_config.json; pass a PEFT adapter directory "
             "(the folder written by save_pretrained)."
         )
-    config = json.loads(config_path.read_text())
+    fix = "pass a PEFT LoRA adapter directory (the folder written by save_pretrained)"
+    config = check_fields(read_json_file(config_path, "adapter config", fix), {}, str(config_path), fix)
     if config.get("peft_type") != "LORA":
         raise KvprofError(f"adapter {path} is a {config.get('peft_type')} adapter; kvprof profiles LoRA adapters.")
+    check_fields(config, {"r": int, "lora_alpha": (int, float, type(None))}, str(config_path), fix)
     weights_path = adapter_dir / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise KvprofError(f"adapter {path} has no adapter_model.safetensors; re-save it with safetensors.")
@@ -227,7 +230,7 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
     return AdapterInfo(
         path=str(path),
         rank=int(config["r"]),
-        alpha=float(config.get("lora_alpha", config["r"])),
+        alpha=float(config["r"] if config.get("lora_alpha") is None else config["lora_alpha"]),
         targets=ordered,
         layers=len(layers),
     )

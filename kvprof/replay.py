@@ -17,8 +17,10 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kvprof.branches import BranchingTimeline, FollowedTimeline, plan_of
+from kvprof.errors import KvprofError
 from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
     kl_divergence,
@@ -320,6 +322,23 @@ class ReplayProgress:
     trajectories: list[str] = field(default_factory=list)
     records: dict[str, list[dict]] = field(default_factory=dict)
     memory_exact: dict[str, bool] = field(default_factory=dict)
+
+    @classmethod
+    def of_checkpoint(cls, progress: object, checkpoint: Path) -> ReplayProgress:
+        """The progress a checkpoint file records (`asdict` of one), refused in one sentence naming `checkpoint`
+        when it is not one."""
+        kinds = {"trajectories": list, "records": dict, "memory_exact": dict}
+        if (
+            not isinstance(progress, dict)
+            or set(progress) != set(kinds)
+            or not all(isinstance(progress[key], kind) for key, kind in kinds.items())
+            or not all(isinstance(traj_id, str) for traj_id in progress["trajectories"])
+            or not all(isinstance(records, list) for records in progress["records"].values())
+        ):
+            raise KvprofError(
+                f"checkpoint {checkpoint} is not a replay checkpoint of this kvprof version; delete it to start again."
+            )
+        return cls(**progress)
 
 
 def replay_trace(

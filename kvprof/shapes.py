@@ -10,11 +10,13 @@ seed, drawn from the tokenizer's ordinary (non-special) ids.
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import read_text_file
 from kvprof.spec import AgentSpec, WorkflowSpec
 from kvprof.trace import Segment, Trace, TraceHeader, Trajectory, Turn
 
@@ -24,35 +26,37 @@ COLUMNS = ("agent", "prefill_len", "decode_len")
 def read_shape_rows(path: str | Path) -> list[tuple[str, str, int, int]]:
     """Rows as (trajectory, agent, prefill_len, decode_len); refuses bad rows naming file and line."""
     path = Path(path)
-    if not path.is_file():
-        raise KvprofError(f"shape CSV {path} does not exist; pass a CSV with columns agent,prefill_len,decode_len.")
-    with open(path, newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
+    text = read_text_file(path, "shape CSV", "pass a CSV with columns agent,prefill_len,decode_len")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         if reader.fieldnames is None or not set(COLUMNS) <= {name.strip() for name in reader.fieldnames}:
             raise KvprofError(
                 f"shape CSV {path} needs the header agent,prefill_len,decode_len "
                 f"(found {reader.fieldnames}); add that header line."
             )
-        rows = []
-        for row in reader:
-            row = {key.strip(): (value or "").strip() for key, value in row.items() if key}
-            line = reader.line_num
-            try:
-                prefill, decode = int(row["prefill_len"]), int(row["decode_len"])
-            except ValueError:
-                raise KvprofError(
-                    f"shape CSV {path} line {line}: prefill_len and decode_len must be integers "
-                    f"(got {row['prefill_len']!r}, {row['decode_len']!r}); fix that line."
-                ) from None
-            if prefill < 0 or decode < 1 or not row["agent"]:
-                raise KvprofError(
-                    f"shape CSV {path} line {line}: needs an agent name, prefill_len ≥ 0 and "
-                    "decode_len ≥ 1; fix that line."
-                )
-            rows.append((row.get("trajectory") or "shape0", row["agent"], prefill, decode))
+        rows = [_shape_row(path, reader.line_num, row) for row in reader]
+    except csv.Error as err:
+        raise KvprofError(f"shape CSV {path} line {reader.line_num} is not CSV ({err}); fix that line.") from None
     if not rows:
         raise KvprofError(f"shape CSV {path} has no rows; add agent,prefill_len,decode_len lines.")
     return rows
+
+
+def _shape_row(path: Path, line: int, row: dict) -> tuple[str, str, int, int]:
+    """One row of a shape CSV as (trajectory, agent, prefill_len, decode_len), refused naming its line."""
+    row = {key.strip(): (value or "").strip() for key, value in row.items() if isinstance(key, str)}
+    try:
+        prefill, decode = int(row["prefill_len"]), int(row["decode_len"])
+    except ValueError:
+        raise KvprofError(
+            f"shape CSV {path} line {line}: prefill_len and decode_len must be integers "
+            f"(got {row['prefill_len']!r}, {row['decode_len']!r}); fix that line."
+        ) from None
+    if prefill < 0 or decode < 1 or not row["agent"]:
+        raise KvprofError(
+            f"shape CSV {path} line {line}: needs an agent name, prefill_len ≥ 0 and decode_len ≥ 1; fix that line."
+        )
+    return row.get("trajectory") or "shape0", row["agent"], prefill, decode
 
 
 def import_shape_csv(

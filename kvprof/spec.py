@@ -30,12 +30,14 @@ by agent), tool (observations) — rendered by the template, one segment per mes
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import tomllib
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import JsonType, is_json, read_text_file, type_name
 
 ROLES = ("plan", "act", "reflect")
 
@@ -85,6 +87,69 @@ class WorkflowSpec:
         return cls(**fields)
 
 
+SETTING_TYPES: dict[str, JsonType] = {
+    "mode": str,
+    "system_prompt": str,
+    "question_template": str,
+    "cue_template": str,
+    "observation_template": str,
+    "stop": list,
+    "max_new_tokens": int,
+    "max_rounds": int,
+    "action_pattern": str,
+    "answer_pattern": str,
+    "chat_template": (str, type(None)),
+}
+AGENT_TYPES: dict[str, JsonType] = {
+    "adapter": (str, type(None)),
+    "prompt": (str, type(None)),
+    "max_new_tokens": (int, type(None)),
+}
+PLACEHOLDERS = {"question_template": "question", "cue_template": "agent", "observation_template": "observation"}
+GROUPS = {"action_pattern": 2, "answer_pattern": 1}  # the groups each pattern's matches are read from
+
+
+def setting_problem(key: str, value: object) -> str | None:
+    """Why `value` cannot be the workflow setting `key` (a TOML file's, or a trace header's workflow's), or None."""
+    if key not in SETTING_TYPES:
+        return f"is not a workflow setting (settings: {', '.join(SETTING_TYPES)})"
+    kind = SETTING_TYPES[key]
+    if not is_json(value, kind):
+        return f"should be {type_name(kind)}, not {type(value).__name__}"
+    if isinstance(value, list) and not all(isinstance(text, str) for text in value):
+        return "should be a list of texts"
+    if isinstance(value, int) and value < 1:
+        return f"is {value}; it should be at least 1"
+    if key in PLACEHOLDERS and isinstance(value, str):
+        try:
+            value.format(**{PLACEHOLDERS[key]: ""})
+        except (KeyError, IndexError, ValueError) as err:
+            return f"is not a template of {{{PLACEHOLDERS[key]}}} alone ({type(err).__name__}: {err})"
+    if key in GROUPS and isinstance(value, str):
+        try:
+            groups = re.compile(value).groups
+        except re.error as err:
+            return f"is not a regular expression ({err})"
+        if groups < GROUPS[key]:
+            return f"has {groups} groups; it needs {GROUPS[key]}"
+    return None
+
+
+def agent_problem(fields: object, keys: dict[str, JsonType] = AGENT_TYPES) -> str | None:
+    """Why an agent's fields (a TOML table, or a trace header's agent object with `keys` AGENT_TYPES and its name)
+    cannot be used, or None."""
+    if not isinstance(fields, dict):
+        return "should be a table of adapter, prompt and max_new_tokens"
+    for key, value in fields.items():
+        if key not in keys:
+            return f"has unknown key {key!r} (allowed: {', '.join(keys)})"
+        if not is_json(value, keys[key]):
+            return f"has {key} {type(value).__name__}, not {type_name(keys[key])}"
+    if isinstance(fields.get("max_new_tokens"), int) and fields["max_new_tokens"] < 1:
+        return f"has max_new_tokens {fields['max_new_tokens']}; it should be at least 1"
+    return None
+
+
 def parse_assignment(flag: str, value: str) -> tuple[str, str]:
     name, sep, rest = value.partition("=")
     if not sep or not name or not rest:
@@ -92,22 +157,23 @@ def parse_assignment(flag: str, value: str) -> tuple[str, str]:
     return name.strip(), rest
 
 
-def _infer_mode(agents: list[AgentSpec], declared: str | None) -> str:
+def _infer_mode(agents: list[AgentSpec], declared: str | None, origin: str = "") -> str:
+    """The workflow's mode: `declared`, else lora unless the agents have role prompts; `origin` begins refusals."""
     with_adapter = [a.name for a in agents if a.adapter]
     with_prompt = [a.name for a in agents if a.prompt is not None]
     if with_adapter and with_prompt:
         raise KvprofError(
-            f"agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
+            f"{origin}agents {', '.join(with_adapter)} have adapters but {', '.join(with_prompt)} have role "
             "prompts; give every agent an adapter (lora mode) or every agent a role prompt "
             "(prompt mode)."
         )
     mode = declared or ("prompt" if with_prompt else "lora")
     if mode not in ("lora", "prompt"):
-        raise KvprofError(f"mode {mode!r} is not 'lora' or 'prompt'; set mode to one of them.")
+        raise KvprofError(f"{origin}mode {mode!r} is not 'lora' or 'prompt'; set mode to one of them.")
     if mode == "prompt" and len(with_prompt) != len(agents):
         missing = [a.name for a in agents if a.prompt is None]
         raise KvprofError(
-            f"prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
+            f"{origin}prompt mode needs a role prompt for every agent, but {', '.join(missing)} has none; "
             "pass --role NAME=PROMPT for each."
         )
     return mode
@@ -126,25 +192,24 @@ def build_spec(
     declared_mode = data.get("mode") if base else None
     if workflow_file is not None:
         path = Path(workflow_file)
-        if not path.is_file():
-            raise KvprofError(f"workflow file {path} does not exist; pass a TOML workflow spec.")
+        fix = "pass a TOML workflow spec (e.g. kvprof/demo/assets/workflow_lora.toml)"
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            raw = tomllib.loads(read_text_file(path, "workflow file", fix))
         except tomllib.TOMLDecodeError as err:
             raise KvprofError(f"workflow file {path} is not valid TOML ({err}); fix the file.") from None
-        unknown = set(raw) - set(WorkflowSpec.__dataclass_fields__)
-        if unknown:
+        table = raw.pop("agents", {})
+        if not isinstance(table, dict):
             raise KvprofError(
-                f"workflow file {path} has unknown keys {', '.join(sorted(unknown))}; "
-                f"allowed: {', '.join(WorkflowSpec.__dataclass_fields__)}."
+                f"workflow file {path}: 'agents' should be a table of [agents.NAME] tables; fix the file."
             )
-        for name, fields in raw.pop("agents", {}).items():
-            extra = set(fields) - {"adapter", "prompt", "max_new_tokens"}
-            if extra:
-                raise KvprofError(
-                    f"workflow file {path}: agent {name!r} has unknown keys {', '.join(sorted(extra))}; "
-                    "allowed: adapter, prompt, max_new_tokens."
-                )
+        for key, value in raw.items():
+            problem = setting_problem(key, value)
+            if problem:
+                raise KvprofError(f"workflow file {path}: '{key}' {problem}; fix the file.")
+        for name, fields in table.items():
+            problem = agent_problem(fields)
+            if problem:
+                raise KvprofError(f"workflow file {path}: agent {name!r} {problem}; fix the file.")
             adapter = fields.get("adapter")
             if adapter is not None and not Path(adapter).is_absolute():
                 adapter = str((path.parent / adapter).resolve())
@@ -161,43 +226,40 @@ def build_spec(
     for value in role_flags or []:
         name, prompt = parse_assignment("--role", value)
         if prompt.startswith("@"):
-            prompt_path = Path(prompt[1:])
-            if not prompt_path.is_file():
-                raise KvprofError(
-                    f"role prompt file {prompt_path} does not exist; pass --role {name}=@FILE "
-                    "with an existing file, or the prompt text itself."
-                )
-            prompt = prompt_path.read_text(encoding="utf-8")
+            fix = f"pass --role {name}=@FILE with an existing text file, or the prompt text itself"
+            prompt = read_text_file(prompt[1:], "role prompt file", fix)
         previous = agents.get(name, AgentSpec(name))
         agents[name] = replace(previous, prompt=prompt, adapter=None)
         declared_mode = None
+    origin = "" if workflow_file is None else f"workflow file {workflow_file}: "
     if not agents:
         raise KvprofError(
-            "no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
+            f"{origin}no agents given; pass --agent NAME=ADAPTER_DIR (lora mode), --role NAME=PROMPT "
             "(prompt mode) or --workflow FILE."
         )
     agent_list = list(agents.values())
-    mode = _infer_mode(agent_list, declared_mode)
+    mode = _infer_mode(agent_list, declared_mode, origin)
     if mode == "lora" and require_adapters:
         missing = [a.name for a in agent_list if not a.adapter]
         if missing:
             raise KvprofError(
-                f"lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
+                f"{origin}lora mode needs an adapter for every agent, but {', '.join(missing)} has none; "
                 "pass --agent NAME=ADAPTER_DIR for each."
             )
     fields = {key: value for key, value in data.items() if key not in ("agents", "mode")}
     return WorkflowSpec(mode=mode, agents=agent_list, **fields)
 
 
-def check_react_roles(spec: WorkflowSpec) -> None:
-    """The ReAct schedule knows the roles plan, act and reflect; `act` is required."""
+def check_react_roles(spec: WorkflowSpec, origin: str = "") -> None:
+    """The ReAct schedule knows the roles plan, act and reflect; `act` is required. `origin` begins refusals (the
+    workflow file the agents come from)."""
     unknown = [name for name in spec.names if name not in ROLES]
     if unknown:
         raise KvprofError(
-            f"unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
+            f"{origin}unknown agent name {', '.join(map(repr, unknown))}; the react schedule has the roles "
             f"{', '.join(ROLES)} — rename the agent to one of them."
         )
     if "act" not in spec.names:
         raise KvprofError(
-            "the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR (or --role act=PROMPT)."
+            f"{origin}the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR (or --role act=PROMPT)."
         )

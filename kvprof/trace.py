@@ -25,11 +25,13 @@ from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import atomic_open, jsonl_lines
+from kvprof.spec import AGENT_TYPES, agent_problem, setting_problem
 
 SCHEMA = "kvprof.trace"
 VERSION = 1
 SEGMENT_KINDS = ("system", "prompt", "question", "cue", "output", "observation", "message", "synthetic")
 SCOPES = ("shared", "private")
+TRACE_FIX = "pass a trace written by `kvprof capture`"
 
 
 @dataclass
@@ -247,7 +249,8 @@ def read_partial_trace(path: str | os.PathLike) -> Trace:
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         path.write_bytes(complete)
-    return read_trace(path)
+    trajectories = list(_trajectories(path, required=False))
+    return Trace(header=read_header(path), trajectories=trajectories)
 
 
 def write_trace(path: str | os.PathLike, trace: Trace) -> Path:
@@ -293,23 +296,45 @@ def _parse_header(where: _Where, record: dict) -> TraceHeader:
     if version > VERSION:
         raise where.fail("version", f"is {version}, newer than this kvprof reads ({VERSION})", "upgrade kvprof")
     model = _require(where, record, "model", dict)
+    if not isinstance(model.get("path", ""), str):
+        raise where.fail("model.path", "should be the model's path (text)")
     tokenizer = _require(where, record, "tokenizer", dict)
     for key in ("name", "vocab_size", "fingerprint"):
         if key not in tokenizer:
             raise where.fail(f"tokenizer.{key}", "is missing")
+    vocab = tokenizer["vocab_size"]
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise where.fail("tokenizer.vocab_size", f"is {vocab!r}, not a positive integer")
     workflow = _require(where, record, "workflow", dict)
     agents = workflow.get("agents")
     if not isinstance(agents, list) or not agents or not all(isinstance(a, dict) and "name" in a for a in agents):
         raise where.fail("workflow.agents", "must be a non-empty list of {name, ...} objects")
+    for index, agent in enumerate(agents):
+        problem = agent_problem(agent, {"name": str, **AGENT_TYPES})
+        if problem:
+            raise where.fail(f"workflow.agents[{index}]", problem)
+    names = [agent["name"] for agent in agents]
+    if len(set(names)) < len(names):
+        raise where.fail("workflow.agents", f"declares an agent twice ({', '.join(names)})")
     if workflow.get("mode") not in ("lora", "prompt"):
         raise where.fail("workflow.mode", f"is {workflow.get('mode')!r}, not 'lora' or 'prompt'")
+    for key, value in workflow.items():
+        problem = None if key == "agents" else setting_problem(key, value)
+        if problem:
+            raise where.fail(f"workflow.{key}", problem)
+    source = record.get("source", "capture")
+    if not isinstance(source, str):
+        raise where.fail("source", "should be text")
+    extra = record.get("extra", {})
+    if not isinstance(extra, dict):
+        raise where.fail("extra", "should be an object")
     return TraceHeader(
         model=model,
         tokenizer=tokenizer,
         workflow=workflow,
-        source=record.get("source", "capture"),
+        source=source,
         version=version,
-        extra=record.get("extra", {}),
+        extra=extra,
     )
 
 
@@ -334,25 +359,30 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise where.fail(f"{name}.tokens", f"holds id {bad}, outside the tokenizer's vocabulary of {vocab}")
-        text = raw.get("text", "")
+        text, producer = raw.get("text", ""), raw.get("producer")
         if not isinstance(text, str):
             raise where.fail(f"{name}.text", "should be a string")
-        segments[seg_id] = Segment(kind=kind, scope=scope, tokens=tokens, text=text, producer=raw.get("producer"))
+        if producer is not None and not isinstance(producer, str):
+            raise where.fail(f"{name}.producer", "should be an agent's name")
+        segments[seg_id] = Segment(kind=kind, scope=scope, tokens=tokens, text=text, producer=producer)
     agents = set(header.agent_names)
     turns: list[Turn] = []
     produced: set[str] = set()
-    for index, raw in enumerate(_require(where, record, "turns", list)):
+    raw_turns = _require(where, record, "turns", list)
+    if not raw_turns:
+        raise where.fail("turns", f"trajectory {traj_id!r} has no turns", "drop that line or re-capture the trace")
+    for index, raw in enumerate(raw_turns):
         name = f"turns[{index}]"
         if not isinstance(raw, dict):
             raise where.fail(name, "should be an object")
         agent = raw.get("agent")
-        if agent not in agents:
+        if not isinstance(agent, str) or agent not in agents:
             raise where.fail(
                 f"{name}.agent",
                 f"names agent {agent!r}, which the header does not declare (declared: {', '.join(sorted(agents))})",
             )
         inputs = raw.get("input")
-        if not isinstance(inputs, list) or not inputs:
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(seg_id, str) for seg_id in inputs):
             raise where.fail(f"{name}.input", "should be a non-empty list of segment ids")
         for seg_id in inputs:
             if seg_id not in segments:
@@ -360,7 +390,7 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
             if segments[seg_id].kind == "output" and seg_id not in produced:
                 raise where.fail(f"{name}.input", f"reads output {seg_id!r} before any turn produced it")
         output = raw.get("output")
-        if output not in segments or segments[output].kind != "output":
+        if not isinstance(output, str) or output not in segments or segments[output].kind != "output":
             raise where.fail(f"{name}.output", f"{output!r} is not an output segment of this trajectory")
         produced.add(output)
         turns.append(Turn(agent=agent, input=list(inputs), output=output))
@@ -370,11 +400,17 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
     private = record.get("private", {})
     if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
         raise where.fail("private", "should map agent names to texts")
+    question = record.get("question", "")
+    if not isinstance(question, str):
+        raise where.fail("question", "should be a string")
+    for key in ("answer", "prediction"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            raise where.fail(key, "should be a string or null")
     return Trajectory(
         id=traj_id,
         segments=segments,
         turns=turns,
-        question=record.get("question", ""),
+        question=question,
         answer=record.get("answer"),
         prediction=record.get("prediction"),
         documents=documents,
@@ -383,11 +419,9 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
 
 
 def _records(path: Path) -> Iterator[tuple[_Where, dict]]:
-    if not path.exists():
-        raise KvprofError(f"trace file {path} does not exist; pass the path of a trace written by `kvprof capture`.")
     if path.is_dir():
         raise KvprofError(f"{path} is a directory; pass the trace file inside it (e.g. {path / 'trace.jsonl'}).")
-    for number, record in jsonl_lines(path):
+    for number, record in jsonl_lines(path, "trace file", TRACE_FIX):
         where = _Where(path, number)
         if not isinstance(record, dict):
             raise where.fail("-", "is not a JSON object")
@@ -397,14 +431,14 @@ def _records(path: Path) -> Iterator[tuple[_Where, dict]]:
 def read_header(path: str | os.PathLike) -> TraceHeader:
     for where, record in _records(Path(path)):
         return _parse_header(where, record)
-    raise KvprofError(f"trace file {path} is empty; pass a trace written by `kvprof capture`.")
+    raise KvprofError(f"trace file {path} is empty; {TRACE_FIX}.")
 
 
-def iter_trajectories(path: str | os.PathLike) -> Iterator[Trajectory]:
-    """Stream the trajectories of a trace, validating each line as it is read."""
+def _trajectories(path: Path, required: bool) -> Iterator[Trajectory]:
+    """The trajectories of a trace, validated line by line; a trace without any is refused when `required`."""
     header = None
     seen: set[str] = set()
-    for where, record in _records(Path(path)):
+    for where, record in _records(path):
         if header is None:
             header = _parse_header(where, record)
             continue
@@ -414,7 +448,16 @@ def iter_trajectories(path: str | os.PathLike) -> Iterator[Trajectory]:
         seen.add(traj.id)
         yield traj
     if header is None:
-        raise KvprofError(f"trace file {path} is empty; pass a trace written by `kvprof capture`.")
+        raise KvprofError(f"trace file {path} is empty; {TRACE_FIX}.")
+    if required and not seen:
+        raise KvprofError(
+            f"trace file {path} has no trajectories, only its header; {TRACE_FIX} that holds at least one."
+        )
+
+
+def iter_trajectories(path: str | os.PathLike) -> Iterator[Trajectory]:
+    """Stream the trajectories of a trace, validating each line as it is read; a trace without any is refused."""
+    return _trajectories(Path(path), required=True)
 
 
 def read_trace(path: str | os.PathLike) -> Trace:
@@ -443,13 +486,20 @@ def trace_header(trace_path) -> TraceHeader:
 
 
 def check_tokenizer(header: TraceHeader, identity: dict, trace_path: str | os.PathLike, model_name: str) -> None:
-    """Refuse to use a trace with a tokenizer other than the one it was captured with."""
+    """Refuse to use a trace with a tokenizer other than the one it was captured with, or whose header claims another
+    vocabulary than that tokenizer's (its token ids were checked against the header's)."""
     if header.tokenizer.get("fingerprint") != identity["fingerprint"]:
         raise KvprofError(
             f"trace {trace_path} was captured with tokenizer {header.tokenizer.get('name')!r} "
             f"(vocabulary {header.tokenizer.get('vocab_size')}), but model {model_name!r} uses a different tokenizer "
             f"(vocabulary {identity['vocab_size']}); pass --model with the model the trace was captured with "
             f"({header.model.get('path')!r})."
+        )
+    if header.tokenizer["vocab_size"] != identity["vocab_size"]:
+        raise KvprofError(
+            f"trace {trace_path} says its tokenizer has {header.tokenizer['vocab_size']} ids, but that tokenizer "
+            f"(model {model_name!r}) has {identity['vocab_size']}; re-capture the trace or restore its header's "
+            "tokenizer.vocab_size."
         )
 
 

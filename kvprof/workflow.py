@@ -61,14 +61,17 @@ def private_prompt(spec: WorkflowSpec, task: Task, agent: str) -> str:
 def load_tasks(path: str | Path, limit: int | None = None) -> list[Task]:
     """Read `{"id", "question", "answer"?, "documents"?}` per line; refuse malformed lines with their number."""
     path = Path(path)
-    if not path.is_file():
-        raise KvprofError(
-            f"tasks file {path} does not exist; pass a JSONL file with one "
-            '{"id", "question", "answer"} object per line.'
-        )
+    fix = 'pass a JSONL file with one {"id", "question", "answer"} object per line'
     tasks: list[Task] = []
-    for number, record in jsonl_lines(path):
-        tasks.append(task_from_record(record, f"{path} line {number}", f"task{number}"))
+    lines: dict[str, int] = {}
+    for number, record in jsonl_lines(path, "tasks file", fix):
+        task = task_from_record(record, f"{path} line {number}", f"task{number}")
+        if task.id in lines:
+            raise KvprofError(
+                f"{path} line {number} repeats the id {task.id!r} of line {lines[task.id]}; give each task its own id."
+            )
+        lines[task.id] = number
+        tasks.append(task)
         if limit is not None and len(tasks) >= limit:
             break
     if not tasks:
@@ -82,11 +85,11 @@ def task_from_record(record: object, where: str, default_id: str) -> Task:
     if not isinstance(record, dict) or not isinstance(record.get("question"), str):
         raise KvprofError(f'{where} has no string field \'question\'; each line needs {{"id", "question"}}.')
     documents = record.get("documents", {})
-    if not isinstance(documents, dict):
-        raise KvprofError(f"{where}, field 'documents' should map names to texts.")
+    if not isinstance(documents, dict) or not all(isinstance(v, str) for v in documents.values()):
+        raise KvprofError(f"{where}, field 'documents' should map names to texts; fix that line.")
     private = record.get("private", {})
     if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
-        raise KvprofError(f"{where}, field 'private' should map agent names to texts.")
+        raise KvprofError(f"{where}, field 'private' should map agent names to texts; fix that line.")
     answer = record.get("answer")
     return Task(
         id=str(record.get("id", default_id)),

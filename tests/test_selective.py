@@ -225,7 +225,7 @@ def test_bad_droidspeak_profiles_are_refused(runtimes, tmp_path):
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"kind": "kvprof.droidspeak-profile", "layers": 32, "turns": 1}))
     cases = {
-        str(tmp_path / "missing.json"): "cannot be read",
+        str(tmp_path / "missing.json"): "does not exist",
         str(wrong): "is for a model with 32 layers, this one has 2",
     }
     (tmp_path / "other.json").write_text("{}")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 import kvprof
-from kvprof.fileio import write_json
+from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
@@ -52,8 +52,8 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
     from kvprof.profiling import cpu_description
 
     envelope = {
-        "schema": f"kvprof.result.{kind}",
-        "version": 1,
+        "schema": f"{RESULT_SCHEMA}{kind}",
+        "version": RESULT_VERSION,
         "kvprof": kvprof.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": {

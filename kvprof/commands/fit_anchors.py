@@ -73,13 +73,13 @@ def command(
     if trace is None:
         trace, model = demo_prompt_trace(model)
         args.update(trace=trace, model=model)
+    trajectories = read_trace(trace).trajectories[:limit]  # the whole trace validated before the model loads
     agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
     if agents.spec.mode != "prompt":
         raise KvprofError(
             f"{trace} is a {agents.spec.mode}-mode trace; anchor pools correct shared segments read after different "
             "role prompts, so pass a prompt-mode trace."
         )
-    trajectories = read_trace(trace).trajectories[:limit]
     with progress() as bar:
         job = bar.add_task("fitting anchors", total=len(trajectories))
         pool, report = fit_anchors(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +23,7 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.fileio import write_json
+from kvprof.fileio import check_fields, read_json_file, write_json
 from kvprof.trace import Trajectory, iter_trajectories, read_header
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str])
     `identity` (its records would be mixed with incomparable ones) or of trajectories outside `trajectory_ids`."""
     from kvprof.replay import ReplayProgress
 
-    state = ReplayProgress(**saved_progress(checkpoint, identity))
+    state = ReplayProgress.of_checkpoint(saved_progress(checkpoint, identity), checkpoint)
     _refuse_foreign(checkpoint, [traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids])
     return state
 
@@ -144,10 +143,7 @@ def _refuse_foreign(checkpoint: Path, foreign: list[str]) -> None:
 
 def saved_progress(checkpoint: Path, identity: dict) -> dict:
     """The progress record of the checkpoint `checkpoint`, refusing one made with other settings than `identity`."""
-    try:
-        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        saved = None
+    saved = read_json_file(checkpoint, "checkpoint", "delete it to start the replay again")
     if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict) or "progress" not in saved:
         raise KvprofError(
             f"{checkpoint} is not a checkpoint of this kvprof's replay; delete it to start the replay again."
@@ -174,15 +170,21 @@ def _difference(key: str, saved, current) -> str:
 
 
 def read_tuned(path: Path) -> tuple[str, list[str]]:
-    """The policy and its `--policy-option` values in a tuned.json written by `kvprof tune-tau`."""
+    """The policy and its `--policy-option` values in a tuned.json written by `kvprof tune-tau`, refused in one sentence
+    naming the file when it is not one or names a policy or options this kvprof does not have."""
     from kvprof.commands.tune_tau import TUNED_KIND
+    from kvprof.policies import enumerate_variants, parse_policy_options
 
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        saved = None
-    if not isinstance(saved, dict) or saved.get("kind") != TUNED_KIND:
-        raise KvprofError(f"--tuned {path} is not a tuned.json written by kvprof tune-tau; pass that file.")
+    fix = "pass the tuned.json `kvprof tune-tau` wrote"
+    saved = check_fields(
+        read_json_file(path, "--tuned file", fix), {"kind": str, "policy": str, "policy_options": list}, str(path), fix
+    )
+    if saved["kind"] != TUNED_KIND or not all(isinstance(flag, str) for flag in saved["policy_options"]):
+        raise KvprofError(f"--tuned {path} is not a tuned.json written by kvprof tune-tau; {fix}.")
+    try:  # the policy and options it names, as the replay will read them
+        enumerate_variants([saved["policy"]], parse_policy_options(saved["policy_options"]))
+    except KvprofError as err:
+        raise KvprofError(f"--tuned {path}: {err}") from None
     return saved["policy"], list(saved["policy_options"])
 
 
@@ -353,10 +355,11 @@ def command(
     torch.manual_seed(seed)
     if trace is None:
         trace, model = demo_trace(model)
+    trajectories = select_trajectories(trace, skip, limit)  # the whole trace validated before any model loads
     if strict:
         from kvprof.branches import require_one_timeline
 
-        require_one_timeline(select_trajectories(trace, skip, limit), trace_header(trace).mode)
+        require_one_timeline(trajectories, trace_header(trace).mode)
     from kvprof.replay import TIMINGS
 
     if timing not in TIMINGS:
@@ -379,7 +382,6 @@ def command(
             print_skipped(skipped)
             if not variants:
                 raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
-            trajectories = select_trajectories(trace, skip, limit)
             identity = checkpoint_identity(
                 trace, loaded, variants, repeats, use_kernel, True, online, timing, page_size
             )
@@ -409,7 +411,6 @@ def command(
     print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
-    trajectories = select_trajectories(trace, skip, limit)
     checkpoint = out / "replay.partial.json"
     identity = checkpoint_identity(
         trace, agents_identity(agents), variants, repeats, use_kernel, timing=timing, page_size=page_size

@@ -3,7 +3,6 @@ user's loads; the maths lives in kvprof/simulate/."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -121,7 +120,7 @@ def command(
     args = dict(locals())
     from kvprof.simulate import cost as costs
     from kvprof.simulate import sweep as sweeps
-    from kvprof.simulate.workload import load_replay, scale_to_shapes
+    from kvprof.simulate.workload import read_replay, replay_work, scale_to_shapes
 
     if calibration is not None and device_model is not None:
         raise KvprofError("pass either --calibration or --device-model, not both.")
@@ -134,15 +133,15 @@ def command(
     if kept not in KEPT:
         raise KvprofError(f"--kept {kept!r} is not one of {', '.join(KEPT)}; pass evict or hold.")
     sweep_loads = loads(qps or [], concurrency or []) or loads(list(DEFAULT_QPS), [])
-    work = load_replay(replay)
+    replay_data = read_replay(replay)
+    work = replay_work(replay_data, replay)
     labels = policy or list(work.policies)
     unknown = [label for label in labels if label not in work.policies]
     if unknown:
         raise KvprofError(
             f"policy {unknown[0]!r} is not in {replay}; pass one of {', '.join(work.policies)} (or no --policy)."
         )
-    replay_data = json.loads(replay.read_text(encoding="utf-8"))
-    calibration_data = _read_json(calibration) if calibration is not None else None
+    calibration_data = costs.read_serve_bench(calibration) if calibration is not None else None
     if device_model is not None:
         step_cost = costs.roofline_cost(device_model, work)
     elif calibration_data is not None:
@@ -216,21 +215,6 @@ def serving_claims(payload: dict, replay_data: dict) -> list[dict]:
             replay_data["policies"].items()}  # fmt: skip
     published = {name: [asdict(figure) for figure in cls.published] for name, cls in REGISTRY.items()}
     return serving_verdicts(payload, runs, published)
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON result file, or one sentence saying why it cannot be read."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise KvprofError(
-            f"calibration {path} does not exist; pass the serve_bench.json of a serve-bench run."
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise KvprofError(f"calibration {path} is not JSON; pass the serve_bench.json of a serve-bench run.") from None
-    if not isinstance(data, dict):
-        raise KvprofError(f"calibration {path} is not a serve-bench result; pass the serve_bench.json it wrote.")
-    return data
 
 
 def show(result: dict) -> None:

@@ -9,7 +9,6 @@ renders `kvprof.report.anchors`.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -32,7 +31,7 @@ from kvprof.commands.common import (
 )
 from kvprof.commands.fit_anchors import POOL_FILE
 from kvprof.errors import KvprofError
-from kvprof.fileio import write_json
+from kvprof.fileio import read_json_file, write_json
 from kvprof.trace import Trajectory, read_trace
 
 if TYPE_CHECKING:
@@ -159,6 +158,7 @@ def command(
     if trace is None:
         trace, model = demo_prompt_trace(model)
         args.update(trace=trace, model=model)
+    trajectories = read_trace(trace).trajectories  # the whole trace validated before the model loads
     with ExitStack() as stack:
         cluster = None
         if ray:
@@ -174,7 +174,6 @@ def command(
         agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
         if agents.spec.mode != "prompt":
             raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
-        trajectories = read_trace(trace).trajectories
         count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
         if not 1 <= count <= len(trajectories):
             raise KvprofError(f"--tune {count} must be between 1 and the trace's {len(trajectories)} trajectories.")
@@ -213,7 +212,7 @@ def command(
         else:
             state = None
             if resume and checkpoint.exists():
-                state = ReplayProgress(**read_sweep_checkpoint(checkpoint, identity))
+                state = ReplayProgress.of_checkpoint(read_sweep_checkpoint(checkpoint, identity), checkpoint)
                 console.print(f"resuming after {len(state.trajectories)} replayed tuning trajectories")
             with progress() as bar:
                 turns = bar.add_task(
@@ -234,12 +233,7 @@ def command(
 def read_sweep_checkpoint(checkpoint: Path, identity: dict) -> dict:
     """The progress record an interrupted sweep left in `checkpoint`, refusing one made with other settings (a
     sweep on Ray checkpoints shards, one in this process trajectories: each refuses the other's)."""
-    try:
-        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise KvprofError(
-            f"checkpoint {checkpoint} cannot be read ({err.__class__.__name__}); delete it to start again."
-        ) from None
+    saved = read_json_file(checkpoint, "checkpoint", "delete it to start again")
     if not isinstance(saved, dict) or saved.get("identity") != identity:
         raise KvprofError(
             f"checkpoint {checkpoint} was made with other settings (or with/without --ray); resume with the options "

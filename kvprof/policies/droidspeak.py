@@ -30,14 +30,12 @@ the block kept); after the turn — FullShared's commit and the new tokens' hidd
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import write_json
+from kvprof.fileio import NUMBER, check_fields, is_json, read_json_file, write_json
 from kvprof.kv_buffer import GrowingTensor
 from kvprof.policies.base import Chunk, Option, Published
 from kvprof.policies.fullshared import FullSharedContext
@@ -95,24 +93,20 @@ class LayerProfile:
     def read(cls, path: str, layers: int) -> LayerProfile:
         """A profile written by `profile_out`, refused with one sentence when it is not one or is for a model with
         another number of layers."""
-        try:
-            payload = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise KvprofError(
-                f"DroidSpeak profile {path} cannot be read ({err.__class__.__name__}); pass a file written by "
-                "--policy-option droidspeak.profile_out=FILE."
-            ) from None
+        fix = "pass a file written by --policy-option droidspeak.profile_out=FILE"
+        payload = read_json_file(path, "DroidSpeak profile", fix)
         if not isinstance(payload, dict) or payload.get("kind") != PROFILE_KIND:
-            raise KvprofError(
-                f"{path} is not a DroidSpeak layer profile; pass a file written by "
-                "--policy-option droidspeak.profile_out=FILE."
-            )
+            raise KvprofError(f"{path} is not a DroidSpeak layer profile; {fix}.")
         if payload.get("layers") != layers:
             raise KvprofError(
                 f"DroidSpeak profile {path} is for a model with {payload.get('layers')} layers, this one has "
                 f"{layers}; profile this model (droidspeak.profile_out=FILE)."
             )
-        return cls([float(x) for x in payload["error"]], [float(x) for x in payload["norm"]], int(payload["turns"]))
+        check_fields(payload, {"error": list, "norm": list, "turns": int}, f"DroidSpeak profile {path}", fix)
+        error, norm = payload["error"], payload["norm"]
+        if not (len(error) == len(norm) == layers and all(is_json(x, NUMBER) for x in error + norm)):
+            raise KvprofError(f"DroidSpeak profile {path} does not hold {layers} numbers in error and norm; {fix}.")
+        return cls([float(x) for x in error], [float(x) for x in norm], payload["turns"])
 
 
 @dataclass

@@ -7,11 +7,11 @@ of its file.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import JsonType, check_fields, read_result
 from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench, simulate
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
@@ -30,38 +30,74 @@ BUILDERS: dict[str, SectionBuilder] = {
 }
 
 
+RESULT_FIX = "pass JSON files written by kvprof commands (e.g. runs/replay/replay.json)"
+OPTIONAL = type(None)
+SHOWN_FIELDS: dict[str, dict[str, JsonType]] = {
+    "bench": {"results": list, "implementations": dict},
+    "capture": {"summary": dict},
+    "replay": {"dense": dict, "policies": dict},
+    "rank_analysis": {"mode": str, "agents": list, "layer_means": list, "pairs": list, "spectra": list, "claims": list},
+    "fit_anchors": {
+        "trajectories": int,
+        "trace": str,
+        "pool": str,
+        "anchors": int,
+        "agents": list,
+        "rank": (int, OPTIONAL),
+        "ranks": list,
+        "layers": list,
+        "memory": dict,
+    },
+    "tune_tau": {
+        "policy": str,
+        "threshold_option": str,
+        "options": dict,
+        "rows": list,
+        "pareto": list,
+        "recommended": (dict, OPTIONAL),
+        "heldout": (dict, OPTIONAL),
+        "tuning_trajectories": list,
+    },
+    "serve_bench": {"server": dict, "runs": list},
+    "simulate": {"runs": list, "settings": dict, "scale": dict, "cost_model": dict},
+}
+"""The fields each result kind's sections read first; `result_sections` checks them before drawing."""
+RUN_FIELDS: dict[str, JsonType] = {"summary": dict, "turns": list}  # the dense run and each policy of a replay
+DATA_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError)
+"""What drawing sections from a result's JSON raises on a field deeper than `SHOWN_FIELDS` that is missing or has
+another type or value than kvprof writes."""
+
+
 def load_result(path: Path) -> tuple[str, dict]:
-    """Read a result file and return (kind, payload); refuses files that are not kvprof results."""
-    if not path.is_file():
-        raise KvprofError(
-            f"result file {path} does not exist; pass JSON files written by kvprof commands "
-            "(e.g. runs/replay/replay.json)."
-        )
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise KvprofError(
-            f"result file {path} is not valid JSON ({err.msg} at line {err.lineno}); "
-            "pass a file written by a kvprof command."
-        ) from None
-    schema = payload.get("schema", "") if isinstance(payload, dict) else ""
-    if not schema.startswith("kvprof.result."):
-        raise KvprofError(
-            f"{path} is not a kvprof result (no 'kvprof.result.*' schema); pass JSON files written by kvprof commands."
-        )
-    return schema.removeprefix("kvprof.result."), payload
+    """Read a result file and return (kind, payload); refuses files that are not kvprof results, or whose envelope
+    (`args`, `environment`: the environment panel's) is not as kvprof writes it."""
+    kind, result = read_result(path, RESULT_FIX)
+    check_fields(result, {"args": (dict, OPTIONAL), "environment": (dict, OPTIONAL)}, str(path), RESULT_FIX)
+    check_fields(result.get("environment") or {}, {"cpu": (dict, OPTIONAL)}, f"{path}, environment", RESULT_FIX)
+    return kind, result
 
 
 def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
     """The sections of one result of `kind` (a result file's JSON, or the payload written to it), each titled with
-    the `path` of its file."""
+    the `path` of its file; a result whose fields are not as kvprof writes them is refused naming the file."""
     builder = BUILDERS.get(kind)
     if builder is None:
         raise KvprofError(
             f"{path} is a {kind!r} result, which `kvprof report` cannot show yet (it shows "
             f"{', '.join(sorted(BUILDERS))}); leave it out."
         )
-    sections = builder(result)
+    fix = f"pass the {kind}.json a kvprof {kind.replace('_', '-')} run wrote, unchanged"
+    check_fields(result, SHOWN_FIELDS[kind], str(path), fix)
+    if kind == "replay":
+        check_fields(result["dense"], RUN_FIELDS, f"{path}, dense run", fix)
+        for label, entry in result["policies"].items():
+            check_fields(entry, RUN_FIELDS, f"{path}, policy {label!r}", fix)
+    try:
+        sections = builder(result)
+    except DATA_ERRORS as err:
+        raise KvprofError(
+            f"{path} is a {kind} result with a field kvprof cannot read ({type(err).__name__}: {err}); {fix}."
+        ) from None
     for section in sections:
         section.title = f"{section.title} — {path}"
     return sections

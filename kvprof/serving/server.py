@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import re
 import signal
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import is_json, read_json_file
 from kvprof.serving.client import ServerClient
 
 PR_SET_PDEATHSIG = 1
@@ -68,13 +68,14 @@ def server_command(
 def adapter_rank(path: str) -> int:
     """The LoRA rank `r` in a PEFT adapter folder's adapter_config.json (its largest, with a rank pattern)."""
     config_path = Path(path) / "adapter_config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        raise KvprofError(
-            f"adapter {path} has no readable adapter_config.json; pass a PEFT LoRA adapter folder."
-        ) from None
-    return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
+    fix = "pass a PEFT LoRA adapter folder"
+    config = read_json_file(config_path, "adapter config", fix)
+    if not isinstance(config, dict) or not isinstance(config.get("rank_pattern") or {}, dict):
+        raise KvprofError(f"{config_path} is not a PEFT adapter config; {fix}.")
+    ranks = [8 if config.get("r") is None else config["r"], *(config.get("rank_pattern") or {}).values()]
+    if not all(is_json(rank, int) for rank in ranks):
+        raise KvprofError(f"{config_path} has LoRA ranks that are not integers; {fix}.")
+    return max(ranks)
 
 
 def lora_rank_slot(ranks: list[int]) -> int:

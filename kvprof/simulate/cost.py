@@ -32,8 +32,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import NUMBER, JsonType, check_fields, is_json, read_result
 from kvprof.simulate.workload import ReplayWork
 
 ROOFLINE = "roofline, uncalibrated"
@@ -360,6 +362,58 @@ def _context_at(q: dict, moment: float) -> float:
     span = q["done"] - q["first"]
     progress = (moment - q["first"]) / span if span > 0 else 1.0
     return q["prompt"] + 1 + (q["output"] - 1) * min(1.0, max(0.0, progress))
+
+
+SERVE_BENCH_FIX = "pass the serve_bench.json `kvprof serve-bench` wrote"
+REQUEST_TYPES: dict[str, JsonType] = {
+    "trajectory": str,
+    "due": NUMBER,
+    "send_delay": NUMBER,
+    "ttft": NUMBER,
+    "e2e": NUMBER,
+    "prompt_tokens": int,
+    "cached_tokens": (int, type(None)),
+    "output_tokens": int,
+    "token_times": (list, type(None)),
+}
+
+
+def read_serve_bench(path: Path) -> dict:
+    """A `kvprof serve-bench` result's JSON with everything simulate reads from it checked (its runs' patterns,
+    loads, measured medians and requests); a file that is not one is refused with a sentence naming it."""
+    _, data = read_result(path, SERVE_BENCH_FIX, "serve_bench")
+    check_fields(data, {"runs": list, "args": (dict, type(None))}, str(path), SERVE_BENCH_FIX)
+    args = check_fields(
+        data.get("args") or {}, {"kv_cache_gib": (int, float, type(None))}, f"{path}, args", SERVE_BENCH_FIX
+    )
+    if args.get("kv_cache_gib") is not None and args["kv_cache_gib"] <= 0:
+        raise KvprofError(
+            f"{path} ran with kv_cache_gib {args['kv_cache_gib']}, not a positive size; {SERVE_BENCH_FIX}."
+        )
+    if not data["runs"]:
+        raise KvprofError(f"{path} holds no serve-bench runs; {SERVE_BENCH_FIX}.")
+    for index, run in enumerate(data["runs"]):
+        where = f"{path}, run {index}"
+        check_fields(run, {"summary": dict, "requests": list}, where, SERVE_BENCH_FIX)
+        summary = check_fields(
+            run["summary"], {"pattern": str, "load": dict, "overall": dict}, f"{where} summary", SERVE_BENCH_FIX
+        )
+        check_fields(summary["load"], {"kind": str, "value": NUMBER}, f"{where} load", SERVE_BENCH_FIX)
+        check_fields(summary["overall"], {"ttft": (dict, type(None))}, f"{where} overall", SERVE_BENCH_FIX)
+        ttft = summary["overall"].get("ttft")
+        if ttft is not None:
+            check_fields(summary, {"throughput": dict}, f"{where} summary", SERVE_BENCH_FIX)
+            measured = (ttft.get("p50"), summary["throughput"].get("requests_per_s"))
+            if not all(is_json(value, NUMBER) and value > 0 for value in measured):
+                raise KvprofError(f"{where} has no positive median TTFT and request throughput; {SERVE_BENCH_FIX}.")
+        for number, request in enumerate(run["requests"]):
+            record = f"{where} request {number}"
+            check_fields(request, REQUEST_TYPES, record, SERVE_BENCH_FIX)
+            counts = [request[key] for key in REQUEST_TYPES if is_json(request.get(key), NUMBER)]
+            times = request.get("token_times") or []
+            if any(value < 0 for value in counts) or not all(is_json(t, NUMBER) and t >= 0 for t in times):
+                raise KvprofError(f"{record} holds a negative or non-numeric count or time; {SERVE_BENCH_FIX}.")
+    return data
 
 
 def serve_bench_cost(data: dict, source: str, fit_load: float | None = None) -> StepCost:

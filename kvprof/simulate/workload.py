@@ -28,13 +28,13 @@ Attention's quadratic growth and the papers' agent counts are not modelled by th
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import NUMBER, JsonType, check_fields, is_json, read_result
 
 TURN_FIELDS = ("agent", "trajectory", "turn", "input_tokens", "output_tokens", "prefilled", "ttft_flops", "flops")
 DENSE_LABEL = "nonshared"  # a replay's dense run is NonShared; simulated under this label when not replayed as a policy
@@ -87,20 +87,65 @@ class ReplayWork:
         return self.params * self.dtype_bytes
 
 
+REPLAY_FIX = "pass the replay.json `kvprof replay --policy all` wrote"
+TURN_TYPES: dict[str, JsonType] = {
+    "agent": str,
+    "trajectory": str,
+    "turn": int,
+    "input_tokens": int,
+    "output_tokens": int,
+    "prefilled": NUMBER,
+    "ttft_flops": NUMBER,
+    "flops": NUMBER,
+    "decode_steps": (int, type(None)),
+    "memory_bytes": (int, float, type(None)),
+    "working_peak_bytes": (int, float, type(None)),
+}
+DENSE_TURN_TYPES: dict[str, JsonType] = TURN_TYPES | {"ttft_s": NUMBER, "decode_s": NUMBER}
+REPLAY_TYPES: dict[str, JsonType] = {
+    "dense": dict,
+    "policies": dict,
+    "mode": (str, type(None)),
+    "dtype": (str, type(None)),
+}
+POLICY_TYPES: dict[str, JsonType] = {"turns": list, "name": (str, type(None)), "options": (dict, type(None))}
+
+
 def load_replay(path: Path) -> ReplayWork:
-    """Read a `kvprof replay` result; a file that is not one is refused with a sentence naming it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise KvprofError(f"replay result {path} does not exist; pass the replay.json `kvprof replay` wrote.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise KvprofError(f"{path} is not JSON; pass the replay.json `kvprof replay` wrote.") from None
-    if not isinstance(data, dict) or data.get("schema") != "kvprof.result.replay":
+    """Read a `kvprof replay` result (`read_replay`) as serving work."""
+    return replay_work(read_replay(path), path)
+
+
+def read_replay(path: Path) -> dict:
+    """A `kvprof replay` result's JSON with everything simulate reads from it checked: the dense run's and every
+    policy's per-turn records; a file that is not one is refused with a sentence naming it."""
+    _, data = read_result(path, REPLAY_FIX, "replay")
+    check_fields(data, REPLAY_TYPES, str(path), REPLAY_FIX)
+    check_fields(data["dense"], {"turns": list}, f"{path}, dense run", REPLAY_FIX)
+    if not data["dense"]["turns"] or not data["policies"]:
         raise KvprofError(
-            f"{path} is not a kvprof replay result (schema kvprof.result.replay); pass the replay.json "
-            "`kvprof replay --policy all` wrote."
+            f"{path} holds no per-turn records of a dense run and policies; rerun `kvprof replay` with this kvprof."
         )
-    return replay_work(data, path)
+    _check_turns(path, "dense run", data["dense"]["turns"], DENSE_TURN_TYPES)
+    for label, entry in data["policies"].items():
+        where = f"policy {label!r}"
+        check_fields(entry, POLICY_TYPES, f"{path}, {where}", REPLAY_FIX)
+        _check_turns(path, where, entry["turns"], TURN_TYPES)
+    if not any(t["turn"] == 0 and t.get("memory_bytes") for t in data["dense"]["turns"]):
+        raise KvprofError(f"{path}: the dense run records no memory of a first turn; {REPLAY_FIX}.")
+    return data
+
+
+def _check_turns(path: Path, where: str, turns: list, types: dict[str, JsonType]) -> None:
+    """Refuse a per-turn record that lacks a field simulate reads, has one of another type, or a negative count."""
+    for index, turn in enumerate(turns):
+        record = f"{path}, {where} turn record {index}"
+        check_fields(turn, types, record, REPLAY_FIX)
+        negative = next((key for key in types if is_json(turn.get(key), NUMBER) and turn[key] < 0), None)
+        if negative is not None:
+            raise KvprofError(f"{record}: {negative} is negative; {REPLAY_FIX}.")
+        if turn["input_tokens"] + turn["output_tokens"] < 1:
+            raise KvprofError(f"{record} has no input or output tokens; {REPLAY_FIX}.")
 
 
 def replay_work(data: dict, path: Path) -> ReplayWork:
