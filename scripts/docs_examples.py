@@ -59,7 +59,6 @@ CODEBOOK_REPLAY = (
 
 EXAMPLES: dict[str, Example] = {
     "demo": Example(("kvprof demo --out runs/demo",), keep_from="kvprof demo ("),
-    "demo-full": Example(("kvprof demo --full --out runs/demo-full",), keep_from="kvprof demo --full ("),
     "demo-evaluate": Example(("python -m kvprof.demo.evaluate --threads 1",)),
     "codebook-heldout": Example(
         (
@@ -200,7 +199,7 @@ EXAMPLES: dict[str, Example] = {
             " --duration 300 --out runs/simulate-precache",
         ),
         needs=("runs/demo-full/replay/replay.json",),
-        setup=("python scripts/docs_examples.py run demo-full",),
+        setup=("kvprof demo --full --out runs/demo-full",),
     ),
     "kernels-aot": Example(("python tests/test_kernels_aot.py",)),
     "bench": Example(("kvprof bench --device cpu --seq-lens 256 --ranks 16 --threads 1 --out runs/bench",)),
