@@ -15,11 +15,19 @@ messages), a boundary tokenized as one merged id. Replay then does what a servin
   `restore`), so a turn reuses its longest common prefix with any earlier turn, as a prefix tree over all turns
   keeps it (vLLM's automatic prefix caching, SGLang's radix cache).
 
-`plan_trajectory` derives each turn's start from the ids alone, before any model runs; `BranchingTimeline` applies
-it to the policies turn by turn and keeps a snapshot only of the turns a later turn returns to. Spans equal to ids
-processed at other positions (`kvprof.reuse` counts them as moved spans) are new tokens here: no policy moves them.
+After the kept prefix a turn is a sequence of spans: **moved spans** — runs of at least `min_span` ids equal to ids
+an earlier turn processed at other positions (`kvprof.reuse.SpanIndex`: the question, a tool result, another
+agent's reply read after this agent's own role prompt and header) — and **new tokens** between them. A policy that
+moves caches (`SharingPolicy.moves_spans`) serves each moved span from the K/V the source turn held (kept by the
+replay for the turns that will read it: `SpanStore`), re-aligned to the reader's positions, and computes the new
+tokens span by span over the cache so far; any other policy computes moved spans as new tokens. The input's last id
+is always computed (its logits start the output).
+
+`plan_trajectory` derives each turn's start and spans from the ids alone, before any model runs; `BranchingTimeline`
+applies it to the policies turn by turn and keeps a snapshot only of the turns a later turn returns to.
 Memory: a policy's analytic bytes count the branch it is on; the snapshots of branches a later turn returns to are
-the replay's, as a radix cache would keep those blocks besides.
+the replay's, as a radix cache would keep those blocks besides; the K/V kept for moved spans are the policy's
+("moved spans" in its memory).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvprof.errors import KvprofError
-from kvprof.reuse import Divergence, PrefixTree, common_prefix, divergence_cause
+from kvprof.reuse import MIN_SPAN, Divergence, MovedSpan, PrefixTree, SpanIndex, common_prefix, divergence_cause
 from kvprof.trace import Trajectory
 
 if TYPE_CHECKING:  # the policies import torch; planning a trace (kvprof inspect) must not
@@ -44,12 +52,24 @@ class TurnStart:
     restore: the earlier turn whose state they return to first (None: the state the previous turn left); keep:
     tokens of that state's timeline the turn's shared input starts with, which they keep; dropped: tokens of that
     timeline after `keep`, which they forget; divergence: where the input leaves the timeline it continues, and why
-    (None when it extends it)."""
+    (None when it extends it); moved: the moved spans after `keep` (shared-input coordinates; `source_begin` in the
+    source turn's shared sequence), none of them covering the input's last id; tokens: the shared input's length."""
 
     restore: int | None
     keep: int
     dropped: int
     divergence: Divergence | None
+    moved: tuple[MovedSpan, ...] = ()
+    tokens: int = 0
+
+    @property
+    def reusable_prefix(self) -> int:
+        """Kept tokens a policy can serve: all but the input's last id, which it computes."""
+        return min(self.keep, max(self.tokens - 1, 0))
+
+    @property
+    def moved_tokens(self) -> int:
+        return sum(len(span) for span in self.moved)
 
     def to_json(self) -> dict:
         divergence = self.divergence
@@ -58,14 +78,17 @@ class TurnStart:
             "kept": self.keep,
             "dropped": self.dropped,
             "divergence": None if divergence is None else {"position": divergence.position, "cause": divergence.cause},
+            "moved": [[span.begin, span.end, span.source, span.source_begin] for span in self.moved],
         }
 
 
-def plan_trajectory(inputs: Sequence[list[int]], outputs: Sequence[list[int]]) -> list[TurnStart]:
+def plan_trajectory(
+    inputs: Sequence[list[int]], outputs: Sequence[list[int]], min_span: int = MIN_SPAN
+) -> list[TurnStart]:
     """Each turn's start, from its shared input ids and output ids (one list per turn, in order): the longest common
     prefix with any earlier turn's sequence, restoring that turn's state when the previous turn's sequence shares
-    less (see the module docstring)."""
-    tree = PrefixTree()
+    less, then the moved spans of at least `min_span` ids after it (see the module docstring)."""
+    tree, span_index = PrefixTree(), SpanIndex()
     starts: list[TurnStart] = []
     previous: list[int] = []
     for index, (ids, out) in enumerate(zip(inputs, outputs)):
@@ -80,17 +103,29 @@ def plan_trajectory(inputs: Sequence[list[int]], outputs: Sequence[list[int]]) -
             source = restore if restore is not None else index - 1
             cause = divergence_cause(ids, timeline, keep, len(inputs[source]))
             divergence = Divergence(keep, source, cause)
-        starts.append(TurnStart(restore, keep, len(timeline) - keep, divergence))
+        moved = span_index.find(ids, keep, len(ids) - 1, min_span)
+        starts.append(TurnStart(restore, keep, len(timeline) - keep, divergence, tuple(moved), len(ids)))
         previous = ids + out
-        tree.insert(index, previous)
+        span_index.add(previous, tree.insert(index, previous), index)
     return starts
 
 
-def plan_of(traj: Trajectory, prefixes: Mapping[str, list[int]]) -> list[TurnStart]:
+def source_ranges(starts: Sequence[TurnStart]) -> dict[int, tuple[int, int]]:
+    """Per source turn, the range of its shared sequence later turns read as moved spans (the hull of them): what
+    a policy that moves spans keeps of that turn."""
+    ranges: dict[int, tuple[int, int]] = {}
+    for start in starts:
+        for span in start.moved:
+            low, high = ranges.get(span.source, (span.source_begin, span.source_begin + len(span)))
+            ranges[span.source] = (min(low, span.source_begin), max(high, span.source_begin + len(span)))
+    return ranges
+
+
+def plan_of(traj: Trajectory, prefixes: Mapping[str, list[int]], min_span: int = MIN_SPAN) -> list[TurnStart]:
     """`plan_trajectory` of `traj`, each turn's shared input being its input after the acting agent's private prefix
     (`prefixes`: agent → ids; none for an agent not in it)."""
     inputs = [traj.input_tokens(turn)[len(prefixes.get(turn.agent, [])) :] for turn in traj.turns]
-    return plan_trajectory(inputs, [traj.output_tokens(turn) for turn in traj.turns])
+    return plan_trajectory(inputs, [traj.output_tokens(turn) for turn in traj.turns], min_span)
 
 
 def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
@@ -115,25 +150,35 @@ def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
 
 @dataclass
 class ReplayPlanSummary:
-    """What replay will do with a trace's turns (`trace_plan`), summed over trajectories (`add`): shared input
-    tokens (after private prefixes) and those kept from stored caches, turns that leave the context (by cause) and
-    turns that return to an earlier turn's."""
+    """What replay will do with a trace's turns (`plan_of`), summed over trajectories (`add`): shared input tokens
+    (after private prefixes); of them those kept from stored caches (`kept`: the reusable prefix, the input's last id
+    always computed) and those in moved spans (`moved`); the tokens a policy that moves spans prefills (`new`: the
+    rest, and each agent's private prefix once per trajectory — what FullShared prefills); turns that leave the
+    context (by cause) and turns that return to an earlier turn's."""
 
     turns: int = 0
     shared_tokens: int = 0
     kept: int = 0
+    moved: int = 0
+    new: int = 0
     restored: int = 0
     causes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, traj: Trajectory, mode: str) -> None:
+    def add(self, traj: Trajectory, mode: str, min_span: int = MIN_SPAN) -> None:
         prefixes = traj.served_prefixes({}) if mode == "prompt" else {}
-        for turn, start in zip(traj.turns, plan_of(traj, prefixes)):
+        self.new += sum(len(prefixes.get(agent, [])) for agent in dict.fromkeys(turn.agent for turn in traj.turns))
+        for start in plan_of(traj, prefixes, min_span):
             self.turns += 1
-            self.shared_tokens += len(traj.input_tokens(turn)) - len(prefixes.get(turn.agent, []))
-            self.kept += start.keep
+            self.shared_tokens += start.tokens
+            self.kept += start.reusable_prefix
+            self.moved += start.moved_tokens
+            self.new += start.tokens - start.reusable_prefix - start.moved_tokens
             self.restored += start.restore is not None
             if start.divergence is not None:
                 self.causes[start.divergence.cause] = self.causes.get(start.divergence.cause, 0) + 1
+
+    def share(self, tokens: int) -> str:
+        return f"{tokens / max(self.shared_tokens, 1):.1%}"
 
     def describe(self) -> str:
         left = sum(self.causes.values())
@@ -141,19 +186,26 @@ class ReplayPlanSummary:
         return (
             f"replay: {left} of {self.turns} turns leave the shared context the turns before them built"
             + (f" ({causes})" if causes else "")
-            + f", {self.restored} return to an earlier turn's; every policy reuses each turn's longest common prefix "
-            f"with earlier turns ({self.kept / max(self.shared_tokens, 1):.1%} of the input tokens after private "
-            "prefixes) and recomputes the rest"
+            + f", {self.restored} return to an earlier turn's; of the input tokens after private prefixes, "
+            f"{self.share(self.kept)} are each turn's longest common prefix with earlier turns (every sharing policy "
+            f"reuses it), {self.share(self.moved)} lie in moved spans (re-aligned by the policies that move spans, "
+            f"recomputed by the others); a policy that moves spans prefills {self.new} tokens, private prefixes "
+            "included"
         )
 
 
 class BranchingTimeline:
-    """Applies a trajectory's `plan_trajectory` to `policies` turn by turn (`begin` before a turn, `end` after it),
-    and keeps who held each token of the current timeline first (`producers`, for the replay's reuse count)."""
+    """Applies a trajectory's `plan_trajectory` to `policies` turn by turn (`begin` before a turn, `end` after it):
+    restores and truncations, and the K/V each policy that moves spans keeps of a turn later turns read from
+    (`source_ranges`). Keeps who held each token of the current timeline first (`producers`, for the replay's reuse
+    count)."""
 
     def __init__(self, starts: list[TurnStart], policies: Sequence[SharingPolicy]):
         self.starts = starts
         self.policies = list(policies)
+        self.sources = source_ranges(starts)
+        for policy in self.policies:
+            policy.forget_spans()
         self.producers: list[str] = []
         self.pending = Counter(start.restore for start in starts if start.restore is not None)
         self.snapshots: dict[int, tuple[list[dict[str, object]], list[str]]] = {}
@@ -180,23 +232,35 @@ class BranchingTimeline:
         """After turn `index` of `agent` (its shared input and outputs: `sequence_len` tokens): record the tokens it
         added and snapshot the policies if a later turn returns here."""
         self.producers += [agent] * (sequence_len - len(self.producers))
+        if index in self.sources:
+            for policy in self.policies:
+                policy.keep_span_source(index, *self.sources[index])
         if self.pending[index]:
             self.snapshots[index] = ([policy.snapshot() for policy in self.policies], list(self.producers))
 
 
 class FollowedTimeline:
     """The online counterpart (turns generated as they come, so no turn can be planned ahead): before each turn the
-    policy forgets what the input does not share with the timeline the previous turn left; no earlier state is
-    restored."""
+    policy forgets what the input does not share with the timeline the previous turn left (no earlier state is
+    restored), and `begin` returns the input's moved spans after that, found among the earlier turns' sequences; a
+    policy that moves spans keeps each turn's whole sequence (no later turn is known yet)."""
 
-    def __init__(self, policy: SharingPolicy):
+    def __init__(self, policy: SharingPolicy, min_span: int = MIN_SPAN):
         self.policy = policy
+        self.min_span = min_span
         self.ids: list[int] = []
+        self.index = SpanIndex()
+        self.turns = 0
+        policy.forget_spans()
 
-    def begin(self, shared: list[int]) -> None:
+    def begin(self, shared: list[int]) -> tuple[MovedSpan, ...]:
         keep = common_prefix(shared, 0, self.ids, 0, min(len(shared), len(self.ids)))
         if keep < len(self.ids):
             self.policy.truncate(keep)
+        return tuple(self.index.find(shared, keep, len(shared) - 1, self.min_span))
 
     def end(self, sequence: list[int]) -> None:
         self.ids = sequence
+        self.index.add(sequence, 0, self.turns)
+        self.policy.keep_span_source(self.turns, 0, len(sequence))
+        self.turns += 1

@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvprof.branches import BranchingTimeline, FollowedTimeline, plan_of
+import torch
+
+from kvprof.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of
 from kvprof.errors import KvprofError
 from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
@@ -53,6 +55,8 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         "input_tokens": result.input_kv[0][0].shape[1],
         "output_tokens": len(result.output_ids),
         "reused": result.reused,
+        "moved": result.moved,
+        "extended": result.extended,
         "recomputed": result.recomputed,
         "realigned": result.realigned,
         "corrected": result.corrected,
@@ -80,15 +84,19 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         trace_agreement_sum=sum(a == b for a, b in zip(predicted, trace_outputs)),
     )
     layers = []
-    if result.reused:
-        begin, end = result.prefix_len, result.prefix_len + result.reused
+    spans = [(0, result.reused)] * bool(result.reused) + result.moved_spans
+    if spans:
+        device = result.input_kv[0][0].device
+        where = torch.cat([torch.arange(result.prefix_len + a, result.prefix_len + b, device=device) for a, b in spans])
         for (keys, values), (dense_keys, dense_values) in zip(result.input_kv, dense.input_kv):
+            keys, values = keys[:, where], values[:, where]
+            dense_keys, dense_values = dense_keys[:, where], dense_values[:, where]
             layers.append(
                 {
-                    "k_error": relative_frobenius(keys[:, begin:end], dense_keys[:, begin:end]),
-                    "k_cosine": mean_token_cosine(keys[:, begin:end], dense_keys[:, begin:end]),
-                    "v_error": relative_frobenius(values[:, begin:end], dense_values[:, begin:end]),
-                    "v_cosine": mean_token_cosine(values[:, begin:end], dense_values[:, begin:end]),
+                    "k_error": relative_frobenius(keys, dense_keys),
+                    "k_cosine": mean_token_cosine(keys, dense_keys),
+                    "v_error": relative_frobenius(values, dense_values),
+                    "v_cosine": mean_token_cosine(values, dense_values),
                 }
             )
     record["layers"] = layers
@@ -190,7 +198,7 @@ def summarise(turns: list[dict]) -> dict:
     """Aggregate per-turn records of one policy (token-weighted fidelity, summed cost, per-layer mean error)."""
     outputs = sum(t["output_tokens"] for t in turns)
     inputs = sum(t["input_tokens"] for t in turns)
-    reusable = [t for t in turns if t["reused"]]
+    reusable = [t for t in turns if t["reused"] or t.get("moved")]
     layer_count = max((len(t["layers"]) for t in turns), default=0)
     per_layer = []
     for layer in range(layer_count):
@@ -214,10 +222,13 @@ def summarise(turns: list[dict]) -> dict:
         "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
         "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
         "recomputed": sum(t["recomputed"] for t in turns),
+        "moved": sum(t.get("moved", 0) for t in turns),
+        "moved_recomputed": sum(t.get("moved_recomputed", 0) for t in turns),
         "delta_reuse": delta_reuse(turns),
         "error_by_hop": error_by_hop(turns),
         "recompute_ratio": (
-            sum(t["recomputed"] for t in reusable) / sum(t["reused"] * len(t["layers"]) for t in reusable)
+            sum(t["recomputed"] for t in reusable)
+            / sum((t["reused"] + t.get("extended", 0)) * len(t["layers"]) for t in reusable)
             if reusable
             else 0.0
         ),
@@ -403,8 +414,8 @@ def replay_trace(
         timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), [dense, *policies])
         for index, turn in enumerate(traj.turns):
             outputs = traj.output_tokens(turn)
-            request = TurnRequest(agent=turn.agent, input_ids=traj.input_tokens(turn), output_ids=outputs)
             start = timeline.begin(index)
+            request = TurnRequest(turn.agent, traj.input_tokens(turn), outputs, moved=start.moved)
             dense_result = dense.run_turn(request, per_turn)
             where = {"trajectory": traj.id, "turn": index}
             state.records[DENSE].append(
@@ -422,10 +433,12 @@ def replay_trace(
                         if policy.serves_others
                         else 0
                     )
+                from_others += moved_from_others(traj, start, turn_result, turn.agent)
                 state.records[policy.label].append(
                     compare_turn(turn_result, dense_result, from_others, outputs)
                     | paper_memory(policy, turn_result, weights, page_size)
                     | where
+                    | {"moved_recomputed": start.moved_tokens - turn_result.moved}
                 )
                 if check_memory:
                     exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
@@ -451,6 +464,14 @@ def replay_trace(
     )
 
 
+def moved_from_others(traj: Trajectory, start: TurnStart, result: TurnResult, agent: str) -> int:
+    """Moved tokens `result` served from the K/V of another agent's turn (the plan's source turn of each span)."""
+    served = set(result.moved_spans)
+    return sum(
+        len(span) for span in start.moved if (span.begin, span.end) in served and traj.turns[span.source].agent != agent
+    )
+
+
 def rebuild_state(
     runtime: Runtime, policies: list[SharingPolicy], trajectories: list[Trajectory], passes: int = 1
 ) -> None:
@@ -472,8 +493,8 @@ def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajec
     timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), policies)
     results = []
     for index, turn in enumerate(traj.turns):
-        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn))
-        timeline.begin(index)
+        start = timeline.begin(index)
+        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn), moved=start.moved)
         results.append([policy.run_turn(request) for policy in policies])
         shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
         timeline.end(index, turn.agent, shared_len + len(request.output_ids or []))
@@ -518,9 +539,20 @@ def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memo
         summary = summarise(records[label])
         summary.update(relative_to_dense(summary, dense_summary))
         policies[label] = entry | {"summary": summary, "turns": records[label]}
+        recomputed = sum(turn.get("moved_recomputed", 0) for turn in records[label])
+        if recomputed:
+            policies[label]["notes"] = [*entry.get("notes", []), moved_note(recomputed)]
         if memory_exact is not None:
             policies[label]["memory_accounting_exact"] = memory_exact[label]
     return {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": policies}
+
+
+def moved_note(tokens: int) -> str:
+    """What a policy that does not move spans says once per replay."""
+    return (
+        f"does not move spans: it recomputed the {tokens} tokens of moved spans (ids other turns processed at other "
+        "positions) as new tokens"
+    )
 
 
 def timeline_summary(dense_turns: list[dict]) -> dict:
@@ -534,6 +566,7 @@ def timeline_summary(dense_turns: list[dict]) -> dict:
         "causes": dict(causes),
         "restored": sum(start["restored_from"] is not None for start in starts),
         "dropped_tokens": sum(start["dropped"] for start in starts),
+        "moved_tokens": sum(end - begin for start in starts for begin, end, *_ in start.get("moved", [])),
     }
 
 
@@ -544,8 +577,9 @@ def policy_responder(policy: SharingPolicy):
 
     def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
         shared = input_ids[len(policy.runtime.prefix(agent)) :]
-        timeline.begin(shared)
-        outputs = policy.run_turn(TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new)).output_ids
+        moved = timeline.begin(shared)
+        request = TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new, moved=moved)
+        outputs = policy.run_turn(request).output_ids
         timeline.end(shared + outputs)
         return outputs
 

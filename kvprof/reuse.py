@@ -131,36 +131,53 @@ class PrefixTree:
         return depth
 
 
+@dataclass(frozen=True)
+class MovedSpan:
+    """Ids `[begin, end)` of a turn's input equal to ids an earlier turn (`source`, its index) processed at offset
+    `source_begin` of its sequence (the coordinates are those of the sequences given to `SpanIndex`)."""
+
+    begin: int
+    end: int
+    source: int
+    source_begin: int
+
+    def __len__(self) -> int:
+        return self.end - self.begin
+
+
 class SpanIndex:
-    """Where runs of `GRAM` ids first occurred in the sequences added so far: (sequence, position) per run."""
+    """Where runs of `GRAM` ids first occurred in the sequences added so far: (turn, sequence, position) per run."""
 
     def __init__(self) -> None:
-        self.first: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self.first: dict[tuple[int, ...], tuple[int, list[int], int]] = {}
 
-    def add(self, ids: list[int], start: int = 0) -> None:
-        """Index the runs of `ids` that begin at `start` or later (those before were indexed with an earlier
-        sequence sharing that prefix)."""
+    def add(self, ids: list[int], start: int = 0, turn: int = -1) -> None:
+        """Index the runs of `ids` (turn `turn`'s sequence) that begin at `start` or later (those before were indexed
+        with an earlier sequence sharing that prefix)."""
         first = self.first
         for pos in range(max(0, start - GRAM + 1), len(ids) - GRAM + 1):
-            first.setdefault(tuple(ids[pos : pos + GRAM]), (ids, pos))
+            first.setdefault(tuple(ids[pos : pos + GRAM]), (turn, ids, pos))
 
-    def moved_spans(self, ids: Sequence[int], start: int, min_span: int = MIN_SPAN) -> list[tuple[int, int]]:
-        """Runs `(begin, end)` of `ids[start:]`, each at least `min_span` long, equal to ids an earlier sequence
-        holds at its first occurrence of that run's first `GRAM` ids (greedy, left to right)."""
+    def find(self, ids: Sequence[int], start: int, end: int | None = None, min_span: int = MIN_SPAN) -> list[MovedSpan]:
+        """Runs of `ids[start:end]`, each at least `min_span` long, equal to ids an earlier sequence holds at its
+        first occurrence of that run's first `GRAM` ids (greedy, left to right)."""
+        stop = len(ids) if end is None else end
         spans, pos = [], start
-        while pos + GRAM <= len(ids):
+        while pos + GRAM <= stop:
             hit = self.first.get(tuple(ids[pos : pos + GRAM]))
             if hit is not None:
-                seq, at = hit
-                length = GRAM + common_prefix(
-                    seq, at + GRAM, ids, pos + GRAM, min(len(seq) - at, len(ids) - pos) - GRAM
-                )
+                turn, seq, at = hit
+                length = GRAM + common_prefix(seq, at + GRAM, ids, pos + GRAM, min(len(seq) - at, stop - pos) - GRAM)
                 if length >= min_span:
-                    spans.append((pos, pos + length))
+                    spans.append(MovedSpan(pos, pos + length, turn, at))
                     pos += length
                     continue
             pos += 1
         return spans
+
+    def moved_spans(self, ids: Sequence[int], start: int, min_span: int = MIN_SPAN) -> list[tuple[int, int]]:
+        """`find`'s runs as `(begin, end)`."""
+        return [(span.begin, span.end) for span in self.find(ids, start, min_span=min_span)]
 
 
 def divergence_cause(ids: Sequence[int], earlier: Sequence[int], at: int, earlier_input: int, private: int = 0) -> str:
@@ -289,7 +306,7 @@ def trajectory_reuse(traj: Trajectory, min_span: int = MIN_SPAN, block_size: int
         engine.add(ALL_AGENTS, number, ids, output)
         known = shared.insert(number, sequence)
         agent_tree.insert(number, sequence)
-        index.add(sequence, known)
+        index.add(sequence, known, number)
     return rows
 
 

@@ -64,8 +64,9 @@ def check_variant(entry: dict, dense: dict, memory_checked: bool = True) -> None
     for turn, dense_turn in zip(entry["turns"], dense["turns"]):
         assert turn["agent"] == dense_turn["agent"] and turn["output_tokens"] == dense_turn["output_tokens"]
         assert math.isfinite(turn["kl"]) and turn["kl"] >= -1e-12
-        assert 0 <= turn["from_others"] <= turn["reused"] < turn["input_tokens"]
-        assert bool(turn["layers"]) == bool(turn["reused"])  # error is measured exactly where tokens are reused
+        served = turn["reused"] + turn.get("moved", 0)  # the kept prefix and the moved spans served re-aligned
+        assert 0 <= turn["from_others"] <= served < turn["input_tokens"]
+        assert bool(turn["layers"]) == bool(served)  # error is measured exactly where tokens are reused
         for layer in turn["layers"]:
             assert all(math.isfinite(value) for value in layer.values())
             assert layer["k_error"] >= 0 and layer["v_error"] >= 0

@@ -116,11 +116,16 @@ def test_memory_counts_transients(lora):
 def test_reuse_has_one_definition(lora):
     """Policies that reuse the same spans report the same ρ, whatever cache serves the tokens."""
     policies = lora["policies"]
-    spans = {label: [turn["reused"] for turn in entry["turns"]] for label, entry in policies.items()}
+    spans = {label: [(turn["reused"], turn["moved"]) for turn in entry["turns"]] for label, entry in policies.items()}
     same = [label for label in policies if spans[label] == spans["prelrshared"]]
-    assert {"fullshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db", "baselrshared"} <= set(same)
+    assert {"prelrshared", "rebaseshared-lp", "rebaseshared-db", "baselrshared"} <= set(same)
     for label in same:
         assert policies[label]["summary"]["reuse_per_token"] == policies["prelrshared"]["summary"]["reuse_per_token"]
+    # FullShared reuses the same prefixes and, besides, the moved spans (the tiny model's outputs repeat runs of ids)
+    assert [reused for reused, _ in spans["fullshared"]] == [reused for reused, _ in spans["prelrshared"]]
+    moved = sum(moved for _, moved in spans["fullshared"])
+    full, low_rank = policies["fullshared"]["summary"], policies["prelrshared"]["summary"]
+    assert (full["reuse_per_token"] > low_rank["reuse_per_token"]) == (moved > 0)
     assert policies["nonshared"]["summary"]["reuse_per_token"] == 0.0
     assert policies["rebaseshared-lp"]["summary"]["adapter_free_per_token"] > 0.0
     assert policies["prelrshared"]["summary"]["adapter_free_per_token"] == 0.0
@@ -156,7 +161,7 @@ def test_a_turn_that_leaves_the_timeline_reuses_its_common_prefix(lora_trace, mo
 
 
 def test_the_timeline_records_who_processed_each_token_first():
-    policy = SimpleNamespace(truncate=lambda keep: None)
+    policy = SimpleNamespace(truncate=lambda keep: None, forget_spans=lambda: None)
     timeline = BranchingTimeline(plan_trajectory([[1, 2], [1, 2, 3, 4], [1, 9]], [[3], [5], [6]]), [policy])
     for index, (agent, length) in enumerate([("plan", 3), ("act", 5), ("plan", 3)]):
         timeline.begin(index)

@@ -131,7 +131,9 @@ def test_summary_counts_every_input_token_once():
 
 def test_replay_prefills_what_the_reuse_structure_leaves_new(tiny_world, lora_trace):
     """On a trace whose turns extend one timeline, NonShared prefills what the agent's own prefix leaves and
-    FullShared what the shared prefix leaves (each computes at least one token of its input)."""
+    FullShared what the shared prefix and the moved spans leave (the tiny model's outputs repeat runs of ids; each
+    policy computes at least one token of its input)."""
+    from kvprof.branches import plan_of
     from kvprof.model import load_agents_for_trace
     from kvprof.policies import PolicyVariant
     from kvprof.replay import replay_trace
@@ -143,7 +145,11 @@ def test_replay_prefills_what_the_reuse_structure_leaves_new(tiny_world, lora_tr
     rows = [row for traj in trajectories for row in trajectory_reuse(traj)]
     expected = {
         "nonshared": [row.input_tokens - min(row.own_prefix, row.input_tokens - 1) for row in rows],
-        "fullshared": [row.input_tokens - min(row.shared_prefix, row.input_tokens - 1) for row in rows],
+        "fullshared": [
+            start.tokens - start.reusable_prefix - start.moved_tokens
+            for traj in trajectories
+            for start in plan_of(traj, {})
+        ],
     }
     for label, prefilled in expected.items():
         assert [turn["prefilled"] for turn in result["policies"][label]["turns"]] == prefilled

@@ -93,6 +93,7 @@ def command(
     console.print(reuse_table)
     _print_divergences(diverged, divergences)
     console.print(replay.describe(), markup=False)
+    console.print(_policy_table(replay, header.mode))
     if out is not None:
         payload = {
             "trace": str(trace),
@@ -108,6 +109,32 @@ def command(
         f"{header.tokenizer['name']} ({header.tokenizer['vocab_size']} ids)"
         + ("; tokenizer matches --model" if model else "")
     )
+
+
+def _policy_table(plan: ReplayPlanSummary, mode: str) -> Table:
+    """Per policy of the trace's mode, what replay lets it reuse of the shared input (`ReplayPlanSummary`): the
+    prefix, the moved spans when it moves them (else it recomputes them), and the tokens it prefills because no
+    cache it may use holds them (private prefixes included; a delta policy's gate may refuse some of what it reuses
+    and a selective one recomputes part of it besides: `kvprof replay` counts those)."""
+    from kvprof.policies import REGISTRY
+
+    table = Table(title=f"what replay lets each {mode}-mode policy reuse (input tokens after private prefixes)")
+    for column in ("policy", "family", "prefix reused", "moved re-aligned", "moved recomputed", "new prefilled"):
+        table.add_column(column, justify="left" if column in ("policy", "family") else "right")
+    for name, policy in REGISTRY.items():
+        if mode not in policy.modes or not policy.serves_others:
+            continue
+        moved = plan.moved if policy.moves_spans else 0
+        recomputed = plan.moved - moved
+        table.add_row(
+            name,
+            policy.family,
+            plan.share(plan.kept),
+            plan.share(moved),
+            plan.share(recomputed),
+            str(plan.new + recomputed),
+        )
+    return table
 
 
 def _reuse_table(block_size: int) -> Table:

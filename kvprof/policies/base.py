@@ -50,6 +50,8 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
 from kvprof.kv_buffer import KVBuffer, Rewrite
+from kvprof.policies.moved import SpanStore, extend_over_moved
+from kvprof.reuse import MovedSpan
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 ORIGINS = ("code", "paper text", "kvprof")  # where an option's choice comes from (`Option.origins`)
@@ -216,12 +218,15 @@ class Published:
 
 @dataclass
 class TurnRequest:
-    """One agent call: its input ids; `output_ids` teacher-forces the output, None generates it greedily."""
+    """One agent call: its input ids; `output_ids` teacher-forces the output, None generates it greedily; `moved`:
+    the moved spans of its shared input (`kvprof.branches`), which a policy that `moves_spans` serves from the K/V
+    it kept (`kvprof.policies.moved`)."""
 
     agent: str
     input_ids: list[int]
     output_ids: list[int] | None = None
     max_new_tokens: int = 32
+    moved: tuple[MovedSpan, ...] = ()
 
 
 @dataclass
@@ -249,6 +254,11 @@ class Context:
     the agent computed itself (otherwise the replay counts them from the timeline, `reused_from_others`);
     corrected_spans: (start, end, hop) of each corrected segment in shared-timeline coordinates, hop = 1 + how many
     agents besides its producer read it before this one (the replay measures the error per hop).
+    extended / moved / moved_spans / placeholders: shared tokens the context covers past the reused span, span by
+    span (`kvprof.policies.moved.extend_over_moved`): of them `moved` served from the K/V kept of earlier turns,
+    re-aligned (their (begin, end) in `moved_spans`), the rest computed by the agent in `assemble` (in
+    `extra_prefill`; `placeholders`: the (begin, end) of those the policy computes itself, with the moved spans);
+    `kv` then covers prefix + reused + extended tokens.
     refreshed / rewrite: the last `refreshed` tokens of the reused span go through the turn's forward with the
     chunk (their queries, hidden states and everything after attention computed there), while the K/V they and
     the chunk attend to at their slots are what `rewrite` writes over the forward's own once each layer has
@@ -274,6 +284,15 @@ class Context:
     corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
     refreshed: int = 0
     rewrite: Rewrite | None = None
+    extended: int = 0
+    moved: int = 0
+    moved_spans: list[tuple[int, int]] = field(default_factory=list)
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def covered(self) -> int:
+        """Shared tokens the context covers (reused, then extended over moved spans); the chunk follows them."""
+        return self.reused + self.extended
 
 
 ContextT = TypeVar("ContextT", bound=Context)
@@ -312,7 +331,9 @@ class TurnResult:
     turn above what was allocated before it, plus the policy's stored bytes; cuda_allocated_bytes: on CUDA,
     `torch.cuda.max_memory_allocated` during the turn, everything the process holds included (weights, other
     runs' caches) (both None elsewhere). recomputed,
-    realigned, corrected, fallback, from_others, corrected_spans: the context's (`Context`).
+    realigned, corrected, fallback, from_others, corrected_spans, moved, moved_spans, extended: the context's
+    (`Context`);
+    moved tokens are reused too, at input positions prefix_len + begin.. of each moved span.
     """
 
     agent: str
@@ -340,6 +361,9 @@ class TurnResult:
     fallback: int = 0
     from_others: int | None = None
     corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    moved: int = 0
+    moved_spans: list[tuple[int, int]] = field(default_factory=list)
+    extended: int = 0
 
 
 @dataclass
@@ -395,9 +419,15 @@ class SharingPolicy(ABC, Generic[ContextT]):
     # The attributes holding the current trajectory's stored state (what `reset` creates, not what it keeps): what
     # `snapshot` copies and `restore` puts back when a later turn returns to an earlier branch of the trajectory.
     timeline_state: ClassVar[tuple[str, ...]] = ()
+    # True: the policy serves a turn's moved spans from the K/V earlier turns held, re-aligned (its `assemble` calls
+    # `extend_over_moved`); False: it computes them as new tokens (`kvprof.policies.moved`).
+    moves_spans: ClassVar[bool] = False
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
+        self.span_store = SpanStore()  # K/V kept of earlier turns for moved spans (`keep_span_source`)
+        self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
+        self.last_turn: tuple[int, list[KV]] | None = None  # the last turn's prefix length and cache
         unknown = set(options) - set(self.options)
         if unknown:
             raise KvprofError(
@@ -480,6 +510,43 @@ class SharingPolicy(ABC, Generic[ContextT]):
             for name, value in copy.deepcopy(state, {id(self.runtime): self.runtime}).items():
                 setattr(self, name, value)
 
+    def forget_spans(self) -> None:
+        """A new trajectory: drop the K/V kept for moved spans."""
+        self.span_store = SpanStore()
+        self.last_turn = None
+
+    def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
+        """Keep tokens [lo, hi) of the last turn's shared sequence (it is turn `turn` of the trajectory) for later
+        turns' moved spans; nothing for a policy that does not move spans."""
+        if self.moves_spans and self.last_turn is not None:
+            prefix_len, kv = self.last_turn
+            self.span_store.keep(turn, prefix_len, kv, lo, hi)
+
+    def extend_context(self, agent: str, shared: list[int], context: Context, placeholders: bool = False) -> None:
+        """Extend `context` over the turn's moved spans after its reused tokens (`extend_over_moved`): new tokens
+        between them computed by `agent` (or, with `placeholders`, left as zeros for the policy to compute:
+        `context.placeholders`), moved K/V re-aligned after them; `context.kv` / `buffers` then cover them all.
+        Nothing to do without moved spans past the context."""
+        spans = [span for span in self.moved_now if span.begin >= context.reused]
+        if not spans:
+            return
+        cache = self.runtime.cache_over(context.kv, context.buffers, len(shared) - context.reused)
+        done = extend_over_moved(
+            self.runtime, agent, shared, cache, context.reused, spans, self.span_store, placeholders
+        )
+        context.buffers = self.runtime.buffers_of(cache)
+        length = cache.get_seq_length()
+        context.kv = [buffer.view(length) for buffer in context.buffers]
+        context.extended, context.moved = done.covered, done.moved
+        context.moved_spans, context.placeholders = done.spans, done.placeholders
+        context.extra_prefill += done.computed
+        context.extra_flops += done.flops
+
+    def span_store_bytes(self) -> dict[str, int]:
+        """The K/V kept for moved spans, as a structure of the policy's memory (none when empty)."""
+        tokens = self.span_store.tokens()
+        return {"moved spans": self.runtime.kv_bytes_per_token * tokens} if tokens else {}
+
     def prefix_context(self, agent: str) -> tuple[list[KV], float]:
         """The agent's private prefix computed alone at positions 0.. (exact: nothing precedes it), and its FLOPs."""
         prefix = self.runtime.prefix(agent)
@@ -520,24 +587,27 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def _run_turn(self, request: TurnRequest, repeats: int) -> TurnResult:
         runtime = self.runtime
         shared = self._shared_input(request)
-        stored_before = sum(self.analytic_bytes().values())
+        self.moved_now = request.moved if self.moves_spans else ()
+        stored_before = sum(self.analytic_bytes().values()) + sum(self.span_store_bytes().values())
         meter = CudaPeak(runtime.device, stored_before)
         first = self.prefill(request.agent, shared, repeats)
         decoded = self.decode(request, first, warm_up=repeats > 1)
         commit_started = clock(runtime.device)
         context = first.context
+        sequence_kv = runtime.kv_of(decoded.last.cache)
+        self.last_turn = (len(request.input_ids) - len(shared), sequence_kv) if self.moves_spans else None
         commit_flops = self.commit(
             Chunk(
                 agent=request.agent,
-                start=context.reused,
-                ids=shared[context.reused :] + decoded.output_ids,
-                kv=runtime.kv_of(decoded.last.cache),
+                start=context.covered,
+                ids=shared[context.covered :] + decoded.output_ids,
+                kv=sequence_kv,
                 context=context,
                 buffers=runtime.buffers_of(decoded.last.cache),
             )
         )
         commit_s = clock(runtime.device) - commit_started
-        chunk_len = len(shared) - context.reused
+        chunk_len = len(shared) - context.covered
         rows = len(self.adapter_rows(request.agent) or [None])
         ttft_flops = rows * runtime.flops(chunk_len, first.start) + context.extra_flops + first.flops
         decode_flops = rows * runtime.flops(len(decoded.output_ids), len(request.input_ids)) + decoded.flops
@@ -548,7 +618,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             output_ids=decoded.output_ids,
             logits=decoded.logits,
             input_kv=first.input_kv,
-            prefix_len=first.start - context.reused,
+            prefix_len=first.start - context.covered,
             reused=context.reused,
             adapter_free=context.adapter_free,
             prefilled=chunk_len + context.extra_prefill,
@@ -558,7 +628,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             decode_s=decoded.seconds,
             decode_steps=decoded.steps,
             latency_s=first.seconds + decoded.seconds + commit_s,
-            memory=self.analytic_bytes(),
+            memory=self.analytic_bytes() | self.span_store_bytes(),
             stored_before_bytes=stored_before,
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
@@ -569,6 +639,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
             fallback=context.fallback,
             from_others=context.from_others,
             corrected_spans=context.corrected_spans,
+            moved=context.moved,
+            moved_spans=context.moved_spans,
+            extended=context.extended,
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:
@@ -594,10 +667,10 @@ class SharingPolicy(ABC, Generic[ContextT]):
         for _ in range(repeats + 1 if repeats > 1 else 1):
             started = clock(self.runtime.device)
             context = self.assemble(agent, shared)
-            if context.reused >= len(shared):
+            if context.covered >= len(shared):
                 raise RuntimeError(f"{self.name} left no token of the input to compute")
-            begin = context.reused - context.refreshed
-            start = len(self.runtime.prefix(agent)) + context.reused
+            begin = context.covered - context.refreshed
+            start = len(self.runtime.prefix(agent)) + context.covered
             ids = shared[begin:]
             cache = self.runtime.cache_over(context.kv, context.buffers, len(ids), context.rewrite)
             forward = self._forward(agent, ids, cache, start - context.refreshed, context, prefill=True)
@@ -607,7 +680,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         return Prefill(
             context=context,
             forward=forward,
-            input_kv=attended_kv(self.runtime.kv_of(forward.cache), context, start - context.reused),
+            input_kv=attended_kv(self.runtime.kv_of(forward.cache), context, start - context.covered),
             start=start,
             seconds=statistics.median(timings[1:] if repeats > 1 else timings),
             flops=flops,
@@ -628,7 +701,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         outputs: list[int] = []
         rows = [first.forward.logits[0, -1]]
         last, flops = first.forward, 0.0
-        shared_len = len(request.input_ids) - (first.start - context.reused)
+        shared_len = len(request.input_ids) - (first.start - context.covered)
         if warm_up and (forced is None or forced):
             token = forced[0] if forced is not None else int(rows[0].argmax())
             self._forward(agent, [token], last.cache, len(request.input_ids), context)

@@ -35,6 +35,8 @@ FullShared's commit (the store keeps the producers' K/V, not this agent's blend)
 
 from __future__ import annotations
 
+import torch
+
 from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import CACHEBLEND, CACHEBLEND_SETTING
@@ -75,13 +77,21 @@ class CacheBlend(SelectiveRecompute):
         super().check(runtime)
         self.check_layer_option(runtime, "check_layer", self.layer_setting("check_layer"))
 
+    def computes_new_tokens_later(self) -> bool:
+        return self.recomputes()
+
     def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
         check = self.layer_setting("check_layer")
         hidden, positions, probe = blend.full_then_probe(ids, check)
         side = 0 if self.settings["deviation"] == "key" else 1
         new = probe.keys if side == 0 else probe.values
         deviation = (new.float() - blend.reused(check, side, len(ids)).float()).pow(2).sum(dim=(0, 1, 3))
-        chosen = select_top(deviation, budget(self.ratio, len(ids)))
+        fresh = torch.zeros(len(ids), dtype=torch.bool, device=deviation.device)
+        for begin, end in context.placeholders:  # new tokens between moved spans: no cache, always computed
+            fresh[begin:end] = True
+        candidates = int((~fresh).sum())
+        chosen = select_top(deviation.masked_fill(fresh, -1.0), budget(self.ratio, candidates))
+        chosen = torch.cat([chosen, fresh.nonzero().flatten()]).sort().values
         if self.settings["check_update"] == "original":  # every token's check-layer K/V from the probe
             keys, values = blend.kv[check]
             keys.index_copy_(2, positions, probe.keys)

@@ -121,6 +121,7 @@ class DroidSpeakContext(FullSharedContext):
 class DroidSpeak(SelectiveRecompute):
     name = "droidspeak"
     paper = DROIDSPEAK
+    moves_spans = False  # its block starts from the stored tokens' hidden states, which moved spans do not have
     options = {
         "ratio": ratio_option("0.2", "the share of layers recomputed (a contiguous block)"),
         "profile": Option(

@@ -5,6 +5,11 @@ that agent's role prompt) and reused by every other agent as is. In prompt mode 
 producer's positions to the reader's (`kvprof.rope.rotate_keys`). Approximate: another agent's adapter and prefix
 shaped those K/V. Memory 1× plus each agent's private prefix. The naive-sharing baseline of LRAgent and PReCache.
 
+Moved spans (`kvprof.policies.moved`): a span of the input another turn processed at other positions is served from
+the K/V that turn held, keys re-rotated to the reader's positions, as the timeline's tokens are in prompt mode; the
+new tokens between moved spans are computed over the cache so far. The store then holds the turn's sequence as the
+reader attended it.
+
 Phases: TTFT — the agent's role prompt on its first turn, the context and the chunk's forward; each decode step —
 one token; after the turn — appending the turn's new K/V to the shared cache. Without a private prefix (lora mode)
 the context is the shared cache itself and the turn appends in place after it (`kvprof.kv_buffer`): nothing is
@@ -46,6 +51,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
         ),
     )
     timeline_state: ClassVar[tuple[str, ...]] = ("shared", "offsets", "producers", "prefixes")
+    moves_spans = True
 
     def reset(self) -> None:
         self.shared: list[KVBuffer] | None = None  # per layer (K, V), (1, H_kv, ≥ N, D), keys at producer positions
@@ -75,7 +81,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
                     flops += 6.0 * keys.numel()
                 buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], len(shared) - reused))
             kv = [buffer.view(prefix_len + reused) for buffer in buffers]
-        return FullSharedContext(
+        context = FullSharedContext(
             kv=kv,
             reused=reused,
             extra_prefill=extra_prefill,
@@ -84,6 +90,13 @@ class FullShared(SharingPolicy[FullSharedContext]):
             realigned=realigned,
             prefix=prefix_kv,
         )
+        self.extend_context(agent, shared, context, self.computes_new_tokens_later())
+        return context
+
+    def computes_new_tokens_later(self) -> bool:
+        """Whether this turn's new tokens between moved spans are left for the policy to compute after `assemble`'s
+        extension (a selective recompute over the whole input) rather than computed there."""
+        return False
 
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
         prefix_len = len(self.runtime.prefix(chunk.agent))

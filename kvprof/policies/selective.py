@@ -353,15 +353,15 @@ class SelectiveRecompute(FullShared):
         context = super().assemble(agent, shared)
         if type(context) is not self.context_type:
             context = self.context_type(**vars(context))
-        if not context.reused or not self.recomputes():
+        if not context.covered or not self.recomputes():
             return context
         stored = self.shared is not None and context.buffers is not None and context.buffers[0] is self.shared[0]
         if stored or context.buffers is None:  # the store's own buffers: the blend writes into a copy
-            context.buffers = [KVBuffer.of(keys, values, len(shared) - context.reused) for keys, values in context.kv]
+            context.buffers = [KVBuffer.of(keys, values, len(shared) - context.covered) for keys, values in context.kv]
             context.kv = [buffer.view(int(keys.shape[2])) for buffer, (keys, _) in zip(context.buffers, context.kv)]
         blend = Blend(self.stack, context.kv, context.buffers, len(self.runtime.prefix(agent)))
         with self.runtime.agents.activate(agent):
-            self.recompute(blend, shared[: context.reused], context)
+            self.recompute(blend, shared[: context.covered], context)
         context.recomputed = blend.recomputed
         context.extra_flops += blend.flops
         context.extra_prefill += round(blend.recomputed / self.runtime.num_layers)

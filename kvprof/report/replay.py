@@ -75,15 +75,17 @@ def timeline_note(result: dict) -> str:
     """How the replayed turns followed the shared context (`kvprof.branches`), when any left it: how many, why,
     how many returned to an earlier turn's state, and what that cost; empty when every turn extended it."""
     timeline = result["dense"]["summary"].get("timeline")
-    if not timeline or not (timeline["left"] or timeline["restored"]):
+    moved = timeline.get("moved_tokens", 0) if timeline else 0
+    if not timeline or not (timeline["left"] or timeline["restored"] or moved):
         return ""
     causes = ", ".join(f"{count} {cause}" for cause, count in sorted(timeline["causes"].items()))
     return (
         f"{timeline['left']} of {timeline['turns']} turns left the shared context the turns before them built"
         + (f" ({causes})" if causes else "")
         + f"; {timeline['restored']} returned to an earlier turn's context; every policy reused each turn's longest "
-        f"common prefix with earlier turns and recomputed the rest ({timeline['dropped_tokens']} stored tokens "
-        "dropped at divergences)"
+        f"common prefix with earlier turns ({timeline['dropped_tokens']} stored tokens dropped at divergences); "
+        f"{moved} input tokens lay in moved spans (ids other turns processed at other positions): the policies "
+        "that move spans re-aligned them, the others recomputed them"
     )
 
 
@@ -148,13 +150,23 @@ def reuse_table(result: dict) -> TableData:
         "layer) entries ÷ layers); implied × = dense ÷ policy tokens prefilled; FLOP × = dense ÷ policy analytic "
         "FLOPs of the TTFT phase (every batch row counted): the TTFT speed-up the work allows.",
     )
+    timeline = result["dense"]["summary"].get("timeline") or {}
+    moved = bool(timeline.get("moved_tokens"))
+    if moved:
+        table.columns[5:5] = ["moved re-aligned", "moved recomputed"]
+        table.caption += (
+            " moved re-aligned / recomputed: input tokens in moved spans (ids other turns processed at other "
+            "positions) served re-aligned from their K/V / recomputed as new tokens."
+        )
     for label, summary, ratios, _ in _rows(result):
+        split = [str(summary.get("moved", 0)), str(summary.get("moved_recomputed", 0))] if moved else []
         table.add_row(
             label,
             _num(summary["reuse_per_token"], ".2f"),
             _num(summary["reuse_per_call"], ".2f"),
             _num(summary["reuse_per_call_excl_source"], ".2f"),
             _num(summary.get("adapter_free_per_token"), ".2f"),
+            *split,
             _num(summary.get("recompute_ratio"), ".2f"),
             str(summary["prefilled"]),
             _num(ratios["prefill_speedup_implied"], ".2f"),

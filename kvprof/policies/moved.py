@@ -1,0 +1,125 @@
+"""Moved spans: K/V a turn reads at other positions than an earlier turn computed them, and how a policy serves them.
+
+A turn's input is a sequence of spans (`kvprof.branches`): the prefix it keeps of the stored timeline, then moved
+spans (ids an earlier turn processed elsewhere: the question, a tool result, another agent's reply read after this
+agent's role prompt and header) and new tokens between them. A policy that moves caches
+(`SharingPolicy.moves_spans`) keeps, of each turn later turns read from, the K/V that turn held (`SpanStore`), and
+serves a moved span by re-aligning them: keys re-rotated from the source turn's positions to the reader's with the
+model's own rotary embedding (`kvprof.rope.rotate_keys`), values as they are. `extend_over_moved` runs the part of a
+turn after its kept prefix span by span — new tokens computed by the acting agent over the cache so far, each moved
+span's K/V inserted after them — so that, with the dense run's K/V inserted, the turn is exactly the model's full
+forward (causal attention: a token's K/V depend on what precedes it only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvprof.reuse import MovedSpan
+from kvprof.rope import rotate_keys
+from kvprof.runtime import KV, Runtime
+
+
+@dataclass
+class KeptSequence:
+    """Part of one turn's cache: per layer (K, V), (1, H_kv, hi − lo, D), of its shared sequence's tokens
+    [lo, hi), computed at positions `prefix_len` + lo.. (after the acting agent's private prefix)."""
+
+    lo: int
+    hi: int
+    prefix_len: int
+    kv: list[KV]
+
+
+class SpanStore:
+    """What a policy keeps of earlier turns of the trajectory for moved spans: per source turn a `KeptSequence`."""
+
+    def __init__(self) -> None:
+        self.turns: dict[int, KeptSequence] = {}
+
+    def keep(self, turn: int, prefix_len: int, kv: Sequence[KV], lo: int, hi: int) -> None:
+        """Keep tokens [lo, hi) of turn `turn`'s shared sequence from its cache `kv` (per layer (K, V),
+        (B, H_kv, ≥ prefix_len + hi, D); batch row 0, copied: the cache's storage is reused by later turns)."""
+        begin, end = prefix_len + lo, prefix_len + hi
+        self.turns[turn] = KeptSequence(
+            lo, hi, prefix_len, [(k[:1, :, begin:end].clone(), v[:1, :, begin:end].clone()) for k, v in kv]
+        )
+
+    def span(self, span: MovedSpan) -> tuple[list[KV], int]:
+        """The kept K/V of `span` (per layer (1, H_kv, len(span), D)) and the position its first token was
+        computed at."""
+        kept = self.turns[span.source]
+        start = span.source_begin - kept.lo
+        end = start + len(span)
+        return [(k[:, :, start:end], v[:, :, start:end]) for k, v in kept.kv], kept.prefix_len + span.source_begin
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for kept in self.turns.values() for pair in kept.kv for t in pair]
+
+    def tokens(self) -> int:
+        return sum(kept.hi - kept.lo for kept in self.turns.values())
+
+
+@dataclass
+class Extension:
+    """What `extend_over_moved` did: the shared tokens it covered past the context (`covered`), of which `moved`
+    were served from kept K/V (`spans`: their (begin, end)) and `computed` prefilled by the agent (or, with
+    placeholders, left for the policy to compute: `placeholders`, their (begin, end)); the FLOPs of those forwards
+    and re-rotations."""
+
+    covered: int = 0
+    moved: int = 0
+    computed: int = 0
+    flops: float = 0.0
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+
+
+def extend_over_moved(
+    runtime: Runtime,
+    agent: str,
+    shared: list[int],
+    cache,
+    reused: int,
+    spans: Sequence[MovedSpan],
+    store: SpanStore,
+    placeholders: bool = False,
+) -> Extension:
+    """Extend `cache` (the agent's prefix and the first `reused` shared tokens, a `kvprof.kv_buffer.BufferCache`
+    appending in place) over `spans` (moved spans at or after `reused`, in order): the new tokens before each are
+    computed with `agent`'s adapter over the cache so far, then the span's kept K/V (`store`) are appended, keys
+    re-rotated by (reader position − source position). Ends after the last span; the rest of the input is the
+    turn's chunk. With `placeholders` the new tokens before a span are not computed: zeros hold their slots, for a
+    policy that recomputes them with the moved spans (CacheBlend over the whole input)."""
+    prefix_len = len(runtime.prefix(agent))
+    done = Extension()
+    position = reused
+    for span in spans:
+        if span.begin < position:
+            continue
+        if span.begin > position and placeholders:
+            for layer in cache.layers:
+                shape = (*layer.keys.shape[:2], span.begin - position, layer.keys.shape[-1])
+                empty = layer.keys.new_zeros(shape)
+                layer.update(empty, empty)
+            done.placeholders.append((position, span.begin))
+        elif span.begin > position:
+            piece = shared[position : span.begin]
+            runtime.forward(agent, piece, cache, prefix_len + position, last_logits_only=True)
+            done.flops += runtime.flops(len(piece), prefix_len + position)
+            done.computed += len(piece)
+        kv, source = store.span(span)
+        delta = prefix_len + span.begin - source
+        for layer, (keys, values) in zip(cache.layers, kv):
+            if delta:
+                keys = rotate_keys(keys, delta, runtime.rope)
+                done.flops += 6.0 * keys.numel()
+            layer.update(keys, values)
+        done.moved += len(span)
+        done.spans.append((span.begin, span.end))
+        position = span.end
+    done.covered = position - reused
+    return done
