@@ -28,6 +28,7 @@ from test_policies import CASES as POLICY_CASES
 from test_policies import check_variant
 from transformers import AutoTokenizer
 
+from kvprof.branches import ReplayPlanSummary
 from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
 from kvprof.errors import KvprofError
@@ -247,6 +248,12 @@ def test_renderable_logs_replay_every_turn_under_every_policy(
     assert result["dense"]["summary"]["turns"] == len(records)
     for entry in result["policies"].values():
         check_variant(entry, result["dense"], memory_checked=False)
+    # FullShared prefills exactly what `kvprof inspect` counts as new: no moved span recomputed
+    plan = ReplayPlanSummary()
+    for traj in trajectories:
+        plan.add(traj, "lora" if lora else "prompt")
+    assert result["policies"]["fullshared"]["summary"]["prefilled"] == plan.new
+    assert result["policies"]["fullshared"]["summary"]["moved"] == plan.moved
     if lora:
         calls = iter(result["policies"]["fullshared"]["turns"])
         by_trajectory = defaultdict(list)
@@ -259,3 +266,49 @@ def test_renderable_logs_replay_every_turn_under_every_policy(
                 assert next(calls)["reused"] == min(brute_force_prefix(ids, sequences), len(ids) - 1)
                 sequences.append(ids + tokenizer.encode(record["output"], add_special_tokens=False))
     check_dense_is_a_full_forward(agents, trajectories)
+
+
+@pytest.mark.parametrize("mode", ["prompt", "lora_agent_prompts"])
+def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
+    tiny_world, family_models, tokenizers, tmp_path, mode
+):
+    """On the Llama 3.1 template's group chat (others' replies read as `user` messages after each agent's own role
+    prompt): FullShared and CacheBlend serve moved spans re-aligned (a prefix cache could not), and with every token
+    recomputed (ratio 1) CacheBlend and RelayCaching — whose blend covers the moved spans and the new tokens between
+    them — equal the dense run; DroidSpeak recomputes moved spans and says so."""
+    family = "llama3.1"
+    tokenizer = tokenizers[family]
+    records, _ = renderable(tokenizer, log_cases(mode, trajectories=2)["group_chat"])
+    imported = import_records(tiny_world, tokenizer, family, mode, records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    trajectories = read_trace(path).trajectories
+    lora = mode != "prompt"
+    flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS] if lora else None
+    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
+    variants = [
+        PolicyVariant("fullshared"),
+        PolicyVariant("cacheblend"),
+        PolicyVariant("cacheblend", {"ratio": "1"}),
+        PolicyVariant("relaycaching", {"ratio": "1"}),
+        PolicyVariant("droidspeak", {"ratio": "1"}),
+    ]
+    result = replay_trace(agents, trajectories, variants)
+    policies = result["policies"]
+    plan = ReplayPlanSummary()
+    for traj in trajectories:
+        plan.add(traj, "lora" if lora else "prompt")
+    assert plan.moved > 0 and result["dense"]["summary"]["timeline"]["moved_tokens"] == plan.moved
+    for label in ("fullshared", "cacheblend-ratio=0.16", "cacheblend-ratio=1", "relaycaching-ratio=1"):
+        assert policies[label]["summary"]["moved"] == plan.moved, label
+        assert not any("does not move spans" in note for note in policies[label]["notes"])
+    assert policies["fullshared"]["summary"]["prefilled"] == plan.new
+    for label in ("cacheblend-ratio=1", "relaycaching-ratio=1", "droidspeak-ratio=1"):
+        summary = policies[label]["summary"]
+        assert summary["kl"] < 1e-6 and summary["k_error"] < 1e-4 and summary["v_error"] < 1e-4, label
+        assert summary["top1"] == 1.0
+    # re-aligned moved spans cost fidelity (another agent's context shaped them) and the blend wins part of it back
+    full, blend = policies["fullshared"]["summary"], policies["cacheblend-ratio=0.16"]["summary"]
+    assert 0 < blend["k_error"] < full["k_error"]
+    droidspeak = policies["droidspeak-ratio=1"]
+    assert droidspeak["summary"]["moved"] == 0 and droidspeak["summary"]["moved_recomputed"] == plan.moved
+    assert any("does not move spans" in note for note in droidspeak["notes"])
