@@ -167,7 +167,7 @@ def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_s
     fraction for rank-r ones); `allocator_peak_bytes`, the allocator's peak with the weights (`weights`): on CUDA the
     weights + the allocator's peak above the turn's start + the policy's stored bytes (`TurnResult.cuda_peak_bytes`:
     as if the policy ran alone), elsewhere the analytic equivalent, the weights + the turn's working peak."""
-    paged = paged_bytes(policy.live_tensors(), page_size)
+    paged = paged_bytes(policy.stored_tensors(), page_size)
     working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
     peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
     return {
@@ -539,20 +539,9 @@ def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memo
         summary = summarise(records[label])
         summary.update(relative_to_dense(summary, dense_summary))
         policies[label] = entry | {"summary": summary, "turns": records[label]}
-        recomputed = sum(turn.get("moved_recomputed", 0) for turn in records[label])
-        if recomputed:
-            policies[label]["notes"] = [*entry.get("notes", []), moved_note(recomputed)]
         if memory_exact is not None:
             policies[label]["memory_accounting_exact"] = memory_exact[label]
     return {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": policies}
-
-
-def moved_note(tokens: int) -> str:
-    """What a policy that does not move spans says once per replay."""
-    return (
-        f"does not move spans: it recomputed the {tokens} tokens of moved spans (ids other turns processed at other "
-        "positions) as new tokens"
-    )
 
 
 def timeline_summary(dense_turns: list[dict]) -> dict:

@@ -110,7 +110,8 @@ def test_sharing_saves_prefill_and_memory(matrix):
     dense = matrix["dense"]["summary"]
     policies = matrix["policies"]
     assert policies["fullshared"]["summary"]["prefilled"] < dense["prefilled"]
-    assert policies["prelrshared"]["summary"]["prefilled"] == policies["fullshared"]["summary"]["prefilled"]
+    full = policies["fullshared"]["summary"]  # the same prefixes; FullShared besides re-aligns moved spans
+    assert policies["prelrshared"]["summary"]["prefilled"] == full["prefilled"] + full["moved"]
     assert policies["baseshared-full"]["summary"]["prefilled"] > dense["prefilled"]  # the LR prefill
     assert policies["fullshared"]["summary"]["memory_ratio"] < 1.0
     assert (
@@ -141,7 +142,15 @@ def test_fullshared_identical_adapters_is_exact(lora_trace, tiny_world):
     result = replay_trace(agents, read_trace(lora_trace).trajectories[:1], [PolicyVariant("fullshared")])
     summary = result["policies"]["fullshared"]["summary"]
     assert summary["reuse_per_token"] > 0.3
-    assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-8
+    # exact on the prefixes it reuses: every turn before the first moved span (the tiny model's outputs repeat runs
+    # of ids, which FullShared re-aligns from another context, and stores)
+    turns = result["policies"]["fullshared"]["turns"]
+    first_moved = next((index for index, turn in enumerate(turns) if turn["moved"]), len(turns))
+    exact = [turn for turn in turns[:first_moved] if turn["reused"]]
+    assert len(exact) >= 2
+    for turn in exact:
+        assert turn["kl"] < 1e-8
+        assert all(layer["k_error"] < 1e-5 and layer["v_error"] < 1e-5 for layer in turn["layers"])
     different = replay_trace(
         _agents(lora_trace, tiny_world), read_trace(lora_trace).trajectories[:1], [PolicyVariant("fullshared")]
     )["policies"]["fullshared"]["summary"]

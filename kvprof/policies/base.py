@@ -11,7 +11,11 @@ Real traces do not always extend one timeline: a turn's input may leave it (a re
 template, another role header). The replay engine (`kvprof.branches`) then calls `truncate(keep)` before the turn —
 the policy forgets the timeline from the divergence on, and the turn computes the rest as new tokens — and, when the
 turn shares more with an earlier turn's sequence, first `restore`s the `snapshot` it took after that turn. So a
-policy only ever sees inputs that extend what it stores.
+policy only ever sees inputs that extend what it stores. Past what it stores, the input may hold moved spans (ids an
+earlier turn processed at other positions; `TurnRequest.moved`): a policy that `moves_spans` keeps the K/V of the
+turns they come from (`keep_span_source`) and extends its context over them in `assemble` (`extend_context`:
+re-aligned K/V, new tokens between them computed span by span, `Context.extended`); the others compute them with
+the chunk.
 
 A policy is one module: a subclass that declares its identity (`name`, `family`, `paper`, `approximate`, `modes`),
 its knobs (`options`: `Option`s, with the values `--policy all` sweeps), its `published` figures and its
@@ -541,6 +545,11 @@ class SharingPolicy(ABC, Generic[ContextT]):
         context.moved_spans, context.placeholders = done.spans, done.placeholders
         context.extra_prefill += done.computed
         context.extra_flops += done.flops
+
+    def stored_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor the policy keeps between turns: `live_tensors` and the K/V kept for moved spans."""
+        kept = self.span_store.tensors()
+        return self.live_tensors() | ({"moved spans": kept} if kept else {})
 
     def span_store_bytes(self) -> dict[str, int]:
         """The K/V kept for moved spans, as a structure of the policy's memory (none when empty)."""

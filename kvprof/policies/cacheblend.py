@@ -20,6 +20,13 @@ The query suffix (the turn's new input tokens) is always recomputed: it is the t
 blend (see `kvprof.policies.selective`). At R = 0 nothing is selected and the policy is FullShared; at R = 1 it
 recomputes everything (NonShared).
 
+Moved spans (`kvprof.policies.moved`): ids other turns processed at other positions are served re-aligned and
+blended with the reused span — the check layer runs over the whole input, as in CacheBlend's RAG setting. The new
+tokens between moved spans have no cache: they hold placeholder slots until the blend computes them through every
+layer (always among the recomputed tokens, outside the ratio's budget), so at R = 1 the turn is the dense run.
+CacheBlend's code would prefill a chunk missing from its store on its own; here they attend to the input before
+them.
+
 Approximate, and where kvprof departs from the paper: CacheBlend fuses chunks each precomputed on its own
 (positions re-aligned); here the reused span is one shared cache of tokens computed by earlier agents in their own
 contexts (with their adapters, after their prefixes), which is the setting of the multi-agent papers that compare

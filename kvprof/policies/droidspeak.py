@@ -21,6 +21,9 @@ starts at layer 0, which recomputes from the input embeddings).
   processed the token (captured during its prefill and decode forwards); the block is recomputed from it with the
   acting agent's adapter, at the acting agent's positions, attending to the blended cache.
 
+Moved spans (ids other turns processed at other positions) are recomputed as new tokens: the block starts from
+the hidden states of stored timeline tokens, which kvprof does not keep for moved spans.
+
 Approximate: outside the block the K/V are another agent's, and the block starts from another agent's hidden
 state (exact only at layer 0). LRAgent reports its accuracy up to 2.6 points below NonShared.
 

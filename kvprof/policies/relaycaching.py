@@ -27,6 +27,10 @@ At R = 0 nothing is rectified (FullShared); at R = 1 with no skip band everythin
 
 Phases: TTFT — FullShared's context, the blend (the full band, the check-layer projections and attention
 influence, the rectified tokens' layers); each decode step — one token; after the turn — FullShared's commit.
+
+Moved spans (`kvprof.policies.moved`): served re-aligned from FullShared's extension, the new tokens between them
+computed there and then again in the blend with the moved spans (the reused tokens are the kept prefix and the
+moved spans; at R = 1 the turn is the dense run).
 """
 
 from __future__ import annotations

@@ -346,8 +346,10 @@ class SelectiveRecompute(FullShared):
 
     @abstractmethod
     def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
-        """Recompute what the policy selects of the reused tokens `ids` (the first `context.reused` of the shared
-        timeline) into `blend`, with the acting agent's adapter active."""
+        """Recompute what the policy selects of the reused tokens `ids` (the first `context.covered` of the shared
+        input: the kept prefix and, past it, the moved spans and the new tokens between them, whose (begin, end)
+        `context.placeholders` gives when the extension left them uncomputed) into `blend`, with the acting agent's
+        adapter active."""
 
     def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
         context = super().assemble(agent, shared)

@@ -317,8 +317,18 @@ def layer_table(result: dict) -> TableData:
 
 
 def policy_notes(result: dict) -> list[str]:
-    """One line per note a policy recorded about how it ran (`SharingPolicy.notes`)."""
-    return [f"{label}: {note}" for label, entry in result["policies"].items() for note in entry.get("notes", [])]
+    """One line per note a policy recorded about how it ran (`SharingPolicy.notes`), and one for each policy that
+    recomputed moved spans (it does not move them)."""
+    lines = []
+    for label, entry in result["policies"].items():
+        lines += [f"{label}: {note}" for note in entry.get("notes", [])]
+        recomputed = entry["summary"].get("moved_recomputed", 0)
+        if recomputed:
+            lines.append(
+                f"{label}: does not move spans: it recomputed the {recomputed} tokens of moved spans (ids other "
+                "turns processed at other positions) as new tokens"
+            )
+    return lines
 
 
 def notes(result: dict) -> list[str]:
