@@ -1,13 +1,16 @@
 """Fitting anchor pools offline from calibration trajectories (`kvprof fit-anchors`), and what they cost.
 
 For each trajectory the shared timeline is cut into segments exactly as the delta policies cut it online
-(`kvprof.policies.delta.SegmentLog`); every agent of the workflow prefills its prefix and the whole timeline once
-(its dense cache of every segment: causal attention makes the cache of a segment inside one long prefill the cache
-the agent computes when it reads the segment in its turn). Each segment becomes an anchor of its slot, its base the
-cache the delta policies correct it from: an output's producer's cache, an input's context-free encoding
-(`kvprof.policies.delta.NeutralContext`; KVComm's reference, while KVCMAS reads an input anchor's base + Δ of the
-agent it corrects from), with a delta for every other agent; the pool keeps V + 1 per slot (the eviction of
-`kvprof.anchors.AnchorPool`: with no activations yet, the oldest go first, so the last V + 1 remain).
+(`kvprof.policies.delta.SegmentLog`), following the replay's plan on a trajectory whose turns leave the timeline
+(`kvprof.branches`), and each turn's moved spans become the placeholder segments the policies read them as
+(`observed_segments`). Every agent of the workflow prefills its prefix and each branch's longest sequence once (its
+dense cache of every segment: causal attention makes the cache of a segment inside one long prefill the cache the
+agent computes when it reads the segment in its turn; `DenseCaches`). Each segment becomes an anchor of its slot,
+its base the cache the delta policies correct it from: an output's producer's cache (where it produced it), an
+input's context-free encoding (`kvprof.policies.delta.NeutralContext`; KVComm's reference, while KVCMAS reads an
+input anchor's base + Δ of the agent it corrects from), with a delta for every other agent; the pool keeps V + 1 per
+slot (the eviction of `kvprof.anchors.AnchorPool`: with no activations yet, the oldest go first, so the last V + 1
+remain).
 
 The fit is full-dimensional; the low-rank pool is the truncated SVD of each layer's (L × H_kv·D) matrix at rank r.
 The report gives, per layer, the relative Frobenius error of that truncation at ranks 1, 2, 4, … (from the singular
@@ -17,6 +20,7 @@ full-dimensional and low-rank, measured on the tensors and by the formula (`kvpr
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from kvprof.anchors import Anchor, AnchorPool, Stored
+from kvprof.branches import plan_of
 from kvprof.metrics import entropy_effective_rank
 from kvprof.model import AgentSet
-from kvprof.policies.delta import NeutralContext, SegmentLog, pool_identity, stack
+from kvprof.policies.delta import NeutralContext, SegmentLog, SharedSegment, Stacked, pool_identity, stack
 from kvprof.runtime import KV, Runtime
 from kvprof.trace import Trajectory
 
@@ -34,19 +39,73 @@ RANKS = (1, 2, 4, 8, 16, 32, 64, 128)
 PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
 
-def observed_segments(runtime: Runtime, traj: Trajectory) -> tuple[SegmentLog, list[int]]:
-    """The trajectory's segments, as the delta policies log them while replaying it, and its shared timeline's
-    tokens. Serves the trajectory's private prefixes on `runtime`."""
+@dataclass(frozen=True)
+class Observed:
+    """A segment as the delta policies log it, with the shared sequence it lies in (`sequence`) and where its
+    producer computed it: `produced_in` at offset `produced_at` (the same sequence and the segment's start, except
+    for a moved span: the turn it comes from)."""
+
+    segment: SharedSegment
+    sequence: list[int]
+    produced_in: list[int]
+    produced_at: int
+
+
+def observed_segments(runtime: Runtime, traj: Trajectory) -> list[Observed]:
+    """The trajectory's segments as the delta policies log them while replaying it — following the replay's plan
+    (`kvprof.branches.plan_of`): a turn that returns to an earlier turn's state takes that turn's log, one that
+    leaves the timeline cuts the log there — and, after them, each turn's moved spans as the placeholder segments
+    the policies read them as (`DeltaCorrection.moved_segment`, output or input of the turn they come from). Each
+    segment comes with the shared sequence it lies in: the input and outputs of the turn that added it (a moved
+    span: of the turn that reads it). Serves the trajectory's private prefixes on `runtime`."""
     runtime.serve_trajectory(traj)
     log = SegmentLog(traj.id)
-    timeline: list[int] = []
-    for turn in traj.turns:
+    logs: list[SegmentLog] = []
+    shared_inputs: list[list[int]] = []
+    sequences: list[list[int]] = []
+    found: list[Observed] = []
+    for turn, start in zip(traj.turns, plan_of(traj, runtime.prefixes)):
         shared = traj.input_tokens(turn)[len(runtime.prefix(turn.agent)) :]
-        outputs = traj.output_tokens(turn)
-        log.observe(turn.agent, len(shared), len(shared) + len(outputs))
-        if len(shared) + len(outputs) > len(timeline):
-            timeline = shared + outputs
-    return log, timeline
+        sequence = shared + traj.output_tokens(turn)
+        if start.restore is not None:
+            log = copy.deepcopy(logs[start.restore])
+        if start.dropped:
+            log.truncate(start.keep)
+        for span in start.moved:
+            source = traj.turns[span.source]
+            part = "out" if span.source_begin >= len(shared_inputs[span.source]) else "in"
+            name = f"{traj.id}@{span.source}+{span.source_begin}:{len(span)}"
+            segment = SharedSegment(span.begin, span.end, source.agent, f"{source.agent}.{part}.moved", name, part)
+            found.append(Observed(segment, sequence, sequences[span.source], span.source_begin))
+        for segment in log.observe(turn.agent, len(shared), len(sequence)):
+            found.append(Observed(segment, sequence, sequence, segment.start))
+        logs.append(copy.deepcopy(log))
+        shared_inputs.append(shared)
+        sequences.append(sequence)
+    return found
+
+
+class DenseCaches:
+    """Each agent's dense cache of its prefix and a shared sequence, computed once for the longest of the given
+    sequences that starts with the one asked for (causal attention: a prefix's cache inside a longer prefill is
+    the prefix's own)."""
+
+    def __init__(self, runtime: Runtime, sequences: list[list[int]]):
+        self.runtime = runtime
+        self.sequences = sequences
+        self.caches: dict[tuple[str, int], list[KV]] = {}
+
+    def view(self, agent: str, sequence: list[int], start: int, end: int) -> Stacked:
+        """`agent`'s K/V of tokens [start, end) of `sequence` after its prefix, in their frame."""
+        longest = max(
+            (index for index, other in enumerate(self.sequences) if other[: len(sequence)] == sequence),
+            key=lambda index: len(self.sequences[index]),
+        )
+        key = (agent, longest)
+        if key not in self.caches:
+            self.caches[key] = dense_cache(self.runtime, agent, self.sequences[longest])
+        begin = len(self.runtime.prefix(agent)) + start
+        return stack(self.caches[key], begin, begin + end - start, -begin, self.runtime.rope)
 
 
 def dense_cache(runtime: Runtime, agent: str, timeline: list[int]) -> list[KV]:
@@ -68,16 +127,17 @@ def fit_pool(
     pool = AnchorPool(capacity, window, None)
     with torch.inference_mode():
         for traj in trajectories:
-            log, timeline = observed_segments(runtime, traj)
+            observed = observed_segments(runtime, traj)
             neutral = NeutralContext(runtime)
-            caches = {name: dense_cache(runtime, name, timeline) for name in names}
-            for segment in log.segments:
-                views = {}
-                for name in names:
-                    begin = len(runtime.prefix(name)) + segment.start
-                    views[name] = stack(caches[name], begin, begin + segment.length, -begin, runtime.rope)
+            caches = DenseCaches(runtime, [seq for item in observed for seq in (item.sequence, item.produced_in)])
+            for item in observed:
+                segment = item.segment
+                views = {name: caches.view(name, item.sequence, segment.start, segment.end) for name in names}
                 owner = segment.producer if segment.is_output else None
-                base = views[owner] if owner is not None else neutral.encode(timeline[segment.start : segment.end])
+                if owner is None:
+                    base = neutral.encode(item.sequence[segment.start : segment.end])
+                else:  # the producer's cache where it produced the segment
+                    base = caches.view(owner, item.produced_in, item.produced_at, item.produced_at + segment.length)
                 anchor = pool.add(segment.slot, segment.name, owner, *base)
                 for name in names:
                     pool.add_delta(anchor, name, *views[name])

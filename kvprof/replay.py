@@ -317,6 +317,7 @@ def policy_entry(policy: SharingPolicy) -> dict:
         "paper": policy.paper,
         "approximate": policy.approximate,
         "modes": list(policy.modes),
+        "moves_spans": policy.moves_spans,
         "options": dict(policy.values),
         "published": [asdict(figure) | {"text": str(figure)} for figure in policy.published],
         "notes": policy.notes(),
@@ -432,8 +433,7 @@ def replay_trace(
                         reused_from_others(timeline.producers, turn.agent, turn_result.reused)
                         if policy.serves_others
                         else 0
-                    )
-                from_others += moved_from_others(traj, start, turn_result, turn.agent)
+                    ) + moved_from_others(traj, start, turn_result, turn.agent)
                 state.records[policy.label].append(
                     compare_turn(turn_result, dense_result, from_others, outputs)
                     | paper_memory(policy, turn_result, weights, page_size)

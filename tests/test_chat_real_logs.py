@@ -6,6 +6,7 @@ incremental, and every reply read back differently from its generated ids is rep
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 
 import pytest
@@ -28,12 +29,15 @@ from test_policies import CASES as POLICY_CASES
 from test_policies import check_variant
 from transformers import AutoTokenizer
 
+from kvprof.anchor_fit import fit_pool, truncated
 from kvprof.branches import ReplayPlanSummary
 from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
+from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace, tokenizer_identity
 from kvprof.policies import PolicyVariant, runnable_variants
+from kvprof.policies.delta import pool_identity
 from kvprof.replay import replay_trace
 from kvprof.report.replay import policy_notes
 from kvprof.runtime import Runtime
@@ -314,3 +318,91 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     droidspeak = policies["droidspeak-ratio=1"]
     assert droidspeak["summary"]["moved"] == 0 and droidspeak["summary"]["moved_recomputed"] == plan.moved
     assert sum(note.startswith("droidspeak-ratio=1: does not move spans") for note in notes) == 1
+
+
+def test_delta_policies_fitted_on_half_a_group_chat_correct_its_moved_spans(
+    tiny_world, family_models, tokenizers, tmp_path
+):
+    """KVComm and KVCMAS with pools fitted (`kvprof.anchor_fit`, moved spans as placeholder segments) on half of the
+    Llama 3.1 group chat's trajectories replay the other half correcting moved spans: ρ, KL and accuracy reported."""
+    family = "llama3.1"
+    tokenizer = tokenizers[family]
+    records, _ = renderable(tokenizer, log_cases("prompt", trajectories=4)["group_chat"])
+    imported = import_records(tiny_world, tokenizer, family, "prompt", records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    trajectories = read_trace(path).trajectories
+    agents = load_agents_for_trace(path, model=str(family_models[family]), device="cpu")
+    runtime = Runtime(agents)
+    half = len(trajectories) // 2
+    pool = fit_pool(runtime, trajectories[:half], capacity=10)
+    assert any(slot.endswith(".moved") for slot in pool.slots)
+    identity = pool_identity(runtime)
+    full = pool.save(tmp_path / "full.safetensors", identity)
+    low = truncated(pool, 32).save(tmp_path / "low.safetensors", identity)
+    variants = [
+        PolicyVariant("kvcomm", {"anchors": str(full)}),
+        PolicyVariant("kvcmas", {"anchors": str(low)}),
+    ]
+    result = replay_trace(agents, trajectories[half:], variants)
+    check_fitted_delta_replay(result)
+
+
+def check_fitted_delta_replay(result: dict) -> None:
+    """KVComm and KVCMAS served moved spans corrected (not only recomputed), with ρ, KL and the error by hop."""
+    moved = result["dense"]["summary"]["timeline"]["moved_tokens"]
+    assert moved > 0
+    for label in ("kvcomm", "kvcmas-chain"):
+        summary = result["policies"][label]["summary"]
+        assert summary["moved"] > 0, label
+        assert summary["moved"] + summary["moved_recomputed"] == moved
+        assert summary["delta_reuse"] is not None and 0 < summary["delta_reuse"] <= 1
+        assert math.isfinite(summary["kl"]) and summary["error_by_hop"]
+
+
+def test_delta_policies_fitted_on_half_the_demo_group_chat_report_accuracy(run_cli, tmp_path):
+    """The same through the commands on the demo's group-chat log (the demo workflow, so online re-runs work):
+    import-chat, fit-anchors on two trajectories (full-dimensional for KVComm, rank 32 for KVCMAS), replay the other
+    two online."""
+    world = demo_world()
+    imported = tmp_path / "import"
+    code, out, err = run_cli(
+        "import-chat",
+        str(world.sample_group_chat_log),
+        "--model",
+        str(world.model),
+        "--chat-template",
+        str(world.chat_template),
+        "--workflow",
+        str(world.prompt_workflow),
+        "--out",
+        str(imported),
+    )
+    assert code == 0, err
+    trace = str(imported / "trace.jsonl")
+    for rank, folder in (("full", "full"), ("32", "low")):
+        code, out, err = run_cli("fit-anchors", trace, "--limit", "2", "--rank", rank, "--out", str(tmp_path / folder))
+        assert code == 0, err
+    code, out, err = run_cli(
+        "replay",
+        trace,
+        "--skip",
+        "2",
+        "--online",
+        "--repeats",
+        "1",
+        "--policy",
+        "kvcomm",
+        "--policy",
+        "kvcmas",
+        "--policy-option",
+        f"kvcomm.anchors={tmp_path / 'full' / 'anchors.safetensors'}",
+        "--policy-option",
+        f"kvcmas.anchors={tmp_path / 'low' / 'anchors.safetensors'}",
+        "--out",
+        str(tmp_path / "replay"),
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    check_fitted_delta_replay(result)
+    for label in ("kvcomm", "kvcmas-chain"):
+        assert result["online"][label]["accuracy"] is not None and result["online"][label]["tasks"] == 2

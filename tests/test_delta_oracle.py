@@ -180,11 +180,13 @@ class DenseWorld:
 
     def trajectory(self, traj) -> dict:
         """Per segment name: its SharedSegment and, per agent (None: the context-free encoding), (K, V)."""
-        log, timeline = observed_segments(self.runtime, traj)
+        observed = observed_segments(self.runtime, traj)
+        timeline = max((item.sequence for item in observed), key=len)
+        assert all(timeline[: len(item.sequence)] == item.sequence for item in observed)  # one timeline
         full = {name: self.forward(self.runtime.prefix(name) + timeline) for name in self.names}
         common = self.common_prefix()
         out = {}
-        for segment in log.segments:
+        for segment in (item.segment for item in observed):
             caches = {}
             for name in self.names:
                 begin = len(self.runtime.prefix(name)) + segment.start

@@ -431,7 +431,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
         self.runtime = runtime
         self.span_store = SpanStore()  # K/V kept of earlier turns for moved spans (`keep_span_source`)
         self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
-        self.last_turn: tuple[int, list[KV]] | None = None  # the last turn's prefix length and cache
+        # the last turn's agent, prefix length, shared input length and cache
+        self.last_turn: tuple[str, int, int, list[KV]] | None = None
         unknown = set(options) - set(self.options)
         if unknown:
             raise KvprofError(
@@ -523,8 +524,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """Keep tokens [lo, hi) of the last turn's shared sequence (it is turn `turn` of the trajectory) for later
         turns' moved spans; nothing for a policy that does not move spans."""
         if self.moves_spans and self.last_turn is not None:
-            prefix_len, kv = self.last_turn
-            self.span_store.keep(turn, prefix_len, kv, lo, hi)
+            agent, prefix_len, inputs, kv = self.last_turn
+            self.span_store.keep(turn, prefix_len, kv, lo, hi, agent, inputs)
 
     def extend_context(self, agent: str, shared: list[int], context: Context, placeholders: bool = False) -> None:
         """Extend `context` over the turn's moved spans after its reused tokens (`extend_over_moved`): new tokens
@@ -604,7 +605,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
         commit_started = clock(runtime.device)
         context = first.context
         sequence_kv = runtime.kv_of(decoded.last.cache)
-        self.last_turn = (len(request.input_ids) - len(shared), sequence_kv) if self.moves_spans else None
+        prefix_len = len(request.input_ids) - len(shared)
+        self.last_turn = (request.agent, prefix_len, len(shared), sequence_kv) if self.moves_spans else None
         commit_flops = self.commit(
             Chunk(
                 agent=request.agent,

@@ -35,6 +35,16 @@ in replay order), so these policies are not trajectory-independent. A branching 
 log, the caches and the verdicts; the pool keeps what it learnt (kvprof's: the public code replays one growing
 timeline).
 
+Moved spans (ids another turn processed at other positions, `kvprof.policies.moved`): read as placeholder segments
+— KVCOMM's placeholders, a shared segment after each agent's different prefix — in the reading turn's coordinates
+(`moved_segment`), produced by the agent of the turn they come from, pooled per message kind (`AGENT.out.moved`,
+`AGENT.in.moved`). The reference is the K/V that turn held, or for an input the context-free encoding (KVComm,
+GraphFlow); the gate and the correction are the segments' own; new tokens between moved spans are prefilled densely
+over the cache so far (`read_moved`); a refused span is prefilled densely and, with `pool=grow`, learnt into its
+anchor. kvprof's, where the public code has no counterpart: a moved input is corrected from the turn that first read
+it (KVCMAS's chain of readers is not followed across positions), and the agent's own earlier reading of the same span
+elsewhere is not reused.
+
 Approximate: the correction is an estimate from other segments' deltas.
 """
 
@@ -51,6 +61,7 @@ from kvprof.errors import KvprofError
 from kvprof.kv_buffer import BufferCache, KVBuffer
 from kvprof.model import tokenizer_identity
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy, positive_int, unit_interval
+from kvprof.reuse import MovedSpan
 from kvprof.rope import Rope, rotate_keys
 from kvprof.runtime import Runtime
 
@@ -225,14 +236,16 @@ class Decision:
 
 @dataclass
 class DeltaContext(Context):
-    """shared / shared_len: the turn's shared input and its length; decisions: per segment of others read this
-    turn; first: the agent's first turn (its buffers are new); bases: context-free encodings computed this turn, by
-    segment name; gates: the matches of segments gated for the first time this turn (their verdicts and activations
-    are kept at commit)."""
+    """shared / shared_len: the turn's shared input and its length; decisions: per segment of others read this turn;
+    moved_decisions: per moved span read this turn, in order (`moved_segment`: the segment in this turn's
+    coordinates); first: the agent's first turn (its buffers are new); bases: context-free encodings computed this
+    turn, by segment name; gates: the matches of segments gated for the first time this turn (their verdicts and
+    activations are kept at commit)."""
 
     shared: list[int] = field(default_factory=list)
     shared_len: int = 0
     decisions: list[Decision] = field(default_factory=list)
+    moved_decisions: list[Decision] = field(default_factory=list)
     first: bool = False
     bases: dict[str, Stacked] = field(default_factory=dict)
     gates: dict[str, Match] = field(default_factory=dict)
@@ -248,6 +261,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     modes = ("prompt",)
     trajectory_independent = False
     timeline_state = ("log", "own", "seen", "latest", "readers", "corrected", "bases", "neutral", "verdicts")
+    moves_spans = True
     temperature = 1.0  # softmax temperature over anchor distances (the public code hard-codes 1)
     per_token = True  # per-token K and V correction weights (the public code); False: the gate's weights
     admits_dense_inputs = False  # an input computed densely joins its slot while it has < V anchors (KVCMAS)
@@ -381,12 +395,17 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return self.base_of(segment, shared, context) if owner is None else self.stored_segment(owner, segment)
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
-        """The reference `agent` corrects `segment` from and the gate's verdict (decided by the first reader, once per
-        segment: the candidate is the same reference for every reader); `correction_match` adds the anchors the
-        correction mixes, for the segments that are corrected."""
-        assert self.pool is not None
+        """The reference `agent` corrects `segment` from (`source_of`) and the gate's verdict (`judge`)."""
         source = self.source_of(agent, segment)
-        reference = self.cache_of(source, segment, shared, context)
+        return self.judge(agent, segment, source, self.cache_of(source, segment, shared, context), context)
+
+    def judge(
+        self, agent: str, segment: SharedSegment, source: str | None, reference: Stacked, context: DeltaContext
+    ) -> Decision:
+        """The gate's verdict on `segment` read by `agent` from `reference` (`source`'s cache; None: the context-free
+        encoding), decided by the first reader, once per segment (the candidate is the same reference for every
+        reader); `correction_match` adds the anchors the correction mixes, for the segments that are corrected."""
+        assert self.pool is not None
         gated = self.gated(segment)
         verdict = True
         if gated:
@@ -441,8 +460,11 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         known = min(self.log.length, len(shared) - 1)
         pending = [s for s in self.log.segments if s.start >= seen and s.end <= known]
         context.decisions = [self.decide(agent, segment, shared, context) for segment in pending]
-        refused = any(not d.verdict for d in context.decisions)
-        for decision in context.decisions:
+        context.moved_decisions = [
+            self.decide_moved(agent, span, shared, context) for span in self.moved_now if span.begin >= known
+        ]
+        refused = any(not d.verdict for d in [*context.decisions, *context.moved_decisions])
+        for decision in [*context.decisions, *context.moved_decisions]:
             decision.corrected = decision.verdict and not (refused and self.whole_call)
         corrected = [d for d in context.decisions if d.corrected]
         reused = corrected[-1].segment.end if corrected else seen
@@ -463,12 +485,83 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 buffer.write(at, keys[layer][None], values[layer][None])
             context.corrected += segment.length
             context.corrected_spans.append((segment.start, segment.end, self.readers[segment.name] + 1))
-        context.kv = [buffer.view(prefix_len + reused) for buffer in buffers]
-        context.buffers = buffers
         context.reused = reused
+        self.read_moved(agent, buffers, context)
+        context.kv = [buffer.view(prefix_len + context.covered) for buffer in buffers]
+        context.buffers = buffers
         earlier = sum(max(0, min(end, reused) - start) for start, end in self.corrected.get(agent, []))
         context.from_others = earlier + context.corrected
         return context
+
+    # ------------------------------------------------------------------------------------------ moved spans
+
+    def moved_segment(self, span: MovedSpan) -> SharedSegment:
+        """A moved span as a placeholder segment in the reading turn's coordinates: produced by the agent of the
+        turn it comes from, an output when it lies in that turn's outputs (else an input), pooled in the slot
+        `AGENT.out.moved` / `AGENT.in.moved` (one per message kind), named by its source."""
+        kept = self.span_store.source(span)
+        part = "out" if span.source_begin >= kept.inputs else "in"
+        name = f"{self.log.trajectory}@{span.source}+{span.source_begin}:{len(span)}"
+        return SharedSegment(span.begin, span.end, kept.agent, f"{kept.agent}.{part}.moved", name, part)
+
+    def moved_source(self, segment: SharedSegment) -> str | None:
+        """Whose cache a moved span is corrected from: the turn it comes from for an output (its producer's), the
+        context-free encoding (None) for an input (KVComm's and GraphFlow's references; KVCMAS overrides)."""
+        return segment.producer if segment.is_output else None
+
+    def decide_moved(self, agent: str, span: MovedSpan, shared: list[int], context: DeltaContext) -> Decision:
+        """The reference and the gate's verdict for a moved span (`moved_segment`): the reference is the K/V the
+        turn it comes from held (`kvprof.policies.moved.SpanStore`), keys rotated into the segment's frame, or its
+        context-free encoding."""
+        segment = self.moved_segment(span)
+        source = self.moved_source(segment)
+        if source is None:
+            reference = self.base_of(segment, shared, context)
+        else:
+            kv, position = self.span_store.span(span)
+            reference = stack(kv, 0, len(span), -position, self.runtime.rope)
+        return self.judge(agent, segment, source, reference, context)
+
+    def read_moved(self, agent: str, buffers: list[KVBuffer], context: DeltaContext) -> None:
+        """Extend `agent`'s context past `context.reused` over the moved spans it gets corrected: the tokens before
+        each (new tokens, refused moved spans) prefilled densely over the cache so far, then the span's corrected
+        K/V written at its positions. Refused spans after the last corrected one are part of the chunk."""
+        runtime = self.runtime
+        prefix_len = len(runtime.prefix(agent))
+        position = context.reused
+        for decision in context.moved_decisions:
+            segment = decision.segment
+            if not decision.corrected:
+                context.fallback += segment.length
+                continue
+            if segment.start > position:
+                at = prefix_len + position
+                piece = context.shared[position : segment.start]
+                runtime.forward(agent, piece, BufferCache(buffers, at), at, last_logits_only=True)
+                context.extra_prefill += len(piece)
+                context.extra_flops += runtime.flops(len(piece), at)
+            at = prefix_len + segment.start
+            keys, values = self.corrected_kv(agent, decision, context)
+            keys = rotate_keys(keys, at, runtime.rope)
+            for layer, buffer in enumerate(buffers):
+                buffer.write(at, keys[layer][None], values[layer][None])
+            context.corrected += segment.length
+            context.corrected_spans.append((segment.start, segment.end, 1))
+            context.moved += segment.length
+            context.moved_spans.append((segment.start, segment.end))
+            position = segment.end
+        context.extended = position - context.reused
+
+    def learn_moved(self, agent: str, decision: Decision) -> None:
+        """Keep `agent`'s dense K/V of a refused moved span in its slot's anchor of it, creating that anchor (its
+        base: the reference the gate refused; the delta of the agent whose turn it comes from) first."""
+        assert self.pool is not None
+        segment = decision.segment
+        self.pool.trim(segment.slot)
+        anchor = self.pool.anchor(segment.slot, segment.name)
+        if anchor is None:
+            anchor = self.pool.insert(segment.slot, segment.name, decision.source, *decision.reference)
+        self.pool.add_delta(anchor, agent, *self.stored_segment(agent, segment))
 
     def prefill_densely(
         self, agent: str, segments: list[SharedSegment], buffers: list[KVBuffer], context: DeltaContext
@@ -492,7 +585,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.corrected.setdefault(agent, []).extend((start, end) for start, end, _ in context.corrected_spans)
         self.bases.update(context.bases)
         assert self.pool is not None
-        for decision in context.decisions:
+        for decision in [*context.decisions, *context.moved_decisions]:
             gate = context.gates.get(decision.segment.name)
             if gate is not None:
                 self.verdicts[decision.segment.name] = decision.verdict
@@ -514,6 +607,9 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         for segment in added:
             if self.admits(segment):
                 flops += self.learn(agent, segment, context)
+        for decision in context.moved_decisions:
+            if decision.gated and not decision.verdict and self.grow:
+                self.learn_moved(agent, decision)
         return flops
 
     def admits(self, segment: SharedSegment) -> bool:

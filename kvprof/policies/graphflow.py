@@ -19,7 +19,7 @@ import torch
 
 from kvprof.anchors import Match
 from kvprof.policies.base import Option, Published
-from kvprof.policies.delta import Decision, DeltaContext, DeltaCorrection, SharedSegment, pool_options
+from kvprof.policies.delta import Decision, DeltaContext, DeltaCorrection, SharedSegment, Stacked, pool_options
 from kvprof.policies.papers import GRAPHFLOW, KVCMAS_PAPER, KVCMAS_SETTING
 
 
@@ -40,10 +40,10 @@ class GraphFlow(DeltaCorrection):
     def accepts(self, match: Match) -> bool:
         return bool(match.anchors)
 
-    def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
+    def judge(
+        self, agent: str, segment: SharedSegment, source: str | None, reference: Stacked, context: DeltaContext
+    ) -> Decision:
         assert self.pool is not None
-        source = self.source_of(agent, segment)
-        reference = self.cache_of(source, segment, shared, context)
         anchors = self.pool.eligible(segment.slot, segment.length, source, (agent,), exclude=segment.name)
         weights = torch.full((len(anchors),), 1.0 / max(len(anchors), 1))
         match = Match(anchors, source, weights, 1.0)

@@ -136,6 +136,12 @@ class KVCMAS(DeltaCorrection):
             return segment.producer
         return self.latest[segment.name]
 
+    def moved_source(self, segment: SharedSegment) -> str | None:
+        """A moved span is corrected from the turn it comes from, input or output: its producer's cache, or the
+        cache of the first agent that read it (the star reference; the chain of readers is not followed across
+        positions)."""
+        return segment.producer
+
     def owner_of(self, segment: SharedSegment) -> str | None:
         return segment.producer
 

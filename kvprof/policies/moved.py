@@ -26,12 +26,15 @@ from kvprof.runtime import KV, Runtime
 @dataclass
 class KeptSequence:
     """Part of one turn's cache: per layer (K, V), (1, H_kv, hi − lo, D), of its shared sequence's tokens
-    [lo, hi), computed at positions `prefix_len` + lo.. (after the acting agent's private prefix)."""
+    [lo, hi), computed at positions `prefix_len` + lo.. (after the acting agent's private prefix); `agent` acted in
+    that turn and `inputs` is its shared input's length (the tokens after it are its outputs)."""
 
     lo: int
     hi: int
     prefix_len: int
     kv: list[KV]
+    agent: str = ""
+    inputs: int = 0
 
 
 class SpanStore:
@@ -40,13 +43,25 @@ class SpanStore:
     def __init__(self) -> None:
         self.turns: dict[int, KeptSequence] = {}
 
-    def keep(self, turn: int, prefix_len: int, kv: Sequence[KV], lo: int, hi: int) -> None:
+    def keep(
+        self, turn: int, prefix_len: int, kv: Sequence[KV], lo: int, hi: int, agent: str = "", inputs: int = 0
+    ) -> None:
         """Keep tokens [lo, hi) of turn `turn`'s shared sequence from its cache `kv` (per layer (K, V),
-        (B, H_kv, ≥ prefix_len + hi, D); batch row 0, copied: the cache's storage is reused by later turns)."""
+        (B, H_kv, ≥ prefix_len + hi, D); batch row 0, copied: the cache's storage is reused by later turns); `agent`
+        acted in it, its shared input `inputs` tokens long."""
         begin, end = prefix_len + lo, prefix_len + hi
         self.turns[turn] = KeptSequence(
-            lo, hi, prefix_len, [(k[:1, :, begin:end].clone(), v[:1, :, begin:end].clone()) for k, v in kv]
+            lo,
+            hi,
+            prefix_len,
+            [(k[:1, :, begin:end].clone(), v[:1, :, begin:end].clone()) for k, v in kv],
+            agent,
+            inputs,
         )
+
+    def source(self, span: MovedSpan) -> KeptSequence:
+        """What was kept of the turn `span` comes from."""
+        return self.turns[span.source]
 
     def span(self, span: MovedSpan) -> tuple[list[KV], int]:
         """The kept K/V of `span` (per layer (1, H_kv, len(span), D)) and the position its first token was

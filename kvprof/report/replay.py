@@ -156,7 +156,8 @@ def reuse_table(result: dict) -> TableData:
         table.columns[5:5] = ["moved re-aligned", "moved recomputed"]
         table.caption += (
             " moved re-aligned / recomputed: input tokens in moved spans (ids other turns processed at other "
-            "positions) served re-aligned from their K/V / recomputed as new tokens."
+            "positions) served from their K/V re-aligned (and corrected, by the delta policies) / recomputed (a "
+            "policy that does not move spans, or a delta gate's refusal)."
         )
     for label, summary, ratios, _ in _rows(result):
         split = [str(summary.get("moved", 0)), str(summary.get("moved_recomputed", 0))] if moved else []
@@ -323,7 +324,7 @@ def policy_notes(result: dict) -> list[str]:
     for label, entry in result["policies"].items():
         lines += [f"{label}: {note}" for note in entry.get("notes", [])]
         recomputed = entry["summary"].get("moved_recomputed", 0)
-        if recomputed:
+        if recomputed and entry.get("moves_spans") is False:
             lines.append(
                 f"{label}: does not move spans: it recomputed the {recomputed} tokens of moved spans (ids other "
                 "turns processed at other positions) as new tokens"
