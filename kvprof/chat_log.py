@@ -226,7 +226,10 @@ def import_log(
                 f"{other[0].line}): each stays that trajectory's private prefix for its agent"
             )
     base = workflow or WorkflowSpec(mode=mode, agents=[])
-    spec = WorkflowSpec(**{**base.to_dict(), "mode": mode, "agents": agents, "chat_template": template})
+    group_chat = any(m.role == "user" and m.name in names for call in calls for m in call.messages)
+    spec = WorkflowSpec(
+        **{**base.to_dict(), "mode": mode, "agents": agents, "chat_template": template, "group_chat": group_chat}
+    )
     chat = ChatFormat(tokenizer, template)
     trajectories: dict[str, Trajectory] = {}
     builders: dict[str, ChatSegments] = {}

@@ -25,7 +25,8 @@ shared segments sit after role prompts of different lengths, so at different pos
 
 With a `chat_template` (capture's `--chat-template`, the tokenizer's own by default when it has one) each call is
 chat messages instead — system (the role prompt in prompt mode), user (question), assistant (earlier outputs, named
-by agent), tool (observations) — rendered by the template, one segment per message (`kvprof.chat`).
+by agent; with `group_chat`, the other agents' outputs as user messages with their name), tool (observations) —
+rendered by the template, one segment per message (`kvprof.chat`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class WorkflowSpec:
     action_pattern: str = r"(\w+)\[(.*?)\]"
     answer_pattern: str = r"(?:answer|finish)\[(.*?)\]"
     chat_template: str | None = None  # Jinja chat template the calls are rendered with (kvprof.chat); None: own layout
+    # with a chat template: each agent reads the others' outputs as `user` messages with the author's name, its own as
+    # `assistant` messages — a group chat as AutoGen / AG2 lay it out (False: every output an assistant message)
+    group_chat: bool = False
 
     def agent(self, name: str) -> AgentSpec:
         for agent in self.agents:
@@ -99,6 +103,7 @@ SETTING_TYPES: dict[str, JsonType] = {
     "action_pattern": str,
     "answer_pattern": str,
     "chat_template": (str, type(None)),
+    "group_chat": bool,
 }
 AGENT_TYPES: dict[str, JsonType] = {
     "adapter": (str, type(None)),
@@ -118,7 +123,7 @@ def setting_problem(key: str, value: object) -> str | None:
         return f"should be {type_name(kind)}, not {type(value).__name__}"
     if isinstance(value, list) and not all(isinstance(text, str) for text in value):
         return "should be a list of texts"
-    if isinstance(value, int) and value < 1:
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
         return f"is {value}; it should be at least 1"
     if key in PLACEHOLDERS and isinstance(value, str):
         try:

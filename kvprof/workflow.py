@@ -329,7 +329,9 @@ class TextLayout:
 class ChatLayout:
     """Chat messages through the spec's chat template (`kvprof.chat`): the role prompt as the acting agent's system
     message (prompt mode; in lora mode the spec's system prompt, shared), the question as a user message, earlier
-    outputs as assistant messages named by their agent, observations as tool messages; then the generation prompt."""
+    outputs as assistant messages named by their agent (with the spec's `group_chat`, another agent's as a user message
+    with its name, as AutoGen / AG2 lay a group chat out), observations as tool messages; then the generation
+    prompt."""
 
     def __init__(self, spec: WorkflowSpec, tokenizer, task: Task, respond: Responder):
         assert spec.chat_template is not None  # chosen by run_react
@@ -345,7 +347,7 @@ class ChatLayout:
     def call(self, agent: str) -> Turn:
         private = {0} if self.spec.mode == "prompt" else set()
         role = [Message("system", private_prompt(self.spec, self.task, agent))] if private else []
-        messages = role + self.history
+        messages = role + [self.read_by(agent, message) for message in self.history]
         inputs, prompt_segment = self.segments.call(len(self.trajectory.turns), messages, private)
         max_new = self.spec.agent(agent).max_new_tokens or self.spec.max_new_tokens
         turn = Turn(agent=agent, input=inputs, output="")
@@ -355,6 +357,12 @@ class ChatLayout:
         self.trajectory.turns.append(turn)
         self.history.append(message)
         return turn
+
+    def read_by(self, agent: str, message: Message) -> Message:
+        """`message` as `agent` reads it: in a group chat another agent's output is a user message with its name."""
+        if self.spec.group_chat and message.role == "assistant" and message.name not in (None, agent):
+            return Message("user", message.content, message.name)
+        return message
 
     def observe(self, text: str) -> None:
         self.history.append(Message("tool", text))

@@ -35,9 +35,11 @@ from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
+from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace, tokenizer_identity
 from kvprof.policies import PolicyVariant, runnable_variants
 from kvprof.policies.delta import pool_identity
+from kvprof.policies.droidspeak import LayerProfile
 from kvprof.replay import replay_trace
 from kvprof.report.replay import policy_notes
 from kvprof.runtime import Runtime
@@ -278,9 +280,10 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     tiny_world, family_models, tokenizers, tmp_path, mode
 ):
     """On the Llama 3.1 template's group chat (others' replies read as `user` messages after each agent's own role
-    prompt): FullShared and CacheBlend serve moved spans re-aligned (a prefix cache could not), and with every token
-    recomputed (ratio 1) CacheBlend and RelayCaching — whose blend covers the moved spans and the new tokens between
-    them — equal the dense run; DroidSpeak recomputes moved spans and says so."""
+    prompt): FullShared and the selective policies serve moved spans re-aligned (a prefix cache could not), and with
+    every token recomputed (ratio 1) CacheBlend, RelayCaching and DroidSpeak — whose blend covers the moved spans and
+    the new tokens between them — equal the dense run; DroidSpeak's block after layer 0 starts from the hidden states
+    the source turns held."""
     family = "llama3.1"
     tokenizer = tokenizers[family]
     records, _ = renderable(tokenizer, log_cases(mode, trajectories=2)["group_chat"])
@@ -290,12 +293,16 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     lora = mode != "prompt"
     flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS] if lora else None
     agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
+    layers = agents.config.num_hidden_layers
+    profile = tmp_path / "profile.json"  # the last layer deviates most: DroidSpeak's block starts after layer 0
+    write_json(str(profile), LayerProfile([0.0] * (layers - 1) + [1.0], [1.0] * layers, 1).to_json("tiny"))
     variants = [
         PolicyVariant("fullshared"),
         PolicyVariant("cacheblend"),
         PolicyVariant("cacheblend", {"ratio": "1"}),
         PolicyVariant("relaycaching", {"ratio": "1"}),
         PolicyVariant("droidspeak", {"ratio": "1"}),
+        PolicyVariant("droidspeak", {"ratio": str(1 / layers), "profile": str(profile)}),
     ]
     result = replay_trace(agents, trajectories, variants)
     policies = result["policies"]
@@ -304,7 +311,9 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
         plan.add(traj, "lora" if lora else "prompt")
     assert plan.moved > 0 and result["dense"]["summary"]["timeline"]["moved_tokens"] == plan.moved
     notes = policy_notes(result)
-    for label in ("fullshared", "cacheblend-ratio=0.16", "cacheblend-ratio=1", "relaycaching-ratio=1"):
+    block = f"droidspeak-ratio={1 / layers}"
+    assert f"recomputes layer {layers - 1} of {layers}" in policies[block]["notes"][0]
+    for label in policies:
         assert policies[label]["summary"]["moved"] == plan.moved, label
         assert not any(note.startswith(f"{label}: does not move spans") for note in notes)
     assert policies["fullshared"]["summary"]["prefilled"] == plan.new
@@ -315,9 +324,7 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     # re-aligned moved spans cost fidelity (another agent's context shaped them) and the blend wins part of it back
     full, blend = policies["fullshared"]["summary"], policies["cacheblend-ratio=0.16"]["summary"]
     assert 0 < blend["k_error"] < full["k_error"]
-    droidspeak = policies["droidspeak-ratio=1"]
-    assert droidspeak["summary"]["moved"] == 0 and droidspeak["summary"]["moved_recomputed"] == plan.moved
-    assert sum(note.startswith("droidspeak-ratio=1: does not move spans") for note in notes) == 1
+    assert 0 < policies[block]["summary"]["k_error"] < full["k_error"]
 
 
 def test_delta_policies_fitted_on_half_a_group_chat_correct_its_moved_spans(

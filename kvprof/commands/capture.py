@@ -83,9 +83,9 @@ def command(
         str,
         typer.Option(
             "--chat-template",
-            help="Render each agent call as chat messages through a chat template: auto (the tokenizer's when it "
-            "has one, else kvprof's own layout), on (the tokenizer's, required), off (kvprof's layout), or a Jinja "
-            "template FILE.",
+            help="Render each agent call as chat messages through a chat template: auto (the workflow's when it sets "
+            "one, else the tokenizer's when it has one, else kvprof's own layout), on (the tokenizer's, required), "
+            "off (kvprof's layout), or a Jinja template FILE.",
         ),
     ] = "auto",
     resume: Annotated[
@@ -128,7 +128,13 @@ def command(
     spec = capture_spec(workflow, agent, role, max_rounds, max_new_tokens)
     task_list = load_tasks(tasks, limit)
     agents = load_agents(spec, model, device=device, dtype=dtype, attn=attn)
-    agents.spec.chat_template = resolve_chat_template(chat_template, agents.tokenizer)
+    if chat_template != "auto" or agents.spec.chat_template is None:  # auto keeps the workflow's own template
+        agents.spec.chat_template = resolve_chat_template(chat_template, agents.tokenizer)
+    if agents.spec.group_chat and agents.spec.chat_template is None:
+        raise KvprofError(
+            f"workflow {workflow} lays calls out as a group chat (group_chat = true), which needs a chat template; "
+            "pass --chat-template FILE or set chat_template in the workflow."
+        )
     if agents.spec.chat_template is not None:
         console.print(f"agent calls rendered through a chat template ({template_sha256(agents.spec.chat_template)})")
     print_adapters(agents)

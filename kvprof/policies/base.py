@@ -429,10 +429,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
-        self.span_store = SpanStore()  # K/V kept of earlier turns for moved spans (`keep_span_source`)
         self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
-        # the last turn's agent, prefix length, shared input length and cache
-        self.last_turn: tuple[str, int, int, list[KV]] | None = None
+        self.forget_spans()
         unknown = set(options) - set(self.options)
         if unknown:
             raise KvprofError(
@@ -517,8 +515,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     def forget_spans(self) -> None:
         """A new trajectory: drop the K/V kept for moved spans."""
-        self.span_store = SpanStore()
-        self.last_turn = None
+        self.span_store = SpanStore()  # K/V kept of earlier turns for moved spans (`keep_span_source`)
+        # the last turn's agent, prefix length, shared input length and cache
+        self.last_turn: tuple[str, int, int, list[KV]] | None = None
 
     def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
         """Keep tokens [lo, hi) of the last turn's shared sequence (it is turn `turn` of the trajectory) for later
@@ -527,17 +526,24 @@ class SharingPolicy(ABC, Generic[ContextT]):
             agent, prefix_len, inputs, kv = self.last_turn
             self.span_store.keep(turn, prefix_len, kv, lo, hi, agent, inputs)
 
-    def extend_context(self, agent: str, shared: list[int], context: Context, placeholders: bool = False) -> None:
+    def extend_context(
+        self,
+        agent: str,
+        shared: list[int],
+        context: Context,
+        placeholders: bool = False,
+        on_piece: Callable[[int, ChunkForward], None] | None = None,
+    ) -> None:
         """Extend `context` over the turn's moved spans after its reused tokens (`extend_over_moved`): new tokens
         between them computed by `agent` (or, with `placeholders`, left as zeros for the policy to compute:
-        `context.placeholders`), moved K/V re-aligned after them; `context.kv` / `buffers` then cover them all.
-        Nothing to do without moved spans past the context."""
+        `context.placeholders`; `on_piece`: see `extend_over_moved`), moved K/V re-aligned after them; `context.kv` /
+        `buffers` then cover them all. Nothing to do without moved spans past the context."""
         spans = [span for span in self.moved_now if span.begin >= context.reused]
         if not spans:
             return
         cache = self.runtime.cache_over(context.kv, context.buffers, len(shared) - context.reused)
         done = extend_over_moved(
-            self.runtime, agent, shared, cache, context.reused, spans, self.span_store, placeholders
+            self.runtime, agent, shared, cache, context.reused, spans, self.span_store, placeholders, on_piece
         )
         context.buffers = self.runtime.buffers_of(cache)
         length = cache.get_seq_length()

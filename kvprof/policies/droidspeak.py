@@ -21,8 +21,10 @@ starts at layer 0, which recomputes from the input embeddings).
   processed the token (captured during its prefill and decode forwards); the block is recomputed from it with the
   acting agent's adapter, at the acting agent's positions, attending to the blended cache.
 
-Moved spans (ids other turns processed at other positions) are recomputed as new tokens: the block starts from
-the hidden states of stored timeline tokens, which kvprof does not keep for moved spans.
+Moved spans (ids other turns processed at other positions, `kvprof.policies.moved`) are served re-aligned like the
+timeline's tokens, and the block is recomputed for them too: from the hidden states entering it that the turn they
+come from held (kept with their K/V; used at the reader's positions as they are, as DroidSpeak reuses a sender's),
+and for the new tokens between them from their own forward.
 
 Approximate: outside the block the K/V are another agent's, and the block starts from another agent's hidden
 state (exact only at layer 0). LRAgent reports its accuracy up to 2.6 points below NonShared.
@@ -33,6 +35,7 @@ the block kept); after the turn — FullShared's commit and the new tokens' hidd
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,16 +118,17 @@ class LayerProfile:
 @dataclass
 class DroidSpeakContext(FullSharedContext):
     """states: hidden states entering the block of the turn's tokens new to the store, as (timeline index of the
-    first, (1, n, d_model)) per forward; calibration: this turn's layer deviations (a calibration turn)."""
+    first, (1, n, d_model)) per forward or span; pieces: those of the new tokens between moved spans, as their
+    forwards captured them (`extend_over_moved`); calibration: this turn's layer deviations (a calibration turn)."""
 
     states: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     calibration: LayerProfile | None = None
 
 
 class DroidSpeak(SelectiveRecompute):
     name = "droidspeak"
     paper = DROIDSPEAK
-    moves_spans = False  # its block starts from the stored tokens' hidden states, which moved spans do not have
     options = {
         "ratio": ratio_option("0.2", "the share of layers recomputed (a contiguous block)"),
         "profile": Option(
@@ -190,6 +194,41 @@ class DroidSpeak(SelectiveRecompute):
     def needs_hidden(self) -> bool:
         return self.block[0] > 0
 
+    def forget_spans(self) -> None:
+        super().forget_spans()
+        self.kept_states: dict[int, tuple[int, torch.Tensor]] = {}  # source turn -> (lo, (1, hi − lo, d_model))
+
+    def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
+        """Besides the turn's K/V, its tokens' hidden states entering the block (the store holds the turn's
+        sequence now), for moved spans read later."""
+        super().keep_span_source(turn, lo, hi)
+        if self.needs_hidden and self.states is not None:
+            self.kept_states[turn] = (lo, self.states.view(hi)[:, lo:hi].clone())
+
+    def piece_hook(self, context: FullSharedContext) -> Callable[[int, ChunkForward], None] | None:
+        if not self.needs_hidden:
+            return None
+        assert isinstance(context, DroidSpeakContext)
+        start = self.block[0]
+
+        def keep(begin: int, forward: ChunkForward) -> None:
+            assert forward.residual is not None
+            context.pieces.append((begin, forward.residual[start][:1]))
+
+        return keep
+
+    def extended_states(self, context: DroidSpeakContext) -> list[tuple[int, torch.Tensor]]:
+        """Hidden states entering the block of the tokens the context covers past its reused ones, in order: the new
+        tokens' as their forwards computed them, a moved span's as the turn it comes from held them (at its
+        positions: hidden states are not re-aligned; DroidSpeak reuses the sender's as they are)."""
+        spans = {(span.begin, span.end): span for span in self.moved_now}
+        parts = list(context.pieces)
+        for begin, end in context.moved_spans:
+            span = spans[(begin, end)]
+            lo, states = self.kept_states[span.source]
+            parts.append((begin, states[:, span.source_begin - lo : span.source_begin - lo + end - begin]))
+        return sorted(parts, key=lambda part: part[0])
+
     def reset(self) -> None:
         super().reset()
         self.states: GrowingTensor | None = None  # (1, ≥ N, d_model): hidden states entering the block, per token
@@ -209,7 +248,8 @@ class DroidSpeak(SelectiveRecompute):
             hidden = self.stack.embed(ids)
         else:
             assert self.states is not None  # needs_hidden: every stored token's state was kept
-            hidden = self.states.view(count)
+            extended = self.extended_states(context)
+            hidden = torch.cat([self.states.view(context.reused), *(states for _, states in extended)], dim=1)
         if not self.calibrating:
             blend.carry(start, end, hidden, positions)
             return
@@ -248,7 +288,8 @@ class DroidSpeak(SelectiveRecompute):
         flops = super().commit(chunk)
         context = chunk.context
         assert isinstance(context, DroidSpeakContext)
-        for first, states in context.states:
+        extended = self.extended_states(context) if self.needs_hidden else []
+        for first, states in [*extended, *context.states]:
             if self.states is None:
                 self.states = GrowingTensor.of(states, 1)
             else:
@@ -266,11 +307,16 @@ class DroidSpeak(SelectiveRecompute):
         tensors = super().live_tensors()
         if self.states is not None:
             tensors["hidden states"] = [self.states.view(len(self.producers))]
+        if self.kept_states:
+            tensors["moved spans' hidden states"] = [states for _, states in self.kept_states.values()]
         return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
         sizes = super().analytic_bytes()
+        runtime = self.runtime
         if self.states is not None:
-            runtime = self.runtime
             sizes["hidden states"] = len(self.producers) * runtime.hidden_size * runtime.dtype.itemsize
+        if self.kept_states:
+            tokens = sum(states.shape[1] for _, states in self.kept_states.values())
+            sizes["moved spans' hidden states"] = tokens * runtime.hidden_size * runtime.dtype.itemsize
         return sizes

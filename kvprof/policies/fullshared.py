@@ -19,6 +19,7 @@ the agent's prefix, then the shared keys re-rotated to its positions — and `co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +29,7 @@ from kvprof.kv_buffer import KVBuffer
 from kvprof.policies.base import Chunk, Context, Published, SharingPolicy
 from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
 from kvprof.rope import rotate_keys
-from kvprof.runtime import KV
+from kvprof.runtime import KV, ChunkForward
 
 
 @dataclass
@@ -52,6 +53,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
     )
     timeline_state: ClassVar[tuple[str, ...]] = ("shared", "offsets", "producers", "prefixes")
     moves_spans = True
+    context_type: ClassVar[type[FullSharedContext]] = FullSharedContext  # a subclass's own context fields
 
     def reset(self) -> None:
         self.shared: list[KVBuffer] | None = None  # per layer (K, V), (1, H_kv, ≥ N, D), keys at producer positions
@@ -81,7 +83,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
                     flops += 6.0 * keys.numel()
                 buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], len(shared) - reused))
             kv = [buffer.view(prefix_len + reused) for buffer in buffers]
-        context = FullSharedContext(
+        context = self.context_type(
             kv=kv,
             reused=reused,
             extra_prefill=extra_prefill,
@@ -90,8 +92,12 @@ class FullShared(SharingPolicy[FullSharedContext]):
             realigned=realigned,
             prefix=prefix_kv,
         )
-        self.extend_context(agent, shared, context, self.computes_new_tokens_later())
+        self.extend_context(agent, shared, context, self.computes_new_tokens_later(), self.piece_hook(context))
         return context
+
+    def piece_hook(self, context: FullSharedContext) -> Callable[[int, ChunkForward], None] | None:
+        """What sees each forward of new tokens between moved spans (`extend_over_moved`'s `on_piece`); None."""
+        return None
 
     def computes_new_tokens_later(self) -> bool:
         """Whether this turn's new tokens between moved spans are left for the policy to compute after `assemble`'s

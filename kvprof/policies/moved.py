@@ -13,14 +13,14 @@ forward (causal attention: a token's K/V depend on what precedes it only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvprof.reuse import MovedSpan
 from kvprof.rope import rotate_keys
-from kvprof.runtime import KV, Runtime
+from kvprof.runtime import KV, ChunkForward, Runtime
 
 
 @dataclass
@@ -102,13 +102,16 @@ def extend_over_moved(
     spans: Sequence[MovedSpan],
     store: SpanStore,
     placeholders: bool = False,
+    on_piece: Callable[[int, ChunkForward], None] | None = None,
 ) -> Extension:
     """Extend `cache` (the agent's prefix and the first `reused` shared tokens, a `kvprof.kv_buffer.BufferCache`
     appending in place) over `spans` (moved spans at or after `reused`, in order): the new tokens before each are
     computed with `agent`'s adapter over the cache so far, then the span's kept K/V (`store`) are appended, keys
     re-rotated by (reader position − source position). Ends after the last span; the rest of the input is the
     turn's chunk. With `placeholders` the new tokens before a span are not computed: zeros hold their slots, for a
-    policy that recomputes them with the moved spans (CacheBlend over the whole input)."""
+    policy that recomputes them with the moved spans (CacheBlend over the whole input). `on_piece(begin, forward)`
+    gets each forward of new tokens (shared index of its first token; its attention inputs and residual stream
+    captured), for a policy that keeps their hidden states."""
     prefix_len = len(runtime.prefix(agent))
     done = Extension()
     position = reused
@@ -123,7 +126,11 @@ def extend_over_moved(
             done.placeholders.append((position, span.begin))
         elif span.begin > position:
             piece = shared[position : span.begin]
-            runtime.forward(agent, piece, cache, prefix_len + position, last_logits_only=True)
+            out = runtime.forward(
+                agent, piece, cache, prefix_len + position, capture=on_piece is not None, last_logits_only=True
+            )
+            if on_piece is not None:
+                on_piece(position, out)
             done.flops += runtime.flops(len(piece), prefix_len + position)
             done.computed += len(piece)
         kv, source = store.span(span)

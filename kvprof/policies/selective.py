@@ -39,7 +39,6 @@ import inspect
 import math
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -314,7 +313,6 @@ class SelectiveRecompute(FullShared):
     family = "selective recompute"
     approximate = True
     modes = ("lora", "prompt")
-    context_type: ClassVar[type[FullSharedContext]] = FullSharedContext  # a subclass's own context fields
 
     def __init__(self, runtime: Runtime, **options: str):
         self.stack = LayerStack(runtime)
@@ -353,8 +351,6 @@ class SelectiveRecompute(FullShared):
 
     def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
         context = super().assemble(agent, shared)
-        if type(context) is not self.context_type:
-            context = self.context_type(**vars(context))
         if not context.covered or not self.recomputes():
             return context
         stored = self.shared is not None and context.buffers is not None and context.buffers[0] is self.shared[0]
