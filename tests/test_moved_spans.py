@@ -78,3 +78,53 @@ def test_placeholders_leave_the_new_tokens_for_the_policy():
     layer_keys, layer_values = cache.layers[0].keys, cache.layers[0].values
     assert layer_keys.shape[2] == 11 and bool((layer_keys[:, :, 3:6] == 0).all())
     assert bool((layer_values[:, :, 6:11] == 3.0).all())
+
+
+def test_online_group_chat_re_runs_serve_moved_spans(run_cli, tmp_path, monkeypatch):
+    """A group chat imported from a log re-runs online as a group chat (the workflow's `group_chat`): the calls the
+    agents generate leave the shared context the same way, and FullShared serves their moved spans as they come
+    (`FollowedTimeline` finds them), with the dense re-run's accuracy unchanged."""
+    import kvprof.policies.base as base
+    from kvprof.branches import ReplayPlanSummary
+    from kvprof.demo.assets import demo_world
+    from kvprof.policies import PolicyVariant
+    from kvprof.replay import DENSE, run_online, summarise_online
+    from kvprof.trace import read_header
+    from kvprof.workflow import task_of
+
+    world = demo_world()
+    out = tmp_path / "import"
+    code, _, err = run_cli(
+        "import-chat",
+        str(world.sample_group_chat_log),
+        "--model",
+        str(world.model),
+        "--chat-template",
+        str(world.chat_template),
+        "--workflow",
+        str(world.prompt_workflow),
+        "--out",
+        str(out),
+    )
+    assert code == 0, err
+    path = out / "trace.jsonl"
+    assert read_header(path).workflow["group_chat"] is True
+    served = []
+    original = base.extend_over_moved
+
+    def spy(*args, **kwargs):
+        done = original(*args, **kwargs)
+        served.append(done.moved)
+        return done
+
+    monkeypatch.setattr(base, "extend_over_moved", spy)
+    trajectories = read_trace(path).trajectories[:2]
+    agents = load_agents_for_trace(path, device="cpu", dtype="float32")
+    runs = run_online(agents, [task_of(traj) for traj in trajectories], [PolicyVariant("fullshared")])
+    plan = ReplayPlanSummary()
+    for traj in runs[DENSE]:
+        plan.add(traj, "prompt")
+    assert plan.moved > 0  # the online re-runs are group chats too
+    assert sum(served) > 0
+    accuracy = summarise_online(runs)
+    assert accuracy[DENSE]["accuracy"] == 1.0 and accuracy["fullshared"]["tasks"] == 2

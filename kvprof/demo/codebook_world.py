@@ -6,6 +6,8 @@ The world's folder (default: the packaged `assets/codebook`) holds::
 
     model/                                  two-layer model + tokenizer (written by train_codebook)
     workflow_prompt.toml                    the clerk (act) and the auditor (reflect), prompt mode
+    workflow_group_chat.toml                the same as a group chat through a chat template (the other agent's
+                                            outputs read as user messages, as AutoGen / AG2 lay them out)
     tasks/{heldout,long}.jsonl              held-out tasks (never trained on) and the long split (4 ships × 6 docks)
     tasks/standing.jsonl                    held-out-like tasks whose keys are the same in every task
     training.json                           what training measured, check by check
@@ -13,12 +15,14 @@ The world's folder (default: the packaged `assets/codebook`) holds::
     sample_traces/short.jsonl               its first SHORT_TASKS trajectories (what `kvprof demo` replays)
     sample_traces/long.jsonl                the long tasks, captured
     sample_traces/standing.jsonl            the first HELDOUT_TASKS standing-key tasks, captured
+    sample_traces/group_chat.jsonl          the first HELDOUT_TASKS held-out tasks captured as a group chat
     evaluation.json                         capture accuracy and the `kvprof replay --online` numbers below
 
-`evaluate` replays a sample trace (`heldout`, then `standing`) teacher-forced and online under NonShared (the
-dense run), FullShared and the delta-correction policies starting from empty anchor pools (KVComm, KVCMAS chained
-and not), as `kvprof replay TRACE --online --policy ...` does, and keeps each policy's summary (accuracy, diverged
-turns, K/V error, KL, top-1, ρ): the numbers the README quotes.
+`evaluate` replays a sample trace teacher-forced and online under NonShared (the dense run) and other policies, as
+`kvprof replay TRACE --online --policy ...` does, and keeps each policy's summary (accuracy, diverged turns, K/V
+error, KL, top-1, ρ, moved spans served): the numbers the docs quote. `heldout` and `group_chat` (the same tasks in
+both renderings) run every prompt-mode policy at its defaults (`PROMPT_POLICIES`), `standing` FullShared and the
+delta-correction policies (`EVALUATED`); anchor pools start empty and grow, as published.
 """
 
 from __future__ import annotations
@@ -52,8 +56,29 @@ EVALUATED = (
     PolicyVariant("kvcmas", {"chain": "chain"}),
     PolicyVariant("kvcmas", {"chain": "star"}),
 )
-"""The policies `evaluate` replays besides the dense run (pools start empty and grow, as published)."""
-KEPT = ("accuracy", "diverged_turns", "k_error", "v_error", "kl", "top1", "delta_reuse", "reuse_per_token")
+"""The policies `evaluate` replays on the standing-key tasks besides the dense run."""
+PROMPT_POLICIES = (
+    *EVALUATED,
+    PolicyVariant("cacheblend"),
+    PolicyVariant("relaycaching"),
+    PolicyVariant("droidspeak"),
+    PolicyVariant("graphflow"),
+)
+"""Every prompt-mode policy at its defaults (KVCMAS chained and not): what `evaluate` replays on both renderings of
+the held-out tasks."""
+KEPT = (
+    "accuracy",
+    "diverged_turns",
+    "k_error",
+    "v_error",
+    "kl",
+    "top1",
+    "delta_reuse",
+    "reuse_per_token",
+    "moved",
+    "moved_recomputed",
+    "prefilled",
+)
 
 
 @dataclass(frozen=True)
@@ -65,12 +90,16 @@ class CodebookWorld(WorldFolder):
         return self.root / "workflow_prompt.toml"
 
     @property
+    def group_chat_workflow(self) -> Path:
+        return self.root / "workflow_group_chat.toml"
+
+    @property
     def standing_tasks(self) -> Path:
         return self.root / "tasks" / "standing.jsonl"
 
     @property
     def sample_traces(self) -> dict[str, Path]:
-        names = ("short", "heldout", "long", "standing")
+        names = ("short", "heldout", "long", "standing", "group_chat")
         return {name: self.root / "sample_traces" / f"{name}.jsonl" for name in names}
 
     @property
@@ -101,13 +130,14 @@ def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
     stats = {}
     with tempfile.TemporaryDirectory() as tmp:
         captures = (
-            ("heldout", world.heldout_tasks, HELDOUT_TASKS),
-            ("long", world.long_tasks, None),
-            ("standing", world.standing_tasks, HELDOUT_TASKS),
+            ("heldout", world.heldout_tasks, HELDOUT_TASKS, world.workflow),
+            ("long", world.long_tasks, None, world.workflow),
+            ("standing", world.standing_tasks, HELDOUT_TASKS, world.workflow),
+            ("group_chat", world.heldout_tasks, HELDOUT_TASKS, world.group_chat_workflow),
         )
-        for name, tasks, limit in captures:
+        for name, tasks, limit, workflow in captures:
             trace = Path(tmp) / f"{name}.jsonl"
-            trajectories = captured_trace(world.model, world.workflow, load_tasks(tasks, limit), trace, device)
+            trajectories = captured_trace(world.model, workflow, load_tasks(tasks, limit), trace, device)
             relative_trace(trace, world.sample_traces[name])
             stats[name] = _stats(trajectories)
         short = read_trace(world.sample_traces["heldout"])
@@ -116,18 +146,20 @@ def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
     return stats
 
 
-def evaluate(world: CodebookWorld, name: str = "heldout", device: str = "cpu") -> dict:
-    """Replay the sample trace `name` teacher-forced and online under NonShared and `EVALUATED`; returns
+def evaluate(
+    world: CodebookWorld, name: str = "heldout", device: str = "cpu", policies: tuple[PolicyVariant, ...] = EVALUATED
+) -> dict:
+    """Replay the sample trace `name` teacher-forced and online under NonShared and `policies`; returns
     `label → {KEPT numbers}` with the dense run under "nonshared"."""
     trace = world.sample_traces[name]
     agents = load_agents_for_trace(trace, device=device, dtype="float32")
     trajectories = read_trace(trace).trajectories
     with progress() as bar:
-        job = bar.add_task(f"replaying {name}", total=len(trajectories) * (len(EVALUATED) + 1))
+        job = bar.add_task(f"replaying {name}", total=len(trajectories) * (len(policies) + 1))
         result = run_replay(
             agents,
             trajectories,
-            list(EVALUATED),
+            list(policies),
             online=True,
             hooks=ReplayHooks(on_task=lambda label, task: bar.advance(job)),
         )
@@ -142,7 +174,8 @@ def build(world: CodebookWorld, device: str = "cpu") -> dict:
     started = time.perf_counter()
     record: dict[str, object] = {
         "traces": build_traces(world, device),
-        "replay_online": evaluate(world, "heldout", device),
+        "replay_online": evaluate(world, "heldout", device, PROMPT_POLICIES),
+        "replay_online_group_chat": evaluate(world, "group_chat", device, PROMPT_POLICIES),
         "replay_online_standing": evaluate(world, "standing", device),
     }
     record["seconds"] = round(time.perf_counter() - started, 1)
