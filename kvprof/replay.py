@@ -38,7 +38,7 @@ from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import cpu_description, gpu_memory
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory
-from kvprof.workflow import SearchTool, Task, exact_match, run_react, task_of
+from kvprof.workflow import SearchTool, Task, exact_match, require_react_agents, run_react, task_of
 
 DENSE = "dense"
 PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
@@ -646,6 +646,8 @@ def run_replay(
     `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode, repeats, timing,
     attention path, device, CPU, dtype, GPU memory)."""
     hooks = hooks or ReplayHooks()
+    if online:
+        require_react_agents(agents.spec.names)
     result = replay_trace(
         agents,
         trajectories,

@@ -82,7 +82,12 @@ class WorkflowSpec:
         return [agent.name for agent in self.agents]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The spec as a trace header holds it (`group_chat` only when set: traces of other layouts stay as they
+        were)."""
+        data = asdict(self)
+        if not self.group_chat:
+            del data["group_chat"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> WorkflowSpec:

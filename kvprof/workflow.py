@@ -270,6 +270,16 @@ def run_react(
     return traj
 
 
+def require_react_agents(names: list[str]) -> None:
+    """Refuse, in one sentence, agents (`names`) that `run_react` cannot schedule: it calls `act` every round, and
+    `plan` / `reflect` when the workflow has them."""
+    if "act" not in names or any(name not in ("plan", "act", "reflect") for name in names):
+        raise KvprofError(
+            f"--online re-runs kvprof's ReAct schedule (agents act, and plan / reflect when present), but this "
+            f"trace's agents are {', '.join(names)}; replay it teacher-forced (drop --online)."
+        )
+
+
 class Layout(Protocol):
     """How a trajectory's agent calls are laid out as tokens."""
 

@@ -413,3 +413,15 @@ def test_delta_policies_fitted_on_half_the_demo_group_chat_report_accuracy(run_c
     check_fitted_delta_replay(result)
     for label in ("kvcomm", "kvcmas-chain"):
         assert result["online"][label]["accuracy"] is not None and result["online"][label]["tasks"] == 2
+
+
+def test_online_replay_refuses_agents_the_react_schedule_cannot_run(run_cli, tiny_world, tokenizers, tmp_path):
+    """A log whose agents are not kvprof's ReAct roles replays teacher-forced; --online is refused in one sentence
+    before any model loads."""
+    family = "llama3.1"
+    records, _ = renderable(tokenizers[family], log_cases("prompt", trajectories=1)["documented"])
+    imported = import_records(tiny_world, tokenizers[family], family, "prompt", records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    code, out, err = run_cli("replay", str(path), "--online", "--policy", "fullshared", "--out", str(tmp_path / "r"))
+    assert code == 2 and "drop --online" in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "replay.json").exists()

@@ -356,6 +356,10 @@ def command(
     if trace is None:
         trace, model = demo_trace(model)
     trajectories = select_trajectories(trace, skip, limit)  # the whole trace validated before any model loads
+    if online:
+        from kvprof.workflow import require_react_agents
+
+        require_react_agents(trace_header(trace).agent_names)
     if strict:
         from kvprof.branches import require_one_timeline
 
