@@ -307,3 +307,24 @@ def renderable(tokenizer, records: list[dict]) -> tuple[list[dict], list[str]]:
 def write_log(records: list[dict], path: Path) -> Path:
     path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
     return path
+
+
+def import_demo_group_chat(run_cli, out: Path) -> Path:
+    """`kvprof import-chat` of the demo world's group-chat log into `out`; returns the trace's path."""
+    from kvprof.demo.assets import demo_world
+
+    world = demo_world()
+    code, _, err = run_cli(
+        "import-chat",
+        str(world.sample_group_chat_log),
+        "--model",
+        str(world.model),
+        "--chat-template",
+        str(world.chat_template),
+        "--workflow",
+        str(world.prompt_workflow),
+        "--out",
+        str(out),
+    )
+    assert code == 0, err
+    return out / "trace.jsonl"

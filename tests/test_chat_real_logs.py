@@ -20,6 +20,7 @@ from real_chat import (
     ROLE_PROMPTS,
     TASKS,
     build_family,
+    import_demo_group_chat,
     log_cases,
     renderable,
     write_log,
@@ -33,7 +34,6 @@ from kvprof.anchor_fit import fit_pool, truncated
 from kvprof.branches import ReplayPlanSummary
 from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.chat_log import import_log
-from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
 from kvprof.model import load_agents_for_trace, tokenizer_identity
@@ -64,6 +64,17 @@ def server_ids(tokenizer, record: dict) -> list[int]:
         record["messages"], tools=record.get("tools"), add_generation_prompt=True, tokenize=True
     )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def replayable(tiny_world, family_models, tokenizer, family: str, mode: str, records: list[dict], folder):
+    """The trajectories of `records` imported as a trace in `folder`, and the agents that replay it (lora modes: the
+    shared-A adapters)."""
+    imported = import_records(tiny_world, tokenizer, family, mode, records, folder / "log.jsonl")
+    path = write_trace(folder / "trace.jsonl", imported.trace)
+    lora = mode != "prompt"
+    flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS] if lora else None
+    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
+    return read_trace(path).trajectories, agents
 
 
 def import_records(tiny_world, tokenizer, family: str, mode: str, records: list[dict], path):
@@ -241,12 +252,8 @@ def test_renderable_logs_replay_every_turn_under_every_policy(
     )
     if not records:
         pytest.skip(f"the {family} template refuses this shape: {refused[0]}")
-    imported = import_records(tiny_world, tokenizer, family, mode, records, tmp_path / "log.jsonl")
-    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
-    trajectories = read_trace(path).trajectories
+    trajectories, agents = replayable(tiny_world, family_models, tokenizer, family, mode, records, tmp_path)
     lora = mode != "prompt"
-    flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS] if lora else None
-    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
     names = dict.fromkeys(variant.name for m, variant in POLICY_CASES if m == ("lora" if lora else "prompt"))
     variants = [PolicyVariant(name) for name in names]
     runnable, skipped = runnable_variants(variants, Runtime(agents), skip=True)
@@ -287,12 +294,8 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     family = "llama3.1"
     tokenizer = tokenizers[family]
     records, _ = renderable(tokenizer, log_cases(mode, trajectories=2)["group_chat"])
-    imported = import_records(tiny_world, tokenizer, family, mode, records, tmp_path / "log.jsonl")
-    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
-    trajectories = read_trace(path).trajectories
+    trajectories, agents = replayable(tiny_world, family_models, tokenizer, family, mode, records, tmp_path)
     lora = mode != "prompt"
-    flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS] if lora else None
-    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
     layers = agents.config.num_hidden_layers
     profile = tmp_path / "profile.json"  # the last layer deviates most: DroidSpeak's block starts after layer 0
     write_json(str(profile), LayerProfile([0.0] * (layers - 1) + [1.0], [1.0] * layers, 1).to_json("tiny"))
@@ -331,14 +334,12 @@ def test_delta_policies_fitted_on_half_a_group_chat_correct_its_moved_spans(
     tiny_world, family_models, tokenizers, tmp_path
 ):
     """KVComm and KVCMAS with pools fitted (`kvprof.anchor_fit`, moved spans as placeholder segments) on half of the
-    Llama 3.1 group chat's trajectories replay the other half correcting moved spans: ρ, KL and accuracy reported."""
+    Llama 3.1 group chat's trajectories replay the other half correcting moved spans, with ρ and KL (the demo group
+    chat's test below re-runs it online for accuracy: these agents are not kvprof's ReAct roles)."""
     family = "llama3.1"
     tokenizer = tokenizers[family]
     records, _ = renderable(tokenizer, log_cases("prompt", trajectories=4)["group_chat"])
-    imported = import_records(tiny_world, tokenizer, family, "prompt", records, tmp_path / "log.jsonl")
-    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
-    trajectories = read_trace(path).trajectories
-    agents = load_agents_for_trace(path, model=str(family_models[family]), device="cpu")
+    trajectories, agents = replayable(tiny_world, family_models, tokenizer, family, "prompt", records, tmp_path)
     runtime = Runtime(agents)
     half = len(trajectories) // 2
     pool = fit_pool(runtime, trajectories[:half], capacity=10)
@@ -370,22 +371,7 @@ def test_delta_policies_fitted_on_half_the_demo_group_chat_report_accuracy(run_c
     """The same through the commands on the demo's group-chat log (the demo workflow, so online re-runs work):
     import-chat, fit-anchors on two trajectories (full-dimensional for KVComm, rank 32 for KVCMAS), replay the other
     two online."""
-    world = demo_world()
-    imported = tmp_path / "import"
-    code, out, err = run_cli(
-        "import-chat",
-        str(world.sample_group_chat_log),
-        "--model",
-        str(world.model),
-        "--chat-template",
-        str(world.chat_template),
-        "--workflow",
-        str(world.prompt_workflow),
-        "--out",
-        str(imported),
-    )
-    assert code == 0, err
-    trace = str(imported / "trace.jsonl")
+    trace = str(import_demo_group_chat(run_cli, tmp_path / "import"))
     for rank, folder in (("full", "full"), ("32", "low")):
         code, out, err = run_cli("fit-anchors", trace, "--limit", "2", "--rank", rank, "--out", str(tmp_path / folder))
         assert code == 0, err

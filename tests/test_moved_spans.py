@@ -84,30 +84,16 @@ def test_online_group_chat_re_runs_serve_moved_spans(run_cli, tmp_path, monkeypa
     """A group chat imported from a log re-runs online as a group chat (the workflow's `group_chat`): the calls the
     agents generate leave the shared context the same way, and FullShared serves their moved spans as they come
     (`FollowedTimeline` finds them), with the dense re-run's accuracy unchanged."""
+    from real_chat import import_demo_group_chat
+
     import kvprof.policies.base as base
     from kvprof.branches import ReplayPlanSummary
-    from kvprof.demo.assets import demo_world
     from kvprof.policies import PolicyVariant
     from kvprof.replay import DENSE, run_online, summarise_online
     from kvprof.trace import read_header
     from kvprof.workflow import task_of
 
-    world = demo_world()
-    out = tmp_path / "import"
-    code, _, err = run_cli(
-        "import-chat",
-        str(world.sample_group_chat_log),
-        "--model",
-        str(world.model),
-        "--chat-template",
-        str(world.chat_template),
-        "--workflow",
-        str(world.prompt_workflow),
-        "--out",
-        str(out),
-    )
-    assert code == 0, err
-    path = out / "trace.jsonl"
+    path = import_demo_group_chat(run_cli, tmp_path / "import")
     assert read_header(path).workflow["group_chat"] is True
     served = []
     original = base.extend_over_moved

@@ -478,13 +478,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 continue
             self.prefill_densely(agent, dense, buffers, context)
             dense = []
-            at = prefix_len + segment.start
-            keys, values = self.corrected_kv(agent, decision, context)
-            keys = rotate_keys(keys, at, runtime.rope)
-            for layer, buffer in enumerate(buffers):
-                buffer.write(at, keys[layer][None], values[layer][None])
-            context.corrected += segment.length
-            context.corrected_spans.append((segment.start, segment.end, self.readers[segment.name] + 1))
+            self.write_corrected(agent, decision, buffers, context, self.readers[segment.name] + 1)
         context.reused = reused
         self.read_moved(agent, buffers, context)
         context.kv = [buffer.view(prefix_len + context.covered) for buffer in buffers]
@@ -540,13 +534,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 runtime.forward(agent, piece, BufferCache(buffers, at), at, last_logits_only=True)
                 context.extra_prefill += len(piece)
                 context.extra_flops += runtime.flops(len(piece), at)
-            at = prefix_len + segment.start
-            keys, values = self.corrected_kv(agent, decision, context)
-            keys = rotate_keys(keys, at, runtime.rope)
-            for layer, buffer in enumerate(buffers):
-                buffer.write(at, keys[layer][None], values[layer][None])
-            context.corrected += segment.length
-            context.corrected_spans.append((segment.start, segment.end, 1))
+            self.write_corrected(agent, decision, buffers, context, 1)
             context.moved += segment.length
             context.moved_spans.append((segment.start, segment.end))
             position = segment.end
@@ -562,6 +550,20 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         if anchor is None:
             anchor = self.pool.insert(segment.slot, segment.name, decision.source, *decision.reference)
         self.pool.add_delta(anchor, agent, *self.stored_segment(agent, segment))
+
+    def write_corrected(
+        self, agent: str, decision: Decision, buffers: list[KVBuffer], context: DeltaContext, hop: int
+    ) -> None:
+        """Write the accepted segment's corrected K/V (`corrected_kv`, keys rotated to its positions after
+        `agent`'s prefix) into `buffers` and count it (`hop`: see `Context.corrected_spans`)."""
+        segment = decision.segment
+        at = len(self.runtime.prefix(agent)) + segment.start
+        keys, values = self.corrected_kv(agent, decision, context)
+        keys = rotate_keys(keys, at, self.runtime.rope)
+        for layer, buffer in enumerate(buffers):
+            buffer.write(at, keys[layer][None], values[layer][None])
+        context.corrected += segment.length
+        context.corrected_spans.append((segment.start, segment.end, hop))
 
     def prefill_densely(
         self, agent: str, segments: list[SharedSegment], buffers: list[KVBuffer], context: DeltaContext
