@@ -93,14 +93,18 @@ class DenseCaches:
     def __init__(self, runtime: Runtime, sequences: list[list[int]]):
         self.runtime = runtime
         self.sequences = sequences
+        self.longest: dict[int, int] = {}  # id of a sequence asked for -> index of the longest one extending it
         self.caches: dict[tuple[str, int], list[KV]] = {}
 
     def view(self, agent: str, sequence: list[int], start: int, end: int) -> Stacked:
-        """`agent`'s K/V of tokens [start, end) of `sequence` after its prefix, in their frame."""
-        longest = max(
-            (index for index, other in enumerate(self.sequences) if other[: len(sequence)] == sequence),
-            key=lambda index: len(self.sequences[index]),
-        )
+        """`agent`'s K/V of tokens [start, end) of `sequence` (one of the given sequences) after its prefix, in
+        their frame."""
+        if id(sequence) not in self.longest:
+            self.longest[id(sequence)] = max(
+                (index for index, other in enumerate(self.sequences) if other[: len(sequence)] == sequence),
+                key=lambda index: len(self.sequences[index]),
+            )
+        longest = self.longest[id(sequence)]
         key = (agent, longest)
         if key not in self.caches:
             self.caches[key] = dense_cache(self.runtime, agent, self.sequences[longest])
