@@ -243,7 +243,8 @@ class FollowedTimeline:
     """The online counterpart (turns generated as they come, so no turn can be planned ahead): before each turn the
     policy forgets what the input does not share with the timeline the previous turn left (no earlier state is
     restored), and `begin` returns the input's moved spans after that, found among the earlier turns' sequences; a
-    policy that moves spans keeps each turn's whole sequence (no later turn is known yet)."""
+    policy that moves spans keeps of each turn what a later turn could read as a moved span (no later turn is known
+    yet): its sequence from its first run of ids nothing before it held."""
 
     def __init__(self, policy: SharingPolicy, min_span: int = MIN_SPAN):
         self.policy = policy
@@ -261,6 +262,7 @@ class FollowedTimeline:
 
     def end(self, sequence: list[int]) -> None:
         self.ids = sequence
-        self.index.add(sequence, 0, self.turns)
-        self.policy.keep_span_source(self.turns, 0, len(sequence))
+        new = self.index.add(sequence, 0, self.turns)
+        if new < len(sequence):
+            self.policy.keep_span_source(self.turns, new, len(sequence))
         self.turns += 1

@@ -151,12 +151,15 @@ class SpanIndex:
     def __init__(self) -> None:
         self.first: dict[tuple[int, ...], tuple[int, list[int], int]] = {}
 
-    def add(self, ids: list[int], start: int = 0, turn: int = -1) -> None:
+    def add(self, ids: list[int], start: int = 0, turn: int = -1) -> int:
         """Index the runs of `ids` (turn `turn`'s sequence) that begin at `start` or later (those before were indexed
-        with an earlier sequence sharing that prefix)."""
-        first = self.first
+        with an earlier sequence sharing that prefix). Returns the position of the first run it indexed as a first
+        occurrence (len(ids) if none): `find` never points into `ids` before it."""
+        first, new = self.first, len(ids)
         for pos in range(max(0, start - GRAM + 1), len(ids) - GRAM + 1):
-            first.setdefault(tuple(ids[pos : pos + GRAM]), (turn, ids, pos))
+            if first.setdefault(tuple(ids[pos : pos + GRAM]), (turn, ids, pos))[1] is ids:
+                new = min(new, pos)
+        return new
 
     def find(self, ids: Sequence[int], start: int, end: int | None = None, min_span: int = MIN_SPAN) -> list[MovedSpan]:
         """Runs of `ids[start:end]`, each at least `min_span` long, equal to ids an earlier sequence holds at its
