@@ -307,6 +307,15 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
         PolicyVariant("droidspeak", {"ratio": "1"}),
         PolicyVariant("droidspeak", {"ratio": str(1 / layers), "profile": str(profile)}),
     ]
+    if lora:  # the LoRA family moves its base and LR caches
+        variants += [
+            PolicyVariant("prelrshared"),
+            PolicyVariant("prelrshared", {"views": "kept"}),
+            PolicyVariant("baselrshared"),
+            PolicyVariant("rebaseshared"),
+            PolicyVariant("rebaseshared", {"schedule": "db"}),
+            PolicyVariant("baseshared"),
+        ]
     result = replay_trace(agents, trajectories, variants)
     policies = result["policies"]
     plan = ReplayPlanSummary()
@@ -317,9 +326,22 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     block = f"droidspeak-ratio={1 / layers}"
     assert f"recomputes layer {layers - 1} of {layers}" in policies[block]["notes"][0]
     for label in policies:
+        if label.startswith("baseshared"):  # its LR prefill runs the backbone over every token its LR cache lacks
+            assert any(note.startswith(f"{label}: does not move spans") for note in notes)
+            continue
         assert policies[label]["summary"]["moved"] == plan.moved, label
         assert not any(note.startswith(f"{label}: does not move spans") for note in notes)
-    assert policies["fullshared"]["summary"]["prefilled"] == plan.new
+    for label in ("fullshared", "prelrshared", "prelrshared-kept", "baselrshared"):
+        if label in policies:
+            assert policies[label]["summary"]["prefilled"] == plan.new, label
+    if lora:  # the neutral base is re-aligned like any other; the turns' new tokens are prefilled as FullShared's
+        for label in ("rebaseshared-lp", "rebaseshared-db"):
+            assert policies[label]["summary"]["prefilled"] == plan.new, label
+        kept, per_turn = policies["prelrshared-kept"]["summary"], policies["prelrshared"]["summary"]
+        assert kept["kl"] == pytest.approx(per_turn["kl"], rel=1e-4, abs=1e-9)
+        assert policies["rebaseshared-lp"]["summary"]["kl"] == pytest.approx(
+            policies["rebaseshared-db"]["summary"]["kl"], rel=1e-3, abs=1e-9
+        )
     for label in ("cacheblend-ratio=1", "relaycaching-ratio=1", "droidspeak-ratio=1"):
         summary = policies[label]["summary"]
         assert summary["kl"] < 1e-6 and summary["k_error"] < 1e-4 and summary["v_error"] < 1e-4, label
@@ -328,6 +350,36 @@ def test_moved_spans_of_a_group_chat_are_reused_and_full_recompute_is_dense(
     full, blend = policies["fullshared"]["summary"], policies["cacheblend-ratio=0.16"]["summary"]
     assert 0 < blend["k_error"] < full["k_error"]
     assert 0 < policies[block]["summary"]["k_error"] < full["k_error"]
+
+
+def test_low_rank_policies_moving_spans_equal_fullshared_when_every_agent_has_the_same_adapter(
+    tiny_world, family_models, tokenizers, tmp_path
+):
+    """Lora mode with per-agent system prompts, one adapter for every agent: a token's base plus the reader's B over
+    the producer's X·A is the producer's own K/V, so PreLRShared and BaseLRShared moving a span (base keys
+    re-rotated, the key LR term rotated at the reader's positions, LR caches copied) must give FullShared's turns,
+    which re-rotate the producer's K/V — to float tolerance, through the moved spans of the Llama group chat."""
+    family = "llama3.1"
+    tokenizer = tokenizers[family]
+    records, _ = renderable(tokenizer, log_cases("lora_agent_prompts", trajectories=2)["group_chat"])
+    imported = import_records(tiny_world, tokenizer, family, "lora_agent_prompts", records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    same = tiny_world.shared_a_adapter(ADAPTERS["executor"])
+    agents = load_agents_for_trace(
+        path, model=str(family_models[family]), agent_flags=[f"{agent}={same}" for agent in AGENTS], device="cpu"
+    )
+    variants = [PolicyVariant(name) for name in ("fullshared", "prelrshared", "baselrshared")]
+    result = replay_trace(agents, read_trace(path).trajectories, variants)
+    policies = result["policies"]
+    full = policies["fullshared"]
+    assert full["summary"]["moved"] > 0 and full["summary"]["kl"] > 1e-6  # moved spans cost fidelity
+    for label in ("prelrshared", "baselrshared"):
+        assert policies[label]["summary"]["moved"] == full["summary"]["moved"], label
+        for turn, reference in zip(policies[label]["turns"], full["turns"]):
+            assert turn["kl_sum"] == pytest.approx(reference["kl_sum"], rel=1e-3, abs=1e-6), label
+            for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
+                assert layer["k_error"] == pytest.approx(reference_layer["k_error"], rel=1e-3, abs=1e-6), label
+                assert layer["v_error"] == pytest.approx(reference_layer["v_error"], rel=1e-3, abs=1e-6), label
 
 
 def test_delta_policies_fitted_on_half_a_group_chat_correct_its_moved_spans(

@@ -561,7 +561,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def span_store_bytes(self) -> dict[str, int]:
         """The K/V kept for moved spans, as a structure of the policy's memory (none when empty)."""
         tokens = self.span_store.tokens()
-        return {"moved spans": self.runtime.kv_bytes_per_token * tokens} if tokens else {}
+        low_rank = sum(t.numel() * t.element_size() for t in self.span_store.low_rank_tensors())
+        return {"moved spans": self.runtime.kv_bytes_per_token * tokens + low_rank} if tokens else {}
 
     def prefix_context(self, agent: str) -> tuple[list[KV], float]:
         """The agent's private prefix computed alone at positions 0.. (exact: nothing precedes it), and its FLOPs."""

@@ -81,6 +81,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
             origins={"code": "code", "full": "paper text", "incremental": "kvprof"},
         )
     }
+    moves_spans = False
     published = (
         Published(
             LRAGENT, "main results, accuracy", LRAGENT_SETTING, "mean accuracy drop ≤ 0.7 points against NonShared"

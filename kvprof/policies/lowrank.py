@@ -40,6 +40,9 @@ from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.kv_buffer import GrowingTensor, KVBuffer
 from kvprof.lora import SPLIT_SIDES, heads
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
+from kvprof.policies.moved import KeptSequence
+from kvprof.reuse import MovedSpan
+from kvprof.rope import rotate_keys
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
@@ -229,7 +232,7 @@ class LowRankStore:
 
     # ------------------------------------------------------------------------------------------- reading
 
-    def _sides(
+    def sides(
         self, layer: int, agent: str | None, low_rank: list[dict[str, torch.Tensor]] | None
     ) -> dict[str, torch.Tensor]:
         """The LR caches of `low_rank` at `layer` that `agent`'s B applies to: "key"/"value" → (1, n, r)."""
@@ -242,34 +245,27 @@ class LowRankStore:
             if projection in low_rank[layer] and agent in getattr(split, projection).up
         }
 
-    def write_expanded(
-        self,
-        layer: int,
-        agent: str | None,
-        sides: dict[str, torch.Tensor],
-        target: KVBuffer,
-        begin: int,
-        end: int,
-        offset: int = 0,
-    ) -> float:
-        """Write one layer's K/V of tokens begin..end as `agent` sees them — base plus B applied to each LR cache in
-        `sides` ("key"|"value" → (1, ≥ end − offset, r), its first token at timeline index `offset`; the other side
-        copied from the base; keys normalised and rotated for a model with a key norm) — into the same slots of
-        `target`; returns the FLOPs. Expansions run in the adapter's dtype, RoPE from the runtime's cos/sin tables,
-        sums in float32."""
+    def expand(
+        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
+        """One layer's (K, V) of n tokens at timeline indices begin.. as `agent` sees them — their base `base`
+        ((1, H_kv, n, D) each) plus B applied to each LR cache in `sides` ("key"|"value" → (1, n, r)); the other
+        side the base itself; keys normalised and rotated for a model with a key norm — and the FLOPs. Expansions
+        run in the adapter's dtype, RoPE from the runtime's cos/sin tables, sums in float32 (returned so: the
+        caller casts where it stores them)."""
         runtime = self.runtime
         split = runtime.splits[layer]
-        base_keys, base_values = self.base[layer].view(end)
         key_norm = None if runtime.key_norms is None else runtime.key_norms[layer]
+        end = begin + int(base[0].shape[2])
         flops = 0.0
-        for projection, grown, source in (("key", target.keys, base_keys), ("value", target.values, base_values)):
-            out, source = grown.slot(begin, end - begin), source[:, :, begin:end]
+        finished: list[torch.Tensor] = []
+        for projection, source in zip(("key", "value"), base):
             norm = key_norm if projection == "key" else None
             summed = source
             if projection in sides:
                 assert agent is not None  # sides is empty without an agent
                 proj = getattr(split, projection)
-                factors = sides[projection][:, begin - offset : end - offset]
+                factors = sides[projection]
                 expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
                 flops += 2.0 * expanded.numel() * factors.shape[-1]
                 if projection == "key" and norm is None:
@@ -280,7 +276,29 @@ class LowRankStore:
                 cos, sin = runtime.rope_tables(end)
                 summed = runtime.rope.rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:])
                 flops += KEY_FINISH_FLOPS * summed.numel()
-            out.copy_(summed)
+            finished.append(summed)
+        return (finished[0], finished[1]), flops
+
+    def write_expanded(
+        self,
+        layer: int,
+        agent: str | None,
+        sides: dict[str, torch.Tensor],
+        target: KVBuffer,
+        begin: int,
+        end: int,
+        offset: int = 0,
+    ) -> float:
+        """Write one layer's K/V of the store's tokens begin..end as `agent` sees them (`expand`; `sides`:
+        "key"|"value" → (1, ≥ end − offset, r), its first token at timeline index `offset`) into the same slots of
+        `target`; returns the FLOPs."""
+        base_keys, base_values = self.base[layer].view(end)
+        sliced = {side: t[:, begin - offset : end - offset] for side, t in sides.items()}
+        (keys, values), flops = self.expand(
+            layer, agent, sliced, (base_keys[:, :, begin:end], base_values[:, :, begin:end]), begin
+        )
+        target.keys.slot(begin, end - begin).copy_(keys)
+        target.values.slot(begin, end - begin).copy_(values)
         return flops
 
     def assemble(
@@ -308,7 +326,7 @@ class LowRankStore:
         flops = 0.0
         for layer, base in enumerate(self.base):
             base_keys, base_values = base.view(length)
-            sides = self._sides(layer, agent, low_rank)
+            sides = self.sides(layer, agent, low_rank)
             layer_lora = None
             if agent is not None and "value" in sides and not expand_values:
                 up = runtime.splits[layer].value.up[agent]
@@ -340,7 +358,7 @@ class LowRankStore:
         if view is None:
             view = [KVBuffer.like(*buffer.view(0), length + spare) for buffer in self.base]
         flops = sum(
-            self.write_expanded(layer, agent, self._sides(layer, agent, low_rank), target, have, length)
+            self.write_expanded(layer, agent, self.sides(layer, agent, low_rank), target, have, length)
             for layer, target in enumerate(view)
         )
         return view, flops
@@ -386,11 +404,16 @@ VIEWS = Option(
 
 @dataclass
 class LowRankContext(Context):
-    """updates: the store updates the turn computed in `on_prefill` / `on_decode_step`, appended by `commit`;
-    view: with `views=kept`, the acting agent's kept view, valid for the `reused` tokens once committed."""
+    """updates: the store updates the turn computed in `on_prefill` / `on_decode_step` (and for the new tokens
+    between moved spans), appended by `commit`; view: with `views=kept`, the acting agent's kept view, valid for the
+    `reused` tokens once committed; moved_updates: the store updates of the turn's moved spans (base K/V re-aligned,
+    LR caches copied: `LowRankPolicy.moved_update`); pieces: the new tokens computed between them (timeline index of
+    the first, ids)."""
 
     updates: list[StoreUpdate] = field(default_factory=list)
     view: list[KVBuffer] | None = None
+    moved_updates: list[StoreUpdate] = field(default_factory=list)
+    pieces: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 LowRankContextT = TypeVar("LowRankContextT", bound=LowRankContext)
@@ -409,10 +432,21 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     expanded again every turn (the stored state is only the base and LR caches; under Flash-LoRA-Attention the
     values are not expanded at all). A token's view for a given agent never changes once the token is stored, so
     `views=kept` keeps each agent's expanded view and extends it with the tokens added since its last turn
-    (memory: one full cache per agent that has acted, counted as `view:AGENT`)."""
+    (memory: one full cache per agent that has acted, counted as `view:AGENT`).
+
+    Moved spans (`kvprof.policies.moved`; in lora mode, ids an earlier turn processed at other positions: the
+    question or another agent's reply after this agent's own system prompt): the store keeps, of each turn later
+    turns read from, its base cache and every LR cache of those tokens; a moved span's base K/V are re-aligned (keys
+    re-rotated by the shift; a key-norm model's stored keys are un-rotated and move as they are) and its LR caches
+    copied (X·Aᵀ is position-free), and the reader attends to them as to any stored token: the base plus its B over
+    its LR cache, the key part rotated at the reader's positions. The new tokens between moved spans are computed by
+    the agent over the cache so far and stored as its chunk's are (`extend_over_moved_store`). None of the authors'
+    code meets a moved span (each stores one timeline per conversation); this is their stored state moved as
+    FullShared moves a cache."""
 
     modes: ClassVar[tuple[str, ...]] = ("lora",)
     timeline_state: ClassVar[tuple[str, ...]] = ("store", "views", "view_lengths")
+    moves_spans = True
 
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
@@ -431,6 +465,10 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     @property
     def needs_hidden(self) -> bool:
         return True
+
+    def lr_name(self, agent: str) -> str:
+        """The LR cache agent `agent` reads."""
+        return agent
 
     def reused_span(self, shared: list[int]) -> int:
         """Shared tokens the store can serve to an input of `shared` tokens (at least one is left to compute)."""
@@ -457,6 +495,75 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
             buffers=view_of_store.buffers,
         )
 
+    def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
+        """Keep the store's tokens [lo, hi) of the last turn's sequence (turn `turn`): base K/V and every LR cache
+        that covers them, copied (the store's storage is overwritten after a truncation)."""
+        if self.last_turn is None:
+            return
+        hi = min(hi, len(self.store))
+        base = [(k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()) for k, v in (b.view(hi) for b in self.store.base)]
+        low_rank = {
+            name: [{side: t[:, lo:hi].clone() for side, t in layer.items()} for layer in self.store.lr(name) or []]
+            for name in self.store.low_rank
+            if self.store.lr_length(name) >= hi
+        }
+        agent, _, inputs, _ = self.last_turn
+        self.span_store.turns[turn] = KeptSequence(lo, hi, 0, base, agent, inputs, low_rank)
+
+    def moved_update(self, span: MovedSpan) -> tuple[StoreUpdate, float]:
+        """The store update of a moved span (timeline indices span.begin..): its kept base K/V, keys re-rotated by
+        the shift (not for a key-norm model, whose stored keys are un-rotated), values as they are, and its kept LR
+        caches; the FLOPs of the rotation."""
+        kv, source = self.span_store.span(span)
+        delta, flops = span.begin - source, 0.0
+        if delta and self.runtime.key_norms is None:
+            kv = [(rotate_keys(keys, delta, self.runtime.rope), values) for keys, values in kv]
+            flops = 6.0 * sum(keys.numel() for keys, _ in kv)
+        producer = self.span_store.source(span).agent
+        return StoreUpdate(span.begin, producer, kv, self.span_store.low_rank(span)), flops
+
+    def extend_over_moved_store(self, agent: str, shared: list[int], context: LowRankContextT) -> None:
+        """Extend `context` over the turn's moved spans after its reused tokens, span by span: the new tokens before
+        each computed by `agent` over the cache so far (their store work by `on_forward`, as the chunk's), then the
+        span's store update (`moved_update`) and `agent`'s view of it — base plus its B over the span's LR cache
+        `lr_name(agent)`, values expanded — appended (with `adapter_rows`, each row as that row's adapter sees it:
+        the adapter-free row the base alone). `context.kv` / `buffers` then cover them all."""
+        spans = [span for span in self.moved_now if span.begin >= context.reused]
+        if not spans:
+            return
+        runtime = self.runtime
+        rows = self.adapter_rows(agent) or [agent]
+        cache = runtime.cache_over(context.kv, context.buffers, len(shared) - context.reused)
+        position = context.reused
+        for span in spans:
+            if span.begin > position:
+                piece = shared[position : span.begin]
+                out = self._forward(agent, piece, cache, position, context)
+                context.extra_flops += len(rows) * runtime.flops(len(piece), position)
+                context.extra_flops += self.on_forward(agent, context, out, position)
+                context.extra_prefill += len(piece)
+                context.pieces.append((position, piece))
+            update, flops = self.moved_update(span)
+            context.moved_updates.append(update)
+            context.extra_flops += flops
+            low_rank = update.low_rank.get(self.lr_name(agent))
+            for layer, (cached, base) in enumerate(zip(cache.layers, update.base)):
+                parts = []
+                for row in rows:
+                    reader = None if row == "__base__" else row
+                    (keys, values), flops = self.store.expand(
+                        layer, reader, self.store.sides(layer, reader, low_rank), base, span.begin
+                    )
+                    parts.append((keys.to(base[0].dtype), values.to(base[1].dtype)))
+                    context.extra_flops += flops
+                cached.update(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
+            context.moved += len(span)
+            context.moved_spans.append((span.begin, span.end))
+            position = span.end
+        context.extended = position - context.reused
+        context.buffers = runtime.buffers_of(cache)
+        context.kv = [buffer.view(position) for buffer in context.buffers]
+
     def keep_view(self, chunk: Chunk[LowRankContextT]) -> None:
         """With `views=kept`, make the turn's extended view the agent's (valid up to the reused tokens: the turn
         wrote its own K/V after them)."""
@@ -468,7 +575,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         """How many of the tokens `forward` computed (timeline indices start..; captured) the store or an earlier
         update of this turn already holds (the rest are new); None when every token is known."""
         assert forward.hidden is not None  # needs_hidden: every forward of the turn captures
-        known = max([len(self.store)] + [u.start + len(u) for u in context.updates])
+        known = max([len(self.store)] + [u.start + len(u) for u in context.updates + context.moved_updates])
         skip = max(known - start, 0)
         return None if skip >= forward.hidden[0].shape[1] else skip
 
@@ -484,7 +591,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         return 0.0
 
     def commit(self, chunk: Chunk[LowRankContextT]) -> float:
-        self.store.apply(chunk.context.updates)
+        self.store.apply(chunk.context.updates + chunk.context.moved_updates)
         self.keep_view(chunk)
         return 0.0
 

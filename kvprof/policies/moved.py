@@ -27,7 +27,9 @@ from kvprof.runtime import KV, ChunkForward, Runtime
 class KeptSequence:
     """Part of one turn's cache: per layer (K, V), (1, H_kv, hi − lo, D), of its shared sequence's tokens
     [lo, hi), computed at positions `prefix_len` + lo.. (after the acting agent's private prefix); `agent` acted in
-    that turn and `inputs` is its shared input's length (the tokens after it are its outputs)."""
+    that turn and `inputs` is its shared input's length (the tokens after it are its outputs). A low-rank policy
+    keeps its base cache as `kv` and its LR caches of the same tokens as `low_rank` (name → per layer
+    {"key"|"value": (1, hi − lo, r)}; position-free)."""
 
     lo: int
     hi: int
@@ -35,6 +37,7 @@ class KeptSequence:
     kv: list[KV]
     agent: str = ""
     inputs: int = 0
+    low_rank: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
 
 
 class SpanStore:
@@ -71,8 +74,27 @@ class SpanStore:
         end = start + len(span)
         return [(k[:, :, start:end], v[:, :, start:end]) for k, v in kept.kv], kept.prefix_len + span.source_begin
 
+    def low_rank(self, span: MovedSpan) -> dict[str, list[dict[str, torch.Tensor]]]:
+        """The kept LR caches of `span`: name → per layer {"key"|"value": (1, len(span), r)}."""
+        kept = self.turns[span.source]
+        start = span.source_begin - kept.lo
+        end = start + len(span)
+        return {
+            name: [{side: t[:, start:end] for side, t in layer.items()} for layer in layers]
+            for name, layers in kept.low_rank.items()
+        }
+
+    def low_rank_tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for kept in self.turns.values()
+            for layers in kept.low_rank.values()
+            for layer in layers
+            for t in layer.values()
+        ]
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for kept in self.turns.values() for pair in kept.kv for t in pair]
+        return [t for kept in self.turns.values() for pair in kept.kv for t in pair] + self.low_rank_tensors()
 
     def tokens(self) -> int:
         return sum(kept.hi - kept.lo for kept in self.turns.values())

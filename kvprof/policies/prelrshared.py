@@ -85,17 +85,15 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
         *PRECACHE_MEMORY,
     )
 
-    def lr_name(self, agent: str) -> str:
-        """The LR cache agent `agent` reads."""
-        return agent
-
     def lr_caches(self, agent: str) -> dict[str, str]:
         """The LR caches a token `agent` processes extends: cache name → the agent whose A computes it."""
         return {agent: agent for agent in self.runtime.agents.spec.names}
 
     def assemble(self, agent: str, shared: list[int]) -> LowRankContext:
         reused = self.reused_span(shared)
-        return self.store_view(agent, self.store.lr(self.lr_name(agent)), reused, len(shared) - reused)
+        context = self.store_view(agent, self.store.lr(self.lr_name(agent)), reused, len(shared) - reused)
+        self.extend_over_moved_store(agent, shared, context)
+        return context
 
     def on_forward(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
         """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet: the base K/V and the

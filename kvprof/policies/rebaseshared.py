@@ -12,6 +12,9 @@ down-projections; after the turn (outside TTFT, inside end-to-end latency) its t
 adapter-free and the neutral base and other agents' LR caches stored. `db` (double batching) — the adapted row and
 an adapter-free row run in one 2-row batch during prefill and at every decode step, and the neutral base and LR
 caches of each forward's tokens are computed right after it (inside TTFT / the step). Both give the same cache state.
+
+Moved spans (`LowRankPolicy`): the neutral base K/V re-aligned and every LR cache copied; the new tokens between
+them are computed by the agent during the turn and, with `lp`, passed adapter-free after it, span by span.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
             spare = len(shared) - reused
             buffers = [KVBuffer.of_rows([row, neutral_row], spare) for row, neutral_row in zip(kv, neutral)]
             kv = [buffer.view(reused) for buffer in buffers]
-        return ReBaseSharedContext(
+        context = ReBaseSharedContext(
             kv=kv,
             reused=reused,
             adapter_free=reused,
@@ -106,6 +109,8 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
             buffers=buffers,
             view=view.view,
         )
+        self.extend_over_moved_store(agent, shared, context)
+        return context
 
     def on_forward(self, agent: str, context: ReBaseSharedContext, forward: ChunkForward, start: int) -> float:
         """For the forward's tokens new to the store: the agent's own X_i·A_i (own_lr=adapted, from the forward's
@@ -150,25 +155,47 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
 
     def commit(self, chunk: Chunk[ReBaseSharedContext]) -> float:
         self.keep_view(chunk)
+        context = chunk.context
         if self.settings["schedule"] == "db":
-            self.store.apply(chunk.context.updates)
+            self.store.apply(context.updates + context.moved_updates)
             return 0.0
+        own = None
+        if context.own:
+            pieces = context.own
+            own = [
+                {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
+                for layer in range(self.runtime.num_layers)
+            ]
+        # the turn's new tokens (between moved spans, then the chunk and outputs) and its moved spans, in order
+        segments: list[tuple[int, list[int] | StoreUpdate]] = [*context.pieces, (chunk.start, chunk.ids)]
+        segments += [(update.start, update) for update in context.moved_updates]
+        flops, used = 0.0, 0
+        for start, segment in sorted(segments, key=lambda item: item[0]):
+            if isinstance(segment, StoreUpdate):
+                self.store.apply([segment])
+                continue
+            if start > len(self.store):
+                raise RuntimeError(f"rebaseshared: new tokens at {start} leave a gap after {len(self.store)}")
+            new_ids = segment[len(self.store) - start :]
+            if not new_ids:
+                continue
+            own_part = (
+                None
+                if own is None
+                else [{p: t[:, used : used + len(new_ids)] for p, t in layer.items()} for layer in own]
+            )
+            used += len(new_ids)
+            flops += self._lazy_prefill(chunk.agent, new_ids, own_part)
+        return flops
+
+    def _lazy_prefill(self, agent: str, new_ids: list[int], own: list[dict[str, torch.Tensor]] | None) -> float:
+        """The lazy-prefill pass (after the turn) over new tokens appended to the store: adapter-free over the
+        neutral base cache, storing their neutral base and LR caches (`agent`'s own: `own`, when given); FLOPs."""
         runtime, store = self.runtime, self.store
-        skip = len(store) - chunk.start
-        new_ids = chunk.ids[skip:]
-        if not new_ids:
-            return 0.0
         context_len = len(store)
         base = store.assemble(None, None, context_len, spare=len(new_ids))
         cache = runtime.cache_over(base.kv, base.buffers, len(new_ids))
         out = runtime.forward(None, new_ids, cache, context_len, capture=True, last_logits_only=True)
-        own = None
-        if chunk.context.own:
-            pieces = chunk.context.own
-            own = [
-                {p: torch.cat([piece[layer][p] for piece in pieces], 1) for p in pieces[0][layer]}
-                for layer in range(runtime.num_layers)
-            ]
-        update, flops = self._neutral_update(out, 0, 0, context_len, chunk.agent, own)
+        update, flops = self._neutral_update(out, 0, 0, context_len, agent, own)
         store.apply([update])
         return flops + runtime.flops(len(new_ids), context_len)
