@@ -5,6 +5,7 @@ tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from kvprof.policies import enumerate_variants
 from kvprof.rope import apply_rope
 from kvprof.spec import build_spec
 from kvprof.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
+from kvprof.trace import Segment, Trace, Trajectory, read_trace, write_trace
 
 DEVICE = ("--device", "cpu")
 
@@ -133,6 +135,40 @@ def test_low_rank_policies_are_exact_when_every_agent_has_the_same_adapter(world
         summary = entry["summary"]
         assert summary["reuse_per_token"] > 0.3, label
         assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-9, label
+
+
+def shifted(traj: Trajectory) -> Trajectory:
+    """`traj` with a three-token header inserted after the first segment of every second turn's input: what that
+    turn reads after it (the task, earlier replies) lies at other positions than where it was computed, as a group
+    chat's agent reads it after its own system prompt — moved spans."""
+    segments = dict(traj.segments)
+    turns = []
+    for index, turn in enumerate(traj.turns):
+        if index % 2:
+            first = segments[turn.input[0]]
+            header = f"header:{index}"
+            segments[header] = Segment("message", first.scope, [(t + 7) % 50 for t in first.tokens[:3]], "", None)
+            turn = dataclasses.replace(turn, input=[turn.input[0], header, *turn.input[1:]])
+        turns.append(turn)
+    return dataclasses.replace(traj, segments=segments, turns=turns)
+
+
+def test_low_rank_policies_moving_spans_equal_fullshared_with_one_adapter(world, run_cli, tmp_path):
+    """With one adapter for every agent, PreLRShared moving a span (base keys re-rotated, or for Qwen3's key norm the
+    stored un-rotated keys normalised and rotated at the reader's positions; the key LR term rotated there; LR
+    caches copied) serves exactly the K/V FullShared re-rotates: every turn's K/V error and KL are FullShared's."""
+    trace = read_trace(_capture(run_cli, world, world.lora_workflow, tmp_path / "capture"))
+    moved = write_trace(tmp_path / "moved.jsonl", Trace(trace.header, [shifted(t) for t in trace.trajectories]))
+    same = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.adapter('act')}")]
+    result = _replay(run_cli, str(moved), tmp_path / "same", "--policy", "fullshared", "--policy", "prelrshared", *same)
+    full, low_rank = result["policies"]["fullshared"], result["policies"]["prelrshared"]
+    assert full["summary"]["moved"] > 0 and low_rank["summary"]["moved"] == full["summary"]["moved"]
+    assert low_rank["summary"]["prefilled"] == full["summary"]["prefilled"]
+    for turn, reference in zip(low_rank["turns"], full["turns"], strict=True):
+        assert turn["kl_sum"] == pytest.approx(reference["kl_sum"], rel=1e-3, abs=1e-6)
+        for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
+            for side in ("k_error", "v_error"):
+                assert layer[side] == pytest.approx(reference_layer[side], rel=1e-3, abs=1e-5)
 
 
 def test_lora_capture_rank_analysis_and_replay(world, run_cli, tmp_path):

@@ -25,6 +25,11 @@ k_proj here adds RoPE(s·(X·A_k)·B_k) to the shared base keys in the same way,
 Flash-LoRA-Attention over V_base and the rank-r values; kvprof expands the values unless `--lora-attention` (same
 result), and always writes the gap tokens' values expanded.
 
+Moved spans (ids an earlier turn processed at other positions) are computed as new tokens: every LR prefill above
+runs the backbone over each token past the agent's own LR cache, so re-aligning a span's base K/V (as the other
+low-rank policies do, `kvprof.policies.lowrank`) would save no computation and only replace the agent's own K/V of
+those tokens by another agent's base.
+
 Phases: TTFT — the context (the agent's view of the tokens its LR cache covers), the forward over the gap and the
 chunk (with `full` / `incremental`: the separate LR prefill, its cache and hidden states being the turn's
 transients, then the chunk's forward), and the down-projections and base K/V of the tokens it adds; each decode
