@@ -32,6 +32,7 @@ from kvprof.branches import plan_of
 from kvprof.metrics import entropy_effective_rank
 from kvprof.model import AgentSet
 from kvprof.policies.delta import NeutralContext, SegmentLog, SharedSegment, Stacked, pool_identity, stack
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.runtime import KV, Runtime
 from kvprof.trace import Trajectory
 
@@ -64,7 +65,7 @@ def observed_segments(runtime: Runtime, traj: Trajectory) -> list[Observed]:
     shared_inputs: list[list[int]] = []
     sequences: list[list[int]] = []
     found: list[Observed] = []
-    for turn, start in zip(traj.turns, plan_of(traj, runtime.prefixes)):
+    for turn, start in zip(traj.turns, plan_of(traj, runtime.prefixes, runtime.span_matching)):
         shared = traj.input_tokens(turn)[len(runtime.prefix(turn.agent)) :]
         sequence = shared + traj.output_tokens(turn)
         if start.restore is not None:
@@ -251,12 +252,13 @@ def fit_anchors(
     capacity: int,
     window: int = 5,
     on_trajectory: Callable[[Trajectory], None] | None = None,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> tuple[AnchorPool, dict]:
-    """Fit a pool on `trajectories` and report it; returns the pool to save (rank-`rank` factors, or
-    full-dimensional when `rank` is None) and the report (its error and memory figures are for rank `rank`, or 32
-    when the pool is full-dimensional)."""
+    """Fit a pool on `trajectories` (their moved spans as `span_matching` finds them) and report it; returns the
+    pool to save (rank-`rank` factors, or full-dimensional when `rank` is None) and the report (its error and memory
+    figures are for rank `rank`, or 32 when the pool is full-dimensional)."""
     started = time.perf_counter()
-    runtime = Runtime(agents)
+    runtime = Runtime(agents, span_matching=span_matching)
     full = fit_pool(runtime, trajectories, capacity, window, on_trajectory)
     low = truncated(full, rank or 32)
     report = fit_report(full, low, runtime)

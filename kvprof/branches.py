@@ -17,7 +17,8 @@ messages), a boundary tokenized as one merged id. Replay then does what a servin
 
 After the kept prefix a turn is a sequence of spans: **moved spans** — runs of at least `min_span` ids equal to ids
 an earlier turn processed at other positions (`kvprof.reuse.SpanIndex`: the question, a tool result, another
-agent's reply read after this agent's own role prompt and header) — and **new tokens** between them. A policy that
+agent's reply read after this agent's own role prompt and header), by default trimmed to message boundaries
+(`kvprof.reuse.SpanMatching`) — and **new tokens** between them. A policy that
 moves caches (`SharingPolicy.moves_spans`) serves each moved span from the K/V the source turn held (kept by the
 replay for the turns that will read it: `SpanStore`), re-aligned to the reader's positions, and computes the new
 tokens span by span over the cache so far; any other policy computes moved spans as new tokens. The input's last id
@@ -38,7 +39,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvprof.errors import KvprofError
-from kvprof.reuse import MIN_SPAN, Divergence, MovedSpan, PrefixTree, SpanIndex, common_prefix, divergence_cause
+from kvprof.reuse import (
+    DEFAULT_MATCHING,
+    Divergence,
+    MovedSpan,
+    PrefixTree,
+    SpanIndex,
+    SpanMatching,
+    common_prefix,
+    divergence_cause,
+    message_boundaries,
+)
 from kvprof.trace import Trajectory
 
 if TYPE_CHECKING:  # the policies import torch; planning a trace (kvprof inspect) must not
@@ -83,11 +94,15 @@ class TurnStart:
 
 
 def plan_trajectory(
-    inputs: Sequence[list[int]], outputs: Sequence[list[int]], min_span: int = MIN_SPAN
+    inputs: Sequence[list[int]],
+    outputs: Sequence[list[int]],
+    matching: SpanMatching = DEFAULT_MATCHING,
+    boundaries: Sequence[frozenset[int]] | None = None,
 ) -> list[TurnStart]:
     """Each turn's start, from its shared input ids and output ids (one list per turn, in order): the longest common
     prefix with any earlier turn's sequence, restoring that turn's state when the previous turn's sequence shares
-    less, then the moved spans of at least `min_span` ids after it (see the module docstring)."""
+    less, then the moved spans after it as `matching` finds them (`boundaries`: per turn, where the messages of its
+    shared sequence begin and end; None: runs of ids) (see the module docstring)."""
     tree, span_index = PrefixTree(), SpanIndex()
     starts: list[TurnStart] = []
     previous: list[int] = []
@@ -103,7 +118,9 @@ def plan_trajectory(
             source = restore if restore is not None else index - 1
             cause = divergence_cause(ids, timeline, keep, len(inputs[source]))
             divergence = Divergence(keep, source, cause)
-        moved = span_index.find(ids, keep, len(ids) - 1, min_span)
+        moved = span_index.matched(
+            ids, keep, len(ids) - 1, matching, None if boundaries is None else boundaries[: index + 1]
+        )
         starts.append(TurnStart(restore, keep, len(timeline) - keep, divergence, tuple(moved), len(ids)))
         previous = ids + out
         span_index.add(previous, tree.insert(index, previous), index)
@@ -121,11 +138,16 @@ def source_ranges(starts: Sequence[TurnStart]) -> dict[int, tuple[int, int]]:
     return ranges
 
 
-def plan_of(traj: Trajectory, prefixes: Mapping[str, list[int]], min_span: int = MIN_SPAN) -> list[TurnStart]:
+def plan_of(
+    traj: Trajectory, prefixes: Mapping[str, list[int]], matching: SpanMatching = DEFAULT_MATCHING
+) -> list[TurnStart]:
     """`plan_trajectory` of `traj`, each turn's shared input being its input after the acting agent's private prefix
-    (`prefixes`: agent → ids; none for an agent not in it)."""
-    inputs = [traj.input_tokens(turn)[len(prefixes.get(turn.agent, [])) :] for turn in traj.turns]
-    return plan_trajectory(inputs, [traj.output_tokens(turn) for turn in traj.turns], min_span)
+    (`prefixes`: agent → ids; none for an agent not in it), moved spans aligned to its messages (its segments) as
+    `matching` says."""
+    skips = [len(prefixes.get(turn.agent, [])) for turn in traj.turns]
+    inputs = [traj.input_tokens(turn)[skip:] for turn, skip in zip(traj.turns, skips)]
+    boundaries = [message_boundaries(traj, turn, skip) for turn, skip in zip(traj.turns, skips)]
+    return plan_trajectory(inputs, [traj.output_tokens(turn) for turn in traj.turns], matching, boundaries)
 
 
 def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
@@ -164,10 +186,10 @@ class ReplayPlanSummary:
     restored: int = 0
     causes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, traj: Trajectory, mode: str, min_span: int = MIN_SPAN) -> None:
+    def add(self, traj: Trajectory, mode: str, matching: SpanMatching = DEFAULT_MATCHING) -> None:
         prefixes = traj.served_prefixes({}) if mode == "prompt" else {}
         self.new += sum(len(prefixes.get(agent, [])) for agent in dict.fromkeys(turn.agent for turn in traj.turns))
-        for start in plan_of(traj, prefixes, min_span):
+        for start in plan_of(traj, prefixes, matching):
             self.turns += 1
             self.shared_tokens += start.tokens
             self.kept += start.reusable_prefix
@@ -242,13 +264,14 @@ class BranchingTimeline:
 class FollowedTimeline:
     """The online counterpart (turns generated as they come, so no turn can be planned ahead): before each turn the
     policy forgets what the input does not share with the timeline the previous turn left (no earlier state is
-    restored), and `begin` returns the input's moved spans after that, found among the earlier turns' sequences; a
+    restored), and `begin` returns the input's moved spans after that, found among the earlier turns' sequences (as
+    runs of ids of `matching.min_span` or more: a generated turn reaches replay as ids, without its messages); a
     policy that moves spans keeps of each turn what a later turn could read as a moved span (no later turn is known
     yet): its sequence from its first run of ids nothing before it held."""
 
-    def __init__(self, policy: SharingPolicy, min_span: int = MIN_SPAN):
+    def __init__(self, policy: SharingPolicy, matching: SpanMatching = DEFAULT_MATCHING):
         self.policy = policy
-        self.min_span = min_span
+        self.matching = matching
         self.ids: list[int] = []
         self.index = SpanIndex()
         self.turns = 0
@@ -258,7 +281,7 @@ class FollowedTimeline:
         keep = common_prefix(shared, 0, self.ids, 0, min(len(shared), len(self.ids)))
         if keep < len(self.ids):
             self.policy.truncate(keep)
-        return tuple(self.index.find(shared, keep, len(shared) - 1, self.min_span))
+        return tuple(self.index.matched(shared, keep, len(shared) - 1, self.matching))
 
     def end(self, sequence: list[int]) -> None:
         self.ids = sequence

@@ -53,6 +53,7 @@ from kvprof.replay import (
     summarise,
     summarise_online,
 )
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.trace import Segment, TraceHeader, Trajectory, Turn
 from kvprof.workflow import task_of
 
@@ -242,10 +243,11 @@ def run_shard(
     worker: str = "",
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> ShardResult:
     """Replay `shard` here (what a worker does): the teacher-forced lockstep replay of its trajectories, then their
     online re-runs when `online`; `on_turn` / `on_task` after each turn / online task;
-    `timing` and `page_size` as `replay_trace`'s."""
+    `timing`, `page_size` and `span_matching` as `replay_trace`'s."""
     state = ReplayProgress()
     replayed = replay_trace(
         agents,
@@ -257,6 +259,7 @@ def run_shard(
         lora_attention=lora_attention,
         timing=timing,
         page_size=page_size,
+        span_matching=span_matching,
     )
     entries = {
         label: {key: value for key, value in entry.items() if key not in ("summary", "turns")}
@@ -270,8 +273,9 @@ def run_shard(
             shard.variants,
             on_task=(lambda label, task: on_task()) if on_task else None,
             lora_attention=lora_attention,
+            span_matching=span_matching,
         )
-    setting = run_setting(agents, repeats, lora_attention, timing, page_size)
+    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching)
     return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
@@ -455,6 +459,7 @@ class ReplayWorker:
         lora_attention: bool,
         timing: str,
         page_size: int,
+        span_matching: SpanMatching,
     ):
         """`run_shard`, reporting each turn and online task to the `ShardCounter` actor `counter`."""
         import torch
@@ -472,6 +477,7 @@ class ReplayWorker:
             worker=f"{socket.gethostname()}:{os.getpid()}",
             timing=timing,
             page_size=page_size,
+            span_matching=span_matching,
         )
 
 
@@ -683,6 +689,7 @@ class RayCluster:
         hooks: ShardHooks,
         timing: str = "turn",
         page_size: int = PAGE_SIZE,
+        span_matching: SpanMatching = DEFAULT_MATCHING,
     ) -> dict[str, ShardResult]:
         """Replay the shards without a result in `results` on the workers, largest first (`Shard.cost`: a long
         sequential shard starts early rather than last); returns every shard's result."""
@@ -707,7 +714,15 @@ class RayCluster:
                 shard = pending.popleft()
                 attempts[shard.key] += 1
                 ref = self.handles[worker].run.remote(
-                    shard, attempts[shard.key], self._counter, repeats, online, lora_attention, timing, page_size
+                    shard,
+                    attempts[shard.key],
+                    self._counter,
+                    repeats,
+                    online,
+                    lora_attention,
+                    timing,
+                    page_size,
+                    span_matching,
                 )
                 running[ref] = _Running(worker, shard, attempts[shard.key])
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S) if running else ([], [])
@@ -796,6 +811,7 @@ def replay_sharded(
     groups: list[list[str]] | None = None,
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """What `run_replay` returns for the same arguments, replayed in shards on `cluster`'s workers and merged
     (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again;
@@ -816,6 +832,7 @@ def replay_sharded(
         hooks or ShardHooks(),
         timing,
         page_size,
+        span_matching,
     )
     merged = merge(shards, results, variants, online)
     used = dict.fromkeys(results[shard.key].worker for shard in shards)

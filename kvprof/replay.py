@@ -36,6 +36,7 @@ from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResul
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import cpu_description, gpu_memory
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory
 from kvprof.workflow import SearchTool, Task, exact_match, require_react_agents, run_react, task_of
@@ -365,6 +366,7 @@ def replay_trace(
     lora_attention: bool = False,
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
 
@@ -383,9 +385,10 @@ def replay_trace(
     With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped; a variant that
     keeps state across trajectories first replays them again, unrecorded, to rebuild that state (`rebuild_state`).
     With `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
+    `span_matching`: how turns find their moved spans (`kvprof.reuse.SpanMatching`).
     """
     trajectories = list(trajectories)
-    runtime = Runtime(agents, lora_attention)
+    runtime = Runtime(agents, lora_attention, span_matching=span_matching)
     dense = NonShared(runtime)
     policies = build_policies(runtime, variants)
     state = progress or ReplayProgress()
@@ -412,7 +415,7 @@ def replay_trace(
         dense.reset()
         for policy in policies:
             policy.reset()
-        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), [dense, *policies])
+        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes, runtime.span_matching), [dense, *policies])
         for index, turn in enumerate(traj.turns):
             outputs = traj.output_tokens(turn)
             start = timeline.begin(index)
@@ -490,7 +493,7 @@ def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajec
     """Every turn of `traj` (already served: `Runtime.serve_trajectory`) under `policies` in lockstep, each turn
     once (no per-turn repeats), following the trajectory's timeline (`kvprof.branches`); per turn, each policy's
     result."""
-    timeline = BranchingTimeline(plan_of(traj, runtime.prefixes), policies)
+    timeline = BranchingTimeline(plan_of(traj, runtime.prefixes, runtime.span_matching), policies)
     results = []
     for index, turn in enumerate(traj.turns):
         start = timeline.begin(index)
@@ -562,7 +565,7 @@ def timeline_summary(dense_turns: list[dict]) -> dict:
 def policy_responder(policy: SharingPolicy):
     """A workflow responder that serves each agent call of one task with `policy`, generating greedily; a call whose
     input leaves the context the calls before it built keeps their common prefix (`FollowedTimeline`)."""
-    timeline = FollowedTimeline(policy)
+    timeline = FollowedTimeline(policy, policy.runtime.span_matching)
 
     def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
         shared = input_ids[len(policy.runtime.prefix(agent)) :]
@@ -581,9 +584,11 @@ def run_online(
     variants: list[PolicyVariant],
     on_task: Callable[[str, Task], None] | None = None,
     lora_attention: bool = False,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict[str, list[Trajectory]]:
-    """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories."""
-    runtime = Runtime(agents, lora_attention)
+    """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories.
+    Moved spans are runs of ids of `span_matching.min_span` or more (`kvprof.branches.FollowedTimeline`)."""
+    runtime = Runtime(agents, lora_attention, span_matching=span_matching)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
     runs.update({policy.label: policy for policy in build_policies(runtime, variants)})
     tool = SearchTool()
@@ -641,10 +646,11 @@ def run_replay(
     hooks: ReplayHooks | None = None,
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay (`timing` as
-    `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode, repeats, timing,
-    attention path, device, CPU, dtype, GPU memory)."""
+    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay (`timing` and
+    `span_matching` as `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode,
+    repeats, timing, span matching, attention path, device, CPU, dtype, GPU memory)."""
     hooks = hooks or ReplayHooks()
     if online:
         require_react_agents(agents.spec.names)
@@ -659,13 +665,19 @@ def run_replay(
         lora_attention=lora_attention,
         timing=timing,
         page_size=page_size,
+        span_matching=span_matching,
     )
     if online:
         runs = run_online(
-            agents, [task_of(t) for t in trajectories], variants, on_task=hooks.on_task, lora_attention=lora_attention
+            agents,
+            [task_of(t) for t in trajectories],
+            variants,
+            on_task=hooks.on_task,
+            lora_attention=lora_attention,
+            span_matching=span_matching,
         )
         result["online"] = summarise_online(runs)
-    result.update(run_setting(agents, repeats, lora_attention, timing, page_size))
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching))
     result["memory_claims"] = memory_verdicts(result)
     return result
 
@@ -684,16 +696,23 @@ def timing_setting(timing: str, repeats: int) -> dict:
 
 
 def run_setting(
-    agents: AgentSet, repeats: int, lora_attention: bool, timing: str = "turn", page_size: int = PAGE_SIZE
+    agents: AgentSet,
+    repeats: int,
+    lora_attention: bool,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), KV page size,
-    the weights' bytes, attention path, device, CPU, dtype and GPU memory (read now: the allocator's peak so far)."""
+    span matching, the weights' bytes, attention path, device, CPU, dtype and GPU memory (read now: the allocator's
+    peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
         timing=timing_setting(timing, repeats),
         page_size=page_size,
+        span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
         lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
         device=str(agents.device),

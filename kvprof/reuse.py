@@ -10,7 +10,9 @@ stay in the engine's cache afterwards. What a later turn can reuse is derived, n
 - **moved spans**: after the shared prefix, runs of at least `min_span` ids equal to ids an earlier turn processed
   elsewhere — at other positions, or after a divergence (a message, a tool result, an earlier reply read under
   another header, or after another agent's role prompt): what the policies that move caches between positions
-  (re-alignment, correction) can use, and a prefix cache cannot;
+  (re-alignment, correction) can use, and a prefix cache cannot. By default each run is trimmed to begin and end at
+  message boundaries (the trace's segments) of both the reader's and the source's sequence, as chunk caches
+  (CacheBlend's, KVCOMM's placeholders) reuse whole messages (`SpanMatching`);
 - **new tokens**: everything else, which every policy computes.
 
 Where the shared prefix stops inside an earlier sequence (the turn diverges from what was cached rather than
@@ -32,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvprof.trace import Trajectory
+from kvprof.errors import KvprofError
+from kvprof.trace import Trajectory, Turn
 
 MIN_SPAN = 16  # the shortest run of ids counted as a moved span
 BLOCK_SIZE = 16  # ids per prefix-cache block (vLLM's default on GPUs; its CPU backend uses 128)
@@ -145,6 +148,57 @@ class MovedSpan:
         return self.end - self.begin
 
 
+SPAN_BOUNDARIES = ("messages", "ids")
+
+
+@dataclass(frozen=True)
+class SpanMatching:
+    """How moved spans are found: runs of at least `min_span` equal ids; with `boundaries="messages"` each trimmed
+    to the longest part that begins and ends at message boundaries of both the reader's and the source's sequence
+    (`align_span`), where the sequences' messages are known (a trace's segments; a turn generated online has only
+    its ids and is matched by ids); with "ids", any run."""
+
+    min_span: int = MIN_SPAN
+    boundaries: str = "messages"
+
+    def __post_init__(self) -> None:
+        if self.min_span < GRAM:
+            raise KvprofError(
+                f"--min-span {self.min_span} is below {GRAM} ids, the span index's key; pass {GRAM} or more."
+            )
+        if self.boundaries not in SPAN_BOUNDARIES:
+            raise KvprofError(
+                f"--span-boundaries {self.boundaries!r} is not one of {', '.join(SPAN_BOUNDARIES)}; pass one of them."
+            )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_MATCHING = SpanMatching()
+
+
+def message_boundaries(traj: Trajectory, turn: Turn, skip: int = 0) -> frozenset[int]:
+    """Where the messages of `turn`'s sequence (its input segments, then its output) begin and end, as positions in
+    that sequence with its first `skip` ids (a private prefix) taken off."""
+    bounds, position = {0}, 0
+    for segment in turn.input:
+        position += len(traj.segments[segment].tokens)
+        bounds.add(position)
+    bounds.add(position + len(traj.segments[turn.output].tokens))
+    return frozenset(bound - skip for bound in bounds if bound >= skip)
+
+
+def align_span(span: MovedSpan, reader: frozenset[int], source: frozenset[int], min_span: int) -> MovedSpan | None:
+    """The longest part of `span` that begins and ends at a boundary of the reader's sequence (`reader`) that is
+    also one of the source's (`source`, at the same offset into the span); None if it is shorter than `min_span`."""
+    shift = span.source_begin - span.begin
+    cuts = sorted(p for p in reader if span.begin <= p <= span.end and p + shift in source)
+    if len(cuts) < 2 or cuts[-1] - cuts[0] < min_span:
+        return None
+    return MovedSpan(cuts[0], cuts[-1], span.source, cuts[0] + shift)
+
+
 class SpanIndex:
     """Where runs of `GRAM` ids first occurred in the sequences added so far: (turn, sequence, position) per run."""
 
@@ -178,9 +232,22 @@ class SpanIndex:
             pos += 1
         return spans
 
-    def moved_spans(self, ids: Sequence[int], start: int, min_span: int = MIN_SPAN) -> list[tuple[int, int]]:
-        """`find`'s runs as `(begin, end)`."""
-        return [(span.begin, span.end) for span in self.find(ids, start, min_span=min_span)]
+    def matched(
+        self,
+        ids: Sequence[int],
+        start: int,
+        end: int,
+        matching: SpanMatching,
+        boundaries: Sequence[frozenset[int]] | None = None,
+    ) -> list[MovedSpan]:
+        """`find`'s runs of `ids[start:end]` as `matching` takes them: with message boundaries and `boundaries` given
+        (per turn, that turn's `message_boundaries`; the reader's last), each aligned to them (`align_span`)."""
+        spans = self.find(ids, start, end, matching.min_span)
+        if matching.boundaries == "ids" or boundaries is None:
+            return spans
+        reader = boundaries[-1]
+        aligned = (align_span(span, reader, boundaries[span.source], matching.min_span) for span in spans)
+        return [span for span in aligned if span is not None]
 
 
 def divergence_cause(ids: Sequence[int], earlier: Sequence[int], at: int, earlier_input: int, private: int = 0) -> str:
@@ -271,9 +338,13 @@ class TurnReuse:
         return asdict(self)
 
 
-def trajectory_reuse(traj: Trajectory, min_span: int = MIN_SPAN, block_size: int = BLOCK_SIZE) -> list[TurnReuse]:
-    """Each turn's reuse structure, in order (see the module docstring); engine hits at `block_size`."""
+def trajectory_reuse(
+    traj: Trajectory, matching: SpanMatching = DEFAULT_MATCHING, block_size: int = BLOCK_SIZE
+) -> list[TurnReuse]:
+    """Each turn's reuse structure, in order (see the module docstring); moved spans as `matching` finds them,
+    engine hits at `block_size`."""
     shared, index, engine = PrefixTree(), SpanIndex(), EngineCache(block_size)
+    boundaries: list[frozenset[int]] = []
     own: dict[str, PrefixTree] = {}  # agent -> the tree of its own sequences
     private = {agent: len(ids) for agent, ids in traj.private_prefixes().items()}
     rows: list[TurnReuse] = []
@@ -289,7 +360,8 @@ def trajectory_reuse(traj: Trajectory, min_span: int = MIN_SPAN, block_size: int
                 ids, prefix.sequence, prefix.length, rows[prefix.turn].input_tokens, private.get(turn.agent, 0)
             )
             divergence = Divergence(prefix.length, prefix.turn, cause)
-        moved = sum(end - begin for begin, end in index.moved_spans(ids, prefix.length, min_span))
+        boundaries.append(message_boundaries(traj, turn))
+        moved = sum(len(span) for span in index.matched(ids, prefix.length, len(ids), matching, boundaries))
         rows.append(
             TurnReuse(
                 turn=number,

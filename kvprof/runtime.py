@@ -23,6 +23,7 @@ from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer, Rewrite
 from kvprof.lora import HiddenTap, LayerSplit, ProjectionNorm, key_norms, layer_splits
 from kvprof.model import AgentSet, head_dim, kv_heads
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Trajectory
 from kvprof.workflow import Task, private_prompt
@@ -63,12 +64,21 @@ class Runtime:
 
     `fast_paths=False` is the plain path the tests hold the fast one to: every turn copies its context into a
     fresh cache (no in-place appends to stored buffers) and, without `lora_attention`, the model attends with its
-    own implementation (sdpa with transformers' explicit masks)."""
+    own implementation (sdpa with transformers' explicit masks).
 
-    def __init__(self, agents: AgentSet, lora_attention: bool = False, fast_paths: bool = True):
+    `span_matching`: how the trajectories served find their moved spans (`kvprof.reuse.SpanMatching`)."""
+
+    def __init__(
+        self,
+        agents: AgentSet,
+        lora_attention: bool = False,
+        fast_paths: bool = True,
+        span_matching: SpanMatching = DEFAULT_MATCHING,
+    ):
         self.agents = agents
         self.lora_attention = lora_attention
         self.fast_paths = fast_paths
+        self.span_matching = span_matching
         self.attention = register_lora_attention()
         self.model = agents.model
         config = agents.config

@@ -24,6 +24,7 @@ from kvprof.errors import KvprofError
 from kvprof.model import AgentSet
 from kvprof.policies import PolicyVariant, policy_class
 from kvprof.replay import DENSE, ReplayHooks, ReplayProgress, run_replay
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.trace import Trajectory
 
 THRESHOLDS = {"kvcmas": "tau", "kvcomm": "gamma"}  # the gate threshold option of each tunable policy
@@ -139,8 +140,10 @@ def in_process(
     online: bool = False,
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> Replayer:
-    """A `Replayer` in this process: the sweep resumes from `progress` and reports to `hooks`."""
+    """A `Replayer` in this process: the sweep resumes from `progress` and reports to `hooks`; moved spans as
+    `span_matching` finds them."""
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         return run_replay(
@@ -151,6 +154,7 @@ def in_process(
             online=online,
             progress=progress if sweep else None,
             hooks=hooks if sweep else None,
+            span_matching=span_matching,
         )
 
     return replay

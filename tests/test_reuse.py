@@ -12,12 +12,18 @@ from kvprof.reuse import (
     MIN_SPAN,
     PrefixTree,
     ReuseSummary,
+    MovedSpan,
     SpanIndex,
+    SpanMatching,
+    align_span,
     common_prefix,
     divergence_cause,
     trajectory_reuse,
 )
 from kvprof.trace import Segment, Trajectory, Turn
+
+
+IDS = SpanMatching(boundaries="ids")  # moved spans as runs of ids: these trajectories hold one message per turn
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -68,8 +74,33 @@ def test_span_index_finds_runs_elsewhere():
     earlier = list(range(100, 160))
     index.add(earlier)
     ids = [1, 2, 3] + earlier[10:40] + [7] * 5 + earlier[:5]
-    assert index.moved_spans(ids, 0) == [(3, 33)]
-    assert index.moved_spans(ids, 0, min_span=31) == []
+    assert [(span.begin, span.end, span.source_begin) for span in index.find(ids, 0)] == [(3, 33, 10)]
+    assert index.find(ids, 0, min_span=31) == []
+
+
+def test_moved_spans_align_to_the_messages_of_reader_and_source():
+    """A run of equal ids that starts in a header both sides share is trimmed to the messages: it begins and ends
+    where a message of the reader begins or ends and the source's does at the same offset."""
+    header, question, reply = list(range(1000, 1007)), list(range(100, 140)), list(range(200, 230))
+    source = Trajectory(
+        "t",
+        {
+            "a:head": Segment("message", "shared", [1, 2, 3, *header], ""),
+            "q": Segment("message", "shared", question, ""),
+            "a:out": Segment("output", "shared", reply, "", producer="a"),
+            "b:head": Segment("message", "shared", [4, 5, *header], ""),
+            "b:out": Segment("output", "shared", [8], "", producer="b"),
+        },
+        [Turn("a", ["a:head", "q"], "a:out"), Turn("b", ["b:head", "q"], "b:out")],
+    )
+    ids_only = trajectory_reuse(source, IDS)
+    assert ids_only[1].moved == len(header) + len(question)  # the header ids both share run into the question
+    aligned = trajectory_reuse(source)
+    assert aligned[1].moved == len(question) and aligned[1].new == 2 + len(header)
+    span = MovedSpan(2, 49, source=0, source_begin=3)
+    assert align_span(span, frozenset({0, 9, 49}), frozenset({0, 10, 50}), 16) == MovedSpan(9, 49, 0, 10)
+    assert align_span(span, frozenset({0, 9, 49}), frozenset({0, 11, 50}), 16) is None  # no common start
+    assert align_span(span, frozenset({0, 9, 20}), frozenset({0, 10, 21}), 16) is None  # shorter than 16
 
 
 def test_growing_timeline_reuses_every_earlier_token():
@@ -90,17 +121,17 @@ def test_divergence_causes():
     reply = list(range(200, 230))
     # a reply read back re-rendered: its first id trimmed away (Llama's `| trim`)
     rows = trajectory_reuse(
-        trajectory([("a", header + question, reply), ("b", header + question + reply[1:] + [9] * 3, [8])])
+        trajectory([("a", header + question, reply), ("b", header + question + reply[1:] + [9] * 3, [8])]), IDS
     )
     assert rows[1].divergence.cause == "re-rendered reply" and rows[1].divergence.position == 50
     assert rows[1].moved == len(reply) - 1  # the rest of the reply is a span seen elsewhere
     # two ids of the earlier input became one (a merged "\n\n")
     merged = question[:20] + [7777] + question[22:]
-    rows = trajectory_reuse(trajectory([("a", header + question, reply), ("b", header + merged, [8])]))
+    rows = trajectory_reuse(trajectory([("a", header + question, reply), ("b", header + merged, [8])]), IDS)
     assert rows[1].divergence.cause == "merged token" and rows[1].divergence.position == 30
     # the same message under another role header (AutoGen: another agent's reply arrives as `user`)
     rows = trajectory_reuse(
-        trajectory([("a", header + [1, 2, 3] + question, reply), ("b", header + [4, 5] + question, [8])])
+        trajectory([("a", header + [1, 2, 3] + question, reply), ("b", header + [4, 5] + question, [8])]), IDS
     )
     assert rows[1].divergence.cause == "different header"
     assert rows[1].shared_prefix == 10 and rows[1].moved == len(question) and rows[1].new == 2
@@ -121,7 +152,7 @@ def test_summary_counts_every_input_token_once():
     for i in range(30):
         context = context[: rng.randint(0, len(context))] + [rng.randint(0, 50) for _ in range(rng.randint(1, 40))]
         turns.append((f"agent{i % 3}", list(context), [rng.randint(0, 50) for _ in range(5)]))
-    rows = trajectory_reuse(trajectory(turns))
+    rows = trajectory_reuse(trajectory(turns), IDS)
     summary = ReuseSummary()
     summary.add(rows)
     assert summary.shared_prefix + summary.moved + summary.new == summary.input_tokens

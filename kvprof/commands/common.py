@@ -1,4 +1,5 @@
-"""Options and helpers every command shares: --out, --device, --dtype, --seed, the console (`kvprof.ui`, re-exported
+"""Options and helpers every command shares: --out, --device, --dtype, --seed, --min-span / --span-boundaries, the
+console (`kvprof.ui`, re-exported
 here), result files, dashboard sections on the terminal."""
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DeviceOption",
     "DtypeOption",
+    "MinSpanOption",
     "OutOption",
     "SeedOption",
+    "SpanBoundariesOption",
     "command_args",
     "console",
     "demo_trace",
@@ -42,6 +45,23 @@ DtypeOption = Annotated[
     typer.Option("--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."),
 ]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed; a fixed seed gives identical results.")]
+MinSpanOption = Annotated[
+    int,
+    typer.Option(
+        "--min-span",
+        help="The shortest run of ids, read again at other positions than a turn computed them, counted as a moved "
+        "span (at least 8).",
+    ),
+]
+SpanBoundariesOption = Annotated[
+    str,
+    typer.Option(
+        "--span-boundaries",
+        help="messages: a moved span begins and ends where messages (the trace's segments) begin or end, in the "
+        "reader's sequence and its source's, as chunk caches reuse whole messages; ids: any run of equal ids. Turns "
+        "generated online (--online) are matched by ids.",
+    ),
+]
 
 
 def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> dict:

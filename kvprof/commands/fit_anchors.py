@@ -14,14 +14,17 @@ import typer
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
+    MinSpanOption,
     OutOption,
     SeedOption,
+    SpanBoundariesOption,
     console,
     demo_prompt_trace,
     progress,
     write_result,
 )
 from kvprof.errors import KvprofError
+from kvprof.reuse import MIN_SPAN, SpanMatching
 from kvprof.trace import read_trace
 
 POOL_FILE = "anchors.safetensors"
@@ -43,6 +46,8 @@ def command(
     limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")] = None,
     model: Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")] = None,
     role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    min_span: MinSpanOption = MIN_SPAN,
+    span_boundaries: SpanBoundariesOption = "messages",
     out: OutOption = Path("runs/fit-anchors"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -62,6 +67,7 @@ def command(
     from kvprof.runtime import Runtime
 
     torch.manual_seed(seed)
+    matching = SpanMatching(min_span, span_boundaries)
     if rank == "full":
         factor_rank = None
     elif rank.isdigit() and int(rank) >= 1:
@@ -83,7 +89,13 @@ def command(
     with progress() as bar:
         job = bar.add_task("fitting anchors", total=len(trajectories))
         pool, report = fit_anchors(
-            agents, trajectories, factor_rank, anchors_per_slot, window, on_trajectory=lambda traj: bar.advance(job)
+            agents,
+            trajectories,
+            factor_rank,
+            anchors_per_slot,
+            window,
+            on_trajectory=lambda traj: bar.advance(job),
+            span_matching=matching,
         )
     pool_path = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
     report.update(trace=str(trace), model=agents.model_name, pool=str(pool_path), stored_rank=factor_rank)

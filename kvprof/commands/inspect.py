@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from kvprof.branches import ReplayPlanSummary
-from kvprof.commands.common import console, write_result
-from kvprof.reuse import BLOCK_SIZE, ReuseSummary, TurnReuse, trajectory_reuse
+from kvprof.commands.common import MinSpanOption, SpanBoundariesOption, console, write_result
+from kvprof.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
 from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
 
@@ -37,6 +37,8 @@ def command(
             "on its CPU backend).",
         ),
     ] = BLOCK_SIZE,
+    min_span: MinSpanOption = MIN_SPAN,
+    span_boundaries: SpanBoundariesOption = "messages",
     out: Annotated[
         Path | None,
         typer.Option("--out", help="Also write OUT/inspect.json: every turn's reuse structure and the totals."),
@@ -44,6 +46,7 @@ def command(
 ) -> None:
     """Validate a trace line by line, print what it holds and what its turns could reuse."""
     args = dict(locals())
+    matching = SpanMatching(min_span, span_boundaries)
     header = read_header(trace)
     if model is not None:
         from kvprof.model import load_tokenizer, tokenizer_identity
@@ -68,8 +71,8 @@ def command(
     replay = ReplayPlanSummary()
     for traj in iter_trajectories(trace):
         count += 1
-        rows = trajectory_reuse(traj, block_size=block_size)
-        replay.add(traj, header.mode)
+        rows = trajectory_reuse(traj, matching, block_size)
+        replay.add(traj, header.mode, matching)
         summary = ReuseSummary()
         summary.add(rows)
         total.add(rows)
@@ -99,6 +102,7 @@ def command(
             "trace": str(trace),
             "mode": header.mode,
             "block_size": block_size,
+            "span_matching": matching.to_json(),
             "total": asdict(total),
             "replay": asdict(replay),
             "trajectories": records,

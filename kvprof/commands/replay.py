@@ -14,8 +14,10 @@ from kvprof.cli_help import policy_names, policy_option_list
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
+    MinSpanOption,
     OutOption,
     SeedOption,
+    SpanBoundariesOption,
     console,
     demo_trace,
     note,
@@ -24,6 +26,7 @@ from kvprof.commands.common import (
 )
 from kvprof.errors import KvprofError
 from kvprof.fileio import check_fields, read_json_file, write_json
+from kvprof.reuse import DEFAULT_MATCHING, MIN_SPAN, SpanMatching
 from kvprof.trace import Trajectory, iter_trajectories, read_header
 
 if TYPE_CHECKING:
@@ -64,6 +67,7 @@ SETTINGS = {
     "repeats": "--repeats",
     "timing": "--timing",
     "page_size": "--page-size",
+    "span_matching": "--min-span / --span-boundaries",
     "dtype": "--dtype",
     "device": "--device",
     "lora_attention": "--lora-attention",
@@ -83,11 +87,12 @@ def checkpoint_identity(
     online: bool = False,
     timing: str = "turn",
     page_size: int = 16,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """The settings a replay's records depend on, which its checkpoint records: the trace's content, the model
     and agents, dtype and device (`loaded`: `kvprof.model.agents_identity`), the policy variants with their
-    options, repeats, timing, page size and attention path; `sharded` for a replay on Ray, whose checkpoint holds
-    shards, with their online re-runs when `online`."""
+    options, repeats, timing, page size, span matching and attention path; `sharded` for a replay on Ray, whose
+    checkpoint holds shards, with their online re-runs when `online`."""
     identity = {
         "trace": "sha256:" + hashlib.sha256(trace.read_bytes()).hexdigest(),
         "model": loaded["model"],
@@ -96,6 +101,7 @@ def checkpoint_identity(
         "repeats": repeats,
         "timing": timing,
         "page_size": page_size,
+        "span_matching": span_matching.to_json(),
         "dtype": loaded["dtype"],
         "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
@@ -287,6 +293,8 @@ def command(
             "caches in whole blocks, peak over the replay.",
         ),
     ] = 16,
+    min_span: MinSpanOption = MIN_SPAN,
+    span_boundaries: SpanBoundariesOption = "messages",
     limit: Annotated[int | None, typer.Option("--limit", help="Replay only the first N trajectories.")] = None,
     skip: Annotated[
         int, typer.Option("--skip", min=0, help="Skip the first N trajectories (e.g. those a pool was fitted on).")
@@ -353,6 +361,7 @@ def command(
     from kvprof.runtime import Runtime
 
     torch.manual_seed(seed)
+    matching = SpanMatching(min_span, span_boundaries)
     if trace is None:
         trace, model = demo_trace(model)
     trajectories = select_trajectories(trace, skip, limit)  # the whole trace validated before any model loads
@@ -387,7 +396,7 @@ def command(
             if not variants:
                 raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
             identity = checkpoint_identity(
-                trace, loaded, variants, repeats, use_kernel, True, online, timing, page_size
+                trace, loaded, variants, repeats, use_kernel, True, online, timing, page_size, matching
             )
             result = replay_on_ray(
                 cluster,
@@ -403,6 +412,7 @@ def command(
                 resume,
                 timing,
                 page_size,
+                matching,
             )
         finish(out, result, args, workers=result["distributed"].pop("workers"))
         return
@@ -417,7 +427,14 @@ def command(
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
     checkpoint = out / "replay.partial.json"
     identity = checkpoint_identity(
-        trace, agents_identity(agents), variants, repeats, use_kernel, timing=timing, page_size=page_size
+        trace,
+        agents_identity(agents),
+        variants,
+        repeats,
+        use_kernel,
+        timing=timing,
+        page_size=page_size,
+        span_matching=matching,
     )
     state = None
     if resume and checkpoint.exists():
@@ -436,6 +453,7 @@ def command(
         on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
         timing=timing,
         page_size=page_size,
+        span_matching=matching,
     )
     finish(out, result, args)
 
@@ -472,6 +490,7 @@ def replay_on_ray(
     resume: bool,
     timing: str = "turn",
     page_size: int = 16,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
     completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
@@ -514,7 +533,18 @@ def replay_on_ray(
             on_progress=show_progress, on_shard=save, on_event=lambda line: bar.console.print(f"[yellow]{line}[/]")
         )
         result = replay_sharded(
-            cluster, trajectories, variants, repeats, online, lora_attention, done, hooks, groups, timing, page_size
+            cluster,
+            trajectories,
+            variants,
+            repeats,
+            online,
+            lora_attention,
+            done,
+            hooks,
+            groups,
+            timing,
+            page_size,
+            span_matching,
         )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
@@ -533,10 +563,11 @@ def replay_with_progress(
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
     timing: str = "turn",
     page_size: int = 16,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`,
-    timed as `timing` says, KV blocks of `page_size` tokens (`kvprof.replay.replay_trace`); the result names its
-    trace, the trace's source and the variants `skipped`."""
+    timed as `timing` says, KV blocks of `page_size` tokens, moved spans as `span_matching` finds them
+    (`kvprof.replay.replay_trace`); the result names its trace, the trace's source and the variants `skipped`."""
     from kvprof.replay import ReplayHooks, run_replay
 
     with progress() as bar:
@@ -560,6 +591,7 @@ def replay_with_progress(
             hooks=hooks,
             timing=timing,
             page_size=page_size,
+            span_matching=span_matching,
         )
     result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result

@@ -21,8 +21,10 @@ from kvprof.cli_help import tune_grid
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
+    MinSpanOption,
     OutOption,
     SeedOption,
+    SpanBoundariesOption,
     console,
     demo_prompt_trace,
     note,
@@ -32,6 +34,7 @@ from kvprof.commands.common import (
 from kvprof.commands.fit_anchors import POOL_FILE
 from kvprof.errors import KvprofError
 from kvprof.fileio import read_json_file, write_json
+from kvprof.reuse import MIN_SPAN, SpanMatching
 from kvprof.trace import Trajectory, read_trace
 
 if TYPE_CHECKING:
@@ -126,6 +129,8 @@ def command(
     ray_worker_cpus: Annotated[
         int, typer.Option("--ray-worker-cpus", min=1, help="With --ray: CPUs (and threads) each worker holds.")
     ] = 1,
+    min_span: MinSpanOption = MIN_SPAN,
+    span_boundaries: SpanBoundariesOption = "messages",
     out: OutOption = Path("runs/tune-tau"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -147,6 +152,7 @@ def command(
     from kvprof.tune import Target, in_process, threshold_key, tune
 
     torch.manual_seed(seed)
+    matching = SpanMatching(min_span, span_boundaries)
     key = threshold_key(policy)
     if max_accuracy_drop is None and max_kl is None and target_rho is None:
         max_accuracy_drop = 1.0
@@ -184,7 +190,9 @@ def command(
             capacity = int(options.get("anchors_per_slot", cls.options["anchors_per_slot"].default))
             with progress() as bar:
                 job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
-                pool, _ = fit_anchors(agents, tuning, rank, capacity, on_trajectory=lambda traj: bar.advance(job))
+                pool, _ = fit_anchors(
+                    agents, tuning, rank, capacity, on_trajectory=lambda traj: bar.advance(job), span_matching=matching
+                )
             anchors = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
         # Ray workers open the pool themselves: at the same absolute path on every node.
         options["anchors"] = str(Path(anchors).resolve()) if cluster is not None else str(anchors)
@@ -198,6 +206,7 @@ def command(
             "tune": count,
             "online": online,
             "repeats": repeats,
+            "span_matching": matching.to_json(),
             "model": agents.model_name,
             "dtype": str(agents.base_model.dtype),
             "device": str(agents.device),
@@ -206,7 +215,7 @@ def command(
         if cluster is not None:
             identity |= {"sharding": "ray", "device": worker["device"]}
             saved = read_sweep_checkpoint(checkpoint, identity) if resume and checkpoint.exists() else None
-            replay = on_ray(cluster, repeats, online, checkpoint, identity, saved)
+            replay = on_ray(cluster, repeats, online, checkpoint, identity, saved, matching)
             result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
             workers = [{k: v for k, v in info.items() if k != "identity"} for info in cluster.described.values()]
         else:
@@ -225,7 +234,7 @@ def command(
                     on_task=(lambda label, task: bar.advance(tasks)) if tasks is not None else None,
                     on_trajectory=lambda s: write_json(checkpoint, {"identity": identity, "progress": asdict(s)}),
                 )
-                replay = in_process(agents, repeats, online, state, hooks)
+                replay = in_process(agents, repeats, online, state, hooks, matching)
                 result = tune(replay, tuning, heldout, cls.name, options, thresholds, target, online)
     finish(out, result, args, trace, anchors, agents.model_name, checkpoint, workers)
 
@@ -246,7 +255,15 @@ def read_sweep_checkpoint(checkpoint: Path, identity: dict) -> dict:
     return progress
 
 
-def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict, saved: dict | None) -> Replayer:
+def on_ray(
+    cluster,
+    repeats: int,
+    online: bool,
+    checkpoint: Path,
+    identity: dict,
+    saved: dict | None,
+    span_matching: SpanMatching,
+) -> Replayer:
     """A `kvprof.tune.Replayer` that replays in shards on `cluster` (`kvprof.distributed.replay_sharded`: every
     threshold is a stateful variant, so the values are grouped into sequential shards, as many as the cluster's
     workers make fastest), under a progress bar. The sweep checkpoints every completed shard to `checkpoint` and
@@ -293,7 +310,18 @@ def on_ray(cluster, repeats: int, online: bool, checkpoint: Path, identity: dict
                 on_shard=save if sweep else None,
                 on_event=lambda line: bar.console.print(f"[yellow]{line}[/]"),
             )
-            result = replay_sharded(cluster, list(trajectories), variants, repeats, online, False, done, hooks, groups)
+            result = replay_sharded(
+                cluster,
+                list(trajectories),
+                variants,
+                repeats,
+                online,
+                False,
+                done,
+                hooks,
+                groups,
+                span_matching=span_matching,
+            )
         result.pop("distributed")
         return result
 
