@@ -11,8 +11,8 @@ stay in the engine's cache afterwards. What a later turn can reuse is derived, n
   elsewhere — at other positions, or after a divergence (a message, a tool result, an earlier reply read under
   another header, or after another agent's role prompt): what the policies that move caches between positions
   (re-alignment, correction) can use, and a prefix cache cannot. By default each run is trimmed to begin and end at
-  message boundaries (the trace's segments) of both the reader's and the source's sequence, as chunk caches
-  (CacheBlend's, KVCOMM's placeholders) reuse whole messages (`SpanMatching`);
+  message boundaries (the trace's segments) of the reader's or the source's sequence, as chunk caches (CacheBlend's,
+  KVCOMM's placeholders) reuse whole messages, not a run that happens to match inside one (`SpanMatching`);
 - **new tokens**: everything else, which every policy computes.
 
 Where the shared prefix stops inside an earlier sequence (the turn diverges from what was cached rather than
@@ -154,7 +154,7 @@ SPAN_BOUNDARIES = ("messages", "ids")
 @dataclass(frozen=True)
 class SpanMatching:
     """How moved spans are found: runs of at least `min_span` equal ids; with `boundaries="messages"` each trimmed
-    to the longest part that begins and ends at message boundaries of both the reader's and the source's sequence
+    to the longest part that begins and ends at a message boundary of the reader's sequence or of the source's
     (`align_span`), where the sequences' messages are known (a trace's segments; a turn generated online has only
     its ids and is matched by ids); with "ids", any run."""
 
@@ -190,10 +190,12 @@ def message_boundaries(traj: Trajectory, turn: Turn, skip: int = 0) -> frozenset
 
 
 def align_span(span: MovedSpan, reader: frozenset[int], source: frozenset[int], min_span: int) -> MovedSpan | None:
-    """The longest part of `span` that begins and ends at a boundary of the reader's sequence (`reader`) that is
-    also one of the source's (`source`, at the same offset into the span); None if it is shorter than `min_span`."""
+    """The longest part of `span` that begins and ends at a message boundary of the reader's sequence (`reader`) or
+    of the source's (`source`, at the same offset into the span: a reply read back under another role's header
+    starts a message only where it was generated); None if it is shorter than `min_span` or no boundary lies in
+    it."""
     shift = span.source_begin - span.begin
-    cuts = sorted(p for p in reader if span.begin <= p <= span.end and p + shift in source)
+    cuts = [p for p in range(span.begin, span.end + 1) if p in reader or p + shift in source]
     if len(cuts) < 2 or cuts[-1] - cuts[0] < min_span:
         return None
     return MovedSpan(cuts[0], cuts[-1], span.source, cuts[0] + shift)

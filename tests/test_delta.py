@@ -14,7 +14,7 @@ from kvprof.anchors import AnchorPool, Match, Stored, mixed_delta, stored_bytes
 from kvprof.errors import KvprofError
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant
-from kvprof.policies.delta import pool_identity
+from kvprof.policies.delta import SegmentLog, pool_identity
 from kvprof.replay import replay_trace
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
@@ -216,3 +216,18 @@ def test_tune_tau_resumes_an_interrupted_sweep(run_cli, prompt_trace, tmp_path, 
     other = [arg if arg != "0,1" else "0,0.5,1" for arg in args]
     code, _, err = run_cli(*other, "--out", tmp_path / "again", "--resume")
     assert code == 2 and "was made with other settings" in err
+
+
+def test_a_segment_cut_by_a_divergence_is_a_new_segment():
+    """A turn that leaves the timeline inside a segment keeps its first part under a name of its own: an anchor
+    learnt of the whole segment (its K/V longer) is never taken as the cut one's."""
+    log = SegmentLog("t")
+    log.observe("plan", 10, 30)  # input [0, 10), output [10, 30)
+    dropped, renamed = log.truncate(20)
+    assert dropped == [] and renamed == {"t#1": "t#1[:10]"}
+    assert [(s.start, s.end, s.name, s.slot) for s in log.segments] == [
+        (0, 10, "t#0", "plan.in0"),
+        (10, 20, "t#1[:10]", "plan.out0"),
+    ]
+    dropped, renamed = log.truncate(10)
+    assert [s.name for s in dropped] == ["t#1[:10]"] and renamed == {} and log.length == 10

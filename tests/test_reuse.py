@@ -10,9 +10,9 @@ import pytest
 
 from kvprof.reuse import (
     MIN_SPAN,
+    MovedSpan,
     PrefixTree,
     ReuseSummary,
-    MovedSpan,
     SpanIndex,
     SpanMatching,
     align_span,
@@ -21,7 +21,6 @@ from kvprof.reuse import (
     trajectory_reuse,
 )
 from kvprof.trace import Segment, Trajectory, Turn
-
 
 IDS = SpanMatching(boundaries="ids")  # moved spans as runs of ids: these trajectories hold one message per turn
 
@@ -80,7 +79,7 @@ def test_span_index_finds_runs_elsewhere():
 
 def test_moved_spans_align_to_the_messages_of_reader_and_source():
     """A run of equal ids that starts in a header both sides share is trimmed to the messages: it begins and ends
-    where a message of the reader begins or ends and the source's does at the same offset."""
+    where a message of the reader, or of the source at the same offset, begins or ends."""
     header, question, reply = list(range(1000, 1007)), list(range(100, 140)), list(range(200, 230))
     source = Trajectory(
         "t",
@@ -99,7 +98,9 @@ def test_moved_spans_align_to_the_messages_of_reader_and_source():
     assert aligned[1].moved == len(question) and aligned[1].new == 2 + len(header)
     span = MovedSpan(2, 49, source=0, source_begin=3)
     assert align_span(span, frozenset({0, 9, 49}), frozenset({0, 10, 50}), 16) == MovedSpan(9, 49, 0, 10)
-    assert align_span(span, frozenset({0, 9, 49}), frozenset({0, 11, 50}), 16) is None  # no common start
+    # a reply read under another header: its content starts a message in the source (its output) only
+    assert align_span(span, frozenset({0}), frozenset({0, 5, 40}), 16) == MovedSpan(4, 39, 0, 5)
+    assert align_span(span, frozenset({0, 60}), frozenset({0, 70}), 16) is None  # inside one message on both sides
     assert align_span(span, frozenset({0, 9, 20}), frozenset({0, 10, 21}), 16) is None  # shorter than 16
 
 

@@ -1,6 +1,5 @@
 """Options and helpers every command shares: --out, --device, --dtype, --seed, --min-span / --span-boundaries, the
-console (`kvprof.ui`, re-exported
-here), result files, dashboard sections on the terminal."""
+console (`kvprof.ui`, re-exported here), result files, dashboard sections on the terminal."""
 
 from __future__ import annotations
 
@@ -57,9 +56,9 @@ SpanBoundariesOption = Annotated[
     str,
     typer.Option(
         "--span-boundaries",
-        help="messages: a moved span begins and ends where messages (the trace's segments) begin or end, in the "
-        "reader's sequence and its source's, as chunk caches reuse whole messages; ids: any run of equal ids. Turns "
-        "generated online (--online) are matched by ids.",
+        help="messages: a moved span begins and ends where a message (a segment of the trace) begins or ends, in the "
+        "reading turn or in the turn it comes from, as chunk caches reuse whole messages; ids: any run of equal ids. "
+        "Turns generated online (--online) are matched by ids.",
     ),
 ]
 

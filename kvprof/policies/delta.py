@@ -113,17 +113,27 @@ class SegmentLog:
                 self.length = end
         return added
 
-    def truncate(self, keep: int) -> list[SharedSegment]:
+    def truncate(self, keep: int) -> tuple[list[SharedSegment], dict[str, str]]:
         """Forget the timeline from index `keep` on: segments starting there or later are dropped, one running
-        across it ends there (same name and slot). Returns the dropped segments."""
+        across it ends there (same slot; a name of its own, `NAME[:LENGTH]`: an anchor learnt of the whole segment is
+        not this one's). Returns the dropped segments and the cut one's old name → new name."""
         dropped = [segment for segment in self.segments if segment.start >= keep]
-        self.segments = [
-            segment if segment.end <= keep else replace(segment, end=keep)
-            for segment in self.segments
-            if segment.start < keep
-        ]
+        renamed: dict[str, str] = {}
+        kept = []
+        for segment in self.segments:
+            if segment.start >= keep:
+                continue
+            if segment.end > keep:
+                name = f"{segment.name}[:{keep - segment.start}]"
+                renamed[segment.name] = name
+                segment = replace(segment, end=keep, name=name)
+            kept.append(segment)
+        self.segments = kept
         self.length = min(self.length, keep)
-        return dropped
+        return dropped, renamed
+
+
+FITTED = "fitted:"  # what the names of a loaded pool's anchors start with (the replay's own start "replay:")
 
 
 def pool_identity(runtime: Runtime) -> dict:
@@ -318,7 +328,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         if self.pool is None:
             self.pool = self.initial_pool()
         self.trajectory += 1
-        self.log = SegmentLog(f"t{self.trajectory}")
+        self.log = SegmentLog(f"replay:{self.trajectory}")
         self.own: dict[str, list[KVBuffer]] = {}  # agent -> per layer (1, H_kv, ≥ L_agent, D) buffers
         self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
         self.latest: dict[str, str] = {}  # segment name -> the agent holding its latest materialised cache
@@ -331,17 +341,20 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     def truncate(self, keep: int) -> None:
         """Cut the segment log at `keep` (kvprof's: the public code replays one growing timeline), each agent's cache,
         the context-free encodings and the gate's verdicts with it; the anchor pool keeps what it learnt."""
-        for segment in self.log.truncate(keep):
+        dropped, renamed = self.log.truncate(keep)
+        for segment in dropped:
             for table in (self.latest, self.readers, self.bases, self.verdicts):
                 table.pop(segment.name, None)
-        for segment in self.log.segments[-1:]:
-            base = self.bases.get(segment.name)
-            if base is not None and base[0].shape[-2] > segment.length:
+        for old, new in renamed.items():  # the cut segment: its gate decides again, its encoding is cut too
+            self.verdicts.pop(old, None)
+            for table in (self.latest, self.readers):
+                if old in table:
+                    table[new] = table.pop(old)
+            base = self.bases.pop(old, None)
+            if base is not None:
+                length = next(s.length for s in self.log.segments if s.name == new)
                 keys, values = base
-                self.bases[segment.name] = (
-                    keys[..., : segment.length, :].clone(),
-                    values[..., : segment.length, :].clone(),
-                )
+                self.bases[new] = (keys[..., :length, :].clone(), values[..., :length, :].clone())
         self.seen = {agent: min(seen, keep) for agent, seen in self.seen.items()}
         self.corrected = {
             agent: [(start, min(end, keep)) for start, end in spans if start < keep]
@@ -359,6 +372,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                     "ones; fit a pool with the matching --rank."
                 )
             pool.capacity, pool.window = int(self.values["anchors_per_slot"]), int(self.values["window"])
+            for anchor in (a for anchors in pool.slots.values() for a in anchors):  # not a segment this replay names
+                anchor.name = f"{FITTED}{anchor.name}"
             return pool
         return AnchorPool(int(self.values["anchors_per_slot"]), int(self.values["window"]), self.rank)
 
