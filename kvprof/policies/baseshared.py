@@ -189,6 +189,8 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         self.store.apply(chunk.context.updates)
         earlier, own = chunk.context.low_rank, chunk.context.own
         keep = chunk.start - chunk.context.refreshed  # the tokens `earlier` serves; `own` starts there
+        if not self.store.adapts_cache(chunk.agent):
+            return 0.0
         if keep and not earlier:
             raise RuntimeError("baseshared reused tokens without an LR cache for them")
         pieces = ([[{p: t[:, :keep] for p, t in layer.items()} for layer in earlier]] if earlier else []) + own

@@ -96,7 +96,16 @@ class LowRankStore:
         return len(self.producers)
 
     def lr_length(self, name: str) -> int:
-        return self.lr_lengths.get(name, 0)
+        """Tokens the LR cache `name` covers: an adapter that adapts no cached projection (an MLP-only adapter:
+        its agents' K/V differ only through the hidden states) has an empty LR cache that covers every token."""
+        return self.lr_lengths.get(name, 0) if self.adapts_cache(name) else len(self)
+
+    def adapts_cache(self, name: str) -> bool:
+        """Whether the adapter behind LR cache `name` (an agent's, or the first agent's for a shared cache) adapts
+        k_proj or v_proj in any layer."""
+        names = self.runtime.agents.spec.names
+        agent = name if name in names else names[0]
+        return any(agent in getattr(split, side).down for split in self.runtime.splits for side in SPLIT_SIDES)
 
     def lr(self, name: str) -> list[dict[str, torch.Tensor]] | None:
         """The LR cache `name` (per layer {"key"|"value": (1, n, r)}, views), or None if there is none."""
@@ -218,7 +227,10 @@ class LowRankStore:
 
     def write_low_rank(self, name: str, start: int, layers: list[dict[str, torch.Tensor]]) -> None:
         """Write `layers` (per layer {"key"|"value": (1, n, r)}) into the LR cache `name` at tokens start..start+n
-        (start ≤ its length); its length becomes start + n."""
+        (start ≤ its length); its length becomes start + n. Nothing for an adapter that adapts no cached projection
+        (`adapts_cache`)."""
+        if not any(layer for layer in layers):
+            return
         current = self.low_rank.get(name)
         if current is None:
             if start:

@@ -1,0 +1,80 @@
+"""Adapters teams train besides attention LoRA: on the MLP only (its agents' K/V differ only through the hidden
+states) and on every linear layer (attention and MLP). Every LoRA-family policy replays them, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from kvprof.model import load_agents_for_trace
+from kvprof.policies import PolicyVariant, runnable_variants
+from kvprof.replay import replay_trace
+from kvprof.runtime import Runtime
+from kvprof.tiny import AGENTS, build_adapter
+from kvprof.trace import read_trace
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", *MLP)
+LORA_FAMILY = [
+    PolicyVariant("fullshared"),
+    PolicyVariant("baseshared"),
+    PolicyVariant("baseshared", {"lr_prefill": "full"}),
+    PolicyVariant("baseshared", {"lr_prefill": "incremental"}),
+    PolicyVariant("prelrshared"),
+    PolicyVariant("prelrshared", {"views": "kept"}),
+    PolicyVariant("baselrshared"),
+    PolicyVariant("rebaseshared"),
+    PolicyVariant("rebaseshared", {"schedule": "db"}),
+]
+
+
+@pytest.fixture(scope="module", params=["mlp", "all_linear"])
+def adapted(request, tiny_world, lora_trace, tmp_path_factory):
+    """The lora trace replayed by agents with adapters on the MLP only, or on every linear layer (sharing A, so that
+    BaseLRShared runs too), under every LoRA-family policy."""
+    targets = MLP if request.param == "mlp" else ALL_LINEAR
+    folder = tmp_path_factory.mktemp(request.param)
+    flags = []
+    for seed, agent in enumerate(AGENTS):
+        model = AutoModelForCausalLM.from_pretrained(tiny_world.model)
+        build_adapter(model, folder / agent, seed=10 + seed, targets=targets, shared_a_seed=99)
+        flags.append(f"{agent}={folder / agent}")
+    agents = load_agents_for_trace(lora_trace, agent_flags=flags, device="cpu", dtype="float32")
+    variants, skipped = runnable_variants(LORA_FAMILY, Runtime(agents), skip=True)
+    assert not skipped
+    result = replay_trace(agents, read_trace(lora_trace).trajectories[:2], variants)
+    return request.param, result
+
+
+def test_every_lora_family_policy_replays_them(adapted):
+    kind, result = adapted
+    dense = result["dense"]["summary"]
+    for label, entry in result["policies"].items():
+        summary = entry["summary"]
+        assert summary["turns"] == dense["turns"], label
+        assert summary["kl"] >= 0 and summary["prefilled"] > 0, label
+    if kind == "all_linear":  # adapters on the cached projections: sharing costs fidelity
+        assert result["policies"]["prelrshared"]["summary"]["k_error"] > 0
+
+
+def test_an_mlp_only_adapter_leaves_an_empty_lr_cache(adapted):
+    """With k_proj and v_proj unadapted, a token's cache is its producer's base K/V for every reader: PreLRShared and
+    BaseLRShared serve exactly FullShared's K/V, and BaseShared, whose empty LR cache covers every token, has no LR
+    prefill to run: it prefills what FullShared does and the moved spans it computes."""
+    kind, result = adapted
+    if kind != "mlp":
+        pytest.skip("the MLP-only case")
+    policies = result["policies"]
+    full = policies["fullshared"]["turns"]
+    assert policies["fullshared"]["summary"]["k_error"] > 0  # the hidden states differ between agents
+    base, full_summary = policies["baseshared-code"]["summary"], policies["fullshared"]["summary"]
+    assert base["prefilled"] == full_summary["prefilled"] + full_summary["moved"]
+    for label in ("prelrshared", "prelrshared-kept", "baselrshared"):
+        for turn, reference in zip(policies[label]["turns"], full, strict=True):
+            assert turn["reused"] == reference["reused"], label
+            assert turn["kl_sum"] == pytest.approx(reference["kl_sum"], rel=1e-4, abs=1e-7), label
+            for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
+                assert layer["k_error"] == pytest.approx(reference_layer["k_error"], rel=1e-4, abs=1e-6), label
+        if label != "prelrshared-kept":  # no LR cache is kept: the base cache is FullShared's shared cache
+            peak = policies[label]["summary"]["peak_memory_bytes"]
+            assert peak == policies["fullshared"]["summary"]["peak_memory_bytes"], label
