@@ -1,5 +1,6 @@
 """A chunk after a cache attended without an explicit mask (`kvprof.kernels.chunk_attention`), against SDPA with
-transformers' bottom-right causal mask."""
+transformers' bottom-right causal mask; queries at scattered positions (a selective recompute's), against SDPA with
+the explicit mask."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
-from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask
+from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask, scattered_attention
 
 
 def masked_reference(query, key, value, scale=None):
@@ -31,6 +32,37 @@ def test_chunk_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, q_len, kv_
     assert actual.shape == query.shape and actual.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), masked_reference(query, key, value, 0.2), atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (4, 2)])
+@pytest.mark.parametrize(
+    "positions",
+    [[0, 1, 2], [3, 9, 10, 30, 47], list(range(5, 45, 3)), [0, *range(20, 50)]],
+    ids=["from 0", "sparse", "strided", "run"],
+)
+@pytest.mark.parametrize("block", [2, 256])
+def test_scattered_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, positions, block):
+    """Each query sees the keys up to its own position, across blocks that start at 0 or after it."""
+    generator = torch.Generator().manual_seed(len(positions) + q_heads)
+    kv_len = 50
+    query = torch.randn(2, q_heads, len(positions), 32, generator=generator).to(dtype)
+    key = torch.randn(2, kv_heads, kv_len, 32, generator=generator).to(dtype)
+    value = torch.randn(2, kv_heads, kv_len, 32, generator=generator).to(dtype)
+    at = torch.tensor(positions)
+    actual = scattered_attention(query, key, value, at, scale=0.2, block=block)
+    assert actual.shape == query.shape and actual.dtype == dtype
+    mask = torch.arange(kv_len)[None, :] <= at[:, None]
+    groups = q_heads // kv_heads
+    expected = F.scaled_dot_product_attention(
+        query.float(),
+        key.repeat_interleave(groups, 1).float(),
+        value.repeat_interleave(groups, 1).float(),
+        attn_mask=mask,
+        scale=0.2,
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=0)
 
 
 def test_chunk_attention_reads_strided_cache_views():

@@ -23,9 +23,16 @@ otherwise whatever transformers' `sdpa_mask` returns. So under kvprof's implemen
 
 The CPU path uses `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp);
 other devices build the bottom-right mask and call SDPA.
+
+`scattered_attention` is the same split for queries at scattered cache positions (a selective recompute's chosen
+tokens, each attending the keys up to its own position): per block of queries, the keys before the block's first
+position in one unmasked pass, the few keys from there to its last position with a small mask, merged alike —
+instead of one (Lq, Lk) mask over the whole cache.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -101,3 +108,55 @@ def chunk_attention(
     own_weight = (own_lse - top).exp().unsqueeze(-1)
     merged = (past.float() * past_weight + own.float() * own_weight) / (past_weight + own_weight)
     return merged.to(query.dtype)
+
+
+SCATTER_BLOCK = 256  # queries per block of `scattered_attention`
+
+
+def scattered_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float | None = None,
+    block: int = SCATTER_BLOCK,
+) -> torch.Tensor:
+    """Causal attention of queries at cache positions `positions` (Lq,), increasing: query i sees keys
+    j ≤ positions[i].
+
+    query (B, H_q, Lq, D); key, value (B, H_kv, Lk, D) with Lk > positions[-1]. Returns (B, H_q, Lq, D) in the
+    query's dtype. Per block of `block` queries (positions lo..hi): keys [0, lo) unmasked, keys [lo, hi] under a
+    (block, hi − lo + 1) mask, merged by their log-sum-exps; the query heads of a KV-head group stacked along the
+    query axis (no copy of the cache per query head)."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = q_heads // kv_heads
+    if q_len > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise ValueError("scattered_attention needs increasing query positions")
+    if query.device.type != "cpu":
+        keys = torch.arange(key.shape[2], device=query.device)
+        mask = keys[None, :] <= positions[:, None]
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out = torch.empty_like(query)
+    for start in range(0, q_len, block):
+        end = min(start + block, q_len)
+        count = end - start
+        lo, hi = int(positions[start]), int(positions[end - 1])
+        stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
+        near_keys = torch.arange(lo, hi + 1, device=query.device)
+        hidden = (near_keys[None, :] > positions[start:end, None]).repeat(groups, 1)
+        near_mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, -math.inf)
+        near, near_lse = flash(
+            stacked, key[:, :, lo : hi + 1], value[:, :, lo : hi + 1], attn_mask=near_mask, scale=scale
+        )[:2]
+        if lo == 0:
+            out[:, :, start:end] = near.reshape(batch, q_heads, count, head_dim)
+            continue
+        far, far_lse = flash(stacked, key[:, :, :lo], value[:, :, :lo], scale=scale)[:2]
+        top = torch.maximum(far_lse, near_lse)
+        far_weight = (far_lse - top).exp().unsqueeze(-1)
+        near_weight = (near_lse - top).exp().unsqueeze(-1)
+        merged = (far.float() * far_weight + near.float() * near_weight) / (far_weight + near_weight)
+        out[:, :, start:end] = merged.reshape(batch, q_heads, count, head_dim).to(query.dtype)
+    return out

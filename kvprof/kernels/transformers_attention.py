@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import flash_lora_attention
-from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask
+from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask, scattered_attention
 
 LORA_ATTENTION = "kvprof_lora"
 
@@ -66,6 +66,23 @@ _active_context: contextvars.ContextVar[LoraAttentionContext | None] = contextva
 )
 
 
+_scattered_positions: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "kvprof_scattered_positions", default=None
+)
+
+
+@contextlib.contextmanager
+def scattered_queries(positions: torch.Tensor) -> Iterator[None]:
+    """Within the block, an unmasked "kvprof_lora" layer call attends queries at cache `positions` (Lq,),
+    increasing, causally over the whole cache (`scattered_attention`): what a selective recompute's chosen tokens do,
+    without an explicit (Lq, Lk) mask."""
+    token = _scattered_positions.set(positions)
+    try:
+        yield
+    finally:
+        _scattered_positions.reset(token)
+
+
 @contextlib.contextmanager
 def use_lora_attention(context: LoraAttentionContext) -> Iterator[LoraAttentionContext]:
     """Make `context` the one "kvprof_lora" layers read, for the duration of the `with` block."""
@@ -89,7 +106,8 @@ def lora_attention_forward(
     """transformers' attention signature: query (B, H_q, Lq, D), key/value (B, H_kv, Lk, D) → (B, Lq, H_q, D).
 
     Without an active context entry for `module.layer_idx` this is transformers' sdpa attention, except that a
-    chunk after a cache without a mask (`chunk_mask`'s None: bottom-right causal) goes through `chunk_attention`.
+    chunk after a cache without a mask (`chunk_mask`'s None: bottom-right causal) goes through `chunk_attention`, or,
+    inside `scattered_queries`, queries at scattered positions through `scattered_attention`.
     With an entry, it is Flash-LoRA-Attention over V = value + V_lr·B: a given mask replaces causality; no mask
     means bottom-right causal for Lq > 1 and full attention for Lq = 1.
     """
@@ -98,6 +116,9 @@ def lora_attention_forward(
     q_len, kv_len = query.shape[2], key.shape[2]
     plain = not dropout and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     if lora is None:
+        positions = _scattered_positions.get()
+        if attention_mask is None and positions is not None and plain:
+            return scattered_attention(query, key, value, positions, scaling).transpose(1, 2).contiguous(), None
         if attention_mask is None and 1 < q_len < kv_len and plain and getattr(module, "is_causal", True):
             return chunk_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(

@@ -35,6 +35,7 @@ select) and is FullShared.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from abc import abstractmethod
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.transformers_attention import scattered_queries
 from kvprof.kv_buffer import KVBuffer
 from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
 from kvprof.model import head_dim
@@ -223,17 +225,20 @@ class Blend:
         their K/V are scattered into the blend; returns their hidden states leaving the layer (1, m, d)."""
         keys, values = self.kv[index]
         length = int(keys.shape[2])
-        mask = None  # every reused token: a chunk after the prefix, which kvprof's attention attends unmasked
-        if len(positions) < length - self.prefix_len or not self.stack.unmasked_chunks():
+        mask, scattered = None, contextlib.nullcontext()
+        if not self.stack.unmasked_chunks():
             mask = causal_mask(positions, length, hidden.dtype)
-        out = self.stack.layers[index](
-            hidden,
-            attention_mask=mask,
-            position_ids=positions[None],
-            **{self.stack.cache_argument: ScatterCache(keys, values, positions)},
-            use_cache=True,
-            position_embeddings=self.stack.rotary(hidden, positions[None]),
-        )
+        elif len(positions) < length - self.prefix_len:  # kvprof's attention attends them without a mask
+            scattered = scattered_queries(positions)
+        with scattered:
+            out = self.stack.layers[index](
+                hidden,
+                attention_mask=mask,
+                position_ids=positions[None],
+                **{self.stack.cache_argument: ScatterCache(keys, values, positions)},
+                use_cache=True,
+                position_embeddings=self.stack.rotary(hidden, positions[None]),
+            )
         out = out[0] if isinstance(out, tuple) else out
         self.recomputed += len(positions)
         self.flops += self.stack.layer_flops(index, len(positions), int((positions + 1).sum()))
