@@ -56,6 +56,18 @@ def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def sliding_windows(config) -> list[int | None]:
+    """Per decoder layer of a transformers model `config`, its attention's sliding window W (a query at position p
+    sees keys p − W < k ≤ p), or None for full attention: from `layer_types` where the config has them (Gemma 2/3,
+    gpt-oss, Qwen2: "sliding_attention" layers take `sliding_window`), else `sliding_window` for every layer
+    (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """`auto` is CUDA when present, else CPU."""
     if device == "auto":

@@ -77,6 +77,19 @@ def _check_selective_recompute_at_ratio_one(run_cli, trace: str, out) -> None:
         assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-9, label
 
 
+def test_selective_recompute_at_ratio_one_honours_a_window_shorter_than_the_trace(run_cli, tmp_path):
+    """Mistral with a 24-token sliding window, on a trace whose inputs are longer: recomputing every reused
+    (token, layer) entry layer by layer attends each token's last 24 keys, as the model does — the dense run."""
+    window = 24
+    world = build_tiny_world(tmp_path / "world", arch="mistral")
+    config_path = world.model / "config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"sliding_window": window}))
+    trace = _capture(run_cli, world, world.lora_workflow, tmp_path / "capture")
+    trajectories = read_trace(trace).trajectories
+    assert max(len(t.input_tokens(turn)) for t in trajectories for turn in t.turns) > 3 * window
+    _check_selective_recompute_at_ratio_one(run_cli, trace, tmp_path / "recompute")
+
+
 def test_cache_split_and_base_kv_carry_the_biases(world):
     """base + adapter is the cached K/V, and the base part the forward's own projections give (`HiddenTap.base`,
     which the low-rank stores keep) equals the captured one: with Qwen2's and Phi's biases, both must include the

@@ -47,7 +47,7 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
 from kvprof.kv_buffer import KVBuffer
 from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
-from kvprof.model import head_dim
+from kvprof.model import head_dim, sliding_windows
 from kvprof.policies.base import Option, unit_interval
 from kvprof.policies.fullshared import FullShared, FullSharedContext
 from kvprof.rope import rotary_embedding
@@ -102,6 +102,7 @@ class LayerStack:
             for index, layer in enumerate(self.layers)
         ]
         self.cache_argument = self._cache_argument()
+        self.windows = sliding_windows(model.config)
         self._check_embeddings()
 
     def _cache_argument(self) -> str:
@@ -189,10 +190,13 @@ class Probe:
     queries: torch.Tensor | None
 
 
-def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p."""
+def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p (with a sliding `window`, only
+    keys p − window < k ≤ p)."""
     keys = torch.arange(length, device=positions.device)
     allowed = keys[None, :] <= positions[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > positions[:, None] - window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
@@ -225,8 +229,11 @@ class Blend:
         their K/V are scattered into the blend; returns their hidden states leaving the layer (1, m, d)."""
         keys, values = self.kv[index]
         length = int(keys.shape[2])
+        window = self.stack.windows[index]
         mask, scattered = None, contextlib.nullcontext()
-        if not self.stack.unmasked_chunks():
+        if window is not None and window < length:  # a sliding-window layer attends its last `window` keys only
+            mask = causal_mask(positions, length, hidden.dtype, window)
+        elif not self.stack.unmasked_chunks():
             mask = causal_mask(positions, length, hidden.dtype)
         elif len(positions) < length - self.prefix_len:  # kvprof's attention attends them without a mask
             scattered = scattered_queries(positions)
