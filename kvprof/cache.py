@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.lora import QKV, attention_of, decoder_layers, projection_columns
+from kvprof.lora import QKV, attention_of, decoder_layers, projection_columns, projection_norm
 from kvprof.model import AgentSet, head_dim
 
 PARTS = ("kv", "split", "hidden", "lr")
 ROTATED = {"q_proj", "k_proj"}  # projections RoPE rotates
 PER_HEAD = {"q_proj", "k_proj", "v_proj"}  # projections reshaped to (heads, L, D)
-NORMS = {"q_proj": "q_norm", "k_proj": "k_norm", "v_proj": "v_norm"}  # per-head norms that break the split
 
 
 @dataclass
@@ -147,13 +146,12 @@ def _is_lora(module: torch.nn.Module) -> bool:
 def _normalised(attention: torch.nn.Module, name: str, index: int) -> bool:
     """Whether the layer normalises the projection's output before RoPE (its split is then taken before the norm);
     refuses a value norm, after which the cached values have no base + adapter split."""
-    norm = NORMS.get(name)
-    if not norm or getattr(attention, norm, None) is None:
+    if projection_norm(attention, name) is None:
         return False
     if name == "v_proj":
         raise KvprofError(
-            f"layer {index} normalises v_proj ({norm}) before caching, so its cached values do not split into base "
-            "+ adapter; this model's cache cannot be split."
+            f"layer {index} normalises v_proj before caching, so its cached values do not split into base + adapter; "
+            "this model's cache cannot be split."
         )
     return True
 

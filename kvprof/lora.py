@@ -153,11 +153,28 @@ class ProjectionNorm:
         return normed.transpose(1, 2)
 
 
+NORM_NAMES = {  # a projection's output norm before RoPE and the cache, by architecture
+    "q_proj": ("q_norm", "q_layernorm"),
+    "k_proj": ("k_norm", "k_layernorm"),  # Qwen3, OLMo 2, Gemma 3 / LFM2
+    "v_proj": ("v_norm",),
+}
+
+
+def projection_norm(attention: torch.nn.Module, projection: str) -> torch.nn.Module | None:
+    """The norm an attention module applies to `projection`'s output before RoPE and the cache (`NORM_NAMES`), or
+    None."""
+    for name in NORM_NAMES.get(projection, ()):
+        norm = getattr(attention, name, None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    return None
+
+
 def key_norms(model) -> list[ProjectionNorm] | None:
     """Per layer the key `ProjectionNorm` of a model that normalises its keys before RoPE; None for a model that does
     not."""
     layers = decoder_layers(model)
-    norms = [getattr(attention_of(layer, index), "k_norm", None) for index, layer in enumerate(layers)]
+    norms = [projection_norm(attention_of(layer, index), "k_proj") for index, layer in enumerate(layers)]
     if all(norm is None for norm in norms):
         return None
     width = kv_heads(model.config) * head_dim(model.config)

@@ -90,6 +90,31 @@ def test_selective_recompute_at_ratio_one_honours_a_window_shorter_than_the_trac
     _check_selective_recompute_at_ratio_one(run_cli, trace, tmp_path / "recompute")
 
 
+def test_low_rank_policies_split_keys_normalised_by_a_k_layernorm(run_cli, tmp_path):
+    """LFM2 normalises keys with `k_layernorm` (Qwen3's `k_norm` under another name): with one adapter for every
+    agent BaseShared must reproduce the dense run and PreLRShared FullShared's turns (it moves the trace's repeated
+    spans as FullShared does), which they do only if the store keeps keys before that norm (they were 47 % off while
+    it went unseen)."""
+    from transformers import Lfm2Config
+
+    from kvprof.tiny import tiny_sizes
+
+    world = build_tiny_world(tmp_path / "world", configure=lambda vocab, eos: Lfm2Config(**tiny_sizes(vocab, eos)))
+    agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu", dtype="float32")
+    assert key_norms(agents.base_model) is not None
+    trace = _capture(run_cli, world, world.lora_workflow, tmp_path / "capture")
+    same = [arg for name in AGENTS for arg in ("--agent", f"{name}={world.adapter('act')}")]
+    policies = ("--policy", "baseshared", "--policy", "prelrshared", "--policy", "fullshared")
+    result = _replay(run_cli, trace, tmp_path / "same", *policies, *same)["policies"]
+    summary = result["baseshared-code"]["summary"]
+    assert summary["reuse_per_token"] > 0.3
+    assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-9
+    for turn, reference in zip(result["prelrshared"]["turns"], result["fullshared"]["turns"], strict=True):
+        assert turn["kl_sum"] == pytest.approx(reference["kl_sum"], rel=1e-3, abs=1e-6)
+        for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
+            assert layer["k_error"] == pytest.approx(reference_layer["k_error"], rel=1e-3, abs=1e-5)
+
+
 def test_cache_split_and_base_kv_carry_the_biases(world):
     """base + adapter is the cached K/V, and the base part the forward's own projections give (`HiddenTap.base`,
     which the low-rank stores keep) equals the captured one: with Qwen2's and Phi's biases, both must include the

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.lora import ProjectionNorm, attention_of
+from kvprof.lora import ProjectionNorm, attention_of, projection_norm
 from kvprof.policies.base import Option, Published, layer_index
 from kvprof.policies.fullshared import FullSharedContext
 from kvprof.policies.papers import RELAYCACHING
@@ -108,7 +108,7 @@ class RelayCaching(SelectiveRecompute):
         window = positions[-WINDOW:]
         assert probe.queries is not None  # probed with queries=True
         queries = probe.queries[:, -len(window) :].view(1, len(window), -1, runtime.head_dim).transpose(1, 2)
-        query_norm = getattr(attention, "q_norm", None)
+        query_norm = projection_norm(attention, "q_proj")
         if query_norm is not None:  # as the layer applies it, before RoPE
             queries = ProjectionNorm(query_norm, runtime.query_heads * runtime.head_dim)(queries)
         queries = apply_rope(queries, window, runtime.rope).float()
