@@ -103,11 +103,18 @@ def chunk_attention(
         own_keys = own_keys.repeat_interleave(groups, dim=1)
         own_values = own_values.repeat_interleave(groups, dim=1)
     own, own_lse = flash(query, own_keys, own_values, is_causal=True, scale=scale)[:2]
-    top = torch.maximum(past_lse, own_lse)
-    past_weight = (past_lse - top).exp().unsqueeze(-1)
-    own_weight = (own_lse - top).exp().unsqueeze(-1)
-    merged = (past.float() * past_weight + own.float() * own_weight) / (past_weight + own_weight)
-    return merged.to(query.dtype)
+    return merge_by_lse(past, past_lse, own, own_lse).to(query.dtype)
+
+
+def merge_by_lse(
+    first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
+) -> torch.Tensor:
+    """One attention output from two over disjoint key sets, (..., L, D) each with its log-sum-exp (..., L):
+    O = (e^{m₁} O₁ + e^{m₂} O₂) / (e^{m₁} + e^{m₂}), in float32."""
+    top = torch.maximum(first_lse, second_lse)
+    first_weight = (first_lse - top).exp().unsqueeze(-1)
+    second_weight = (second_lse - top).exp().unsqueeze(-1)
+    return (first.float() * first_weight + second.float() * second_weight) / (first_weight + second_weight)
 
 
 SCATTER_BLOCK = 256  # queries per block of `scattered_attention`
@@ -154,9 +161,6 @@ def scattered_attention(
             out[:, :, start:end] = near.reshape(batch, q_heads, count, head_dim)
             continue
         far, far_lse = flash(stacked, key[:, :, :lo], value[:, :, :lo], scale=scale)[:2]
-        top = torch.maximum(far_lse, near_lse)
-        far_weight = (far_lse - top).exp().unsqueeze(-1)
-        near_weight = (near_lse - top).exp().unsqueeze(-1)
-        merged = (far.float() * far_weight + near.float() * near_weight) / (far_weight + near_weight)
+        merged = merge_by_lse(far, far_lse, near, near_lse)
         out[:, :, start:end] = merged.reshape(batch, q_heads, count, head_dim).to(query.dtype)
     return out
