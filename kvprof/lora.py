@@ -153,6 +153,23 @@ class ProjectionNorm:
         return normed.transpose(1, 2)
 
 
+def invocation_tokens(model, agent: str) -> list[int] | None:
+    """The invocation sequence of `agent`'s adapter when it is an Activated LoRA (peft's `alora_invocation_tokens`:
+    the adapter acts from the last occurrence of these ids in a call's input on), else None."""
+    config = getattr(model, "peft_config", {}).get(agent)
+    tokens = getattr(config, "alora_invocation_tokens", None)
+    return list(tokens) if tokens else None
+
+
+def last_occurrence(ids: list[int], sequence: list[int]) -> int | None:
+    """Where the last occurrence of `sequence` in `ids` starts, or None."""
+    width = len(sequence)
+    for start in range(len(ids) - width, -1, -1):
+        if ids[start : start + width] == sequence:
+            return start
+    return None
+
+
 NORM_NAMES = {  # a projection's output norm before RoPE and the cache, by architecture
     "q_proj": ("q_norm", "q_layernorm"),
     "k_proj": ("k_norm", "k_layernorm"),  # Qwen3, OLMo 2, Gemma 3 / LFM2

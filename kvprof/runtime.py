@@ -21,7 +21,15 @@ from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer, Rewrite
-from kvprof.lora import HiddenTap, LayerSplit, ProjectionNorm, key_norms, layer_splits
+from kvprof.lora import (
+    HiddenTap,
+    LayerSplit,
+    ProjectionNorm,
+    invocation_tokens,
+    key_norms,
+    last_occurrence,
+    layer_splits,
+)
 from kvprof.model import AgentSet, head_dim, kv_heads
 from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.stopping import StopStrings, end_ids
@@ -79,6 +87,13 @@ class Runtime:
         self.lora_attention = lora_attention
         self.fast_paths = fast_paths
         self.span_matching = span_matching
+        # agent -> its Activated LoRA's invocation ids (lora mode); the call being served: agent, invocation start
+        self.invocations = {
+            name: tokens
+            for name in agents.spec.names
+            if agents.spec.mode == "lora" and (tokens := invocation_tokens(agents.model, name)) is not None
+        }
+        self.call: tuple[str, int | None] | None = None
         self.attention = register_lora_attention()
         self.model = agents.model
         config = agents.config
@@ -169,6 +184,38 @@ class Runtime:
             for name, ids in self.role_prefixes.items()
         }
 
+    @contextlib.contextmanager
+    def serving_call(self, agent: str, input_ids: list[int]) -> Iterator[None]:
+        """Within the block, forwards of `agent` belong to its call on `input_ids`: an Activated LoRA acts from the
+        last occurrence of its invocation ids in that input on, in every forward of the call (a decode step's one
+        token included), as peft's `generate` applies it; without the invocation it never acts."""
+        if agent not in self.invocations:
+            yield
+            return
+        self.call = (agent, last_occurrence(input_ids, self.invocations[agent]))
+        try:
+            yield
+        finally:
+            self.call = None
+
+    def adapter_acts_from(self, agent: str) -> int | None:
+        """Within `serving_call`: the position in `agent`'s call input (private prefix included) from which its
+        Activated LoRA acts — its K/V from there on are the adapter's, the ones before are the base model's; None for
+        an adapter that acts on every token (plain LoRA) or not at all (an aLoRA call without its invocation)."""
+        if self.call is None or self.call[0] != agent:
+            return None
+        return self.call[1]
+
+    def alora_offsets(self, rows: list[str | None], start: int, count: int) -> list[int | None] | None:
+        """peft's `alora_offsets` for a forward of `count` tokens at positions start.. with one adapter per row
+        (None: disabled): for the served call's agent, how many of the forward's last tokens its adapter acts on;
+        None when the forward is not the served call's (peft then looks for the invocation in its own ids)."""
+        if self.call is None or self.call[0] not in rows:
+            return None
+        agent, invocation = self.call
+        acting = 0 if invocation is None else max(0, start + count - invocation)
+        return [acting if row == agent else None for row in rows]
+
     # ------------------------------------------------------------------------------------------ caches
 
     def cache_from(self, layers: list[KV], spare: int = 0, rewrite: Rewrite | None = None) -> BufferCache:
@@ -221,9 +268,12 @@ class Runtime:
         """
         tokens = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand(tokens.shape[0], -1)
-        kwargs: dict[str, int | list[str]] = {"logits_to_keep": 1} if last_logits_only else {}
+        kwargs: dict[str, object] = {"logits_to_keep": 1} if last_logits_only else {}
         if adapter_names is not None:
             kwargs["adapter_names"] = adapter_names
+        offsets = self.alora_offsets(adapter_names or [agent] * tokens.shape[0], start, tokens.shape[1])
+        if offsets is not None:
+            kwargs["alora_offsets"] = offsets
         try:
             with contextlib.ExitStack() as scope:
                 scope.enter_context(torch.inference_mode())

@@ -1,9 +1,15 @@
 """Adapters teams train besides attention LoRA: on the MLP only (its agents' K/V differ only through the hidden
-states) and on every linear layer (attention and MLP). Every LoRA-family policy replays them, never a traceback."""
+states) and on every linear layer (attention and MLP), which every LoRA-family policy replays, never a traceback;
+and Activated LoRA (peft's aLoRA: the adapter acts from its invocation ids on), which replay applies as peft's
+`generate` does."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from kvprof.model import load_agents_for_trace
@@ -78,3 +84,50 @@ def test_an_mlp_only_adapter_leaves_an_empty_lr_cache(adapted):
         if label != "prelrshared-kept":  # no LR cache is kept: the base cache is FullShared's shared cache
             peak = policies[label]["summary"]["peak_memory_bytes"]
             assert peak == policies["fullshared"]["summary"]["peak_memory_bytes"], label
+
+
+def alora_adapters(world, folder: Path) -> list[str]:
+    """Activated LoRA adapters for the tiny world's agents, each invoked by its agent's cue ("plan:", ...), as
+    `--agent NAME=DIR` flags."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(world.model)
+    flags = []
+    for seed, agent in enumerate(AGENTS):
+        torch.manual_seed(20 + seed)
+        config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+            alora_invocation_tokens=tokenizer.encode(f"{agent}:", add_special_tokens=False),
+        )
+        get_peft_model(AutoModelForCausalLM.from_pretrained(world.model), config).save_pretrained(folder / agent)
+        flags += ["--agent", f"{agent}={folder / agent}"]
+    return flags
+
+
+def test_activated_lora_agents_replay_their_capture(tiny_world, run_cli, tmp_path):
+    """aLoRA agents act from their invocation on, in every forward of the call: the dense replay of their capture
+    (peft's own `generate`) reproduces it token for token, NonShared is exact, and with the adapters silent before
+    the cue sharing costs less than with plain LoRA agents."""
+    flags = alora_adapters(tiny_world, tmp_path / "alora")
+    common = ("--device", "cpu", "--dtype", "float32")
+    code, _, err = run_cli(
+        "capture", "--model", tiny_world.model, "--workflow", tiny_world.lora_workflow, "--tasks", tiny_world.tasks,
+        *flags, "--out", tmp_path / "capture", *common,
+    )  # fmt: skip
+    assert code == 0, err
+    trace = tmp_path / "capture" / "trace.jsonl"
+    code, _, err = run_cli(
+        "replay", trace, "--policy", "nonshared", "--policy", "fullshared", "--repeats", "1",
+        "--out", tmp_path / "replay", *common,
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    assert result["dense"]["summary"]["trace_agreement"] == 1.0
+    nonshared = result["policies"]["nonshared"]["summary"]
+    assert nonshared["kl"] == 0.0 and nonshared["k_error"] == 0.0
+    assert result["policies"]["fullshared"]["summary"]["k_error"] > 0  # each agent's output is adapter-made

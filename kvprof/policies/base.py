@@ -599,7 +599,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
         model switched to kvprof's attention once for all its forwards (`Runtime.kvprof_attention`).
         """
         with torch.inference_mode(), self.runtime.kvprof_attention():
-            return self._run_turn(request, repeats)
+            with self.runtime.serving_call(request.agent, request.input_ids):
+                return self._run_turn(request, repeats)
 
     def _run_turn(self, request: TurnRequest, repeats: int) -> TurnResult:
         runtime = self.runtime

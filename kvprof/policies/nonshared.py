@@ -2,6 +2,10 @@
 
 The dense baseline every other policy is measured against (exact; memory grows N× with N agents).
 
+An Activated LoRA agent (peft's aLoRA) keeps of a call's cache only the tokens before the call's invocation: from
+there on its K/V are the adapter's, while its next call, whose own invocation comes later, reads them as context
+before that invocation — with the base weights, as peft's `generate` computes them.
+
 Phases: TTFT — the agent's role prompt on its first turn, then the chunk of the input it has not processed itself;
 each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own. The turn
 appends in place to the agent's own buffers (`kvprof.kv_buffer`), so nothing it already holds is copied.
@@ -40,6 +44,11 @@ class NonShared(SharingPolicy[Context]):
     def commit(self, chunk: Chunk[Context]) -> float:
         self.own[chunk.agent] = chunk.buffers
         self.seen[chunk.agent] = chunk.start + len(chunk.ids)
+        acts_from = self.runtime.adapter_acts_from(chunk.agent)
+        if acts_from is not None:  # an aLoRA call: its adapter-made K/V are not the next call's
+            self.seen[chunk.agent] = min(
+                self.seen[chunk.agent], max(acts_from - len(self.runtime.prefix(chunk.agent)), 0)
+            )
         return 0.0
 
     def truncate(self, keep: int) -> None:
