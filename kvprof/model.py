@@ -202,6 +202,12 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
     if config.get("peft_type") != "LORA":
         raise KvprofError(f"adapter {path} is a {config.get('peft_type')} adapter; kvprof profiles LoRA adapters.")
     check_fields(config, {"r": int, "lora_alpha": (int, float, type(None))}, str(config_path), fix)
+    if config.get("alora_invocation_tokens") and config.get("task_type") != "CAUSAL_LM":
+        raise KvprofError(
+            f"adapter {path} is an Activated LoRA (alora_invocation_tokens) without task_type CAUSAL_LM, so peft "
+            'never applies it (every call runs the base model); set "task_type": "CAUSAL_LM" in its '
+            "adapter_config.json."
+        )
     weights_path = adapter_dir / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise KvprofError(f"adapter {path} has no adapter_model.safetensors; re-save it with safetensors.")

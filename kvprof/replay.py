@@ -23,6 +23,7 @@ import torch
 
 from kvprof.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of
 from kvprof.errors import KvprofError
+from kvprof.lora import last_occurrence
 from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
     kl_divergence,
@@ -306,6 +307,20 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
     }
 
 
+def require_invocations(runtime: Runtime, trajectories: Iterable[Trajectory]) -> None:
+    """Refuse a trace in which an Activated LoRA agent's call lacks its invocation ids (peft would run that call on
+    the base model alone), naming the first such call."""
+    for traj in trajectories:
+        for index, turn in enumerate(traj.turns):
+            tokens = runtime.invocations.get(turn.agent)
+            if tokens is not None and last_occurrence(traj.input_tokens(turn), tokens) is None:
+                raise KvprofError(
+                    f"trajectory {traj.id!r} turn {index} ({turn.agent}): the input lacks the invocation ids "
+                    f"{tokens} of {turn.agent}'s Activated LoRA, so its adapter would never act; capture the trace "
+                    "with these adapters (their invocation is then in every call), or give the agent another adapter."
+                )
+
+
 def build_policies(runtime: Runtime, variants: Iterable[PolicyVariant]) -> list[SharingPolicy]:
     return [variant.build(runtime) for variant in variants]
 
@@ -389,6 +404,7 @@ def replay_trace(
     """
     trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
+    require_invocations(runtime, trajectories)
     dense = NonShared(runtime)
     policies = build_policies(runtime, variants)
     state = progress or ReplayProgress()

@@ -86,9 +86,9 @@ def test_an_mlp_only_adapter_leaves_an_empty_lr_cache(adapted):
             assert peak == policies["fullshared"]["summary"]["peak_memory_bytes"], label
 
 
-def alora_adapters(world, folder: Path) -> list[str]:
-    """Activated LoRA adapters for the tiny world's agents, each invoked by its agent's cue ("plan:", ...), as
-    `--agent NAME=DIR` flags."""
+def alora_adapters(world, folder: Path, invocation: str = "{agent}:", task_type: str | None = "CAUSAL_LM") -> list[str]:
+    """Activated LoRA adapters for the tiny world's agents, each invoked by `invocation` (default: its agent's cue,
+    "plan:", ...), as `--agent NAME=DIR` flags."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
@@ -101,8 +101,8 @@ def alora_adapters(world, folder: Path) -> list[str]:
             lora_alpha=8,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             init_lora_weights=False,
-            task_type="CAUSAL_LM",
-            alora_invocation_tokens=tokenizer.encode(f"{agent}:", add_special_tokens=False),
+            task_type=task_type,
+            alora_invocation_tokens=tokenizer.encode(invocation.format(agent=agent), add_special_tokens=False),
         )
         get_peft_model(AutoModelForCausalLM.from_pretrained(world.model), config).save_pretrained(folder / agent)
         flags += ["--agent", f"{agent}={folder / agent}"]
@@ -131,3 +131,18 @@ def test_activated_lora_agents_replay_their_capture(tiny_world, run_cli, tmp_pat
     nonshared = result["policies"]["nonshared"]["summary"]
     assert nonshared["kl"] == 0.0 and nonshared["k_error"] == 0.0
     assert result["policies"]["fullshared"]["summary"]["k_error"] > 0  # each agent's output is adapter-made
+
+
+def test_activated_lora_that_peft_would_not_apply_or_never_invoked_is_refused(
+    tiny_world, lora_trace, run_cli, tmp_path
+):
+    """An aLoRA adapter without task_type CAUSAL_LM (peft then runs the base model) is refused at load; a trace whose
+    calls lack an agent's invocation ids is refused naming the first such call; both in one sentence, exit 2."""
+    common = ("--repeats", "1", "--device", "cpu", "--dtype", "float32")
+    flags = alora_adapters(tiny_world, tmp_path / "untyped", task_type=None)
+    code, _, err = run_cli("replay", lora_trace, *flags, "--out", tmp_path / "untyped-replay", *common)
+    assert code == 2 and "without task_type CAUSAL_LM" in err and "Traceback" not in err
+    flags = alora_adapters(tiny_world, tmp_path / "absent", invocation="Kalomir {agent} Quessa")
+    code, _, err = run_cli("replay", lora_trace, *flags, "--out", tmp_path / "absent-replay", *common)
+    assert code == 2 and "turn 0 (plan): the input lacks the invocation ids" in err and "Traceback" not in err
+    assert not (tmp_path / "absent-replay" / "replay.json").exists()
