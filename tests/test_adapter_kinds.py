@@ -146,3 +146,32 @@ def test_activated_lora_that_peft_would_not_apply_or_never_invoked_is_refused(
     code, _, err = run_cli("replay", lora_trace, *flags, "--out", tmp_path / "absent-replay", *common)
     assert code == 2 and "turn 0 (plan): the input lacks the invocation ids" in err and "Traceback" not in err
     assert not (tmp_path / "absent-replay" / "replay.json").exists()
+
+
+def test_activated_lora_agents_share_base_caches_exactly(tiny_world, run_cli, tmp_path):
+    """ALoRAShared reuses, across agents, the K/V every call computes before its invocation and recomputes the
+    adapter-made rest with the base weights: NonShared's caches and outputs (KL ≤ 1e-6), fewer tokens prefilled.
+    With a plain LoRA agent among them (act), its calls share nothing and the result stays exact."""
+    common = ("--repeats", "1", "--device", "cpu", "--dtype", "float32")
+    flags = alora_adapters(tiny_world, tmp_path / "alora")
+    code, _, err = run_cli(
+        "capture", "--model", tiny_world.model, "--workflow", tiny_world.lora_workflow, "--tasks", tiny_world.tasks,
+        *flags, "--out", tmp_path / "capture", "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert code == 0, err
+    trace = tmp_path / "capture" / "trace.jsonl"
+    pairs = [(flags[i], flags[i + 1]) for i in range(0, len(flags), 2)]
+    plain = ("--agent", f"act={tiny_world.adapter('act')}")
+    mixed = [part for pair in pairs for part in (plain if pair[1].startswith("act=") else pair)]
+    for name, agent_flags in (("alora", flags), ("mixed", mixed)):
+        code, _, err = run_cli(
+            "replay", trace, "--policy", "alorashared", "--policy", "nonshared", *agent_flags,
+            "--out", tmp_path / name, *common,
+        )  # fmt: skip
+        assert code == 0, err
+        result = json.loads((tmp_path / name / "replay.json").read_text())
+        shared, dense = result["policies"]["alorashared"]["summary"], result["dense"]["summary"]
+        assert shared["kl"] <= 1e-6 and shared["k_error"] <= 1e-5 and shared["v_error"] <= 1e-5, name
+        assert shared["top1"] == 1.0, name
+        assert shared["prefilled"] < result["policies"]["nonshared"]["summary"]["prefilled"], name
+        assert shared["prefilled"] < dense["prefilled"], name

@@ -7,6 +7,7 @@ CLI's `--policy all`, the test matrix and the reports enumerate `REGISTRY` (`kvp
 from __future__ import annotations
 
 from kvprof.errors import KvprofError
+from kvprof.policies.alorashared import ALoRAShared
 from kvprof.policies.base import Option, Published, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.baselrshared import BaseLRShared
 from kvprof.policies.baseshared import BaseShared
@@ -35,6 +36,7 @@ REGISTRY: dict[str, type[SharingPolicy]] = {
     "baselrshared": BaseLRShared,
     "prelrshared": PreLRShared,
     "rebaseshared": ReBaseShared,
+    "alorashared": ALoRAShared,
     "droidspeak": DroidSpeak,
     "cacheblend": CacheBlend,
     "relaycaching": RelayCaching,

@@ -1,0 +1,49 @@
+"""ALoRAShared (kvprof): exact sharing between Activated LoRA agents — one cache of the base model's K/V.
+
+An Activated LoRA (peft's aLoRA, `LoraConfig(alora_invocation_tokens=...)`) acts only from the last occurrence of its
+invocation ids in a call's input on. Every token a call computes before that is the base model's K/V over base K/V,
+the same whichever agent computed it, so every aLoRA agent (and the base model) may reuse it as is. A token computed
+from the invocation on (the agent's cue and its output) holds that adapter's K/V; the next call reads it as context
+before its own invocation and must recompute it with the base weights to stay exact. So the store is FullShared's
+shared timeline cut, after each call, at the call's invocation: each turn reuses the base prefix and prefills the
+rest (the last calls' adapter-made tokens included, now with the base weights). Equal to NonShared to float
+rounding, with fewer tokens prefilled. An engine that keys only post-invocation blocks by adapter shares the same.
+
+A plain LoRA agent acts on every token: its calls reuse nothing and store nothing (exact, NonShared's work). Moved
+spans are computed (base K/V depend on their context, which differs at other positions). No paper proposes this
+policy; it is the exact baseline an aLoRA deployment gets, beside the approximate sharing of plain LoRA agents.
+"""
+
+from __future__ import annotations
+
+from kvprof.policies.base import Chunk
+from kvprof.policies.fullshared import FullShared, FullSharedContext
+
+
+class ALoRAShared(FullShared):
+    name = "alorashared"
+    family = "kvprof"
+    paper = "kvprof: exact sharing of the base K/V Activated LoRA agents compute before their invocation"
+    approximate = False
+    modes = ("lora",)
+    published = ()
+    moves_spans = False
+
+    def notes(self) -> list[str]:
+        if not self.runtime.invocations:
+            return ["no agent has an Activated LoRA adapter: every call computes its whole input, as NonShared"]
+        return []
+
+    def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
+        if agent not in self.runtime.invocations:  # a plain LoRA agent: no K/V of the store is its own
+            return self.context_type(kv=self.runtime.empty_kv(), reused=0)
+        return super().assemble(agent, shared)
+
+    def commit(self, chunk: Chunk[FullSharedContext]) -> float:
+        if chunk.agent not in self.runtime.invocations:
+            return 0.0
+        super().commit(chunk)
+        acts_from = self.runtime.adapter_acts_from(chunk.agent)
+        if acts_from is not None:  # the call's K/V from its invocation on are its adapter's
+            self.truncate(min(len(self.producers), acts_from))
+        return 0.0
