@@ -90,8 +90,12 @@ def test_every_policy_runs_in_half_precision_and_matches_float32(
     for label, entry in half["policies"].items():
         summary, expected = entry["summary"], reference["policies"][label]["summary"]
         assert entry["memory_accounting_exact"], label
-        if not entry["approximate"]:
+        if entry["name"] == "nonshared":  # the dense run's own forwards: bit for bit
             assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0, label
+            continue
+        if not entry["approximate"]:  # other forwards of the same computation: half-precision rounding
+            assert summary["kl"] <= KL_FLOOR[dtype] and summary["k_error"] <= ERROR_FLOOR[dtype], label
+            assert summary["top1"] >= 1 - TOP1_TOLERANCE, label
             continue
         for key in ("k_error", "v_error", "kl"):
             floor = KL_FLOOR[dtype] if key == "kl" else ERROR_FLOOR[dtype]
@@ -159,8 +163,12 @@ def test_demo_trace_replays_every_policy_in_half_precision(demo_replays, dtype):
     assert half["policies"].keys() == reference["policies"].keys() and len(half["policies"]) >= 8
     for label, entry in half["policies"].items():
         summary, expected = entry["summary"], reference["policies"][label]["summary"]
-        if not entry["approximate"]:
+        if entry["name"] == "nonshared":  # the dense run's own forwards: bit for bit
             assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0, label
+            continue
+        if not entry["approximate"]:  # other forwards of the same computation: half-precision rounding
+            assert summary["kl"] <= KL_FLOOR[dtype] and summary["k_error"] <= ERROR_FLOOR[dtype], label
+            assert summary["top1"] >= 1 - TOP1_TOLERANCE, label
             continue
         for key in ("k_error", "v_error", "kl"):
             if expected[key] < 1e-5:  # a policy that recomputed everything (DroidSpeak calibrating on its only

@@ -71,9 +71,11 @@ def check_variant(entry: dict, dense: dict, memory_checked: bool = True) -> None
             assert all(math.isfinite(value) for value in layer.values())
             assert layer["k_error"] >= 0 and layer["v_error"] >= 0
             assert -1 - 1e-9 <= layer["k_cosine"] <= 1 + 1e-9 and -1 - 1e-9 <= layer["v_cosine"] <= 1 + 1e-9
-    if not entry["approximate"]:
-        # an exact policy computes what the dense run computes
+    if entry["name"] == "nonshared":  # the dense run's own forwards: bit for bit
         assert summary["kl"] == 0.0 and summary["k_error"] == 0.0 and summary["v_error"] == 0.0
+    if not entry["approximate"]:
+        # an exact policy computes what the dense run computes (in other forwards: to float rounding)
+        assert summary["kl"] < 1e-9 and summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5
         assert summary["top1"] == 1.0 and summary["first_token_match"] == 1.0
     elif summary["reuse_per_token"] > 0:
         # an approximate policy that reuses reports its error on every layer of the reused span

@@ -101,8 +101,9 @@ def test_prelrshared_down_projections_are_charged_to_ttft(lora_trace, shared_a_a
 def test_memory_counts_transients(lora):
     policies = lora["policies"]
     for label, entry in [("dense", lora["dense"]), *policies.items()]:
-        summary = entry["summary"]
-        assert summary["peak_working_bytes"] >= summary["peak_memory_bytes"] > 0, label
+        summary = entry["summary"]  # (ALoRAShared stores nothing of plain LoRA agents' calls)
+        assert summary["peak_working_bytes"] > 0 and summary["peak_working_bytes"] >= summary["peak_memory_bytes"]
+        assert summary["peak_memory_bytes"] > 0 or label == "alorashared", label
     # the full LR prefill re-processes the whole context: its working set exceeds what BaseShared stores
     baseshared = policies["baseshared-full"]["summary"]
     assert baseshared["peak_working_bytes"] > 1.5 * baseshared["peak_memory_bytes"]
