@@ -271,7 +271,8 @@ class Runtime:
         kwargs: dict[str, object] = {"logits_to_keep": 1} if last_logits_only else {}
         if adapter_names is not None:
             kwargs["adapter_names"] = adapter_names
-        offsets = self.alora_offsets(adapter_names or [agent] * tokens.shape[0], start, tokens.shape[1])
+        rows: list[str | None] = list(adapter_names) if adapter_names is not None else [agent] * tokens.shape[0]
+        offsets = self.alora_offsets(rows, start, tokens.shape[1])
         if offsets is not None:
             kwargs["alora_offsets"] = offsets
         try:

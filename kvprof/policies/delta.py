@@ -347,9 +347,10 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
                 table.pop(segment.name, None)
         for old, new in renamed.items():  # the cut segment: its gate decides again, its encoding is cut too
             self.verdicts.pop(old, None)
-            for table in (self.latest, self.readers):
-                if old in table:
-                    table[new] = table.pop(old)
+            if old in self.latest:
+                self.latest[new] = self.latest.pop(old)
+            if old in self.readers:
+                self.readers[new] = self.readers.pop(old)
             base = self.bases.pop(old, None)
             if base is not None:
                 length = next(s.length for s in self.log.segments if s.name == new)

@@ -45,7 +45,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
     family = "baseline"
     paper = "naive sharing baseline of LRAgent / PReCache / KVCOMM"
     approximate = True
-    modes = ("lora", "prompt")
+    modes: ClassVar[tuple[str, ...]] = ("lora", "prompt")
     published: ClassVar[tuple[Published, ...]] = (
         Published(
             LRAGENT, "main results, accuracy", LRAGENT_SETTING, "accuracy drop up to 5.3 points against NonShared"

@@ -230,7 +230,8 @@ class Blend:
         keys, values = self.kv[index]
         length = int(keys.shape[2])
         window = self.stack.windows[index]
-        mask, scattered = None, contextlib.nullcontext()
+        mask = None
+        scattered: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if window is not None and window < length:  # a sliding-window layer attends its last `window` keys only
             mask = causal_mask(positions, length, hidden.dtype, window)
         elif not self.stack.unmasked_chunks():
