@@ -284,6 +284,35 @@ class AgentSet:
                 else:
                     self.model.load_adapter(agent.adapter, adapter_name=agent.name)
             self.model.eval()
+            for agent in spec.agents:
+                self.check_activated_lora(agent.name)
+
+    def check_activated_lora(self, agent: str) -> None:
+        """For an Activated LoRA agent, check on the model that its K/V before its invocation are the base model's
+        (relative error ≤ 1e-6 in float32, the dtype's rounding else): what every exact sharing of its caches
+        rests on. Refuses in one sentence if they are not."""
+        from kvprof.lora import invocation_tokens
+
+        tokens = invocation_tokens(self.model, agent)
+        if tokens is None:
+            return
+        context = self.tokenizer.encode("Context read before the call.", add_special_tokens=False)
+        ids = torch.tensor([context + tokens + context], device=self.device)
+        caches = []
+        for adapter in (agent, None):
+            with self.activate(adapter), torch.inference_mode():
+                caches.append(self.model(input_ids=ids, use_cache=True).cache)
+        tolerance = 1e-6 if self.base_model.dtype == torch.float32 else 1e-2
+        for adapted, base in zip(caches[0].layers, caches[1].layers):
+            for ours, theirs in ((adapted.keys, base.keys), (adapted.values, base.values)):
+                before, reference = ours[:, :, : len(context)].float(), theirs[:, :, : len(context)].float()
+                error = float((before - reference).norm() / reference.norm().clamp_min(1e-12))
+                if error > tolerance:
+                    raise KvprofError(
+                        f"agent {agent}'s Activated LoRA changes the K/V before its invocation (relative error "
+                        f"{error:.2e}), so no cache of it is the base model's; check the adapter's "
+                        "alora_invocation_tokens and the peft version (aLoRA needs peft ≥ 0.17)."
+                    )
 
     @property
     def device(self) -> torch.device:

@@ -175,3 +175,25 @@ def test_activated_lora_agents_share_base_caches_exactly(tiny_world, run_cli, tm
         assert shared["top1"] == 1.0, name
         assert shared["prefilled"] < result["policies"]["nonshared"]["summary"]["prefilled"], name
         assert shared["prefilled"] < dense["prefilled"], name
+
+
+def test_an_activated_lora_that_acts_before_its_invocation_is_refused_at_load(tiny_world, monkeypatch, tmp_path):
+    """Load checks on the model that an aLoRA agent's K/V before its invocation are the base model's; an adapter
+    that acts on every token (here: peft's aLoRA forward replaced by plain LoRA's) is refused in one sentence."""
+    from peft.tuners.lora.variants import ALoraLinearVariant
+
+    from kvprof.errors import KvprofError
+    from kvprof.model import load_agents
+    from kvprof.spec import build_spec
+
+    flags = alora_adapters(tiny_world, tmp_path / "alora")
+    spec = build_spec(tiny_world.lora_workflow, agent_flags=flags[1::2])
+    load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")  # a true aLoRA passes
+
+    def everywhere(module, active_adapter, x, result, **kwargs):
+        lora_A, lora_B = module.lora_A[active_adapter], module.lora_B[active_adapter]
+        return result + lora_B(lora_A(x.to(lora_A.weight.dtype))) * module.scaling[active_adapter]
+
+    monkeypatch.setattr(ALoraLinearVariant, "forward", staticmethod(everywhere))
+    with pytest.raises(KvprofError, match="changes the K/V before its invocation"):
+        load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")
