@@ -39,6 +39,7 @@ from pathlib import Path
 from kvprof.chat import ChatFormat, ChatSegments, Difference, Message
 from kvprof.errors import KvprofError
 from kvprof.fileio import jsonl_lines
+from kvprof.reuse import last_occurrence
 from kvprof.spec import AgentSpec, WorkflowSpec
 from kvprof.trace import Segment, Trace, TraceHeader, Trajectory, Turn
 
@@ -188,6 +189,7 @@ def import_log(
     calls = read_log(path)
     names = list(dict.fromkeys(call.agent for call in calls))
     private_in: set[str] = set()  # lora mode: trajectories whose agents have different system messages
+    invocations: dict[str, list[int] | None] = {}  # lora mode: each agent's Activated LoRA invocation, if any
     prompts: dict[str, str] = {}  # prompt mode: each agent's role prompt
     if adapters:
         unknown = [call for call in calls if call.agent not in adapters]
@@ -199,6 +201,9 @@ def import_log(
                 f"pass --agent {unknown[0].agent}=ADAPTER_DIR (lora mode needs one per agent)",
             )
         mode = "lora"
+        from kvprof.model import adapter_invocation  # torch: only when adapters are given
+
+        invocations = {name: adapter_invocation(adapters[name]) for name in names}
         agents = [AgentSpec(name, adapter=adapters[name]) for name in names]
         reason = f"lora mode: adapters given for {', '.join(names)}"
         by_trajectory: dict[str, set[str | None]] = {}
@@ -257,6 +262,16 @@ def import_log(
             )
         except KvprofError as err:  # the template refuses this call's messages
             raise KvprofError(f"{path} line {call.line}: {err}") from None
+        invocation = invocations.get(call.agent) if mode == "lora" else None
+        ids = [token for segment in inputs for token in traj.segments[segment].tokens]
+        if invocation is not None and last_occurrence(ids, invocation) is None:
+            raise _fail(
+                path,
+                call.line,
+                f"agent {call.agent!r}'s call lacks the invocation ids {invocation} of its Activated LoRA, so peft "
+                "would run it on the base model alone",
+                "log the calls as the agent was invoked, or give it its adapter's invocation",
+            )
         output_ids = tokenizer.encode(call.output, add_special_tokens=False)
         output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
         traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))

@@ -161,15 +161,6 @@ def invocation_tokens(model, agent: str) -> list[int] | None:
     return list(tokens) if tokens else None
 
 
-def last_occurrence(ids: list[int], sequence: list[int]) -> int | None:
-    """Where the last occurrence of `sequence` in `ids` starts, or None."""
-    width = len(sequence)
-    for start in range(len(ids) - width, -1, -1):
-        if ids[start : start + width] == sequence:
-            return start
-    return None
-
-
 NORM_NAMES = {  # a projection's output norm before RoPE and the cache, by architecture
     "q_proj": ("q_norm", "q_layernorm"),
     "k_proj": ("k_norm", "k_layernorm"),  # Qwen3, OLMo 2, Gemma 3 / LFM2

@@ -23,7 +23,6 @@ import torch
 
 from kvprof.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of
 from kvprof.errors import KvprofError
-from kvprof.lora import last_occurrence
 from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
     kl_divergence,
@@ -37,7 +36,7 @@ from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResul
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import cpu_description, gpu_memory
-from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory
 from kvprof.workflow import SearchTool, Task, exact_match, require_react_agents, run_react, task_of

@@ -47,6 +47,15 @@ ALIGN = 8  # ids that must agree after a divergence for the sequences to count a
 CAUSES = ("private prefix", "merged token", "re-rendered reply", "different header", "different content")
 
 
+def last_occurrence(ids: Sequence[int], sequence: Sequence[int]) -> int | None:
+    """Where the last occurrence of `sequence` in `ids` starts, or None."""
+    width, target = len(sequence), list(sequence)
+    for start in range(len(ids) - width, -1, -1):
+        if list(ids[start : start + width]) == target:
+            return start
+    return None
+
+
 def common_prefix(a: Sequence[int], a0: int, b: Sequence[int], b0: int, limit: int) -> int:
     """How many ids `a[a0:]` and `b[b0:]` share from their start, at most `limit` (compared in chunks: the slices
     compare in C)."""

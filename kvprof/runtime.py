@@ -27,11 +27,10 @@ from kvprof.lora import (
     ProjectionNorm,
     invocation_tokens,
     key_norms,
-    last_occurrence,
     layer_splits,
 )
 from kvprof.model import AgentSet, head_dim, kv_heads
-from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Trajectory
 from kvprof.workflow import Task, private_prompt

@@ -204,6 +204,31 @@ def test_cli_prints_the_first_differences_and_writes_all(family_models, tiny_wor
     assert "... and 2 more (all in OUT/import-chat.json)" in out
 
 
+def test_a_call_without_its_agents_activated_lora_invocation_is_refused(family_models, tiny_world, tmp_path, run_cli):
+    """With Activated LoRA adapters, every call must hold its agent's invocation ids (peft runs a call without them
+    on the base model alone): the first call that lacks them is refused with its log line, exit 2, no trace."""
+    tokenizer = AutoTokenizer.from_pretrained(family_models["llama3.1"])
+    records = log_cases("lora", trajectories=1)["documented"]
+    log = write_log(records, tmp_path / "log.jsonl")
+    generation_prompt = server_ids(tokenizer, records[0])[-4:]  # in every call; the others' cue in none
+    flags = []
+    for agent in AGENTS:
+        folder = tmp_path / "adapters" / agent
+        folder.mkdir(parents=True)
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8}
+        config["alora_invocation_tokens"] = (
+            generation_prompt if agent == "planner" else tokenizer.encode("nobody says this", add_special_tokens=False)
+        )
+        write_json(str(folder / "adapter_config.json"), config)
+        flags += ["--agent", f"{agent}={folder}"]
+    code, _, err = run_cli(
+        "import-chat", log, "--model", family_models["llama3.1"], *flags, "--out", tmp_path / "o"
+    )  # fmt: skip
+    first = next(index for index, record in enumerate(records, 1) if record["agent"] != "planner")
+    assert code == 2 and f"line {first}: agent " in err and "lacks the invocation ids" in err, err
+    assert "Traceback" not in err and not (tmp_path / "o" / "trace.jsonl").exists()
+
+
 def test_templates_that_move_messages_fall_back_to_the_whole_rendering(tokenizers):
     """Mistral moves the system prompt into the last user message: the call is split in text order (contents
     located, template text between them), its ids exactly the server's; per-message spans are refused."""
