@@ -137,12 +137,30 @@ def tokenizer_identity(tokenizer) -> dict:
     return {"name": tokenizer.name_or_path, "vocab_size": len(tokenizer), "fingerprint": f"sha256:{digest[:32]}"}
 
 
+def check_attention_kind(name: str) -> None:
+    """Refuse, before loading, a model whose attention caches something other than K and V per KV head: multi-head
+    latent attention (DeepSeek V2 / V3, Kimi K2: `kv_lora_rank`), whose compressed cache kvprof does not split."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        return  # the load itself refuses it, with its reason
+    if getattr(config, "kv_lora_rank", None):
+        raise KvprofError(
+            f"model {name!r} ({config.model_type}) uses multi-head latent attention, which caches a compressed latent "
+            "per token rather than K and V per head; kvprof does not profile such models yet, so pick a model with "
+            "per-head K/V caches."
+        )
+
+
 def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
     """The causal LM in directory `name`, in `dtype` on `device`, attending with `attn` (an architecture that has no
     sdpa attention falls back to its own eager one)."""
     from transformers import AutoModelForCausalLM
 
     check_model_path(name)
+    check_attention_kind(name)
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)

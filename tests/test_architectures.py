@@ -247,3 +247,22 @@ def test_prompt_capture_rank_analysis_and_replay(world, run_cli, tmp_path):
     assert set(result["online"]) == prompt | {"dense"}
     _check_exact_and_shared(result)
     _check_selective_recompute_at_ratio_one(run_cli, trace, tmp_path / "recompute")
+
+
+def test_a_model_with_latent_attention_is_refused_in_one_sentence(run_cli, tmp_path):
+    """DeepSeek V3's multi-head latent attention (Kimi K2's too) crashed capture with a traceback; it is refused at
+    load in one sentence, exit 2."""
+    from transformers import DeepseekV3Config
+
+    from kvprof.tiny import tiny_sizes
+
+    def configure(vocab, eos):
+        sizes = tiny_sizes(vocab, eos) | {"head_dim": 16}
+        return DeepseekV3Config(**sizes, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+    world = build_tiny_world(tmp_path / "world", configure=configure)
+    code, _, err = run_cli(
+        "capture", "--model", world.model, "--workflow", world.lora_workflow, "--tasks", world.tasks,
+        "--limit", "1", "--out", tmp_path / "capture", *DEVICE,
+    )  # fmt: skip
+    assert code == 2 and "multi-head latent attention" in err and "Traceback" not in err
