@@ -22,7 +22,9 @@ from transformers import StoppingCriteriaList
 from kvprof.chat import ChatFormat, ChatSegments, Message
 from kvprof.errors import KvprofError
 from kvprof.fileio import jsonl_lines
+from kvprof.lora import invocation_tokens
 from kvprof.model import AgentSet
+from kvprof.reuse import last_occurrence
 from kvprof.spec import WorkflowSpec
 from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Segment, Trajectory, Turn
@@ -174,8 +176,16 @@ def generate(
     stop string ends the call once the generated text contains it, an end id (EOS, the chat template's end of turn:
     `kvprof.stopping.end_ids`) once it is generated.
 
-    `agent` None runs the base model with adapters disabled (`AgentSet.activate`)."""
+    `agent` None runs the base model with adapters disabled (`AgentSet.activate`). A call of an Activated LoRA agent
+    whose input lacks its invocation ids is refused: peft would run it on the base model alone."""
     tokenizer = agents.tokenizer
+    invocation = invocation_tokens(agents.model, agent) if agent is not None and spec.mode == "lora" else None
+    if invocation is not None and last_occurrence(input_ids, invocation) is None:
+        raise KvprofError(
+            f"a call of agent {agent!r} lacks the invocation ids {invocation} of its Activated LoRA, so peft would "
+            "run it on the base model alone; make the workflow render them in each of its calls (cue_template), "
+            "or give the agent a plain LoRA adapter."
+        )
     ids = torch.tensor([input_ids], device=agents.device)
     kwargs: dict[str, object] = {"do_sample": sampling.temperature > 0}
     ends = end_ids(tokenizer, agents.model.generation_config, spec.chat_template)

@@ -137,7 +137,8 @@ def test_activated_lora_that_peft_would_not_apply_or_never_invoked_is_refused(
     tiny_world, lora_trace, run_cli, tmp_path
 ):
     """An aLoRA adapter without task_type CAUSAL_LM (peft then runs the base model) is refused at load; a trace whose
-    calls lack an agent's invocation ids is refused naming the first such call; both in one sentence, exit 2."""
+    calls lack an agent's invocation ids is refused naming the first such call, and a capture whose workflow renders
+    calls without them refuses the first; each in one sentence, exit 2, nothing written."""
     common = ("--repeats", "1", "--device", "cpu", "--dtype", "float32")
     flags = alora_adapters(tiny_world, tmp_path / "untyped", task_type=None)
     code, _, err = run_cli("replay", lora_trace, *flags, "--out", tmp_path / "untyped-replay", *common)
@@ -146,6 +147,12 @@ def test_activated_lora_that_peft_would_not_apply_or_never_invoked_is_refused(
     code, _, err = run_cli("replay", lora_trace, *flags, "--out", tmp_path / "absent-replay", *common)
     assert code == 2 and "turn 0 (plan): the input lacks the invocation ids" in err and "Traceback" not in err
     assert not (tmp_path / "absent-replay" / "replay.json").exists()
+    code, _, err = run_cli(
+        "capture", "--model", tiny_world.model, "--workflow", tiny_world.lora_workflow, "--tasks", tiny_world.tasks,
+        *flags, "--out", tmp_path / "absent-capture", "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert code == 2 and "a call of agent 'plan' lacks the invocation ids" in err and "Traceback" not in err
+    assert not (tmp_path / "absent-capture" / "trace.jsonl").exists()
 
 
 def test_activated_lora_agents_share_base_caches_exactly(tiny_world, run_cli, tmp_path):
