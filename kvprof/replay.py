@@ -58,6 +58,7 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         "reused": result.reused,
         "moved": result.moved,
         "extended": result.extended,
+        "adapter_made": result.adapter_made,
         "recomputed": result.recomputed,
         "realigned": result.realigned,
         "corrected": result.corrected,
@@ -225,6 +226,7 @@ def summarise(turns: list[dict]) -> dict:
         "recomputed": sum(t["recomputed"] for t in turns),
         "moved": sum(t.get("moved", 0) for t in turns),
         "moved_recomputed": sum(t.get("moved_recomputed", 0) for t in turns),
+        "adapter_made": sum(t.get("adapter_made", 0) for t in turns),
         "delta_reuse": delta_reuse(turns),
         "error_by_hop": error_by_hop(turns),
         "recompute_ratio": (

@@ -182,6 +182,7 @@ def test_activated_lora_agents_share_base_caches_exactly(tiny_world, run_cli, tm
         assert shared["top1"] == 1.0, name
         assert shared["prefilled"] < result["policies"]["nonshared"]["summary"]["prefilled"], name
         assert shared["prefilled"] < dense["prefilled"], name
+        assert 0 < shared["adapter_made"] < shared["prefilled"], name  # cues and outputs, recomputed with the base
 
 
 def test_an_activated_lora_that_acts_before_its_invocation_is_refused_at_load(tiny_world, monkeypatch, tmp_path):

@@ -8,6 +8,8 @@ before its own invocation and must recompute it with the base weights to stay ex
 shared timeline cut, after each call, at the call's invocation: each turn reuses the base prefix and prefills the
 rest (the last calls' adapter-made tokens included, now with the base weights). Equal to NonShared to float
 rounding, with fewer tokens prefilled. An engine that keys only post-invocation blocks by adapter shares the same.
+Each turn's record splits its input: `reused` base tokens, `adapter_made` tokens recomputed with the base weights
+(of `prefilled`), and the new rest.
 
 A plain LoRA agent acts on every token: its calls reuse nothing and store nothing (exact, NonShared's work). Moved
 spans are computed (base K/V depend on their context, which differs at other positions). No paper proposes this
@@ -15,6 +17,8 @@ policy; it is the exact baseline an aLoRA deployment gets, beside the approximat
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from kvprof.policies.base import Chunk
 from kvprof.policies.fullshared import FullShared, FullSharedContext
@@ -28,6 +32,11 @@ class ALoRAShared(FullShared):
     modes = ("lora",)
     published = ()
     moves_spans = False
+    timeline_state: ClassVar[tuple[str, ...]] = (*FullShared.timeline_state, "seen")
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = 0  # timeline tokens the calls computed, base or adapter-made (the store holds the base ones)
 
     def notes(self) -> list[str]:
         if not self.runtime.invocations:
@@ -37,13 +46,20 @@ class ALoRAShared(FullShared):
     def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
         if agent not in self.runtime.invocations:  # a plain LoRA agent: no K/V of the store is its own
             return self.context_type(kv=self.runtime.empty_kv(), reused=0)
-        return super().assemble(agent, shared)
+        context = super().assemble(agent, shared)
+        context.adapter_made = max(min(self.seen, len(shared) - 1) - context.reused, 0)
+        return context
 
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
+        self.seen = max(self.seen, chunk.start + len(chunk.ids))
         if chunk.agent not in self.runtime.invocations:
             return 0.0
         super().commit(chunk)
         acts_from = self.runtime.adapter_acts_from(chunk.agent)
         if acts_from is not None:  # the call's K/V from its invocation on are its adapter's
-            self.truncate(min(len(self.producers), acts_from))
+            super().truncate(min(len(self.producers), acts_from))
         return 0.0
+
+    def truncate(self, keep: int) -> None:
+        super().truncate(keep)
+        self.seen = min(self.seen, keep)

@@ -269,6 +269,8 @@ class Context:
     projected them (`kvprof.kv_buffer.Rewrite`; BaseShared's LR prefill as LRAgent's code runs it); `kv` then
     covers only the first reused − refreshed tokens, and `extra_prefill` / `extra_flops` count the refreshed
     tokens' pass.
+    adapter_made: of the tokens the turn prefills, those an earlier call computed with its Activated LoRA (from its
+    invocation on) that this one recomputes with the base weights (`kvprof.policies.alorashared`).
     A policy that carries work to `commit` subclasses this with typed fields.
     """
 
@@ -292,6 +294,7 @@ class Context:
     moved: int = 0
     moved_spans: list[tuple[int, int]] = field(default_factory=list)
     placeholders: list[tuple[int, int]] = field(default_factory=list)
+    adapter_made: int = 0
 
     @property
     def covered(self) -> int:
@@ -335,8 +338,8 @@ class TurnResult:
     turn above what was allocated before it, plus the policy's stored bytes; cuda_allocated_bytes: on CUDA,
     `torch.cuda.max_memory_allocated` during the turn, everything the process holds included (weights, other
     runs' caches) (both None elsewhere). recomputed,
-    realigned, corrected, fallback, from_others, corrected_spans, moved, moved_spans, extended: the context's
-    (`Context`);
+    realigned, corrected, fallback, from_others, corrected_spans, moved, moved_spans, extended, adapter_made: the
+    context's (`Context`);
     moved tokens are reused too, at input positions prefix_len + begin.. of each moved span.
     """
 
@@ -368,6 +371,7 @@ class TurnResult:
     moved: int = 0
     moved_spans: list[tuple[int, int]] = field(default_factory=list)
     extended: int = 0
+    adapter_made: int = 0
 
 
 @dataclass
@@ -661,6 +665,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             moved=context.moved,
             moved_spans=context.moved_spans,
             extended=context.extended,
+            adapter_made=context.adapter_made,
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:
