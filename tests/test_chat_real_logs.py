@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 
 import pytest
+import torch
 from real_chat import (
     ADAPTERS,
     AGENTS,
@@ -227,6 +228,43 @@ def test_a_call_without_its_agents_activated_lora_invocation_is_refused(family_m
     first = next(index for index, record in enumerate(records, 1) if record["agent"] != "planner")
     assert code == 2 and f"line {first}: agent " in err and "lacks the invocation ids" in err, err
     assert "Traceback" not in err and not (tmp_path / "o" / "trace.jsonl").exists()
+
+
+def test_activated_lora_agents_with_their_own_system_prompts_share_exactly(
+    tiny_world, family_models, tokenizers, tmp_path
+):
+    """Activated LoRA agents invoked by the Llama 3.1 generation prompt (their adapters act on their replies only),
+    each with its own system prompt, on the group chat: ALoRAShared reuses the base K/V of the common start and of
+    what each agent's earlier calls held, and stays NonShared's to float rounding, prefilling fewer tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    family = "llama3.1"
+    tokenizer = tokenizers[family]
+    records, _ = renderable(tokenizer, log_cases("lora_agent_prompts", trajectories=2)["group_chat"])
+    imported = import_records(tiny_world, tokenizer, family, "lora_agent_prompts", records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    generation_prompt = server_ids(tokenizer, records[0])[-4:]
+    flags = []
+    for seed, agent in enumerate(AGENTS):
+        torch.manual_seed(30 + seed)
+        config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+            alora_invocation_tokens=generation_prompt,
+        )
+        model = AutoModelForCausalLM.from_pretrained(family_models[family])
+        get_peft_model(model, config).save_pretrained(tmp_path / "alora" / agent)
+        flags.append(f"{agent}={tmp_path / 'alora' / agent}")
+    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
+    trajectories = read_trace(path).trajectories
+    result = replay_trace(agents, trajectories, [PolicyVariant("alorashared"), PolicyVariant("nonshared")])
+    shared, nonshared = result["policies"]["alorashared"]["summary"], result["policies"]["nonshared"]["summary"]
+    assert shared["kl"] < 1e-9 and shared["k_error"] < 1e-5 and shared["v_error"] < 1e-5 and shared["top1"] == 1.0
+    assert shared["prefilled"] < nonshared["prefilled"] and shared["adapter_made"] > 0
 
 
 def test_templates_that_move_messages_fall_back_to_the_whole_rendering(tokenizers):

@@ -11,9 +11,11 @@ rounding, with fewer tokens prefilled. An engine that keys only post-invocation 
 Each turn's record splits its input: `reused` base tokens, `adapter_made` tokens recomputed with the base weights
 (of `prefilled`), and the new rest.
 
-A plain LoRA agent acts on every token: its calls reuse nothing and store nothing (exact, NonShared's work). Moved
-spans are computed (base K/V depend on their context, which differs at other positions). No paper proposes this
-policy; it is the exact baseline an aLoRA deployment gets, beside the approximate sharing of plain LoRA agents.
+A plain LoRA agent acts on every token: its calls reuse nothing and store nothing (exact, NonShared's work). Agents
+with system prompts of their own diverge there (lora mode has no private prefixes: the replay reuses the common
+start only). Moved spans are computed (base K/V depend on their context, which differs at other positions). No paper
+proposes this policy; it is the exact baseline an aLoRA deployment gets, beside the approximate sharing of plain
+LoRA agents.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class ALoRAShared(FullShared):
         super().commit(chunk)
         acts_from = self.runtime.adapter_acts_from(chunk.agent)
         if acts_from is not None:  # the call's K/V from its invocation on are its adapter's
-            super().truncate(min(len(self.producers), acts_from))
+            cut = max(acts_from - len(self.runtime.prefix(chunk.agent)), 0)  # in shared-input coordinates
+            super().truncate(min(len(self.producers), cut))
         return 0.0
 
     def truncate(self, keep: int) -> None:
