@@ -159,17 +159,21 @@ def build_adapter(
     rank: int = 4,
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     shared_a_seed: int | None = None,
+    invocation: list[int] | None = None,
+    task_type: str | None = "CAUSAL_LM",
 ):
     """Save a LoRA adapter with random, non-zero A and B (`init_lora_weights=False`).
 
-    With `shared_a_seed`, A comes from that seed (adapters built with the same one share A; only B differs).
+    With `shared_a_seed`, A comes from that seed (adapters built with the same one share A; only B differs). With
+    `invocation`, an Activated LoRA invoked by those ids (peft's `alora_invocation_tokens`; `task_type` as saved).
     """
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
-    )
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
+    if invocation is not None:
+        config.alora_invocation_tokens, config.task_type = invocation, task_type
+    peft_model = get_peft_model(model, config)
     if shared_a_seed is not None:
         generator = torch.Generator().manual_seed(shared_a_seed)
         for name, module in peft_model.named_modules():

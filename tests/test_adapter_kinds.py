@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from kvprof.model import load_agents_for_trace
@@ -89,22 +88,14 @@ def test_an_mlp_only_adapter_leaves_an_empty_lr_cache(adapted):
 def alora_adapters(world, folder: Path, invocation: str = "{agent}:", task_type: str | None = "CAUSAL_LM") -> list[str]:
     """Activated LoRA adapters for the tiny world's agents, each invoked by `invocation` (default: its agent's cue,
     "plan:", ...), as `--agent NAME=DIR` flags."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(world.model)
     flags = []
     for seed, agent in enumerate(AGENTS):
-        torch.manual_seed(20 + seed)
-        config = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            init_lora_weights=False,
-            task_type=task_type,
-            alora_invocation_tokens=tokenizer.encode(invocation.format(agent=agent), add_special_tokens=False),
-        )
-        get_peft_model(AutoModelForCausalLM.from_pretrained(world.model), config).save_pretrained(folder / agent)
+        ids = tokenizer.encode(invocation.format(agent=agent), add_special_tokens=False)
+        model = AutoModelForCausalLM.from_pretrained(world.model)
+        build_adapter(model, folder / agent, seed=20 + seed, invocation=ids, task_type=task_type)
         flags += ["--agent", f"{agent}={folder / agent}"]
     return flags
 

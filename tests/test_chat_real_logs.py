@@ -10,7 +10,6 @@ import math
 from collections import defaultdict
 
 import pytest
-import torch
 from real_chat import (
     ADAPTERS,
     AGENTS,
@@ -236,8 +235,9 @@ def test_activated_lora_agents_with_their_own_system_prompts_share_exactly(
     """Activated LoRA agents invoked by the Llama 3.1 generation prompt (their adapters act on their replies only),
     each with its own system prompt, on the group chat: ALoRAShared reuses the base K/V of the common start and of
     what each agent's earlier calls held, and stays NonShared's to float rounding, prefilling fewer tokens."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from kvprof.tiny import build_adapter
 
     family = "llama3.1"
     tokenizer = tokenizers[family]
@@ -247,17 +247,8 @@ def test_activated_lora_agents_with_their_own_system_prompts_share_exactly(
     generation_prompt = server_ids(tokenizer, records[0])[-4:]
     flags = []
     for seed, agent in enumerate(AGENTS):
-        torch.manual_seed(30 + seed)
-        config = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            init_lora_weights=False,
-            task_type="CAUSAL_LM",
-            alora_invocation_tokens=generation_prompt,
-        )
         model = AutoModelForCausalLM.from_pretrained(family_models[family])
-        get_peft_model(model, config).save_pretrained(tmp_path / "alora" / agent)
+        build_adapter(model, tmp_path / "alora" / agent, seed=30 + seed, invocation=generation_prompt)
         flags.append(f"{agent}={tmp_path / 'alora' / agent}")
     agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
     trajectories = read_trace(path).trajectories
