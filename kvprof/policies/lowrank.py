@@ -40,7 +40,6 @@ from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.kv_buffer import GrowingTensor, KVBuffer
 from kvprof.lora import SPLIT_SIDES, heads
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
-from kvprof.policies.moved import KeptSequence
 from kvprof.reuse import MovedSpan
 from kvprof.rope import rotate_keys
 from kvprof.runtime import KV, ChunkForward, Runtime
@@ -513,14 +512,10 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         if self.last_turn is None:
             return
         hi = min(hi, len(self.store))
-        base = [(k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()) for k, v in (b.view(hi) for b in self.store.base)]
-        low_rank = {
-            name: [{side: t[:, lo:hi].clone() for side, t in layer.items()} for layer in self.store.lr(name) or []]
-            for name in self.store.low_rank
-            if self.store.lr_length(name) >= hi
-        }
+        low_rank = {name: self.store.lr(name) or [] for name in self.store.low_rank if self.store.lr_length(name) >= hi}
         agent, _, inputs, _ = self.last_turn
-        self.span_store.turns[turn] = KeptSequence(lo, hi, 0, base, agent, inputs, low_rank)
+        base = [buffer.view(hi) for buffer in self.store.base]
+        self.span_store.keep(turn, 0, base, lo, hi, agent, inputs, low_rank)
 
     def moved_update(self, span: MovedSpan) -> tuple[StoreUpdate, float]:
         """The store update of a moved span (timeline indices span.begin..): its kept base K/V, keys re-rotated by

@@ -47,11 +47,20 @@ class SpanStore:
         self.turns: dict[int, KeptSequence] = {}
 
     def keep(
-        self, turn: int, prefix_len: int, kv: Sequence[KV], lo: int, hi: int, agent: str = "", inputs: int = 0
+        self,
+        turn: int,
+        prefix_len: int,
+        kv: Sequence[KV],
+        lo: int,
+        hi: int,
+        agent: str = "",
+        inputs: int = 0,
+        low_rank: dict[str, list[dict[str, torch.Tensor]]] | None = None,
     ) -> None:
         """Keep tokens [lo, hi) of turn `turn`'s shared sequence from its cache `kv` (per layer (K, V),
         (B, H_kv, ≥ prefix_len + hi, D); batch row 0, copied: the cache's storage is reused by later turns); `agent`
-        acted in it, its shared input `inputs` tokens long."""
+        acted in it, its shared input `inputs` tokens long; a low-rank policy's LR caches of the same sequence
+        (`low_rank`: name → per layer {"key"|"value": (1, ≥ hi, r)}) copied alike."""
         begin, end = prefix_len + lo, prefix_len + hi
         self.turns[turn] = KeptSequence(
             lo,
@@ -60,25 +69,31 @@ class SpanStore:
             [(k[:1, :, begin:end].clone(), v[:1, :, begin:end].clone()) for k, v in kv],
             agent,
             inputs,
+            {
+                name: [{side: t[:, lo:hi].clone() for side, t in layer.items()} for layer in layers]
+                for name, layers in (low_rank or {}).items()
+            },
         )
 
     def source(self, span: MovedSpan) -> KeptSequence:
         """What was kept of the turn `span` comes from."""
         return self.turns[span.source]
 
+    def _kept(self, span: MovedSpan) -> tuple[KeptSequence, int, int]:
+        """What was kept of `span`'s source turn, and where `span` lies in it ([start, end) of its kept tokens)."""
+        kept = self.turns[span.source]
+        start = span.source_begin - kept.lo
+        return kept, start, start + len(span)
+
     def span(self, span: MovedSpan) -> tuple[list[KV], int]:
         """The kept K/V of `span` (per layer (1, H_kv, len(span), D)) and the position its first token was
         computed at."""
-        kept = self.turns[span.source]
-        start = span.source_begin - kept.lo
-        end = start + len(span)
+        kept, start, end = self._kept(span)
         return [(k[:, :, start:end], v[:, :, start:end]) for k, v in kept.kv], kept.prefix_len + span.source_begin
 
     def low_rank(self, span: MovedSpan) -> dict[str, list[dict[str, torch.Tensor]]]:
         """The kept LR caches of `span`: name → per layer {"key"|"value": (1, len(span), r)}."""
-        kept = self.turns[span.source]
-        start = span.source_begin - kept.lo
-        end = start + len(span)
+        kept, start, end = self._kept(span)
         return {
             name: [{side: t[:, start:end] for side, t in layer.items()} for layer in layers]
             for name, layers in kept.low_rank.items()
