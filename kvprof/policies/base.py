@@ -54,7 +54,7 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
 from kvprof.kv_buffer import KVBuffer, Rewrite
-from kvprof.policies.moved import SpanStore, extend_over_moved
+from kvprof.policies.moved import PieceForward, SpanKV, SpanStore, extend_over_moved
 from kvprof.reuse import MovedSpan
 from kvprof.runtime import KV, ChunkForward, Runtime
 
@@ -537,17 +537,30 @@ class SharingPolicy(ABC, Generic[ContextT]):
         context: Context,
         placeholders: bool = False,
         on_piece: Callable[[int, ChunkForward], None] | None = None,
+        span_kv: SpanKV | None = None,
+        forward: PieceForward | None = None,
     ) -> None:
         """Extend `context` over the turn's moved spans after its reused tokens (`extend_over_moved`): new tokens
         between them computed by `agent` (or, with `placeholders`, left as zeros for the policy to compute:
-        `context.placeholders`; `on_piece`: see `extend_over_moved`), moved K/V re-aligned after them; `context.kv` /
-        `buffers` then cover them all. Nothing to do without moved spans past the context."""
+        `context.placeholders`; `on_piece`, `span_kv`, `forward`: see `extend_over_moved`), moved K/V re-aligned
+        after them; `context.kv` / `buffers` then cover them all. Nothing to do without moved spans past the
+        context."""
         spans = [span for span in self.moved_now if span.begin >= context.reused]
         if not spans:
             return
         cache = self.runtime.cache_over(context.kv, context.buffers, len(shared) - context.reused)
         done = extend_over_moved(
-            self.runtime, agent, shared, cache, context.reused, spans, self.span_store, placeholders, on_piece
+            self.runtime,
+            agent,
+            shared,
+            cache,
+            context.reused,
+            spans,
+            self.span_store,
+            placeholders,
+            on_piece,
+            span_kv,
+            forward,
         )
         context.buffers = self.runtime.buffers_of(cache)
         length = cache.get_seq_length()

@@ -530,46 +530,45 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         return StoreUpdate(span.begin, producer, kv, self.span_store.low_rank(span)), flops
 
     def extend_over_moved_store(self, agent: str, shared: list[int], context: LowRankContextT) -> None:
-        """Extend `context` over the turn's moved spans after its reused tokens, span by span: the new tokens before
-        each computed by `agent` over the cache so far (their store work by `on_forward`, as the chunk's), then the
-        span's store update (`moved_update`) and `agent`'s view of it — base plus its B over the span's LR cache
-        `lr_name(agent)`, values expanded — appended (with `adapter_rows`, each row as that row's adapter sees it:
-        the adapter-free row the base alone). `context.kv` / `buffers` then cover them all."""
-        spans = [span for span in self.moved_now if span.begin >= context.reused]
-        if not spans:
-            return
-        runtime = self.runtime
+        """Extend `context` over the turn's moved spans after its reused tokens (`extend_context`): the new tokens
+        before each computed by the policy's own forward (`adapter_rows`, its attention context) and stored by
+        `on_forward` as the chunk's are, then each span's store update (`moved_update`) and `agent`'s view of it —
+        base plus its B over the span's LR cache `lr_name(agent)`, values expanded; with `adapter_rows`, each row as
+        that row's adapter sees it, the adapter-free row the base alone — appended."""
         rows = self.adapter_rows(agent) or [agent]
-        cache = runtime.cache_over(context.kv, context.buffers, len(shared) - context.reused)
-        position = context.reused
-        for span in spans:
-            if span.begin > position:
-                piece = shared[position : span.begin]
-                out = self._forward(agent, piece, cache, position, context)
-                context.extra_flops += len(rows) * runtime.flops(len(piece), position)
-                context.extra_flops += self.on_forward(agent, context, out, position)
-                context.extra_prefill += len(piece)
-                context.pieces.append((position, piece))
+
+        def span_kv(span: MovedSpan, position: int) -> tuple[list[KV], float]:
             update, flops = self.moved_update(span)
             context.moved_updates.append(update)
-            context.extra_flops += flops
             low_rank = update.low_rank.get(self.lr_name(agent))
-            for layer, (cached, base) in enumerate(zip(cache.layers, update.base)):
+            kv = []
+            for layer, base in enumerate(update.base):
                 parts = []
                 for row in rows:
                     reader = None if row == "__base__" else row
-                    (keys, values), flops = self.store.expand(
-                        layer, reader, self.store.sides(layer, reader, low_rank), base, span.begin
-                    )
+                    sides = self.store.sides(layer, reader, low_rank)
+                    (keys, values), expansion = self.store.expand(layer, reader, sides, base, span.begin)
                     parts.append((keys.to(base[0].dtype), values.to(base[1].dtype)))
-                    context.extra_flops += flops
-                cached.update(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
-            context.moved += len(span)
-            context.moved_spans.append((span.begin, span.end))
-            position = span.end
-        context.extended = position - context.reused
-        context.buffers = runtime.buffers_of(cache)
-        context.kv = [buffer.view(position) for buffer in context.buffers]
+                    flops += expansion
+                kv.append((torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])))
+            return kv, flops
+
+        def stored(begin: int, forward: ChunkForward) -> None:
+            context.extra_flops += self.on_forward(agent, context, forward, begin)
+
+        self.extend_context(
+            agent,
+            shared,
+            context,
+            on_piece=stored,
+            span_kv=span_kv,
+            forward=lambda ids, cache, start: self._forward(agent, ids, cache, start, context),
+        )
+        position = context.reused  # the new tokens between moved spans, for a policy that stores them after the turn
+        for begin, end in context.moved_spans:
+            if begin > position:
+                context.pieces.append((position, shared[position:begin]))
+            position = end
 
     def keep_view(self, chunk: Chunk[LowRankContextT]) -> None:
         """With `views=kept`, make the turn's extended view the agent's (valid up to the reused tokens: the turn

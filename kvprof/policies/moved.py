@@ -130,6 +130,12 @@ class Extension:
     placeholders: list[tuple[int, int]] = field(default_factory=list)
 
 
+SpanKV = Callable[[MovedSpan, int], tuple[list[KV], float]]
+"""The K/V a moved span is served from at the reader's position (per layer (B, H_kv, len(span), D)) and their FLOPs."""
+PieceForward = Callable[[list[int], object, int], ChunkForward]
+"""A forward of new tokens at a position over a cache (a policy's own: its adapter rows, its attention context)."""
+
+
 def extend_over_moved(
     runtime: Runtime,
     agent: str,
@@ -140,6 +146,8 @@ def extend_over_moved(
     store: SpanStore,
     placeholders: bool = False,
     on_piece: Callable[[int, ChunkForward], None] | None = None,
+    span_kv: SpanKV | None = None,
+    forward: PieceForward | None = None,
 ) -> Extension:
     """Extend `cache` (the agent's prefix and the first `reused` shared tokens, a `kvprof.kv_buffer.BufferCache`
     appending in place) over `spans` (moved spans at or after `reused`, in order): the new tokens before each are
@@ -148,7 +156,9 @@ def extend_over_moved(
     turn's chunk. With `placeholders` the new tokens before a span are not computed: zeros hold their slots, for a
     policy that recomputes them with the moved spans (CacheBlend over the whole input). `on_piece(begin, forward)`
     gets each forward of new tokens (shared index of its first token; its attention inputs and residual stream
-    captured), for a policy that keeps their hidden states."""
+    captured), for a policy that keeps their hidden states. A policy that serves moved spans otherwise (the
+    low-rank store's base and LR caches) gives `span_kv`, and one whose forwards are its own (batch rows, attention
+    context) gives `forward`; a forward's FLOPs count each of its batch rows."""
     prefix_len = len(runtime.prefix(agent))
     done = Extension()
     position = reused
@@ -162,23 +172,36 @@ def extend_over_moved(
                 layer.update(empty, empty)
             done.placeholders.append((position, span.begin))
         elif span.begin > position:
-            piece = shared[position : span.begin]
-            out = runtime.forward(
-                agent, piece, cache, prefix_len + position, capture=on_piece is not None, last_logits_only=True
-            )
+            piece, start = shared[position : span.begin], prefix_len + position
+            if forward is None:
+                out = runtime.forward(agent, piece, cache, start, capture=on_piece is not None, last_logits_only=True)
+            else:
+                out = forward(piece, cache, start)
             if on_piece is not None:
                 on_piece(position, out)
-            done.flops += runtime.flops(len(piece), prefix_len + position)
+            done.flops += out.logits.shape[0] * runtime.flops(len(piece), start)
             done.computed += len(piece)
-        kv, source = store.span(span)
-        delta = prefix_len + span.begin - source
+        kv, flops = (span_kv or store_span_kv(runtime, store))(span, prefix_len + span.begin)
         for layer, (keys, values) in zip(cache.layers, kv):
-            if delta:
-                keys = rotate_keys(keys, delta, runtime.rope)
-                done.flops += 6.0 * keys.numel()
             layer.update(keys, values)
+        done.flops += flops
         done.moved += len(span)
         done.spans.append((span.begin, span.end))
         position = span.end
     done.covered = position - reused
     return done
+
+
+def store_span_kv(runtime: Runtime, store: SpanStore) -> SpanKV:
+    """Moved spans served from the K/V their source turns held (`store`), keys re-rotated by (reader position −
+    source position), values as they are."""
+
+    def kv_at(span: MovedSpan, position: int) -> tuple[list[KV], float]:
+        kv, source = store.span(span)
+        delta = position - source
+        if not delta:
+            return kv, 0.0
+        rotated = [(rotate_keys(keys, delta, runtime.rope), values) for keys, values in kv]
+        return rotated, 6.0 * sum(keys.numel() for keys, _ in rotated)
+
+    return kv_at
