@@ -68,8 +68,13 @@ app.command("demo")(demo.command)
 def _quiet_libraries() -> None:
     """Keep transformers' loading bars and deprecation chatter out of kvprof's own output: set through the
     environment variables transformers and huggingface_hub read when they are imported (unless the user set them),
-    so that `--help` and usage errors import neither; directly when transformers is already imported."""
+    so that `--help` and usage errors import neither; directly when transformers is already imported.
+    bitsandbytes (imported by peft when installed) warns on CPUs with AVX512-BF16 that an optional kernel package
+    is missing; its fallback is exact, so only its errors are shown."""
+    import logging
     import warnings
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

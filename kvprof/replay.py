@@ -143,9 +143,17 @@ def error_by_hop(turns: list[dict]) -> dict[str, dict]:
 
 
 def weights_bytes(model) -> int:
-    """Bytes of every parameter and buffer of `model` (the base model with every agent's adapter loaded): what
-    `torch.cuda.max_memory_allocated` counts besides caches and activations."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    """Bytes of every parameter and buffer of `model` (the base model with every agent's adapter loaded) as stored:
+    what `torch.cuda.max_memory_allocated` counts besides caches and activations. A bitsandbytes 4-bit weight
+    counts its packed bytes and its quantization state (absmax per block, code book; nested for double
+    quantization), as it sits in memory."""
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        total += tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)
+        if state is not None:
+            total += sum(t.numel() * t.element_size() for t in state.as_dict().values() if isinstance(t, torch.Tensor))
+    return total
 
 
 def paged_bytes(tensors: dict[str, list], page_size: int) -> int:

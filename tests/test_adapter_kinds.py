@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from kvprof.model import load_agents_for_trace
 from kvprof.policies import PolicyVariant, runnable_variants
-from kvprof.replay import replay_trace
+from kvprof.replay import replay_trace, weights_bytes
 from kvprof.runtime import Runtime
-from kvprof.tiny import AGENTS, build_adapter
+from kvprof.tiny import AGENTS, build_adapter, build_tiny_world
 from kvprof.trace import read_trace
 
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -100,21 +100,24 @@ def alora_adapters(world, folder: Path, invocation: str = "{agent}:", task_type:
     return flags
 
 
-def test_activated_lora_agents_replay_their_capture(tiny_world, run_cli, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_activated_lora_agents_replay_their_capture(arch, tiny_world, run_cli, tmp_path):
     """aLoRA agents act from their invocation on, in every forward of the call: the dense replay of their capture
-    (peft's own `generate`) reproduces it token for token, NonShared is exact, and with the adapters silent before
-    the cue sharing costs less than with plain LoRA agents."""
-    flags = alora_adapters(tiny_world, tmp_path / "alora")
+    (peft's own `generate`) reproduces it token for token, NonShared and ALoRAShared are exact, and with the
+    adapters silent before the cue sharing costs less than with plain LoRA agents (Llama; Qwen 2.5's biases;
+    Qwen3's key norm, which an adapter on k_proj feeds)."""
+    world = tiny_world if arch == "llama" else build_tiny_world(tmp_path / "world", arch=arch)
+    flags = alora_adapters(world, tmp_path / "alora")
     common = ("--device", "cpu", "--dtype", "float32")
     code, _, err = run_cli(
-        "capture", "--model", tiny_world.model, "--workflow", tiny_world.lora_workflow, "--tasks", tiny_world.tasks,
+        "capture", "--model", world.model, "--workflow", world.lora_workflow, "--tasks", world.tasks,
         *flags, "--out", tmp_path / "capture", *common,
     )  # fmt: skip
     assert code == 0, err
     trace = tmp_path / "capture" / "trace.jsonl"
     code, _, err = run_cli(
-        "replay", trace, "--policy", "nonshared", "--policy", "fullshared", "--repeats", "1",
-        "--out", tmp_path / "replay", *common,
+        "replay", trace, "--policy", "nonshared", "--policy", "fullshared", "--policy", "alorashared",
+        "--repeats", "1", "--out", tmp_path / "replay", *common,
     )  # fmt: skip
     assert code == 0, err
     result = json.loads((tmp_path / "replay" / "replay.json").read_text())
@@ -122,6 +125,14 @@ def test_activated_lora_agents_replay_their_capture(tiny_world, run_cli, tmp_pat
     nonshared = result["policies"]["nonshared"]["summary"]
     assert nonshared["kl"] == 0.0 and nonshared["k_error"] == 0.0
     assert result["policies"]["fullshared"]["summary"]["k_error"] > 0  # each agent's output is adapter-made
+    exact = result["policies"]["alorashared"]["summary"]
+    assert exact["kl"] <= 1e-6 and exact["k_error"] <= 1e-5 and exact["prefilled"] < nonshared["prefilled"]
+    runnable, skipped = runnable_variants(
+        LORA_FAMILY, Runtime(load_agents_for_trace(trace, device="cpu", dtype="float32")), skip=True
+    )
+    assert [variant.name for variant in runnable] == ["fullshared"]
+    assert len(skipped) == len(LORA_FAMILY) - 1
+    assert all("is an Activated LoRA, which acts only from its invocation on" in why for why in skipped.values())
 
 
 def test_activated_lora_that_peft_would_not_apply_or_never_invoked_is_refused(
@@ -196,3 +207,71 @@ def test_an_activated_lora_that_acts_before_its_invocation_is_refused_at_load(ti
     monkeypatch.setattr(ALoraLinearVariant, "forward", staticmethod(everywhere))
     with pytest.raises(KvprofError, match="changes the K/V before its invocation"):
         load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def nf4_base(tiny_world, tmp_path_factory) -> Path:
+    """The tiny world's base model quantized to 4-bit NF4 by bitsandbytes and saved, as a QLoRA team holds it."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from transformers import AutoTokenizer, BitsAndBytesConfig
+
+    folder = tmp_path_factory.mktemp("nf4") / "model"
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    AutoModelForCausalLM.from_pretrained(tiny_world.model, quantization_config=quantization).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_world.model).save_pretrained(folder)
+    return folder
+
+
+def test_qlora_agents_capture_as_peft_and_replay_every_lora_family_policy(tiny_world, nf4_base, run_cli, tmp_path):
+    """QLoRA agents (LoRA adapters on a 4-bit NF4 base, bitsandbytes on CPU): every captured output is peft's own
+    greedy generation on that base, token for token; every LoRA-family policy replays the trace (the dense run
+    reproducing the capture); the weights count as stored, packed 4-bit plus their quantization state."""
+    import torch
+    from peft import PeftModel
+
+    flags = [part for agent in AGENTS for part in ("--agent", f"{agent}={tiny_world.shared_a_adapter(agent)}")]
+    common = ("--device", "cpu", "--dtype", "float32")
+    code, _, err = run_cli(
+        "capture", "--model", nf4_base, "--workflow", tiny_world.lora_workflow, "--tasks", tiny_world.tasks,
+        *flags, "--out", tmp_path / "capture", *common,
+    )  # fmt: skip
+    assert code == 0, err
+    trace = read_trace(tmp_path / "capture" / "trace.jsonl")
+    base = AutoModelForCausalLM.from_pretrained(nf4_base)
+    peft_model = PeftModel.from_pretrained(base, tiny_world.shared_a_adapter(AGENTS[0]), adapter_name=AGENTS[0])
+    for agent in AGENTS[1:]:
+        peft_model.load_adapter(tiny_world.shared_a_adapter(agent), adapter_name=agent)
+    turns = 0
+    for trajectory in trace.trajectories:
+        for turn in trajectory.turns:
+            peft_model.set_adapter(turn.agent)
+            output = trajectory.output_tokens(turn)
+            generated = peft_model.generate(
+                torch.tensor([trajectory.input_tokens(turn)]), max_new_tokens=len(output), do_sample=False
+            )
+            assert generated[0, -len(output) :].tolist() == output, (trajectory.id, turn.agent)
+            turns += 1
+    assert turns >= 6
+    names = dict.fromkeys(variant.name for variant in LORA_FAMILY)
+    code, _, err = run_cli(
+        "replay", tmp_path / "capture" / "trace.jsonl", *[part for name in names for part in ("--policy", name)],
+        "--limit", "2", "--repeats", "1", "--out", tmp_path / "replay", *common,
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    assert result["dense"]["summary"]["trace_agreement"] == 1.0
+    expected = {"fullshared", "baseshared-code", "prelrshared", "baselrshared", "rebaseshared-lp"}
+    assert set(result["policies"]) >= expected
+    assert result["policies"]["prelrshared"]["summary"]["k_error"] > 0
+    full_precision = AutoModelForCausalLM.from_pretrained(tiny_world.model)
+    linears = [m for m in full_precision.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    packed = sum(m.weight.numel() for m in linears)
+    # float32 weights, less the linear layers' 4 bytes a weight, plus half a byte a weight, a float32 absmax per
+    # block of 64 and a 16-entry float32 code book per layer
+    stored = sum(p.numel() * 4 for p in full_precision.parameters()) - 4 * packed + packed // 2 + packed // 16
+    stored += 64 * len(linears) + sum(b.numel() * b.element_size() for b in full_precision.buffers())
+    assert weights_bytes(AutoModelForCausalLM.from_pretrained(nf4_base)) == stored
+    assert stored < result["weights_bytes"] < stored + sum(p.numel() * 4 for p in full_precision.parameters()) // 4
