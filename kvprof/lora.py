@@ -87,6 +87,12 @@ def _check_plain_adapter(module: torch.nn.Module, agent: str, where: str) -> Non
     variant = getattr(module, "lora_variant", {}).get(agent)
     if variant is not None:
         kind = type(variant).__name__.removesuffix("LinearVariant")
+        if kind == "ALora":
+            raise KvprofError(
+                f"agent {agent}'s adapter is an Activated LoRA, which acts only from its invocation on, while the "
+                "low-rank policies apply an agent's adapter to every token it reads (its LR cache); its caches are "
+                "shared exactly by policy alorashared, approximately by fullshared."
+            )
         raise KvprofError(
             f"agent {agent}'s adapter on {where} is a LoRA variant ({kind}), whose output is not X·A·B, so its cache "
             "does not split into base and LR parts; pick a policy that does not split the cache, or a plain LoRA "
