@@ -40,7 +40,7 @@ from kvprof.chat import ChatFormat, ChatSegments, Difference, Message
 from kvprof.errors import KvprofError
 from kvprof.fileio import jsonl_lines
 from kvprof.reuse import last_occurrence
-from kvprof.spec import AgentSpec, WorkflowSpec
+from kvprof.spec import AgentSpec, WorkflowSpec, adapter_invocation
 from kvprof.trace import Segment, Trace, TraceHeader, Trajectory, Turn
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -201,7 +201,6 @@ def import_log(
                 f"pass --agent {unknown[0].agent}=ADAPTER_DIR (lora mode needs one per agent)",
             )
         mode = "lora"
-        from kvprof.model import adapter_invocation  # torch: only when adapters are given
 
         invocations = {name: adapter_invocation(adapters[name]) for name in names}
         agents = [AgentSpec(name, adapter=adapters[name]) for name in names]

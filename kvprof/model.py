@@ -204,17 +204,6 @@ class AdapterInfo:
         return f"r={self.rank}, alpha={self.alpha:g}, on {'/'.join(t.removesuffix('_proj') for t in self.targets)}"
 
 
-def adapter_invocation(path: str | Path) -> list[int] | None:
-    """The invocation ids of the adapter at `path` when it is an Activated LoRA (`alora_invocation_tokens` in its
-    adapter_config.json), else None (also when the file is missing: loading the adapter refuses it)."""
-    config_path = Path(path) / "adapter_config.json"
-    if not config_path.is_file():
-        return None
-    config = read_json_file(config_path, "adapter config", "pass a PEFT adapter directory")
-    tokens = config.get("alora_invocation_tokens") if isinstance(config, dict) else None
-    return [int(token) for token in tokens] if tokens else None
-
-
 def inspect_adapter(path: str, base_model) -> AdapterInfo:
     """Read an adapter's config and weights and check they fit `base_model`; refuse clearly when they do not."""
     from safetensors import safe_open

@@ -38,7 +38,7 @@ from pathlib import Path
 import tomllib
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import JsonType, is_json, read_text_file, type_name
+from kvprof.fileio import JsonType, is_json, read_json_file, read_text_file, type_name
 
 ROLES = ("plan", "act", "reflect")
 
@@ -273,3 +273,14 @@ def check_react_roles(spec: WorkflowSpec, origin: str = "") -> None:
         raise KvprofError(
             f"{origin}the react schedule needs an 'act' agent; pass --agent act=ADAPTER_DIR (or --role act=PROMPT)."
         )
+
+
+def adapter_invocation(path: str | Path) -> list[int] | None:
+    """The invocation ids of the adapter at `path` when it is an Activated LoRA (`alora_invocation_tokens` in its
+    adapter_config.json), else None (also when the file is missing: loading the adapter refuses it)."""
+    config_path = Path(path) / "adapter_config.json"
+    if not config_path.is_file():
+        return None
+    config = read_json_file(config_path, "adapter config", "pass a PEFT adapter directory")
+    tokens = config.get("alora_invocation_tokens") if isinstance(config, dict) else None
+    return [int(token) for token in tokens] if tokens else None

@@ -356,3 +356,30 @@ def test_serve_check_passes_and_fails_on_the_acceptance(run_cli, tmp_path, stub_
         results = serve_check.checks(result_of(out))
         assert all(ok for ok, _ in results) is passes
         assert any("is gone" in what and ok for ok, what in results)
+
+
+def test_activated_lora_agents_are_served_on_the_base_pattern_only(run_cli, tmp_path):
+    """vLLM refuses Activated LoRA adapters at load: a trace of aLoRA agents is refused for --pattern agents in one
+    sentence before any server is asked, and runs --pattern base (the aLoRA deployment's sharing before each
+    invocation)."""
+    from dataclasses import replace
+
+    from kvprof.trace import Trace, write_trace
+
+    trace = read_trace(TRACE)
+    workflow = dict(trace.header.workflow)
+    alora = demo_world(None).root / "adapters" / "alora"
+    workflow["agents"] = [agent | {"adapter": str(alora / agent["name"])} for agent in workflow["agents"]]
+    path = write_trace(tmp_path / "alora.jsonl", Trace(replace(trace.header, workflow=workflow), trace.trajectories))
+    with StubServer(stub_config()) as stub:
+        code, _, err = run_cli(
+            "serve-bench", path, "--url", stub.url, "--concurrency", "1", "--out", tmp_path / "agents"
+        )  # fmt: skip
+        assert code == 2 and "are Activated LoRA adapters, which vLLM does not serve" in err
+        assert "Traceback" not in err and not (tmp_path / "agents").exists()
+        code, _, err = run_cli(
+            "serve-bench", path, "--url", stub.url, "--pattern", "base", "--concurrency", "1",
+            "--out", tmp_path / "base",
+        )  # fmt: skip
+    assert code == 0, err
+    assert {run["summary"]["pattern"] for run in result_of(tmp_path / "base")["runs"]} == {"base"}

@@ -14,7 +14,7 @@ from rich.progress import Progress, TaskID
 
 from kvprof.commands.common import OutOption, SeedOption, console, demo_trace, note, progress, write_result
 from kvprof.errors import KvprofError
-from kvprof.serving.checks import check_context, check_tokenizer, served_models
+from kvprof.serving.checks import check_context, check_tokenizer, refuse_activated_lora, served_models
 from kvprof.serving.client import ServerClient, ServerError
 from kvprof.serving.driver import LoadRun, RequestRecord, run_load
 from kvprof.serving.server import VllmServer, free_port, server_command
@@ -125,6 +125,7 @@ def command(
         raise KvprofError(
             f"trace {trace} is in prompt mode, where every turn already runs on the base model; pass --pattern agents."
         )
+    refuse_activated_lora(header, pattern, str(trace))
     if (url is None) == (not start):
         raise KvprofError("pass either --url of a running vLLM server or --start to let kvprof start one (not both).")
     sweep = loads(qps or [], concurrency or ([] if qps else [1, 4]))

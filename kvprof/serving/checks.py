@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvprof.errors import KvprofError
 from kvprof.serving.client import ServerClient
 from kvprof.serving.traffic import ServedModels
+from kvprof.spec import adapter_invocation
 from kvprof.trace import TraceHeader, Trajectory
 
 TOKENIZER_SEGMENTS = 6  # input segments of the first turn whose tokenization is compared
@@ -40,6 +41,25 @@ def served_models(client: ServerClient, header: TraceHeader, patterns: list[str]
             )
         adapters = {agent: agent for agent in header.agent_names}
     return ServedModels(base=base, adapters=adapters)
+
+
+def refuse_activated_lora(header: TraceHeader, patterns: list[str], trace_name: str) -> None:
+    """Refuse `--pattern agents` for a trace whose agents are Activated LoRA adapters: vLLM (0.32 and earlier)
+    refuses to load them ("vLLM does not support Activated LoRA"). `--pattern base` serves every turn on the base
+    model, whose prefix cache is what an aLoRA-aware engine shares of each call's tokens before its invocation."""
+    if header.mode != "lora" or "agents" not in patterns:
+        return
+    activated = [
+        agent["name"]
+        for agent in header.workflow.get("agents", [])
+        if agent.get("adapter") and adapter_invocation(agent["adapter"]) is not None
+    ]
+    if activated:
+        raise KvprofError(
+            f"the agents {', '.join(activated)} of {trace_name} are Activated LoRA adapters, which vLLM does not serve "
+            "(it refuses them at load); run --pattern base alone: every turn on the base model's prefix cache, the "
+            "sharing an aLoRA deployment has before each call's invocation."
+        )
 
 
 def check_tokenizer(client: ServerClient, model: str, trajectory: Trajectory, trace_name: str) -> bool:
