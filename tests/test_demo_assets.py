@@ -142,16 +142,25 @@ def test_full_demo(tmp_path):
     record = json.loads((tmp_path / "demo.json").read_text())
     assert list(record["stages"]) == [stage.name for stage in FULL_STAGES] and record["full"] is True
     captures = [stage for name, stage in record["stages"].items() if "accuracy" in stage]
-    assert len(captures) == 5 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
+    assert len(captures) == 7 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
     online = record["stages"]["replay"]["online_accuracy"]
     assert {"dense", "fullshared", "baselrshared", "rebaseshared-lp"} <= set(online)
     qv = record["stages"]["replay lora q/v"]  # the papers' setting: BaseLRShared runs (A shared on v_proj)
     assert {"dense", "fullshared", "baselrshared", "prelrshared"} <= set(qv["online_accuracy"])
     assert not any(label.startswith(("droidspeak", "cacheblend", "relaycaching")) for label in qv["k_error"])
+    comparison = record["stages"]["aLoRA agents or LoRA agents"]["comparison"]
+    for targets in ("q/k/v/o", "q/v"):  # plain LoRA agents under the LoRA family, aLoRA twins under exact sharing
+        rows = {(row["agents"], row["policy"]): row for row in comparison[targets]}
+        assert {("LoRA", "prelrshared"), ("LoRA", "baselrshared"), ("aLoRA", "alorashared")} <= set(rows)
+        assert {("aLoRA", "fullshared"), ("aLoRA", "nonshared")} <= set(rows)
+        assert rows[("aLoRA", "alorashared")]["kl"] <= 1e-6  # exact, on the demo's own adapters
+        assert rows[("aLoRA", "alorashared")]["prefilled"] < rows[("aLoRA", "nonshared")]["prefilled"]
+    assert "LoRA agents (the shared-A set) or aLoRA agents (q/v, r=8)" in result.output
     assert (tmp_path / "report.html").stat().st_size > 0
     recorded = json.loads((tmp_path / "capture_lora" / "capture.json").read_text())["args"]
     assert list(recorded) == list(inspect.signature(capture.command).parameters)  # what `kvprof capture` records
-    for stage in ("prompt_sharing", "codebook_sharing", "replay_qv"):  # the recorded command replays its variants
+    # the recorded command replays its variants
+    for stage in ("prompt_sharing", "codebook_sharing", "replay_qv", "replay_alora"):
         written = json.loads((tmp_path / stage / "replay.json").read_text())
         args = written["args"]
         replayed = enumerate_variants(args["policy"], parse_policy_options(args["policy_option"]))

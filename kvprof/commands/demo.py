@@ -55,6 +55,7 @@ class DemoContext:
     traces: dict[str, Path] = field(default_factory=dict)
     results: list[Path] = field(default_factory=list)  # the result files written so far
     k_error: dict[str, float] = field(default_factory=dict)  # policy → K error of the q/k/v/o replay
+    lora_replays: dict[str, dict] = field(default_factory=dict)  # adapter targets → replay of the plain LoRA agents
 
     def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
         """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
@@ -249,6 +250,7 @@ def replay_all(ctx: DemoContext) -> StageResult:
     out = ctx.out / "replay"
     record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, policy=[ALL])
     ctx.k_error = _k_errors(record)
+    ctx.lora_replays["q/k/v/o"] = record
     return StageResult(
         f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
@@ -282,6 +284,7 @@ def replay_lora_qv(ctx: DemoContext) -> StageResult:
     the regime the papers measured, beside the q/k/v/o replay; K error per policy in both regimes."""
     out = ctx.out / "replay_qv"
     record, online, accuracy = _replay_lora(ctx, "lora_shared_a_qv", out, ("baseline", "LRAgent", "PReCache"))
+    ctx.lora_replays["q/v"] = record
     qkvo, k_error = ctx.k_error, _k_errors(record)
     compared = ", ".join(
         f"{label} {value:.2f} (q/k/v/o {qkvo[label]:.2f})" for label, value in k_error.items() if label in qkvo
@@ -292,6 +295,49 @@ def replay_lora_qv(ctx: DemoContext) -> StageResult:
         [out / "replay.json", out / "replay.html"],
         {"online_accuracy": online, "k_error": k_error},
     )
+
+
+def capture_alora(ctx: DemoContext) -> StageResult:
+    """`kvprof capture` in lora mode with the Activated LoRA twins of plan / act / reflect (q/k/v/o, r=8): each
+    adapter acts from the cue on, so what an agent reads before its own cue keeps the base model's K/V."""
+    return _capture(ctx, "alora")
+
+
+def capture_alora_qv(ctx: DemoContext) -> StageResult:
+    """`kvprof capture` in lora mode with the Activated LoRA twins of the papers' q/v adapters (r=8, α=16)."""
+    return _capture(ctx, "alora_qv")
+
+
+def alora_sharing(ctx: DemoContext) -> StageResult:
+    """`kvprof replay --online` of each aLoRA capture under ALoRAShared (exact sharing: every agent reuses what was
+    computed before a call's cue, adapter-made K/V recomputed with the base weights), FullShared and NonShared,
+    beside the plain LoRA agents of the same targets under the LoRA-family policies: keep LoRA agents and share
+    approximately, or retrain them as aLoRA and share exactly."""
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies import PolicyVariant
+    from kvprof.report.alora import comparison_rows, comparison_table
+
+    variants = [PolicyVariant("alorashared"), PolicyVariant("fullshared"), PolicyVariant("nonshared")]
+    outputs, metrics, summaries = [], {}, []
+    for targets, trace_name in (("q/k/v/o", "alora"), ("q/v", "alora_qv")):
+        out = ctx.out / f"replay_{trace_name}"
+        trace = ctx.traces[trace_name]
+        agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
+        trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
+        record, online, _ = _online_replay(
+            ctx, out, trace, agents, trajectories, variants, {}, agents.device.type == "cuda", limit=ctx.replay_tasks
+        )
+        rows = comparison_rows(ctx.lora_replays[targets], record)
+        title = f"LoRA agents (the shared-A set) or aLoRA agents ({targets}, r=8)"
+        console.print(comparison_table(rows, title).to_rich())
+        exact = record["policies"]["alorashared"]["summary"]
+        summaries.append(
+            f"{targets}: ALoRAShared KL {exact['kl']:.1g}, {exact['prefilled']} of "
+            f"{record['dense']['summary']['prefilled']} tokens prefilled, online {online['alorashared']:.0%}"
+        )
+        metrics[targets] = rows
+        outputs += [out / "replay.json", out / "replay.html"]
+    return StageResult("; ".join(summaries), outputs, {"comparison": metrics})
 
 
 def advance(bar, job, *_) -> None:
@@ -424,6 +470,9 @@ FULL_STAGES = [
     Stage("replay", replay_all, 220.0, "replay_tasks"),
     Stage("capture lora q/v, the papers' setting", capture_lora_qv, 9.0, "tasks"),
     Stage("replay lora q/v", replay_lora_qv, 115.0, "replay_tasks"),
+    Stage("capture aLoRA twins", capture_alora, 9.0, "tasks"),
+    Stage("capture aLoRA q/v twins", capture_alora_qv, 9.0, "tasks"),
+    Stage("aLoRA agents or LoRA agents", alora_sharing, 90.0, "replay_tasks"),
     Stage("prompt-role sharing", prompt_sharing, 77.0, "replay_tasks"),
     Stage("codebook: sharing that costs accuracy", codebook_sharing, 9.0, "replay_tasks"),
     Stage("report", report_all, 3.0),
@@ -452,8 +501,9 @@ def command(
         bool,
         typer.Option(
             "--full",
-            help="Every world and adapter set (captures without adapters and with the papers' q/v adapters, the "
-            "rank analysis, every variant of every policy, the codebook world): about 10 minutes on 2 CPU cores.",
+            help="Every world and adapter set (captures without adapters, with the papers' q/v adapters and with "
+            "Activated LoRA twins, the rank analysis, every variant of every policy, aLoRA agents against LoRA agents, "
+            "the codebook world): about 10 minutes on 2 CPU cores.",
         ),
     ] = False,
     tasks: Annotated[

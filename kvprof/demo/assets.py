@@ -75,7 +75,7 @@ class DemoWorld(WorldFolder):
         return {role: self.root / "adapters" / "shared_a" / role for role in ROLES}
 
     def workflow(self, mode: str) -> Path:
-        """`prompt`, `lora`, `lora_shared_a`, `lora_qv` or `lora_shared_a_qv`."""
+        """`prompt`, `lora`, `lora_shared_a`, `lora_qv`, `lora_shared_a_qv`, `alora` or `alora_qv`."""
         return self.root / f"workflow_{mode}.toml"
 
     @property

@@ -1,7 +1,7 @@
 """Train the demo world from scratch on CPU: tokenizer, base model, role adapters, shared-A adapters.
 
     python -m kvprof.demo.train [--out DIR] [--seed N]
-    python -m kvprof.demo.train --qv-only [--out DIR]   # only the q/v adapter sets, on the base already in DIR
+    python -m kvprof.demo.train --set alora --set alora_qv [--out DIR]   # only those sets, on the base in DIR
 
 Phases (each with a progress bar; timings, losses and per-call held-out accuracy go to OUT/training.json):
 
@@ -16,10 +16,14 @@ Phases (each with a progress bar; timings, losses and per-call held-out accuracy
    (adapters for the BaseLRShared policy).
 5. lora_qv, shared_a_qv — the papers' setting (PReCache's main results, LRAgent): r=8, α=16 on q_proj and v_proj
    only (K carries no adapter, V = base + LR), and its shared-A twin whose roles share one frozen, seeded A on
-   v_proj only (q_proj's A is each role's own and trained). `--qv-only` trains just these two sets on the base
-   model already in OUT, exactly as the full run trains them (same seeds, same example streams, same base weights),
-   and adds their phases to OUT/training.json.
-6. world — workflow specs (one per adapter set), held-out and long tasks.
+   v_proj only (q_proj's A is each role's own and trained).
+6. alora, alora_qv — Activated LoRA twins of lora and lora_qv (peft's aLoRA): each role's adapter acts only from
+   the last occurrence of the cue "Agent:" in its input on (`alora_invocation_tokens`), so everything an agent
+   reads before its own cue keeps the base model's K/V.
+7. world — workflow specs (one per adapter set), held-out and long tasks.
+
+`--set NAME` (repeatable) trains just those adapter sets on the base model already in OUT, exactly as the full run
+trains them (same seeds, same example streams, same base weights), and adds their phases to OUT/training.json.
 
 Deterministic for a fixed seed and thread count: tasks, example order and initialisation all derive from the seed.
 Training uses bf16 autocast (master weights stay fp32) and computes the loss on output tokens only.
@@ -45,6 +49,7 @@ import typer
 from kvprof.demo.data import IGNORE, Example, batches, collate, own_turn_examples, sample_examples
 from kvprof.demo.tokenizer import build_tokenizer
 from kvprof.demo.world import (
+    CUE,
     RELATION_WORDS,
     ROLES,
     make_task,
@@ -101,7 +106,8 @@ class TrainConfig:
 class AdapterSet:
     """One trained adapter set: its folder under OUT/adapters (and workflow_{workflow}.toml), the LoRA targets,
     rank r and α, the projections on which every role shares one frozen, seeded A (the others' A is each role's
-    own), and the offset of the seed its initialisation draws from (`TrainConfig.seed` + offset)."""
+    own), the offset of the seed its initialisation draws from (`TrainConfig.seed` + offset), and whether its
+    adapters are Activated LoRA invoked by the cue."""
 
     name: str
     workflow: str
@@ -110,21 +116,22 @@ class AdapterSet:
     alpha: int
     shared_a: tuple[str, ...]
     seed_offset: int
+    activated: bool = False
 
 
 def adapter_sets(cfg: TrainConfig) -> tuple[AdapterSet, ...]:
     """The demo's adapter sets: q/k/v/o at `cfg.adapter_rank` (α = 2r) and its shared-A twin (A shared on every
-    target), then the papers' q/v setting (r=8, α=16) and its twin with A shared on v_proj only."""
+    target), the papers' q/v setting (r=8, α=16) and its twin with A shared on v_proj only, then the Activated LoRA
+    twins of the q/k/v/o and q/v sets."""
     rank = cfg.adapter_rank
     return (
         AdapterSet("lora", "lora", LORA_TARGETS, rank, 2 * rank, (), 1),
         AdapterSet("shared_a", "lora_shared_a", LORA_TARGETS, rank, 2 * rank, LORA_TARGETS, 2),
         AdapterSet("lora_qv", "lora_qv", QV_TARGETS, 8, 16, (), 3),
         AdapterSet("shared_a_qv", "lora_shared_a_qv", QV_TARGETS, 8, 16, ("v_proj",), 4),
+        AdapterSet("alora", "alora", LORA_TARGETS, rank, 2 * rank, (), 5, activated=True),
+        AdapterSet("alora_qv", "alora_qv", QV_TARGETS, 8, 16, (), 6, activated=True),
     )
-
-
-QV_SETS = ("lora_qv", "shared_a_qv")  # what --qv-only trains
 
 
 class ModelShape(Protocol):
@@ -259,17 +266,29 @@ def output_loss(
 ) -> torch.Tensor:
     """Mean cross-entropy over target (output) tokens, plus `context_weight` × the mean over every other real token
     (plain language modelling of the trajectory, which teaches copying early). `input_ids`, `labels`, `real`:
-    [B, T]; the LM head runs only where a loss is taken."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+    [B, T]; the LM head runs only where a loss is taken, except on an Activated LoRA model, which runs its whole
+    forward: peft finds each row's invocation in its ids there (its decoder alone would run the base)."""
+    if activated_lora(model):
+        logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]
+        scores: Callable[[torch.Tensor], torch.Tensor] = lambda where: logits[where]  # noqa: E731
+    else:
+        hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+        head = model.get_output_embeddings()
+        scores = lambda where: head(hidden[where])  # noqa: E731
     targets = labels[:, 1:]
     is_output = targets != IGNORE
-    head = model.get_output_embeddings()
-    loss = torch.nn.functional.cross_entropy(head(hidden[is_output]).float(), targets[is_output])
+    loss = torch.nn.functional.cross_entropy(scores(is_output).float(), targets[is_output])
     if context_weight:
         context = real[:, 1:] & ~is_output
-        lm = torch.nn.functional.cross_entropy(head(hidden[context]).float(), input_ids[:, 1:][context])
+        lm = torch.nn.functional.cross_entropy(scores(context).float(), input_ids[:, 1:][context])
         loss = loss + context_weight * lm
     return loss
+
+
+def activated_lora(model) -> bool:
+    """Whether `model` is a peft model whose active adapter is an Activated LoRA."""
+    config = getattr(model, "active_peft_config", None)
+    return bool(getattr(config, "alora_invocation_tokens", None))
 
 
 def train_loop(
@@ -451,7 +470,7 @@ class Trainer:
         """Train `adapters` (one adapter per role) on the frozen `model`; saves them under OUT/adapters and returns
         the model without them."""
         cfg, name = self.cfg, adapters.name
-        peft_model = role_adapters(model, adapters, cfg.seed)
+        peft_model = role_adapters(model, adapters, cfg.seed, tokenizer)
         metrics = {}
         for role in ROLES:
             peft_model.set_adapter(role)
@@ -503,14 +522,19 @@ class Trainer:
         done()
 
 
-def role_adapters(model, adapters: AdapterSet, seed: int):
+def role_adapters(model, adapters: AdapterSet, seed: int, tokenizer):
     """`model` with one untrained LoRA adapter per role (`adapters`' targets, r and α; no dropout), initialised from
-    `seed` + the set's offset; on the set's `shared_a` projections every role's A is a copy of the first role's."""
+    `seed` + the set's offset; on the set's `shared_a` projections every role's A is a copy of the first role's. An
+    activated set's adapters are invoked by the cue's ids (a causal-LM task type, without which peft never applies
+    them)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=adapters.rank, lora_alpha=adapters.alpha, target_modules=list(adapters.targets), lora_dropout=0.0
     )
+    if adapters.activated:
+        config.alora_invocation_tokens = tokenizer.encode(CUE, add_special_tokens=False)
+        config.task_type = "CAUSAL_LM"
     torch.manual_seed(seed + adapters.seed_offset)
     peft_model = get_peft_model(model, config, adapter_name=ROLES[0])
     for role in ROLES[1:]:
@@ -549,20 +573,25 @@ def _adapter(peft_model, role: str) -> contextlib.nullcontext[None]:
     return contextlib.nullcontext()
 
 
-def run(out: Path, cfg: TrainConfig, qv_only: bool = False) -> dict:
-    """All phases into `out`; returns the training record (also written to OUT/training.json). With `qv_only`, only
-    the q/v adapter sets (`QV_SETS`) on the tokenizer and base model already in OUT/model, their phases added to
+def run(out: Path, cfg: TrainConfig, only: tuple[str, ...] = ()) -> dict:
+    """All phases into `out`; returns the training record (also written to OUT/training.json). With `only`, just
+    those adapter sets on the tokenizer and base model already in OUT/model, their phases added to
     OUT/training.json."""
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     sets = adapter_sets(cfg)
-    if qv_only:
-        sets = tuple(adapter_set for adapter_set in sets if adapter_set.name in QV_SETS)
+    unknown = sorted(set(only) - {adapter_set.name for adapter_set in sets})
+    if unknown:
+        raise KvprofError(
+            f"--set {', '.join(unknown)}: no such adapter set; pick from {', '.join(s.name for s in sets)}."
+        )
+    if only:
+        sets = tuple(adapter_set for adapter_set in sets if adapter_set.name in only)
     with progress() as bar:
         trainer = Trainer(out, cfg, bar)
-        if qv_only:
+        if only:
             tokenizer, model = existing_base(out)
             trainer.record = json.loads((out / "training.json").read_text(encoding="utf-8"))
         else:
@@ -572,9 +601,10 @@ def run(out: Path, cfg: TrainConfig, qv_only: bool = False) -> dict:
                 model = trainer.recall(model, tokenizer, round_)
         for adapter_set in sets:
             model = trainer.adapters(model, tokenizer, adapter_set)
-        trainer.world(sets, tasks=not qv_only)
+        trainer.world(sets, tasks=not only)
     trainer.record["adapter_sets"] = {s.name: asdict(s) for s in adapter_sets(cfg)}
-    trainer.record["seconds" if not qv_only else "seconds_qv"] = round(time.perf_counter() - started, 1)
+    key = "seconds" if not only else f"seconds_{'+'.join(only)}"
+    trainer.record[key] = round(time.perf_counter() - started, 1)
     write_json(out / "training.json", trainer.record)
     return trainer.record
 
@@ -584,7 +614,7 @@ def existing_base(out: Path):
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     if not (out / "model" / "config.json").exists():
-        raise KvprofError(f"{out / 'model'} holds no base model; train the whole world first (without --qv-only).")
+        raise KvprofError(f"{out / 'model'} holds no base model; train the whole world first (without --set).")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "model")
     model = LlamaForCausalLM.from_pretrained(out / "model", dtype=torch.float32, attn_implementation="sdpa")
     return tokenizer, model
@@ -602,17 +632,17 @@ def main(
     adapter_steps: Annotated[int, typer.Option("--adapter-steps", help="Optimizer steps per adapter.")] = (
         TrainConfig.adapter_steps
     ),
-    qv_only: Annotated[
-        bool,
+    only: Annotated[
+        list[str] | None,
         typer.Option(
-            "--qv-only",
-            help="Train only the q/v adapter sets (r=8, α=16; and the twin sharing A on v_proj) on the base model "
-            "already in OUT.",
+            "--set",
+            help="Train only this adapter set (repeatable: lora, shared_a, lora_qv, shared_a_qv, alora, alora_qv) on "
+            "the base model already in OUT.",
         ),
-    ] = False,
+    ] = None,
 ) -> None:
     """Train the demo world (see module docstring) and print its per-call held-out accuracy."""
-    record = run(out, TrainConfig(seed=seed, base_steps=base_steps, adapter_steps=adapter_steps), qv_only)
+    record = run(out, TrainConfig(seed=seed, base_steps=base_steps, adapter_steps=adapter_steps), tuple(only or ()))
     print(json.dumps(record["phases"], indent=1))
 
 
