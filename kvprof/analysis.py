@@ -52,7 +52,7 @@ from kvprof import metrics
 from kvprof.cache import TurnCapture, capture_turn
 from kvprof.errors import KvprofError
 from kvprof.model import AgentSet, head_dim, kv_heads
-from kvprof.rope import Rope, rotate_keys
+from kvprof.rope import LayerRopes, Rope, rotate_keys
 from kvprof.trace import Trace, Trajectory
 
 KV_NAMES = ("K", "V")  # the two cache tensors, as result keys
@@ -740,7 +740,7 @@ def _context_free_records(
     sequences: dict[str, AgentSequence],
     captures: dict[str, TurnCapture],
     layers: Sequence[int],
-    rope: Rope,
+    ropes: LayerRopes,
     per_head: bool,
     columns: int,
 ) -> list[SegmentResult]:
@@ -771,7 +771,7 @@ def _context_free_records(
                     start,
                     stop - start,
                     layer,
-                    rope,
+                    ropes[layer],
                     per_head,
                     agents.base_model.dtype,
                 )
@@ -807,7 +807,7 @@ def analyze_trace(
         head_dim=dim,
         kv_heads=kv_heads(config),
     )
-    rope = agents.rope
+    ropes = agents.ropes
     parts = ("kv", "split") if mode == "lora" else ("kv",)
     columns = dim if per_head else dim * kv_heads(config)
     for traj in trace.trajectories:
@@ -845,7 +845,7 @@ def analyze_trace(
                                 captures[span.target],
                                 span,
                                 layer,
-                                rope,
+                                ropes[layer],
                                 per_head,
                                 agents.base_model.dtype,
                             )
@@ -855,7 +855,7 @@ def analyze_trace(
                 )
             if mode == "prompt":
                 result.segments += _context_free_records(
-                    agents, traj, spans, sequences, captures, layers, rope, per_head, columns
+                    agents, traj, spans, sequences, captures, layers, ropes, per_head, columns
                 )
         if on_trajectory:
             on_trajectory(traj)

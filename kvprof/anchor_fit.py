@@ -110,7 +110,7 @@ class DenseCaches:
         if key not in self.caches:
             self.caches[key] = dense_cache(self.runtime, agent, self.sequences[longest])
         begin = len(self.runtime.prefix(agent)) + start
-        return stack(self.caches[key], begin, begin + end - start, -begin, self.runtime.rope)
+        return stack(self.caches[key], begin, begin + end - start, -begin, self.runtime.ropes)
 
 
 def dense_cache(runtime: Runtime, agent: str, timeline: list[int]) -> list[KV]:

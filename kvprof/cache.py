@@ -226,7 +226,8 @@ class _Capture:
         last_layer: int,
     ):
         self.agents, self.keep, self.positions = agents, keep, positions
-        self.cos, self.sin = agents.rope.tables(positions[keep])
+        self.ropes = agents.ropes  # found before any hook is attached (finding them runs the model)
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Rope) → its cos, sin at the kept tokens
         self.last_layer = last_layer
 
     def span(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
@@ -235,10 +236,10 @@ class _Capture:
         index[axis] = self.keep
         return tensor[tuple(index)].float().clone()
 
-    def shape(self, flat: torch.Tensor, name: str, kept: bool = False, rotate: bool = True) -> torch.Tensor:
-        """(1, L, out) projection output → the `ProjectionSplit` layout of the kept tokens, fp32.
+    def shape(self, flat: torch.Tensor, name: str, layer: int, kept: bool = False, rotate: bool = True) -> torch.Tensor:
+        """(1, L, out) projection output of layer `layer` → the `ProjectionSplit` layout of the kept tokens, fp32.
 
-        q/k/v: (H, L_kept, D), rotated with the model's RoPE for q and k unless `rotate` is False; other
+        q/k/v: (H, L_kept, D), rotated with the layer's RoPE for q and k unless `rotate` is False; other
         projections (L_kept, out). `kept`: the tokens were already cut to the kept range.
         """
         rows = flat[0].float() if kept else self.span(flat[0], 0)
@@ -246,7 +247,10 @@ class _Capture:
             return rows
         per_head = rows.view(rows.shape[0], -1, head_dim(self.agents.config)).transpose(0, 1)
         if name in ROTATED and rotate:
-            per_head = self.agents.rope.rotate(per_head, self.cos, self.sin)
+            rope = self.ropes[layer]
+            if id(rope) not in self.tables:
+                self.tables[id(rope)] = rope.tables(self.positions[self.keep])
+            per_head = rope.rotate(per_head, *self.tables[id(rope)])
         return per_head.contiguous()
 
 
@@ -375,14 +379,14 @@ def _finish_hook(
         for name, module_ in recorder.modules.items():
             if "split" in parts:
                 normalised = name in recorder.normalised
-                base = state.shape(recorder.base[name], name, rotate=not normalised)
+                base = state.shape(recorder.base[name], name, index, rotate=not normalised)
                 adapter = recorder.adapter.get(name)  # already cut to the kept tokens
                 result.split[name] = ProjectionSplit(
                     base=base,
                     adapter=(
                         torch.zeros_like(base)
                         if adapter is None
-                        else state.shape(adapter, name, kept=True, rotate=not normalised)
+                        else state.shape(adapter, name, index, kept=True, rotate=not normalised)
                     ),
                     normalised=normalised,
                 )

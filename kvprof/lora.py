@@ -168,8 +168,9 @@ def invocation_tokens(model, agent: str) -> list[int] | None:
 
 
 NORM_NAMES = {  # a projection's output norm before RoPE and the cache, by architecture
-    "q_proj": ("q_norm", "q_layernorm"),
-    "k_proj": ("k_norm", "k_layernorm"),  # Qwen3, OLMo 2, Gemma 3 / LFM2
+    "q_proj": ("q_norm", "q_layernorm", "qk_norm"),
+    "k_proj": ("k_norm", "k_layernorm", "qk_norm"),  # Qwen3, OLMo 2, Gemma 3 / LFM2 / Llama 4 (an L2 norm after
+    # RoPE there, which commutes with RoPE's rotation)
     "v_proj": ("v_norm",),
 }
 
@@ -220,6 +221,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder layer list of a transformers causal LM (LoRA layers are injected in place, so this is the adapted
     model too)."""
     layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:  # a causal LM whose get_decoder() is itself (Llama 4): its decoder is `model`
+        layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise KvprofError(
             f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof supports "

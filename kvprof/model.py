@@ -20,11 +20,12 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import check_fields, read_json_file
-from kvprof.rope import Rope, model_rope
+from kvprof.rope import LayerRopes, model_ropes
 from kvprof.spec import WorkflowSpec
 from kvprof.trace import trace_header
 
 if TYPE_CHECKING:
+    from kvprof.layers import LayerKind
     from kvprof.trace import TraceHeader
 
 DTYPES = {
@@ -54,18 +55,6 @@ def kv_heads(config) -> int:
     """The number H_kv of key/value heads of a transformers model `config`: `num_key_value_heads`, or every attention
     head for an architecture without grouped-query attention, whose config has no such field (GPT-NeoX, Persimmon)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def sliding_windows(config) -> list[int | None]:
-    """Per decoder layer of a transformers model `config`, its attention's sliding window W (a query at position p
-    sees keys p − W < k ≤ p), or None for full attention: from `layer_types` where the config has them (Gemma 2/3,
-    gpt-oss, Qwen2: "sliding_attention" layers take `sliding_window`), else `sliding_window` for every layer
-    (Mistral)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return [window] * config.num_hidden_layers
-    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -341,10 +330,19 @@ class AgentSet:
         return self.base_model.config
 
     @functools.cached_property
-    def rope(self) -> Rope:
-        """The base model's RoPE (`kvprof.rope.model_rope`), checked on the model once, adapters disabled."""
+    def ropes(self) -> LayerRopes:
+        """Each layer's RoPE of the base model (`kvprof.rope.model_ropes`), found and checked on the model once,
+        adapters disabled."""
         with self.activate(None):
-            return model_rope(self.base_model)
+            return model_ropes(self.base_model)
+
+    @functools.cached_property
+    def layer_kinds(self) -> list[LayerKind]:
+        """Each decoder layer's attention (full, sliding or chunked, its window) and position encoding
+        (`kvprof.layers.layer_kinds`)."""
+        from kvprof.layers import layer_kinds
+
+        return layer_kinds(self.base_model, self.ropes)
 
     @contextlib.contextmanager
     def activate(self, agent: str | None) -> Iterator[None]:

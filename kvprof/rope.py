@@ -1,25 +1,30 @@
-"""Moving cached keys to new positions: RoPE re-rotation with the model's own rotary embedding.
+"""Moving cached keys to new positions: RoPE re-rotation with the model's own rotary embedding, per layer.
 
 transformers stores keys **after** RoPE. RoPE rotates pairs of channels by an angle `p·θ_i`, so a key cached at
 position p moves to position p + δ by one more rotation of `δ·θ_i`: R(p + δ) = R(δ)·R(p). A `Rope` holds what that
 takes, read from the model:
 
-- the frequencies θ_i, from the model's `rotary_emb.inv_freq`, which already includes static rope scaling (llama3,
-  linear, yarn's frequency part); yarn's attention scaling multiplies cos/sin at both positions and so cancels in a
-  re-rotation. Dynamic (length-dependent) scaling is not a rotation by a fixed angle and is refused;
+- the frequencies θ_i, from the model's rotary embedding (`inv_freq`, or one `<layer type>_inv_freq` per layer type
+  as in Gemma 3 / 4's local and global layers), which already include static rope scaling (llama3, linear, yarn's
+  frequency part); yarn's attention scaling multiplies cos/sin at both positions and so cancels in a re-rotation.
+  Dynamic (length-dependent) scaling is not a rotation by a fixed angle and is refused;
 - the rotated channels: the first `rotary_dim` = 2·len(θ) of each head, the rest passing through unrotated (partial
   rotary: Phi, StableLM, GPT-NeoX, GLM);
 - the pairing: channel i with i + rotary_dim/2 (Llama's `rotate_half`), or channels 2i and 2i + 1 (`interleaved`:
   GLM, Cohere), read from the model's own `rotate_half`.
 
-`model_rope` checks the result on the model itself: shifting every position of an input by δ leaves a RoPE model's
-hidden states unchanged, so each layer's keys at p + δ must be R(δ) times its keys at p. A model where that fails
-(RoPE that differs per layer, layers without RoPE, absolute positions) is refused in one sentence rather than
-re-aligned wrongly.
+A layer without RoPE (NoPE: SmolLM3's, Llama 4's every fourth layer, Cohere 2's global layers) gets `NO_ROPE`, the
+identity: its keys carry no position and move as they are.
+
+`model_ropes` finds each layer's RoPE on the model itself, among those candidates: shifting every position of an
+input by δ leaves a RoPE model's hidden states unchanged, so each layer's keys at p + δ must be R(δ) times its keys
+at p for that layer's R. A layer no candidate explains (absolute positions, a RoPE kvprof does not read) is refused in
+one sentence rather than re-aligned wrongly.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -36,28 +41,28 @@ FLOAT32_TOLERANCE = 1e-3  # relative error of the re-rotated keys against the sh
 HALF_TOLERANCE, HALF_SHARE = 0.05, 0.25
 
 
-def rotary_embedding(model) -> torch.nn.Module:
-    """The rotary embedding module of a transformers decoder (PEFT-wrapped or not)."""
-    name = model.config.name_or_path
+def rotary_embedding(model) -> torch.nn.Module | None:
+    """The rotary embedding module of a transformers decoder (PEFT-wrapped or not), None for a model without one;
+    dynamic rope scaling is refused."""
     for path, module in model.named_modules():
         if not path.endswith("rotary_emb"):
             continue
-        if not hasattr(module, "inv_freq"):
-            raise KvprofError(
-                f"model {name!r} has a RoPE per layer type (its rotary embedding has no single inv_freq, as in "
-                "Gemma 3's local and global layers); kvprof re-aligns cached keys with one RoPE for every layer, so "
-                "it cannot profile this model."
-            )
-        if getattr(module, "rope_type", "default") == "dynamic":
+        types = getattr(module, "rope_type", "default")
+        if "dynamic" in (types.values() if isinstance(types, dict) else [types]):
             raise KvprofError(
                 "this model uses dynamic RoPE scaling, which cannot be re-aligned by a fixed "
                 "rotation; use a model with static rope scaling."
             )
         return module
-    raise KvprofError(
-        f"model {name!r} has no rotary embedding (rotary_emb with inv_freq); kvprof re-aligns cached keys by RoPE, "
-        "so it needs a RoPE decoder such as Llama, Qwen2, Mistral or Phi."
-    )
+    return None
+
+
+def layer_position_embeddings(rotary: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, layer_type):
+    """What the model passes decoder layers of `layer_type` as `position_embeddings` for `positions` (1, L): its
+    rotary embedding's output, for that layer type where the embedding has one per type (Gemma 3 / 4)."""
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return rotary(hidden, positions, layer_type)
+    return rotary(hidden, positions)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,31 +131,92 @@ def apply_rope(states: torch.Tensor, positions: torch.Tensor, rope: Rope) -> tor
     return rope.rotate(states.float(), cos, sin).to(states.dtype)
 
 
-def _interleaved(model) -> bool:
-    """Whether the model's modeling code pairs channels (2i, 2i+1): its module-level `rotate_half`, if it has one,
-    applied to (0, 1, 2, 3)."""
+def _pairings(model) -> tuple[bool, ...]:
+    """The channel pairings (interleaved or not) the model's modeling code may use: the one its module-level
+    `rotate_half` applies to (0, 1, 2, 3), or both when it has none (Llama 4 rotates complex pairs)."""
     module = sys.modules.get(type(model.get_decoder()).__module__)
     swap = getattr(module, "rotate_half", None)
     if swap is None:
-        return False
+        return (False, True)
     probe = torch.arange(4, dtype=torch.float32)
-    return bool(torch.equal(swap(probe), rotate_pairs(probe)))
+    return (bool(torch.equal(swap(probe), rotate_pairs(probe))),)
 
 
-def model_rope(model) -> Rope:
-    """The `Rope` of a transformers decoder (PEFT-wrapped or not), checked on the model (see module docstring)."""
+NO_ROPE = Rope(inv_freq=torch.zeros(0))  # a NoPE layer: rotary_dim 0, every channel passes through
+
+
+@dataclass(frozen=True)
+class LayerRopes:
+    """Each decoder layer's `Rope` (`NO_ROPE` for a NoPE layer) and the name of what it is ("rope", "rope
+    (sliding_attention)", "NoPE"), as `model_ropes` found them."""
+
+    layers: tuple[Rope, ...]
+    names: tuple[str, ...]
+
+    def __getitem__(self, layer: int) -> Rope:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def rotate_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], delta: int | torch.Tensor) -> list:
+        """Per-layer (K, V) with each layer's keys re-rotated by `delta` (see `rotate_keys`), values as they are."""
+        return [(rotate_keys(keys, delta, rope), values) for rope, (keys, values) in zip(self.layers, kv)]
+
+    def rotate_stacked(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Keys stacked over layers (layers, ..., L, D), each layer's re-rotated by `delta`."""
+        return torch.stack([rotate_keys(k, delta, rope) for rope, k in zip(self.layers, keys)])
+
+
+def rope_candidates(model) -> dict[str, Rope]:
+    """Every RoPE the model's rotary embedding holds, by name ("rope", or "rope (<layer type>)" for one per layer
+    type), and "NoPE"."""
+    candidates = {"NoPE": NO_ROPE}
     rotary = rotary_embedding(model)
-    rope = Rope(
-        inv_freq=rotary.inv_freq.detach().float(),
-        interleaved=_interleaved(model),
-        attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-    )
-    check_rope(model, rope)
-    return rope
+    if rotary is None:
+        return candidates
+    pairings = _pairings(model)
+    for name, buffer in rotary.named_buffers(recurse=False):
+        if not name.endswith("inv_freq") or "original" in name:
+            continue
+        layer_type = name.removesuffix("inv_freq").removesuffix("_")
+        scaling = getattr(rotary, f"{layer_type}_attention_scaling" if layer_type else "attention_scaling", 1.0)
+        label = f"rope ({layer_type})" if layer_type else "rope"
+        for interleaved in pairings:
+            suffix = " interleaved" if len(pairings) > 1 and interleaved else ""
+            candidates[label + suffix] = Rope(buffer.detach().float(), interleaved, float(scaling))
+    return candidates
 
 
-def check_rope(model, rope: Rope) -> None:
-    """Refuse a model whose keys at shifted positions are not `rope`'s re-rotation of its keys (every layer)."""
+def model_ropes(model) -> LayerRopes:
+    """Each layer's RoPE of a transformers decoder (PEFT-wrapped or not), found and checked on the model (see module
+    docstring)."""
+    candidates = rope_candidates(model)
+    shifts = _shifted_keys(model)
+    half = model.dtype != torch.float32
+    layers, names = [], []
+    for index, (at_start, shifted) in enumerate(shifts):
+        errors = {
+            name: _relative(rotate_keys(at_start, PROBE_SHIFT, rope), shifted) for name, rope in candidates.items()
+        }
+        best = min(errors, key=lambda name: errors[name])
+        _accept(model, index, errors[best], at_start, shifted, half)
+        layers.append(candidates[best])
+        names.append(best)
+    return LayerRopes(tuple(layers), tuple(names))
+
+
+def check_ropes(model, ropes: LayerRopes) -> None:
+    """Refuse a model whose keys at shifted positions are not `ropes`' re-rotation of its keys, layer by layer."""
+    half = model.dtype != torch.float32
+    for index, (at_start, shifted) in enumerate(_shifted_keys(model)):
+        _accept(
+            model, index, _relative(rotate_keys(at_start, PROBE_SHIFT, ropes[index]), shifted), at_start, shifted, half
+        )
+
+
+def _shifted_keys(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the float32 keys of a probe input at positions 0.. and at positions `PROBE_SHIFT`.."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -161,18 +227,21 @@ def check_rope(model, rope: Rope) -> None:
         with torch.inference_mode():
             out = model(input_ids=ids, position_ids=positions, cache=DynamicCache(config=model.config), use_cache=True)
         keys.append([layer.keys.float() for layer in out.cache.layers])
-    half = model.dtype != torch.float32
-    for index, (at_start, shifted) in enumerate(zip(*keys)):
-        error = _relative(rotate_keys(at_start, PROBE_SHIFT, rope), shifted)
-        if error <= (HALF_TOLERANCE if half else FLOAT32_TOLERANCE):
-            continue
-        if not half or error > HALF_SHARE * _relative(at_start, shifted):
-            raise KvprofError(
-                f"model {model.config.name_or_path!r}: layer {index}'s cached keys do not move with positions as "
-                f"one RoPE (relative error {error:.2g} after a {PROBE_SHIFT}-position shift; RoPE that differs per "
-                "layer, layers without RoPE, or absolute positions); kvprof re-aligns cached keys by RoPE, so it "
-                "cannot profile this model."
-            )
+    return list(zip(*keys))
+
+
+def _accept(model, index: int, error: float, at_start: torch.Tensor, shifted: torch.Tensor, half: bool) -> None:
+    """Refuse layer `index` when re-rotating its keys leaves `error` (relative) against the shifted run: above
+    `FLOAT32_TOLERANCE` in float32; in 16 bits above `HALF_TOLERANCE` and above `HALF_SHARE` of not re-rotating."""
+    if error <= (HALF_TOLERANCE if half else FLOAT32_TOLERANCE):
+        return
+    if not half or error > HALF_SHARE * _relative(at_start, shifted):
+        raise KvprofError(
+            f"model {model.config.name_or_path!r}: layer {index}'s cached keys do not move with positions as any RoPE "
+            f"its rotary embedding holds, nor as a layer without RoPE (relative error {error:.2g} after a "
+            f"{PROBE_SHIFT}-position shift: absolute positions, or a RoPE kvprof does not read); kvprof re-aligns "
+            "cached keys by RoPE, so it cannot profile this model."
+        )
 
 
 def _relative(estimate: torch.Tensor, reference: torch.Tensor) -> float:

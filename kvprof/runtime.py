@@ -101,8 +101,8 @@ class Runtime:
         self.head_dim = head_dim(config)
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
-        self.rope = agents.rope
-        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ropes = agents.ropes
+        self._rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Rope) → its cos, sin
         self.tap = HiddenTap(agents.base_model)
         self.dtype = agents.base_model.dtype
         self.device = agents.device
@@ -134,14 +134,16 @@ class Runtime:
         split into base and adapter parts: what every low-rank policy's `check` asks first."""
         _ = self.splits, self.key_norms
 
-    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the model's RoPE at positions 0..length−1, each (length, R) fp32 (`kvprof.rope.Rope`),
-        attention scaling included: computed once for the longest context asked for and sliced after (policies that
-        rotate a whole context every turn would otherwise recompute the same angles)."""
-        if self._rope_tables is None or self._rope_tables[0].shape[0] < length:
-            size = max(length, 2 * self._rope_tables[0].shape[0] if self._rope_tables is not None else length)
-            self._rope_tables = self.rope.tables(torch.arange(size, device=self.device))
-        cos, sin = self._rope_tables
+    def rope_tables(self, length: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of layer `layer`'s RoPE at positions 0..length−1, each (length, R) fp32 (`kvprof.rope.Rope`),
+        attention scaling included: computed once per RoPE for the longest context asked for and sliced after
+        (policies that rotate a whole context every turn would otherwise recompute the same angles)."""
+        rope = self.ropes[layer]
+        tables = self._rope_tables.get(id(rope))
+        if tables is None or tables[0].shape[0] < length:
+            size = max(length, 2 * tables[0].shape[0] if tables is not None else length)
+            tables = self._rope_tables[id(rope)] = rope.tables(torch.arange(size, device=self.device))
+        cos, sin = tables
         return cos[:length], sin[:length]
 
     @property

@@ -128,7 +128,7 @@ def test_cache_split_and_base_kv_carry_the_biases(world):
     if model_type == "mistral":
         assert agents.config.sliding_window == MISTRAL_WINDOW
     if model_type == "phi":
-        assert agents.rope.rotary_dim == head_dim(agents.config) // 2
+        assert {rope.rotary_dim for rope in agents.ropes} == {head_dim(agents.config) // 2}
     biased = model_type in ("qwen2", "phi")
     assert all((split.key.base_bias is not None) == biased for split in splits)
     if biased:
@@ -145,7 +145,8 @@ def test_cache_split_and_base_kv_carry_the_biases(world):
             keys, values = layer.split["k_proj"], layer.split["v_proj"]
             norm = None if norms is None else norms[index]
             assert keys.normalised == (norm is not None) and not values.normalised
-            cached_keys = keys.total if norm is None else apply_rope(norm(keys.total[None]), positions, agents.rope)[0]
+            rope = agents.ropes[index]
+            cached_keys = keys.total if norm is None else apply_rope(norm(keys.total[None]), positions, rope)[0]
             torch.testing.assert_close(cached_keys, layer.keys, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(values.total, layer.values, rtol=1e-4, atol=1e-5)
             hidden = tap.hidden[index]
@@ -153,7 +154,7 @@ def test_cache_split_and_base_kv_carry_the_biases(world):
             size = head_dim(agents.config)
             base_k, base_v = (heads(tap.base[index][side], size) for side in ("key", "value"))
             if norm is None:
-                base_k = apply_rope(base_k, positions, agents.rope)
+                base_k = apply_rope(base_k, positions, rope)
             torch.testing.assert_close(base_k[0], keys.base, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(base_v[0], values.base, rtol=1e-4, atol=1e-5)
             for side in ("key", "value"):

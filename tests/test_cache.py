@@ -103,12 +103,12 @@ def test_layer_selection_and_keep_are_slices_of_the_full_capture(lora_agents):
 def test_positions_offset_matches_the_model_and_rotation(lora_agents):
     """Context-free keys at positions p + δ are the keys at p rotated by δ, and rotation round-trips."""
     delta = 37
-    rope = lora_agents.rope
     at_zero = capture_turn(lora_agents, "plan", TOKENS, parts=("kv",))
     shifted_positions = torch.arange(len(TOKENS)) + delta
     shifted = capture_turn(lora_agents, "plan", TOKENS, parts=("kv", "split"), positions=shifted_positions)
     cache = _model_cache(lora_agents, "plan", TOKENS, shifted_positions)
     for index, layer in shifted.layers.items():
+        rope = lora_agents.ropes[index]
         assert torch.equal(layer.keys, cache.layers[index].keys[0])
         assert _relative(layer.split["k_proj"].total, layer.keys) <= 1e-5
         moved = rotate_keys(at_zero.layers[index].keys, delta, rope)

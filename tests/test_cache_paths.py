@@ -99,12 +99,12 @@ def test_buffer_cache_appends_in_place_after_the_context():
 def test_rope_tables_equal_the_rotation(shared_a_agents):  # noqa: F811
     runtime = Runtime(shared_a_agents)
     states = torch.randn(1, runtime.kv_heads, 300, runtime.head_dim)
-    cos, sin = runtime.rope_tables(300)
+    cos, sin = runtime.rope_tables(300, 0)
 
-    expected = apply_rope(states, torch.arange(300), runtime.rope)
+    expected = apply_rope(states, torch.arange(300), runtime.ropes[0])
     torch.testing.assert_close(states * cos + rotate_half(states) * sin, expected)
-    torch.testing.assert_close(runtime.rope.rotate(states, cos, sin), expected)
-    assert runtime.rope_tables(10)[0].shape == (10, runtime.head_dim)
+    torch.testing.assert_close(runtime.ropes[0].rotate(states, cos, sin), expected)
+    assert runtime.rope_tables(10, 1)[0].shape == (10, runtime.head_dim)
 
 
 def test_kept_views_equal_per_turn_expansion(lora_trace, shared_a_agents):  # noqa: F811

@@ -8,7 +8,6 @@ import torch
 from kvprof.model import load_agents_for_trace
 from kvprof.policies.moved import KeptSequence, SpanStore, extend_over_moved
 from kvprof.reuse import MovedSpan
-from kvprof.rope import rotate_keys
 from kvprof.runtime import Runtime
 from kvprof.trace import read_trace
 
@@ -32,7 +31,7 @@ def test_a_turn_run_span_by_span_over_dense_moved_kv_is_the_full_forward(prompt_
         for span in spans:
             begin, end = prefix + span.begin, prefix + span.end
             shift = prefix + span.begin - span.source_begin  # the reader's position − the source's, prefix 0
-            kv = [(rotate_keys(k[:, :, begin:end], -shift, runtime.rope), v[:, :, begin:end]) for k, v in dense_kv]
+            kv = runtime.ropes.rotate_kv([(k[:, :, begin:end], v[:, :, begin:end]) for k, v in dense_kv], -shift)
             store.turns[span.source] = KeptSequence(span.source_begin, span.source_begin + len(span), 0, kv)
         reused = 4
         cache = runtime.cache_from([(k[:, :, : prefix + reused], v[:, :, : prefix + reused]) for k, v in dense_kv])

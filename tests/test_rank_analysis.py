@@ -146,7 +146,7 @@ def test_prompt_mode_deltas_against_the_context_free_reference(prompt_analysis):
     with torch.no_grad():
         own = agents.model(input_ids=torch.tensor([traj.input_tokens(turn) + traj.output_tokens(turn)])).cache
         alone = agents.model(input_ids=torch.tensor([traj.segments[record.segment].tokens[: record.tokens]])).cache
-    rope = agents.rope
+    rope = agents.ropes[1]
     rows = slice(record.start, record.start + record.tokens)
     for kv, attr in (("K", "keys"), ("V", "values")):
         cache = getattr(own.layers[1], attr)[0, :, rows]

@@ -1,6 +1,7 @@
-"""kvprof's RoPE against the models' own: the layouts it reads (full or partial rotary, half-split or interleaved
-pairs), checked by shifting an input on tiny models of architectures built from a config, and the one-sentence
-refusal of a model whose keys do not move as one RoPE."""
+"""kvprof's RoPE against the models' own, per layer: the layouts it reads (full or partial rotary, half-split or
+interleaved pairs), a RoPE per layer type (Gemma 3's local and global bases) and layers without RoPE (SmolLM3's,
+Cohere 2's NoPE layers), found by shifting an input on tiny models of architectures built from a config; and the
+one-sentence refusal of a model whose keys move as no RoPE it holds."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from kvprof.errors import KvprofError
-from kvprof.rope import Rope, check_rope, model_rope, rotate_keys
+from kvprof.rope import NO_ROPE, LayerRopes, Rope, check_ropes, model_ropes, rotate_keys
 from kvprof.tiny import tiny_sizes
 
 COMMON = tiny_sizes(vocab_size=64, eos_id=0)
@@ -31,23 +32,30 @@ def tiny_model(arch: str, **overrides):
     return AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch](**{**COMMON, **overrides})).eval()
 
 
+def flipped(ropes: LayerRopes, layer: int, rope: Rope | None = None) -> LayerRopes:
+    """`ropes` with layer `layer`'s RoPE replaced by `rope` (default: its pairing flipped)."""
+    layers = list(ropes.layers)
+    layers[layer] = rope or dataclasses.replace(layers[layer], interleaved=not layers[layer].interleaved)
+    return dataclasses.replace(ropes, layers=tuple(layers))
+
+
 @pytest.mark.parametrize("arch", LAYOUTS)
-def test_model_rope_reads_the_layout_and_moves_keys_as_the_model_does(arch):
+def test_model_ropes_read_the_layout_and_move_keys_as_the_model_does(arch):
     model = tiny_model(arch, head_dim=16) if arch == "glm" else tiny_model(arch)  # GLM's default head is 128 wide
-    rope = model_rope(model)  # checks every layer's shifted keys
-    assert (rope.rotary_dim, rope.interleaved) == LAYOUTS[arch]
-    wrong = dataclasses.replace(rope, interleaved=not rope.interleaved)
-    with pytest.raises(KvprofError, match=r"layer 0's cached keys do not move with positions as one RoPE"):
-        check_rope(model, wrong)
+    ropes = model_ropes(model)  # checks every layer's shifted keys
+    assert {(rope.rotary_dim, rope.interleaved) for rope in ropes} == {LAYOUTS[arch]}
+    assert set(ropes.names) == {"rope"}
+    with pytest.raises(KvprofError, match=r"layer 0's cached keys do not move with positions as any RoPE"):
+        check_ropes(model, flipped(ropes, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_check_tells_16_bit_rounding_from_a_wrong_layout(dtype):
     model = tiny_model("phi").to(dtype)
-    rope = model_rope(model)
-    assert rope.rotary_dim == 8
+    ropes = model_ropes(model)
+    assert ropes[0].rotary_dim == 8
     with pytest.raises(KvprofError, match="do not move with positions"):
-        check_rope(model, dataclasses.replace(rope, interleaved=True))
+        check_ropes(model, flipped(ropes, 1))
 
 
 def test_rotation_passes_channels_past_the_rotary_dim_and_composes():
@@ -62,16 +70,35 @@ def test_rotation_passes_channels_past_the_rotary_dim_and_composes():
     torch.testing.assert_close(pairs, keys[..., :8].reshape(1, 2, 5, 4, 2).norm(dim=-1))
 
 
-def test_a_model_with_layers_without_rope_is_refused_in_one_sentence():
-    """SmolLM3 leaves every 4th layer without RoPE (NoPE): one RoPE for all layers would re-align them wrongly."""
-    model = tiny_model("smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
-    with pytest.raises(
-        KvprofError, match=r"^model .*: layer 3's cached keys do not move .* cannot profile this model\.$"
+def test_layers_without_rope_move_their_keys_as_they_are():
+    """SmolLM3 leaves every 4th layer without RoPE (NoPE), Cohere 2 its global layers: found on the model, each such
+    layer's keys are position-free, and rotating them is refused."""
+    for model in (
+        tiny_model("smollm3", num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
+        tiny_model("cohere2", num_hidden_layers=4, sliding_window=64),
     ):
-        model_rope(model)
+        ropes = model_ropes(model)
+        assert ropes.names == ("rope", "rope", "rope", "NoPE") and ropes[3] is NO_ROPE
+        keys = torch.randn(1, 2, 5, 16)
+        assert torch.equal(rotate_keys(keys, 9, ropes[3]), keys)
+        with pytest.raises(KvprofError, match="layer 3's cached keys do not move"):
+            check_ropes(model, flipped(ropes, 3, ropes[0]))
 
 
-def test_a_rope_per_layer_type_is_refused_in_one_sentence():
-    model = tiny_model("gemma3_text", head_dim=16, sliding_window=8)
-    with pytest.raises(KvprofError, match=r"^model .* has a RoPE per layer type .* cannot profile this model\.$"):
-        model_rope(model)
+def test_a_rope_per_layer_type_is_read_per_layer():
+    """Gemma 3's local (sliding) layers rotate with θ = 10⁴, its global layers with θ = 10⁶: each layer gets its
+    own, and the other type's is refused."""
+    model = tiny_model("gemma3_text", head_dim=16, num_hidden_layers=6, sliding_window=64)
+    ropes = model_ropes(model)
+    assert ropes.names == ("rope (sliding_attention)",) * 5 + ("rope (full_attention)",)
+    assert not torch.equal(ropes[0].inv_freq, ropes[5].inv_freq)
+    with pytest.raises(KvprofError, match="layer 5's cached keys do not move"):
+        check_ropes(model, flipped(ropes, 5, ropes[0]))
+
+
+def test_a_model_with_absolute_positions_is_refused_in_one_sentence():
+    model = tiny_model("opt", word_embed_proj_dim=64, ffn_dim=128)
+    with pytest.raises(
+        KvprofError, match=r"^model .*: layer 0's cached keys do not move .* cannot profile this model\.$"
+    ):
+        model_ropes(model)

@@ -62,7 +62,7 @@ from kvprof.kv_buffer import BufferCache, KVBuffer
 from kvprof.model import tokenizer_identity
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy, positive_int, unit_interval
 from kvprof.reuse import MovedSpan
-from kvprof.rope import Rope, rotate_keys
+from kvprof.rope import LayerRopes
 from kvprof.runtime import Runtime
 
 Stacked = tuple[torch.Tensor, torch.Tensor]  # keys and values (layers, H_kv, L, D), keys in the segment's frame
@@ -147,12 +147,12 @@ def pool_identity(runtime: Runtime) -> dict:
     }
 
 
-def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shift: int, rope: Rope) -> Stacked:
-    """Batch row 0 of tokens [begin, end) of per-layer (K, V) (B, H_kv, T, D), stacked (layers, H_kv, L, D), keys
-    rotated by `shift` positions."""
+def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shift: int, ropes: LayerRopes) -> Stacked:
+    """Batch row 0 of tokens [begin, end) of per-layer (K, V) (B, H_kv, T, D), stacked (layers, H_kv, L, D), each
+    layer's keys rotated by `shift` positions with its RoPE."""
     keys = torch.stack([k[0, :, begin:end] for k, _ in kv])
     values = torch.stack([v[0, :, begin:end] for _, v in kv])
-    return (rotate_keys(keys, shift, rope) if shift else keys), values
+    return (ropes.rotate_stacked(keys, shift) if shift else keys), values
 
 
 class NeutralContext:
@@ -192,7 +192,7 @@ class NeutralContext:
             self.kv = runtime.kv_of(cache)
         offset = len(self.ids)
         out = runtime.forward(None, ids, runtime.cache_from(self.kv), offset, last_logits_only=True)
-        return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.rope)
+        return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.ropes)
 
 
 def threshold_option(default: str, meaning: str) -> Option:
@@ -403,7 +403,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         """`agent`'s stored cache of `segment`, in the segment's frame."""
         begin = len(self.runtime.prefix(agent)) + segment.start
         kv = [buffer.view(begin - segment.start + self.seen[agent]) for buffer in self.own[agent]]
-        return stack(kv, begin, begin + segment.length, -begin, self.runtime.rope)
+        return stack(kv, begin, begin + segment.length, -begin, self.runtime.ropes)
 
     def cache_of(self, owner: str | None, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Stacked:
         """`owner`'s cache of `segment` in its frame; None: its context-free encoding (charged to this turn when
@@ -529,7 +529,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
             reference = self.base_of(segment, shared, context)
         else:
             kv, position = self.span_store.span(span)
-            reference = stack(kv, 0, len(span), -position, self.runtime.rope)
+            reference = stack(kv, 0, len(span), -position, self.runtime.ropes)
         return self.judge(agent, segment, source, reference, context)
 
     def read_moved(self, agent: str, buffers: list[KVBuffer], context: DeltaContext) -> None:
@@ -575,7 +575,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         segment = decision.segment
         at = len(self.runtime.prefix(agent)) + segment.start
         keys, values = self.corrected_kv(agent, decision, context)
-        keys = rotate_keys(keys, at, self.runtime.rope)
+        keys = self.runtime.ropes.rotate_stacked(keys, at)
         for layer, buffer in enumerate(buffers):
             buffer.write(at, keys[layer][None], values[layer][None])
         context.corrected += segment.length

@@ -76,10 +76,10 @@ class FullShared(SharingPolicy[FullSharedContext]):
             delta = torch.tensor([prefix_len - offset for offset in self.offsets[:reused]])
             realigned = int(delta.count_nonzero())
             buffers = []
-            for prefix_part, buffer in zip(prefix_kv, self.shared):
+            for layer, (prefix_part, buffer) in enumerate(zip(prefix_kv, self.shared)):
                 keys, values = buffer.view(reused)
                 if bool(delta.any()):
-                    keys = rotate_keys(keys, delta.to(keys.device), self.runtime.rope)
+                    keys = rotate_keys(keys, delta.to(keys.device), self.runtime.ropes[layer])
                     flops += 6.0 * keys.numel()
                 buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], len(shared) - reused))
             kv = [buffer.view(prefix_len + reused) for buffer in buffers]

@@ -41,7 +41,6 @@ from kvprof.kv_buffer import GrowingTensor, KVBuffer
 from kvprof.lora import SPLIT_SIDES, heads
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
 from kvprof.reuse import MovedSpan
-from kvprof.rope import rotate_keys
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
@@ -143,8 +142,8 @@ class LowRankStore:
             else:
                 keys = heads(outputs["key"][row : row + 1, skip:], runtime.head_dim)
                 if runtime.key_norms is None:
-                    cos, sin = runtime.rope_tables(start + count)
-                    keys = runtime.rope.rotate(keys.float(), cos[start:], sin[start:]).to(keys.dtype)
+                    cos, sin = runtime.rope_tables(start + count, layer)
+                    keys = runtime.ropes[layer].rotate(keys.float(), cos[start:], sin[start:]).to(keys.dtype)
                     flops += 6.0 * keys.numel()
             base.append((keys, values))
         return StoreUpdate(start=start, producer=producer, base=base), flops
@@ -280,12 +279,12 @@ class LowRankStore:
                 expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
                 flops += 2.0 * expanded.numel() * factors.shape[-1]
                 if projection == "key" and norm is None:
-                    cos, sin = runtime.rope_tables(end)
-                    expanded = runtime.rope.rotate(expanded, cos[begin:], sin[begin:])
+                    cos, sin = runtime.rope_tables(end, layer)
+                    expanded = runtime.ropes[layer].rotate(expanded, cos[begin:], sin[begin:])
                 summed = expanded.add_(source)
             if norm is not None:  # k_norm of the sum in the model's dtype, as the layer applies it, then RoPE
-                cos, sin = runtime.rope_tables(end)
-                summed = runtime.rope.rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:])
+                cos, sin = runtime.rope_tables(end, layer)
+                summed = runtime.ropes[layer].rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:])
                 flops += KEY_FINISH_FLOPS * summed.numel()
             finished.append(summed)
         return (finished[0], finished[1]), flops
@@ -524,7 +523,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         kv, source = self.span_store.span(span)
         delta, flops = span.begin - source, 0.0
         if delta and self.runtime.key_norms is None:
-            kv = [(rotate_keys(keys, delta, self.runtime.rope), values) for keys, values in kv]
+            kv = self.runtime.ropes.rotate_kv(kv, delta)
             flops = 6.0 * sum(keys.numel() for keys, _ in kv)
         producer = self.span_store.source(span).agent
         return StoreUpdate(span.begin, producer, kv, self.span_store.low_rank(span)), flops

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvprof.reuse import MovedSpan
-from kvprof.rope import rotate_keys
 from kvprof.runtime import KV, ChunkForward, Runtime
 
 
@@ -201,7 +200,7 @@ def store_span_kv(runtime: Runtime, store: SpanStore) -> SpanKV:
         delta = position - source
         if not delta:
             return kv, 0.0
-        rotated = [(rotate_keys(keys, delta, runtime.rope), values) for keys, values in kv]
+        rotated = runtime.ropes.rotate_kv(kv, delta)
         return rotated, 6.0 * sum(keys.numel() for keys, _ in rotated)
 
     return kv_at

@@ -111,7 +111,7 @@ class RelayCaching(SelectiveRecompute):
         query_norm = projection_norm(attention, "q_proj")
         if query_norm is not None:  # as the layer applies it, before RoPE
             queries = ProjectionNorm(query_norm, runtime.query_heads * runtime.head_dim)(queries)
-        queries = apply_rope(queries, window, runtime.rope).float()
+        queries = apply_rope(queries, window, runtime.ropes[layer]).float()
         keys = torch.cat((blend.kv[layer][0][:, :, : blend.prefix_len], probe.keys), dim=2).float()
         keys = keys.repeat_interleave(runtime.query_heads // runtime.kv_heads, dim=1)
         scores = queries @ keys.transpose(-1, -2) * attention.scaling
