@@ -729,8 +729,8 @@ def run_setting(
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), KV page size,
-    span matching, the weights' bytes, attention path, device, CPU, dtype and GPU memory (read now: the allocator's
-    peak so far)."""
+    span matching, the weights' bytes, each layer's kind (`kvprof.layers.LayerKind`), attention path, device, CPU,
+    dtype and GPU memory (read now: the allocator's peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
@@ -739,6 +739,7 @@ def run_setting(
         page_size=page_size,
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
+        layers=[kind.to_json() for kind in agents.layer_kinds],
         lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
         device=str(agents.device),
         cpu=cpu_description(),

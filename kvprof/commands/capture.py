@@ -20,6 +20,7 @@ from kvprof.commands.common import (
     SeedOption,
     console,
     print_adapters,
+    print_layers,
     progress,
     write_result,
 )
@@ -138,6 +139,7 @@ def command(
     if agents.spec.chat_template is not None:
         console.print(f"agent calls rendered through a chat template ({template_sha256(agents.spec.chat_template)})")
     print_adapters(agents)
+    print_layers(agents)
     sampling = Sampling(temperature, top_p, seed)
     header = sampled_trace_header(model, agents, sampling)
     resumed = _resumed(checkpoint_path(trace_path), header, task_list) if resume else []

@@ -116,6 +116,13 @@ def print_adapters(agents: AgentSet) -> None:
         console.print(f"agent [bold]{name}[/]: adapter {info.path} ({info.describe()}, {info.layers} layers)")
 
 
+def print_layers(agents: AgentSet) -> None:
+    """The model's layers by kind (attention, window, position encoding: `kvprof.layers.describe_layers`)."""
+    from kvprof.layers import describe_layers
+
+    console.print(f"model {agents.model_name}: {describe_layers(agents.layer_kinds)}", markup=False)
+
+
 def print_sections(sections: list[Section]) -> None:
     """Dashboard sections on the terminal: a rule with the title, then the card, the text and the tables (not the
     figures)."""

@@ -11,7 +11,14 @@ import typer
 from rich.table import Table
 
 from kvprof.branches import ReplayPlanSummary
-from kvprof.commands.common import MinSpanOption, SpanBoundariesOption, console, write_result
+from kvprof.commands.common import (
+    DeviceOption,
+    DtypeOption,
+    MinSpanOption,
+    SpanBoundariesOption,
+    console,
+    write_result,
+)
 from kvprof.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
 from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
@@ -20,7 +27,11 @@ def command(
     trace: Annotated[Path, typer.Argument(help="Trace file (JSONL) written by `kvprof capture`.")],
     model: Annotated[
         str | None,
-        typer.Option("--model", help="Also check that this model's tokenizer is the one the trace was captured with."),
+        typer.Option(
+            "--model",
+            help="Also check that this model's tokenizer is the one the trace was captured with, and name its layers "
+            "by kind: full, sliding-window or chunked attention, and each layer's RoPE or none (loads the model).",
+        ),
     ] = None,
     divergences: Annotated[
         int,
@@ -43,15 +54,21 @@ def command(
         Path | None,
         typer.Option("--out", help="Also write OUT/inspect.json: every turn's reuse structure and the totals."),
     ] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
 ) -> None:
     """Validate a trace line by line, print what it holds and what its turns could reuse."""
     args = dict(locals())
     matching = SpanMatching(min_span, span_boundaries)
     header = read_header(trace)
+    kinds = None
     if model is not None:
+        from kvprof.layers import describe_layers, model_layer_kinds
         from kvprof.model import load_tokenizer, tokenizer_identity
 
         check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
+        kinds = model_layer_kinds(model, device, dtype)
+        console.print(f"model {model}: {describe_layers(kinds)}", markup=False)
     table = Table(title=f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
     for column in (
         "trajectory",
@@ -103,6 +120,7 @@ def command(
             "mode": header.mode,
             "block_size": block_size,
             "span_matching": matching.to_json(),
+            "layers": None if kinds is None else [kind.to_json() for kind in kinds],
             "total": asdict(total),
             "replay": asdict(replay),
             "trajectories": records,

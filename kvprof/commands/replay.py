@@ -21,6 +21,7 @@ from kvprof.commands.common import (
     console,
     demo_trace,
     note,
+    print_layers,
     progress,
     write_result,
 )
@@ -417,6 +418,7 @@ def command(
         finish(out, result, args, workers=result["distributed"].pop("workers"))
         return
     agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device, dtype=dtype)
+    print_layers(agents)
     use_kernel = lora_attention == "kernel" or (lora_attention == "auto" and agents.device.type == "cuda")
     runtime = Runtime(agents)
     variants, skipped = choose_variants(

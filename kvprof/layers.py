@@ -1,0 +1,88 @@
+"""What each decoder layer of a model caches and how its keys carry positions, read from the model itself.
+
+A layer attends to every earlier token (full), to its last W (a sliding window: Gemma 2 / 3, Mistral, gpt-oss,
+Cohere 2's local layers; its attention module's `sliding_window`), or within chunks of W (Llama 4's chunked layers:
+`attention_chunk_size`); its keys carry RoPE (one RoPE for every layer, or one per layer type as in Gemma 3's local
+and global layers) or no position at all (NoPE: SmolLM3's and Llama 4's every fourth layer, Cohere 2's global
+layers), as `kvprof.rope.model_ropes` finds by shifting an input. What sharing a layer's cache means depends on both:
+a window layer attends only to what its window holds, and a key moves by its own layer's rotation or not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvprof.lora import attention_of, decoder_layers
+from kvprof.rope import LayerRopes
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One decoder layer: `attention` "full", "sliding" or "chunked" with its `window` W (tokens; None for full),
+    and `position`, its keys' RoPE as `LayerRopes.names` names it ("rope", "rope (<layer type>)" or "NoPE")."""
+
+    attention: str
+    window: int | None
+    position: str
+
+    def describe(self) -> str:
+        attention = "full attention" if self.window is None else f"{self.attention} attention, W = {self.window}"
+        return f"{attention}, {self.position}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
+    """Each decoder layer's `LayerKind`: its window from its attention module (`sliding_window`; the config's
+    where the module reads it from there at run time, as Mistral's: `layer_types`' sliding layers, else every layer)
+    or, for chunked attention, from the config's `layer_types` and `attention_chunk_size`; its position encoding
+    from `ropes`."""
+    config = model.config
+    types = list(getattr(config, "layer_types", None) or [])
+    configured = getattr(config, "sliding_window", None)
+    kinds = []
+    for index, layer in enumerate(decoder_layers(model)):
+        attention_module = attention_of(layer, index)
+        if hasattr(attention_module, "sliding_window"):
+            window = attention_module.sliding_window
+        else:
+            window = configured if not types or types[index] == "sliding_attention" else None
+        attention = "sliding" if window else "full"
+        if index < len(types) and types[index] == "chunked_attention":
+            attention, window = "chunked", getattr(config, "attention_chunk_size", None)
+        kinds.append(LayerKind(attention, window or None, ropes.names[index]))
+    return kinds
+
+
+def model_layer_kinds(name: str, device: str = "auto", dtype: str = "auto") -> list[LayerKind]:
+    """The `LayerKind`s of the causal LM at `name` (a local directory or a hub id), loaded without adapters on
+    `device` in `dtype` (kvprof's `--device` / `--dtype` values) and probed for its layers' RoPE."""
+    from kvprof.model import load_base_model, resolve_device, resolve_dtype
+    from kvprof.rope import model_ropes
+
+    where = resolve_device(device)
+    model = load_base_model(name, resolve_dtype(dtype, where), where)
+    return layer_kinds(model, model_ropes(model))
+
+
+def describe_layers(kinds: list[LayerKind]) -> str:
+    """The layers by kind, each kind once with its layers as ranges: "sliding attention, W = 1024, rope
+    (sliding_attention): layers 0–4, 6–10; full attention, rope (full_attention): layers 5, 11"."""
+    by_kind: dict[LayerKind, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(index)
+    if len(by_kind) == 1:
+        return f"all {len(kinds)} layers: {kinds[0].describe()}"
+    return "; ".join(f"{kind.describe()}: {_ranges(indices)}" for kind, indices in by_kind.items())
+
+
+def _ranges(indices: list[int]) -> str:
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    listed = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs)
+    return f"layer{'s' if len(indices) > 1 else ''} {listed}"
