@@ -47,10 +47,10 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
 from kvprof.kv_buffer import KVBuffer
 from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
-from kvprof.model import head_dim, sliding_windows
+from kvprof.model import head_dim
 from kvprof.policies.base import Option, unit_interval
 from kvprof.policies.fullshared import FullShared, FullSharedContext
-from kvprof.rope import rotary_embedding
+from kvprof.rope import layer_position_embeddings, rotary_embedding
 from kvprof.runtime import KV, Runtime
 
 RATIO_SWEEP = ("0.1", "0.2", "0.3")
@@ -88,7 +88,13 @@ class LayerStack:
         self.runtime = runtime
         self.layers = decoder_layers(model)
         self.embeddings = model.get_input_embeddings()
-        self.rotary = rotary_embedding(model)
+        rotary = rotary_embedding(model)
+        if rotary is None:
+            raise KvprofError(
+                f"model {model.config.name_or_path!r} has no rotary embedding, which selective recompute runs its "
+                "decoder layers with one at a time; pick another policy for this model."
+            )
+        self.rotary = rotary
         self.linear_params = [
             sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2 and "lora_" not in name)
             for layer in self.layers
@@ -102,7 +108,7 @@ class LayerStack:
             for index, layer in enumerate(self.layers)
         ]
         self.cache_argument = self._cache_argument()
-        self.windows = sliding_windows(model.config)
+        self.kinds = runtime.agents.layer_kinds  # each layer's attention: full, sliding or chunked, its W
         self._check_embeddings()
 
     def _cache_argument(self) -> str:
@@ -140,6 +146,13 @@ class LayerStack:
         with torch.inference_mode():
             return self.embeddings(torch.tensor([ids], device=self.runtime.device))
 
+    def position_embeddings(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
+        """What the model passes decoder layer `layer` as `position_embeddings` at `positions` (n,): its rotary
+        embedding's cos/sin, of the layer's type where the model has one RoPE per layer type (Gemma 3 / 4)."""
+        layer_types = getattr(self.runtime.agents.config, "layer_types", None)
+        layer_type = layer_types[layer] if layer_types else None
+        return layer_position_embeddings(self.rotary, hidden, positions[None], layer_type)
+
     def layer_flops(self, layer: int, tokens: int, attended: int) -> float:
         """Analytic FLOPs of one decoder layer for `tokens` tokens attending `attended` keys in all: 2·params per
         token in its linear layers plus 4·H_q·D per attended key (QKᵀ and PV)."""
@@ -151,7 +164,19 @@ class LayerStack:
         return 2.0 * self.projection_params[layer] * tokens
 
 
-class ScatterCache:
+class LayerCache:
+    """What a decoder layer asks of a cache besides `update`: how many tokens precede its new ones (Llama 4's NoPE
+    layers scale queries by position, counting positions from there), the first of the cache `positions` (m,) the
+    layer computes. Only exact where those positions run without a gap, or where the scale cannot change
+    (`check_position_scaling`)."""
+
+    positions: torch.Tensor
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.positions[0])
+
+
+class ScatterCache(LayerCache):
     """A one-layer stand-in for the model's cache: `update` writes the layer's new K/V (1, H_kv, m, D) at cache
     `positions` (m,) of the blended `keys` / `values` (1, H_kv, T, D) and returns all T of them."""
 
@@ -168,11 +193,15 @@ class _Projected(Exception):
     """Raised by `ProbeCache` once the layer has projected its keys and values: the probe stops the layer there."""
 
 
-class ProbeCache:
-    """A one-layer stand-in for the cache that keeps the layer's new K/V (1, H_kv, m, D) and stops the layer."""
+class ProbeCache(LayerCache):
+    """A one-layer stand-in for the cache that keeps the layer's new K/V (1, H_kv, m, D) at `positions` (m,) and
+    stops the layer."""
 
     keys: torch.Tensor
     values: torch.Tensor
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> KV:
         self.keys, self.values = keys, values
@@ -190,12 +219,32 @@ class Probe:
     queries: torch.Tensor | None
 
 
-def causal_mask(positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p (with a sliding `window`, only
-    keys p − window < k ≤ p)."""
+def check_position_scaling(layer: torch.nn.Module, index: int, positions: torch.Tensor) -> None:
+    """Refuse recomputing tokens at gapped `positions` (m,) of a layer that scales its queries by position (Llama 4's
+    NoPE layers: attention temperature tuning, 1 + β·log(1 + ⌊(p + 1)/F⌋)) once the scale can differ between them
+    (p + 1 ≥ F): the layer counts positions from the first without gaps."""
+    attention = attention_of(layer, index)
+    if not getattr(attention, "attn_temperature_tuning", False) or getattr(attention, "use_rope", True):
+        return
+    contiguous = bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + len(positions))))
+    if not contiguous and int(positions.max()) + 1 >= int(attention.floor_scale):
+        raise KvprofError(
+            f"layer {index} scales its queries by position past {int(attention.floor_scale)} tokens (attention "
+            "temperature tuning in a NoPE layer), which recomputing scattered tokens one layer at a time cannot "
+            "follow; pick a policy that does not recompute selectively, or trajectories shorter than that."
+        )
+
+
+def causal_mask(
+    positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None, chunked: bool = False
+) -> torch.Tensor:
+    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p (with a sliding `window` W, only
+    keys p − W < k ≤ p; `chunked`, only keys of its own chunk of W: ⌊k/W⌋ = ⌊p/W⌋, as Llama 4's chunked layers)."""
     keys = torch.arange(length, device=positions.device)
     allowed = keys[None, :] <= positions[:, None]
-    if window is not None:
+    if window is not None and chunked:
+        allowed &= keys[None, :] // window == positions[:, None] // window
+    elif window is not None:
         allowed &= keys[None, :] > positions[:, None] - window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
@@ -229,15 +278,16 @@ class Blend:
         their K/V are scattered into the blend; returns their hidden states leaving the layer (1, m, d)."""
         keys, values = self.kv[index]
         length = int(keys.shape[2])
-        window = self.stack.windows[index]
+        kind = self.stack.kinds[index]
         mask = None
         scattered: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if window is not None and window < length:  # a sliding-window layer attends its last `window` keys only
-            mask = causal_mask(positions, length, hidden.dtype, window)
+        if kind.window is not None and kind.window < length:  # its last W keys only, or those of its chunk of W
+            mask = causal_mask(positions, length, hidden.dtype, kind.window, chunked=kind.attention == "chunked")
         elif not self.stack.unmasked_chunks():
             mask = causal_mask(positions, length, hidden.dtype)
         elif len(positions) < length - self.prefix_len:  # kvprof's attention attends them without a mask
             scattered = scattered_queries(positions)
+        check_position_scaling(self.stack.layers[index], index, positions)
         with scattered:
             out = self.stack.layers[index](
                 hidden,
@@ -245,7 +295,7 @@ class Blend:
                 position_ids=positions[None],
                 **{self.stack.cache_argument: ScatterCache(keys, values, positions)},
                 use_cache=True,
-                position_embeddings=self.stack.rotary(hidden, positions[None]),
+                position_embeddings=self.stack.position_embeddings(index, hidden, positions),
             )
         out = out[0] if isinstance(out, tuple) else out
         self.recomputed += len(positions)
@@ -290,14 +340,15 @@ class Blend:
             assert projection is not None, "queries probed on a model without a query projection"
             module, width = projection
             handle = module.register_forward_hook(lambda module, args, out: outputs.append(out[..., :width]))
-        cache = ProbeCache()
+        check_position_scaling(layer, index, positions)
+        cache = ProbeCache(positions)
         try:
             layer(
                 hidden,
                 position_ids=positions[None],
                 **{self.stack.cache_argument: cache},
                 use_cache=True,
-                position_embeddings=self.stack.rotary(hidden, positions[None]),
+                position_embeddings=self.stack.position_embeddings(index, hidden, positions),
             )
         except _Projected:
             pass
