@@ -1,0 +1,142 @@
+"""Models whose layers differ, through the command line on tiny worlds of their own config classes: Gemma 3 (five
+local layers with a 24-token sliding window and their own RoPE base, then a global layer) and Llama 4 (chunked
+attention in 24-token chunks, NoPE every fourth layer, an L2 key norm after RoPE), on traces longer than the window.
+kvprof reads each layer's kind and RoPE from the model, captures as peft generates, and replays against the oracles:
+NonShared exact, the selective policies at ratio 1 the dense run, the low-rank split exact or refused in one
+sentence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvprof.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
+from kvprof.trace import read_trace
+
+WINDOW = 24  # tokens of a sliding window or an attention chunk: shorter than every trace's inputs
+DEVICE = ("--device", "cpu", "--dtype", "float32")
+
+
+def gemma3(vocab: int, eos: int):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**tiny_sizes(vocab, eos, layers=6), head_dim=16, sliding_window=WINDOW)
+
+
+def llama4(vocab: int, eos: int):
+    from transformers import Llama4TextConfig
+
+    sizes = tiny_sizes(vocab, eos, layers=4) | {"intermediate_size": 64, "intermediate_size_mlp": 128}
+    return Llama4TextConfig(**sizes, head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2)
+
+
+# architecture → (its config, each layer's kind as `kvprof.layers.describe_layers` names them)
+WORLDS = {
+    "gemma3": (
+        gemma3,
+        f"sliding attention, W = {WINDOW}, rope (sliding_attention): layers 0–4; "
+        "full attention, rope (full_attention): layer 5",
+    ),
+    "llama4": (
+        llama4,
+        f"chunked attention, W = {WINDOW}, rope interleaved: layers 0–2; full attention, NoPE: layer 3",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world(request, tmp_path_factory) -> tuple[str, TinyWorld]:
+    configure, _ = WORLDS[request.param]
+    return request.param, build_tiny_world(tmp_path_factory.mktemp(request.param), configure=configure)
+
+
+def _capture(run_cli, world: TinyWorld, workflow, out) -> tuple[str, str]:
+    code, stdout, err = run_cli(
+        "capture", "--model", world.model, "--workflow", workflow, "--tasks", world.tasks, "--limit", "2",
+        "--out", out, *DEVICE,
+    )  # fmt: skip
+    assert code == 0, err
+    return str(out / "trace.jsonl"), stdout
+
+
+def _replay(run_cli, trace: str, out, *args) -> dict:
+    code, _, err = run_cli("replay", trace, "--repeats", "1", "--out", out, *DEVICE, *args)
+    assert code == 0, err
+    return json.loads((out / "replay.json").read_text())
+
+
+def test_layers_are_read_from_the_model_and_captures_are_peft_generations(world, run_cli, tmp_path):
+    """Each layer's kind is named at capture, recorded by replay and printed by `inspect --model`; every captured
+    output is peft's own greedy generation with its agent's adapter, token for token, on inputs longer than the
+    window."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    name, tiny = world
+    trace_path, stdout = _capture(run_cli, tiny, tiny.lora_workflow, tmp_path / "capture")
+    assert WORLDS[name][1] in " ".join(stdout.split())
+    code, stdout, err = run_cli("inspect", trace_path, "--model", tiny.model, "--out", tmp_path / "inspect", *DEVICE)
+    assert code == 0, err
+    assert WORLDS[name][1] in " ".join(stdout.split())
+    trace = read_trace(trace_path)
+    assert max(len(t.input_tokens(turn)) for t in trace.trajectories for turn in t.turns) > 3 * WINDOW
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny.model), tiny.adapter(AGENTS[0]), adapter_name=AGENTS[0]
+    )
+    for agent in AGENTS[1:]:
+        model.load_adapter(tiny.adapter(agent), adapter_name=agent)
+    for trajectory in trace.trajectories:
+        for turn in trajectory.turns:
+            model.set_adapter(turn.agent)
+            output = trajectory.output_tokens(turn)
+            ids = torch.tensor([trajectory.input_tokens(turn)])
+            generated = model.generate(ids, max_new_tokens=len(output), do_sample=False)[0, ids.shape[1] :]
+            assert generated.tolist() == output, (trajectory.id, turn.agent)
+
+
+@pytest.mark.parametrize("mode", ["lora", "prompt"])
+def test_every_policy_replays_against_its_oracle(world, mode, run_cli, tmp_path):
+    """`--policy all` runs (the dense run reproduces the capture, NonShared is exact), and recomputing every reused
+    (token, layer) entry one layer at a time, each layer with its own RoPE, window or chunk, is the dense run."""
+    name, tiny = world
+    trace, _ = _capture(run_cli, tiny, getattr(tiny, f"{mode}_workflow"), tmp_path / "capture")
+    result = _replay(run_cli, trace, tmp_path / "all", "--policy", "all")
+    assert result["dense"]["summary"]["trace_agreement"] == 1.0
+    assert [kind["attention"] for kind in result["layers"]] == (
+        ["sliding"] * 5 + ["full"] if name == "gemma3" else ["chunked"] * 3 + ["full"]
+    )
+    nonshared = result["policies"]["nonshared"]["summary"]
+    assert nonshared["k_error"] == 0.0 and nonshared["v_error"] == 0.0
+    assert result["policies"]["fullshared"]["summary"]["k_error"] > 0
+    flags = [arg for policy in ("cacheblend", "droidspeak", "relaycaching") for arg in ("--policy", policy)]
+    flags += [
+        arg
+        for policy in ("cacheblend", "droidspeak", "relaycaching")
+        for arg in ("--policy-option", f"{policy}.ratio=1")
+    ]
+    for label, entry in _replay(run_cli, trace, tmp_path / "ratio1", *flags)["policies"].items():
+        summary = entry["summary"]
+        assert summary["recompute_ratio"] == 1.0, label
+        assert summary["k_error"] < 1e-5 and summary["v_error"] < 1e-5 and summary["kl"] < 1e-9, label
+
+
+def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
+    """With one adapter for every agent: on Gemma 3 (a key norm in every layer, before RoPE) BaseShared is the
+    dense run and PreLRShared FullShared's turns; Llama 4 normalises keys in its RoPE layers only, which the split
+    refuses in one sentence."""
+    name, tiny = world
+    trace, _ = _capture(run_cli, tiny, tiny.lora_workflow, tmp_path / "capture")
+    same = [arg for agent in AGENTS for arg in ("--agent", f"{agent}={tiny.adapter('act')}")]
+    policies = ("--policy", "baseshared", "--policy", "prelrshared", "--policy", "fullshared")
+    if name == "llama4":
+        code, _, err = run_cli("replay", trace, *policies, *same, "--repeats", "1", "--out", tmp_path / "r", *DEVICE)
+        assert code == 2 and "normalises keys in some layers only" in err and "Traceback" not in err
+        return
+    result = _replay(run_cli, trace, tmp_path / "same", *policies, *same)["policies"]
+    base = result["baseshared-code"]["summary"]
+    assert base["k_error"] < 1e-5 and base["v_error"] < 1e-5 and base["kl"] < 1e-9
+    for turn, reference in zip(result["prelrshared"]["turns"], result["fullshared"]["turns"], strict=True):
+        for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
+            assert layer["k_error"] == pytest.approx(reference_layer["k_error"], rel=1e-3, abs=1e-5)
