@@ -203,6 +203,7 @@ def key_norms(model) -> list[ProjectionNorm] | None:
 
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")  # a decoder layer's attention module, by architecture
+RECURRENT_NAMES = ("linear_attn", "mamba", "conv", "mixer")  # a hybrid's recurrent layer: Qwen 3.5, Granite 4, LFM2
 
 
 def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
@@ -211,6 +212,13 @@ def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
         module = getattr(layer, name, None)
         if isinstance(module, torch.nn.Module):
             return module
+    recurrent = [name for name, _ in layer.named_children() if name in RECURRENT_NAMES]
+    if recurrent:
+        raise KvprofError(
+            f"decoder layer {index} is a recurrent layer ({recurrent[0]}: linear attention, a state space or a short "
+            "convolution), which keeps a state rather than a K/V cache per token; kvprof does not profile hybrid "
+            "models yet, so pick a model whose layers all attend."
+        )
     raise KvprofError(
         f"decoder layer {index} has no attention module ({', '.join(ATTENTION_NAMES)}); kvprof supports decoders "
         "whose layers hold one."

@@ -164,6 +164,10 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
         raise KvprofError(
             f"model {name!r} does not fit in memory on {device}; use a smaller --dtype (bfloat16) or another --device."
         ) from None
+    from kvprof.lora import attention_of, decoder_layers
+
+    for index, layer in enumerate(decoder_layers(model)):  # a layer without attention is refused before any forward
+        attention_of(layer, index)
     try:
         return model.to(device).eval()
     except torch.OutOfMemoryError:

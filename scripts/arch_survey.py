@@ -40,19 +40,25 @@ def configure(arch: str, window: int = LONG_WINDOW):
     config_class = CONFIG_MAPPING[arch]
     defaults = config_class()
 
+    def has(name: str) -> bool:  # a per-layer attribute (Gemma 4's head_dim) raises on the global config
+        try:
+            return hasattr(defaults, name)
+        except Exception:  # noqa: BLE001 (whatever the config class raises for it)
+            return False
+
     def build(vocab: int, eos: int):
         sizes = tiny_sizes(vocab, eos, layers=pattern_layers(defaults))
-        if not hasattr(defaults, "num_key_value_heads"):  # no grouped-query attention
+        if not has("num_key_value_heads"):  # no grouped-query attention
             del sizes["num_key_value_heads"]
-        if hasattr(defaults, "head_dim") and not isinstance(getattr(config_class, "head_dim", None), property):
+        if has("head_dim") and not isinstance(getattr(config_class, "head_dim", None), property):
             sizes["head_dim"] = 16
         for name in ("sliding_window", "attention_chunk_size"):
             if getattr(defaults, name, None):
                 sizes[name] = window
         for name, value in (("num_local_experts", 4), ("num_experts", 4), ("num_experts_per_tok", 2)):
-            if hasattr(defaults, name):
+            if has(name):
                 sizes[name] = value
-        if hasattr(defaults, "moe_intermediate_size"):
+        if has("moe_intermediate_size"):
             sizes["moe_intermediate_size"] = 32
         return config_class(**sizes)
 

@@ -424,6 +424,7 @@ def command(
     variants, skipped = choose_variants(
         policy, flags, schedule, lr_prefill, lambda chosen, skip: runnable_variants(chosen, runtime, skip)
     )
+    variants, skipped, checked = self_checked(agents, trajectories[0], variants, skipped)
     print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")
@@ -457,7 +458,23 @@ def command(
         page_size=page_size,
         span_matching=matching,
     )
+    result["self_check"] = checked
     finish(out, result, args)
+
+
+def self_checked(
+    agents: AgentSet, trajectory: Trajectory, variants: list[PolicyVariant], skipped: dict[str, str]
+) -> tuple[list[PolicyVariant], dict[str, str], dict[str, float]]:
+    """`kvprof.self_check` on the user's model: the variants that pass, the skipped ones with those it refuses added,
+    and each checked variant's error in its exact setting."""
+    from kvprof.self_check import check_on_model, refusals
+
+    if not any(variant.policy.exact_setting for variant in variants):
+        return variants, skipped, {}
+    with console.status("checking the policies on this model (their exact settings, first turns)"):
+        errors = check_on_model(agents, trajectory, variants)
+    refused = refusals(agents, errors)
+    return [v for v in variants if v.label not in refused], skipped | refused, errors
 
 
 def select_trajectories(trace: Path, skip: int, limit: int | None) -> list[Trajectory]:

@@ -430,6 +430,10 @@ class SharingPolicy(ABC, Generic[ContextT]):
     # True: the policy serves a turn's moved spans from the K/V earlier turns held, re-aligned (its `assemble` calls
     # `extend_over_moved`); False: it computes them as new tokens (`kvprof.policies.moved`).
     moves_spans: ClassVar[bool] = False
+    # The setting in which the policy must reproduce the dense run, which `kvprof.self_check` replays on the user's
+    # model first: "recompute all" (its `ratio` option at 1), "one agent" (every turn acted by one agent, no span
+    # moved), or None (no such setting).
+    exact_setting: ClassVar[str | None] = None
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime

@@ -74,6 +74,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
     family = "LRAgent"
     paper = f"{LRAGENT}, BaseShared"
     approximate = True
+    exact_setting = "one agent"  # its split of one agent's own cache is that agent's K/V
     options = {
         "lr_prefill": Option(
             "code",

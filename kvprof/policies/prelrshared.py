@@ -58,6 +58,7 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
     family = "PReCache"
     paper = f"{PRECACHE}, PreLRShared"
     approximate = True
+    exact_setting = "one agent"  # its split of one agent's own cache is that agent's K/V
     options = {"views": VIEWS}
     published: ClassVar[tuple[Published, ...]] = (
         Published(

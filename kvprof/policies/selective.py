@@ -377,6 +377,7 @@ class SelectiveRecompute(FullShared):
     family = "selective recompute"
     approximate = True
     modes = ("lora", "prompt")
+    exact_setting = "recompute all"
 
     def __init__(self, runtime: Runtime, **options: str):
         self.stack = LayerStack(runtime)
