@@ -143,6 +143,27 @@ def check_attention_kind(name: str) -> None:
         )
 
 
+def check_layers(model) -> None:
+    """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer without attention
+    (a hybrid's recurrent layer, `kvprof.lora.attention_of`), attention layers of different head sizes (Gemma 4's
+    local and global layers), or layers that read another layer's cache (Gemma 4's KV-shared layers)."""
+    from kvprof.lora import attention_of, decoder_layers
+
+    sizes = {getattr(attention_of(layer, index), "head_dim", None) for index, layer in enumerate(decoder_layers(model))}
+    sizes.discard(None)
+    name = model.config.name_or_path
+    if len(sizes) > 1:
+        raise KvprofError(
+            f"model {name!r} has attention layers of different head sizes ({' and '.join(map(str, sorted(sizes)))}); "
+            "kvprof keeps one head size for every layer's cache, so it cannot profile this model yet."
+        )
+    if getattr(model.config, "num_kv_shared_layers", 0):
+        raise KvprofError(
+            f"model {name!r} has layers that read another layer's K/V cache (num_kv_shared_layers); kvprof keeps a "
+            "cache per layer, so it cannot profile this model yet."
+        )
+
+
 def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
     """The causal LM in directory `name`, in `dtype` on `device`, attending with `attn` (an architecture that has no
     sdpa attention falls back to its own eager one)."""
@@ -164,10 +185,7 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
         raise KvprofError(
             f"model {name!r} does not fit in memory on {device}; use a smaller --dtype (bfloat16) or another --device."
         ) from None
-    from kvprof.lora import attention_of, decoder_layers
-
-    for index, layer in enumerate(decoder_layers(model)):  # a layer without attention is refused before any forward
-        attention_of(layer, index)
+    check_layers(model)
     try:
         return model.to(device).eval()
     except torch.OutOfMemoryError:

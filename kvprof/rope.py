@@ -197,7 +197,9 @@ def model_ropes(model) -> LayerRopes:
     layers, names = [], []
     for index, (at_start, shifted) in enumerate(shifts):
         errors = {
-            name: _relative(rotate_keys(at_start, PROBE_SHIFT, rope), shifted) for name, rope in candidates.items()
+            name: _relative(rotate_keys(at_start, PROBE_SHIFT, rope), shifted)
+            for name, rope in candidates.items()
+            if rope.rotary_dim <= at_start.shape[-1]  # a RoPE wider than the layer's heads is another layer's
         }
         best = min(errors, key=lambda name: errors[name])
         _accept(model, index, errors[best], at_start, shifted, half)
