@@ -415,6 +415,7 @@ def command(
                 page_size,
                 matching,
             )
+        result["self_check"] = None  # the driver loads no model: a sharded replay does not check itself
         finish(out, result, args, workers=result["distributed"].pop("workers"))
         return
     agents = load_agents_for_trace(trace, model=model, agent_flags=agent, role_flags=role, device=device, dtype=dtype)
