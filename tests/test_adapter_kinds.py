@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from peft_oracle import assert_peft_generations
 from transformers import AutoModelForCausalLM
 
 from kvprof.model import load_agents_for_trace
@@ -114,6 +115,7 @@ def test_activated_lora_agents_replay_their_capture(arch, tiny_world, run_cli, t
         *flags, "--out", tmp_path / "capture", *common,
     )  # fmt: skip
     assert code == 0, err
+    assert_peft_generations(world.model, {agent: tmp_path / "alora" / agent for agent in AGENTS}, tmp_path)
     trace = tmp_path / "capture" / "trace.jsonl"
     code, _, err = run_cli(
         "replay", trace, "--policy", "nonshared", "--policy", "fullshared", "--policy", "alorashared",
@@ -230,7 +232,6 @@ def test_qlora_agents_capture_as_peft_and_replay_every_lora_family_policy(tiny_w
     greedy generation on that base, token for token; every LoRA-family policy replays the trace (the dense run
     reproducing the capture); the weights count as stored, packed 4-bit plus their quantization state."""
     import torch
-    from peft import PeftModel
 
     flags = [part for agent in AGENTS for part in ("--agent", f"{agent}={tiny_world.shared_a_adapter(agent)}")]
     common = ("--device", "cpu", "--dtype", "float32")
@@ -239,22 +240,7 @@ def test_qlora_agents_capture_as_peft_and_replay_every_lora_family_policy(tiny_w
         *flags, "--out", tmp_path / "capture", *common,
     )  # fmt: skip
     assert code == 0, err
-    trace = read_trace(tmp_path / "capture" / "trace.jsonl")
-    base = AutoModelForCausalLM.from_pretrained(nf4_base)
-    peft_model = PeftModel.from_pretrained(base, tiny_world.shared_a_adapter(AGENTS[0]), adapter_name=AGENTS[0])
-    for agent in AGENTS[1:]:
-        peft_model.load_adapter(tiny_world.shared_a_adapter(agent), adapter_name=agent)
-    turns = 0
-    for trajectory in trace.trajectories:
-        for turn in trajectory.turns:
-            peft_model.set_adapter(turn.agent)
-            output = trajectory.output_tokens(turn)
-            generated = peft_model.generate(
-                torch.tensor([trajectory.input_tokens(turn)]), max_new_tokens=len(output), do_sample=False
-            )
-            assert generated[0, -len(output) :].tolist() == output, (trajectory.id, turn.agent)
-            turns += 1
-    assert turns >= 6
+    assert_peft_generations(nf4_base, {agent: tiny_world.shared_a_adapter(agent) for agent in AGENTS}, tmp_path)
     names = dict.fromkeys(variant.name for variant in LORA_FAMILY)
     code, _, err = run_cli(
         "replay", tmp_path / "capture" / "trace.jsonl", *[part for name in names for part in ("--policy", name)],

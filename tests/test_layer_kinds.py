@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from peft_oracle import assert_peft_generations
 
 from kvprof.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
 from kvprof.trace import read_trace
@@ -71,9 +71,6 @@ def test_layers_are_read_from_the_model_and_captures_are_peft_generations(world,
     """Each layer's kind is named at capture, recorded by replay and printed by `inspect --model`; every captured
     output is peft's own greedy generation with its agent's adapter, token for token, on inputs longer than the
     window."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     name, tiny = world
     trace_path, stdout = _capture(run_cli, tiny, tiny.lora_workflow, tmp_path / "capture")
     assert WORLDS[name][1] in " ".join(stdout.split())
@@ -82,18 +79,7 @@ def test_layers_are_read_from_the_model_and_captures_are_peft_generations(world,
     assert WORLDS[name][1] in " ".join(stdout.split())
     trace = read_trace(trace_path)
     assert max(len(t.input_tokens(turn)) for t in trace.trajectories for turn in t.turns) > 3 * WINDOW
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny.model), tiny.adapter(AGENTS[0]), adapter_name=AGENTS[0]
-    )
-    for agent in AGENTS[1:]:
-        model.load_adapter(tiny.adapter(agent), adapter_name=agent)
-    for trajectory in trace.trajectories:
-        for turn in trajectory.turns:
-            model.set_adapter(turn.agent)
-            output = trajectory.output_tokens(turn)
-            ids = torch.tensor([trajectory.input_tokens(turn)])
-            generated = model.generate(ids, max_new_tokens=len(output), do_sample=False)[0, ids.shape[1] :]
-            assert generated.tolist() == output, (trajectory.id, turn.agent)
+    assert_peft_generations(tiny.model, {agent: tiny.adapter(agent) for agent in AGENTS}, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["lora", "prompt"])
