@@ -149,8 +149,11 @@ def check_layers(model) -> None:
     local and global layers), or layers that read another layer's cache (Gemma 4's KV-shared layers)."""
     from kvprof.lora import attention_of, decoder_layers
 
-    sizes = {getattr(attention_of(layer, index), "head_dim", None) for index, layer in enumerate(decoder_layers(model))}
-    sizes.discard(None)
+    sizes: set[int] = set()
+    for index, layer in enumerate(decoder_layers(model)):
+        size = getattr(attention_of(layer, index), "head_dim", None)
+        if isinstance(size, int):
+            sizes.add(size)
     name = model.config.name_or_path
     if len(sizes) > 1:
         raise KvprofError(
