@@ -84,5 +84,7 @@ def _ranges(indices: list[int]) -> str:
             runs[-1].append(index)
         else:
             runs.append([index])
-    listed = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs)
-    return f"layer{'s' if len(indices) > 1 else ''} {listed}"
+    shown = [str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs]
+    if len(shown) > 4:  # a repeating pattern over many layers: its start, its end and the count
+        return f"layers {', '.join(shown[:2])}, …, {shown[-1]} ({len(indices)} layers)"
+    return f"layer{'s' if len(indices) > 1 else ''} {', '.join(shown)}"

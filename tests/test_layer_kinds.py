@@ -126,3 +126,15 @@ def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
     for turn, reference in zip(result["prelrshared"]["turns"], result["fullshared"]["turns"], strict=True):
         for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
             assert layer["k_error"] == pytest.approx(reference_layer["k_error"], rel=1e-3, abs=1e-5)
+
+
+def test_layer_kinds_read_as_a_pattern_over_many_layers():
+    from kvprof.layers import LayerKind, describe_layers
+
+    chunked, nope = LayerKind("chunked", 8192, "rope interleaved"), LayerKind("full", None, "NoPE")
+    kinds = [nope if index % 4 == 3 else chunked for index in range(48)]
+    assert describe_layers(kinds) == (
+        "chunked attention, W = 8192, rope interleaved: layers 0–2, 4–6, …, 44–46 (36 layers); "
+        "full attention, NoPE: layers 3, 7, …, 47 (12 layers)"
+    )
+    assert describe_layers([chunked] * 3) == "all 3 layers: chunked attention, W = 8192, rope interleaved"
