@@ -74,10 +74,11 @@ def describe_layers(kinds: list[LayerKind]) -> str:
         by_kind.setdefault(kind, []).append(index)
     if len(by_kind) == 1:
         return f"all {len(kinds)} layers: {kinds[0].describe()}"
-    return "; ".join(f"{kind.describe()}: {_ranges(indices)}" for kind, indices in by_kind.items())
+    return "; ".join(f"{kind.describe()}: {layer_list(indices)}" for kind, indices in by_kind.items())
 
 
-def _ranges(indices: list[int]) -> str:
+def layer_list(indices: list[int]) -> str:
+    """Layer indices (ascending) as ranges: "layer 5", "layers 0–4, 6", "layers 0–2, 4–6, …, 44–46 (36 layers)"."""
     runs: list[list[int]] = []
     for index in indices:
         if runs and runs[-1][-1] == index - 1:

@@ -195,9 +195,12 @@ def key_norms(model) -> list[ProjectionNorm] | None:
     width = kv_heads(model.config) * head_dim(model.config)
     found = [ProjectionNorm(norm, width) for norm in norms if norm is not None]
     if len(found) != len(norms):
+        from kvprof.layers import layer_list
+
+        bare = layer_list([index for index, norm in enumerate(norms) if norm is None])
         raise KvprofError(
-            f"model {model.config.name_or_path!r} normalises keys in some layers only; kvprof splits caches of "
-            "models that normalise keys in every layer or in none."
+            f"model {model.config.name_or_path!r} normalises keys in some layers only (not in {bare}, as Llama 4's "
+            "NoPE layers); kvprof splits caches of models that normalise keys in every layer or in none."
         )
     return found
 
