@@ -271,7 +271,8 @@ class HiddenTap:
     {"key"|"value": (B, L, H_kv·D)} (keys before any key norm and RoPE); `down[i]` is {"key"|"value": {agent:
     (B_a, L, r)}} for the adapters that ran there, in the adapter's dtype (B_a: the rows of a mixed batch that
     adapter ran on, all rows otherwise; a fused qkv_proj's one A serves both sides). Entries are set as the layer
-    runs, so they are readable from inside the forward once the layer has projected (the cache's `update`).
+    runs, so they are readable from inside the forward once the layer has projected (the cache's `update`). A model
+    whose k/v outputs cannot be found (`taps_projections` False: GPT-NeoX) leaves `base` and `down` empty.
     """
 
     def __init__(self, model):
@@ -280,6 +281,13 @@ class HiddenTap:
         self.residual: list[torch.Tensor | None] = [None] * len(self.layers)
         self.base: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
         self.down: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in self.layers]
+        try:  # GPT-NeoX's per-head interleaved query_key_value has no k/v outputs to tap (the split refuses it)
+            for index, layer in enumerate(self.layers):
+                for name in CACHED_PROJECTIONS:
+                    projection_columns(attention_of(layer, index), name, index)
+            self.taps_projections = True
+        except KvprofError:
+            self.taps_projections = False
 
     def _projection_hooks(self, index: int, layer: torch.nn.Module) -> list:
         """Forward hooks on layer `index`'s cached projections: base outputs into `base`, X·Aᵀ into `down`."""
@@ -316,7 +324,8 @@ class HiddenTap:
             for i, layer in enumerate(self.layers)
             for module, target in ((attention_of(layer, i), self.hidden), (layer, self.residual))
         ]
-        handles += [handle for i, layer in enumerate(self.layers) for handle in self._projection_hooks(i, layer)]
+        if self.taps_projections:
+            handles += [handle for i, layer in enumerate(self.layers) for handle in self._projection_hooks(i, layer)]
         try:
             yield self
         finally:

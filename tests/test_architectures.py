@@ -306,3 +306,23 @@ def test_a_model_with_per_layer_head_sizes_is_refused_in_one_sentence(run_cli, p
         "replay", prompt_trace, "--model", tmp_path / "model", "--repeats", "1", "--out", tmp_path / "r", *DEVICE
     )
     assert code == 2 and "attention layers of different head sizes" in err and "Traceback" not in err
+
+
+def test_selective_recompute_runs_where_keys_and_values_are_not_split(run_cli, tmp_path):
+    """GPT-NeoX's per-head interleaved query_key_value has no separate key and value outputs: the low-rank split
+    refuses it, but CacheBlend and DroidSpeak only run its layers, and at ratio 1 equal the dense run."""
+    from transformers import GPTNeoXConfig
+
+    from kvprof.tiny import tiny_sizes
+
+    def configure(vocab, eos):
+        sizes = {k: v for k, v in tiny_sizes(vocab, eos).items() if k != "num_key_value_heads"}
+        return GPTNeoXConfig(**sizes)
+
+    world = build_tiny_world(tmp_path / "world", configure=configure)
+    trace = _capture(run_cli, world, world.prompt_workflow, tmp_path / "capture")
+    flags = [
+        arg for name in ("cacheblend", "droidspeak") for arg in ("--policy", name, "--policy-option", f"{name}.ratio=1")
+    ]
+    for label, entry in _replay(run_cli, trace, tmp_path / "recompute", *flags)["policies"].items():
+        assert entry["summary"]["k_error"] < 1e-5 and entry["summary"]["v_error"] < 1e-5, label
