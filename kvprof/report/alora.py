@@ -5,7 +5,7 @@ each against its own dense run."""
 
 from __future__ import annotations
 
-from kvprof.report.tables import TableData
+from kvprof.report.tables import TableData, cell
 
 LORA_FAMILIES = ("baseline", "LRAgent", "PReCache")
 
@@ -62,20 +62,12 @@ def comparison_table(rows: list[dict], title: str) -> TableData:
         table.add_row(
             row["agents"],
             row["policy"],
-            _percent(row["accuracy"]),
+            cell(row["accuracy"], ".0%"),
             f"{row['kl']:.2g}",
             f"{row['k_error']:.3f}",
-            _times(row["ttft_speedup"]),
-            _times(row["flops_speedup"]),
-            _times(row["kv_memory"]),
+            cell(row["ttft_speedup"], ".2f"),
+            cell(row["flops_speedup"], ".2f"),
+            cell(row["kv_memory"], ".2f"),
             row["prefilled"],
         )
     return table
-
-
-def _percent(value: float | None) -> str:
-    return "—" if value is None else f"{value:.0%}"
-
-
-def _times(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"

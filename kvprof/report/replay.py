@@ -6,12 +6,8 @@ from kvprof.report import decision
 from kvprof.report.figures import box_figure, line_figure
 from kvprof.report.html import Section
 from kvprof.report.styles import DENSE, policy_style
-from kvprof.report.tables import TableData
+from kvprof.report.tables import TableData, cell
 from kvprof.report.uncertainty import LEVEL, RESAMPLES
-
-
-def _num(value, fmt: str) -> str:
-    return "–" if value is None else format(value, fmt)
 
 
 def _mib(value: float) -> str:
@@ -112,16 +108,16 @@ def fidelity_table(result: dict) -> TableData:
     for label, summary, _, accuracy in _rows(result):
         cells = [
             label,
-            _num(summary["k_error"], ".3g"),
-            _num(summary["v_error"], ".3g"),
-            _num(summary["kl"], ".3g"),
-            _num(summary["top1"], ".3f"),
-            _num(summary["first_token_match"], ".2f"),
+            cell(summary["k_error"], ".3g"),
+            cell(summary["v_error"], ".3g"),
+            cell(summary["kl"], ".3g"),
+            cell(summary["top1"], ".3f"),
+            cell(summary["first_token_match"], ".2f"),
         ]
         if online:
             cells += [
-                _num(accuracy and accuracy["accuracy"], ".1%"),
-                _num(accuracy and accuracy["diverged_turns"], ".1%"),
+                cell(accuracy and accuracy["accuracy"], ".1%"),
+                cell(accuracy and accuracy["diverged_turns"], ".1%"),
             ]
         table.add_row(*cells)
     return table
@@ -163,15 +159,15 @@ def reuse_table(result: dict) -> TableData:
         split = [str(summary.get("moved", 0)), str(summary.get("moved_recomputed", 0))] if moved else []
         table.add_row(
             label,
-            _num(summary["reuse_per_token"], ".2f"),
-            _num(summary["reuse_per_call"], ".2f"),
-            _num(summary["reuse_per_call_excl_source"], ".2f"),
-            _num(summary.get("adapter_free_per_token"), ".2f"),
+            cell(summary["reuse_per_token"], ".2f"),
+            cell(summary["reuse_per_call"], ".2f"),
+            cell(summary["reuse_per_call_excl_source"], ".2f"),
+            cell(summary.get("adapter_free_per_token"), ".2f"),
             *split,
-            _num(summary.get("recompute_ratio"), ".2f"),
+            cell(summary.get("recompute_ratio"), ".2f"),
             str(summary["prefilled"]),
-            _num(ratios["prefill_speedup_implied"], ".2f"),
-            _num(ratios.get("ttft_speedup_implied_flops"), ".2f"),
+            cell(ratios["prefill_speedup_implied"], ".2f"),
+            cell(ratios.get("ttft_speedup_implied_flops"), ".2f"),
         )
     return table
 
@@ -202,7 +198,7 @@ def delta_table(result: dict) -> TableData | None:
             cells.append(
                 "—" if entry is None else f"{entry['k_error']:.4f} / {entry['v_error']:.4f} ({entry['segments']})"
             )
-        table.add_row(label, _num(summary["delta_reuse"], ".2f"), *cells)
+        table.add_row(label, cell(summary["delta_reuse"], ".2f"), *cells)
     return table
 
 
@@ -232,23 +228,23 @@ def cost_table(result: dict) -> TableData:
     for label, summary, ratios, _ in _rows(result):
         cells = [
             label,
-            _num(summary["ttft_s"], ".3f"),
-            _num(ratios["ttft_speedup"], ".2f"),
-            _num(ratios.get("harness_efficiency"), ".2f"),
-            _num(summary.get("tpot_s") and summary["tpot_s"] * 1e3, ".2f"),
-            _num(ratios.get("tpot_speedup"), ".2f"),
-            _num(summary["latency_s"], ".3f"),
-            _num(ratios["latency_speedup"], ".2f"),
+            cell(summary["ttft_s"], ".3f"),
+            cell(ratios["ttft_speedup"], ".2f"),
+            cell(ratios.get("harness_efficiency"), ".2f"),
+            cell(summary.get("tpot_s") and summary["tpot_s"] * 1e3, ".2f"),
+            cell(ratios.get("tpot_speedup"), ".2f"),
+            cell(summary["latency_s"], ".3f"),
+            cell(ratios["latency_speedup"], ".2f"),
             _mib(summary["peak_memory_bytes"]),
             _mib(summary.get("peak_working_bytes", 0)),
-            _num(ratios.get("working_memory_ratio"), ".2f"),
+            cell(ratios.get("working_memory_ratio"), ".2f"),
         ]
         if cuda:
-            cells.append(_num(summary.get("cuda_peak_bytes") and summary["cuda_peak_bytes"] / 2**20, ".2f"))
+            cells.append(cell(summary.get("cuda_peak_bytes") and summary["cuda_peak_bytes"] / 2**20, ".2f"))
         cells += [
-            _num(summary.get("allocator_peak_bytes") and summary["allocator_peak_bytes"] / 2**20, ".2f"),
-            _num(summary.get("peak_kv_block_bytes") and summary["peak_kv_block_bytes"] / 2**20, ".2f"),
-            _num(ratios.get("kv_block_ratio"), ".2f"),
+            cell(summary.get("allocator_peak_bytes") and summary["allocator_peak_bytes"] / 2**20, ".2f"),
+            cell(summary.get("peak_kv_block_bytes") and summary["peak_kv_block_bytes"] / 2**20, ".2f"),
+            cell(ratios.get("kv_block_ratio"), ".2f"),
         ]
         table.add_row(*cells)
     return table
@@ -277,7 +273,7 @@ def memory_claims_table(result: dict) -> TableData | None:
             claim["policy"],
             claim["claim"],
             claim["reference"] or "–",
-            _num(claim["ratio"], ".3f"),
+            cell(claim["ratio"], ".3f"),
             f"{low:.3f}–{high:.3f} ({claim['reading']})",
             claim["verdict"],
             claim["why"],

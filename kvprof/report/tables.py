@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from rich.table import Table
 
 
+def cell(value: object, fmt: str) -> str:
+    """`value` formatted as `fmt` for a table cell, "–" where it is missing (None)."""
+    return "–" if value is None else format(value, fmt)
+
+
 @dataclass
 class TableData:
     """A titled table of already formatted cells: `rows` are lists of strings, one per column.
