@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvprof.policies import PolicyVariant
-from kvprof.reuse import SpanMatching
+from kvprof.reuse import DEFAULT_MATCHING, SpanMatching
 
 if TYPE_CHECKING:
     from kvprof.model import AgentSet
     from kvprof.trace import Trajectory
 
 TURNS = 4  # first turns of the first trajectory replayed in each exact setting
-TOLERANCE = {torch.float32: 1e-4}  # worst relative K/V error an exact setting may leave; 16-bit dtypes: HALF
-HALF = 3e-2
+FLOAT32_TOLERANCE, HALF_TOLERANCE = 1e-4, 3e-2  # worst relative K/V error an exact setting may leave
 NO_MOVES = SpanMatching(min_span=1 << 30)  # a span that long never matches: the exact setting moves none
 _CHECKED: dict[str, dict[str, float]] = {}  # identity of (agents, trajectory, variants) → worst error per label
 
@@ -65,7 +64,7 @@ def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[Poli
         return _CHECKED[key]
     errors: dict[str, float] = {}
     settings = {
-        "recompute all": (short, DEFAULT_SETTING),
+        "recompute all": (short, DEFAULT_MATCHING),
         "one agent": (one_agent(short, short.turns[0].agent), NO_MOVES),
     }
     for setting, (replayed, matching) in settings.items():
@@ -81,12 +80,9 @@ def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[Poli
     return errors
 
 
-DEFAULT_SETTING = SpanMatching()
-
-
 def refusals(agents: AgentSet, errors: dict[str, float]) -> dict[str, str]:
     """{label: one sentence} for the variants whose exact-setting error exceeds the model dtype's tolerance."""
-    tolerance = TOLERANCE.get(agents.base_model.dtype, HALF)
+    tolerance = FLOAT32_TOLERANCE if agents.base_model.dtype == torch.float32 else HALF_TOLERANCE
     return {
         label: (
             f"on this model, {label} in its exact setting (selective recompute at ratio 1, or a low-rank split of "
