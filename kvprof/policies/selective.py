@@ -109,6 +109,7 @@ class LayerStack:
         ]
         self.cache_argument = self._cache_argument()
         self.kinds = runtime.agents.layer_kinds  # each layer's attention: full, sliding or chunked, its W
+        self.position_scaled = [position_scale_floor(attention_of(layer, i)) for i, layer in enumerate(self.layers)]
         self._check_embeddings()
 
     def _cache_argument(self) -> str:
@@ -219,19 +220,25 @@ class Probe:
     queries: torch.Tensor | None
 
 
-def check_position_scaling(layer: torch.nn.Module, index: int, positions: torch.Tensor) -> None:
-    """Refuse recomputing tokens at gapped `positions` (m,) of a layer that scales its queries by position (Llama 4's
-    NoPE layers: attention temperature tuning, 1 + β·log(1 + ⌊(p + 1)/F⌋)) once the scale can differ between them
-    (p + 1 ≥ F): the layer counts positions from the first without gaps."""
-    attention = attention_of(layer, index)
+def position_scale_floor(attention: torch.nn.Module) -> int | None:
+    """F of an attention module that scales its queries by position (Llama 4's NoPE layers: attention temperature
+    tuning, 1 + β·log(1 + ⌊(p + 1)/F⌋)), None for one that does not."""
     if not getattr(attention, "attn_temperature_tuning", False) or getattr(attention, "use_rope", True):
+        return None
+    return int(attention.floor_scale)
+
+
+def check_position_scaling(floor: int | None, index: int, positions: torch.Tensor) -> None:
+    """Refuse recomputing tokens at gapped `positions` (m,) of layer `index`, which scales its queries by position
+    past `floor` (`position_scale_floor`), once the scale can differ between them (p + 1 ≥ F): the layer counts
+    positions from the first without gaps."""
+    if floor is None or int(positions.max()) + 1 < floor:
         return
-    contiguous = bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + len(positions))))
-    if not contiguous and int(positions.max()) + 1 >= int(attention.floor_scale):
+    if not bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + len(positions)))):
         raise KvprofError(
-            f"layer {index} scales its queries by position past {int(attention.floor_scale)} tokens (attention "
-            "temperature tuning in a NoPE layer), which recomputing scattered tokens one layer at a time cannot "
-            "follow; pick a policy that does not recompute selectively, or trajectories shorter than that."
+            f"layer {index} scales its queries by position past {floor} tokens (attention temperature tuning in a "
+            "NoPE layer), which recomputing scattered tokens one layer at a time cannot follow; pick a policy that "
+            "does not recompute selectively, or trajectories shorter than that."
         )
 
 
@@ -287,7 +294,7 @@ class Blend:
             mask = causal_mask(positions, length, hidden.dtype)
         elif len(positions) < length - self.prefix_len:  # kvprof's attention attends them without a mask
             scattered = scattered_queries(positions)
-        check_position_scaling(self.stack.layers[index], index, positions)
+        check_position_scaling(self.stack.position_scaled[index], index, positions)
         with scattered:
             out = self.stack.layers[index](
                 hidden,
@@ -340,7 +347,7 @@ class Blend:
             assert projection is not None, "queries probed on a model without a query projection"
             module, width = projection
             handle = module.register_forward_hook(lambda module, args, out: outputs.append(out[..., :width]))
-        check_position_scaling(layer, index, positions)
+        check_position_scaling(self.stack.position_scaled[index], index, positions)
         cache = ProbeCache(positions)
         try:
             layer(
