@@ -51,7 +51,8 @@ import torch
 from kvprof import metrics
 from kvprof.cache import TurnCapture, capture_turn
 from kvprof.errors import KvprofError
-from kvprof.model import AgentSet, head_dim, kv_heads
+from kvprof.latent import cache_dims
+from kvprof.model import AgentSet
 from kvprof.rope import LayerRopes, Rope, rotate_keys
 from kvprof.trace import Trace, Trajectory
 
@@ -797,19 +798,19 @@ def analyze_trace(
     shares a segment anywhere in the trace.
     """
     mode = trace.header.mode
-    config = agents.config
-    dim = head_dim(config)
+    heads, key_dim, value_dim = cache_dims(agents.config, agents.latent)
+    dim = max(key_dim, value_dim)  # an MLA model's latent (V), wider than its RoPE key (K)
     result = RankAnalysis(
         mode=mode,
         agents=list(agent_names),
         layers=list(layers),
         per_head=per_head,
         head_dim=dim,
-        kv_heads=kv_heads(config),
+        kv_heads=heads,
     )
     ropes = agents.ropes
     parts = ("kv", "split") if mode == "lora" else ("kv",)
-    columns = dim if per_head else dim * kv_heads(config)
+    columns = dim if per_head else dim * heads
     for traj in trace.trajectories:
         # Agents that never act in this trajectory hold nothing there and are left out.
         sequences = {

@@ -206,9 +206,9 @@ def spectra(pool: AnchorPool, layers: int) -> _Spectra:
 def fit_report(pool: AnchorPool, low: AnchorPool, runtime: Runtime) -> dict:
     """What `kvprof fit-anchors` reports about a full-dimensional pool and `low`, its truncation (`truncated`)."""
     rank = low.rank
-    shape = (runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize)
+    shape = (runtime.num_layers, runtime.kv_heads, (runtime.key_dim, runtime.value_dim), runtime.dtype.itemsize)
     stats = spectra(pool, runtime.num_layers)
-    ranks = [r for r in RANKS if r <= runtime.kv_heads * runtime.head_dim]
+    ranks = [r for r in RANKS if r <= runtime.kv_heads * max(runtime.key_dim, runtime.value_dim)]
     layers = []
     for layer in range(runtime.num_layers):
         row: dict = {"layer": layer}

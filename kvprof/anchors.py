@@ -301,12 +301,14 @@ class AnchorPool:
         """Bytes of the pool's tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def analytic_bytes(self, layers: int, heads: int, head_dim: int, itemsize: int) -> int:
-        """The formula (`stored_bytes`): per anchor, K and V of its base and of each delta."""
+    def analytic_bytes(self, layers: int, heads: int, dims: tuple[int, int], itemsize: int) -> int:
+        """The formula (`stored_bytes`): per anchor, K (head size dims[0]) and V (dims[1]) of its base and of each
+        delta."""
         return sum(
-            2 * (1 + len(anchor.deltas)) * stored_bytes(layers, heads, anchor.length, head_dim, self.rank, itemsize)
+            (1 + len(anchor.deltas)) * stored_bytes(layers, heads, anchor.length, dim, self.rank, itemsize)
             for anchors in self.slots.values()
             for anchor in anchors
+            for dim in dims
         )
 
     def heads(self) -> int:
@@ -436,15 +438,19 @@ def _metadata_json(path: str | Path, metadata: dict[str, str], key: str) -> dict
 
 class _PoolShapes:
     """The stored tensors of a pool file being loaded, checked against the model's shape (`identity["shape"]`:
-    layers x H_kv x D), its dtype and the pool's rank."""
+    layers x H_kv x D, or layers x H_kv x D_k x D_v for an MLA model's RoPE keys and latents), its dtype and the
+    pool's rank."""
 
     def __init__(self, path: str | Path, identity: dict, rank: int | None, tensors: dict[str, torch.Tensor]):
         self.path, self.rank, self.tensors = path, rank, tensors
-        self.layers, self.heads, self.head_dim = map(int, identity["shape"].split("x"))
+        self.layers, self.heads, *dims = map(int, identity["shape"].split("x"))
+        self.key_dim, self.value_dim = dims[0], dims[-1]
         self.dtype = identity["dtype"]
 
     def stored(self, prefix: str) -> Stored:
-        """The `Stored` under `prefix`: full-dimensional without a rank, factors with one."""
+        """The `Stored` under `prefix` (a K side ".k" or a V side ".v"): full-dimensional without a rank, factors
+        with one."""
+        self.head_dim = self.key_dim if prefix.endswith(".k") else self.value_dim
         names = [f"{prefix}/full"] if self.rank is None else [f"{prefix}/u", f"{prefix}/v"]
         missing = [name for name in names if name not in self.tensors]
         if missing:
@@ -470,7 +476,7 @@ class _PoolShapes:
         if not fits or any(str(part.dtype).removeprefix("torch.") != self.dtype for part in parts):
             raise KvprofError(
                 f"anchor pool {self.path} holds tensor {names[0]!r} of shape {tuple(parts[0].shape)} and dtype "
-                f"{parts[0].dtype}, which does not fit the model ({self.layers}x{self.heads}x{self.head_dim}, "
+                f"{parts[0].dtype}, which does not fit the model ({self.layers}x{self.heads}x{self.head_dim} there, "
                 f"{self.dtype}) and rank {self.rank}; {POOL_FIX}."
             )
         return stored

@@ -305,7 +305,9 @@ def capture_turn(
 
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=agents.config)
+    from kvprof.latent import oriented
+
+    cache = oriented(DynamicCache(config=agents.config), agents.latent)
     recorders = {index: _LayerRecorder(index, blocks[index], state.keep) for index in chosen}
     handles = []
     try:

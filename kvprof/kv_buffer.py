@@ -23,7 +23,7 @@ Stored-memory figures count valid tokens (`view`), as a paged server would hold 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from transformers import DynamicCache
@@ -144,12 +144,15 @@ slots start.. of `buffer`, before attention reads them; may overwrite any of tho
 class BufferLayer(DynamicLayer):
     """A cache layer over a `KVBuffer`: the first `length` tokens are the context; `update` writes the new tokens
     in place after them (then lets `rewrite`, if any, overwrite some of them: `Rewrite`) and returns views of
-    everything so far. `index`: the decoder layer's index, for `rewrite`."""
+    everything so far. `index`: the decoder layer's index, for `rewrite`. `latent`: an MLA layer, which the model
+    updates with (latent, k_rot) and the buffer holds as (k_rot, latent) (`kvprof.latent`)."""
 
-    def __init__(self, buffer: KVBuffer, length: int, index: int = 0, rewrite: Rewrite | None = None):
+    def __init__(
+        self, buffer: KVBuffer, length: int, index: int = 0, rewrite: Rewrite | None = None, latent: bool = False
+    ):
         super().__init__()
         self.buffer, self.length = buffer, length
-        self.index, self.rewrite = index, rewrite
+        self.index, self.rewrite, self.latent = index, rewrite, latent
         self.keys, self.values = buffer.view(length)
         self.device = self.keys.device
         self.is_initialized = True
@@ -160,12 +163,20 @@ class BufferLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.buffer.write(self.length, key_states, value_states)
-        if self.rewrite is not None:
-            self.rewrite(self.index, self.buffer, self.length, int(key_states.shape[-2]))
-        self.length += int(key_states.shape[-2])
-        self.keys, self.values = self.buffer.view(self.length)
+        """The model's write, in its order (an MLA layer's (latent, k_rot)); returns everything so far in its order."""
+        if self.latent:
+            self.append(value_states, key_states)
+            return self.values, self.keys
+        self.append(key_states, value_states)
         return self.keys, self.values
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `keys` and `values` (B, H_kv, n, D), in kvprof's order, after the tokens so far."""
+        self.buffer.write(self.length, keys, values)
+        if self.rewrite is not None:
+            self.rewrite(self.index, self.buffer, self.length, int(keys.shape[-2]))
+        self.length += int(keys.shape[-2])
+        self.keys, self.values = self.buffer.view(self.length)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -179,9 +190,19 @@ class BufferLayer(DynamicLayer):
 
 class BufferCache(DynamicCache):
     """A `DynamicCache` whose layer i appends in place to `buffers[i]` after the first `length` tokens (each
-    forward's new tokens passed to `rewrite` once written, when given)."""
+    forward's new tokens passed to `rewrite` once written, when given); the layers in `latent` are MLA layers
+    (`BufferLayer`)."""
 
-    def __init__(self, buffers: list[KVBuffer], length: int, rewrite: Rewrite | None = None):
+    def __init__(
+        self,
+        buffers: list[KVBuffer],
+        length: int,
+        rewrite: Rewrite | None = None,
+        latent: Collection[int] = (),
+    ):
         Cache.__init__(
-            self, layers=[BufferLayer(buffer, length, index, rewrite) for index, buffer in enumerate(buffers)]
+            self,
+            layers=[
+                BufferLayer(buffer, length, index, rewrite, index in latent) for index, buffer in enumerate(buffers)
+            ],
         )

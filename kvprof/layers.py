@@ -4,14 +4,17 @@ A layer attends to every earlier token (full), to its last W (a sliding window: 
 Cohere 2's local layers; its attention module's `sliding_window`), or within chunks of W (Llama 4's chunked layers:
 `attention_chunk_size`); its keys carry RoPE (one RoPE for every layer, or one per layer type as in Gemma 3's local
 and global layers) or no position at all (NoPE: SmolLM3's and Llama 4's every fourth layer, Cohere 2's global
-layers), as `kvprof.rope.model_ropes` finds by shifting an input. What sharing a layer's cache means depends on both:
-a window layer attends only to what its window holds, and a key moves by its own layer's rotation or not at all.
+layers), as `kvprof.rope.model_ropes` finds by shifting an input. A multi-head latent attention layer (DeepSeek V3,
+Kimi K2) caches one latent and one RoPE key per token instead of K and V per head (`kvprof.latent`). What sharing a
+layer's cache means depends on all of these: a window layer attends only to what its window holds, and a key moves
+by its own layer's rotation or not at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvprof.latent import latent_shape
 from kvprof.lora import attention_of, decoder_layers
 from kvprof.rope import LayerRopes
 
@@ -19,14 +22,18 @@ from kvprof.rope import LayerRopes
 @dataclass(frozen=True)
 class LayerKind:
     """One decoder layer: `attention` "full", "sliding" or "chunked" with its `window` W (tokens; None for full),
-    and `position`, its keys' RoPE as `LayerRopes.names` names it ("rope", "rope (<layer type>)" or "NoPE")."""
+    `position`, its keys' RoPE as `LayerRopes.names` names it ("rope", "rope (<layer type>)" or "NoPE"), and
+    `latent`: for a multi-head latent attention layer what it caches per token (`kvprof.latent`), else None."""
 
     attention: str
     window: int | None
     position: str
+    latent: str | None = None
 
     def describe(self) -> str:
         attention = "full attention" if self.window is None else f"{self.attention} attention, W = {self.window}"
+        if self.latent is not None:
+            attention = f"multi-head latent {attention} ({self.latent})"
         return f"{attention}, {self.position}"
 
     def to_json(self) -> dict:
@@ -51,7 +58,9 @@ def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
         attention = "sliding" if window else "full"
         if index < len(types) and types[index] == "chunked_attention":
             attention, window = "chunked", getattr(config, "attention_chunk_size", None)
-        kinds.append(LayerKind(attention, window or None, ropes.names[index]))
+        shape = latent_shape(attention_module)
+        latent = f"latent C = {shape.latent_dim} + RoPE key R = {shape.rope_dim}" if shape else None
+        kinds.append(LayerKind(attention, window or None, ropes.names[index], latent))
     return kinds
 
 

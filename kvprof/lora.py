@@ -60,6 +60,14 @@ def projection_columns(attention: torch.nn.Module, name: str, index: int) -> tup
     """The module that computes projection `name` (q_proj, k_proj or v_proj) of layer `index`'s attention, and which
     columns of its output are that projection: the projection itself (None: every column), or its block of a fused
     `qkv_proj` (Phi-3). Refuses any other layout in one sentence."""
+    from kvprof.latent import latent_shape
+
+    if latent_shape(attention) is not None:
+        raise KvprofError(
+            f"layer {index} is a multi-head latent attention layer, whose cached latent is a norm of X·W_DKV (an "
+            "adapter on kv_a_proj_with_mqa acts through that norm, one on kv_b_proj at every read), so its cache "
+            "cannot be split into base and adapter parts."
+        )
     if hasattr(attention, name):
         return getattr(attention, name), None
     fused = getattr(attention, FUSED_QKV, None)

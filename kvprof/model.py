@@ -25,6 +25,7 @@ from kvprof.spec import WorkflowSpec
 from kvprof.trace import trace_header
 
 if TYPE_CHECKING:
+    from kvprof.latent import LatentShape
     from kvprof.layers import LayerKind
     from kvprof.trace import TraceHeader
 
@@ -126,23 +127,6 @@ def tokenizer_identity(tokenizer) -> dict:
     return {"name": tokenizer.name_or_path, "vocab_size": len(tokenizer), "fingerprint": f"sha256:{digest[:32]}"}
 
 
-def check_attention_kind(name: str) -> None:
-    """Refuse, before loading, a model whose attention caches something other than K and V per KV head: multi-head
-    latent attention (DeepSeek V2 / V3, Kimi K2: `kv_lora_rank`), whose compressed cache kvprof does not split."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError):
-        return  # the load itself refuses it, with its reason
-    if getattr(config, "kv_lora_rank", None):
-        raise KvprofError(
-            f"model {name!r} ({config.model_type}) uses multi-head latent attention, which caches a compressed latent "
-            "per token rather than K and V per head; kvprof does not profile such models yet, so pick a model with "
-            "per-head K/V caches."
-        )
-
-
 def check_layers(model) -> None:
     """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer without attention
     (a hybrid's recurrent layer, `kvprof.lora.attention_of`), attention layers of different head sizes (Gemma 4's
@@ -173,7 +157,6 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
     from transformers import AutoModelForCausalLM
 
     check_model_path(name)
-    check_attention_kind(name)
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
@@ -190,10 +173,27 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
         ) from None
     check_layers(model)
     try:
-        return model.to(device).eval()
+        model = model.to(device).eval()
     except torch.OutOfMemoryError:
         raise KvprofError(
             f"model {name!r} does not fit in {device} memory; use --dtype bfloat16, a smaller model, or --device cpu."
+        ) from None
+    check_forward(model, name)
+    return model
+
+
+def check_forward(model, name: str) -> None:
+    """Refuse in one sentence a model that cannot run its own forward pass on a few tokens (a config that does not
+    match its modeling code: head sizes, head counts, expert groups), before any command relies on it."""
+    ids = torch.arange(1, 5, device=next(model.parameters()).device)[None] % model.config.vocab_size
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids)
+    except (RuntimeError, ValueError, IndexError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise KvprofError(
+            f"model {name!r} fails its own forward pass on 4 tokens ({type(err).__name__}: {reason}); its "
+            "config.json does not match its modeling code (head sizes, head counts, expert groups): fix the config."
         ) from None
 
 
@@ -368,6 +368,13 @@ class AgentSet:
         from kvprof.layers import layer_kinds
 
         return layer_kinds(self.base_model, self.ropes)
+
+    @functools.cached_property
+    def latent(self) -> dict[int, LatentShape]:
+        """The layers that cache a multi-head latent attention latent, by index (`kvprof.latent`)."""
+        from kvprof.latent import latent_layers
+
+        return latent_layers(self.base_model)
 
     @contextlib.contextmanager
     def activate(self, agent: str | None) -> Iterator[None]:

@@ -221,13 +221,21 @@ def _shifted_keys(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the float32 keys of a probe input at positions 0.. and at positions `PROBE_SHIFT`.."""
     from transformers import DynamicCache
 
+    from kvprof.latent import latent_layers, oriented
+
+    latent = latent_layers(model)
     device = next(model.parameters()).device
     ids = torch.arange(1, PROBE_TOKENS + 1, device=device)[None] % model.config.vocab_size
     keys = []
     for start in (0, PROBE_SHIFT):
         positions = torch.arange(start, start + PROBE_TOKENS, device=device)[None]
         with torch.inference_mode():
-            out = model(input_ids=ids, position_ids=positions, cache=DynamicCache(config=model.config), use_cache=True)
+            out = model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=oriented(DynamicCache(config=model.config), latent),
+                use_cache=True,
+            )
         keys.append([layer.keys.float() for layer in out.cache.layers])
     return list(zip(*keys))
 

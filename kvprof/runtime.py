@@ -21,6 +21,7 @@ from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, KVBuffer, Rewrite
+from kvprof.latent import cache_dims
 from kvprof.lora import (
     HiddenTap,
     LayerSplit,
@@ -29,7 +30,7 @@ from kvprof.lora import (
     key_norms,
     layer_splits,
 )
-from kvprof.model import AgentSet, head_dim, kv_heads
+from kvprof.model import AgentSet, head_dim
 from kvprof.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Trajectory
@@ -97,8 +98,10 @@ class Runtime:
         self.model = agents.model
         config = agents.config
         self.num_layers = config.num_hidden_layers
-        self.kv_heads = kv_heads(config)
-        self.head_dim = head_dim(config)
+        self.latent = agents.latent
+        # Per layer K (B, H_kv, L, D_k) and V (B, H_kv, L, D_v): D_k = D_v = D, or an MLA layer's k_rot and latent
+        self.kv_heads, self.key_dim, self.value_dim = cache_dims(config, self.latent)
+        self.head_dim = head_dim(config)  # of the queries
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
         self.ropes = agents.ropes
@@ -148,8 +151,9 @@ class Runtime:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take in the cache, over all layers: 2·layers·H_kv·D·itemsize."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes one token's K and V take in the cache, over all layers: layers·H_kv·(D_k + D_v)·itemsize (an MLA
+        model's latent and RoPE key, as engines hold them)."""
+        return self.num_layers * self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
 
     @property
     def hidden_bytes_per_token(self) -> int:
@@ -224,7 +228,7 @@ class Runtime:
         `spare` more tokens; the model's appends write in place (`kvprof.kv_buffer`; then `rewrite` may overwrite
         them), the inputs stay untouched."""
         buffers = [KVBuffer.of(keys, values, spare) for keys, values in layers]
-        return BufferCache(buffers, int(layers[0][0].shape[2]), rewrite)
+        return self.buffer_cache(buffers, int(layers[0][0].shape[2]), rewrite)
 
     def cache_over(
         self, kv: list[KV], buffers: list[KVBuffer] | None, spare: int = 0, rewrite: Rewrite | None = None
@@ -234,7 +238,12 @@ class Runtime:
         (`cache_from`) with room for `spare` more tokens. `rewrite`: see `kvprof.kv_buffer.Rewrite`."""
         if buffers is None or not self.fast_paths:
             return self.cache_from(kv, spare, rewrite)
-        return BufferCache(buffers, int(kv[0][0].shape[2]), rewrite)
+        return self.buffer_cache(buffers, int(kv[0][0].shape[2]), rewrite)
+
+    def buffer_cache(self, buffers: list[KVBuffer], length: int, rewrite: Rewrite | None = None) -> BufferCache:
+        """A cache over `buffers` whose first `length` tokens are the context, appended in place; MLA layers in
+        kvprof's order (`kvprof.latent`)."""
+        return BufferCache(buffers, length, rewrite, self.latent)
 
     @staticmethod
     def buffers_of(cache: BufferCache) -> list[KVBuffer]:
@@ -242,8 +251,9 @@ class Runtime:
         return [layer.buffer for layer in cache.layers]
 
     def empty_kv(self, batch: int = 1) -> list[KV]:
-        empty = torch.zeros(batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-        return [(empty, empty) for _ in range(self.num_layers)]
+        keys = torch.zeros(batch, self.kv_heads, 0, self.key_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros(batch, self.kv_heads, 0, self.value_dim, dtype=self.dtype, device=self.device)
+        return [(keys, values) for _ in range(self.num_layers)]
 
     @staticmethod
     def kv_of(cache: DynamicCache) -> list[KV]:

@@ -38,6 +38,19 @@ from kvprof.lora import attention_of, decoder_layers
 AGENTS = ("plan", "act", "reflect")
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi", "phi3")
 MISTRAL_WINDOW = 4096  # tokens; longer than any sequence the tiny world produces
+# A tiny multi-head latent attention layer (DeepSeek V3, Kimi K2): a 32-channel cached latent, an 8-channel RoPE
+# key, 16-channel heads, each query head its own expanded key and value head (as the real configs have it), one
+# expert group
+MLA_SIZES = dict(
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    n_group=1,
+    topk_group=1,
+)
 BIAS_STD = 0.1  # of the random q/k/v biases, comparable to X·W0 (std ≈ 0.16 in the tiny model)
 CORPUS = [
     "Question: Where was the father of Kalomir born? plan: search Kalomir, then his father.",

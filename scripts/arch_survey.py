@@ -35,7 +35,7 @@ def configure(arch: str, window: int = LONG_WINDOW):
     attention chunk of `window` tokens where the architecture has one."""
     from transformers import CONFIG_MAPPING
 
-    from kvprof.tiny import tiny_sizes
+    from kvprof.tiny import MLA_SIZES, tiny_sizes
 
     config_class = CONFIG_MAPPING[arch]
     defaults = config_class()
@@ -50,12 +50,19 @@ def configure(arch: str, window: int = LONG_WINDOW):
         sizes = tiny_sizes(vocab, eos, layers=pattern_layers(defaults))
         if not has("num_key_value_heads"):  # no grouped-query attention
             del sizes["num_key_value_heads"]
-        if has("head_dim") and not isinstance(getattr(config_class, "head_dim", None), property):
+        if has("kv_lora_rank"):  # multi-head latent attention: its own head sizes, head_dim derived from them
+            sizes.update(MLA_SIZES)
+        elif has("head_dim") and not isinstance(getattr(config_class, "head_dim", None), property):
             sizes["head_dim"] = 16
         for name in ("sliding_window", "attention_chunk_size"):
             if getattr(defaults, name, None):
                 sizes[name] = window
-        for name, value in (("num_local_experts", 4), ("num_experts", 4), ("num_experts_per_tok", 2)):
+        for name, value in (
+            ("num_local_experts", 4),
+            ("num_experts", 4),
+            ("n_routed_experts", 4),
+            ("num_experts_per_tok", 2),
+        ):
             if has(name):
                 sizes[name] = value
         if has("moe_intermediate_size"):

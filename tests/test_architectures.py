@@ -250,9 +250,9 @@ def test_prompt_capture_rank_analysis_and_replay(world, run_cli, tmp_path):
     _check_selective_recompute_at_ratio_one(run_cli, trace, tmp_path / "recompute")
 
 
-def test_a_model_with_latent_attention_is_refused_in_one_sentence(run_cli, tmp_path):
-    """DeepSeek V3's multi-head latent attention (Kimi K2's too) crashed capture with a traceback; it is refused at
-    load in one sentence, exit 2."""
+def test_a_config_its_model_cannot_run_is_refused_in_one_sentence(run_cli, tmp_path):
+    """The first survey's DeepSeek V3 config (a 16-channel head_dim against its default 64-channel RoPE key) crashed
+    capture with a traceback inside the model's own forward; kvprof refuses it at load in one sentence, exit 2."""
     from transformers import DeepseekV3Config
 
     from kvprof.tiny import tiny_sizes
@@ -266,7 +266,7 @@ def test_a_model_with_latent_attention_is_refused_in_one_sentence(run_cli, tmp_p
         "capture", "--model", world.model, "--workflow", world.lora_workflow, "--tasks", world.tasks,
         "--limit", "1", "--out", tmp_path / "capture", *DEVICE,
     )  # fmt: skip
-    assert code == 2 and "multi-head latent attention" in err and "Traceback" not in err
+    assert code == 2 and "fails its own forward pass" in err and "Traceback" not in err
 
 
 def test_a_hybrid_model_is_refused_in_one_sentence(run_cli, prompt_trace, tmp_path):

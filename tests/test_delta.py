@@ -118,7 +118,7 @@ def test_pool_bytes_equal_the_formula(pools, agents, rank):
     full = pools[0]
     pool = full if rank is None else truncated(full, rank)
     runtime = Runtime(agents)
-    shape = (runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize)
+    shape = (runtime.num_layers, runtime.kv_heads, (runtime.key_dim, runtime.value_dim), runtime.dtype.itemsize)
     assert pool.nbytes() == pool.analytic_bytes(*shape) > 0
     lengths = {a.length for anchors in pool.slots.values() for a in anchors}
     assert min(lengths) < 4 < max(lengths)  # segments shorter and longer than the rank: both branches of r_eff

@@ -1,7 +1,8 @@
 """Models whose layers differ, through the command line on tiny worlds of their own config classes: Gemma 3 (five
-local layers with a 24-token sliding window and their own RoPE base, then a global layer) and Llama 4 (chunked
-attention in 24-token chunks, NoPE every fourth layer, an L2 key norm after RoPE), on traces longer than the window.
-kvprof reads each layer's kind and RoPE from the model, captures as peft generates, and replays against the oracles:
+local layers with a 24-token sliding window and their own RoPE base, then a global layer), Llama 4 (chunked
+attention in 24-token chunks, NoPE every fourth layer, an L2 key norm after RoPE), on traces longer than the window,
+and DeepSeek V3 (multi-head latent attention: a cached latent and RoPE key, LoRA on its MLA projections). kvprof
+reads each layer's kind and RoPE from the model, captures as peft generates, and replays against the oracles:
 NonShared exact, the selective policies at ratio 1 the dense run, the low-rank split exact or refused in one
 sentence."""
 
@@ -12,7 +13,7 @@ import json
 import pytest
 from peft_oracle import assert_peft_generations
 
-from kvprof.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
+from kvprof.tiny import AGENTS, MLA_SIZES, TinyWorld, build_tiny_world, tiny_sizes
 from kvprof.trace import read_trace
 
 WINDOW = 24  # tokens of a sliding window or an attention chunk: shorter than every trace's inputs
@@ -32,6 +33,15 @@ def llama4(vocab: int, eos: int):
     return Llama4TextConfig(**sizes, head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2)
 
 
+def deepseek_v3(vocab: int, eos: int):
+    from transformers import DeepseekV3Config
+
+    sizes = tiny_sizes(vocab, eos) | MLA_SIZES | {"moe_intermediate_size": 32, "n_routed_experts": 4}
+    return DeepseekV3Config(**sizes, num_experts_per_tok=2)
+
+
+LATENT, ROPE_KEY = MLA_SIZES["kv_lora_rank"], MLA_SIZES["qk_rope_head_dim"]  # channels of the latent and RoPE key
+
 # architecture → (its config, each layer's kind as `kvprof.layers.describe_layers` names them)
 WORLDS = {
     "gemma3": (
@@ -43,7 +53,12 @@ WORLDS = {
         llama4,
         f"chunked attention, W = {WINDOW}, rope interleaved: layers 0–2; full attention, NoPE: layer 3",
     ),
+    "deepseek_v3": (
+        deepseek_v3,
+        f"all 2 layers: multi-head latent full attention (latent C = {LATENT} + RoPE key R = {ROPE_KEY}), rope",
+    ),
 }
+ATTENTION = {"gemma3": ["sliding"] * 5 + ["full"], "llama4": ["chunked"] * 3 + ["full"], "deepseek_v3": ["full"] * 2}
 
 
 @pytest.fixture(scope="module", params=list(WORLDS))
@@ -90,18 +105,16 @@ def test_every_policy_replays_against_its_oracle(world, mode, run_cli, tmp_path)
     trace, _ = _capture(run_cli, tiny, getattr(tiny, f"{mode}_workflow"), tmp_path / "capture")
     result = _replay(run_cli, trace, tmp_path / "all", "--policy", "all")
     assert result["dense"]["summary"]["trace_agreement"] == 1.0
-    assert [kind["attention"] for kind in result["layers"]] == (
-        ["sliding"] * 5 + ["full"] if name == "gemma3" else ["chunked"] * 3 + ["full"]
-    )
+    assert [kind["attention"] for kind in result["layers"]] == ATTENTION[name]
     nonshared = result["policies"]["nonshared"]["summary"]
     assert nonshared["k_error"] == 0.0 and nonshared["v_error"] == 0.0
     assert result["policies"]["fullshared"]["summary"]["k_error"] > 0
-    flags = [arg for policy in ("cacheblend", "droidspeak", "relaycaching") for arg in ("--policy", policy)]
-    flags += [
-        arg
-        for policy in ("cacheblend", "droidspeak", "relaycaching")
-        for arg in ("--policy-option", f"{policy}.ratio=1")
-    ]
+    selective = ["cacheblend", "droidspeak", "relaycaching"]
+    if name == "deepseek_v3":  # RelayCaching scores queries against per-head keys, which MLA does not cache
+        code, _, err = run_cli("replay", trace, "--policy", selective.pop(), "--out", tmp_path / "relay", *DEVICE)
+        assert code == 2 and "multi-head latent attention layer" in err and "Traceback" not in err
+    flags = [arg for policy in selective for arg in ("--policy", policy)]
+    flags += [arg for policy in selective for arg in ("--policy-option", f"{policy}.ratio=1")]
     for label, entry in _replay(run_cli, trace, tmp_path / "ratio1", *flags)["policies"].items():
         summary = entry["summary"]
         assert summary["recompute_ratio"] == 1.0, label
@@ -110,15 +123,16 @@ def test_every_policy_replays_against_its_oracle(world, mode, run_cli, tmp_path)
 
 def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
     """With one adapter for every agent: on Gemma 3 (a key norm in every layer, before RoPE) BaseShared is the
-    dense run and PreLRShared FullShared's turns; Llama 4 normalises keys in its RoPE layers only, which the split
-    refuses in one sentence."""
+    dense run and PreLRShared FullShared's turns; Llama 4 normalises keys in its RoPE layers only, and DeepSeek V3's
+    latent is a norm of its projection, which the split refuses in one sentence."""
     name, tiny = world
     trace, _ = _capture(run_cli, tiny, tiny.lora_workflow, tmp_path / "capture")
     same = [arg for agent in AGENTS for arg in ("--agent", f"{agent}={tiny.adapter('act')}")]
     policies = ("--policy", "baseshared", "--policy", "prelrshared", "--policy", "fullshared")
-    if name == "llama4":
+    refusal = {"llama4": "normalises keys in some layers only", "deepseek_v3": "multi-head latent attention layer"}
+    if name in refusal:
         code, _, err = run_cli("replay", trace, *policies, *same, "--repeats", "1", "--out", tmp_path / "r", *DEVICE)
-        assert code == 2 and "normalises keys in some layers only" in err and "Traceback" not in err
+        assert code == 2 and refusal[name] in err and "Traceback" not in err
         return
     result = _replay(run_cli, trace, tmp_path / "same", *policies, *same)["policies"]
     base = result["baseshared-code"]["summary"]

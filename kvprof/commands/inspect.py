@@ -30,7 +30,8 @@ def command(
         typer.Option(
             "--model",
             help="Also check that this model's tokenizer is the one the trace was captured with, and name its layers "
-            "by kind: full, sliding-window or chunked attention, and each layer's RoPE or none (loads the model).",
+            "by kind: full, sliding-window or chunked attention, multi-head latent attention, and each layer's RoPE or "
+            "none (loads the model).",
         ),
     ] = None,
     divergences: Annotated[

@@ -83,14 +83,14 @@ def chunk_attention(
 ) -> torch.Tensor:
     """Bottom-right causal attention of a chunk after a cache.
 
-    query (B, H_q, Lq, D); key, value (B, H_kv, Lk, D) with Lk > Lq: the last Lq keys are the chunk's own.
-    Returns (B, H_q, Lq, D) in the query's dtype.
+    query (B, H_q, Lq, D); key (B, H_kv, Lk, D), value (B, H_kv, Lk, D_v) with Lk > Lq: the last Lq keys are the
+    chunk's own. Returns (B, H_q, Lq, D_v) in the query's dtype.
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
     cached = kv_len - q_len
-    if query.device.type != "cpu":
+    if query.device.type != "cpu" or value.shape[-1] != head_dim:  # CPU flash attention needs D_v = D (not MLA)
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(cached)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -140,7 +140,7 @@ def scattered_attention(
     groups = q_heads // kv_heads
     if q_len > 1 and not bool((positions[1:] > positions[:-1]).all()):
         raise ValueError("scattered_attention needs increasing query positions")
-    if query.device.type != "cpu":
+    if query.device.type != "cpu" or value.shape[-1] != head_dim:  # CPU flash attention needs D_v = D (not MLA)
         keys = torch.arange(key.shape[2], device=query.device)
         mask = keys[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)

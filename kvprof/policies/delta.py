@@ -58,7 +58,7 @@ import torch
 
 from kvprof.anchors import AnchorPool, Match, mixed_delta
 from kvprof.errors import KvprofError
-from kvprof.kv_buffer import BufferCache, KVBuffer
+from kvprof.kv_buffer import KVBuffer
 from kvprof.model import tokenizer_identity
 from kvprof.policies.base import Chunk, Context, Option, SharingPolicy, positive_int, unit_interval
 from kvprof.reuse import MovedSpan
@@ -136,12 +136,19 @@ class SegmentLog:
 FITTED = "fitted:"  # what the names of a loaded pool's anchors start with (the replay's own start "replay:")
 
 
+def pool_shape(runtime: Runtime) -> tuple[int, ...]:
+    """A pool's tensors' model shape: (layers, H_kv, D), or (layers, H_kv, D_k, D_v) when K and V differ (an MLA
+    model's RoPE keys and latents)."""
+    dims = (runtime.key_dim,) if runtime.key_dim == runtime.value_dim else (runtime.key_dim, runtime.value_dim)
+    return (runtime.num_layers, runtime.kv_heads, *dims)
+
+
 def pool_identity(runtime: Runtime) -> dict:
     """What a pool must have been fitted on to be used: the model's name and shapes, and the tokenizer."""
     agents = runtime.agents
     return {
         "model": agents.model_name,
-        "shape": f"{runtime.num_layers}x{runtime.kv_heads}x{runtime.head_dim}",
+        "shape": "x".join(map(str, pool_shape(runtime))),
         "tokenizer": tokenizer_identity(agents.tokenizer)["fingerprint"],
         "dtype": str(runtime.dtype).removeprefix("torch."),
     }
@@ -547,7 +554,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
             if segment.start > position:
                 at = prefix_len + position
                 piece = context.shared[position : segment.start]
-                runtime.forward(agent, piece, BufferCache(buffers, at), at, last_logits_only=True)
+                runtime.forward(agent, piece, runtime.buffer_cache(buffers, at), at, last_logits_only=True)
                 context.extra_prefill += len(piece)
                 context.extra_flops += runtime.flops(len(piece), at)
             self.write_corrected(agent, decision, buffers, context, 1)
@@ -591,7 +598,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         runtime = self.runtime
         start, end = segments[0].start, segments[-1].end
         at = len(runtime.prefix(agent)) + start
-        runtime.forward(agent, context.shared[start:end], BufferCache(buffers, at), at, last_logits_only=True)
+        runtime.forward(agent, context.shared[start:end], runtime.buffer_cache(buffers, at), at, last_logits_only=True)
         context.extra_prefill += end - start
         context.extra_flops += runtime.flops(end - start, at)
         context.recomputed += (end - start) * runtime.num_layers
@@ -686,6 +693,6 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
             )
         assert self.pool is not None
         sizes["anchor pool"] = self.pool.analytic_bytes(
-            runtime.num_layers, runtime.kv_heads, runtime.head_dim, runtime.dtype.itemsize
+            runtime.num_layers, runtime.kv_heads, (runtime.key_dim, runtime.value_dim), runtime.dtype.itemsize
         )
         return sizes

@@ -166,9 +166,8 @@ def extend_over_moved(
             continue
         if span.begin > position and placeholders:
             for layer in cache.layers:
-                shape = (*layer.keys.shape[:2], span.begin - position, layer.keys.shape[-1])
-                empty = layer.keys.new_zeros(shape)
-                layer.update(empty, empty)
+                count = span.begin - position
+                layer.append(*(t.new_zeros((*t.shape[:2], count, t.shape[-1])) for t in (layer.keys, layer.values)))
             done.placeholders.append((position, span.begin))
         elif span.begin > position:
             piece, start = shared[position : span.begin], prefix_len + position
@@ -182,7 +181,7 @@ def extend_over_moved(
             done.computed += len(piece)
         kv, flops = (span_kv or store_span_kv(runtime, store))(span, prefix_len + span.begin)
         for layer, (keys, values) in zip(cache.layers, kv):
-            layer.update(keys, values)
+            layer.append(keys, values)
         done.flops += flops
         done.moved += len(span)
         done.spans.append((span.begin, span.end))

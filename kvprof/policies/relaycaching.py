@@ -79,6 +79,12 @@ class RelayCaching(SelectiveRecompute):
         check, skip = self.layer_setting("check_layer"), self.layer_setting("skip_layers")
         self.check_layer_option(runtime, "check_layer", check)
         self.check_layer_option(runtime, "check_layer + skip_layers", check + skip)
+        if check in runtime.latent:
+            raise KvprofError(
+                f"policy {self.name} scores tokens by the check layer's queries against its cached keys per head, and "
+                f"layer {check} of model {runtime.agents.base_model.config.name_or_path!r} is a multi-head latent "
+                "attention layer, which caches a latent rather than keys per head; pick another policy."
+            )
         if query_projection(attention_of(self.stack.layers[check], check)) is None:
             raise KvprofError(
                 f"policy {self.name} measures attention influence from the check layer's queries, and model "

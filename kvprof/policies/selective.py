@@ -46,6 +46,7 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
 from kvprof.kv_buffer import KVBuffer
+from kvprof.latent import MLA_PROJECTIONS
 from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
 from kvprof.model import head_dim
 from kvprof.policies.base import Option, unit_interval
@@ -76,6 +77,9 @@ def select_top(scores: torch.Tensor, count: int) -> torch.Tensor:
     return ranked[:count].sort().values
 
 
+PROJECTIONS = (*QKV, *MLA_PROJECTIONS, FUSED_QKV, "query_key_value")  # the attention's input projections
+
+
 class LayerStack:
     """The model's input embeddings, decoder layers and rotary embedding, for forwards one layer at a time.
 
@@ -103,12 +107,13 @@ class LayerStack:
             sum(
                 p.numel()
                 for name, p in attention_of(layer, index).named_parameters()
-                if p.dim() == 2 and "lora_" not in name and name.split(".")[0] in (*QKV, FUSED_QKV, "query_key_value")
+                if p.dim() == 2 and "lora_" not in name and name.split(".")[0] in PROJECTIONS
             )
             for index, layer in enumerate(self.layers)
         ]
         self.cache_argument = self._cache_argument()
         self.kinds = runtime.agents.layer_kinds  # each layer's attention: full, sliding or chunked, its W
+        self.latent = runtime.latent  # the MLA layers
         self.position_scaled = [position_scale_floor(attention_of(layer, i)) for i, layer in enumerate(self.layers)]
         self._check_embeddings()
 
@@ -172,22 +177,28 @@ class LayerCache:
     (`check_position_scaling`)."""
 
     positions: torch.Tensor
+    latent: bool  # an MLA layer: the model passes and reads (latent, k_rot), kvprof holds (k_rot, latent)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.positions[0])
+
+    def swapped(self, first: torch.Tensor, second: torch.Tensor) -> KV:
+        """(K, V) in kvprof's order from the model's, or back (`kvprof.latent`)."""
+        return (second, first) if self.latent else (first, second)
 
 
 class ScatterCache(LayerCache):
     """A one-layer stand-in for the model's cache: `update` writes the layer's new K/V (1, H_kv, m, D) at cache
     `positions` (m,) of the blended `keys` / `values` (1, H_kv, T, D) and returns all T of them."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
-        self.keys, self.values, self.positions = keys, values, positions
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, latent: bool = False):
+        self.keys, self.values, self.positions, self.latent = keys, values, positions, latent
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> KV:
+        keys, values = self.swapped(keys, values)
         self.keys.index_copy_(2, self.positions, keys)
         self.values.index_copy_(2, self.positions, values)
-        return self.keys, self.values
+        return self.swapped(self.keys, self.values)
 
 
 class _Projected(Exception):
@@ -201,11 +212,11 @@ class ProbeCache(LayerCache):
     keys: torch.Tensor
     values: torch.Tensor
 
-    def __init__(self, positions: torch.Tensor):
-        self.positions = positions
+    def __init__(self, positions: torch.Tensor, latent: bool = False):
+        self.positions, self.latent = positions, latent
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> KV:
-        self.keys, self.values = keys, values
+        self.keys, self.values = self.swapped(keys, values)
         raise _Projected
 
 
@@ -300,7 +311,7 @@ class Blend:
                 hidden,
                 attention_mask=mask,
                 position_ids=positions[None],
-                **{self.stack.cache_argument: ScatterCache(keys, values, positions)},
+                **{self.stack.cache_argument: ScatterCache(keys, values, positions, index in self.stack.latent)},
                 use_cache=True,
                 position_embeddings=self.stack.position_embeddings(index, hidden, positions),
             )
@@ -348,7 +359,7 @@ class Blend:
             module, width = projection
             handle = module.register_forward_hook(lambda module, args, out: outputs.append(out[..., :width]))
         check_position_scaling(self.stack.position_scaled[index], index, positions)
-        cache = ProbeCache(positions)
+        cache = ProbeCache(positions, index in self.stack.latent)
         try:
             layer(
                 hidden,
@@ -371,8 +382,9 @@ def query_projection(attention: torch.nn.Module) -> tuple[torch.nn.Module, int] 
     `q_proj` (all of them), or Phi-3's fused `qkv_proj` (the first H_q·D); None for any other layout."""
     width = attention.config.num_attention_heads * head_dim(attention.config)
     for name in ("q_proj", FUSED_QKV):
-        if hasattr(attention, name):
-            return getattr(attention, name), width
+        module = getattr(attention, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module, width
     return None
 
 
