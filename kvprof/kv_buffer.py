@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 GROWTH = 1.5  # capacity multiplier when a buffer is full
 HEADROOM = 256  # slots allocated beyond what is asked for: a turn's output tokens fit without regrowing
@@ -135,6 +135,10 @@ class KVBuffer:
     def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.view(end), self.values.view(end)
 
+    def cache_layer(self, length: int, index: int, rewrite: Rewrite | None, latent: bool) -> CacheLayerMixin:
+        """The cache layer the model updates for decoder layer `index`, over this buffer's first `length` tokens."""
+        return BufferLayer(self, length, index, rewrite, latent)
+
 
 Rewrite = Callable[[int, "KVBuffer", int, int], None]
 """`rewrite(layer, buffer, start, count)`: called by a `BufferLayer` after it wrote a forward's `count` new tokens at
@@ -191,7 +195,7 @@ class BufferLayer(DynamicLayer):
 class BufferCache(DynamicCache):
     """A `DynamicCache` whose layer i appends in place to `buffers[i]` after the first `length` tokens (each
     forward's new tokens passed to `rewrite` once written, when given); the layers in `latent` are MLA layers
-    (`BufferLayer`)."""
+    (`BufferLayer`); a hybrid's recurrent layer continues from its buffer's state (`kvprof.recurrent.StateBuffer`)."""
 
     def __init__(
         self,
@@ -203,6 +207,6 @@ class BufferCache(DynamicCache):
         Cache.__init__(
             self,
             layers=[
-                BufferLayer(buffer, length, index, rewrite, index in latent) for index, buffer in enumerate(buffers)
+                buffer.cache_layer(length, index, rewrite, index in latent) for index, buffer in enumerate(buffers)
             ],
         )

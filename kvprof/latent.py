@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvprof.lora import attention_of, decoder_layers
+from kvprof.lora import attention_of, decoder_layers, recurrent_of
 
 MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # an MLA layer's, before o_proj
 
@@ -45,6 +45,8 @@ def latent_layers(model) -> dict[int, LatentShape]:
     """The decoder layers of `model` that cache an MLA latent, by index, with their `LatentShape`."""
     shapes = {}
     for index, layer in enumerate(decoder_layers(model)):
+        if recurrent_of(layer) is not None:
+            continue
         shape = latent_shape(attention_of(layer, index))
         if shape is not None:
             shapes[index] = shape

@@ -5,9 +5,10 @@ Cohere 2's local layers; its attention module's `sliding_window`), or within chu
 `attention_chunk_size`); its keys carry RoPE (one RoPE for every layer, or one per layer type as in Gemma 3's local
 and global layers) or no position at all (NoPE: SmolLM3's and Llama 4's every fourth layer, Cohere 2's global
 layers), as `kvprof.rope.model_ropes` finds by shifting an input. A multi-head latent attention layer (DeepSeek V3,
-Kimi K2) caches one latent and one RoPE key per token instead of K and V per head (`kvprof.latent`). What sharing a
-layer's cache means depends on all of these: a window layer attends only to what its window holds, and a key moves
-by its own layer's rotation or not at all.
+Kimi K2) caches one latent and one RoPE key per token instead of K and V per head (`kvprof.latent`); a hybrid's
+recurrent layer keeps a state and no per-token cache (`kvprof.recurrent`). What sharing a layer's cache means
+depends on all of these: a window layer attends only to what its window holds, a key moves by its own layer's
+rotation or not at all, and a state is its own sequence's only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvprof.latent import latent_shape
-from kvprof.lora import attention_of, decoder_layers
+from kvprof.lora import attention_of, decoder_layers, recurrent_of
 from kvprof.rope import LayerRopes
 
 
@@ -23,7 +24,9 @@ from kvprof.rope import LayerRopes
 class LayerKind:
     """One decoder layer: `attention` "full", "sliding" or "chunked" with its `window` W (tokens; None for full),
     `position`, its keys' RoPE as `LayerRopes.names` names it ("rope", "rope (<layer type>)" or "NoPE"), and
-    `latent`: for a multi-head latent attention layer what it caches per token (`kvprof.latent`), else None."""
+    `latent`: for a multi-head latent attention layer what it caches per token (`kvprof.latent`), else None. A
+    hybrid's recurrent layer has `attention` "recurrent" and its token mixer as `position` (`linear_attn`, `mamba`,
+    `conv`)."""
 
     attention: str
     window: int | None
@@ -31,6 +34,8 @@ class LayerKind:
     latent: str | None = None
 
     def describe(self) -> str:
+        if self.attention == "recurrent":
+            return f"recurrent ({self.position}: a state, no K/V per token)"
         attention = "full attention" if self.window is None else f"{self.attention} attention, W = {self.window}"
         if self.latent is not None:
             attention = f"multi-head latent {attention} ({self.latent})"
@@ -50,6 +55,10 @@ def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
     configured = getattr(config, "sliding_window", None)
     kinds = []
     for index, layer in enumerate(decoder_layers(model)):
+        mixer = recurrent_of(layer)
+        if mixer is not None:
+            kinds.append(LayerKind("recurrent", None, mixer))
+            continue
         attention_module = attention_of(layer, index)
         if hasattr(attention_module, "sliding_window"):
             window = attention_module.sliding_window

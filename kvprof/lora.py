@@ -217,18 +217,32 @@ ATTENTION_NAMES = ("self_attn", "attention", "attn")  # a decoder layer's attent
 RECURRENT_NAMES = ("linear_attn", "mamba", "conv", "mixer")  # a hybrid's recurrent layer: Qwen 3.5, Granite 4, LFM2
 
 
+def recurrent_of(layer: torch.nn.Module) -> str | None:
+    """The name of a hybrid's recurrent decoder layer's token mixer (`linear_attn`, `mamba`, `conv`, `mixer`), None
+    for a layer that holds an attention module."""
+    if any(isinstance(getattr(layer, name, None), torch.nn.Module) for name in ATTENTION_NAMES):
+        return None
+    return next((name for name, _ in layer.named_children() if name in RECURRENT_NAMES), None)
+
+
+def mixer_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """Decoder layer `index`'s token mixer: its attention module, or a hybrid's recurrent module in its place."""
+    recurrent = recurrent_of(layer)
+    return getattr(layer, recurrent) if recurrent is not None else attention_of(layer, index)
+
+
 def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
-    """The attention module of decoder layer `index` (`self_attn` in Llama-style decoders, `attention` in GPT-NeoX)."""
+    """The attention module of decoder layer `index` (`self_attn` in Llama-style decoders, `attention` in GPT-NeoX).
+    Refuses a layer without one (a hybrid's recurrent layer: callers that walk every layer skip those first)."""
     for name in ATTENTION_NAMES:
         module = getattr(layer, name, None)
         if isinstance(module, torch.nn.Module):
             return module
-    recurrent = [name for name, _ in layer.named_children() if name in RECURRENT_NAMES]
-    if recurrent:
+    recurrent = recurrent_of(layer)
+    if recurrent is not None:
         raise KvprofError(
-            f"decoder layer {index} is a recurrent layer ({recurrent[0]}: linear attention, a state space or a short "
-            "convolution), which keeps a state rather than a K/V cache per token; kvprof does not profile hybrid "
-            "models yet, so pick a model whose layers all attend."
+            f"decoder layer {index} is a recurrent layer ({recurrent}: linear attention, a state space or a short "
+            "convolution), which keeps a state rather than a K/V cache per token, and kvprof needed its attention."
         )
     raise KvprofError(
         f"decoder layer {index} has no attention module ({', '.join(ATTENTION_NAMES)}); kvprof supports decoders "
@@ -291,6 +305,8 @@ class HiddenTap:
         self.down: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in self.layers]
         try:  # GPT-NeoX's per-head interleaved query_key_value has no k/v outputs to tap (the split refuses it)
             for index, layer in enumerate(self.layers):
+                if recurrent_of(layer) is not None:  # a hybrid's: the split refuses it
+                    raise KvprofError(f"layer {index} is recurrent")
                 for name in CACHED_PROJECTIONS:
                     projection_columns(attention_of(layer, index), name, index)
             self.taps_projections = True
@@ -330,7 +346,7 @@ class HiddenTap:
         handles = [
             module.register_forward_pre_hook(hook(target, i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
-            for module, target in ((attention_of(layer, i), self.hidden), (layer, self.residual))
+            for module, target in ((mixer_of(layer, i), self.hidden), (layer, self.residual))
         ]
         if self.taps_projections:
             handles += [handle for i, layer in enumerate(self.layers) for handle in self._projection_hooks(i, layer)]

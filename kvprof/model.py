@@ -128,13 +128,15 @@ def tokenizer_identity(tokenizer) -> dict:
 
 
 def check_layers(model) -> None:
-    """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer without attention
-    (a hybrid's recurrent layer, `kvprof.lora.attention_of`), attention layers of different head sizes (Gemma 4's
-    local and global layers), or layers that read another layer's cache (Gemma 4's KV-shared layers)."""
-    from kvprof.lora import attention_of, decoder_layers
+    """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer with neither
+    attention nor a recurrent token mixer (`kvprof.lora.attention_of`), attention layers of different head sizes
+    (Gemma 4's local and global layers), or layers that read another layer's cache (Gemma 4's KV-shared layers)."""
+    from kvprof.lora import attention_of, decoder_layers, recurrent_of
 
     sizes: set[int] = set()
     for index, layer in enumerate(decoder_layers(model)):
+        if recurrent_of(layer) is not None:
+            continue
         size = getattr(attention_of(layer, index), "head_dim", None)
         if isinstance(size, int):
             sizes.add(size)
@@ -368,6 +370,13 @@ class AgentSet:
         from kvprof.layers import layer_kinds
 
         return layer_kinds(self.base_model, self.ropes)
+
+    @functools.cached_property
+    def recurrent(self) -> dict[int, str]:
+        """A hybrid model's recurrent layers, by index, with their token mixer's name (`kvprof.recurrent`)."""
+        from kvprof.recurrent import recurrent_layers
+
+        return recurrent_layers(self.base_model)
 
     @functools.cached_property
     def latent(self) -> dict[int, LatentShape]:

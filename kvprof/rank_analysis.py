@@ -14,6 +14,8 @@ from pathlib import Path
 
 from kvprof.analysis import analyze_trace, select_agents
 from kvprof.cache import resolve_layers
+from kvprof.errors import KvprofError
+from kvprof.layers import layer_list
 from kvprof.lora import decoder_layers
 from kvprof.model import AgentSet, load_agents_for_trace
 from kvprof.trace import Trace, Trajectory, read_trace
@@ -49,6 +51,15 @@ def prepare_rank_analysis(
     names = select_agents(trace, agent_names)
     agents = load_agents_for_trace(trace_path, model=model, agent_flags=agent_flags, device=device, dtype=dtype)
     chosen = resolve_layers(layers, len(decoder_layers(agents.base_model)))
+    recurrent = agents.recurrent
+    if layers is None:  # a hybrid's attention layers: its recurrent ones cache nothing per token
+        chosen = [layer for layer in chosen if layer not in recurrent]
+    elif asked := [layer for layer in chosen if layer in recurrent]:
+        attending = [layer for layer in range(len(agents.layer_kinds)) if layer not in recurrent]
+        raise KvprofError(
+            f"layer {asked[0]} is a recurrent layer ({recurrent[asked[0]]}), which keeps a state and caches no K/V "
+            f"per token to analyse; pass --layers among the attention layers ({layer_list(attending)})."
+        )
     return RankAnalysisSetup(trace_path, trace, agents, names, chosen)
 
 

@@ -196,6 +196,10 @@ def model_ropes(model) -> LayerRopes:
     half = model.dtype != torch.float32
     layers, names = [], []
     for index, (at_start, shifted) in enumerate(shifts):
+        if at_start is None:  # a hybrid's recurrent layer: no keys
+            layers.append(NO_ROPE)
+            names.append("no keys (recurrent)")
+            continue
         errors = {
             name: _relative(rotate_keys(at_start, PROBE_SHIFT, rope), shifted)
             for name, rope in candidates.items()
@@ -212,13 +216,16 @@ def check_ropes(model, ropes: LayerRopes) -> None:
     """Refuse a model whose keys at shifted positions are not `ropes`' re-rotation of its keys, layer by layer."""
     half = model.dtype != torch.float32
     for index, (at_start, shifted) in enumerate(_shifted_keys(model)):
+        if at_start is None:
+            continue
         _accept(
             model, index, _relative(rotate_keys(at_start, PROBE_SHIFT, ropes[index]), shifted), at_start, shifted, half
         )
 
 
-def _shifted_keys(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the float32 keys of a probe input at positions 0.. and at positions `PROBE_SHIFT`.."""
+def _shifted_keys(model) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per layer, the float32 keys of a probe input at positions 0.. and at positions `PROBE_SHIFT`.. (None for a
+    hybrid's recurrent layer)."""
     from transformers import DynamicCache
 
     from kvprof.latent import latent_layers, oriented
@@ -236,7 +243,7 @@ def _shifted_keys(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
                 cache=oriented(DynamicCache(config=model.config), latent),
                 use_cache=True,
             )
-        keys.append([layer.keys.float() for layer in out.cache.layers])
+        keys.append([layer.keys.float() if hasattr(layer, "keys") else None for layer in out.cache.layers])
     return list(zip(*keys))
 
 

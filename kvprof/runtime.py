@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
-from kvprof.kv_buffer import BufferCache, KVBuffer, Rewrite
+from kvprof.kv_buffer import BufferCache, BufferLayer, KVBuffer, Rewrite
 from kvprof.latent import cache_dims
 from kvprof.lora import (
     HiddenTap,
@@ -31,6 +31,7 @@ from kvprof.lora import (
     layer_splits,
 )
 from kvprof.model import AgentSet, head_dim
+from kvprof.recurrent import LayerState, StateBuffer, StateLayer
 from kvprof.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.stopping import StopStrings, end_ids
 from kvprof.trace import Trajectory
@@ -99,6 +100,7 @@ class Runtime:
         config = agents.config
         self.num_layers = config.num_hidden_layers
         self.latent = agents.latent
+        self.recurrent = agents.recurrent  # a hybrid's recurrent layers: a state each, no K/V (`kvprof.recurrent`)
         # Per layer K (B, H_kv, L, D_k) and V (B, H_kv, L, D_v): D_k = D_v = D, or an MLA layer's k_rot and latent
         self.kv_heads, self.key_dim, self.value_dim = cache_dims(config, self.latent)
         self.head_dim = head_dim(config)  # of the queries
@@ -151,9 +153,33 @@ class Runtime:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take in the cache, over all layers: layers·H_kv·(D_k + D_v)·itemsize (an MLA
-        model's latent and RoPE key, as engines hold them)."""
-        return self.num_layers * self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
+        """Bytes one token's K and V take in the cache, over the attention layers: layers·H_kv·(D_k + D_v)·itemsize
+        (an MLA model's latent and RoPE key, as engines hold them; a hybrid's recurrent layers hold none)."""
+        layers = self.num_layers - len(self.recurrent)
+        return layers * self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
+
+    @functools.cached_property
+    def state_bytes(self) -> int:
+        """Bytes a hybrid model's recurrent layers hold for one sequence, whatever its length (0 without such
+        layers): their states after one token, measured on the model."""
+        if not self.recurrent:
+            return 0
+        cache = self.cache_from(self.empty_kv())
+        with torch.inference_mode(), self.agents.activate(None):
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=cache, use_cache=True)
+        return sum(
+            t.numel() * t.element_size() for b in self.state_buffers(self.buffers_of(cache)) for t in b.tensors()
+        )
+
+    @staticmethod
+    def state_buffers(buffers: list[KVBuffer]) -> list[StateBuffer]:
+        """The recurrent layers' `StateBuffer`s among a cache's buffers."""
+        return [buffer for buffer in buffers if isinstance(buffer, StateBuffer)]
+
+    def states_cover(self, buffers: list[KVBuffer], length: int) -> bool:
+        """Whether a cache's recurrent layers hold their state after exactly `length` tokens, so a context of that
+        length can be continued (always, for a model without recurrent layers)."""
+        return all(buffer.length == length for buffer in self.state_buffers(buffers))
 
     @property
     def hidden_bytes_per_token(self) -> int:
@@ -223,12 +249,27 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ caches
 
-    def cache_from(self, layers: list[KV], spare: int = 0, rewrite: Rewrite | None = None) -> BufferCache:
+    def cache_from(
+        self,
+        layers: list[KV],
+        spare: int = 0,
+        rewrite: Rewrite | None = None,
+        states: list[KVBuffer] | None = None,
+    ) -> BufferCache:
         """A cache holding copies of `layers[i] = (K, V)`, each (B, H_kv, L, D), in fresh buffers with room for
         `spare` more tokens; the model's appends write in place (`kvprof.kv_buffer`; then `rewrite` may overwrite
-        them), the inputs stay untouched."""
-        buffers = [KVBuffer.of(keys, values, spare) for keys, values in layers]
-        return self.buffer_cache(buffers, int(layers[0][0].shape[2]), rewrite)
+        them), the inputs stay untouched. A hybrid's recurrent layers start from their `StateBuffer` in `states`
+        (the buffers `layers` were read from), or from no state for an empty context."""
+        length = int(layers[0][0].shape[2])
+        buffers: list[KVBuffer] = []
+        for index, (keys, values) in enumerate(layers):
+            if index not in self.recurrent:
+                buffers.append(KVBuffer.of(keys, values, spare))
+            elif states is not None:
+                buffers.append(states[index])
+            else:
+                buffers.append(StateBuffer(None, 0, keys))
+        return self.buffer_cache(buffers, length, rewrite)
 
     def cache_over(
         self, kv: list[KV], buffers: list[KVBuffer] | None, spare: int = 0, rewrite: Rewrite | None = None
@@ -237,7 +278,7 @@ class Runtime:
         their first L tokens), in place — not copied, the model's appends write after them; otherwise a copy
         (`cache_from`) with room for `spare` more tokens. `rewrite`: see `kvprof.kv_buffer.Rewrite`."""
         if buffers is None or not self.fast_paths:
-            return self.cache_from(kv, spare, rewrite)
+            return self.cache_from(kv, spare, rewrite, buffers)
         return self.buffer_cache(buffers, int(kv[0][0].shape[2]), rewrite)
 
     def buffer_cache(self, buffers: list[KVBuffer], length: int, rewrite: Rewrite | None = None) -> BufferCache:
@@ -247,8 +288,14 @@ class Runtime:
 
     @staticmethod
     def buffers_of(cache: BufferCache) -> list[KVBuffer]:
-        """The buffers a cache's layers write to."""
-        return [layer.buffer for layer in cache.layers]
+        """The buffers a cache's layers write to; for a hybrid's recurrent layer, a `StateBuffer` of its state now."""
+        length = cache.get_seq_length()
+        return [
+            layer.buffer
+            if isinstance(layer, BufferLayer)
+            else StateBuffer(LayerState.of(layer), length, layer.buffer.empty)
+            for layer in cache.layers
+        ]
 
     def empty_kv(self, batch: int = 1) -> list[KV]:
         keys = torch.zeros(batch, self.kv_heads, 0, self.key_dim, dtype=self.dtype, device=self.device)
@@ -257,7 +304,12 @@ class Runtime:
 
     @staticmethod
     def kv_of(cache: DynamicCache) -> list[KV]:
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        """Per layer (K, V) of a cache (a hybrid's recurrent layers: zero-width, `kvprof.recurrent`)."""
+        length = cache.get_seq_length()
+        return [
+            layer.buffer.view(length) if isinstance(layer, StateLayer) else (layer.keys, layer.values)
+            for layer in cache.layers
+        ]
 
     # ------------------------------------------------------------------------------------------ forwards
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvprof.lora import attention_of, decoder_layers
+from kvprof.lora import attention_of, decoder_layers, recurrent_of
 
 AGENTS = ("plan", "act", "reflect")
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi", "phi3")
@@ -199,9 +199,10 @@ def build_adapter(
 
 
 def attention_targets(model) -> tuple[str, ...]:
-    """The names of the linear layers inside the first decoder layer's attention (q_proj, k_proj, v_proj, o_proj in
-    Llama; qkv_proj in Phi-3; dense in Phi), the LoRA targets of the tiny adapters."""
-    attention = attention_of(decoder_layers(model)[0], 0)
+    """The names of the linear layers inside the first attention layer (q_proj, k_proj, v_proj, o_proj in Llama;
+    qkv_proj in Phi-3; dense in Phi; a hybrid's first layer that attends), the LoRA targets of the tiny adapters."""
+    index, layer = next((i, layer) for i, layer in enumerate(decoder_layers(model)) if recurrent_of(layer) is None)
+    attention = attention_of(layer, index)
     return tuple(
         sorted(
             {

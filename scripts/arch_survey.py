@@ -28,6 +28,12 @@ from pathlib import Path
 
 EXACT = 1e-5  # relative K/V error of a run that must equal the dense one
 LONG_WINDOW = 4096  # tokens: a window or chunk longer than any trace of the tiny world
+# Hybrids whose config classes default to one kind of layer: recurrent layers before an attention layer, as the
+# released models start (LFM2's first attention layer is its third; Granite 4.0-H's mamba layers come first)
+HYBRID_LAYERS = {
+    "lfm2": ["conv", "conv", "full_attention", "conv"],
+    "granitemoehybrid": ["linear_attention"] * 3 + ["full_attention"],
+}
 
 
 def configure(arch: str, window: int = LONG_WINDOW):
@@ -47,7 +53,9 @@ def configure(arch: str, window: int = LONG_WINDOW):
             return False
 
     def build(vocab: int, eos: int):
-        sizes = tiny_sizes(vocab, eos, layers=pattern_layers(defaults))
+        sizes = tiny_sizes(vocab, eos, layers=len(HYBRID_LAYERS.get(arch, ())) or pattern_layers(defaults))
+        if arch in HYBRID_LAYERS:
+            sizes["layer_types"] = HYBRID_LAYERS[arch]
         if not has("num_key_value_heads"):  # no grouped-query attention
             del sizes["num_key_value_heads"]
         if has("kv_lora_rank"):  # multi-head latent attention: its own head sizes, head_dim derived from them
@@ -146,7 +154,10 @@ def survey(arch: str, root: Path, window: int = LONG_WINDOW) -> list[tuple[str, 
         state, detail = cli("rank-analysis", trace, "--out", out / "rank", "--device", "cpu")
         if state == "ok":
             analysis = json.loads((out / "rank" / "rank_analysis.json").read_text())
-            if mode == "lora":
+            first = analysis["layers"][0]
+            if first != 0:  # a hybrid's first attention layer reads what its recurrent layers made of the context
+                detail = f"layers {analysis['layers']} analysed: no attention layer reads its input alone (no oracle)"
+            elif mode == "lora":
                 value = analysis["layer_means"][0]["K"]["base_cosine"]
                 state = "ok" if abs(value - 1) < 1e-6 else "FAILED"
                 detail = f"layer 0 base cosine {value:.6f}"

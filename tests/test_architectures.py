@@ -269,25 +269,6 @@ def test_a_config_its_model_cannot_run_is_refused_in_one_sentence(run_cli, tmp_p
     assert code == 2 and "fails its own forward pass" in err and "Traceback" not in err
 
 
-def test_a_hybrid_model_is_refused_in_one_sentence(run_cli, prompt_trace, tmp_path):
-    """Qwen 3.5's Gated DeltaNet layers keep a recurrent state, not a K/V cache per token: refused at load in one
-    sentence naming the layer, exit 2."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5TextConfig
-
-    from kvprof.tiny import tiny_sizes
-    from kvprof.trace import read_header
-
-    model_path = read_header(prompt_trace).model["path"]
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    config = Qwen3_5TextConfig(**tiny_sizes(len(tokenizer), tokenizer.eos_token_id), head_dim=16)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    code, _, err = run_cli(
-        "replay", prompt_trace, "--model", tmp_path / "model", "--repeats", "1", "--out", tmp_path / "r", *DEVICE
-    )
-    assert code == 2 and "decoder layer 0 is a recurrent layer (linear_attn" in err and "Traceback" not in err
-
-
 def test_a_model_with_per_layer_head_sizes_is_refused_in_one_sentence(run_cli, prompt_trace, tmp_path):
     """Gemma 4's local and global layers have heads of different sizes (its capture crashed in a RoPE rotation):
     refused at load in one sentence, exit 2."""

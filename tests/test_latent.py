@@ -62,4 +62,3 @@ def test_re_alignment_rotates_the_rope_key_of_every_layer_and_leaves_the_latent(
         assert (realigned - moved_keys).norm() <= 1e-5 * moved_keys.norm()
         assert (keys - moved_keys).norm() > 0.1 * moved_keys.norm()
         torch.testing.assert_close(values, moved_values, rtol=1e-5, atol=1e-6)
-

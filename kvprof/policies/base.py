@@ -473,6 +473,19 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 f"by {'adapter' if 'lora' in self.modes else 'prompt'}), not {mode} mode; pick another "
                 "policy or trace."
             )
+        self.check_recurrent(runtime)
+
+    def check_recurrent(self, runtime: Runtime) -> None:
+        """Refuse a hybrid model (recurrent layers, `kvprof.recurrent`) for a policy that serves an agent caches
+        other calls computed."""
+        if runtime.recurrent and self.serves_others:
+            index, mixer = next(iter(runtime.recurrent.items()))
+            raise KvprofError(
+                f"policy {self.name} serves an agent caches other calls computed, and layer {index} of model "
+                f"{runtime.agents.base_model.config.name_or_path!r} is a recurrent layer ({mixer}), whose state after "
+                "a prefix summarises that exact sequence: it cannot be shared between agents or moved to other "
+                "positions, so only nonshared replays hybrid models."
+            )
 
     @classmethod
     def independent_of_trajectories(cls, options: dict[str, str]) -> bool:
@@ -593,6 +606,14 @@ class SharingPolicy(ABC, Generic[ContextT]):
         cache = self.runtime.cache_from(self.runtime.empty_kv())
         out = self.runtime.forward(agent, prefix, cache, 0, last_logits_only=True)
         return self.runtime.kv_of(out.cache), self.runtime.flops(len(prefix), 0)
+
+    def prefix_buffers(self, agent: str) -> tuple[list[KVBuffer], float]:
+        """`prefix_context` as the buffers that hold it (a hybrid's recurrent layers: their state after it)."""
+        cache = self.runtime.cache_from(self.runtime.empty_kv())
+        prefix = self.runtime.prefix(agent)
+        if prefix:
+            self.runtime.forward(agent, prefix, cache, 0, last_logits_only=True)
+        return self.runtime.buffers_of(cache), self.runtime.flops(len(prefix), 0)
 
     def adapter_rows(self, agent: str) -> list[str] | None:
         """Per-row adapters for a batched forward (None: one row with `agent`'s adapter)."""

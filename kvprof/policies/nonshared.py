@@ -6,6 +6,9 @@ An Activated LoRA agent (peft's aLoRA) keeps of a call's cache only the tokens b
 there on its K/V are the adapter's, while its next call, whose own invocation comes later, reads them as context
 before that invocation — with the base weights, as peft's `generate` computes them.
 
+On a hybrid model (`kvprof.recurrent`) the agent's recurrent layers keep their state after its own cache; a turn
+whose reused prefix is shorter than that (a branch returning to an earlier point) starts over from its role prompt.
+
 Phases: TTFT — the agent's role prompt on its first turn, then the chunk of the input it has not processed itself;
 each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own. The turn
 appends in place to the agent's own buffers (`kvprof.kv_buffer`), so nothing it already holds is copied.
@@ -29,16 +32,19 @@ class NonShared(SharingPolicy[Context]):
     timeline_state = ("own", "seen")
 
     def reset(self) -> None:
-        self.own: dict[str, list[KVBuffer]] = {}  # agent -> per layer (K, V) buffers, (1, H_kv, ≥ L_agent, D)
+        # agent -> per layer (K, V) buffers, (1, H_kv, ≥ L_agent, D), or a hybrid's recurrent state after L_agent
+        self.own: dict[str, list[KVBuffer]] = {}
         self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
 
     def assemble(self, agent: str, shared: list[int]) -> Context:
-        if agent not in self.own:
-            kv, flops = self.prefix_context(agent)
-            return Context(kv=kv, reused=0, extra_prefill=len(self.runtime.prefix(agent)), extra_flops=flops)
-        reused = min(self.seen[agent], len(shared) - 1)
+        reused = min(self.seen.get(agent, 0), len(shared) - 1)
         end = len(self.runtime.prefix(agent)) + reused
-        buffers = self.own[agent]
+        buffers = self.own.get(agent)
+        if buffers is None or not self.runtime.states_cover(buffers, end):  # a hybrid's state is of another length
+            buffers, flops = self.prefix_buffers(agent)
+            prefix = len(self.runtime.prefix(agent))
+            kv = [buffer.view(prefix) for buffer in buffers]
+            return Context(kv=kv, reused=0, extra_prefill=prefix, extra_flops=flops, buffers=buffers)
         return Context(kv=[buffer.view(end) for buffer in buffers], reused=reused, buffers=buffers)
 
     def commit(self, chunk: Chunk[Context]) -> float:
@@ -59,6 +65,7 @@ class NonShared(SharingPolicy[Context]):
             f"cache:{agent}": [
                 t for buffer in buffers for t in buffer.view(len(self.runtime.prefix(agent)) + self.seen[agent])
             ]
+            + [t for buffer in self.runtime.state_buffers(buffers) for t in buffer.tensors()]
             for agent, buffers in self.own.items()
         }
 
@@ -66,5 +73,6 @@ class NonShared(SharingPolicy[Context]):
         runtime = self.runtime
         return {
             f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
+            + runtime.state_bytes
             for agent in self.own
         }

@@ -47,7 +47,7 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
 from kvprof.kv_buffer import KVBuffer
 from kvprof.latent import MLA_PROJECTIONS
-from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers
+from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers, mixer_of
 from kvprof.model import head_dim
 from kvprof.policies.base import Option, unit_interval
 from kvprof.policies.fullshared import FullShared, FullSharedContext
@@ -106,7 +106,7 @@ class LayerStack:
         self.projection_params = [
             sum(
                 p.numel()
-                for name, p in attention_of(layer, index).named_parameters()
+                for name, p in mixer_of(layer, index).named_parameters()
                 if p.dim() == 2 and "lora_" not in name and name.split(".")[0] in PROJECTIONS
             )
             for index, layer in enumerate(self.layers)
@@ -114,7 +114,7 @@ class LayerStack:
         self.cache_argument = self._cache_argument()
         self.kinds = runtime.agents.layer_kinds  # each layer's attention: full, sliding or chunked, its W
         self.latent = runtime.latent  # the MLA layers
-        self.position_scaled = [position_scale_floor(attention_of(layer, i)) for i, layer in enumerate(self.layers)]
+        self.position_scaled = [position_scale_floor(mixer_of(layer, i)) for i, layer in enumerate(self.layers)]
         self._check_embeddings()
 
     def _cache_argument(self) -> str:
@@ -399,6 +399,7 @@ class SelectiveRecompute(FullShared):
     exact_setting = "recompute all"
 
     def __init__(self, runtime: Runtime, **options: str):
+        self.check_recurrent(runtime)  # before the layer stack, which needs every layer's attention
         self.stack = LayerStack(runtime)
         super().__init__(runtime, **options)
 
