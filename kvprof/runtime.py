@@ -151,6 +151,34 @@ class Runtime:
         cos, sin = tables
         return cos[:length], sin[:length]
 
+    def held_length(self, layer: int, length: int) -> int:
+        """Of a sequence's first `length` tokens, how many layer `layer` must keep for the next token, as an engine
+        keeps them: all of them in a full-attention layer, the last W in a sliding-window layer, those of the current
+        W-token chunk in a chunked one (`kvprof.layers.LayerKind`)."""
+        kind = self.agents.layer_kinds[layer]
+        if kind.window is None:
+            return length
+        return min(length, kind.window) if kind.attention == "sliding" else length % kind.window
+
+    def held(self, buffers: list[KVBuffer], length: int) -> list[torch.Tensor]:
+        """The tensors of a sequence's cache over its first `length` tokens, as an engine holds them: per layer
+        the K and V of its `held_length` last tokens (a hybrid's recurrent layer: its state)."""
+        tensors = []
+        for index, buffer in enumerate(buffers):
+            if isinstance(buffer, StateBuffer):
+                tensors += buffer.tensors()
+                continue
+            keep = self.held_length(index, length)
+            tensors += [t.narrow(2, length - keep, keep) for t in buffer.view(length)]
+        return tensors
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes a sequence's cache of `tokens` tokens takes as an engine holds it (`held`): per attention layer its
+        `held_length` tokens' K and V, H_kv·(D_k + D_v)·itemsize each (recurrent states apart: `state_bytes`)."""
+        per_token = self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
+        attending = (layer for layer in range(self.num_layers) if layer not in self.recurrent)
+        return per_token * sum(self.held_length(layer, tokens) for layer in attending)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in the cache, over the attention layers: layers·H_kv·(D_k + D_v)·itemsize

@@ -152,3 +152,25 @@ def test_layer_kinds_read_as_a_pattern_over_many_layers():
         "full attention, NoPE: layers 3, 7, …, 47 (12 layers)"
     )
     assert describe_layers([chunked] * 3) == "all 3 layers: chunked attention, W = 8192, rope interleaved"
+
+
+def test_memory_counts_what_each_layer_keeps(world, tmp_path, run_cli):
+    """Every runnable policy's stored memory, in lora and prompt mode, is the tensors an engine keeps — a sliding
+    layer its last W tokens, a chunked one its current chunk's — and its formula equals them; on traces past the
+    window that is less than every token of every layer."""
+    from kvprof.model import load_agents_for_trace
+    from kvprof.policies.variants import enumerate_variants, runnable_variants
+    from kvprof.replay import replay_trace
+    from kvprof.runtime import Runtime
+
+    name, tiny = world
+    for mode in ("lora", "prompt"):
+        trace, _ = _capture(run_cli, tiny, getattr(tiny, f"{mode}_workflow"), tmp_path / mode)
+        agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
+        runtime = Runtime(agents)
+        variants, _ = runnable_variants(enumerate_variants(["all"], {}), runtime, skip=True)
+        result = replay_trace(agents, read_trace(trace).trajectories[:1], variants, check_memory=True)
+        assert all(entry["memory_accounting_exact"] for entry in result["policies"].values())
+        longest = max(len(traj.input_tokens(turn)) for traj in read_trace(trace).trajectories for turn in traj.turns)
+        windowed = name != "deepseek_v3"
+        assert (runtime.kv_bytes(longest) < runtime.kv_bytes_per_token * longest) == windowed

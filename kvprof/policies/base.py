@@ -672,7 +672,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         rows = len(self.adapter_rows(request.agent) or [None])
         ttft_flops = rows * runtime.flops(chunk_len, first.start) + context.extra_flops + first.flops
         decode_flops = rows * runtime.flops(len(decoded.output_ids), len(request.input_ids)) + decoded.flops
-        turn_cache = runtime.kv_bytes_per_token * rows * (len(request.input_ids) + len(decoded.output_ids))
+        turn_cache = rows * runtime.kv_bytes(len(request.input_ids) + len(decoded.output_ids))
         hidden = runtime.hidden_bytes_per_token * rows * chunk_len if self.needs_hidden else 0
         return TurnResult(
             agent=request.agent,

@@ -115,7 +115,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
                 else [{p: torch.cat([old[p][:, :have], new[p]], 1) for p in new} for old, new in zip(own, gap)]
             )
             flops = own_view.flops + runtime.flops(reused - have, have)
-            working = runtime.kv_bytes_per_token * reused + runtime.hidden_bytes_per_token * (reused - have)
+            working = runtime.kv_bytes(reused) + runtime.hidden_bytes_per_token * (reused - have)
         view = self.store_view(agent, low_rank, reused, len(shared) - reused)
         return BaseSharedContext(
             kv=view.kv,

@@ -670,9 +670,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = {
-            f"cache:{agent}": [
-                t for buffer in buffers for t in buffer.view(len(self.runtime.prefix(agent)) + self.seen[agent])
-            ]
+            f"cache:{agent}": self.runtime.held(buffers, len(self.runtime.prefix(agent)) + self.seen[agent])
             for agent, buffers in self.own.items()
         }
         if self.bases:
@@ -684,8 +682,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
         sizes = {
-            f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
-            for agent in self.own
+            f"cache:{agent}": runtime.kv_bytes(len(runtime.prefix(agent)) + self.seen[agent]) for agent in self.own
         }
         if self.bases:
             sizes["context-free encodings"] = runtime.kv_bytes_per_token * sum(

@@ -129,12 +129,13 @@ class FullShared(SharingPolicy[FullSharedContext]):
         del self.offsets[keep:], self.producers[keep:]
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        tensors = {"shared cache": [t for buffer in self.shared or [] for t in buffer.view(len(self.producers))]}
+        tensors = {"shared cache": self.runtime.held(self.shared or [], len(self.producers))}
         tensors.update({f"prefix:{agent}": [t for pair in kv for t in pair] for agent, kv in self.prefixes.items()})
         return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
-        per_token = self.runtime.kv_bytes_per_token
-        sizes = {"shared cache": per_token * len(self.producers)}
-        sizes.update({f"prefix:{agent}": per_token * len(self.runtime.prefix(agent)) for agent in self.prefixes})
+        runtime = self.runtime
+        sizes = {"shared cache": runtime.kv_bytes(len(self.producers))}
+        per_token = runtime.kv_bytes_per_token
+        sizes.update({f"prefix:{agent}": per_token * len(runtime.prefix(agent)) for agent in self.prefixes})
         return sizes

@@ -381,25 +381,31 @@ class LowRankStore:
     # ------------------------------------------------------------------------------------------- memory
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        tensors = {"base cache": [t for buffer in self.base for t in buffer.view(len(self))]}
+        runtime = self.runtime
+        tensors = {"base cache": runtime.held(self.base, len(self))}
         for name, layers in self.low_rank.items():
             length = self.lr_length(name)
-            tensors[f"LR cache:{name}"] = [t.view(length) for layer in layers for t in layer.values()]
+            held = [runtime.held_length(index, length) for index in range(len(layers))]
+            tensors[f"LR cache:{name}"] = [
+                t.view(length).narrow(1, length - keep, keep)
+                for layer, keep in zip(layers, held)
+                for t in layer.values()
+            ]
         return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
         itemsize = runtime.dtype.itemsize
-        sizes = {"base cache": runtime.kv_bytes_per_token * len(self)}
+        sizes = {"base cache": runtime.kv_bytes(len(self))}
         for name in self.low_rank:
             agent = name if name in runtime.agents.spec.names else runtime.agents.spec.names[0]
-            rank_sum = sum(
-                getattr(split, p).down[agent].shape[0]
-                for split in runtime.splits
+            length = self.lr_length(name)
+            sizes[f"LR cache:{name}"] = itemsize * sum(
+                getattr(split, p).down[agent].shape[0] * runtime.held_length(index, length)
+                for index, split in enumerate(runtime.splits)
                 for p in SPLIT_SIDES
                 if agent in getattr(split, p).down
             )
-            sizes[f"LR cache:{name}"] = rank_sum * self.lr_length(name) * itemsize
         return sizes
 
 
@@ -607,11 +613,11 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = self.store.live_tensors()
         for agent, view in self.views.items():
-            tensors[f"view:{agent}"] = [t for buffer in view for t in buffer.view(self.view_lengths[agent])]
+            tensors[f"view:{agent}"] = self.runtime.held(view, self.view_lengths[agent])
         return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
         sizes = self.store.analytic_bytes()
         for agent, length in self.view_lengths.items():
-            sizes[f"view:{agent}"] = self.runtime.kv_bytes_per_token * length
+            sizes[f"view:{agent}"] = self.runtime.kv_bytes(length)
         return sizes

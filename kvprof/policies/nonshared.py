@@ -62,17 +62,13 @@ class NonShared(SharingPolicy[Context]):
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
-            f"cache:{agent}": [
-                t for buffer in buffers for t in buffer.view(len(self.runtime.prefix(agent)) + self.seen[agent])
-            ]
-            + [t for buffer in self.runtime.state_buffers(buffers) for t in buffer.tensors()]
+            f"cache:{agent}": self.runtime.held(buffers, len(self.runtime.prefix(agent)) + self.seen[agent])
             for agent, buffers in self.own.items()
         }
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
         return {
-            f"cache:{agent}": runtime.kv_bytes_per_token * (len(runtime.prefix(agent)) + self.seen[agent])
-            + runtime.state_bytes
+            f"cache:{agent}": runtime.kv_bytes(len(runtime.prefix(agent)) + self.seen[agent]) + runtime.state_bytes
             for agent in self.own
         }
