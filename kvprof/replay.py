@@ -23,6 +23,7 @@ import torch
 
 from kvprof.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of
 from kvprof.errors import KvprofError
+from kvprof.layers import LayerKind
 from kvprof.memory_claims import memory_verdicts
 from kvprof.metrics import (
     kl_divergence,
@@ -48,9 +49,17 @@ TIMINGS = ("turn", "trajectory")
 """`replay_trace`'s timing modes: per-turn medians (kvprof) or PReCache's trajectory timing (code)."""
 
 
-def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_outputs: list[int]) -> dict:
+def compare_turn(
+    result: TurnResult,
+    dense: TurnResult,
+    from_others: int,
+    trace_outputs: list[int],
+    kinds: list[LayerKind] | None = None,
+) -> dict:
     """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced on
-    `trace_outputs`). `from_others`: reused tokens another agent processed first (`reused_from_others`)."""
+    `trace_outputs`). `from_others`: reused tokens another agent processed first (`reused_from_others`). With the
+    model's layer `kinds`, a window layer's K/V error counts the reused tokens the turn's computed tokens can attend
+    there only (`attended_from`)."""
     record = {
         "agent": result.agent,
         "input_tokens": result.input_kv[0][0].shape[1],
@@ -89,8 +98,12 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
     spans = [(0, result.reused)] * bool(result.reused) + result.moved_spans
     if spans:
         device = result.input_kv[0][0].device
-        where = torch.cat([torch.arange(result.prefix_len + a, result.prefix_len + b, device=device) for a, b in spans])
-        for (keys, values), (dense_keys, dense_values) in zip(result.input_kv, dense.input_kv):
+        reused = torch.cat(
+            [torch.arange(result.prefix_len + a, result.prefix_len + b, device=device) for a, b in spans]
+        )
+        first_computed = result.prefix_len + result.reused
+        for layer, ((keys, values), (dense_keys, dense_values)) in enumerate(zip(result.input_kv, dense.input_kv)):
+            where = reused if kinds is None else reused[reused >= attended_from(kinds[layer], first_computed)]
             keys, values = keys[:, where], values[:, where]
             dense_keys, dense_values = dense_keys[:, where], dense_values[:, where]
             layers.append(
@@ -106,6 +119,17 @@ def compare_turn(result: TurnResult, dense: TurnResult, from_others: int, trace_
         span_error(result, dense, start, end) | {"hop": hop} for start, end, hop in result.corrected_spans
     ]
     return record
+
+
+def attended_from(kind: LayerKind, first_computed: int) -> int:
+    """The first cache position a layer of `kind` lets the turn's computed tokens (positions `first_computed`..)
+    attend: 0 in a full-attention layer, W − 1 before the first in a sliding window, its chunk's start in a chunked
+    one. Reused tokens before it cannot change the turn's outputs through this layer."""
+    if kind.window is None:
+        return 0
+    if kind.attention == "chunked":
+        return kind.window * (first_computed // kind.window)
+    return max(first_computed - kind.window + 1, 0)
 
 
 def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> dict:
@@ -413,6 +437,7 @@ def replay_trace(
     """
     trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
+    kinds = agents.layer_kinds  # each layer's window: what its K/V error counts
     require_invocations(runtime, trajectories)
     dense = NonShared(runtime)
     policies = build_policies(runtime, variants)
@@ -448,7 +473,7 @@ def replay_trace(
             dense_result = dense.run_turn(request, per_turn)
             where = {"trajectory": traj.id, "turn": index}
             state.records[DENSE].append(
-                compare_turn(dense_result, dense_result, 0, outputs)
+                compare_turn(dense_result, dense_result, 0, outputs, kinds)
                 | paper_memory(dense, dense_result, weights, page_size)
                 | where
                 | {"start": start.to_json()}
@@ -463,7 +488,7 @@ def replay_trace(
                         else 0
                     ) + moved_from_others(traj, start, turn_result, turn.agent)
                 state.records[policy.label].append(
-                    compare_turn(turn_result, dense_result, from_others, outputs)
+                    compare_turn(turn_result, dense_result, from_others, outputs, kinds)
                     | paper_memory(policy, turn_result, weights, page_size)
                     | where
                     | {"moved_recomputed": start.moved_tokens - turn_result.moved}

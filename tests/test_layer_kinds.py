@@ -174,3 +174,20 @@ def test_memory_counts_what_each_layer_keeps(world, tmp_path, run_cli):
         longest = max(len(traj.input_tokens(turn)) for traj in read_trace(trace).trajectories for turn in traj.turns)
         windowed = name != "deepseek_v3"
         assert (runtime.kv_bytes(longest) < runtime.kv_bytes_per_token * longest) == windowed
+
+
+def test_a_window_layers_error_counts_the_reused_tokens_the_turn_can_attend():
+    """A reused token further back than a window layer's W from the turn's first computed token (or in an earlier
+    chunk of a chunked layer) cannot change the turn's outputs through that layer: its K/V error there is not
+    counted."""
+    from kvprof.layers import LayerKind
+    from kvprof.replay import attended_from
+
+    full, sliding, chunked = (
+        LayerKind("full", None, "rope"),
+        LayerKind("sliding", 24, "rope"),
+        LayerKind("chunked", 24, "NoPE"),
+    )
+    assert attended_from(full, 100) == 0
+    assert attended_from(sliding, 100) == 77 and attended_from(sliding, 10) == 0  # 77..100: the window of 100
+    assert attended_from(chunked, 100) == 96 and attended_from(chunked, 96) == 96
