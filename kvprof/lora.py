@@ -195,22 +195,15 @@ def projection_norm(attention: torch.nn.Module, projection: str) -> torch.nn.Mod
 
 def key_norms(model) -> list[ProjectionNorm] | None:
     """Per layer the key `ProjectionNorm` of a model that normalises its keys before RoPE; None for a model that does
-    not."""
+    not. A layer without one in a model that normalises others (Llama 4's NoPE layers) gets the identity, so every
+    layer's stored keys are kept the same way (un-normalised, un-rotated). Llama 4 normalises its keys after RoPE:
+    its norm (an RMS over each head's channels, no weight) commutes with RoPE's rotation, so before is the same."""
     layers = decoder_layers(model)
     norms = [projection_norm(attention_of(layer, index), "k_proj") for index, layer in enumerate(layers)]
     if all(norm is None for norm in norms):
         return None
     width = kv_heads(model.config) * head_dim(model.config)
-    found = [ProjectionNorm(norm, width) for norm in norms if norm is not None]
-    if len(found) != len(norms):
-        from kvprof.layers import layer_list
-
-        bare = layer_list([index for index, norm in enumerate(norms) if norm is None])
-        raise KvprofError(
-            f"model {model.config.name_or_path!r} normalises keys in some layers only (not in {bare}, as Llama 4's "
-            "NoPE layers); kvprof splits caches of models that normalise keys in every layer or in none."
-        )
-    return found
+    return [ProjectionNorm(torch.nn.Identity() if norm is None else norm, width) for norm in norms]
 
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")  # a decoder layer's attention module, by architecture

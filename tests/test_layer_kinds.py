@@ -122,14 +122,14 @@ def test_every_policy_replays_against_its_oracle(world, mode, run_cli, tmp_path)
 
 
 def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
-    """With one adapter for every agent: on Gemma 3 (a key norm in every layer, before RoPE) BaseShared is the
-    dense run and PreLRShared FullShared's turns; Llama 4 normalises keys in its RoPE layers only, and DeepSeek V3's
-    latent is a norm of its projection, which the split refuses in one sentence."""
+    """With one adapter for every agent: on Gemma 3 (a key norm in every layer, before RoPE) and Llama 4 (an L2 key
+    norm in its RoPE layers only, after RoPE, which commutes with it) BaseShared is the dense run and PreLRShared
+    FullShared's turns; DeepSeek V3's latent is a norm of its projection, which the split refuses in one sentence."""
     name, tiny = world
     trace, _ = _capture(run_cli, tiny, tiny.lora_workflow, tmp_path / "capture")
     same = [arg for agent in AGENTS for arg in ("--agent", f"{agent}={tiny.adapter('act')}")]
     policies = ("--policy", "baseshared", "--policy", "prelrshared", "--policy", "fullshared")
-    refusal = {"llama4": "normalises keys in some layers only", "deepseek_v3": "multi-head latent attention layer"}
+    refusal = {"deepseek_v3": "multi-head latent attention layer"}
     if name in refusal:
         code, _, err = run_cli("replay", trace, *policies, *same, "--repeats", "1", "--out", tmp_path / "r", *DEVICE)
         assert code == 2 and refusal[name] in err and "Traceback" not in err
