@@ -26,6 +26,8 @@ from kvprof.lora import (
     HiddenTap,
     LayerSplit,
     ProjectionNorm,
+    attention_of,
+    decoder_layers,
     invocation_tokens,
     key_norms,
     layer_splits,
@@ -420,6 +422,48 @@ class Runtime:
 
     def flops(self, tokens: int, context: int) -> float:
         """Analytic forward FLOPs of `tokens` new tokens after `context` cached ones: 2·params per token in the
-        linear layers plus 4·H_q·D per attended key per layer (QKᵀ and PV)."""
-        attended = tokens * context + tokens * (tokens + 1) / 2
-        return 2.0 * self.linear_params * tokens + 4.0 * self.num_layers * self.query_heads * self.head_dim * attended
+        linear layers plus, per attention layer, `pair_flops` per (query, key) pair it attends (`attended`)."""
+        pairs = sum(self.attended(layer, context, tokens) for layer in range(self.num_layers))
+        return 2.0 * self.linear_params * tokens + self.pair_flops * pairs
+
+    @functools.cached_property
+    def pair_flops(self) -> float:
+        """FLOPs of one (query, key) pair in one layer, over the query heads: 2·H_q·(D_qk + D_v) (QKᵀ and PV; an MLA
+        layer's query head is its RoPE and non-RoPE parts, its value head its own size)."""
+        attention = next(
+            (attention_of(layer, i) for i, layer in enumerate(decoder_layers(self.model)) if i not in self.recurrent),
+            None,
+        )
+        query = getattr(attention, "qk_head_dim", None) or self.head_dim
+        value = getattr(attention, "v_head_dim", None) or self.head_dim
+        return 2.0 * self.query_heads * (query + value)
+
+    def attended(self, layer: int, start: int, count: int) -> int:
+        """(query, key) pairs layer `layer` computes for `count` tokens at positions start..: each attends every key
+        up to itself, its sliding window's last W, or its chunk's so far; none in a recurrent layer."""
+        kind = self.agents.layer_kinds[layer]
+        if kind.attention == "recurrent":
+            return 0
+        first, last = start + 1, start + count  # keys seen by the first and the last token without a window
+        if kind.window is None:
+            return (first + last) * count // 2
+        window = kind.window
+        if kind.attention == "chunked":
+
+            def upto(end: int) -> int:  # pairs of the tokens at positions 0..end−1
+                return (end // window) * window * (window + 1) // 2 + (end % window) * (end % window + 1) // 2
+
+            return upto(start + count) - upto(start)
+        capped = max(0, last - max(first, window + 1) + 1)  # tokens that see a full window
+        below = min(last, window) - first + 1 if first <= window else 0
+        return capped * window + max(below, 0) * (first + min(last, window)) // 2
+
+    def attended_at(self, layer: int, positions: torch.Tensor) -> int:
+        """`attended` for tokens at cache positions `positions` (m,), not necessarily contiguous."""
+        kind = self.agents.layer_kinds[layer]
+        if kind.attention == "recurrent":
+            return 0
+        seen = positions + 1
+        if kind.window is not None:
+            seen = positions % kind.window + 1 if kind.attention == "chunked" else seen.clamp(max=kind.window)
+        return int(seen.sum())

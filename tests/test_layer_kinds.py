@@ -191,3 +191,28 @@ def test_a_window_layers_error_counts_the_reused_tokens_the_turn_can_attend():
     assert attended_from(full, 100) == 0
     assert attended_from(sliding, 100) == 77 and attended_from(sliding, 10) == 0  # 77..100: the window of 100
     assert attended_from(chunked, 100) == 96 and attended_from(chunked, 96) == 96
+
+
+def test_attention_flops_count_the_pairs_each_layer_attends():
+    """The closed forms of `Runtime.attended` (a turn's contiguous tokens) equal the count over positions
+    (`attended_at`) in full, sliding-window, chunked and recurrent layers, and a window caps what a token attends."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvprof.layers import LayerKind
+    from kvprof.runtime import Runtime
+
+    kinds = [
+        LayerKind("full", None, "rope"),
+        LayerKind("sliding", 24, "rope"),
+        LayerKind("chunked", 24, "rope"),
+        LayerKind("recurrent", None, "linear_attn"),
+    ]
+    runtime = SimpleNamespace(agents=SimpleNamespace(layer_kinds=kinds))
+    for layer in range(len(kinds)):
+        for start, count in ((0, 1), (0, 30), (5, 10), (20, 9), (23, 1), (24, 48), (70, 3), (100, 57)):
+            positions = torch.arange(start, start + count)
+            expected = Runtime.attended_at(runtime, layer, positions)  # type: ignore[arg-type]
+            assert Runtime.attended(runtime, layer, start, count) == expected, (kinds[layer], start, count)  # type: ignore[arg-type]
+    assert Runtime.attended(runtime, 1, 1000, 1) == 24 and Runtime.attended(runtime, 2, 1000, 1) == 1000 % 24 + 1  # type: ignore[arg-type]

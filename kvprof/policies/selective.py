@@ -159,11 +159,12 @@ class LayerStack:
         layer_type = layer_types[layer] if layer_types else None
         return layer_position_embeddings(self.rotary, hidden, positions[None], layer_type)
 
-    def layer_flops(self, layer: int, tokens: int, attended: int) -> float:
-        """Analytic FLOPs of one decoder layer for `tokens` tokens attending `attended` keys in all: 2·params per
-        token in its linear layers plus 4·H_q·D per attended key (QKᵀ and PV)."""
+    def layer_flops(self, layer: int, positions: torch.Tensor) -> float:
+        """Analytic FLOPs of one decoder layer for the tokens at cache positions `positions` (m,): 2·params per
+        token in its linear layers plus the runtime's `pair_flops` per (query, key) pair they attend there."""
         runtime = self.runtime
-        return 2.0 * self.linear_params[layer] * tokens + 4.0 * runtime.query_heads * runtime.head_dim * attended
+        pairs = runtime.attended_at(layer, positions)
+        return 2.0 * self.linear_params[layer] * len(positions) + runtime.pair_flops * pairs
 
     def probe_flops(self, layer: int, tokens: int) -> float:
         """Analytic FLOPs of the query, key and value projections of `tokens` tokens at `layer`."""
@@ -317,7 +318,7 @@ class Blend:
             )
         out = out[0] if isinstance(out, tuple) else out
         self.recomputed += len(positions)
-        self.flops += self.stack.layer_flops(index, len(positions), int((positions + 1).sum()))
+        self.flops += self.stack.layer_flops(index, positions)
         self.hidden_bytes = max(self.hidden_bytes, 2 * hidden.numel() * hidden.element_size())
         return out
 
