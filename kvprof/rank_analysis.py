@@ -87,6 +87,7 @@ def run_rank_analysis(
     return {
         "trace": str(setup.trace_path),
         "model": setup.agents.model_name,
+        "layer_kinds": [kind.to_json() for kind in setup.agents.layer_kinds],
         "seconds": round(time.perf_counter() - started, 3),
         **result.to_dict(),
     }

@@ -110,6 +110,8 @@ def test_nonshared_continues_each_agents_own_state_exactly(trace):
 def test_rank_analysis_reads_the_attention_layers(trace, run_cli, tmp_path):
     code, _, err = run_cli("rank-analysis", trace, "--out", tmp_path / "rank", *DEVICE)
     assert code == 0, err
-    assert json.loads((tmp_path / "rank" / "rank_analysis.json").read_text())["layers"] == [3]
+    analysis = json.loads((tmp_path / "rank" / "rank_analysis.json").read_text())
+    assert analysis["layers"] == [3]
+    assert [kind["attention"] for kind in analysis["layer_kinds"]] == ["recurrent"] * 3 + ["full"]
     code, _, err = run_cli("rank-analysis", trace, "--layers", "0", "--out", tmp_path / "r0", *DEVICE)
     assert code == 2 and "layer 0 is a recurrent layer (linear_attn)" in err and "attention layers (layer 3)" in err
