@@ -51,7 +51,6 @@ import torch
 from kvprof import metrics
 from kvprof.cache import TurnCapture, capture_turn
 from kvprof.errors import KvprofError
-from kvprof.latent import cache_dims
 from kvprof.model import AgentSet
 from kvprof.rope import LayerRopes, Rope, rotate_keys
 from kvprof.trace import Trace, Trajectory
@@ -798,8 +797,9 @@ def analyze_trace(
     shares a segment anywhere in the trace.
     """
     mode = trace.header.mode
-    heads, key_dim, value_dim = cache_dims(agents.config, agents.latent)
-    dim = max(key_dim, value_dim)  # an MLA model's latent (V), wider than its RoPE key (K)
+    shapes = [agents.cache_shapes[layer] for layer in layers]
+    heads = max(shape[0] for shape in shapes)
+    dim = max(max(shape[1:]) for shape in shapes)  # an MLA model's latent (V) is wider than its RoPE key (K)
     result = RankAnalysis(
         mode=mode,
         agents=list(agent_names),

@@ -34,7 +34,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.lora import QKV, attention_of, decoder_layers, projection_columns, projection_norm
-from kvprof.model import AgentSet, head_dim
+from kvprof.model import AgentSet
 
 PARTS = ("kv", "split", "hidden", "lr")
 ROTATED = {"q_proj", "k_proj"}  # projections RoPE rotates
@@ -245,7 +245,7 @@ class _Capture:
         rows = flat[0].float() if kept else self.span(flat[0], 0)
         if name not in PER_HEAD:
             return rows
-        per_head = rows.view(rows.shape[0], -1, head_dim(self.agents.config)).transpose(0, 1)
+        per_head = rows.view(rows.shape[0], -1, self.agents.cache_shapes[layer][1]).transpose(0, 1)
         if name in ROTATED and rotate:
             rope = self.ropes[layer]
             if id(rope) not in self.tables:

@@ -68,14 +68,3 @@ def oriented(cache: DynamicCache, latent: dict[int, LatentShape]) -> DynamicCach
     for index in latent:
         cache.layers[index] = LatentOrderLayer()
     return cache
-
-
-def cache_dims(config, latent: dict[int, LatentShape]) -> tuple[int, int, int]:
-    """What every layer's cache holds per token: (H_kv, D_k, D_v) of its K (B, H_kv, L, D_k) and V (B, H_kv, L, D_v)
-    — the KV heads and head size, or for an MLA model (1, R, C): its RoPE key and latent."""
-    from kvprof.model import head_dim, kv_heads
-
-    shape = next(iter(latent.values()), None)
-    if shape is not None:
-        return 1, shape.rope_dim, shape.latent_dim
-    return kv_heads(config), head_dim(config), head_dim(config)

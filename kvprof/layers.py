@@ -73,6 +73,31 @@ def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
     return kinds
 
 
+def cache_shapes(model) -> list[tuple[int, int, int]]:
+    """Per decoder layer what its cache holds per token: (H_kv, D_k, D_v) of its K (B, H_kv, L, D_k) and V
+    (B, H_kv, L, D_v) — its KV heads and head size, read from its attention module (Gemma 4's global layers have
+    heads of their own size), (1, R, C) for an MLA layer's RoPE key and latent (`kvprof.latent`), (1, 0, 0) for a
+    recurrent layer (its state is apart: `kvprof.recurrent`)."""
+    from kvprof.model import head_dim, kv_heads
+
+    shapes = []
+    for index, layer in enumerate(decoder_layers(model)):
+        if recurrent_of(layer) is not None:
+            shapes.append((1, 0, 0))
+            continue
+        attention = attention_of(layer, index)
+        latent = latent_shape(attention)
+        if latent is not None:
+            shapes.append((1, latent.rope_dim, latent.latent_dim))
+            continue
+        size = getattr(attention, "head_dim", None)
+        size = size if isinstance(size, int) else head_dim(model.config)
+        keys = getattr(attention, "k_proj", None)
+        width = getattr(getattr(keys, "base_layer", keys), "out_features", None)
+        shapes.append((width // size if isinstance(width, int) else kv_heads(model.config), size, size))
+    return shapes
+
+
 def model_layer_kinds(name: str, device: str = "auto", dtype: str = "auto") -> list[LayerKind]:
     """The `LayerKind`s of the causal LM at `name` (a local directory or a hub id), loaded without adapters on
     `device` in `dtype` (kvprof's `--device` / `--dtype` values) and probed for its layers' RoPE."""

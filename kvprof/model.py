@@ -129,27 +129,17 @@ def tokenizer_identity(tokenizer) -> dict:
 
 def check_layers(model) -> None:
     """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer with neither
-    attention nor a recurrent token mixer (`kvprof.lora.attention_of`), attention layers of different head sizes
-    (Gemma 4's local and global layers), or layers that read another layer's cache (Gemma 4's KV-shared layers)."""
+    attention nor a recurrent token mixer (`kvprof.lora.attention_of`), or layers that read another layer's cache
+    (Gemma 3n's and Gemma 4's KV-shared layers)."""
     from kvprof.lora import attention_of, decoder_layers, recurrent_of
 
-    sizes: set[int] = set()
     for index, layer in enumerate(decoder_layers(model)):
-        if recurrent_of(layer) is not None:
-            continue
-        size = getattr(attention_of(layer, index), "head_dim", None)
-        if isinstance(size, int):
-            sizes.add(size)
-    name = model.config.name_or_path
-    if len(sizes) > 1:
-        raise KvprofError(
-            f"model {name!r} has attention layers of different head sizes ({' and '.join(map(str, sorted(sizes)))}); "
-            "kvprof keeps one head size for every layer's cache, so it cannot profile this model yet."
-        )
+        if recurrent_of(layer) is None:
+            attention_of(layer, index)
     if getattr(model.config, "num_kv_shared_layers", 0):
         raise KvprofError(
-            f"model {name!r} has layers that read another layer's K/V cache (num_kv_shared_layers); kvprof keeps a "
-            "cache per layer, so it cannot profile this model yet."
+            f"model {model.config.name_or_path!r} has layers that read another layer's K/V cache "
+            "(num_kv_shared_layers); kvprof keeps a cache per layer, so it cannot profile this model yet."
         )
 
 
@@ -377,6 +367,13 @@ class AgentSet:
         from kvprof.recurrent import recurrent_layers
 
         return recurrent_layers(self.base_model)
+
+    @functools.cached_property
+    def cache_shapes(self) -> list[tuple[int, int, int]]:
+        """Per layer (H_kv, D_k, D_v) of its cache (`kvprof.layers.cache_shapes`)."""
+        from kvprof.layers import cache_shapes
+
+        return cache_shapes(self.base_model)
 
     @functools.cached_property
     def latent(self) -> dict[int, LatentShape]:

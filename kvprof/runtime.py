@@ -21,7 +21,6 @@ from kvprof.chat import ChatFormat, Message
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.kv_buffer import BufferCache, BufferLayer, KVBuffer, Rewrite
-from kvprof.latent import cache_dims
 from kvprof.lora import (
     HiddenTap,
     LayerSplit,
@@ -32,7 +31,7 @@ from kvprof.lora import (
     key_norms,
     layer_splits,
 )
-from kvprof.model import AgentSet, head_dim
+from kvprof.model import AgentSet
 from kvprof.recurrent import LayerState, StateBuffer, StateLayer
 from kvprof.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.stopping import StopStrings, end_ids
@@ -104,8 +103,11 @@ class Runtime:
         self.latent = agents.latent
         self.recurrent = agents.recurrent  # a hybrid's recurrent layers: a state each, no K/V (`kvprof.recurrent`)
         # Per layer K (B, H_kv, L, D_k) and V (B, H_kv, L, D_v): D_k = D_v = D, or an MLA layer's k_rot and latent
-        self.kv_heads, self.key_dim, self.value_dim = cache_dims(config, self.latent)
-        self.head_dim = head_dim(config)  # of the queries
+        self.cache_shapes = agents.cache_shapes
+        attending = [shape for index, shape in enumerate(self.cache_shapes) if index not in self.recurrent]
+        self.uniform_cache = len(set(attending)) == 1  # False: Gemma 4's local and global layers
+        self.kv_heads, self.key_dim, self.value_dim = attending[0]  # the first attention layer's (all's if uniform)
+        self.head_dim = self.key_dim  # of the queries (an MLA model's: see `pair_flops`)
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
         self.ropes = agents.ropes
@@ -174,19 +176,21 @@ class Runtime:
             tensors += [t.narrow(2, length - keep, keep) for t in buffer.view(length)]
         return tensors
 
+    def layer_token_bytes(self, layer: int) -> int:
+        """Bytes one token's K and V take in layer `layer`: H_kv·(D_k + D_v)·itemsize (0 in a recurrent layer)."""
+        heads, key_dim, value_dim = self.cache_shapes[layer]
+        return heads * (key_dim + value_dim) * self.dtype.itemsize
+
     def kv_bytes(self, tokens: int) -> int:
-        """Bytes a sequence's cache of `tokens` tokens takes as an engine holds it (`held`): per attention layer its
-        `held_length` tokens' K and V, H_kv·(D_k + D_v)·itemsize each (recurrent states apart: `state_bytes`)."""
-        per_token = self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
-        attending = (layer for layer in range(self.num_layers) if layer not in self.recurrent)
-        return per_token * sum(self.held_length(layer, tokens) for layer in attending)
+        """Bytes a sequence's cache of `tokens` tokens takes as an engine holds it (`held`): per layer its
+        `held_length` tokens' K and V (recurrent states apart: `state_bytes`)."""
+        return sum(self.layer_token_bytes(layer) * self.held_length(layer, tokens) for layer in range(self.num_layers))
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take in the cache, over the attention layers: layers·H_kv·(D_k + D_v)·itemsize
-        (an MLA model's latent and RoPE key, as engines hold them; a hybrid's recurrent layers hold none)."""
-        layers = self.num_layers - len(self.recurrent)
-        return layers * self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
+        """Bytes one token's K and V take in the cache, over the layers: Σ H_kv·(D_k + D_v)·itemsize (an MLA model's
+        latent and RoPE key, as engines hold them; a hybrid's recurrent layers hold none)."""
+        return sum(self.layer_token_bytes(layer) for layer in range(self.num_layers))
 
     @functools.cached_property
     def state_bytes(self) -> int:
@@ -328,9 +332,13 @@ class Runtime:
         ]
 
     def empty_kv(self, batch: int = 1) -> list[KV]:
-        keys = torch.zeros(batch, self.kv_heads, 0, self.key_dim, dtype=self.dtype, device=self.device)
-        values = torch.zeros(batch, self.kv_heads, 0, self.value_dim, dtype=self.dtype, device=self.device)
-        return [(keys, values) for _ in range(self.num_layers)]
+        """Per layer an empty K (B, H_kv, 0, D_k) and V (B, H_kv, 0, D_v), each layer's own shape."""
+        return [
+            tuple(
+                torch.zeros(batch, heads, 0, dim, dtype=self.dtype, device=self.device) for dim in (key_dim, value_dim)
+            )
+            for heads, key_dim, value_dim in self.cache_shapes
+        ]
 
     @staticmethod
     def kv_of(cache: DynamicCache) -> list[KV]:
@@ -422,21 +430,28 @@ class Runtime:
 
     def flops(self, tokens: int, context: int) -> float:
         """Analytic forward FLOPs of `tokens` new tokens after `context` cached ones: 2·params per token in the
-        linear layers plus, per attention layer, `pair_flops` per (query, key) pair it attends (`attended`)."""
-        pairs = sum(self.attended(layer, context, tokens) for layer in range(self.num_layers))
-        return 2.0 * self.linear_params * tokens + self.pair_flops * pairs
+        linear layers plus, per attention layer, its `layer_pair_flops` per (query, key) pair it attends
+        (`attended`)."""
+        attention = sum(
+            self.layer_pair_flops[layer] * self.attended(layer, context, tokens) for layer in range(self.num_layers)
+        )
+        return 2.0 * self.linear_params * tokens + attention
 
     @functools.cached_property
-    def pair_flops(self) -> float:
-        """FLOPs of one (query, key) pair in one layer, over the query heads: 2·H_q·(D_qk + D_v) (QKᵀ and PV; an MLA
-        layer's query head is its RoPE and non-RoPE parts, its value head its own size)."""
-        attention = next(
-            (attention_of(layer, i) for i, layer in enumerate(decoder_layers(self.model)) if i not in self.recurrent),
-            None,
-        )
-        query = getattr(attention, "qk_head_dim", None) or self.head_dim
-        value = getattr(attention, "v_head_dim", None) or self.head_dim
-        return 2.0 * self.query_heads * (query + value)
+    def layer_pair_flops(self) -> list[float]:
+        """Per layer the FLOPs of one (query, key) pair over the query heads: 2·H_q·(D_qk + D_v) (QKᵀ and PV; an MLA
+        layer's query head is its RoPE and non-RoPE parts, its value head its own size; 0 in a recurrent layer)."""
+        flops = []
+        for index, layer in enumerate(decoder_layers(self.model)):
+            if index in self.recurrent:
+                flops.append(0.0)
+                continue
+            attention = attention_of(layer, index)
+            size = self.cache_shapes[index][1]
+            query = getattr(attention, "qk_head_dim", None) or size
+            value = getattr(attention, "v_head_dim", None) or size
+            flops.append(2.0 * self.query_heads * (query + value))
+        return flops
 
     def attended(self, layer: int, start: int, count: int) -> int:
         """(query, key) pairs layer `layer` computes for `count` tokens at positions start..: each attends every key

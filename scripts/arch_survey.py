@@ -30,6 +30,9 @@ EXACT = 1e-5  # relative K/V error of a run that must equal the dense one
 LONG_WINDOW = 4096  # tokens: a window or chunk longer than any trace of the tiny world
 # Hybrids whose config classes default to one kind of layer: recurrent layers before an attention layer, as the
 # released models start (LFM2's first attention layer is its third; Granite 4.0-H's mamba layers come first)
+# Gemma 4's global layers have heads of their own size (here 32 channels against 16) and each layer its own input
+# embedding (its full vocabulary would dwarf the tiny model: the tiny one)
+GEMMA4_SIZES = dict(head_dim=16, global_head_dim=32, hidden_size_per_layer_input=16)
 HYBRID_LAYERS = {
     "lfm2": ["conv", "conv", "full_attention", "conv"],
     "granitemoehybrid": ["linear_attention"] * 3 + ["full_attention"],
@@ -56,6 +59,8 @@ def configure(arch: str, window: int = LONG_WINDOW):
         sizes = tiny_sizes(vocab, eos, layers=len(HYBRID_LAYERS.get(arch, ())) or pattern_layers(defaults))
         if arch in HYBRID_LAYERS:
             sizes["layer_types"] = HYBRID_LAYERS[arch]
+        if arch == "gemma4_text":
+            sizes.update(GEMMA4_SIZES, vocab_size_per_layer_input=vocab)
         if not has("num_key_value_heads"):  # no grouped-query attention
             del sizes["num_key_value_heads"]
         if has("kv_lora_rank"):  # multi-head latent attention: its own head sizes, head_dim derived from them

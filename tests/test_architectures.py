@@ -13,9 +13,11 @@ import torch
 
 from kvprof.cache import capture_turn
 from kvprof.lora import HiddenTap, heads, key_norms, layer_splits
-from kvprof.model import head_dim, load_agents
-from kvprof.policies import enumerate_variants
+from kvprof.model import head_dim, load_agents, load_agents_for_trace
+from kvprof.policies import PolicyVariant, enumerate_variants
+from kvprof.replay import replay_trace
 from kvprof.rope import apply_rope
+from kvprof.runtime import Runtime
 from kvprof.spec import build_spec
 from kvprof.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
 from kvprof.trace import Segment, Trace, Trajectory, read_trace, write_trace
@@ -269,24 +271,44 @@ def test_a_config_its_model_cannot_run_is_refused_in_one_sentence(run_cli, tmp_p
     assert code == 2 and "fails its own forward pass" in err and "Traceback" not in err
 
 
-def test_a_model_with_per_layer_head_sizes_is_refused_in_one_sentence(run_cli, prompt_trace, tmp_path):
-    """Gemma 4's local and global layers have heads of different sizes (its capture crashed in a RoPE rotation):
-    refused at load in one sentence, exit 2."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma4TextConfig
+def test_gemma4s_layers_of_two_head_sizes_replay(run_cli, tmp_path):
+    """Gemma 4's global layers have heads of their own size (32 channels against the local layers' 16 here) and
+    each layer reads a per-layer embedding of the input: kvprof keeps each layer's cache in its own shape, so the
+    dense run reproduces the capture, NonShared is exact and FullShared re-aligns every layer with its own RoPE, in
+    lora and prompt mode; memory counts each layer's heads. The policies that keep every layer in one shape and the
+    selective ones (which would have to compute the per-layer inputs) are refused in one sentence each."""
+    from transformers import Gemma4TextConfig
 
     from kvprof.tiny import tiny_sizes
-    from kvprof.trace import read_header
 
-    model_path = read_header(prompt_trace).model["path"]
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    sizes = tiny_sizes(len(tokenizer), tokenizer.eos_token_id, layers=6)
-    config = Gemma4TextConfig(**sizes, vocab_size_per_layer_input=len(tokenizer), hidden_size_per_layer_input=16)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    code, _, err = run_cli(
-        "replay", prompt_trace, "--model", tmp_path / "model", "--repeats", "1", "--out", tmp_path / "r", *DEVICE
-    )
-    assert code == 2 and "attention layers of different head sizes" in err and "Traceback" not in err
+    def configure(vocab, eos):
+        sizes = tiny_sizes(vocab, eos, layers=6) | {"head_dim": 16, "global_head_dim": 32}
+        return Gemma4TextConfig(**sizes, vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=16)
+
+    world = build_tiny_world(tmp_path / "world", configure=configure)
+    for mode in ("lora", "prompt"):
+        code, _, err = run_cli(
+            "capture", "--model", world.model, "--workflow", getattr(world, f"{mode}_workflow"),
+            "--tasks", world.tasks, "--limit", "1", "--out", tmp_path / mode, *DEVICE,
+        )  # fmt: skip
+        assert code == 0, err
+        trace = tmp_path / mode / "trace.jsonl"
+        code, _, err = run_cli("replay", trace, "--repeats", "1", "--out", tmp_path / f"{mode}-all", *DEVICE)
+        assert code == 0, err
+        result = json.loads((tmp_path / f"{mode}-all" / "replay.json").read_text())
+        assert result["dense"]["summary"]["trace_agreement"] == 1.0
+        assert result["policies"]["nonshared"]["summary"]["k_error"] == 0.0
+        assert result["policies"]["fullshared"]["summary"]["k_error"] > 0
+        reasons = set(result["skipped"].values())
+        assert any("per-layer embedding of the input" in reason for reason in reasons)
+        shapes = "attention layers of different shapes (2 KV heads of 16 and 2 KV heads of 32 channels)"
+        assert any(shapes in reason for reason in reasons)
+    agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
+    runtime = Runtime(agents)
+    assert runtime.kv_bytes_per_token == 4 * 2 * 2 * (5 * 16 + 32)  # float32, K and V, 2 heads: 5 local, 1 global
+    variants = [PolicyVariant("fullshared"), PolicyVariant("nonshared")]
+    replayed = replay_trace(agents, read_trace(trace).trajectories, variants, check_memory=True)["policies"]
+    assert all(entry["memory_accounting_exact"] for entry in replayed.values())
 
 
 def test_selective_recompute_runs_where_keys_and_values_are_not_split(run_cli, tmp_path):

@@ -434,6 +434,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
     # model first: "recompute all" (its `ratio` option at 1), "one agent" (every turn acted by one agent, no span
     # moved), or None (no such setting).
     exact_setting: ClassVar[str | None] = None
+    # True: the policy stacks every layer's K/V into one tensor (anchor pools, low-rank stores, per-head queries of
+    # one head size), so it needs every attention layer's cache of one shape (not Gemma 4's local and global layers)
+    stacks_layers: ClassVar[bool] = False
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
@@ -474,6 +477,13 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 "policy or trace."
             )
         self.check_recurrent(runtime)
+        if self.stacks_layers and not runtime.uniform_cache:
+            shapes = sorted({shape for i, shape in enumerate(runtime.cache_shapes) if i not in runtime.recurrent})
+            raise KvprofError(
+                f"policy {self.name} keeps every layer's cache in one shape, and model "
+                f"{runtime.agents.base_model.config.name_or_path!r} has attention layers of different shapes "
+                f"({' and '.join(f'{h} KV heads of {k}' for h, k, _ in shapes)} channels); pick another policy."
+            )
 
     def check_recurrent(self, runtime: Runtime) -> None:
         """Refuse a hybrid model (recurrent layers, `kvprof.recurrent`) for a policy that serves an agent caches

@@ -279,6 +279,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     trajectory_independent = False
     timeline_state = ("log", "own", "seen", "latest", "readers", "corrected", "bases", "neutral", "verdicts")
     moves_spans = True
+    stacks_layers = True
     temperature = 1.0  # softmax temperature over anchor distances (the public code hard-codes 1)
     per_token = True  # per-token K and V correction weights (the public code); False: the gate's weights
     admits_dense_inputs = False  # an input computed densely joins its slot while it has < V anchors (KVCMAS)

@@ -463,6 +463,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     modes: ClassVar[tuple[str, ...]] = ("lora",)
     timeline_state: ClassVar[tuple[str, ...]] = ("store", "views", "view_lengths")
     moves_spans = True
+    stacks_layers = True
 
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)

@@ -60,6 +60,7 @@ WINDOW = 10  # the last tokens whose attention defines influence (RelayCaching)
 
 class RelayCaching(SelectiveRecompute):
     name = "relaycaching"
+    stacks_layers = True
     paper = RELAYCACHING
     options = {
         "ratio": ratio_option("0.2", "the share of reused tokens rectified from the check layer on"),

@@ -121,6 +121,12 @@ class LayerStack:
         """The name under which a decoder layer takes the cache it writes to: `cache` (Llama-style layers) or
         `layer_past` (GPT-NeoX). Refuses a layer that takes neither."""
         parameters = inspect.signature(self.layers[0].forward).parameters
+        if "per_layer_input" in parameters and getattr(self.runtime.agents.config, "hidden_size_per_layer_input", 0):
+            raise KvprofError(
+                f"the decoder layers of model {self.runtime.agents.base_model.config.name_or_path!r} each read a "
+                "per-layer embedding of the input (Gemma 3n's and Gemma 4's per-layer inputs), which selective "
+                "recompute does not compute for the tokens it recomputes; pick another policy for this model."
+            )
         for name in CACHE_ARGUMENTS:
             if name in parameters:
                 return name
@@ -161,10 +167,10 @@ class LayerStack:
 
     def layer_flops(self, layer: int, positions: torch.Tensor) -> float:
         """Analytic FLOPs of one decoder layer for the tokens at cache positions `positions` (m,): 2·params per
-        token in its linear layers plus the runtime's `pair_flops` per (query, key) pair they attend there."""
+        token in its linear layers plus the runtime's `layer_pair_flops` per (query, key) pair they attend there."""
         runtime = self.runtime
         pairs = runtime.attended_at(layer, positions)
-        return 2.0 * self.linear_params[layer] * len(positions) + runtime.pair_flops * pairs
+        return 2.0 * self.linear_params[layer] * len(positions) + runtime.layer_pair_flops[layer] * pairs
 
     def probe_flops(self, layer: int, tokens: int) -> float:
         """Analytic FLOPs of the query, key and value projections of `tokens` tokens at `layer`."""
@@ -381,7 +387,8 @@ class Blend:
 def query_projection(attention: torch.nn.Module) -> tuple[torch.nn.Module, int] | None:
     """The module whose output holds an attention layer's queries, and how many of its first columns they are:
     `q_proj` (all of them), or Phi-3's fused `qkv_proj` (the first H_q·D); None for any other layout."""
-    width = attention.config.num_attention_heads * head_dim(attention.config)
+    size = getattr(attention, "head_dim", None)  # the layer's own (Gemma 4's global layers), else the model's
+    width = attention.config.num_attention_heads * (size if isinstance(size, int) else head_dim(attention.config))
     for name in ("q_proj", FUSED_QKV):
         module = getattr(attention, name, None)
         if isinstance(module, torch.nn.Module):
