@@ -121,7 +121,7 @@ class LayerStack:
         """The name under which a decoder layer takes the cache it writes to: `cache` (Llama-style layers) or
         `layer_past` (GPT-NeoX). Refuses a layer that takes neither."""
         parameters = inspect.signature(self.layers[0].forward).parameters
-        if "per_layer_input" in parameters and getattr(self.runtime.agents.config, "hidden_size_per_layer_input", 0):
+        if "per_layer_input" in parameters and getattr(self.runtime.agents.config, "hidden_size_per_layer_input", None):
             raise KvprofError(
                 f"the decoder layers of model {self.runtime.agents.base_model.config.name_or_path!r} each read a "
                 "per-layer embedding of the input (Gemma 3n's and Gemma 4's per-layer inputs), which selective "
