@@ -1,35 +1,64 @@
-"""The oracle of a capture: peft's own generation, on adapters loaded apart from kvprof (for the adapter and
-architecture tests)."""
+"""Oracles computed apart from kvprof, for the adapter and architecture tests: a capture is the model's own greedy
+generation (peft's, with each agent's adapter loaded here; the base model's in prompt mode), and re-aligning a
+cached key is the model's own key at the other position."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvprof.trace import read_trace
 
+SHIFT = 29  # positions the re-alignment oracle moves an input by
 
-def assert_peft_generations(model: Path, adapters: dict[str, Path], out: Path) -> None:
-    """Every turn of the trace captured to OUT/capture is peft's own greedy generation on `model` with its agent's
-    adapter (loaded here, apart from kvprof), token for token."""
-    import torch
+
+def assert_peft_generations(model: Path, adapters: dict[str, Path], out: Path, capture: str = "capture") -> None:
+    """Every turn of the trace captured to OUT/CAPTURE is the model's own greedy generation with its agent's adapter
+    (loaded here, apart from kvprof), token for token; with no `adapters` (prompt mode), the base model's."""
     from peft import PeftModel
 
-    trace = read_trace(out / "capture" / "trace.jsonl")
-    first, *others = adapters
-    peft_model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(model), adapters[first], adapter_name=first
-    )
-    for agent in others:
-        peft_model.load_adapter(adapters[agent], adapter_name=agent)
+    trace = read_trace(out / capture / "trace.jsonl")
+    generator = AutoModelForCausalLM.from_pretrained(model)
+    if adapters:
+        first, *others = adapters
+        generator = PeftModel.from_pretrained(generator, adapters[first], adapter_name=first)
+        for agent in others:
+            generator.load_adapter(adapters[agent], adapter_name=agent)
     turns = 0
     for trajectory in trace.trajectories:
         for turn in trajectory.turns:
-            peft_model.set_adapter(turn.agent)
+            if adapters:
+                generator.set_adapter(turn.agent)
             output = trajectory.output_tokens(turn)
             ids = torch.tensor([trajectory.input_tokens(turn)])
-            generated = peft_model.generate(ids, max_new_tokens=len(output), do_sample=False)[0, ids.shape[1] :]
+            generated = generator.generate(ids, max_new_tokens=len(output), do_sample=False)[0, ids.shape[1] :]
             assert generated.tolist() == output, (trajectory.id, turn.agent)
             turns += 1
     assert turns >= 6
+
+
+def assert_keys_realign(model: Path, layers: list) -> None:
+    """For every attention layer of `model` (`layers`: its `kvprof.rope.LayerRopes`, recurrent layers skipped):
+    the keys the model caches for an input at positions SHIFT.. are kvprof's re-rotation of those it caches at
+    0.. by SHIFT (its own RoPE, or none), to float32 rounding, while the keys do move (the check is not empty)."""
+    from kvprof.latent import latent_layers, oriented
+    from kvprof.rope import rotate_keys
+
+    base = AutoModelForCausalLM.from_pretrained(model).eval()
+    ids = torch.arange(3, 40)[None]
+    caches = []
+    for start in (0, SHIFT):
+        cache = oriented(DynamicCache(config=base.config), latent_layers(base))
+        with torch.inference_mode():
+            base(input_ids=ids, position_ids=torch.arange(start, start + ids.shape[1])[None], cache=cache)
+        caches.append(cache)
+    moved = 0
+    for index, (at_start, shifted) in enumerate(zip(*(cache.layers for cache in caches))):
+        if not hasattr(at_start, "keys"):  # a recurrent layer
+            continue
+        realigned = rotate_keys(at_start.keys, SHIFT, layers[index])
+        assert (realigned - shifted.keys).norm() <= 1e-4 * shifted.keys.norm(), index
+        moved += int((at_start.keys - shifted.keys).norm() > 1e-2 * shifted.keys.norm())
+    assert moved > 0

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from peft_oracle import assert_peft_generations
+from peft_oracle import assert_keys_realign, assert_peft_generations
 
 from kvprof.model import load_agents_for_trace
 from kvprof.policies.base import TurnRequest
@@ -59,6 +59,22 @@ def test_layers_are_named_and_captures_are_peft_generations(world, run_cli, tmp_
     assert code == 0, err
     assert LAYERS in " ".join(stdout.split())
     assert_peft_generations(world.model, {agent: world.adapter(agent) for agent in AGENTS}, tmp_path)
+    code, _, err = run_cli(
+        "capture", "--model", world.model, "--workflow", world.prompt_workflow, "--tasks", world.tasks,
+        "--limit", "2", "--out", tmp_path / "prompt", *DEVICE,
+    )  # fmt: skip
+    assert code == 0, err
+    assert_peft_generations(world.model, {}, tmp_path, capture="prompt")
+
+
+def test_the_attention_layers_keys_realign_by_their_rope(world):
+    from transformers import AutoModelForCausalLM
+
+    from kvprof.rope import model_ropes
+
+    ropes = model_ropes(AutoModelForCausalLM.from_pretrained(world.model))
+    assert ropes.names[:3] == ("no keys (recurrent)",) * 3
+    assert_keys_realign(world.model, ropes)
 
 
 def _lora_trace(world: TinyWorld, run_cli, tmp_path) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from peft_oracle import assert_peft_generations
+from peft_oracle import assert_keys_realign, assert_peft_generations
 
 from kvprof.tiny import AGENTS, MLA_SIZES, TinyWorld, build_tiny_world, tiny_sizes
 from kvprof.trace import read_trace
@@ -95,6 +95,19 @@ def test_layers_are_read_from_the_model_and_captures_are_peft_generations(world,
     trace = read_trace(trace_path)
     assert max(len(t.input_tokens(turn)) for t in trace.trajectories for turn in t.turns) > 3 * WINDOW
     assert_peft_generations(tiny.model, {agent: tiny.adapter(agent) for agent in AGENTS}, tmp_path)
+    _capture(run_cli, tiny, tiny.prompt_workflow, tmp_path / "prompt")
+    assert_peft_generations(tiny.model, {}, tmp_path, capture="prompt")
+
+
+def test_every_layers_keys_realign_by_its_own_rope(world):
+    """Re-alignment is exact per layer: each layer's cached keys at shifted positions are kvprof's re-rotation of
+    them (its own RoPE base, none in a NoPE layer, only an MLA layer's RoPE key)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvprof.rope import model_ropes
+
+    _, tiny = world
+    assert_keys_realign(tiny.model, model_ropes(AutoModelForCausalLM.from_pretrained(tiny.model)))
 
 
 @pytest.mark.parametrize("mode", ["lora", "prompt"])
