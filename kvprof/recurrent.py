@@ -23,6 +23,8 @@ from transformers.cache_utils import LinearAttentionLayer
 from kvprof.kv_buffer import KVBuffer, Rewrite
 from kvprof.lora import decoder_layers, recurrent_of
 
+RECURRENT_STATES = "recurrent states"  # what a policy's memory names an agent's states (not token-indexed)
+
 
 def recurrent_layers(model) -> dict[int, str]:
     """The decoder layers of `model` that are recurrent, by index, with their token mixer's name."""

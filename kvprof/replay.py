@@ -37,6 +37,7 @@ from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResul
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import cpu_description, gpu_memory
+from kvprof.recurrent import RECURRENT_STATES
 from kvprof.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.runtime import Runtime
 from kvprof.trace import Trajectory
@@ -44,7 +45,8 @@ from kvprof.workflow import SearchTool, Task, exact_match, require_react_agents,
 
 DENSE = "dense"
 PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
-UNPAGED = ("anchor pool",)  # stored structures that are not token-indexed caches: counted at their exact bytes
+# stored structures that are not token-indexed caches, by name or name prefix: counted at their exact bytes
+UNPAGED = ("anchor pool", RECURRENT_STATES)
 TIMINGS = ("turn", "trajectory")
 """`replay_trace`'s timing modes: per-turn medians (kvprof) or PReCache's trajectory timing (code)."""
 
@@ -189,7 +191,7 @@ def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
     for name, group in tensors.items():
         for t in group:
             exact = t.numel() * t.element_size()
-            tokens = t.shape[-2] if t.dim() >= 2 and name not in UNPAGED else 0
+            tokens = t.shape[-2] if t.dim() >= 2 and not name.startswith(UNPAGED) else 0
             total += exact * math.ceil(tokens / page_size) * page_size // tokens if tokens else exact
     return total
 

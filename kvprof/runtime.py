@@ -165,12 +165,11 @@ class Runtime:
         return min(length, kind.window) if kind.attention == "sliding" else length % kind.window
 
     def held(self, buffers: list[KVBuffer], length: int) -> list[torch.Tensor]:
-        """The tensors of a sequence's cache over its first `length` tokens, as an engine holds them: per layer
-        the K and V of its `held_length` last tokens (a hybrid's recurrent layer: its state)."""
+        """The K/V tensors of a sequence's cache over its first `length` tokens, as an engine holds them: per layer
+        the K and V of its `held_length` last tokens (a hybrid's recurrent layers: none; their states apart)."""
         tensors = []
         for index, buffer in enumerate(buffers):
             if isinstance(buffer, StateBuffer):
-                tensors += buffer.tensors()
                 continue
             keep = self.held_length(index, length)
             tensors += [t.narrow(2, length - keep, keep) for t in buffer.view(length)]

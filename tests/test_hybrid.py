@@ -13,8 +13,9 @@ import torch
 from peft_oracle import assert_keys_realign, assert_peft_generations
 
 from kvprof.model import load_agents_for_trace
-from kvprof.policies.base import TurnRequest
+from kvprof.policies.base import TurnRequest, tensor_bytes
 from kvprof.policies.nonshared import NonShared
+from kvprof.replay import paged_bytes
 from kvprof.runtime import Runtime
 from kvprof.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
 from kvprof.trace import read_trace
@@ -102,7 +103,8 @@ def test_nonshared_replays_and_every_sharing_policy_is_refused_for_the_recurrent
 
 def test_nonshared_continues_each_agents_own_state_exactly(trace):
     """Every turn's logits equal the model's own forward of the whole call from scratch, while later turns of an
-    agent reuse its cache (the recurrent layers restart from the state after it); memory counts the states."""
+    agent reuse its cache (the recurrent layers restart from the state after it); memory counts each agent's
+    states apart from its K/V, at their exact bytes in KV blocks too (they are not token-indexed)."""
     agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
     runtime = Runtime(agents)
     policy = NonShared(runtime)
@@ -118,8 +120,10 @@ def test_nonshared_continues_each_agents_own_state_exactly(trace):
                 reference = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
             expected = reference[len(ids) - 1 : len(ids) - 1 + len(result.logits)]
             assert (result.logits - expected).abs().max() <= 1e-4 * expected.abs().max()
-            held = sum(t.numel() * t.element_size() for t in policy.live_tensors()[f"cache:{turn.agent}"])
-            assert held == policy.analytic_bytes()[f"cache:{turn.agent}"] > runtime.kv_bytes_per_token * len(ids)
+            live, formula = tensor_bytes(policy.live_tensors()), policy.analytic_bytes()
+            assert live == formula and formula[f"cache:{turn.agent}"] >= runtime.kv_bytes_per_token * len(ids)
+            states = {name: tensors for name, tensors in policy.live_tensors().items() if name.startswith("recurrent")}
+            assert paged_bytes(states, 16) == sum(formula[name] for name in states) == len(states) * runtime.state_bytes
     assert reused > 0 and runtime.state_bytes > 0
 
 

@@ -20,6 +20,7 @@ import torch
 
 from kvprof.kv_buffer import KVBuffer
 from kvprof.policies.base import Chunk, Context, SharingPolicy
+from kvprof.recurrent import RECURRENT_STATES
 
 
 class NonShared(SharingPolicy[Context]):
@@ -61,14 +62,23 @@ class NonShared(SharingPolicy[Context]):
         self.seen = {agent: min(seen, keep) for agent, seen in self.seen.items()}
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {
-            f"cache:{agent}": self.runtime.held(buffers, len(self.runtime.prefix(agent)) + self.seen[agent])
+        runtime = self.runtime
+        tensors = {
+            f"cache:{agent}": runtime.held(buffers, len(runtime.prefix(agent)) + self.seen[agent])
             for agent, buffers in self.own.items()
         }
+        if runtime.recurrent:
+            for agent, buffers in self.own.items():
+                tensors[f"{RECURRENT_STATES}:{agent}"] = [
+                    t for b in runtime.state_buffers(buffers) for t in b.tensors()
+                ]
+        return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
-        return {
-            f"cache:{agent}": runtime.kv_bytes(len(runtime.prefix(agent)) + self.seen[agent]) + runtime.state_bytes
-            for agent in self.own
+        sizes = {
+            f"cache:{agent}": runtime.kv_bytes(len(runtime.prefix(agent)) + self.seen[agent]) for agent in self.own
         }
+        if runtime.recurrent:
+            sizes.update({f"{RECURRENT_STATES}:{agent}": runtime.state_bytes for agent in self.own})
+        return sizes
