@@ -441,7 +441,7 @@ class Runtime:
         """Per layer the FLOPs of one (query, key) pair over the query heads: 2·H_q·(D_qk + D_v) (QKᵀ and PV; an MLA
         layer's query head is its RoPE and non-RoPE parts, its value head its own size; 0 in a recurrent layer)."""
         flops = []
-        for index, layer in enumerate(decoder_layers(self.model)):
+        for index, layer in enumerate(decoder_layers(self.agents.base_model)):
             if index in self.recurrent:
                 flops.append(0.0)
                 continue
