@@ -491,10 +491,10 @@ class SharingPolicy(ABC, Generic[ContextT]):
         if runtime.recurrent and self.serves_others:
             index, mixer = next(iter(runtime.recurrent.items()))
             raise KvprofError(
-                f"policy {self.name} serves an agent caches other calls computed, and layer {index} of model "
+                f"policy {self.name} serves an agent K/V that other calls computed, and layer {index} of model "
                 f"{runtime.agents.base_model.config.name_or_path!r} is a recurrent layer ({mixer}), whose state after "
-                "a prefix summarises that exact sequence: it cannot be shared between agents or moved to other "
-                "positions, so only nonshared replays hybrid models."
+                "a prefix summarises that exact sequence, so it cannot be shared between agents or moved to other "
+                "positions; only nonshared replays hybrid models."
             )
 
     @classmethod
