@@ -102,6 +102,8 @@ class StateLayer(LinearAttentionLayer):
         state = buffer.state if length else None
         if state is None:
             return
+        if isinstance(getattr(self, "cumulative_length_linear", None), torch.Tensor):  # transformers ≥ 5.25's count
+            self.cumulative_length_linear.fill_(length)
         self.device, self.dtype = buffer.empty.device, buffer.empty.dtype
         for index, conv in state.conv.items():
             if conv is not None:

@@ -322,13 +322,22 @@ class Runtime:
     @staticmethod
     def buffers_of(cache: BufferCache) -> list[KVBuffer]:
         """The buffers a cache's layers write to; for a hybrid's recurrent layer, a `StateBuffer` of its state now."""
-        length = cache.get_seq_length()
+        length = Runtime.cache_length(cache)
         return [
             layer.buffer
             if isinstance(layer, BufferLayer)
             else StateBuffer(LayerState.of(layer), length, layer.buffer.empty)
             for layer in cache.layers
         ]
+
+    @staticmethod
+    def cache_length(cache: DynamicCache) -> int:
+        """Tokens a cache holds, as its attention layers count them (transformers ≥ 5.25 asks a hybrid's first layer,
+        whose count starts where the cache was made, not where its restored state was)."""
+        for layer in cache.layers:
+            if isinstance(layer, BufferLayer):
+                return layer.length
+        return int(cache.get_seq_length())
 
     def empty_kv(self, batch: int = 1) -> list[KV]:
         """Per layer an empty K (B, H_kv, 0, D_k) and V (B, H_kv, 0, D_v), each layer's own shape."""
@@ -342,7 +351,7 @@ class Runtime:
     @staticmethod
     def kv_of(cache: DynamicCache) -> list[KV]:
         """Per layer (K, V) of a cache (a hybrid's recurrent layers: zero-width, `kvprof.recurrent`)."""
-        length = cache.get_seq_length()
+        length = Runtime.cache_length(cache)
         return [
             layer.buffer.view(length) if isinstance(layer, StateLayer) else (layer.keys, layer.values)
             for layer in cache.layers
