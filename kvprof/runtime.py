@@ -107,7 +107,7 @@ class Runtime:
         attending = [shape for index, shape in enumerate(self.cache_shapes) if index not in self.recurrent]
         self.uniform_cache = len(set(attending)) == 1  # False: Gemma 4's local and global layers
         self.kv_heads, self.key_dim, self.value_dim = attending[0]  # the first attention layer's (all's if uniform)
-        self.head_dim = self.key_dim  # of the queries (an MLA model's: see `pair_flops`)
+        self.head_dim = self.key_dim  # of the queries (an MLA model's: see `layer_pair_flops`)
         self.query_heads = config.num_attention_heads
         self.hidden_size = config.hidden_size
         self.ropes = agents.ropes
