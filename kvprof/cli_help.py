@@ -3,7 +3,7 @@ tune-tau's threshold grid.
 
 `kvprof --help`, `kvprof COMMAND --help` and usage errors must answer without importing torch, transformers, peft,
 triton, ray or plotly (they take seconds), so these texts are read from `cli_help.json`, generated from the policy
-registry and `kvprof.tune`. After adding a policy or changing an option, regenerate it:
+registry and `kvprof.tuning.tau`. After adding a policy or changing an option, regenerate it:
 
     python -m kvprof.cli_help
 
@@ -23,7 +23,7 @@ def generate() -> dict:
     """The help data from the live registry (imports torch): policy name → option key → its `--help` text, and the
     τ grid tune-tau sweeps by default."""
     from kvprof.policies import REGISTRY
-    from kvprof.tune import GRID
+    from kvprof.tuning.tau import GRID
 
     return {
         "policies": {
@@ -51,7 +51,7 @@ def policy_option_list() -> str:
 
 
 def tune_grid() -> list[str]:
-    """tune-tau's default threshold grid (`kvprof.tune.GRID`)."""
+    """tune-tau's default threshold grid (`kvprof.tuning.tau.GRID`)."""
     return list(help_data()["tune_grid"])
 
 

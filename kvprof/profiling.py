@@ -4,6 +4,7 @@ it), and GPU memory readings next to kvprof's analytic accounting (the allocator
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -48,3 +49,36 @@ def gpu_memory(device: torch.device) -> dict | None:
     except Exception as err:  # NVML missing or refused: report the allocator alone, and why
         reading["nvml_error"] = f"{type(err).__name__}: {err}"
     return reading
+
+
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class CudaPeak:
+    """The CUDA allocator's peak during a turn above what was allocated when it started, plus the policy's stored
+    bytes before the turn (`stored`, its analytic bytes, which equal its live tensors' bytes): the memory the
+    policy's own work needs at its worst. None off CUDA."""
+
+    def __init__(self, device: torch.device, stored: int):
+        self.device, self.stored = device, stored
+        self.start = 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = torch.cuda.memory_allocated(device)
+
+    def peak(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return self.stored + torch.cuda.max_memory_allocated(self.device) - self.start
+
+    def allocated(self) -> int | None:
+        """The allocator's peak since the turn started, everything allocated counted (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)

@@ -1,6 +1,6 @@
 """kvprof on tiny models of many transformers architectures, each checked against its oracles through the CLI.
 
-For every architecture named, a tiny untrained world (`kvprof.tiny`: 2 layers, or as many as its own per-layer
+For every architecture named, a tiny untrained world (`kvprof.model.tiny`: 2 layers, or as many as its own per-layer
 pattern takes to hold each kind of layer once — Gemma 3's sixth, global layer; 4 query and 2 key/value heads of 16
 channels where the architecture allows, random attention biases, LoRA adapters on every attention projection) is
 built from the architecture's own config class, and in lora and prompt mode:
@@ -44,7 +44,7 @@ def configure(arch: str, window: int = LONG_WINDOW):
     attention chunk of `window` tokens where the architecture has one."""
     from transformers import CONFIG_MAPPING
 
-    from kvprof.tiny import MLA_SIZES, tiny_sizes
+    from kvprof.model.tiny import MLA_SIZES, tiny_sizes
 
     config_class = CONFIG_MAPPING[arch]
     defaults = config_class()
@@ -126,7 +126,7 @@ def one_adapter_error(path: Path) -> float:
 
 def survey(arch: str, root: Path, window: int = LONG_WINDOW) -> list[tuple[str, str, str]]:
     from kvprof.errors import KvprofError
-    from kvprof.tiny import AGENTS, build_tiny_world
+    from kvprof.model.tiny import AGENTS, build_tiny_world
 
     steps: list[tuple[str, str, str]] = []
     try:

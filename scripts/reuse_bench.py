@@ -1,4 +1,5 @@
-"""How long deriving a trace's reuse structure (kvprof.reuse, what `kvprof inspect` prints) takes, against trace size.
+"""How long deriving a trace's reuse structure (kvprof.traces.reuse, what `kvprof inspect` prints) takes, against trace
+size.
 
     python scripts/reuse_bench.py [TURNS ...]
 
@@ -15,8 +16,8 @@ import statistics
 import sys
 import time
 
-from kvprof.reuse import ReuseSummary, trajectory_reuse
-from kvprof.trace import Segment, Trajectory, Turn
+from kvprof.traces.reuse import ReuseSummary, trajectory_reuse
+from kvprof.traces.trace import Segment, Trajectory, Turn
 
 TURNS_PER_TRAJECTORY = 20
 

@@ -21,7 +21,7 @@ from kvprof.serving.driver import run_load
 from kvprof.serving.stub_server import StubServer, trace_config
 from kvprof.serving.summary import percentile
 from kvprof.serving.traffic import Load, ServedModels, TrajectoryTraffic, trajectory_traffic
-from kvprof.trace import read_trace
+from kvprof.traces.trace import read_trace
 
 AGENTS = ["plan", "act", "reflect"]
 FIXED_TTFT = 0.020

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kvprof.tiny import TinyWorld, build_tiny_world
+from kvprof.model.tiny import TinyWorld, build_tiny_world
 
 # One intra-op thread per test process (and the subprocesses it starts): the tiny models gain nothing from more,
 # and OpenMP threads that spin while another process holds a core made the suite many times slower.
@@ -54,10 +54,11 @@ def run_cli(capsys):
 
 def capture_tiny_trace(world: TinyWorld, workflow, path):
     """Capture the tiny world's tasks with `workflow` (greedy, CPU) into the trace file `path`."""
-    from kvprof.model import load_agents, tokenizer_identity
-    from kvprof.spec import build_spec
-    from kvprof.trace import Trace, TraceHeader, write_trace
-    from kvprof.workflow import Sampling, SearchTool, load_tasks, model_responder, run_react
+    from kvprof.capture.workflow import Sampling, SearchTool, model_responder, run_react
+    from kvprof.model.agents import load_agents, tokenizer_identity
+    from kvprof.traces.spec import build_spec
+    from kvprof.traces.tasks import load_tasks
+    from kvprof.traces.trace import Trace, TraceHeader, write_trace
 
     spec = build_spec(workflow)
     agents = load_agents(spec, str(world.model), device="cpu", dtype="float32")

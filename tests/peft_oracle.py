@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvprof.trace import read_trace
+from kvprof.traces.trace import read_trace
 
 SHIFT = 29  # positions the re-alignment oracle moves an input by
 
@@ -40,11 +40,11 @@ def assert_peft_generations(model: Path, adapters: dict[str, Path], out: Path, c
 
 
 def assert_keys_realign(model: Path, layers: list) -> None:
-    """For every attention layer of `model` (`layers`: its `kvprof.rope.LayerRopes`, recurrent layers skipped):
+    """For every attention layer of `model` (`layers`: its `kvprof.model.rope.LayerRopes`, recurrent layers skipped):
     the keys the model caches for an input at positions SHIFT.. are kvprof's re-rotation of those it caches at
     0.. by SHIFT (its own RoPE, or none), to float32 rounding, while the keys do move (the check is not empty)."""
-    from kvprof.latent import latent_layers, oriented
-    from kvprof.rope import rotate_keys
+    from kvprof.model.latent import latent_layers, oriented
+    from kvprof.model.rope import rotate_keys
 
     base = AutoModelForCausalLM.from_pretrained(model).eval()
     ids = torch.arange(3, 40)[None]

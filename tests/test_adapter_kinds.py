@@ -12,12 +12,12 @@ import pytest
 from peft_oracle import assert_peft_generations
 from transformers import AutoModelForCausalLM
 
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
+from kvprof.model.tiny import AGENTS, build_adapter, build_tiny_world
 from kvprof.policies import PolicyVariant, runnable_variants
-from kvprof.replay import replay_trace, weights_bytes
-from kvprof.runtime import Runtime
-from kvprof.tiny import AGENTS, build_adapter, build_tiny_world
-from kvprof.trace import read_trace
+from kvprof.replay.engine import replay_trace, weights_bytes
+from kvprof.traces.trace import read_trace
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", *MLP)
@@ -195,8 +195,8 @@ def test_an_activated_lora_that_acts_before_its_invocation_is_refused_at_load(ti
     from peft.tuners.lora.variants import ALoraLinearVariant
 
     from kvprof.errors import KvprofError
-    from kvprof.model import load_agents
-    from kvprof.spec import build_spec
+    from kvprof.model.agents import load_agents
+    from kvprof.traces.spec import build_spec
 
     flags = alora_adapters(tiny_world, tmp_path / "alora")
     spec = build_spec(tiny_world.lora_workflow, agent_flags=flags[1::2])

@@ -11,16 +11,16 @@ import json
 import pytest
 import torch
 
-from kvprof.cache import capture_turn
-from kvprof.lora import HiddenTap, heads, key_norms, layer_splits
-from kvprof.model import head_dim, load_agents, load_agents_for_trace
+from kvprof.model.agents import head_dim, load_agents, load_agents_for_trace
+from kvprof.model.lora import HiddenTap, heads, key_norms, layer_splits
+from kvprof.model.rope import apply_rope
+from kvprof.model.runtime import Runtime
+from kvprof.model.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
 from kvprof.policies import PolicyVariant, enumerate_variants
-from kvprof.replay import replay_trace
-from kvprof.rope import apply_rope
-from kvprof.runtime import Runtime
-from kvprof.spec import build_spec
-from kvprof.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
-from kvprof.trace import Segment, Trace, Trajectory, read_trace, write_trace
+from kvprof.rank.kv_capture import capture_turn
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.spec import build_spec
+from kvprof.traces.trace import Segment, Trace, Trajectory, read_trace, write_trace
 
 DEVICE = ("--device", "cpu")
 
@@ -99,7 +99,7 @@ def test_low_rank_policies_split_keys_normalised_by_a_k_layernorm(run_cli, tmp_p
     it went unseen)."""
     from transformers import Lfm2Config
 
-    from kvprof.tiny import tiny_sizes
+    from kvprof.model.tiny import tiny_sizes
 
     world = build_tiny_world(tmp_path / "world", configure=lambda vocab, eos: Lfm2Config(**tiny_sizes(vocab, eos)))
     agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu", dtype="float32")
@@ -257,7 +257,7 @@ def test_a_config_its_model_cannot_run_is_refused_in_one_sentence(run_cli, tmp_p
     capture with a traceback inside the model's own forward; kvprof refuses it at load in one sentence, exit 2."""
     from transformers import DeepseekV3Config
 
-    from kvprof.tiny import tiny_sizes
+    from kvprof.model.tiny import tiny_sizes
 
     def configure(vocab, eos):
         sizes = tiny_sizes(vocab, eos) | {"head_dim": 16}
@@ -279,7 +279,7 @@ def test_gemma4s_layers_of_two_head_sizes_replay(run_cli, tmp_path):
     selective ones (which would have to compute the per-layer inputs) are refused in one sentence each."""
     from transformers import Gemma4TextConfig
 
-    from kvprof.tiny import tiny_sizes
+    from kvprof.model.tiny import tiny_sizes
 
     def configure(vocab, eos):
         sizes = tiny_sizes(vocab, eos, layers=6) | {"head_dim": 16, "global_head_dim": 32}
@@ -316,7 +316,7 @@ def test_selective_recompute_runs_where_keys_and_values_are_not_split(run_cli, t
     refuses it, but CacheBlend and DroidSpeak only run its layers, and at ratio 1 equal the dense run."""
     from transformers import GPTNeoXConfig
 
-    from kvprof.tiny import tiny_sizes
+    from kvprof.model.tiny import tiny_sizes
 
     def configure(vocab, eos):
         sizes = {k: v for k, v in tiny_sizes(vocab, eos).items() if k != "num_key_value_heads"}

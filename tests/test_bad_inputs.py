@@ -19,13 +19,13 @@ def world():
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail the test if a command loads a model."""
-    import kvprof.model
+    import kvprof.model.agents
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the trace was validated")
 
-    monkeypatch.setattr(kvprof.model, "load_agents_for_trace", refuse)
-    monkeypatch.setattr(kvprof.model, "load_agents", refuse)
+    monkeypatch.setattr(kvprof.model.agents, "load_agents_for_trace", refuse)
+    monkeypatch.setattr(kvprof.model.agents, "load_agents", refuse)
 
 
 def refused(result: tuple[int, str, str], path: Path, message: str) -> None:
@@ -100,7 +100,7 @@ def test_import_chat_refuses_a_tool_call_that_is_not_one(world, tmp_path, run_cl
 
 
 def test_every_workflow_setting_is_type_checked():
-    from kvprof.spec import AGENT_TYPES, SETTING_TYPES, AgentSpec, WorkflowSpec
+    from kvprof.traces.spec import AGENT_TYPES, SETTING_TYPES, AgentSpec, WorkflowSpec
 
     assert set(SETTING_TYPES) == set(WorkflowSpec.__dataclass_fields__) - {"agents"}
     assert set(AGENT_TYPES) == set(AgentSpec.__dataclass_fields__) - {"name"}

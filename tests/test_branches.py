@@ -1,5 +1,5 @@
-"""Replay of traces whose turns do not extend one shared context (`kvprof.branches`): each turn reuses its longest
-common prefix with any earlier turn's sequence and recomputes the rest, under every policy; nothing is refused
+"""Replay of traces whose turns do not extend one shared context (`kvprof.replay.branches`): each turn reuses its
+longest common prefix with any earlier turn's sequence and recomputes the rest, under every policy; nothing is refused
 unless --strict asks for it."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 from test_policies import CASES, check_variant
 
-from kvprof.branches import BranchingTimeline, plan_of, plan_trajectory
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import Segment, Trace, Trajectory, read_trace, write_trace
+from kvprof.replay.branches import BranchingTimeline, plan_of, plan_trajectory
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import Segment, Trace, Trajectory, read_trace, write_trace
 
 
 def brute_force_prefix(ids: list[int], earlier: list[list[int]]) -> int:

@@ -1,16 +1,17 @@
-"""kvprof.cache: captured K/V are the model's cache; the LoRA split adds up to it; LR activations; RoPE re-alignment."""
+"""kvprof.rank.kv_capture: captured K/V are the model's cache; the LoRA split adds up to it; LR activations; RoPE
+re-alignment."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvprof.cache import capture_turn
 from kvprof.errors import KvprofError
-from kvprof.lora import decoder_layers
-from kvprof.model import load_agents
-from kvprof.rope import rotate_keys
-from kvprof.spec import build_spec
+from kvprof.model.agents import load_agents
+from kvprof.model.lora import decoder_layers
+from kvprof.model.rope import rotate_keys
+from kvprof.rank.kv_capture import capture_turn
+from kvprof.traces.spec import build_spec
 
 TOKENS = list(range(3, 3 + 60))
 

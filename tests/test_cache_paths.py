@@ -1,4 +1,4 @@
-"""The fast cache paths — buffers appended in place (`kvprof.kv_buffer`), chunks attended without a mask
+"""The fast cache paths — buffers appended in place (`kvprof.model.buffers`), chunks attended without a mask
 (`kvprof.kernels.chunk_attention`), RoPE from cached tables — give what the plain path gives (fresh copied caches,
 sdpa with transformers' masks): K/V, logits and replay metrics to 1e-5, for every variant on the tiny worlds of both
 modes and on the shipped demo trace."""
@@ -11,16 +11,16 @@ from test_policies import CASES, shared_a_agents  # noqa: F401  (fixture)
 
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
-from kvprof.kv_buffer import BufferCache, GrowingTensor, KVBuffer
-from kvprof.lora import decoder_layers
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.buffers import BufferCache, GrowingTensor, KVBuffer
+from kvprof.model.lora import decoder_layers
+from kvprof.model.rope import apply_rope, rotate_half
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
-from kvprof.replay import compare_turn
-from kvprof.rope import apply_rope, rotate_half
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.replay.engine import compare_turn
+from kvprof.traces.trace import read_trace
 
 TOLERANCE = 1e-5
 METRICS = ("kl", "kl_sum", "top1_sum", "trace_agreement_sum", "reused", "prefilled", "flops", "ttft_flops")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvprof.tiny import build_adapter, tiny_config
-from kvprof.trace import read_partial_trace, read_trace, shared_segment_ids
+from kvprof.model.tiny import build_adapter, tiny_config
+from kvprof.traces.trace import read_partial_trace, read_trace, shared_segment_ids
 
 
 def _capture(run_cli, world, out, *extra):
@@ -153,7 +153,7 @@ def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
     _one_line_error(*run_cli("inspect", broken), "broken.jsonl line 2")
     _one_line_error(*run_cli("inspect", tmp_path / "nothing.jsonl"), "does not exist")
     other_model = tmp_path / "other"
-    from kvprof.tiny import build_tokenizer
+    from kvprof.model.tiny import build_tokenizer
 
     build_tokenizer(vocab_size=300).save_pretrained(other_model)
     _one_line_error(
@@ -167,7 +167,7 @@ def test_bad_inputs(run_cli, tiny_world, tmp_path, foreign_adapter, lora_trace):
 def _count_tasks(monkeypatch, interrupt_at: int | None = None) -> list[str]:
     """Wrap capture's runner: the returned list collects the ids of the tasks it runs; with `interrupt_at`, the
     runner raises KeyboardInterrupt (as Ctrl-C does) on that task (1-based)."""
-    import kvprof.capture as capture_module
+    import kvprof.capture.runner as capture_module
 
     monkeypatch.undo()
     real_run_react, calls = capture_module.run_react, []
@@ -246,7 +246,7 @@ def _tokenizer_without_newline():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from kvprof.tiny import CORPUS
+    from kvprof.model.tiny import CORPUS
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -261,7 +261,7 @@ def _tokenizer_without_newline():
 
 def _tokenizer_without_decoder():
     """A byte-level BPE without a decoder: transformers' StopStringCriteria cannot map its vocabulary to text."""
-    from kvprof.tiny import build_tokenizer
+    from kvprof.model.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.backend_tokenizer.decoder = None
@@ -288,7 +288,7 @@ def test_capture_and_replay_with_any_tokenizer(run_cli, tiny_world, tmp_path, ma
 
 
 def test_capture_refuses_a_tokenizer_that_cannot_decode(run_cli, tiny_world, tmp_path, monkeypatch):
-    from kvprof.model import load_tokenizer
+    from kvprof.model.agents import load_tokenizer
 
     def decode(self, *args, **kwargs):
         raise NotImplementedError("this tokenizer has no decoder")

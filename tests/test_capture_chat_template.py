@@ -11,13 +11,14 @@ import pytest
 from test_policies import check_variant
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvprof.branches import plan_of
+from kvprof.capture.workflow import SearchTool, run_react
 from kvprof.demo.assets import demo_world
-from kvprof.model import load_agents
-from kvprof.spec import build_spec
-from kvprof.stopping import end_ids, end_of_turn
-from kvprof.trace import read_trace
-from kvprof.workflow import SearchTool, load_tasks, run_react
+from kvprof.model.agents import load_agents
+from kvprof.replay.branches import plan_of
+from kvprof.traces.spec import build_spec
+from kvprof.traces.stopping import end_ids, end_of_turn
+from kvprof.traces.tasks import load_tasks
+from kvprof.traces.trace import read_trace
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 LLAMA_31 = TEMPLATES / "llama-3.1-8b-instruct.jinja"

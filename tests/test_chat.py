@@ -1,6 +1,6 @@
-"""Agent calls rendered through chat templates (`kvprof.chat`): capture renders every call exactly as transformers'
-`apply_chat_template` does, shared messages become shared segments, and `kvprof import-chat` turns chat logs into
-traces — reporting messages whose tokens depend on their context."""
+"""Agent calls rendered through chat templates (`kvprof.traces.chat`): capture renders every call exactly as
+transformers' `apply_chat_template` does, shared messages become shared segments, and `kvprof import-chat` turns chat
+logs into traces — reporting messages whose tokens depend on their context."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
-from kvprof.chat_log import import_log, trajectory_calls
+from kvprof.capture.workflow import SearchTool, run_react
 from kvprof.demo.assets import demo_world
-from kvprof.model import load_agents, tokenizer_identity
+from kvprof.model.agents import load_agents, tokenizer_identity
 from kvprof.policies import PolicyVariant
-from kvprof.replay import replay_trace
-from kvprof.spec import build_spec
-from kvprof.trace import read_trace, shared_segment_ids
-from kvprof.workflow import SearchTool, load_tasks, run_react
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.chat import PLAIN_TEMPLATE, ChatFormat, Message
+from kvprof.traces.chat_log import import_log, trajectory_calls
+from kvprof.traces.spec import build_spec
+from kvprof.traces.tasks import load_tasks
+from kvprof.traces.trace import read_trace, shared_segment_ids
 
 SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3_STYLE = (

@@ -30,20 +30,20 @@ from test_policies import CASES as POLICY_CASES
 from test_policies import check_variant
 from transformers import AutoTokenizer
 
-from kvprof.anchor_fit import fit_pool, truncated
-from kvprof.branches import ReplayPlanSummary
-from kvprof.chat import PLAIN_TEMPLATE, ChatFormat, Message
-from kvprof.chat_log import import_log
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
-from kvprof.model import load_agents_for_trace, tokenizer_identity
+from kvprof.model.agents import load_agents_for_trace, tokenizer_identity
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, runnable_variants
 from kvprof.policies.delta import pool_identity
 from kvprof.policies.droidspeak import LayerProfile
-from kvprof.replay import replay_trace
+from kvprof.replay.branches import ReplayPlanSummary
+from kvprof.replay.engine import replay_trace
 from kvprof.report.replay import policy_notes
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace, write_trace
+from kvprof.traces.chat import PLAIN_TEMPLATE, ChatFormat, Message
+from kvprof.traces.chat_log import import_log
+from kvprof.traces.trace import read_trace, write_trace
+from kvprof.tuning.anchor_fit import fit_pool, truncated
 
 
 @pytest.fixture(scope="session")
@@ -237,7 +237,7 @@ def test_activated_lora_agents_with_their_own_system_prompts_share_exactly(
     what each agent's earlier calls held, and stays NonShared's to float rounding, prefilling fewer tokens."""
     from transformers import AutoModelForCausalLM
 
-    from kvprof.tiny import build_adapter
+    from kvprof.model.tiny import build_adapter
 
     family = "llama3.1"
     tokenizer = tokenizers[family]
@@ -439,8 +439,8 @@ def test_low_rank_policies_moving_spans_equal_fullshared_when_every_agent_has_th
 def test_delta_policies_fitted_on_half_a_group_chat_correct_its_moved_spans(
     tiny_world, family_models, tokenizers, tmp_path
 ):
-    """KVComm and KVCMAS with pools fitted (`kvprof.anchor_fit`, moved spans as placeholder segments) on half of the
-    Llama 3.1 group chat's trajectories replay the other half correcting moved spans, with ρ and KL (the demo group
+    """KVComm and KVCMAS with pools fitted (`kvprof.tuning.anchor_fit`, moved spans as placeholder segments) on half of
+    the Llama 3.1 group chat's trajectories replay the other half correcting moved spans, with ρ and KL (the demo group
     chat's test below re-runs it online for accuracy: these agents are not kvprof's ReAct roles)."""
     family = "llama3.1"
     tokenizer = tokenizers[family]

@@ -66,7 +66,7 @@ def test_scattered_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, positi
 
 
 def test_chunk_attention_reads_strided_cache_views():
-    """Keys and values as views of a longer buffer (how `kvprof.kv_buffer` hands them over)."""
+    """Keys and values as views of a longer buffer (how `kvprof.model.buffers` hands them over)."""
     generator = torch.Generator().manual_seed(0)
     buffer_k = torch.randn(1, 2, 100, 16, generator=generator)
     buffer_v = torch.randn(1, 2, 100, 16, generator=generator)

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
+from kvprof.capture.workflow import exact_match, parse_answer
 from kvprof.demo import codebook
 from kvprof.demo.codebook import ROLES, make_task, make_tasks, read_tasks, workflow_spec
 from kvprof.demo.data import oracle_trajectory
 from kvprof.demo.train_codebook import TrainConfig, build_tokenizer, check_drill, decode_drill, run
 from kvprof.demo.world import write_tasks
-from kvprof.workflow import exact_match, parse_answer
 
 
 @pytest.fixture(scope="module")

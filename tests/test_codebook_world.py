@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from kvprof.branches import ReplayPlanSummary
+from kvprof.capture.workflow import exact_match
 from kvprof.demo.codebook import workflow_spec
 from kvprof.demo.codebook_world import codebook_world
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
-from kvprof.replay import DENSE, run_replay
-from kvprof.spec import build_spec
-from kvprof.trace import read_trace
-from kvprof.workflow import exact_match
+from kvprof.replay.branches import ReplayPlanSummary
+from kvprof.replay.engine import DENSE, run_replay
+from kvprof.traces.spec import build_spec
+from kvprof.traces.trace import read_trace
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from kvprof.commands.common import result_envelope
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.policies.variants import ALL
-from kvprof.replay import run_replay
+from kvprof.replay.engine import run_replay
 from kvprof.report import decision, replay
 from kvprof.report.dashboard import dashboard_sections, write_dashboard
 from kvprof.report.html import render_html
 from kvprof.report.styles import DENSE, KNOWN, policy_style
 from kvprof.report.uncertainty import Interval, proportion, ratio_of_sums
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.traces.trace import read_trace
 
 
 @pytest.fixture(scope="module")

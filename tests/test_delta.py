@@ -9,15 +9,15 @@ import json
 import pytest
 import torch
 
-from kvprof.anchor_fit import fit_anchors, truncated
-from kvprof.anchors import AnchorPool, Match, Stored, mixed_delta, stored_bytes
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
+from kvprof.policies.anchors import AnchorPool, Match, Stored, mixed_delta, stored_bytes
 from kvprof.policies.delta import SegmentLog, pool_identity
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import read_trace
+from kvprof.tuning.anchor_fit import fit_anchors, truncated
 
 GRID = ("0", "0.1", "0.3", "0.6", "1")
 

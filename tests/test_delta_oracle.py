@@ -17,7 +17,7 @@ Modulo the deviations kvprof's policy docstrings list (exact SVD instead of the 
 error is compared with the optimal one, not the factors; keys in the segment's frame; the candidate of a chained
 reference compared with the anchor's cache of the same owner, base + Δ_source). The oracle imports none of kvprof's
 math helpers; kvprof's pool, policies and replay only supply the identical inputs and the values under test. Inputs:
-(a) a pool fitted by `kvprof.anchor_fit.fit_pool` on two trajectories of the demo's prompt world, with candidates
+(a) a pool fitted by `kvprof.tuning.anchor_fit.fit_pool` on two trajectories of the demo's prompt world, with candidates
 from a third, and dense caches recomputed here with the model's own forward and a RoPE written here; (b) synthetic
 anchors at nearly equal distances (entropy near its maximum, where the gate's threshold and ties decide).
 """
@@ -32,14 +32,14 @@ import pytest
 import torch
 
 import kvprof
-from kvprof.anchor_fit import fit_pool, observed_segments, truncated
-from kvprof.anchors import AnchorPool, Match
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
+from kvprof.policies.anchors import AnchorPool, Match
 from kvprof.policies.delta import Decision, DeltaContext, DeltaCorrection, SharedSegment
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import read_trace
+from kvprof.tuning.anchor_fit import fit_pool, observed_segments, truncated
 
 TRACE = Path(kvprof.__file__).parent / "demo" / "assets" / "sample_traces" / "prompt_tune.jsonl"
 FIT, HELD_OUT = (0, 1), 2  # the pool is fitted on two trajectories; candidates come from a third

@@ -15,10 +15,10 @@ from kvprof.commands import capture
 from kvprof.demo.assets import demo_world
 from kvprof.demo.world import ROLES, read_tasks, workflow_spec
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents
+from kvprof.model.agents import load_agents
 from kvprof.policies import enumerate_variants, parse_policy_options
-from kvprof.spec import build_spec
-from kvprof.trace import read_trace, shared_segment_ids
+from kvprof.traces.spec import build_spec
+from kvprof.traces.trace import read_trace, shared_segment_ids
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,8 @@ def test_capture_two_tasks(world, tmp_path):
 def test_adapters_set_the_role(world):
     """On one gold lora-mode input (an act turn), the act adapter acts, the plan adapter plans and the reflect
     adapter says that the answer is not known yet."""
+    from kvprof.capture.workflow import Sampling, generate
     from kvprof.demo.data import oracle_trajectory
-    from kvprof.workflow import Sampling, generate
 
     agents = load_agents(build_spec(world.lora_workflow), str(world.model), device="cpu")
     task = read_tasks(world.heldout_tasks)[0]

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM
 from kvprof.demo.train import LORA_TARGETS, AdapterSet, TrainConfig, adapter_sets, role_adapters, trained
 from kvprof.demo.world import ROLES
 from kvprof.errors import KvprofError
-from kvprof.lora import unshared_down_projections
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.lora import unshared_down_projections
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
-from kvprof.runtime import Runtime
 
 SETS = {adapter_set.name: adapter_set for adapter_set in adapter_sets(TrainConfig())}
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from kvprof.capture.workflow import SearchTool
 from kvprof.demo.data import oracle_trajectory, own_turn_examples, role_example, sample_examples
 from kvprof.demo.tokenizer import build_tokenizer
 from kvprof.demo.world import (
@@ -29,8 +30,8 @@ from kvprof.demo.world import (
     write_tasks,
     write_workflow_toml,
 )
-from kvprof.spec import build_spec
-from kvprof.workflow import SearchTool, load_tasks
+from kvprof.traces.spec import build_spec
+from kvprof.traces.tasks import load_tasks
 
 
 @pytest.fixture(scope="module")

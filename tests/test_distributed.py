@@ -1,4 +1,4 @@
-"""Sharded replay (`kvprof.distributed`, `kvprof replay --ray`): shards merge into the single-process result per
+"""Sharded replay (`kvprof.replay.sharded`, `kvprof replay --ray`): shards merge into the single-process result per
 turn (apart from timings and the environment), policies with state across trajectories are not split, a worker
 killed mid-run costs nothing but time, an interrupted run resumes at shard granularity. The Ray tests share one
 local Ray instance (`ray.init(address="local", num_cpus=2)`)."""
@@ -21,7 +21,12 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kvprof.distributed import (
+from kvprof.errors import KvprofError
+from kvprof.model.agents import load_agents_for_trace, trace_header
+from kvprof.policies import Option, PolicyVariant, policy_class
+from kvprof.policies.fullshared import FullShared
+from kvprof.replay.engine import ReplayProgress, replay_trace, run_replay, summarise
+from kvprof.replay.sharded import (
     AgentSource,
     RayCluster,
     ShardCounter,
@@ -35,12 +40,7 @@ from kvprof.distributed import (
     shard_checkpoint,
     shard_groups,
 )
-from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace, trace_header
-from kvprof.policies import Option, PolicyVariant, policy_class
-from kvprof.policies.fullshared import FullShared
-from kvprof.replay import ReplayProgress, replay_trace, run_replay, summarise
-from kvprof.trace import read_trace
+from kvprof.traces.trace import read_trace
 
 TIMINGS = {"ttft_s", "decode_s", "latency_s"}
 TIMED_SUMMARY = TIMINGS | {
@@ -420,7 +420,7 @@ def test_ctrl_c_on_a_cluster_stops_cleanly(ray_instance, lora_trace, tmp_path):
 def test_a_worker_waiting_for_room_is_announced(ray_instance, lora_trace, monkeypatch):
     """While another job holds the CPUs a worker needs, the cluster waits and says so once; it starts when they
     are free."""
-    import kvprof.distributed as distributed
+    import kvprof.replay.sharded as distributed
 
     monkeypatch.setattr(distributed, "WAIT_NOTE_S", 1.0)
     holder = ray_instance.remote(num_cpus=1)(ShardCounter).remote()  # another job's actor, holding one CPU

@@ -25,12 +25,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvprof.cache import capture_turn
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import enumerate_variants, runnable_variants
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.rank.kv_capture import capture_turn
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import read_trace
 
 TOLERANCE = {"bfloat16": 0.05, "float16": 0.01}
 # selective recompute selects tokens by ranking their deviations, and rounding can reorder near-equal ones

@@ -1,4 +1,4 @@
-"""Hybrid models (`kvprof.recurrent`) on a tiny Qwen 3.5 world (three Gated DeltaNet layers, then an attention
+"""Hybrid models (`kvprof.model.recurrent`) on a tiny Qwen 3.5 world (three Gated DeltaNet layers, then an attention
 layer, as Qwen 3.5 interleaves them), in lora and prompt mode: kvprof names the layers, captures as peft generates,
 and replays NonShared exactly — each agent's recurrent layers continue from their state after its own cache, as a
 hybrid prefix cache does — while every policy that would share or move caches is refused in one sentence naming the
@@ -12,13 +12,14 @@ import pytest
 import torch
 from peft_oracle import assert_keys_realign, assert_peft_generations
 
-from kvprof.model import load_agents_for_trace
-from kvprof.policies.base import TurnRequest, tensor_bytes
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
+from kvprof.model.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
+from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
-from kvprof.replay import paged_bytes
-from kvprof.runtime import Runtime
-from kvprof.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
-from kvprof.trace import read_trace
+from kvprof.policies.turns import TurnRequest
+from kvprof.replay.engine import paged_bytes
+from kvprof.traces.trace import read_trace
 
 DEVICE = ("--device", "cpu", "--dtype", "float32")
 LAYERS = "recurrent (linear_attn: a state, no K/V per token): layers 0–2; full attention, rope: layer 3"
@@ -71,7 +72,7 @@ def test_layers_are_named_and_captures_are_peft_generations(world, run_cli, tmp_
 def test_the_attention_layers_keys_realign_by_their_rope(world):
     from transformers import AutoModelForCausalLM
 
-    from kvprof.rope import model_ropes
+    from kvprof.model.rope import model_ropes
 
     ropes = model_ropes(AutoModelForCausalLM.from_pretrained(world.model))
     assert ropes.names[:3] == ("no keys (recurrent)",) * 3

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek V3, Kimi K2) as kvprof holds it (`kvprof.latent`): per layer the RoPE key
+"""Multi-head latent attention (DeepSeek V3, Kimi K2) as kvprof holds it (`kvprof.model.latent`): per layer the RoPE key
 (K, rotated at each token's position) and the latent (V, position-free), exactly what the model caches, re-aligned
 to other positions by rotating K alone; memory counted as engines hold it."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DynamicCache
 
-from kvprof.model import load_agents
-from kvprof.rope import rotate_keys
-from kvprof.runtime import Runtime
-from kvprof.spec import build_spec
-from kvprof.tiny import MLA_SIZES, build_tiny_world, tiny_sizes
+from kvprof.model.agents import load_agents
+from kvprof.model.rope import rotate_keys
+from kvprof.model.runtime import Runtime
+from kvprof.model.tiny import MLA_SIZES, build_tiny_world, tiny_sizes
+from kvprof.traces.spec import build_spec
 
 LATENT, ROPE_KEY = MLA_SIZES["kv_lora_rank"], MLA_SIZES["qk_rope_head_dim"]
 SHIFT = 37  # positions a span moves by

@@ -13,8 +13,8 @@ import json
 import pytest
 from peft_oracle import assert_keys_realign, assert_peft_generations
 
-from kvprof.tiny import AGENTS, MLA_SIZES, TinyWorld, build_tiny_world, tiny_sizes
-from kvprof.trace import read_trace
+from kvprof.model.tiny import AGENTS, MLA_SIZES, TinyWorld, build_tiny_world, tiny_sizes
+from kvprof.traces.trace import read_trace
 
 WINDOW = 24  # tokens of a sliding window or an attention chunk: shorter than every trace's inputs
 DEVICE = ("--device", "cpu", "--dtype", "float32")
@@ -42,7 +42,7 @@ def deepseek_v3(vocab: int, eos: int):
 
 LATENT, ROPE_KEY = MLA_SIZES["kv_lora_rank"], MLA_SIZES["qk_rope_head_dim"]  # channels of the latent and RoPE key
 
-# architecture → (its config, each layer's kind as `kvprof.layers.describe_layers` names them)
+# architecture → (its config, each layer's kind as `kvprof.model.layers.describe_layers` names them)
 WORLDS = {
     "gemma3": (
         gemma3,
@@ -104,7 +104,7 @@ def test_every_layers_keys_realign_by_its_own_rope(world):
     them (its own RoPE base, none in a NoPE layer, only an MLA layer's RoPE key)."""
     from transformers import AutoModelForCausalLM
 
-    from kvprof.rope import model_ropes
+    from kvprof.model.rope import model_ropes
 
     _, tiny = world
     assert_keys_realign(tiny.model, model_ropes(AutoModelForCausalLM.from_pretrained(tiny.model)))
@@ -156,7 +156,7 @@ def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
 
 
 def test_layer_kinds_read_as_a_pattern_over_many_layers():
-    from kvprof.layers import LayerKind, describe_layers
+    from kvprof.model.layers import LayerKind, describe_layers
 
     chunked, nope = LayerKind("chunked", 8192, "rope interleaved"), LayerKind("full", None, "NoPE")
     kinds = [nope if index % 4 == 3 else chunked for index in range(48)]
@@ -171,10 +171,10 @@ def test_memory_counts_what_each_layer_keeps(world, tmp_path, run_cli):
     """Every runnable policy's stored memory, in lora and prompt mode, is the tensors an engine keeps — a sliding
     layer its last W tokens, a chunked one its current chunk's — and its formula equals them; on traces past the
     window that is less than every token of every layer."""
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
+    from kvprof.model.runtime import Runtime
     from kvprof.policies.variants import enumerate_variants, runnable_variants
-    from kvprof.replay import replay_trace
-    from kvprof.runtime import Runtime
+    from kvprof.replay.engine import replay_trace
 
     name, tiny = world
     for mode in ("lora", "prompt"):
@@ -193,8 +193,8 @@ def test_a_window_layers_error_counts_the_reused_tokens_the_turn_can_attend():
     """A reused token further back than a window layer's W from the turn's first computed token (or in an earlier
     chunk of a chunked layer) cannot change the turn's outputs through that layer: its K/V error there is not
     counted."""
-    from kvprof.layers import LayerKind
-    from kvprof.replay import attended_from
+    from kvprof.model.layers import LayerKind
+    from kvprof.replay.engine import attended_from
 
     full, sliding, chunked = (
         LayerKind("full", None, "rope"),
@@ -213,8 +213,8 @@ def test_attention_flops_count_the_pairs_each_layer_attends():
 
     import torch
 
-    from kvprof.layers import LayerKind
-    from kvprof.runtime import Runtime
+    from kvprof.model.layers import LayerKind
+    from kvprof.model.runtime import Runtime
 
     kinds = [
         LayerKind("full", None, "rope"),

@@ -1,13 +1,34 @@
-"""The package's layers: only the command line (kvprof/cli.py, kvprof/commands/) imports the commands."""
+"""The package's layers: each package imports only packages below it (or itself), the command line alone imports
+the commands, and the reports render any result file without torch."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvprof
 
 PACKAGE = Path(kvprof.__file__).parent
+
+# Bottom to top; a package may import its own layer and the layers below it. docs/layout.md draws the same order.
+LAYERS = (
+    ("errors", "fileio", "ui", "profiling"),  # plumbing
+    ("claims",),  # the papers' figures and the verdicts on them: data, no torch
+    ("kernels",),  # attention and correction kernels, torch references
+    ("traces",),  # trace format, tasks, chat templates and logs, shapes, reuse structure: no model
+    ("model",),  # loading, the runtime, LoRA split, RoPE, layer kinds, buffers
+    ("capture",),  # the workflow runner and capture of trajectories
+    ("policies",),  # the sharing policies, their turn loop and anchor pools
+    ("replay",),  # the replay engine, branches, metrics, the self-check, sharded replay
+    ("rank", "tuning"),  # rank analysis; anchor fitting and threshold sweeps
+    ("serving", "simulate"),  # serve-bench against a server; the serving model
+    ("report",),  # tables, figures, dashboards
+    ("demo",),  # the demo worlds
+    ("commands", "cli", "cli_help", "__main__"),  # the command line
+)
+LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -21,6 +42,32 @@ def _imported_modules(path: Path) -> set[str]:
     return modules
 
 
+def _package_of(path: Path) -> str:
+    return path.relative_to(PACKAGE).with_suffix("").parts[0]
+
+
+def _sources() -> list[Path]:
+    return [path for path in PACKAGE.rglob("*.py") if "assets" not in path.parts and path.name != "__init__.py"]
+
+
+def test_every_package_has_a_layer():
+    assert sorted({_package_of(path) for path in _sources()} - set(LEVEL)) == []
+
+
+def test_no_package_imports_upward():
+    upward = {}
+    for path in _sources():
+        own = LEVEL[_package_of(path)]
+        above = sorted(
+            module
+            for module in _imported_modules(path)
+            if module.startswith("kvprof.") and LEVEL.get(module.split(".")[1], -1) > own
+        )
+        if above:
+            upward[str(path.relative_to(PACKAGE))] = above
+    assert upward == {}
+
+
 def test_only_the_command_line_imports_commands():
     command_line = {PACKAGE / "cli.py", *(PACKAGE / "commands").rglob("*.py")}
     offenders = {
@@ -29,3 +76,14 @@ def test_only_the_command_line_imports_commands():
         if path not in command_line
     }
     assert not {path: modules for path, modules in offenders.items() if modules}
+
+
+def test_reports_import_without_torch():
+    """`kvprof report` renders any result file on a machine without torch: every report module imports with torch
+    blocked."""
+    code = (
+        "import sys, pkgutil, importlib; sys.modules['torch'] = None; import kvprof.report as r; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(r.__path__, 'kvprof.report.')]"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

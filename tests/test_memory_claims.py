@@ -9,12 +9,12 @@ import math
 import pytest
 from test_policies import shared_a_agents  # noqa: F401  (fixture)
 
-from kvprof.memory_claims import MEASURES, memory_verdicts
+from kvprof.claims.memory import MEASURES, memory_verdicts
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
 from kvprof.policies.nonshared import NonShared
-from kvprof.replay import paged_bytes, run_replay, run_trajectory
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.replay.engine import paged_bytes, run_replay, run_trajectory
+from kvprof.traces.trace import read_trace
 
 VARIANTS = [
     PolicyVariant("fullshared"),

@@ -1,4 +1,4 @@
-"""Rank and similarity metrics (kvprof.metrics) against independent numpy/scipy computations."""
+"""Rank and similarity metrics (kvprof.replay.metrics) against independent numpy/scipy computations."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import scipy.linalg
 import scipy.stats
 import torch
 
-from kvprof import metrics
+from kvprof.replay import metrics
 
 
 def _numpy_ranks(matrix: np.ndarray) -> tuple[float, int, int]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies.moved import KeptSequence, SpanStore, extend_over_moved
-from kvprof.reuse import MovedSpan
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.traces.reuse import MovedSpan
+from kvprof.traces.trace import read_trace
 
 
 def test_a_turn_run_span_by_span_over_dense_moved_kv_is_the_full_forward(prompt_trace):
@@ -49,7 +49,7 @@ def test_a_turn_run_span_by_span_over_dense_moved_kv_is_the_full_forward(prompt_
 
 def test_placeholders_leave_the_new_tokens_for_the_policy():
     """With placeholders the tokens between moved spans are not computed: zeros hold their slots."""
-    from kvprof.kv_buffer import BufferCache, KVBuffer
+    from kvprof.model.buffers import BufferCache, KVBuffer
 
     class Stub:
         rope = None
@@ -86,11 +86,11 @@ def test_online_group_chat_re_runs_serve_moved_spans(run_cli, tmp_path, monkeypa
     from real_chat import import_demo_group_chat
 
     import kvprof.policies.base as base
-    from kvprof.branches import ReplayPlanSummary
     from kvprof.policies import PolicyVariant
-    from kvprof.replay import DENSE, run_online, summarise_online
-    from kvprof.trace import read_header
-    from kvprof.workflow import task_of
+    from kvprof.replay.branches import ReplayPlanSummary
+    from kvprof.replay.engine import DENSE, run_online, summarise_online
+    from kvprof.traces.tasks import task_of
+    from kvprof.traces.trace import read_header
 
     path = import_demo_group_chat(run_cli, tmp_path / "import")
     assert read_header(path).workflow["group_chat"] is True

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.lora import decoder_layers
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.lora import decoder_layers
+from kvprof.model.runtime import Runtime
+from kvprof.model.tiny import build_tiny_world, tiny_config
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, runnable_variants
-from kvprof.replay import DENSE, replay_trace, run_online, summarise_online
-from kvprof.runtime import Runtime
-from kvprof.tiny import build_tiny_world, tiny_config
-from kvprof.trace import read_trace
-from kvprof.workflow import load_tasks
+from kvprof.replay.engine import DENSE, replay_trace, run_online, summarise_online
+from kvprof.traces.tasks import load_tasks
+from kvprof.traces.trace import read_trace
 
 MODES = ("lora", "prompt")
 CASES = [(mode, variant) for mode in MODES for variant in enumerate_variants() if mode in variant.policy.modes]
@@ -183,7 +183,7 @@ def test_rebaseshared_lp_and_db_reach_the_same_cache(lora_trace, tiny_world):
 
 
 def _attention_inputs(agents, agent, ids):
-    """X entering every layer's v_proj, captured from peft's own base layer (independent of kvprof.lora)."""
+    """X entering every layer's v_proj, captured from peft's own base layer (independent of kvprof.model.lora)."""
     captured = {}
     layers = decoder_layers(agents.base_model)
     handles = [

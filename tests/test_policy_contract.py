@@ -11,7 +11,8 @@ import pytest
 from test_policies import check_variant
 
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import (
     REGISTRY,
     PolicyVariant,
@@ -20,14 +21,14 @@ from kvprof.policies import (
     parse_policy_options,
     runnable_variants,
 )
-from kvprof.policies.base import ORIGINS
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.policies.options import ORIGINS
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import read_trace
 
 THROWAWAY = '''"""Throwaway: a test policy that keeps each agent's own cache (exact), with one swept option."""
 
-from kvprof.policies.base import Option, Published
+from kvprof.claims.types import Published
+from kvprof.policies.options import Option
 from kvprof.policies.nonshared import NonShared
 
 
@@ -199,8 +200,8 @@ def test_trajectory_independent_variants_replay_a_trajectory_alone_as_in_sequenc
     """What sharded replay rests on: a variant that says it keeps no state across trajectories
     (`PolicyVariant.trajectory_independent`) records the same for a trajectory replayed alone as after others
     (timings apart); every runnable variant of `--policy all`, plus in prompt mode a frozen fitted anchor pool."""
-    from kvprof.anchor_fit import fit_anchors
     from kvprof.policies.delta import pool_identity
+    from kvprof.tuning.anchor_fit import fit_anchors
 
     agents = load_agents_for_trace(request.getfixturevalue(f"{mode}_trace"), device="cpu", dtype="float32")
     runtime = Runtime(agents)

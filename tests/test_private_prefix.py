@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
-from kvprof.replay import DENSE, replay_trace, run_online
-from kvprof.trace import read_trace
-from kvprof.workflow import load_tasks, task_of
+from kvprof.replay.engine import DENSE, replay_trace, run_online
+from kvprof.traces.tasks import load_tasks, task_of
+from kvprof.traces.trace import read_trace
 
 
 def test_capture_puts_each_agents_notes_after_its_role_prompt(prompt_trace, tiny_world):

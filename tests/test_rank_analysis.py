@@ -1,4 +1,4 @@
-"""`kvprof rank-analysis` and kvprof.analysis on tiny-world traces: values checked independently, and bad input."""
+"""`kvprof rank-analysis` and kvprof.rank.analysis on tiny-world traces: values checked independently, and bad input."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import scipy.linalg
 import scipy.stats
 import torch
 
-from kvprof.analysis import EXTENSION, agent_sequence, analyze_trace, pair_span, select_agents
 from kvprof.commands.rank_analysis import parse_layers
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace
-from kvprof.rope import rotate_keys
-from kvprof.trace import Trace, read_trace, write_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.rope import rotate_keys
+from kvprof.rank.analysis import EXTENSION, agent_sequence, analyze_trace, pair_span, select_agents
+from kvprof.traces.trace import Trace, read_trace, write_trace
 
 
 def _analyze(path, **kwargs):

@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvprof.anchors import AnchorPool, pool_digest
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
+from kvprof.policies.anchors import AnchorPool, pool_digest
 
 DATA = Path(__file__).parent / "data"
 OTHER_VALUES = (None, True, 0, -1, 2.5, 10**12, "", "x\ny", [], [1, "a"], {}, {"x": 1})
@@ -182,7 +182,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def tokenizer(world):
-    from kvprof.model import load_tokenizer
+    from kvprof.model.agents import load_tokenizer
 
     return load_tokenizer(str(world.model))
 
@@ -203,10 +203,10 @@ def test_trace_inspect(world, data):
 @given(data=st.data())
 @fuzz(40)
 def test_chat_log_import(world, tokenizer, data):
-    from kvprof.chat import PLAIN_TEMPLATE, resolve_chat_template
-    from kvprof.chat_log import import_log
-    from kvprof.model import tokenizer_identity
-    from kvprof.trace import read_trace, write_trace
+    from kvprof.model.agents import tokenizer_identity
+    from kvprof.traces.chat import PLAIN_TEMPLATE, resolve_chat_template
+    from kvprof.traces.chat_log import import_log
+    from kvprof.traces.trace import read_trace, write_trace
 
     def read(path: Path) -> None:
         template = resolve_chat_template(str(world.chat_template), tokenizer) or PLAIN_TEMPLATE
@@ -220,7 +220,7 @@ def test_chat_log_import(world, tokenizer, data):
 @given(data=st.data())
 @fuzz(60)
 def test_workflow_toml(world, data):
-    from kvprof.capture import capture_spec
+    from kvprof.capture.runner import capture_spec
 
     mode = data.draw(st.sampled_from(["lora", "prompt"]), label="mode")
     content = world.workflow(mode).read_bytes()
@@ -230,7 +230,7 @@ def test_workflow_toml(world, data):
 @given(data=st.data())
 @fuzz(60)
 def test_tasks(world, data):
-    from kvprof.workflow import load_tasks
+    from kvprof.traces.tasks import load_tasks
 
     holds_to_the_rule(load_tasks, mutated(data, first_lines(world.heldout_tasks, 3), "jsonl"), "tasks.jsonl")
 
@@ -238,8 +238,8 @@ def test_tasks(world, data):
 @given(data=st.data())
 @fuzz(60)
 def test_shape_csv(world, tokenizer, data):
-    from kvprof.model import tokenizer_identity
-    from kvprof.shapes import import_shape_csv
+    from kvprof.model.agents import tokenizer_identity
+    from kvprof.traces.shapes import import_shape_csv
 
     def read(path: Path) -> None:
         import_shape_csv(path, tokenizer, tokenizer_identity(tokenizer), str(world.model))
@@ -377,8 +377,8 @@ def results(world, tmp_path_factory) -> dict[str, bytes]:
     from kvprof.commands.common import result_envelope
     from kvprof.commands.inspect import command as inspect
     from kvprof.fileio import write_json
-    from kvprof.trace import read_trace
-    from kvprof.tune import GRID, Target, tune
+    from kvprof.traces.trace import read_trace
+    from kvprof.tuning.tau import GRID, Target, tune
 
     folder = tmp_path_factory.mktemp("results")
     simulate(DATA / "simulate" / "replay.json", folder)

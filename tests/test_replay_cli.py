@@ -8,10 +8,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant, enumerate_variants
-from kvprof.replay import ReplayProgress, replay_trace
-from kvprof.trace import read_trace
+from kvprof.replay.engine import ReplayProgress, replay_trace
+from kvprof.traces.trace import read_trace
 
 
 def test_replay_writes_json_and_html(run_cli, lora_trace, tmp_path):

@@ -12,14 +12,14 @@ import pytest
 import torch
 from test_policies import matrices, shared_a_agents  # noqa: F401  (fixtures)
 
-from kvprof.branches import BranchingTimeline, plan_trajectory
 from kvprof.demo.assets import demo_world
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest
 from kvprof.policies.prelrshared import PreLRShared
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import Trajectory, read_header, read_trace
+from kvprof.replay.branches import BranchingTimeline, plan_trajectory
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import Trajectory, read_header, read_trace
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from test_policies import shared_a_agents  # noqa: F401  (fixture)
 from kvprof.policies import PolicyVariant
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
-from kvprof.replay import DENSE, replay_trace, run_replay
+from kvprof.replay.engine import DENSE, replay_trace, run_replay
 from kvprof.report.replay import cost_table
-from kvprof.trace import read_trace
+from kvprof.traces.trace import read_trace
 
 VARIANTS = [
     PolicyVariant("fullshared"),

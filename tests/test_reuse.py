@@ -1,4 +1,4 @@
-"""The reuse structure of a trajectory (kvprof.reuse) against brute force, and the divergence causes on traces
+"""The reuse structure of a trajectory (kvprof.traces.reuse) against brute force, and the divergence causes on traces
 shaped as chat templates render them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvprof.reuse import (
+from kvprof.traces.reuse import (
     MIN_SPAN,
     MovedSpan,
     PrefixTree,
@@ -20,7 +20,7 @@ from kvprof.reuse import (
     divergence_cause,
     trajectory_reuse,
 )
-from kvprof.trace import Segment, Trajectory, Turn
+from kvprof.traces.trace import Segment, Trajectory, Turn
 
 IDS = SpanMatching(boundaries="ids")  # moved spans as runs of ids: these trajectories hold one message per turn
 
@@ -165,11 +165,11 @@ def test_replay_prefills_what_the_reuse_structure_leaves_new(tiny_world, lora_tr
     """On a trace whose turns extend one timeline, NonShared prefills what the agent's own prefix leaves and
     FullShared what the shared prefix and the moved spans leave (the tiny model's outputs repeat runs of ids; each
     policy computes at least one token of its input)."""
-    from kvprof.branches import plan_of
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
     from kvprof.policies import PolicyVariant
-    from kvprof.replay import replay_trace
-    from kvprof.trace import read_trace
+    from kvprof.replay.branches import plan_of
+    from kvprof.replay.engine import replay_trace
+    from kvprof.traces.trace import read_trace
 
     trajectories = read_trace(lora_trace).trajectories[:2]
     agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")

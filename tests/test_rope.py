@@ -12,8 +12,8 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from kvprof.errors import KvprofError
-from kvprof.rope import NO_ROPE, LayerRopes, Rope, check_ropes, model_ropes, rotate_keys
-from kvprof.tiny import tiny_sizes
+from kvprof.model.rope import NO_ROPE, LayerRopes, Rope, check_ropes, model_ropes, rotate_keys
+from kvprof.model.tiny import tiny_sizes
 
 COMMON = tiny_sizes(vocab_size=64, eos_id=0)
 

@@ -12,14 +12,14 @@ import torch
 
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, parse_policy_options
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.droidspeak import DroidSpeak
 from kvprof.policies.selective import LayerStack, budget, select_top
-from kvprof.replay import replay_trace
-from kvprof.runtime import Runtime
-from kvprof.trace import read_trace
+from kvprof.replay.engine import replay_trace
+from kvprof.traces.trace import read_trace
 
 SELECTIVE = ("cacheblend", "droidspeak", "relaycaching")
 RATIOS = ("0", "0.1", "0.2", "0.3", "1")

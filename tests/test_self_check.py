@@ -1,6 +1,6 @@
-"""kvprof checks its policies on the user's model before a replay reports (`kvprof.self_check`): a policy whose exact
-setting does not reproduce the dense run there is refused with the measured error. Shown by making kvprof miss what
-it once missed: a sliding window shorter than the trace (the selective policies were 5–29 % off) and LFM2's key
+"""kvprof checks its policies on the user's model before a replay reports (`kvprof.replay.self_check`): a policy whose
+exact setting does not reproduce the dense run there is refused with the measured error. Shown by making kvprof miss
+what it once missed: a sliding window shorter than the trace (the selective policies were 5–29 % off) and LFM2's key
 norm (the low-rank split was 47 % off)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvprof.tiny import AGENTS, build_tiny_world, tiny_sizes
+from kvprof.model.tiny import AGENTS, build_tiny_world, tiny_sizes
 
 DEVICE = ("--device", "cpu", "--dtype", "float32")
 SELECTIVE = ("cacheblend", "droidspeak", "relaycaching")
@@ -45,14 +45,14 @@ def test_policies_that_hold_on_the_model_pass_and_record_their_error(lora_trace,
 def test_a_window_kvprof_does_not_see_refuses_the_selective_policies(run_cli, tmp_path, monkeypatch):
     """Mistral with a 24-token window on longer traces: told every layer attends fully, recomputing at ratio 1 is
     off the dense run, and each selective policy is refused naming the error; the others replay."""
-    import kvprof.layers
+    import kvprof.model.layers
 
     world = build_tiny_world(tmp_path / "world", arch="mistral")
     config_path = world.model / "config.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"sliding_window": 24}))
     trace = _capture(run_cli, world, tmp_path / "capture")
-    full = [kvprof.layers.LayerKind("full", None, "rope")] * 2
-    monkeypatch.setattr(kvprof.layers, "layer_kinds", lambda model, ropes: full)
+    full = [kvprof.model.layers.LayerKind("full", None, "rope")] * 2
+    monkeypatch.setattr(kvprof.model.layers, "layer_kinds", lambda model, ropes: full)
     result, output = _replay(run_cli, trace, tmp_path / "replay", (*SELECTIVE, "fullshared"))
     assert result is not None and set(result["policies"]) == {"fullshared"}
     errors = {label.split("-")[0]: error for label, error in result["self_check"].items()}
@@ -66,11 +66,11 @@ def test_a_key_norm_kvprof_does_not_see_refuses_the_low_rank_policies(run_cli, t
     K/V and BaseShared and PreLRShared are refused (exit 2 when nothing is left), never reported."""
     from transformers import Lfm2Config
 
-    import kvprof.lora
+    import kvprof.model.lora
 
     world = build_tiny_world(tmp_path / "world", configure=lambda vocab, eos: Lfm2Config(**tiny_sizes(vocab, eos)))
     trace = _capture(run_cli, world, tmp_path / "capture")
-    monkeypatch.setitem(kvprof.lora.NORM_NAMES, "k_proj", ("k_norm",))
+    monkeypatch.setitem(kvprof.model.lora.NORM_NAMES, "k_proj", ("k_norm",))
     result, output = _replay(run_cli, trace, tmp_path / "replay", (*LOW_RANK, "nonshared"))
     assert result is not None and set(result["policies"]) == {"nonshared"}
     assert result["self_check"]["baseshared-code"] > 1e-2 and result["self_check"]["prelrshared"] > 1e-2
@@ -82,8 +82,8 @@ def test_a_key_norm_kvprof_does_not_see_refuses_the_low_rank_policies(run_cli, t
 
 @pytest.mark.parametrize("agent", AGENTS[:1])
 def test_the_one_agent_setting_gives_every_turn_to_one_agent(lora_trace, agent):
-    from kvprof.self_check import one_agent
-    from kvprof.trace import read_trace
+    from kvprof.replay.self_check import one_agent
+    from kvprof.traces.trace import read_trace
 
     trajectory = read_trace(lora_trace).trajectories[0]
     assert {turn.agent for turn in one_agent(trajectory, agent).turns} == {agent}

@@ -25,7 +25,7 @@ from kvprof.serving.server import VllmServer, free_port, lora_rank_slot
 from kvprof.serving.stub_server import STUB_VERSION, StubServer, trace_config
 from kvprof.serving.summary import percentile, summarize
 from kvprof.serving.traffic import Load, ServedModels, poisson_arrivals, trajectory_traffic
-from kvprof.trace import read_trace
+from kvprof.traces.trace import read_trace
 
 TRACE = demo_world().sample_traces["lora_short"]
 AGENTS = ["plan", "act", "reflect"]
@@ -364,7 +364,7 @@ def test_activated_lora_agents_are_served_on_the_base_pattern_only(run_cli, tmp_
     invocation)."""
     from dataclasses import replace
 
-    from kvprof.trace import Trace, write_trace
+    from kvprof.traces.trace import Trace, write_trace
 
     trace = read_trace(TRACE)
     workflow = dict(trace.header.workflow)

@@ -448,7 +448,7 @@ def test_an_engines_prefix_cache_reuses_whole_blocks():
 
 
 def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():
-    from kvprof.simulate.claims import serving_verdicts
+    from kvprof.claims.serving import serving_verdicts
 
     def row(policy: str, qps: float, ttft: float, oom: str | None = None) -> dict:
         load = {"kind": "qps", "value": qps, "label": f"{qps:g} qps"}

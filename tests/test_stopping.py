@@ -1,4 +1,4 @@
-"""Stop strings found in the decoded generated text (`kvprof.stopping`), with any tokenizer."""
+"""Stop strings found in the decoded generated text (`kvprof.traces.stopping`), with any tokenizer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from kvprof.stopping import StopStrings
-from kvprof.tiny import CORPUS, build_tokenizer
+from kvprof.model.tiny import CORPUS, build_tokenizer
+from kvprof.traces.stopping import StopStrings
 
 
 def _first_stop(stops_after, prompt: list[int], generated: list[int]) -> int | None:

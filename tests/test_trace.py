@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kvprof.errors import KvprofError
-from kvprof.model import load_tokenizer, tokenizer_identity
-from kvprof.shapes import import_shape_csv
-from kvprof.tiny import build_tokenizer
-from kvprof.trace import check_tokenizer, read_header, read_trace, shared_segment_ids, write_trace
+from kvprof.model.agents import load_tokenizer, tokenizer_identity
+from kvprof.model.tiny import build_tokenizer
+from kvprof.traces.shapes import import_shape_csv
+from kvprof.traces.trace import check_tokenizer, read_header, read_trace, shared_segment_ids, write_trace
 
 REACT_SHAPE = (
     [("plan", 512, 32)]

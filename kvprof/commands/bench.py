@@ -78,7 +78,7 @@ def command(
         implementations,
         run_case,
     )
-    from kvprof.model import resolve_device, resolve_dtype
+    from kvprof.model.agents import resolve_device, resolve_dtype
     from kvprof.report import write_html
     from kvprof.report.bench import results_table, sections
 

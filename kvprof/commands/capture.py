@@ -1,6 +1,6 @@
 """`kvprof capture`: run the agents on tasks (or import a shape CSV) and write a trace.
 
-The capture itself lives in `kvprof.capture`; this module parses options, shows progress and writes the result.
+The capture itself lives in `kvprof.capture.runner`; this module parses options, shows progress and writes the result.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvprof.chat import resolve_chat_template, template_sha256
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -25,12 +24,14 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.spec import build_spec
-from kvprof.trace import TraceHeader, Trajectory, write_trace
+from kvprof.traces.chat import resolve_chat_template, template_sha256
+from kvprof.traces.spec import build_spec
+from kvprof.traces.trace import TraceHeader, Trajectory, write_trace
 
 if TYPE_CHECKING:
-    from kvprof.model import AgentSet
-    from kvprof.workflow import Sampling, Task
+    from kvprof.capture.workflow import Sampling
+    from kvprof.model.agents import AgentSet
+    from kvprof.traces.tasks import Task
 
 
 def command(
@@ -99,11 +100,12 @@ def command(
 ) -> None:
     """Run a multi-agent workflow on tasks and write real trajectories to OUT/trace.jsonl."""
     args = dict(locals())
-    from kvprof.capture import capture_spec, checkpoint_path, sampled_trace_header, trajectory_summary
-    from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
+    from kvprof.capture.runner import capture_spec, checkpoint_path, sampled_trace_header, trajectory_summary
+    from kvprof.capture.workflow import Sampling
+    from kvprof.model.agents import load_agents, load_tokenizer, tokenizer_identity
     from kvprof.report.capture import trace_table
-    from kvprof.shapes import import_shape_csv
-    from kvprof.workflow import Sampling, load_tasks
+    from kvprof.traces.shapes import import_shape_csv
+    from kvprof.traces.tasks import load_tasks
 
     trace_path = out / "trace.jsonl"
     if shapes is not None:
@@ -160,7 +162,7 @@ def capture_with_progress(
 ) -> tuple[list[Trajectory], dict]:
     """`capture_trajectories` under a progress bar, timed; prints the trace table. Returns the trajectories and
     their `trajectory_summary`."""
-    from kvprof.capture import capture_trajectories, trajectory_summary
+    from kvprof.capture.runner import capture_trajectories, trajectory_summary
     from kvprof.report.capture import trace_table
 
     started = time.perf_counter()
@@ -184,7 +186,7 @@ def capture_with_progress(
 
 def _resumed(checkpoint: Path, header: TraceHeader, tasks: list[Task]) -> list[Trajectory]:
     """The trajectories an interrupted capture left in `checkpoint` (none if there is no checkpoint)."""
-    from kvprof.capture import resumed_trajectories
+    from kvprof.capture.runner import resumed_trajectories
 
     if not checkpoint.exists():
         console.print(f"no checkpoint {checkpoint}: capturing from the first task")

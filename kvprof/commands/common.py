@@ -17,7 +17,7 @@ from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
-    from kvprof.model import AgentSet
+    from kvprof.model.agents import AgentSet
     from kvprof.report import Section
 
 __all__ = [
@@ -117,8 +117,8 @@ def print_adapters(agents: AgentSet) -> None:
 
 
 def print_layers(agents: AgentSet) -> None:
-    """The model's layers by kind (attention, window, position encoding: `kvprof.layers.describe_layers`)."""
-    from kvprof.layers import describe_layers
+    """The model's layers by kind (attention, window, position encoding: `kvprof.model.layers.describe_layers`)."""
+    from kvprof.model.layers import describe_layers
 
     console.print(f"model {agents.model_name}: {describe_layers(agents.layer_kinds)}", markup=False)
 

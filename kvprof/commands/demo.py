@@ -34,7 +34,7 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.trace import Trace, read_trace, write_trace
+from kvprof.traces.trace import Trace, read_trace, write_trace
 
 if TYPE_CHECKING:
     from kvprof.demo.assets import DemoWorld
@@ -80,9 +80,10 @@ class StageResult:
 
 
 def _capture(ctx: DemoContext, mode: str) -> StageResult:
-    from kvprof.capture import capture_spec, sampled_trace_header
-    from kvprof.model import load_agents
-    from kvprof.workflow import Sampling, load_tasks
+    from kvprof.capture.runner import capture_spec, sampled_trace_header
+    from kvprof.capture.workflow import Sampling
+    from kvprof.model.agents import load_agents
+    from kvprof.traces.tasks import load_tasks
 
     out = ctx.out / f"capture_{mode}"
     model, workflow, trace_path = str(ctx.world.model), ctx.world.workflow(mode), out / "trace.jsonl"
@@ -131,10 +132,10 @@ def capture_lora(ctx: DemoContext) -> StageResult:
 
 def lora_without_adapters(ctx: DemoContext) -> StageResult:
     """The lora workflow run by the base model with every adapter disabled: what the adapters are worth."""
-    from kvprof.capture import trace_header
+    from kvprof.capture.runner import trace_header
+    from kvprof.capture.workflow import exact_match
     from kvprof.demo.evaluate import load_condition, run_tasks
     from kvprof.demo.world import read_tasks
-    from kvprof.workflow import exact_match
 
     agents = load_condition(ctx.world, "lora_disabled", ctx.device, ctx.dtype)
     tasks = read_tasks(ctx.world.heldout_tasks)[: ctx.tasks]
@@ -164,8 +165,8 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     verdict per published claim."""
     import torch
 
-    from kvprof.analysis import EXTENSION
-    from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+    from kvprof.rank.analysis import EXTENSION
+    from kvprof.rank.trace_analysis import prepare_rank_analysis, run_rank_analysis
     from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 
     out, trace, limit = ctx.out / "rank_analysis", ctx.traces["lora"], min(ctx.tasks, 4)
@@ -220,10 +221,10 @@ def _replay_lora(
     """`kvprof replay --online` of the lora capture `trace_name` under every runnable variant of `--policy all`
     (`sweep`), or of every policy at its published defaults; only those of `families` when given. Returns what
     `_online_replay` returns."""
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
+    from kvprof.model.runtime import Runtime
     from kvprof.policies import REGISTRY, enumerate_variants, runnable_variants
     from kvprof.policies.variants import ALL
-    from kvprof.runtime import Runtime
 
     trace = ctx.traces[trace_name]
     agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
@@ -313,7 +314,7 @@ def alora_sharing(ctx: DemoContext) -> StageResult:
     computed before a call's cue, adapter-made K/V recomputed with the base weights), FullShared and NonShared,
     beside the plain LoRA agents of the same targets under the LoRA-family policies: keep LoRA agents and share
     approximately, or retrain them as aLoRA and share exactly."""
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
     from kvprof.policies import PolicyVariant
     from kvprof.report.alora import comparison_rows, comparison_table
 
@@ -349,12 +350,12 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
     half under FullShared and the delta-correction policies (KVComm, GraphFlow: the full-dimensional pool; KVCMAS
     chained and not: its rank-32 factors): what correcting another agent's cache of a shared segment costs and
     saves when agents differ by role prompt."""
-    from kvprof.anchor_fit import fit_anchors
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
+    from kvprof.model.runtime import Runtime
     from kvprof.policies import PolicyVariant
     from kvprof.policies.delta import pool_identity
     from kvprof.report.anchors import fit_memory_table
-    from kvprof.runtime import Runtime
+    from kvprof.tuning.anchor_fit import fit_anchors
 
     out = ctx.out / "prompt_sharing"
     trace = ctx.traces["prompt"]
@@ -402,7 +403,7 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     free."""
     from kvprof.demo.codebook_world import EVALUATED as CODEBOOK_EVALUATED
     from kvprof.demo.codebook_world import codebook_world
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
 
     out = ctx.out / "codebook_sharing"
     trace = codebook_world().sample_traces["short"]

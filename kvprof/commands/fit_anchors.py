@@ -1,7 +1,7 @@
 """`kvprof fit-anchors`: fit anchor pools from calibration trajectories, save them, report their error and size.
 
-The maths lives in `kvprof.anchor_fit` and `kvprof.anchors`; this module parses options, shows progress, writes
-the pool (safetensors) and the JSON result, and prints the tables of `kvprof.report.anchors`.
+The maths lives in `kvprof.tuning.anchor_fit` and `kvprof.policies.anchors`; this module parses options, shows
+progress, writes the pool (safetensors) and the JSON result, and prints the tables of `kvprof.report.anchors`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
-from kvprof.reuse import MIN_SPAN, SpanMatching
-from kvprof.trace import read_trace
+from kvprof.traces.reuse import MIN_SPAN, SpanMatching
+from kvprof.traces.trace import read_trace
 
 POOL_FILE = "anchors.safetensors"
 
@@ -60,11 +60,11 @@ def command(
     args = dict(locals())
     import torch
 
-    from kvprof.anchor_fit import fit_anchors
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
+    from kvprof.model.runtime import Runtime
     from kvprof.policies.delta import pool_identity
     from kvprof.report.anchors import fit_error_table, fit_memory_table
-    from kvprof.runtime import Runtime
+    from kvprof.tuning.anchor_fit import fit_anchors
 
     torch.manual_seed(seed)
     matching = SpanMatching(min_span, span_boundaries)

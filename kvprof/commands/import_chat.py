@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 
-from kvprof.chat import PLAIN_TEMPLATE, resolve_chat_template, template_sha256
-from kvprof.chat_log import import_log
 from kvprof.commands.common import OutOption, console, write_result
 from kvprof.errors import KvprofError
-from kvprof.spec import build_spec, parse_assignment
-from kvprof.trace import write_trace
+from kvprof.traces.chat import PLAIN_TEMPLATE, resolve_chat_template, template_sha256
+from kvprof.traces.chat_log import import_log
+from kvprof.traces.spec import build_spec, parse_assignment
+from kvprof.traces.trace import write_trace
 
 MAX_DIFFERENCES_SHOWN = 10
 
@@ -42,8 +42,8 @@ def command(
 ) -> None:
     """Import a chat log (OpenAI message format, one agent call per line) as OUT/trace.jsonl."""
     args = dict(locals())
-    from kvprof.capture import trajectory_summary
-    from kvprof.model import load_tokenizer, tokenizer_identity
+    from kvprof.capture.runner import trajectory_summary
+    from kvprof.model.agents import load_tokenizer, tokenizer_identity
     from kvprof.report.capture import trace_table
 
     tokenizer = load_tokenizer(model)

@@ -1,5 +1,5 @@
 """`kvprof inspect`: validate a trace (and optionally its tokenizer against a model), summarise it, and show what its
-turns could reuse (`kvprof.reuse`), before any model runs."""
+turns could reuse (`kvprof.traces.reuse`), before any model runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvprof.branches import ReplayPlanSummary
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
@@ -19,8 +18,9 @@ from kvprof.commands.common import (
     console,
     write_result,
 )
-from kvprof.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
-from kvprof.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
+from kvprof.replay.branches import ReplayPlanSummary
+from kvprof.traces.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
+from kvprof.traces.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
 
 def command(
@@ -64,8 +64,8 @@ def command(
     header = read_header(trace)
     kinds = None
     if model is not None:
-        from kvprof.layers import describe_layers, model_layer_kinds
-        from kvprof.model import load_tokenizer, tokenizer_identity
+        from kvprof.model.agents import load_tokenizer, tokenizer_identity
+        from kvprof.model.layers import describe_layers, model_layer_kinds
 
         check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
         kinds = model_layer_kinds(model, device, dtype)

@@ -1,8 +1,8 @@
 """`kvprof rank-analysis`: effective rank and cross-agent similarity of caches, adapter outputs and deltas, per layer.
 
-The maths lives in `kvprof.analysis`, the run over a trace file in `kvprof.rank_analysis`, the rendering of the JSON
-result in `kvprof.report.rank_analysis` (which `kvprof report` shares); this module parses options, shows progress
-and writes the result and the HTML report.
+The maths lives in `kvprof.rank.analysis`, the run over a trace file in `kvprof.rank.trace_analysis`, the rendering of
+the JSON result in `kvprof.report.rank_analysis` (which `kvprof report` shares); this module parses options, shows
+progress and writes the result and the HTML report.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def command(
     args = dict(locals())
     import torch
 
-    from kvprof.rank_analysis import prepare_rank_analysis, run_rank_analysis
+    from kvprof.rank.trace_analysis import prepare_rank_analysis, run_rank_analysis
     from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 
     if max_tokens is not None and max_tokens < 1:

@@ -27,14 +27,14 @@ from kvprof.commands.common import (
 )
 from kvprof.errors import KvprofError
 from kvprof.fileio import check_fields, read_json_file, write_json
-from kvprof.reuse import DEFAULT_MATCHING, MIN_SPAN, SpanMatching
-from kvprof.trace import Trajectory, iter_trajectories, read_header
+from kvprof.traces.reuse import DEFAULT_MATCHING, MIN_SPAN, SpanMatching
+from kvprof.traces.trace import Trajectory, iter_trajectories, read_header
 
 if TYPE_CHECKING:
-    from kvprof.distributed import RayCluster, ShardResult
-    from kvprof.model import AgentSet
+    from kvprof.model.agents import AgentSet
     from kvprof.policies import PolicyVariant
-    from kvprof.replay import ReplayProgress
+    from kvprof.replay.engine import ReplayProgress
+    from kvprof.replay.sharded import RayCluster, ShardResult
 
     Runnable = Callable[[list[PolicyVariant], bool], tuple[list[PolicyVariant], dict[str, str]]]
 
@@ -91,7 +91,7 @@ def checkpoint_identity(
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """The settings a replay's records depend on, which its checkpoint records: the trace's content, the model
-    and agents, dtype and device (`loaded`: `kvprof.model.agents_identity`), the policy variants with their
+    and agents, dtype and device (`loaded`: `kvprof.model.agents.agents_identity`), the policy variants with their
     options, repeats, timing, page size, span matching and attention path; `sharded` for a replay on Ray, whose
     checkpoint holds shards, with their online re-runs when `online`."""
     identity = {
@@ -113,7 +113,7 @@ def checkpoint_identity(
 def read_checkpoint(checkpoint: Path, identity: dict, trajectory_ids: list[str]) -> ReplayProgress:
     """The progress an interrupted replay left in `checkpoint`; refuses one made with other settings than
     `identity` (its records would be mixed with incomparable ones) or of trajectories outside `trajectory_ids`."""
-    from kvprof.replay import ReplayProgress
+    from kvprof.replay.engine import ReplayProgress
 
     state = ReplayProgress.of_checkpoint(saved_progress(checkpoint, identity), checkpoint)
     _refuse_foreign(checkpoint, [traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids])
@@ -124,9 +124,9 @@ def read_shard_checkpoint(
     checkpoint: Path, identity: dict, trajectories: list[Trajectory], variants: list[PolicyVariant]
 ) -> tuple[dict[str, ShardResult], list[list[str]]]:
     """The shards an interrupted replay on Ray completed and its plan's grouping, as far as this replay can resume
-    them (`kvprof.distributed.resumable`); `read_checkpoint`'s refusals, and a shard of other trajectories than
+    them (`kvprof.replay.sharded.resumable`); `read_checkpoint`'s refusals, and a shard of other trajectories than
     this replay's is refused too."""
-    from kvprof.distributed import resumable, saved_shards
+    from kvprof.replay.sharded import resumable, saved_shards
 
     progress = saved_progress(checkpoint, identity)
     saved = saved_shards(progress, checkpoint)
@@ -355,11 +355,11 @@ def command(
     args = dict(locals())
     import torch
 
-    from kvprof.distributed import AgentSource, RayCluster, absolute_files, absolute_source
-    from kvprof.model import agents_identity, load_agents_for_trace, trace_header
+    from kvprof.model.agents import agents_identity, load_agents_for_trace, trace_header
+    from kvprof.model.runtime import Runtime
     from kvprof.policies import runnable_variants
     from kvprof.policies.variants import ALL
-    from kvprof.runtime import Runtime
+    from kvprof.replay.sharded import AgentSource, RayCluster, absolute_files, absolute_source
 
     torch.manual_seed(seed)
     matching = SpanMatching(min_span, span_boundaries)
@@ -367,14 +367,14 @@ def command(
         trace, model = demo_trace(model)
     trajectories = select_trajectories(trace, skip, limit)  # the whole trace validated before any model loads
     if online:
-        from kvprof.workflow import require_react_agents
+        from kvprof.capture.workflow import require_react_agents
 
         require_react_agents(trace_header(trace).agent_names)
     if strict:
-        from kvprof.branches import require_one_timeline
+        from kvprof.replay.branches import require_one_timeline
 
         require_one_timeline(trajectories, trace_header(trace).mode)
-    from kvprof.replay import TIMINGS
+    from kvprof.replay.engine import TIMINGS
 
     if timing not in TIMINGS:
         raise KvprofError(f"--timing {timing!r} is not {' or '.join(TIMINGS)}; pass one of them.")
@@ -466,9 +466,9 @@ def command(
 def self_checked(
     agents: AgentSet, trajectory: Trajectory, variants: list[PolicyVariant], skipped: dict[str, str]
 ) -> tuple[list[PolicyVariant], dict[str, str], dict[str, float]]:
-    """`kvprof.self_check` on the user's model: the variants that pass, the skipped ones with those it refuses added,
-    and each checked variant's error in its exact setting."""
-    from kvprof.self_check import check_on_model, refusals
+    """`kvprof.replay.self_check` on the user's model: the variants that pass, the skipped ones with those it refuses
+    added, and each checked variant's error in its exact setting."""
+    from kvprof.replay.self_check import check_on_model, refusals
 
     if not any(variant.policy.exact_setting for variant in variants):
         return variants, skipped, {}
@@ -514,7 +514,7 @@ def replay_on_ray(
 ) -> dict:
     """`replay_sharded` on `cluster` under one progress display aggregated over its workers, checkpointing every
     completed shard to OUT/replay.partial.json and, with `resume`, continuing from the shards it holds."""
-    from kvprof.distributed import ShardHooks, plan_shards, replay_sharded, shard_checkpoint, shard_groups
+    from kvprof.replay.sharded import ShardHooks, plan_shards, replay_sharded, shard_checkpoint, shard_groups
 
     checkpoint = out / "replay.partial.json"
     done, groups = None, None
@@ -587,8 +587,8 @@ def replay_with_progress(
 ) -> dict:
     """`run_replay` under progress bars (teacher-forced turns; online re-runs with `online`), resuming from `state`,
     timed as `timing` says, KV blocks of `page_size` tokens, moved spans as `span_matching` finds them
-    (`kvprof.replay.replay_trace`); the result names its trace, the trace's source and the variants `skipped`."""
-    from kvprof.replay import ReplayHooks, run_replay
+    (`kvprof.replay.engine.replay_trace`); the result names its trace, the trace's source and the variants `skipped`."""
+    from kvprof.replay.engine import ReplayHooks, run_replay
 
     with progress() as bar:
         job = bar.add_task(f"replaying {len(variants)} policies", total=sum(len(t.turns) for t in trajectories))

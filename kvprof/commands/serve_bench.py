@@ -20,7 +20,7 @@ from kvprof.serving.driver import LoadRun, RequestRecord, run_load
 from kvprof.serving.server import VllmServer, free_port, server_command
 from kvprof.serving.summary import pattern_comparison, run_result
 from kvprof.serving.traffic import PATTERNS, Load, ServedModels, TurnRequest, loads, trajectory_traffic
-from kvprof.trace import TraceHeader, Trajectory, iter_trajectories, trace_header
+from kvprof.traces.trace import TraceHeader, Trajectory, iter_trajectories, trace_header
 
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
 CPU_KV_CACHE_GIB = 1.0  # on a machine without an NVIDIA GPU, where vLLM would reserve 90 % of memory

@@ -204,12 +204,12 @@ def command(
 
 
 def serving_claims(payload: dict, replay_data: dict) -> list[dict]:
-    """Verdicts on the simulated policies' published serving figures (kvprof.simulate.claims), the claims read from
+    """Verdicts on the simulated policies' published serving figures (kvprof.claims.serving), the claims read from
     the policy registry so that replays saved before a claim was recorded get its verdict too."""
     from dataclasses import asdict
 
+    from kvprof.claims.serving import serving_verdicts
     from kvprof.policies import REGISTRY
-    from kvprof.simulate.claims import serving_verdicts
 
     runs = {label: {"name": entry.get("name", label), "options": entry.get("options") or {}} for label, entry in
             replay_data["policies"].items()}  # fmt: skip

@@ -1,8 +1,8 @@
 """`kvprof tune-tau`: sweep a delta-correction policy's acceptance threshold on tuning trajectories, recommend one
 for a target, verify it on held-out trajectories, and write it where `kvprof replay --tuned` reads it.
 
-The maths lives in `kvprof.tune` (and the pool fit in `kvprof.anchor_fit`); this module parses options, shows
-progress, checkpoints the sweep (`--resume`: trajectory by trajectory in one process, shard by shard on Ray), and
+The maths lives in `kvprof.tuning.tau` (and the pool fit in `kvprof.tuning.anchor_fit`); this module parses options,
+shows progress, checkpoints the sweep (`--resume`: trajectory by trajectory in one process, shard by shard on Ray), and
 renders `kvprof.report.anchors`.
 """
 
@@ -34,11 +34,11 @@ from kvprof.commands.common import (
 from kvprof.commands.fit_anchors import POOL_FILE
 from kvprof.errors import KvprofError
 from kvprof.fileio import read_json_file, write_json
-from kvprof.reuse import MIN_SPAN, SpanMatching
-from kvprof.trace import Trajectory, read_trace
+from kvprof.traces.reuse import MIN_SPAN, SpanMatching
+from kvprof.traces.trace import Trajectory, read_trace
 
 if TYPE_CHECKING:
-    from kvprof.tune import Replayer
+    from kvprof.tuning.tau import Replayer
 
 TUNED_KIND = "kvprof.tuned-policy"
 
@@ -142,14 +142,14 @@ def command(
     args = dict(locals())
     import torch
 
-    from kvprof.anchor_fit import fit_anchors
-    from kvprof.anchors import pool_digest
-    from kvprof.model import load_agents_for_trace
+    from kvprof.model.agents import load_agents_for_trace
+    from kvprof.model.runtime import Runtime
     from kvprof.policies import policy_class
+    from kvprof.policies.anchors import pool_digest
     from kvprof.policies.delta import pool_identity
-    from kvprof.replay import ReplayHooks, ReplayProgress
-    from kvprof.runtime import Runtime
-    from kvprof.tune import Target, in_process, threshold_key, tune
+    from kvprof.replay.engine import ReplayHooks, ReplayProgress
+    from kvprof.tuning.anchor_fit import fit_anchors
+    from kvprof.tuning.tau import Target, in_process, threshold_key, tune
 
     torch.manual_seed(seed)
     matching = SpanMatching(min_span, span_boundaries)
@@ -168,8 +168,8 @@ def command(
     with ExitStack() as stack:
         cluster = None
         if ray:
-            from kvprof.distributed import AgentSource, RayCluster, require_ray
-            from kvprof.model import trace_header
+            from kvprof.model.agents import trace_header
+            from kvprof.replay.sharded import AgentSource, RayCluster, require_ray
 
             require_ray()
             source = AgentSource(trace_header(trace), str(trace), model, None, role, device, dtype, seed)
@@ -264,12 +264,13 @@ def on_ray(
     saved: dict | None,
     span_matching: SpanMatching,
 ) -> Replayer:
-    """A `kvprof.tune.Replayer` that replays in shards on `cluster` (`kvprof.distributed.replay_sharded`: every
+    """A `kvprof.tuning.tau.Replayer` that replays in shards on `cluster` (`kvprof.replay.sharded.replay_sharded`: every
     threshold is a stateful variant, so the values are grouped into sequential shards, as many as the cluster's
     workers make fastest), under a progress bar. The sweep checkpoints every completed shard to `checkpoint` and
     continues from `saved` (a checkpoint's progress: its shards and their grouping); the held-out check is not
     checkpointed."""
-    from kvprof.distributed import (
+    from kvprof.policies import PolicyVariant
+    from kvprof.replay.sharded import (
         ShardHooks,
         ShardResult,
         plan_shards,
@@ -279,7 +280,6 @@ def on_ray(
         shard_checkpoint,
         shard_groups,
     )
-    from kvprof.policies import PolicyVariant
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         done, groups = None, None
@@ -335,7 +335,7 @@ def finish(
     .html and tuned.json, drop the checkpoint."""
     from kvprof.report import write_html
     from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
-    from kvprof.tune import replay_flags
+    from kvprof.tuning.tau import replay_flags
 
     result.update(trace=str(trace), model=model, pool=str(anchors))
     console.print(sweep_table(result).to_rich())

@@ -40,8 +40,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvprof.spec import AgentSpec, WorkflowSpec
-from kvprof.workflow import Task, task_from_record, task_record
+from kvprof.traces.spec import AgentSpec, WorkflowSpec
+from kvprof.traces.tasks import Task, task_from_record, task_record
 
 SYMBOLS = ("ka", "mo", "ri", "tu", "ze", "po", "li", "su", "ne", "fa", "gi", "do")
 COLOURS = ("red", "blue", "green", "gold")

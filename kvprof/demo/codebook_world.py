@@ -36,16 +36,16 @@ from typing import Annotated
 
 import typer
 
-from kvprof.capture import trajectory_summary
+from kvprof.capture.runner import trajectory_summary
 from kvprof.demo.assets import ASSETS, WorldFolder
 from kvprof.demo.traces import captured_trace, relative_trace
 from kvprof.fileio import write_json
-from kvprof.model import load_agents_for_trace
+from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
-from kvprof.replay import DENSE, ReplayHooks, run_replay
-from kvprof.trace import Trace, read_trace, write_trace
+from kvprof.replay.engine import DENSE, ReplayHooks, run_replay
+from kvprof.traces.tasks import load_tasks
+from kvprof.traces.trace import Trace, read_trace, write_trace
 from kvprof.ui import progress
-from kvprof.workflow import load_tasks
 
 CODEBOOK = ASSETS / "codebook"
 HELDOUT_TASKS = 100

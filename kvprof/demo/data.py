@@ -1,7 +1,7 @@
 """Training examples for the demo world, laid out by the real runner.
 
-Each task is run through `kvprof.workflow.run_react` with a scripted oracle that answers every turn with the gold
-output, so a training input is token for token what an agent reads at inference time. One example teaches one role
+Each task is run through `kvprof.capture.workflow.run_react` with a scripted oracle that answers every turn with the
+gold output, so a training input is token for token what an agent reads at inference time. One example teaches one role
 R on one trajectory prefix:
 
     tokens  = [R's role prompt (prompt mode)] + shared history up to turn k's cue + R's gold output at turn k
@@ -21,9 +21,10 @@ from typing import Protocol
 
 import torch
 
-from kvprof.spec import WorkflowSpec
-from kvprof.trace import Trajectory
-from kvprof.workflow import SearchTool, Task, run_react
+from kvprof.capture.workflow import SearchTool, run_react
+from kvprof.traces.spec import WorkflowSpec
+from kvprof.traces.tasks import Task
+from kvprof.traces.trace import Trajectory
 
 IGNORE = -100
 

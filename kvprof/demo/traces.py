@@ -11,7 +11,7 @@ of shared context) with the gold outputs (source `demo-oracle` in the header): t
 paragraphs of at most 10 distractors and loses the thread in paragraphs ten times longer, so a captured long
 trajectory stops after its first observation. Replay is teacher-forced, so the gold trace is what a long shared
 context looks like to every policy. Paths in the headers (model, adapters) are relative to the traces' folder (see
-`kvprof.model.load_agents_for_trace`), so the committed files do not name this machine's folders.
+`kvprof.model.agents.load_agents_for_trace`), so the committed files do not name this machine's folders.
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from typing import Annotated
 
 import typer
 
-from kvprof.capture import capture_spec, capture_trajectories, sampled_trace_header, trajectory_summary
-from kvprof.chat_log import trajectory_calls
+from kvprof.capture.runner import capture_spec, capture_trajectories, sampled_trace_header, trajectory_summary
+from kvprof.capture.workflow import Sampling
 from kvprof.demo.assets import ASSETS, DemoWorld
 from kvprof.demo.data import GoldTask, oracle_trajectory
 from kvprof.demo.world import read_tasks
 from kvprof.fileio import atomic_open
-from kvprof.model import load_agents, load_tokenizer, tokenizer_identity
-from kvprof.spec import build_spec
-from kvprof.trace import Trace, TraceHeader, Trajectory, read_trace, record_line, write_trace
+from kvprof.model.agents import load_agents, load_tokenizer, tokenizer_identity
+from kvprof.traces.chat_log import trajectory_calls
+from kvprof.traces.spec import build_spec
+from kvprof.traces.tasks import Task, load_tasks
+from kvprof.traces.trace import Trace, TraceHeader, Trajectory, read_trace, record_line, write_trace
 from kvprof.ui import progress
-from kvprof.workflow import Sampling, Task, load_tasks
 
 SHORT_TASKS = 4
 TUNE_TASKS = 24
@@ -136,8 +137,8 @@ def build_tune(world: DemoWorld, device: str = "cpu") -> dict:
 
 
 def write_sample_chat_log(world: DemoWorld) -> Path:
-    """`prompt_short` written as chat logs (`kvprof.chat_log.trajectory_calls`), what `kvprof import-chat` reads: as
-    kvprof lays calls out, and as a group chat (`group_chat`)."""
+    """`prompt_short` written as chat logs (`kvprof.traces.chat_log.trajectory_calls`), what `kvprof import-chat`
+    reads: as kvprof lays calls out, and as a group chat (`group_chat`)."""
     calls = [
         call for traj in read_trace(world.sample_traces["prompt_short"]).trajectories for call in trajectory_calls(traj)
     ]

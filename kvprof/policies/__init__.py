@@ -6,9 +6,10 @@ CLI's `--policy all`, the test matrix and the reports enumerate `REGISTRY` (`kvp
 
 from __future__ import annotations
 
+from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
 from kvprof.policies.alorashared import ALoRAShared
-from kvprof.policies.base import Option, Published, SharingPolicy, TurnRequest, TurnResult
+from kvprof.policies.base import SharingPolicy
 from kvprof.policies.baselrshared import BaseLRShared
 from kvprof.policies.baseshared import BaseShared
 from kvprof.policies.cacheblend import CacheBlend
@@ -18,9 +19,11 @@ from kvprof.policies.graphflow import GraphFlow
 from kvprof.policies.kvcmas import KVCMAS
 from kvprof.policies.kvcomm import KVComm
 from kvprof.policies.nonshared import NonShared
+from kvprof.policies.options import Option
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.policies.rebaseshared import ReBaseShared
 from kvprof.policies.relaycaching import RelayCaching
+from kvprof.policies.turns import TurnRequest, TurnResult
 from kvprof.policies.variants import (
     PolicyVariant,
     command_selection,

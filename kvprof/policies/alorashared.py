@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvprof.policies.base import Chunk
 from kvprof.policies.fullshared import FullShared, FullSharedContext
+from kvprof.policies.turns import Chunk
 
 
 class ALoRAShared(FullShared):

@@ -8,9 +8,9 @@ input (the chunk) with its own adapter over that context, and its output tokens 
 keep what it wants of the turn.
 
 Real traces do not always extend one timeline: a turn's input may leave it (a reply re-rendered by the chat
-template, another role header). The replay engine (`kvprof.branches`) then calls `truncate(keep)` before the turn —
-the policy forgets the timeline from the divergence on, and the turn computes the rest as new tokens — and, when the
-turn shares more with an earlier turn's sequence, first `restore`s the `snapshot` it took after that turn. So a
+template, another role header). The replay engine (`kvprof.replay.branches`) then calls `truncate(keep)` before the
+turn — the policy forgets the timeline from the divergence on, and the turn computes the rest as new tokens — and, when
+the turn shares more with an earlier turn's sequence, first `restore`s the `snapshot` it took after that turn. So a
 policy only ever sees inputs that extend what it stores. Past what it stores, the input may hold moved spans (ids an
 earlier turn processed at other positions; `TurnRequest.moved`): a policy that `moves_spans` keeps the K/V of the
 turns they come from (`keep_span_source`) and extends its context over them in `assemble` (`extend_context`:
@@ -43,370 +43,32 @@ from __future__ import annotations
 import contextlib
 import copy
 import statistics
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic
 
 import torch
 
+from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
-from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues, use_lora_attention
-from kvprof.kv_buffer import KVBuffer, Rewrite
+from kvprof.kernels.transformers_attention import use_lora_attention
+from kvprof.model.buffers import KVBuffer
+from kvprof.model.runtime import KV, ChunkForward, Runtime
 from kvprof.policies.moved import PieceForward, SpanKV, SpanStore, extend_over_moved
-from kvprof.reuse import MovedSpan
-from kvprof.runtime import KV, ChunkForward, Runtime
-
-ORIGINS = ("code", "paper text", "kvprof")  # where an option's choice comes from (`Option.origins`)
-
-
-@dataclass(frozen=True)
-class Option:
-    """One knob of a policy. Values are strings on the command line; `parse` turns one into the setting.
-
-    choices: the allowed values (None: any value `parse` accepts); default: the setting of the authors' public
-    code; sweep: the values `--policy all` replays (empty: the default only); labelled: False for an option that
-    never shows in a variant's label (a file path: the policy's notes name it), which then takes one value per
-    replay; origins: where a choice comes from, one of `ORIGINS` ("code": the authors' public code, "paper text":
-    a reading of the paper's text the code does not follow, "kvprof": kvprof's own), shown in `--help`.
-    """
-
-    default: str
-    choices: tuple[str, ...] | None = None
-    sweep: tuple[str, ...] = ()
-    help: str = ""
-    parse: Callable[[str], object] = str
-    labelled: bool = True
-    origins: dict[str, str] = field(default_factory=dict)
-
-    def check(self, policy: str, key: str, value: str) -> object:
-        """The parsed setting, or a `KvprofError` naming the policy, the option and the allowed values."""
-        if self.choices is not None and value not in self.choices:
-            raise KvprofError(
-                f"policy {policy} option {key}={value!r} is not allowed; use one of {', '.join(self.choices)}."
-            )
-        try:
-            return self.parse(value)
-        except ValueError:
-            meaning = f" ({key}: {self.help})" if self.help else ""
-            raise KvprofError(f"policy {policy} option {key}={value!r} is not {self.kind}{meaning}.") from None
-
-    @property
-    def kind(self) -> str:
-        """What a value must be, from the parser's docstring ("a number in [0, 1]"); "a valid value" for a parser
-        without one of its own."""
-        doc = "" if self.parse in (str, int, float) else (self.parse.__doc__ or "").strip()
-        return doc[0].lower() + doc[1:].rstrip(".") if doc else "a valid value"
-
-    def describe(self) -> str:
-        """The option's values and meaning, for --help: its choices, or its kind and help."""
-        if self.choices is not None:
-            return "|".join(
-                f"{choice} ({self.origins[choice]})" if choice in self.origins else choice for choice in self.choices
-            )
-        return f"{self.kind}: {self.help}" if self.parse is not str else self.help
-
-    def label(self, key: str, value: str) -> str:
-        """How the value shows in a variant's label: the value itself for a choice, key=value otherwise; empty for
-        the default of an option that is not swept (labels name what a sweep varies, and any departure from it)."""
-        if not self.labelled or not self.sweep and value == self.default:
-            return ""
-        return value if self.choices is not None else f"{key}={value}"
-
-
-def positive_int(value: str) -> int:
-    """A whole number ≥ 1."""
-    number = int(value)
-    if number < 1:
-        raise ValueError(value)
-    return number
-
-
-def layer_index(value: str) -> int:
-    """A layer index ≥ 0."""
-    index = int(value)
-    if index < 0:
-        raise ValueError(value)
-    return index
-
-
-def unit_interval(value: str) -> float:
-    """A number in [0, 1]."""
-    number = float(value)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(value)
-    return number
-
-
-def variant_label(name: str, options: dict[str, Option], values: dict[str, str]) -> str:
-    """A variant's label: the policy name, then `-value` for each option that shows (`Option.label`)."""
-    parts = [option.label(key, values.get(key, option.default)) for key, option in options.items()]
-    return name + "".join(f"-{part}" for part in parts if part)
-
-
-@dataclass(frozen=True)
-class MemoryClaim:
-    """A published memory figure as a ratio a replay measures (`kvprof.memory_claims` gives it a verdict): the
-    claiming policy's peak `measure` over each reference run's, claimed within [low, high].
-
-    measure: "allocator" (the allocator's peak with the weights over a trajectory, as PReCache reads
-    `torch.cuda.max_memory_allocated`; the summary's `allocator_peak_bytes`) or "kv_blocks" (the stored caches in
-    KV blocks of --page-size tokens, as vLLM holds them; `peak_kv_block_bytes`). references: the policy names the
-    ratio is taken against ("nonshared": the dense run). context_tokens: the longest context of the claim's setting
-    (a trace whose longest turn is shorter is not comparable: with the weights counted, short contexts push every
-    ratio towards 1); agents: the setting's number of agents (0: any); reference_options: option values the
-    references ran with in the setting (key, value). reading: how [low, high] reads the claim's words, labelled
-    with whose reading it is ("paper text" where the paper gives the bound, "kvprof" where it gives a word such
-    as "≈").
-    """
-
-    measure: str
-    references: tuple[str, ...]
-    low: float
-    high: float
-    reading: str
-    context_tokens: int = 0
-    agents: int = 0
-    reference_options: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class ServingClaim:
-    """A published serving figure as a ratio `kvprof simulate` gives a verdict, stated as simulated
-    (`kvprof.simulate.claims`): the claiming policy's `measure` over each reference run's at the claim's setting,
-    claimed within [low, high].
-
-    measure: "ttft_p50" (median TTFT), "request_throughput" (per-request throughput, read as the reference's median
-    end-to-end latency over the policy's: both serve the same outputs) or "out_of_memory" (1 when the policy runs out
-    of memory, 0 when not; no reference). references: the policy names the ratio is taken against ("nonshared": the
-    dense run), with `reference_options` (key, value) they ran with in the setting; policy_options: the claiming
-    policy's option values the claim is about (a variant). shared_tokens: the setting's shared context (the
-    simulation must have been scaled to it with --shapes, within 10 %); qps: the setting's load (None: the lowest
-    simulated load, read as the paper's "unsaturated"); kv_bytes_per_token: for a memory-bound claim, the setting's
-    model's (a simulated model more than 2× off is not comparable; 0: any). reading: how [low, high] reads the
-    claim's words, labelled with whose reading it is.
-    """
-
-    measure: str
-    low: float
-    high: float
-    reading: str
-    references: tuple[str, ...] = ()
-    shared_tokens: int = 0
-    qps: float | None = None
-    reference_options: tuple[tuple[str, str], ...] = ()
-    policy_options: tuple[tuple[str, str], ...] = ()
-    kv_bytes_per_token: int = 0
-
-
-@dataclass(frozen=True)
-class Published:
-    """A figure the method's paper reports, for side-by-side reading with kvprof's measurement.
-
-    paper: short citation; where: section / table / figure; setting: models, data, hardware; claim: the figure;
-    memory: for a memory figure, the ratio it claims (`MemoryClaim`), which each replay gives a verdict;
-    serving: for a serving figure, the ratio it claims (`ServingClaim`), which each simulation gives a verdict.
-    """
-
-    paper: str
-    where: str
-    setting: str
-    claim: str
-    memory: MemoryClaim | None = None
-    serving: ServingClaim | None = None
-
-    def __str__(self) -> str:
-        return f"{self.paper}, {self.where} ({self.setting}): {self.claim}"
-
-
-@dataclass
-class TurnRequest:
-    """One agent call: its input ids; `output_ids` teacher-forces the output, None generates it greedily; `moved`:
-    the moved spans of its shared input (`kvprof.branches`), which a policy that `moves_spans` serves from the K/V
-    it kept (`kvprof.policies.moved`)."""
-
-    agent: str
-    input_ids: list[int]
-    output_ids: list[int] | None = None
-    max_new_tokens: int = 32
-    moved: tuple[MovedSpan, ...] = ()
-
-
-@dataclass
-class Context:
-    """The cache a policy hands the acting agent before its chunk.
-
-    kv: per layer (K, V), each (B, H_kv, len(prefix) + reused, D); B is 1, or 2 for a double-batched policy.
-    reused: shared tokens served from stored caches (which of them another agent processed is the replay engine's
-    count, one definition for every policy: `kvprof.metrics.reused_from_others`); adapter_free: of the reused
-    tokens, those served from an adapter-free cache. extra_prefill: tokens pushed through the full backbone besides
-    the chunk; extra_flops: analytic FLOPs of the policy's own work in `assemble` (LR prefill, expansions,
-    rotations). working_bytes: bytes of transient structures the policy's own work holds during the turn beyond
-    the turn's cache (e.g. an LR prefill's cache and hidden states).
-    lora_values: per layer the rank-r value side (v_lr (1, reused − refreshed, r), B (H_kv, r, D)) when the values
-    in `kv` are V_base only and attention must add (P·V_lr)·B (Flash-LoRA-Attention); None when `kv` is complete.
-    buffers: the storage `kv` are views of (per layer a `KVBuffer`), when the turn may append in place after them
-    (whatever lies past `kv`'s length there is scratch the policy will overwrite or not read); None: the turn
-    copies `kv` into fresh buffers.
-    recomputed: (token, layer) K/V entries of the reused span the policy recomputed for this agent in `assemble`
-    (selective recompute, `kvprof.policies.selective`); reused × layers of them means all of it. realigned: reused
-    tokens whose keys were re-rotated from the positions another agent computed them at (prompt mode).
-    corrected / fallback: tokens of other agents' segments read this turn that a delta-correction gate accepted
-    (served corrected) / refused (prefilled densely) (`kvprof.policies.delta`); from_others: when not None, the
-    reused tokens whose K/V came from another agent's computation, for a policy whose reused span also holds tokens
-    the agent computed itself (otherwise the replay counts them from the timeline, `reused_from_others`);
-    corrected_spans: (start, end, hop) of each corrected segment in shared-timeline coordinates, hop = 1 + how many
-    agents besides its producer read it before this one (the replay measures the error per hop).
-    extended / moved / moved_spans / placeholders: shared tokens the context covers past the reused span, span by
-    span (`kvprof.policies.moved.extend_over_moved`): of them `moved` served from the K/V kept of earlier turns,
-    re-aligned (their (begin, end) in `moved_spans`), the rest computed by the agent in `assemble` (in
-    `extra_prefill`; `placeholders`: the (begin, end) of those the policy computes itself, with the moved spans);
-    `kv` then covers prefix + reused + extended tokens.
-    refreshed / rewrite: the last `refreshed` tokens of the reused span go through the turn's forward with the
-    chunk (their queries, hidden states and everything after attention computed there), while the K/V they and
-    the chunk attend to at their slots are what `rewrite` writes over the forward's own once each layer has
-    projected them (`kvprof.kv_buffer.Rewrite`; BaseShared's LR prefill as LRAgent's code runs it); `kv` then
-    covers only the first reused − refreshed tokens, and `extra_prefill` / `extra_flops` count the refreshed
-    tokens' pass.
-    adapter_made: of the tokens the turn prefills, those an earlier call computed with its Activated LoRA (from its
-    invocation on) that this one recomputes with the base weights (`kvprof.policies.alorashared`).
-    A policy that carries work to `commit` subclasses this with typed fields.
-    """
-
-    kv: list[KV]
-    reused: int
-    adapter_free: int = 0
-    extra_prefill: int = 0
-    extra_flops: float = 0.0
-    working_bytes: int = 0
-    lora_values: list[LoraValues | None] | None = None
-    buffers: list[KVBuffer] | None = None
-    recomputed: int = 0
-    realigned: int = 0
-    corrected: int = 0
-    fallback: int = 0
-    from_others: int | None = None
-    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
-    refreshed: int = 0
-    rewrite: Rewrite | None = None
-    extended: int = 0
-    moved: int = 0
-    moved_spans: list[tuple[int, int]] = field(default_factory=list)
-    placeholders: list[tuple[int, int]] = field(default_factory=list)
-    adapter_made: int = 0
-
-    @property
-    def covered(self) -> int:
-        """Shared tokens the context covers (reused, then extended over moved spans); the chunk follows them."""
-        return self.reused + self.extended
-
-
-ContextT = TypeVar("ContextT", bound=Context)
-
-
-@dataclass
-class Chunk(Generic[ContextT]):
-    """What the acting agent computed this turn, handed to `commit`.
-
-    start: the shared-timeline index of the chunk's first token; ids: chunk input tokens then all output tokens;
-    kv: per layer the (K, V) of the agent's whole sequence after the turn, (B, H_kv, len(prefix) + start + n, D);
-    context: the `Context` the turn ran on (a policy's own subclass carries its prefill and decode work);
-    buffers: per layer the `KVBuffer` `kv` are views of (`context.buffers` when the turn appended in place), which
-    a policy may keep as its storage.
-    """
-
-    agent: str
-    start: int
-    ids: list[int]
-    kv: list[KV]
-    context: ContextT
-    buffers: list[KVBuffer]
-
-
-@dataclass
-class TurnResult:
-    """One policy's account of one turn.
-
-    logits: (n_out, vocab) fp32, row j predicting output token j; input_kv: per layer (K, V), (H_kv, T_in, D),
-    what the agent attended to over its whole input; reused span = input positions
-    [prefix_len, prefix_len + reused). flops: analytic FLOPs of the whole turn, every batch row counted;
-    ttft_flops: those of the prefill phase (context, chunk forward, prefill-phase work). decode_s / decode_steps:
-    time and count of the decode forwards (one per output token). memory: analytic bytes of each stored structure
-    after the turn; stored_before_bytes: their sum before it; transient_bytes: the turn's working set (its cache,
-    captured hidden states, the policy's own transients); cuda_peak_bytes: on CUDA, the allocator's peak during the
-    turn above what was allocated before it, plus the policy's stored bytes; cuda_allocated_bytes: on CUDA,
-    `torch.cuda.max_memory_allocated` during the turn, everything the process holds included (weights, other
-    runs' caches) (both None elsewhere). recomputed,
-    realigned, corrected, fallback, from_others, corrected_spans, moved, moved_spans, extended, adapter_made: the
-    context's (`Context`);
-    moved tokens are reused too, at input positions prefix_len + begin.. of each moved span.
-    """
-
-    agent: str
-    output_ids: list[int]
-    logits: torch.Tensor
-    input_kv: list[KV]
-    prefix_len: int
-    reused: int
-    adapter_free: int
-    prefilled: int
-    flops: float
-    ttft_flops: float
-    ttft_s: float
-    decode_s: float
-    decode_steps: int
-    latency_s: float
-    memory: dict[str, int] = field(default_factory=dict)
-    stored_before_bytes: int = 0
-    transient_bytes: int = 0
-    cuda_peak_bytes: int | None = None
-    cuda_allocated_bytes: int | None = None
-    recomputed: int = 0
-    realigned: int = 0
-    corrected: int = 0
-    fallback: int = 0
-    from_others: int | None = None
-    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
-    moved: int = 0
-    moved_spans: list[tuple[int, int]] = field(default_factory=list)
-    extended: int = 0
-    adapter_made: int = 0
-
-
-@dataclass
-class Prefill(Generic[ContextT]):
-    """The timed first step of a turn: the policy's context and the forward of the chunk over it (TTFT).
-
-    input_kv: per layer (K, V), (H_kv, T_in, D), of row 0 over the whole input, taken before decoding appends to
-    the forward's cache; start: the position of the chunk's first token; flops: the FLOPs of `on_prefill`.
-    """
-
-    context: ContextT
-    forward: ChunkForward
-    input_kv: list[KV]
-    start: int
-    seconds: float
-    flops: float
-
-
-@dataclass
-class Decoded:
-    """The output tokens of a turn: ids, logits (n_out, vocab) fp32, the last forward (its cache holds the whole
-    sequence), the decode time of `steps` forwards (one per output token) and the FLOPs of the per-step work."""
-
-    output_ids: list[int]
-    logits: torch.Tensor
-    last: ChunkForward
-    seconds: float
-    steps: int
-    flops: float
-
-
-def clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+from kvprof.policies.options import Option, variant_label
+from kvprof.policies.turns import (
+    Chunk,
+    Context,
+    ContextT,
+    Decoded,
+    Prefill,
+    TurnRequest,
+    TurnResult,
+    attended_kv,
+    lora_context,
+)
+from kvprof.profiling import CudaPeak, clock
+from kvprof.traces.reuse import MovedSpan
 
 
 class SharingPolicy(ABC, Generic[ContextT]):
@@ -430,8 +92,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
     # True: the policy serves a turn's moved spans from the K/V earlier turns held, re-aligned (its `assemble` calls
     # `extend_over_moved`); False: it computes them as new tokens (`kvprof.policies.moved`).
     moves_spans: ClassVar[bool] = False
-    # The setting in which the policy must reproduce the dense run, which `kvprof.self_check` replays on the user's
-    # model first: "recompute all" (its `ratio` option at 1), "one agent" (every turn acted by one agent, no span
+    # The setting in which the policy must reproduce the dense run, which `kvprof.replay.self_check` replays on the
+    # user's model first: "recompute all" (its `ratio` option at 1), "one agent" (every turn acted by one agent, no span
     # moved), or None (no such setting).
     exact_setting: ClassVar[str | None] = None
     # True: the policy stacks every layer's K/V into one tensor (anchor pools, low-rank stores, per-head queries of
@@ -486,7 +148,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             )
 
     def check_recurrent(self, runtime: Runtime) -> None:
-        """Refuse a hybrid model (recurrent layers, `kvprof.recurrent`) for a policy that serves an agent caches
+        """Refuse a hybrid model (recurrent layers, `kvprof.model.recurrent`) for a policy that serves an agent caches
         other calls computed."""
         if runtime.recurrent and self.serves_others:
             index, mixer = next(iter(runtime.recurrent.items()))
@@ -528,8 +190,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
     @abstractmethod
     def truncate(self, keep: int) -> None:
         """Forget every stored token at shared-timeline index `keep` or later: the next turn's input leaves the
-        stored timeline there (`kvprof.branches`), so what follows is new tokens for it. Storage past `keep` may stay
-        allocated (the next turn overwrites it in place)."""
+        stored timeline there (`kvprof.replay.branches`), so what follows is new tokens for it. Storage past `keep` may
+        stay allocated (the next turn overwrites it in place)."""
 
     def snapshot(self) -> dict[str, object]:
         """A copy of the trajectory's stored state (`timeline_state`; tensors cloned), for `restore`."""
@@ -806,67 +468,6 @@ class SharingPolicy(ABC, Generic[ContextT]):
             return self.runtime.forward(
                 agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows, last_logits_only=prefill
             )
-
-
-def attended_kv(kv: list[KV], context: Context, prefix_len: int) -> list[KV]:
-    """Per layer (K, V), (H_kv, T_in, D), of batch row 0 as attention effectively uses them: under
-    Flash-LoRA-Attention the cache holds V_base on the tokens v_lr covers and attention adds (P·V_lr)·B, so the
-    values measured there are V_base + V_lr·B (formed in float32, returned in the cache's dtype) — the same values the
-    expanded path caches. For metrics only: outside the timed prefill."""
-    rows = [(keys[0], values[0]) for keys, values in kv]
-    if context.lora_values is None:
-        return rows
-    for layer, entry in enumerate(context.lora_values):
-        if entry is None:
-            continue
-        span = slice(prefix_len, prefix_len + entry.v_lr.shape[1])
-        keys, values = rows[layer]
-        low_rank = torch.einsum("lr,hrd->hld", entry.v_lr[0].float(), entry.lora_b.float())
-        values = values.clone()
-        values[:, span] = (values[:, span].float() + low_rank).to(values.dtype)
-        rows[layer] = (keys, values)
-    return rows
-
-
-def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraAttentionContext:
-    """Flash-LoRA-Attention inputs for a forward attending `keys` keys: each layer's v_lr covers the reused
-    context and is zero for the tokens after it (their values are complete); batch rows after the first (an
-    adapter-free row) get zeros too."""
-    context = LoraAttentionContext()
-    for layer, entry in enumerate(values):
-        if entry is None:
-            continue
-        v_lr = torch.zeros(rows, keys, entry.v_lr.shape[-1], dtype=entry.v_lr.dtype, device=entry.v_lr.device)
-        v_lr[:1, : entry.v_lr.shape[1]] = entry.v_lr
-        context.set(layer, v_lr, entry.lora_b)
-    return context
-
-
-class CudaPeak:
-    """The CUDA allocator's peak during a turn above what was allocated when it started, plus the policy's stored
-    bytes before the turn (`stored`, its analytic bytes, which equal its live tensors' bytes): the memory the
-    policy's own work needs at its worst. None off CUDA."""
-
-    def __init__(self, device: torch.device, stored: int):
-        self.device, self.stored = device, stored
-        self.start = 0
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            self.start = torch.cuda.memory_allocated(device)
-
-    def peak(self) -> int | None:
-        if self.device.type != "cuda":
-            return None
-        torch.cuda.synchronize(self.device)
-        return self.stored + torch.cuda.max_memory_allocated(self.device) - self.start
-
-    def allocated(self) -> int | None:
-        """The allocator's peak since the turn started, everything allocated counted (None off CUDA)."""
-        if self.device.type != "cuda":
-            return None
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
 
 
 def tensor_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:

@@ -8,13 +8,13 @@ A differ. Paper: LRAgent (BaseLRShared).
 
 from __future__ import annotations
 
+from kvprof.claims.papers import LRAGENT, LRAGENT_SETTING
+from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
-from kvprof.lora import unshared_down_projections
-from kvprof.policies.base import Published
+from kvprof.model.lora import unshared_down_projections
+from kvprof.model.runtime import Runtime
 from kvprof.policies.baseshared import LRAGENT_MEMORY
-from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
 from kvprof.policies.prelrshared import PreLRShared
-from kvprof.runtime import Runtime
 
 SHARED = "shared"
 

@@ -42,12 +42,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvprof.kv_buffer import KVBuffer, Rewrite
-from kvprof.lora import SPLIT_SIDES
-from kvprof.policies.base import Chunk, MemoryClaim, Option, Published
+from kvprof.claims.papers import LRAGENT, LRAGENT_SETTING
+from kvprof.claims.types import MemoryClaim, Published
+from kvprof.model.buffers import KVBuffer, Rewrite
+from kvprof.model.lora import SPLIT_SIDES
+from kvprof.model.runtime import ChunkForward
 from kvprof.policies.lowrank import LowRankContext, LowRankPolicy, LowRankStore
-from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
-from kvprof.runtime import ChunkForward
+from kvprof.policies.options import Option
+from kvprof.policies.turns import Chunk
 
 LowRank = list[dict[str, torch.Tensor]]  # per layer {"key"|"value": (1, n, r)}
 
@@ -133,7 +135,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         (the gap: what others added since the agent's last turn) are refreshed by the turn's own forward, with the
         chunk after them (`Context.refreshed`). At each layer the forward's K/V of the gap tokens are replaced,
         before attention, by the shared base K/V plus the agent's B over their down-projections X·Aᵀ from that
-        same forward (`kvprof.lora.HiddenTap.down`): `inference.py` feeds `input_ids[past_lr_seq_length:]`,
+        same forward (`kvprof.model.lora.HiddenTap.down`): `inference.py` feeds `input_ids[past_lr_seq_length:]`,
         `modeling_llama.py` keeps the base cache's keys for positions it holds and `LRCache.update` appends the
         forward's X·A to the agent's LR cache."""
         runtime, store = self.runtime, self.store

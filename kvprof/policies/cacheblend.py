@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import torch
 
-from kvprof.policies.base import Option, Published, layer_index
+from kvprof.claims.papers import CACHEBLEND, CACHEBLEND_SETTING
+from kvprof.claims.types import Published
+from kvprof.model.runtime import Runtime
 from kvprof.policies.fullshared import FullSharedContext
-from kvprof.policies.papers import CACHEBLEND, CACHEBLEND_SETTING
+from kvprof.policies.options import Option, layer_index
 from kvprof.policies.selective import Blend, SelectiveRecompute, budget, ratio_option, select_top
-from kvprof.runtime import Runtime
 
 
 class CacheBlend(SelectiveRecompute):

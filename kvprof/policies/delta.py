@@ -6,7 +6,7 @@ PF_a, and a shared segment (the question, an observation, another agent's output
 Segments and slots. The shared timeline is cut into segments as it grows: each turn adds the tokens of its input
 nobody had read yet (`part` "in": the question, an observation, the workflow's cue) and its output ("out"). A
 segment's slot is its place in the workflow, `AGENT.inK` / `AGENT.outK` (the K-th input or output of that agent's
-turns), the placeholder its anchors are pooled under (`kvprof.anchors`), so segments in the same place of
+turns), the placeholder its anchors are pooled under (`kvprof.policies.anchors`), so segments in the same place of
 different trajectories share a pool.
 
 A turn of agent j. Each agent keeps its own cache (its prefix and every token it has read, as NonShared does: the
@@ -18,7 +18,7 @@ since j's last turn (`decide`):
   `NeutralContext`) or its previous / first reader's cache (KVCMAS chain / star); keys rotated into the segment's
   frame;
 - the gate (`accepts`), decided once per segment by its first reader (`verdicts`): the reference against its slot's
-  anchors (`kvprof.anchors.AnchorPool.match`); `gated` says which segments have one (KVCMAS: outputs only);
+  anchors (`kvprof.policies.anchors.AnchorPool.match`); `gated` says which segments have one (KVCMAS: outputs only);
 - accepted: j gets reference + Σ w·(Δ_j − Δ_source) with per-token weights, keys rotated to j's positions, layer 0
   left as the reference (its K/V depend only on the token and its position, so the re-aligned reference is exact
   there); refused: j prefills densely — its whole call (`fallback=call`, the code's) or only the refused segments
@@ -56,14 +56,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvprof.anchors import AnchorPool, Match, mixed_delta
 from kvprof.errors import KvprofError
-from kvprof.kv_buffer import KVBuffer
-from kvprof.model import tokenizer_identity
-from kvprof.policies.base import Chunk, Context, Option, SharingPolicy, positive_int, unit_interval
-from kvprof.reuse import MovedSpan
-from kvprof.rope import LayerRopes
-from kvprof.runtime import Runtime
+from kvprof.model.agents import tokenizer_identity
+from kvprof.model.buffers import KVBuffer
+from kvprof.model.rope import LayerRopes
+from kvprof.model.runtime import Runtime
+from kvprof.policies.anchors import AnchorPool, Match, mixed_delta
+from kvprof.policies.base import SharingPolicy
+from kvprof.policies.options import Option, positive_int, unit_interval
+from kvprof.policies.turns import Chunk, Context
+from kvprof.traces.reuse import MovedSpan
 
 Stacked = tuple[torch.Tensor, torch.Tensor]  # keys and values (layers, H_kv, L, D), keys in the segment's frame
 

@@ -40,14 +40,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvprof.claims.papers import DROIDSPEAK, LRAGENT, LRAGENT_SETTING
+from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
 from kvprof.fileio import NUMBER, check_fields, is_json, read_json_file, write_json
-from kvprof.kv_buffer import GrowingTensor
-from kvprof.policies.base import Chunk, Option, Published
+from kvprof.model.buffers import GrowingTensor
+from kvprof.model.runtime import ChunkForward, Runtime
 from kvprof.policies.fullshared import FullSharedContext
-from kvprof.policies.papers import DROIDSPEAK, LRAGENT, LRAGENT_SETTING
+from kvprof.policies.options import Option
 from kvprof.policies.selective import Blend, SelectiveRecompute, ratio_option
-from kvprof.runtime import ChunkForward, Runtime
+from kvprof.policies.turns import Chunk
 
 PROFILE_KIND = "kvprof.droidspeak-profile"
 PROFILE_VERSION = 1

@@ -2,7 +2,7 @@
 
 Each shared token's K/V is computed once, by the first agent that processes it (with that agent's adapter, after
 that agent's role prompt) and reused by every other agent as is. In prompt mode the keys are re-rotated from the
-producer's positions to the reader's (`kvprof.rope.rotate_keys`). Approximate: another agent's adapter and prefix
+producer's positions to the reader's (`kvprof.model.rope.rotate_keys`). Approximate: another agent's adapter and prefix
 shaped those K/V. Memory 1× plus each agent's private prefix. The naive-sharing baseline of LRAgent and PReCache.
 
 Moved spans (`kvprof.policies.moved`): a span of the input another turn processed at other positions is served from
@@ -12,7 +12,7 @@ reader attended it.
 
 Phases: TTFT — the agent's role prompt on its first turn, the context and the chunk's forward; each decode step —
 one token; after the turn — appending the turn's new K/V to the shared cache. Without a private prefix (lora mode)
-the context is the shared cache itself and the turn appends in place after it (`kvprof.kv_buffer`): nothing is
+the context is the shared cache itself and the turn appends in place after it (`kvprof.model.buffers`): nothing is
 copied and `commit` only extends the stored length. With prefixes (prompt mode) each turn builds its context —
 the agent's prefix, then the shared keys re-rotated to its positions — and `commit` copies the new tokens' K/V.
 """
@@ -25,11 +25,13 @@ from typing import ClassVar
 
 import torch
 
-from kvprof.kv_buffer import KVBuffer
-from kvprof.policies.base import Chunk, Context, Published, SharingPolicy
-from kvprof.policies.papers import LRAGENT, LRAGENT_SETTING
-from kvprof.rope import rotate_keys
-from kvprof.runtime import KV, ChunkForward
+from kvprof.claims.papers import LRAGENT, LRAGENT_SETTING
+from kvprof.claims.types import Published
+from kvprof.model.buffers import KVBuffer
+from kvprof.model.rope import rotate_keys
+from kvprof.model.runtime import KV, ChunkForward
+from kvprof.policies.base import SharingPolicy
+from kvprof.policies.turns import Chunk, Context
 
 
 @dataclass

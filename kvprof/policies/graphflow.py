@@ -6,8 +6,8 @@ in-context cache (an edge of the graph carries the producer's cache to its reade
 context-free encoding (a reference prefill, once per segment). For reader j the correction is the mean delta Δ_j of
 the segments observed before in the same slot — the same edge of the workflow graph (the placeholder and the reading
 agent) — with no confidence gate: a slot with an observed delta for j is always corrected; one without is prefilled
-densely (only that segment) and its delta observed (kept as in `kvprof.anchors.AnchorPool`, full-dimensional, V =
-20 per slot). What is approximated: how GraphFlow learns the correction from observed edges (kvprof averages them
+densely (only that segment) and its delta observed (kept as in `kvprof.policies.anchors.AnchorPool`, full-dimensional,
+V = 20 per slot). What is approximated: how GraphFlow learns the correction from observed edges (kvprof averages them
 uniformly, with no learned parameters) and which cache an edge carries.
 """
 
@@ -17,10 +17,11 @@ from typing import ClassVar
 
 import torch
 
-from kvprof.anchors import Match
-from kvprof.policies.base import Option, Published
+from kvprof.claims.papers import GRAPHFLOW, KVCMAS_PAPER, KVCMAS_SETTING
+from kvprof.claims.types import Published
+from kvprof.policies.anchors import Match
 from kvprof.policies.delta import Decision, DeltaContext, DeltaCorrection, SharedSegment, Stacked, pool_options
-from kvprof.policies.papers import GRAPHFLOW, KVCMAS_PAPER, KVCMAS_SETTING
+from kvprof.policies.options import Option
 
 
 class GraphFlow(DeltaCorrection):

@@ -41,10 +41,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvprof.anchors import Match
-from kvprof.policies.base import Option, Published, ServingClaim, positive_int
+from kvprof.claims.papers import KVCMAS_PAPER, KVCMAS_SETTING
+from kvprof.claims.types import Published, ServingClaim
+from kvprof.policies.anchors import Match
 from kvprof.policies.delta import DeltaCorrection, SharedSegment, fallback_option, pool_options, threshold_option
-from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING
+from kvprof.policies.options import Option, positive_int
 
 CHAINED = (("chain", "chain"),)  # the serving figures are KVCMAS's default, chained correction
 SERVING_TOKENS = 32_768  # the shared context of KVCMAS's serving setting (32K tokens)

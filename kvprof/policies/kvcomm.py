@@ -18,7 +18,7 @@ Correction (`offset_kv_cache_pair`). A reader of an accepted segment gets refere
 weights, separately for K and V, softmax over anchors of −mean |X − A| over layers, heads and dims (temperature 1,
 `_compute_anchor_weight_entry`), layer 0 left as the reference. Anchors: full-dimensional, V = 20 per slot, the
 slot trimmed when it holds more than V (so up to 21) by dropping the least-activated of its oldest 5
-(`update_anchor`). The machinery is `kvprof.policies.delta` and `kvprof.anchors`.
+(`update_anchor`). The machinery is `kvprof.policies.delta` and `kvprof.policies.anchors`.
 
 Remaining deviations from the public code:
 - the first reader of an external input computes it densely in its own chunk (kvprof learns of a segment only after
@@ -39,10 +39,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvprof.anchors import Match
-from kvprof.policies.base import Option, Published, ServingClaim
+from kvprof.claims.papers import KVCMAS_PAPER, KVCMAS_SETTING, KVCOMM, KVCOMM_SETTING, LLAMA_8B_KV_BYTES
+from kvprof.claims.types import Published, ServingClaim
+from kvprof.policies.anchors import Match
 from kvprof.policies.delta import DeltaCorrection, fallback_option, pool_options, threshold_option
-from kvprof.policies.papers import KVCMAS_PAPER, KVCMAS_SETTING, KVCOMM, KVCOMM_SETTING, LLAMA_8B_KV_BYTES
+from kvprof.policies.options import Option
 
 
 class KVComm(DeltaCorrection):

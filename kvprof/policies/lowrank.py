@@ -37,11 +37,13 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
-from kvprof.kv_buffer import GrowingTensor, KVBuffer
-from kvprof.lora import SPLIT_SIDES, heads
-from kvprof.policies.base import Chunk, Context, Option, SharingPolicy
-from kvprof.reuse import MovedSpan
-from kvprof.runtime import KV, ChunkForward, Runtime
+from kvprof.model.buffers import GrowingTensor, KVBuffer
+from kvprof.model.lora import SPLIT_SIDES, heads
+from kvprof.model.runtime import KV, ChunkForward, Runtime
+from kvprof.policies.base import SharingPolicy
+from kvprof.policies.options import Option
+from kvprof.policies.turns import Chunk, Context
+from kvprof.traces.reuse import MovedSpan
 
 KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
 
@@ -81,7 +83,7 @@ class StoreView:
 
 class LowRankStore:
     """The base cache (per layer a `KVBuffer`) and the named LR caches (per layer {"key"|"value": a
-    `GrowingTensor` (1, ≥ n, r)}), all growing in place (`kvprof.kv_buffer`)."""
+    `GrowingTensor` (1, ≥ n, r)}), all growing in place (`kvprof.model.buffers`)."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime

@@ -1,12 +1,12 @@
 """Moved spans: K/V a turn reads at other positions than an earlier turn computed them, and how a policy serves them.
 
-A turn's input is a sequence of spans (`kvprof.branches`): the prefix it keeps of the stored timeline, then moved
+A turn's input is a sequence of spans (`kvprof.replay.branches`): the prefix it keeps of the stored timeline, then moved
 spans (ids an earlier turn processed elsewhere: the question, a tool result, another agent's reply read after this
 agent's role prompt and header) and new tokens between them. A policy that moves caches
 (`SharingPolicy.moves_spans`) keeps, of each turn later turns read from, the K/V that turn held (`SpanStore`), and
 serves a moved span by re-aligning them: keys re-rotated from the source turn's positions to the reader's with the
-model's own rotary embedding (`kvprof.rope.rotate_keys`), values as they are. `extend_over_moved` runs the part of a
-turn after its kept prefix span by span — new tokens computed by the acting agent over the cache so far, each moved
+model's own rotary embedding (`kvprof.model.rope.rotate_keys`), values as they are. `extend_over_moved` runs the part
+of a turn after its kept prefix span by span — new tokens computed by the acting agent over the cache so far, each moved
 span's K/V inserted after them — so that, with the dense run's K/V inserted, the turn is exactly the model's full
 forward (causal attention: a token's K/V depend on what precedes it only).
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvprof.reuse import MovedSpan
-from kvprof.runtime import KV, ChunkForward, Runtime
+from kvprof.model.runtime import KV, ChunkForward, Runtime
+from kvprof.traces.reuse import MovedSpan
 
 
 @dataclass
@@ -148,7 +148,7 @@ def extend_over_moved(
     span_kv: SpanKV | None = None,
     forward: PieceForward | None = None,
 ) -> Extension:
-    """Extend `cache` (the agent's prefix and the first `reused` shared tokens, a `kvprof.kv_buffer.BufferCache`
+    """Extend `cache` (the agent's prefix and the first `reused` shared tokens, a `kvprof.model.buffers.BufferCache`
     appending in place) over `spans` (moved spans at or after `reused`, in order): the new tokens before each are
     computed with `agent`'s adapter over the cache so far, then the span's kept K/V (`store`) are appended, keys
     re-rotated by (reader position − source position). Ends after the last span; the rest of the input is the

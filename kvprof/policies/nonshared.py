@@ -6,21 +6,22 @@ An Activated LoRA agent (peft's aLoRA) keeps of a call's cache only the tokens b
 there on its K/V are the adapter's, while its next call, whose own invocation comes later, reads them as context
 before that invocation — with the base weights, as peft's `generate` computes them.
 
-On a hybrid model (`kvprof.recurrent`) the agent's recurrent layers keep their state after its own cache; a turn
+On a hybrid model (`kvprof.model.recurrent`) the agent's recurrent layers keep their state after its own cache; a turn
 whose reused prefix is shorter than that (a branch returning to an earlier point) starts over from its role prompt.
 
 Phases: TTFT — the agent's role prompt on its first turn, then the chunk of the input it has not processed itself;
 each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own. The turn
-appends in place to the agent's own buffers (`kvprof.kv_buffer`), so nothing it already holds is copied.
+appends in place to the agent's own buffers (`kvprof.model.buffers`), so nothing it already holds is copied.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvprof.kv_buffer import KVBuffer
-from kvprof.policies.base import Chunk, Context, SharingPolicy
-from kvprof.recurrent import RECURRENT_STATES
+from kvprof.model.buffers import KVBuffer
+from kvprof.model.recurrent import RECURRENT_STATES
+from kvprof.policies.base import SharingPolicy
+from kvprof.policies.turns import Chunk, Context
 
 
 class NonShared(SharingPolicy[Context]):

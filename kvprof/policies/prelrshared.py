@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvprof.policies.base import MemoryClaim, Published, ServingClaim
+from kvprof.claims.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.claims.types import MemoryClaim, Published, ServingClaim
+from kvprof.model.runtime import ChunkForward
 from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore
-from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
-from kvprof.runtime import ChunkForward
 
 PRECACHE_SERVING = PRECACHE_SETTING + "; vLLM on an A100 80GB, concurrent requests"
 PRECACHE_CONTEXT = 66_400  # tokens: the longest trajectory of PReCache's setting, where its memory figures are read

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvprof.kv_buffer import KVBuffer
-from kvprof.policies.base import Chunk, Option, Published, ServingClaim
+from kvprof.claims.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.claims.types import Published, ServingClaim
+from kvprof.model.buffers import KVBuffer
+from kvprof.model.runtime import ChunkForward
 from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore, StoreUpdate
-from kvprof.policies.papers import PRECACHE, PRECACHE_SETTING
+from kvprof.policies.options import Option
 from kvprof.policies.prelrshared import PRECACHE_MEMORY, PRECACHE_SERVING
-from kvprof.runtime import ChunkForward
+from kvprof.policies.turns import Chunk
 
 NEUTRAL = "neutral"
 

@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import torch
 
+from kvprof.claims.papers import RELAYCACHING
+from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
-from kvprof.lora import ProjectionNorm, attention_of, projection_norm
-from kvprof.policies.base import Option, Published, layer_index
+from kvprof.model.lora import ProjectionNorm, attention_of, projection_norm
+from kvprof.model.rope import apply_rope
+from kvprof.model.runtime import Runtime
 from kvprof.policies.fullshared import FullSharedContext
-from kvprof.policies.papers import RELAYCACHING
+from kvprof.policies.options import Option, layer_index
 from kvprof.policies.selective import (
     Blend,
     Probe,
@@ -51,8 +54,6 @@ from kvprof.policies.selective import (
     ratio_option,
     select_top,
 )
-from kvprof.rope import apply_rope
-from kvprof.runtime import Runtime
 
 THRESHOLD = 1.5  # × the mean deviation (RelayCaching) and × the mean influence (kvprof's reading of "high")
 WINDOW = 10  # the last tokens whose attention defines influence (RelayCaching)

@@ -45,14 +45,14 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
-from kvprof.kv_buffer import KVBuffer
-from kvprof.latent import MLA_PROJECTIONS
-from kvprof.lora import FUSED_QKV, QKV, attention_of, decoder_layers, mixer_of
-from kvprof.model import head_dim
-from kvprof.policies.base import Option, unit_interval
+from kvprof.model.agents import head_dim
+from kvprof.model.buffers import KVBuffer
+from kvprof.model.latent import MLA_PROJECTIONS
+from kvprof.model.lora import FUSED_QKV, QKV, attention_of, decoder_layers, mixer_of
+from kvprof.model.rope import layer_position_embeddings, rotary_embedding
+from kvprof.model.runtime import KV, Runtime
 from kvprof.policies.fullshared import FullShared, FullSharedContext
-from kvprof.rope import layer_position_embeddings, rotary_embedding
-from kvprof.runtime import KV, Runtime
+from kvprof.policies.options import Option, unit_interval
 
 RATIO_SWEEP = ("0.1", "0.2", "0.3")
 CACHE_ARGUMENTS = ("cache", "layer_past")  # what a decoder layer's forward calls its cache, by architecture
@@ -190,7 +190,7 @@ class LayerCache:
         return int(self.positions[0])
 
     def swapped(self, first: torch.Tensor, second: torch.Tensor) -> KV:
-        """(K, V) in kvprof's order from the model's, or back (`kvprof.latent`)."""
+        """(K, V) in kvprof's order from the model's, or back (`kvprof.model.latent`)."""
         return (second, first) if self.latent else (first, second)
 
 

@@ -13,8 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvprof.errors import KvprofError
-from kvprof.policies.base import SharingPolicy, variant_label
-from kvprof.runtime import Runtime
+from kvprof.model.runtime import Runtime
+from kvprof.policies.base import SharingPolicy
+from kvprof.policies.options import variant_label
 
 ALL = "all"
 OptionValues = dict[str, dict[str, list[str]]]  # policy name → option key → values to replay

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from kvprof.kernels.benchmark import METHODS
 from kvprof.report.figures import line_figure
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
@@ -51,7 +50,7 @@ def figures(rows: list[dict]) -> list:
                 next(row["median_ms"] for row in chosen if row["seq_len"] == length and row["method"] == method)
                 for length in lengths
             ]
-            for method in METHODS
+            for method in dict.fromkeys(row["method"] for row in chosen)
         }
         result.append(line_figure(lengths, series, f"{mode}, r = {rank}", "L (tokens)", "median time (ms)", log_y=True))
     return result

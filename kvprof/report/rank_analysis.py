@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import accumulate
 from pathlib import Path
 
-from kvprof.analysis import KVCMAS_DELTA_RANK, LRAGENT_BASE_COSINE, LRAGENT_ORTHOGONAL
+from kvprof.claims.papers import KVCMAS_DELTA_RANK, LRAGENT_BASE_COSINE, LRAGENT_ORTHOGONAL
 from kvprof.report.figures import Reference, StyleOf, cycle_style, heatmap_figure, line_figure
 from kvprof.report.html import Section, write_html
 from kvprof.report.styles import PolicyStyle

@@ -68,7 +68,7 @@ def dense_check(result: dict) -> str:
 
 
 def timeline_note(result: dict) -> str:
-    """How the replayed turns followed the shared context (`kvprof.branches`), when any left it: how many, why,
+    """How the replayed turns followed the shared context (`kvprof.replay.branches`), when any left it: how many, why,
     how many returned to an earlier turn's state, and what that cost; empty when every turn extended it."""
     timeline = result["dense"]["summary"].get("timeline")
     moved = timeline.get("moved_tokens", 0) if timeline else 0
@@ -251,12 +251,12 @@ def cost_table(result: dict) -> TableData:
 
 
 def _allocator_source(result: dict) -> str | None:
-    """How the allocator peaks of a result were read (`kvprof.replay.allocator_peak`)."""
+    """How the allocator peaks of a result were read (`kvprof.replay.engine.allocator_peak`)."""
     return result["dense"]["summary"].get("allocator_peak_source")
 
 
 def memory_claims_table(result: dict) -> TableData | None:
-    """A verdict for each published memory claim of the replayed policies (`kvprof.memory_claims`), None without
+    """A verdict for each published memory claim of the replayed policies (`kvprof.claims.memory`), None without
     any."""
     claims = result.get("memory_claims")
     if not claims:
@@ -282,7 +282,8 @@ def memory_claims_table(result: dict) -> TableData | None:
 
 
 def timing_text(timing: dict) -> str:
-    """A result's timing mode (`kvprof.replay.timing_setting`) in words, labelled with whose practice it follows."""
+    """A result's timing mode (`kvprof.replay.engine.timing_setting`) in words, labelled with whose practice it
+    follows."""
     runs = timing["runs"]
     if timing["mode"] == "trajectory":
         return (

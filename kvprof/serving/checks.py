@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvprof.errors import KvprofError
 from kvprof.serving.client import ServerClient
 from kvprof.serving.traffic import ServedModels
-from kvprof.spec import adapter_invocation
-from kvprof.trace import TraceHeader, Trajectory
+from kvprof.traces.spec import adapter_invocation
+from kvprof.traces.trace import TraceHeader, Trajectory
 
 TOKENIZER_SEGMENTS = 6  # input segments of the first turn whose tokenization is compared
 

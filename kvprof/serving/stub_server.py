@@ -265,7 +265,7 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 def trace_config(path: str, **overrides) -> StubConfig:
     """A config answering every turn of the trace at `path` with its recorded output, and tokenizing its segments'
     texts to their recorded ids; `overrides` set any field (answers and texts too)."""
-    from kvprof.trace import read_trace
+    from kvprof.traces.trace import read_trace
 
     trace = read_trace(path)
     answers: dict[tuple[int, ...], list[int]] = {}

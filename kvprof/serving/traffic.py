@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 
 from kvprof.errors import KvprofError
-from kvprof.trace import Trajectory
+from kvprof.traces.trace import Trajectory
 
 PATTERNS = ("agents", "base")
 

@@ -1,0 +1,156 @@
+"""Capture: run a multi-agent workflow on tasks with real generation and write the trajectories as a trace.
+
+A capture streams its trace to TRACE (e.g. `trace.jsonl`; the file appears, complete, only at the end) and keeps a
+checkpoint beside it (`trace.partial.jsonl`, flushed after every task) that an interrupted capture resumes from.
+Task i samples with seed `sampling.seed + i`, so a resumed trace is byte-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from kvprof.capture.workflow import Sampling, SearchTool, exact_match, model_responder, run_react
+from kvprof.errors import KvprofError
+from kvprof.model.agents import AgentSet, tokenizer_identity
+from kvprof.traces.spec import WorkflowSpec, build_spec, check_react_roles
+from kvprof.traces.tasks import Task
+from kvprof.traces.trace import (
+    PartialTrace,
+    TraceHeader,
+    TraceWriter,
+    Trajectory,
+    Turn,
+    header_record,
+    read_partial_trace,
+    shared_segment_ids,
+)
+
+
+def capture_spec(
+    workflow: Path | None = None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    max_rounds: int | None = None,
+    max_new_tokens: int | None = None,
+) -> WorkflowSpec:
+    """The workflow a capture runs: a TOML file and agent/role flags (`kvprof.traces.spec.build_spec`), with its limits
+    replaced where given; refuses agents the ReAct schedule has no role for."""
+    spec = build_spec(workflow, agent_flags, role_flags)
+    if max_rounds is not None:
+        spec.max_rounds = max_rounds
+    if max_new_tokens is not None:
+        spec.max_new_tokens = max_new_tokens
+    check_react_roles(spec, "" if workflow is None else f"workflow file {workflow}: ")
+    return spec
+
+
+def trace_header(model: str, agents: AgentSet, **fields) -> TraceHeader:
+    """The header of a trace captured from `agents` (loaded from `model`); `fields`: other TraceHeader fields."""
+    return TraceHeader(
+        model={
+            "path": model,
+            "dtype": str(agents.base_model.dtype).removeprefix("torch."),
+            "architecture": agents.config.architectures[0] if agents.config.architectures else "",
+        },
+        tokenizer=tokenizer_identity(agents.tokenizer),
+        workflow=agents.spec.to_dict(),
+        **fields,
+    )
+
+
+def sampled_trace_header(model: str, agents: AgentSet, sampling: Sampling) -> TraceHeader:
+    """The header of a trace `agents` generate with `sampling`, which it records (a resume checks it)."""
+    return trace_header(model, agents, extra={"sampling": asdict(sampling)})
+
+
+def checkpoint_path(trace_path: Path) -> Path:
+    """The checkpoint of a capture into `trace_path`: `trace.jsonl` → `trace.partial.jsonl` beside it."""
+    return trace_path.with_suffix(".partial" + trace_path.suffix)
+
+
+def resumed_trajectories(checkpoint: Path, header: TraceHeader, tasks: Sequence[Task]) -> list[Trajectory]:
+    """The trajectories an interrupted capture left in `checkpoint`, which must exist; refuses a checkpoint of
+    another model, workflow or sampling (another `header`) or of other leading `tasks`."""
+    partial = read_partial_trace(checkpoint)
+    if header_record(partial.header) != json.loads(json.dumps(header_record(header))):
+        raise KvprofError(
+            f"checkpoint {checkpoint} was captured with another model, tokenizer, workflow or sampling; "
+            f"rerun with the options it was captured with, or delete it to start again."
+        )
+    ids = [traj.id for traj in partial.trajectories]
+    if ids != [task.id for task in tasks[: len(ids)]]:
+        raise KvprofError(
+            f"checkpoint {checkpoint} holds tasks {', '.join(ids[:3])}… that are not the first tasks "
+            f"of --tasks; pass the --tasks and --limit it was captured with, or delete it."
+        )
+    return partial.trajectories
+
+
+def capture_trajectories(
+    agents: AgentSet,
+    tasks: Sequence[Task],
+    trace_path: Path,
+    header: TraceHeader,
+    sampling: Sampling,
+    resumed: Sequence[Trajectory] = (),
+    on_task: Callable[[Task], None] | None = None,
+    on_turn: Callable[[Trajectory, Turn], None] | None = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """Run `agents.spec`'s ReAct workflow on the `tasks` after the `resumed` ones (the trajectories of the first
+    tasks, from `resumed_trajectories`) and write them all to `trace_path`; returns them in task order.
+
+    Each new trajectory is also appended to the checkpoint (`checkpoint_path`), which is removed once the trace is
+    complete. `on_task` is called before a task runs, `on_turn` after each agent call, `on_trajectory` after a
+    task's trajectory is written.
+    """
+    captured = list(resumed)
+    checkpoint = checkpoint_path(trace_path)
+    tool = SearchTool()
+    with PartialTrace(checkpoint, header, append=bool(captured)) as partial, TraceWriter(trace_path, header) as writer:
+        for traj in captured:
+            writer.write(traj)
+        for index, task in enumerate(tasks[len(captured) :], start=len(captured)):
+            if on_task:
+                on_task(task)
+            respond = model_responder(agents, replace(sampling, seed=sampling.seed + index))
+            traj = run_react(agents.spec, agents.tokenizer, task, tool, respond, on_turn=on_turn)
+            writer.write(traj)
+            partial.write(traj)
+            captured.append(traj)
+            if on_trajectory:
+                on_trajectory(traj)
+    checkpoint.unlink()
+    return captured
+
+
+def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
+    """The numbers of a capture result: trajectories, agent calls and tokens (distinct, and in segments several
+    agents read), exact-match accuracy on the tasks with an answer, `elapsed` seconds, and per-agent turn counts."""
+    with_answer = [t for t in trajectories if t.answer is not None]
+    correct = sum(exact_match(t.prediction, t.answer) for t in with_answer)
+    per_agent: dict[str, dict] = defaultdict(lambda: {"turns": 0, "input_tokens": 0, "output_tokens": 0})
+    shared_tokens = total_tokens = 0
+    for traj in trajectories:
+        shared = shared_segment_ids(traj)
+        shared_tokens += sum(len(traj.segments[s]) for s in shared)
+        total_tokens += traj.num_tokens
+        for turn in traj.turns:
+            stats = per_agent[turn.agent]
+            stats["turns"] += 1
+            stats["input_tokens"] += len(traj.input_tokens(turn))
+            stats["output_tokens"] += len(traj.segments[turn.output])
+    return {
+        "trajectories": len(trajectories),
+        "turns": sum(s["turns"] for s in per_agent.values()),
+        "distinct_tokens": total_tokens,
+        "shared_tokens": shared_tokens,
+        "with_answer": len(with_answer),
+        "accuracy": correct / len(with_answer) if with_answer else None,
+        "seconds": round(elapsed, 3),
+        "agents": dict(per_agent),
+    }

@@ -1,0 +1,476 @@
+"""Loading: the base model, its tokenizer, PEFT LoRA adapters, and the `AgentSet` that switches between agents.
+
+An `AgentSet` holds one base model shared by every agent. In lora mode each agent is a named PEFT adapter on it
+(`activate(name)` selects it); in prompt mode agents differ only by role prompt and the base runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.fileio import check_fields, read_json_file
+from kvprof.model.rope import LayerRopes, model_ropes
+from kvprof.traces.spec import WorkflowSpec
+from kvprof.traces.trace import trace_header
+
+if TYPE_CHECKING:
+    from kvprof.model.latent import LatentShape
+    from kvprof.model.layers import LayerKind
+    from kvprof.traces.trace import TraceHeader
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+# The canonical order of LoRA target module names (Llama-style decoders), used to list an adapter's targets.
+LORA_TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def head_dim(config) -> int:
+    """The size D of one attention head of a transformers model `config` (K/V are (..., H_kv, L, D)).
+
+    Not every config records it: some architectures (Qwen2, for one) always use hidden_size / num_attention_heads and
+    have no `head_dim` field, and older saved configs of others lack it or store None. Architectures that decouple
+    the two (Mistral-Nemo, Gemma, Qwen3) do record it. So: `config.head_dim` when set, else
+    hidden_size // num_attention_heads.
+    """
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads(config) -> int:
+    """The number H_kv of key/value heads of a transformers model `config`: `num_key_value_heads`, or every attention
+    head for an architecture without grouped-query attention, whose config has no such field (GPT-NeoX, Persimmon)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` is CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvprofError(f"--device {device} asks for CUDA but this machine has no CUDA GPU; use --device cpu.")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise KvprofError(f"--device {device!r} is not a device torch knows; use auto, cpu or cuda[:N].") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA and float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise KvprofError(f"--dtype {dtype!r} is unknown; use auto, float32, bfloat16 or float16.")
+    return DTYPES[dtype]
+
+
+def _load_error(what: str, name: str, err: Exception) -> KvprofError:
+    if Path(name).exists():
+        return KvprofError(
+            f"could not load the {what} from {name} ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "check that it is a complete Hugging Face model directory."
+        )
+    return KvprofError(
+        f"model {name!r} is not a local directory and could not be fetched from the hub "
+        f"(this machine may be offline); pass --model with a local model directory."
+    )
+
+
+def check_model_path(name: str) -> None:
+    """Refuse at once a `--model` that can only be a local path (it starts with `.`, `/` or `~`, or has more than one
+    `/`, which no hub id has) and does not exist — instead of letting the hub client retry a download for a minute."""
+    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if local and not Path(name).expanduser().exists():
+        raise KvprofError(f"model directory {name} does not exist; pass --model with a local model directory.")
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of model `name`; refuses one that cannot turn text into token ids and back (kvprof decodes
+    generated tokens to find stop strings and to record each output's text)."""
+    from transformers import AutoTokenizer
+
+    check_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise _load_error("tokenizer", name, err) from None
+    try:
+        tokenizer.decode(tokenizer.encode("Question: search[X]\n", add_special_tokens=False))
+    except Exception as err:  # whatever the tokenizer raises, it cannot round-trip text
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
+        raise KvprofError(
+            f"the tokenizer of {name} cannot turn token ids back into text ({reason}), which kvprof needs to find "
+            "stop strings and record outputs; pass --model with a model whose tokenizer decodes."
+        ) from None
+    return tokenizer
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """Name, vocabulary size and a fingerprint of the vocabulary and special tokens: traces record it."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha256(json.dumps([vocab, tokenizer.all_special_tokens]).encode()).hexdigest()
+    return {"name": tokenizer.name_or_path, "vocab_size": len(tokenizer), "fingerprint": f"sha256:{digest[:32]}"}
+
+
+def check_layers(model) -> None:
+    """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer with neither
+    attention nor a recurrent token mixer (`kvprof.model.lora.attention_of`), or layers that read another layer's cache
+    (Gemma 3n's and Gemma 4's KV-shared layers)."""
+    from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
+
+    for index, layer in enumerate(decoder_layers(model)):
+        if recurrent_of(layer) is None:
+            attention_of(layer, index)
+    if getattr(model.config, "num_kv_shared_layers", 0):
+        raise KvprofError(
+            f"model {model.config.name_or_path!r} has layers that read another layer's K/V cache "
+            "(num_kv_shared_layers); kvprof keeps a cache per layer, so it cannot profile this model yet."
+        )
+
+
+def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
+    """The causal LM in directory `name`, in `dtype` on `device`, attending with `attn` (an architecture that has no
+    sdpa attention falls back to its own eager one)."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(name)
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
+        except ValueError as err:
+            if attn != "sdpa" or "scaled_dot_product_attention" not in str(err):
+                raise
+            # An architecture without sdpa support (e.g. Gemma 2 in transformers 5): its own eager attention.
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="eager")
+    except (OSError, ValueError) as err:
+        raise _load_error("model", name, err) from None
+    except torch.OutOfMemoryError:
+        raise KvprofError(
+            f"model {name!r} does not fit in memory on {device}; use a smaller --dtype (bfloat16) or another --device."
+        ) from None
+    check_layers(model)
+    try:
+        model = model.to(device).eval()
+    except torch.OutOfMemoryError:
+        raise KvprofError(
+            f"model {name!r} does not fit in {device} memory; use --dtype bfloat16, a smaller model, or --device cpu."
+        ) from None
+    check_forward(model, name)
+    return model
+
+
+def check_forward(model, name: str) -> None:
+    """Refuse in one sentence a model that cannot run its own forward pass on a few tokens (a config that does not
+    match its modeling code: head sizes, head counts, expert groups), before any command relies on it."""
+    ids = torch.arange(1, 5, device=next(model.parameters()).device)[None] % model.config.vocab_size
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids)
+    except (RuntimeError, ValueError, IndexError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise KvprofError(
+            f"model {name!r} fails its own forward pass on 4 tokens ({type(err).__name__}: {reason}); its "
+            "config.json does not match its modeling code (head sizes, head counts, expert groups): fix the config."
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------- adapters
+
+
+@dataclass
+class AdapterInfo:
+    """What a LoRA adapter touches: projection names, rank, scaling, and whether MLP layers are adapted."""
+
+    path: str
+    rank: int
+    alpha: float
+    targets: list[str]
+    layers: int
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def describe(self) -> str:
+        return f"r={self.rank}, alpha={self.alpha:g}, on {'/'.join(t.removesuffix('_proj') for t in self.targets)}"
+
+
+def inspect_adapter(path: str, base_model) -> AdapterInfo:
+    """Read an adapter's config and weights and check they fit `base_model`; refuse clearly when they do not."""
+    from safetensors import safe_open
+
+    adapter_dir = Path(path)
+    config_path = adapter_dir / "adapter_config.json"
+    if not config_path.is_file():
+        raise KvprofError(
+            f"adapter {path} has no adapter_config.json; pass a PEFT adapter directory "
+            "(the folder written by save_pretrained)."
+        )
+    fix = "pass a PEFT LoRA adapter directory (the folder written by save_pretrained)"
+    config = check_fields(read_json_file(config_path, "adapter config", fix), {}, str(config_path), fix)
+    if config.get("peft_type") != "LORA":
+        raise KvprofError(f"adapter {path} is a {config.get('peft_type')} adapter; kvprof profiles LoRA adapters.")
+    check_fields(config, {"r": int, "lora_alpha": (int, float, type(None))}, str(config_path), fix)
+    if config.get("alora_invocation_tokens") and config.get("task_type") != "CAUSAL_LM":
+        raise KvprofError(
+            f"adapter {path} is an Activated LoRA (alora_invocation_tokens) without task_type CAUSAL_LM, so peft "
+            'never applies it (every call runs the base model); set "task_type": "CAUSAL_LM" in its '
+            "adapter_config.json."
+        )
+    weights_path = adapter_dir / "adapter_model.safetensors"
+    if not weights_path.is_file():
+        raise KvprofError(f"adapter {path} has no adapter_model.safetensors; re-save it with safetensors.")
+    modules = dict(base_model.named_modules())
+    targets: set[str] = set()
+    layers: set[int] = set()
+    base_name = config.get("base_model_name_or_path")
+    with safe_open(str(weights_path), framework="pt") as handle:
+        for key in handle.keys():
+            match = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.weight$", key)
+            if not match:
+                continue
+            module_name, which = match.groups()
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, "in_features"):
+                raise KvprofError(
+                    f"adapter {path} targets {module_name}, which the base model does not have "
+                    f"(adapter trained for {base_name or 'another base model'}); pass an adapter "
+                    "trained on this --model."
+                )
+            shape = tuple(handle.get_slice(key).get_shape())
+            expected_dim = module.in_features if which == "A" else module.out_features
+            actual_dim = shape[1] if which == "A" else shape[0]
+            if actual_dim != expected_dim:
+                raise KvprofError(
+                    f"adapter {path} was trained for another base model "
+                    f"({base_name or 'unknown'}): {module_name}.lora_{which} has dimension "
+                    f"{actual_dim} where this model's {module_name} has {expected_dim}; pass an "
+                    "adapter trained on this --model."
+                )
+            targets.add(module_name.rsplit(".", 1)[-1])
+            layer = re.search(r"layers\.(\d+)\.", module_name)
+            if layer:
+                layers.add(int(layer.group(1)))
+    if not targets:
+        raise KvprofError(f"adapter {path} holds no LoRA weights; pass a trained PEFT LoRA adapter.")
+    ordered = [p for p in LORA_TARGET_ORDER if p in targets] + sorted(targets - set(LORA_TARGET_ORDER))
+    return AdapterInfo(
+        path=str(path),
+        rank=int(config["r"]),
+        alpha=float(config["r"] if config.get("lora_alpha") is None else config["lora_alpha"]),
+        targets=ordered,
+        layers=len(layers),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- agent set
+
+
+class AgentSet:
+    """One base model and the agents on it (see module docstring).
+
+    `model` is the module to call: a `PeftModel` in lora mode (with every agent's adapter loaded under the agent's
+    name), the base model in prompt mode.
+    """
+
+    def __init__(self, spec: WorkflowSpec, base_model, tokenizer, model_name: str):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.base_model = base_model
+        self.adapters: dict[str, AdapterInfo] = {}
+        self.model = base_model
+        if spec.mode == "lora":
+            from peft import PeftModel
+
+            for agent in spec.agents:
+                # A lora-mode spec names an adapter for every agent (`kvprof.traces.spec.build_spec` refuses one
+                # without).
+                assert agent.adapter is not None, f"lora-mode agent {agent.name!r} has no adapter"
+                self.adapters[agent.name] = inspect_adapter(agent.adapter, base_model)
+            for index, agent in enumerate(spec.agents):
+                if index == 0:
+                    self.model = PeftModel.from_pretrained(base_model, agent.adapter, adapter_name=agent.name)
+                else:
+                    self.model.load_adapter(agent.adapter, adapter_name=agent.name)
+            self.model.eval()
+            for agent in spec.agents:
+                self.check_activated_lora(agent.name)
+
+    def check_activated_lora(self, agent: str) -> None:
+        """For an Activated LoRA agent, check on the model that its K/V before its invocation are the base model's
+        (relative error ≤ 1e-6 in float32, the dtype's rounding else): what every exact sharing of its caches
+        rests on. Refuses in one sentence if they are not."""
+        from kvprof.model.lora import invocation_tokens
+
+        tokens = invocation_tokens(self.model, agent)
+        if tokens is None:
+            return
+        context = self.tokenizer.encode("Context read before the call.", add_special_tokens=False)
+        ids = torch.tensor([context + tokens + context], device=self.device)
+        caches = []
+        for adapter in (agent, None):
+            with self.activate(adapter), torch.inference_mode():
+                caches.append(self.model(input_ids=ids, use_cache=True).cache)
+        tolerance = 1e-6 if self.base_model.dtype == torch.float32 else 1e-2
+        for adapted, base in zip(caches[0].layers, caches[1].layers):
+            for ours, theirs in ((adapted.keys, base.keys), (adapted.values, base.values)):
+                before, reference = ours[:, :, : len(context)].float(), theirs[:, :, : len(context)].float()
+                error = float((before - reference).norm() / reference.norm().clamp_min(1e-12))
+                if error > tolerance:
+                    raise KvprofError(
+                        f"agent {agent}'s Activated LoRA changes the K/V before its invocation (relative error "
+                        f"{error:.2e}), so no cache of it is the base model's; check the adapter's "
+                        "alora_invocation_tokens and the peft version (aLoRA needs peft ≥ 0.17)."
+                    )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base_model.parameters()).device
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+    @functools.cached_property
+    def ropes(self) -> LayerRopes:
+        """Each layer's RoPE of the base model (`kvprof.model.rope.model_ropes`), found and checked on the model once,
+        adapters disabled."""
+        with self.activate(None):
+            return model_ropes(self.base_model)
+
+    @functools.cached_property
+    def layer_kinds(self) -> list[LayerKind]:
+        """Each decoder layer's attention (full, sliding or chunked, its window) and position encoding
+        (`kvprof.model.layers.layer_kinds`)."""
+        from kvprof.model.layers import layer_kinds
+
+        return layer_kinds(self.base_model, self.ropes)
+
+    @functools.cached_property
+    def recurrent(self) -> dict[int, str]:
+        """A hybrid model's recurrent layers, by index, with their token mixer's name (`kvprof.model.recurrent`)."""
+        from kvprof.model.recurrent import recurrent_layers
+
+        return recurrent_layers(self.base_model)
+
+    @functools.cached_property
+    def cache_shapes(self) -> list[tuple[int, int, int]]:
+        """Per layer (H_kv, D_k, D_v) of its cache (`kvprof.model.layers.cache_shapes`)."""
+        from kvprof.model.layers import cache_shapes
+
+        return cache_shapes(self.base_model)
+
+    @functools.cached_property
+    def latent(self) -> dict[int, LatentShape]:
+        """The layers that cache a multi-head latent attention latent, by index (`kvprof.model.latent`)."""
+        from kvprof.model.latent import latent_layers
+
+        return latent_layers(self.base_model)
+
+    @contextlib.contextmanager
+    def activate(self, agent: str | None) -> Iterator[None]:
+        """Run the model as `agent` (its adapter in lora mode); `None` runs the base with adapters disabled."""
+        if self.spec.mode != "lora":
+            yield
+            return
+        if agent is None:
+            with self.model.disable_adapter():
+                yield
+            return
+        self.spec.agent(agent)
+        if self.model.active_adapter != agent:  # peft's set_adapter walks every module: only switch when needed
+            self.model.set_adapter(agent)
+        yield
+
+
+def load_agents(
+    spec: WorkflowSpec, model_name: str, device: str = "auto", dtype: str = "auto", attn: str = "sdpa"
+) -> AgentSet:
+    """Load tokenizer, base model and every agent of `spec`."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = load_tokenizer(model_name)
+    base = load_base_model(model_name, torch_dtype, torch_device, attn)
+    return AgentSet(spec, base, tokenizer, model_name)
+
+
+def agents_identity(agents: AgentSet) -> dict:
+    """What a replay's records depend on of the loaded agents, which its checkpoint records: the model, the agents
+    (adapters, role prompts), the dtype and the device."""
+    return {
+        "model": agents.model_name,
+        "agents": [asdict(agent) for agent in agents.spec.agents],
+        "dtype": str(agents.base_model.dtype).removeprefix("torch."),
+        "device": str(agents.device),
+    }
+
+
+def load_agents_for_trace(
+    trace_path,
+    model: str | None = None,
+    workflow=None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+) -> AgentSet:
+    """Load the model and agents a trace was captured with; `model` and the agent flags override the header.
+
+    Refuses a model whose tokenizer differs from the trace's. Relative model and adapter paths in the header
+    resolve against the trace's folder when they exist there (a trace shipped next to its model, like the demo
+    world's sample traces), else against the working directory.
+    """
+    return load_agents_for_header(
+        trace_header(trace_path), str(trace_path), model, workflow, agent_flags, role_flags, device, dtype, attn
+    )
+
+
+def load_agents_for_header(
+    header: TraceHeader,
+    trace_name: str,
+    model: str | None = None,
+    workflow=None,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+) -> AgentSet:
+    """`load_agents_for_trace` from a trace's header (`trace_header`) alone, as a replay worker on another machine
+    does, which is sent the header and trajectories rather than the trace file; `trace_name` names it in refusals."""
+    from kvprof.traces.spec import build_spec
+    from kvprof.traces.trace import check_tokenizer
+
+    base = WorkflowSpec.from_dict(header.workflow) if "system_prompt" in header.workflow else None
+    if base is None:
+        base = WorkflowSpec(mode=header.mode, agents=[])
+    spec = build_spec(workflow, agent_flags, role_flags, base=base)
+    unknown = set(spec.names) - set(header.agent_names)
+    if unknown:
+        raise KvprofError(
+            f"unknown agent name {', '.join(map(repr, sorted(unknown)))} for trace {trace_name}; "
+            f"its agents are {', '.join(header.agent_names)}."
+        )
+    model_name = model or header.model.get("path")
+    if not model_name:
+        raise KvprofError(f"trace {trace_name} does not record its model; pass --model.")
+    agents = load_agents(spec, model_name, device=device, dtype=dtype, attn=attn)
+    check_tokenizer(header, tokenizer_identity(agents.tokenizer), trace_name, model_name)
+    return agents

@@ -1,0 +1,134 @@
+"""What each decoder layer of a model caches and how its keys carry positions, read from the model itself.
+
+A layer attends to every earlier token (full), to its last W (a sliding window: Gemma 2 / 3, Mistral, gpt-oss,
+Cohere 2's local layers; its attention module's `sliding_window`), or within chunks of W (Llama 4's chunked layers:
+`attention_chunk_size`); its keys carry RoPE (one RoPE for every layer, or one per layer type as in Gemma 3's local
+and global layers) or no position at all (NoPE: SmolLM3's and Llama 4's every fourth layer, Cohere 2's global
+layers), as `kvprof.model.rope.model_ropes` finds by shifting an input. A multi-head latent attention layer (DeepSeek
+V3, Kimi K2) caches one latent and one RoPE key per token instead of K and V per head (`kvprof.model.latent`); a
+hybrid's recurrent layer keeps a state and no per-token cache (`kvprof.model.recurrent`). What sharing a layer's cache
+means depends on all of these: a window layer attends only to what its window holds, a key moves by its own layer's
+rotation or not at all, and a state is its own sequence's only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvprof.model.latent import latent_shape
+from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
+from kvprof.model.rope import LayerRopes
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One decoder layer: `attention` "full", "sliding" or "chunked" with its `window` W (tokens; None for full),
+    `position`, its keys' RoPE as `LayerRopes.names` names it ("rope", "rope (<layer type>)" or "NoPE"), and
+    `latent`: for a multi-head latent attention layer what it caches per token (`kvprof.model.latent`), else None. A
+    hybrid's recurrent layer has `attention` "recurrent" and its token mixer as `position` (`linear_attn`, `mamba`,
+    `conv`)."""
+
+    attention: str
+    window: int | None
+    position: str
+    latent: str | None = None
+
+    def describe(self) -> str:
+        if self.attention == "recurrent":
+            return f"recurrent ({self.position}: a state, no K/V per token)"
+        attention = "full attention" if self.window is None else f"{self.attention} attention, W = {self.window}"
+        if self.latent is not None:
+            attention = f"multi-head latent {attention} ({self.latent})"
+        return f"{attention}, {self.position}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
+    """Each decoder layer's `LayerKind`: its window from its attention module (`sliding_window`; the config's
+    where the module reads it from there at run time, as Mistral's: `layer_types`' sliding layers, else every layer)
+    or, for chunked attention, from the config's `layer_types` and `attention_chunk_size`; its position encoding
+    from `ropes`."""
+    config = model.config
+    types = list(getattr(config, "layer_types", None) or [])
+    configured = getattr(config, "sliding_window", None)
+    kinds = []
+    for index, layer in enumerate(decoder_layers(model)):
+        mixer = recurrent_of(layer)
+        if mixer is not None:
+            kinds.append(LayerKind("recurrent", None, mixer))
+            continue
+        attention_module = attention_of(layer, index)
+        if hasattr(attention_module, "sliding_window"):
+            window = attention_module.sliding_window
+        else:
+            window = configured if not types or types[index] == "sliding_attention" else None
+        attention = "sliding" if window else "full"
+        if index < len(types) and types[index] == "chunked_attention":
+            attention, window = "chunked", getattr(config, "attention_chunk_size", None)
+        shape = latent_shape(attention_module)
+        latent = f"latent C = {shape.latent_dim} + RoPE key R = {shape.rope_dim}" if shape else None
+        kinds.append(LayerKind(attention, window or None, ropes.names[index], latent))
+    return kinds
+
+
+def cache_shapes(model) -> list[tuple[int, int, int]]:
+    """Per decoder layer what its cache holds per token: (H_kv, D_k, D_v) of its K (B, H_kv, L, D_k) and V
+    (B, H_kv, L, D_v) — its KV heads and head size, read from its attention module (Gemma 4's global layers have
+    heads of their own size), (1, R, C) for an MLA layer's RoPE key and latent (`kvprof.model.latent`), (1, 0, 0) for a
+    recurrent layer (its state is apart: `kvprof.model.recurrent`)."""
+    from kvprof.model.agents import head_dim, kv_heads
+
+    shapes = []
+    for index, layer in enumerate(decoder_layers(model)):
+        if recurrent_of(layer) is not None:
+            shapes.append((1, 0, 0))
+            continue
+        attention = attention_of(layer, index)
+        latent = latent_shape(attention)
+        if latent is not None:
+            shapes.append((1, latent.rope_dim, latent.latent_dim))
+            continue
+        size = getattr(attention, "head_dim", None)
+        size = size if isinstance(size, int) else head_dim(model.config)
+        keys = getattr(attention, "k_proj", None)
+        width = getattr(getattr(keys, "base_layer", keys), "out_features", None)
+        shapes.append((width // size if isinstance(width, int) else kv_heads(model.config), size, size))
+    return shapes
+
+
+def model_layer_kinds(name: str, device: str = "auto", dtype: str = "auto") -> list[LayerKind]:
+    """The `LayerKind`s of the causal LM at `name` (a local directory or a hub id), loaded without adapters on
+    `device` in `dtype` (kvprof's `--device` / `--dtype` values) and probed for its layers' RoPE."""
+    from kvprof.model.agents import load_base_model, resolve_device, resolve_dtype
+    from kvprof.model.rope import model_ropes
+
+    where = resolve_device(device)
+    model = load_base_model(name, resolve_dtype(dtype, where), where)
+    return layer_kinds(model, model_ropes(model))
+
+
+def describe_layers(kinds: list[LayerKind]) -> str:
+    """The layers by kind, each kind once with its layers as ranges: "sliding attention, W = 1024, rope
+    (sliding_attention): layers 0–4, 6–10; full attention, rope (full_attention): layers 5, 11"."""
+    by_kind: dict[LayerKind, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(index)
+    if len(by_kind) == 1:
+        return f"all {len(kinds)} layers: {kinds[0].describe()}"
+    return "; ".join(f"{kind.describe()}: {layer_list(indices)}" for kind, indices in by_kind.items())
+
+
+def layer_list(indices: list[int]) -> str:
+    """Layer indices (ascending) as ranges: "layer 5", "layers 0–4, 6", "layers 0–2, 4–6, …, 44–46 (36 layers)"."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    shown = [str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs]
+    if len(shown) > 4:  # a repeating pattern over many layers: its start, its end and the count
+        return f"layers {', '.join(shown[:2])}, …, {shown[-1]} ({len(indices)} layers)"
+    return f"layer{'s' if len(indices) > 1 else ''} {', '.join(shown)}"

@@ -1,0 +1,407 @@
+"""K/V capture for one agent call, with the LoRA split of every projection and the states a replay needs.
+
+One prefill of `input_ids` as one agent, observed through forward hooks, layer by layer:
+
+- **kv**: the K and V the model writes to its cache (`DynamicCache`, the same object `model(...).cache` returns),
+  keys post-RoPE, per layer (H_kv, L, D).
+- **split** (lora mode): for each requested projection (default `k_proj`, `v_proj`), its output split into the
+  frozen-weight part X·W0 (+ bias), from a hook on peft's `base_layer`, and the adapter part s·(X·A)·B, from hooks
+  on peft's `lora_B[name]` (times `scaling[name]`). RoPE is linear, so keys (and queries) split after RoPE too: each
+  part is rotated on its own with the model's rotary cos/sin at the token positions, and base + adapter = the cached
+  key. (The key's adapter part is expanded to full width before the rotation: it is not rank r after RoPE.) Models
+  that normalise queries or keys before RoPE (`q_norm`/`k_norm`: Qwen3, OLMo 2) break that linearity: their q/k
+  split is taken before the norm and RoPE (`ProjectionSplit.normalised`), base + adapter is then the projection's
+  output, not the cached key — the part a low-rank store shares (`kvprof.policies.lowrank`). A value norm
+  (`v_norm`) is refused.
+- **hidden**: the hidden state entering each layer (the residual stream; DroidSpeak-style recompute starts here).
+- **lr**: the rank-r LR activations X·A_k of each projection for every loaded adapter k (PReCache's precomputed LR
+  cache: all agents' down-projections applied to the hidden states of whoever runs the call), computed with peft's own
+  `lora_A[k]` module on the projection's input. With adapters disabled (`agent=None`) these are the neutral LR caches
+  X_neut·A_k of ReBaseShared.
+
+Memory: only the selected layers are kept, only the token range `keep`, each tensor copied to fp32 as its layer
+finishes; the forward stops after the last selected layer (the layers before it still build their cache, as any
+prefill does). The batch is one sequence, so no tensor has a batch axis.
+LoRA variants (DoRA) and merged adapters have no separate adapter output and are refused for `split` and `lr`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvprof.errors import KvprofError
+from kvprof.model.agents import AgentSet
+from kvprof.model.lora import QKV, attention_of, decoder_layers, projection_columns, projection_norm
+
+PARTS = ("kv", "split", "hidden", "lr")
+ROTATED = {"q_proj", "k_proj"}  # projections RoPE rotates
+PER_HEAD = {"q_proj", "k_proj", "v_proj"}  # projections reshaped to (heads, L, D)
+
+
+@dataclass
+class ProjectionSplit:
+    """One projection's output on the kept tokens, split as  total = base + adapter.
+
+    base: X·W0 (+ bias), adapter: Σ over active adapters of s·(X·A)·B (zeros when no active adapter targets the
+    projection or adapters are disabled). Shapes: `k_proj` (H_kv, L, D) and `q_proj` (H, L, D), both post-RoPE;
+    `v_proj` (H_kv, L, D); any other projection (L, out_features). fp32.
+    """
+
+    base: torch.Tensor
+    adapter: torch.Tensor
+    normalised: bool = False
+
+    @property
+    def total(self) -> torch.Tensor:
+        """base + adapter: for `k_proj` / `v_proj` the cached K / V, unless `normalised`: the layer normalises this
+        projection's output before RoPE, and the parts are the projection's output, before the norm and RoPE."""
+        return self.base + self.adapter
+
+
+@dataclass
+class LayerCapture:
+    """What one decoder layer produced for the kept tokens (fields not requested are None / empty). fp32.
+
+    keys, values: (H_kv, L, D), exactly the layer's cache entries (keys post-RoPE).
+    hidden: (L, d_model), the hidden state entering the layer.
+    split: projection name → `ProjectionSplit`.
+    lr: projection name → adapter name → X·A (L, r), unscaled (the LR cache before B and s).
+    """
+
+    layer: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    split: dict[str, ProjectionSplit] = field(default_factory=dict)
+    lr: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class TurnCapture:
+    """One prefill as one agent: the kept tokens and the selected layers' captures.
+
+    agent: the agent that ran (None: adapters disabled). token_ids, positions: (L,) for the kept tokens.
+    layers: layer index → `LayerCapture`, in increasing layer order.
+    """
+
+    agent: str | None
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    layers: dict[int, LayerCapture]
+
+    def __len__(self) -> int:
+        return int(self.token_ids.numel())
+
+
+class _Stop(Exception):
+    """Raised by the hook of the last selected layer: the rest of the forward is not needed."""
+
+
+def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
+    """Sorted distinct layer indices; None means all. Refuses indices outside [0, num_layers)."""
+    if layers is None:
+        return list(range(num_layers))
+    chosen = sorted({int(layer) for layer in layers})
+    bad = [layer for layer in chosen if not 0 <= layer < num_layers]
+    if bad:
+        what = f"layer {bad[0]} is" if len(bad) == 1 else f"layers {', '.join(map(str, bad))} are"
+        raise KvprofError(
+            f"{what} out of range: this model has {num_layers} layers (0-{num_layers - 1}); "
+            "pass --layers within that range."
+        )
+    if not chosen:
+        raise KvprofError("no layers selected; pass --layers with at least one layer index.")
+    return chosen
+
+
+def _projection(layer: torch.nn.Module, name: str, index: int) -> tuple[torch.nn.Module, slice | None]:
+    """The module that computes projection `name` (e.g. k_proj) inside one decoder layer — a peft LoRA layer or a
+    plain Linear — and the columns of its output that are it (None: all; a block of a fused qkv_proj for q/k/v,
+    `kvprof.model.lora.projection_columns`)."""
+    if name in QKV:
+        return projection_columns(attention_of(layer, index), name, index)
+    found = [(path, module) for path, module in layer.named_modules() if path.rsplit(".", 1)[-1] == name]
+    if not found:
+        present = sorted(
+            {path.rsplit(".", 1)[-1] for path, module in layer.named_modules() if _is_projection(path, module)}
+        )
+        raise KvprofError(f"layer {index} has no projection {name!r}; its projections are {', '.join(present)}.")
+    return min(found, key=lambda item: len(item[0]))[1], None
+
+
+def _is_projection(path: str, module: torch.nn.Module) -> bool:
+    """A linear layer of the model (plain or peft's LoRA wrapper), not a part of a LoRA layer (its base layer or
+    factors)."""
+    inside_lora = any(part == "base_layer" or part.startswith("lora_") for part in path.split("."))
+    return not inside_lora and (isinstance(module, torch.nn.Linear) or _is_lora(module))
+
+
+def _is_lora(module: torch.nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
+
+
+def _normalised(attention: torch.nn.Module, name: str, index: int) -> bool:
+    """Whether the layer normalises the projection's output before RoPE (its split is then taken before the norm);
+    refuses a value norm, after which the cached values have no base + adapter split."""
+    if projection_norm(attention, name) is None:
+        return False
+    if name == "v_proj":
+        raise KvprofError(
+            f"layer {index} normalises v_proj before caching, so its cached values do not split into base + adapter; "
+            "this model's cache cannot be split."
+        )
+    return True
+
+
+def _check_plain_lora(module: torch.nn.Module, name: str, index: int) -> None:
+    if _is_lora(module):
+        if getattr(module, "merged", False):
+            raise KvprofError(
+                f"layer {index} {name}: the LoRA adapter is merged into the weights, so its output "
+                "cannot be split; load the adapters unmerged."
+            )
+        if getattr(module, "lora_variant", None):
+            raise KvprofError(
+                f"layer {index} {name}: a LoRA variant ({', '.join(module.lora_variant)}, e.g. DoRA) "
+                "has no separate adapter output; kvprof splits plain LoRA adapters only."
+            )
+
+
+class _LayerRecorder:
+    """Forward hooks of one selected layer: each projection's input, base output and adapter outputs."""
+
+    def __init__(self, index: int, layer: torch.nn.Module, keep: slice):
+        self.index, self.layer, self.keep = index, layer, keep
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.columns: dict[str, slice] = {}
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.base: dict[str, torch.Tensor] = {}
+        self.adapter: dict[str, torch.Tensor] = {}
+        self.normalised: set[str] = set()
+        self.result = LayerCapture(layer=index)
+
+    def hooks(self, projections: Sequence[str], want_split: bool) -> list:
+        handles = []
+        attention = attention_of(self.layer, self.index)
+        for name in projections:
+            module, columns = _projection(self.layer, name, self.index)
+            if want_split and _normalised(attention, name, self.index):
+                self.normalised.add(name)
+            _check_plain_lora(module, name, self.index)
+            self.modules[name] = module
+            self.columns[name] = columns or slice(None)
+            base = module.base_layer if _is_lora(module) else module
+            handles.append(base.register_forward_hook(self._on_base(name)))
+            if want_split and _is_lora(module):
+                for adapter, lora_b in module.lora_B.items():
+                    handles.append(lora_b.register_forward_hook(self._on_lora_b(name, module.scaling[adapter])))
+        return handles
+
+    def _on_base(self, name: str):
+        def hook(module, args, output):
+            self.inputs[name] = args[0]
+            self.base[name] = output[..., self.columns[name]]
+
+        return hook
+
+    def _on_lora_b(self, name: str, scaling: float):
+        def hook(module, args, output):
+            part = output[:, self.keep, self.columns[name]].float() * scaling  # kept tokens only, summed in fp32
+            self.adapter[name] = self.adapter[name] + part if name in self.adapter else part
+
+        return hook
+
+
+class _Capture:
+    """State shared by the hooks of one `capture_turn` call."""
+
+    def __init__(
+        self,
+        agents: AgentSet,
+        keep: slice,
+        positions: torch.Tensor,
+        last_layer: int,
+    ):
+        self.agents, self.keep, self.positions = agents, keep, positions
+        self.ropes = agents.ropes  # found before any hook is attached (finding them runs the model)
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Rope) → its cos, sin at the kept tokens
+        self.last_layer = last_layer
+
+    def span(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        """Kept tokens of `tensor` along `axis`, copied to fp32."""
+        index = [slice(None)] * tensor.dim()
+        index[axis] = self.keep
+        return tensor[tuple(index)].float().clone()
+
+    def shape(self, flat: torch.Tensor, name: str, layer: int, kept: bool = False, rotate: bool = True) -> torch.Tensor:
+        """(1, L, out) projection output of layer `layer` → the `ProjectionSplit` layout of the kept tokens, fp32.
+
+        q/k/v: (H, L_kept, D), rotated with the layer's RoPE for q and k unless `rotate` is False; other
+        projections (L_kept, out). `kept`: the tokens were already cut to the kept range.
+        """
+        rows = flat[0].float() if kept else self.span(flat[0], 0)
+        if name not in PER_HEAD:
+            return rows
+        per_head = rows.view(rows.shape[0], -1, self.agents.cache_shapes[layer][1]).transpose(0, 1)
+        if name in ROTATED and rotate:
+            rope = self.ropes[layer]
+            if id(rope) not in self.tables:
+                self.tables[id(rope)] = rope.tables(self.positions[self.keep])
+            per_head = rope.rotate(per_head, *self.tables[id(rope)])
+        return per_head.contiguous()
+
+
+def capture_turn(
+    agents: AgentSet,
+    agent: str | None,
+    input_ids: Sequence[int] | torch.Tensor,
+    layers: Iterable[int] | None = None,
+    parts: Sequence[str] | None = None,
+    projections: Sequence[str] = ("k_proj", "v_proj"),
+    positions: torch.Tensor | None = None,
+    keep: tuple[int, int] | None = None,
+    lr_adapters: Sequence[str] | None = None,
+) -> TurnCapture:
+    """Prefill `input_ids` as `agent` (None: adapters disabled) and capture the requested `parts` (see module doc).
+
+    input_ids: (L,) token ids (a list or a (L,) / (1, L) tensor). layers: indices to keep (None: all).
+    parts: any of "kv", "split", "hidden", "lr" (default: all the mode has; prompt mode has no "split" or "lr").
+    projections: which projections to split / take X·A of.
+    positions: (L,) position ids (default 0..L-1; pass them when the tokens sit after an uncached prefix).
+    keep: (start, end) token range to keep (default: all L tokens). lr_adapters: adapters whose X·A to compute
+    (default: every loaded adapter that targets the projection). Returns a `TurnCapture`, tensors in fp32 on the
+    model's device.
+    """
+    lora = agents.spec.mode == "lora"
+    if parts is None:
+        parts = PARTS if lora else ("kv", "hidden")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise KvprofError(f"unknown capture part {', '.join(sorted(unknown))}; use {', '.join(PARTS)}.")
+    if ("split" in parts or "lr" in parts) and not lora:
+        raise KvprofError("the 'split' and 'lr' parts need LoRA agents (lora mode); this agent set is in prompt mode.")
+    device = agents.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
+    length = ids.numel()
+    if length == 0:
+        raise KvprofError("capture_turn got an empty input; pass at least one token.")
+    pos = torch.arange(length, device=device) if positions is None else torch.as_tensor(positions, device=device)
+    if pos.shape != (length,):
+        raise KvprofError(f"positions has shape {tuple(pos.shape)}, expected ({length},): one position per token.")
+    start, end = keep if keep is not None else (0, length)
+    if not 0 <= start < end <= length:
+        raise KvprofError(f"keep=({start}, {end}) is not a token range inside the {length}-token input.")
+    blocks = decoder_layers(agents.base_model)
+    chosen = resolve_layers(layers, len(blocks))
+    adapter_names = list(agents.adapters) if lr_adapters is None else list(lr_adapters)
+    missing = set(adapter_names) - set(agents.adapters)
+    if missing:
+        raise KvprofError(f"unknown adapter {', '.join(sorted(missing))}; loaded: {', '.join(agents.adapters)}.")
+
+    state = _Capture(agents, slice(start, end), pos, chosen[-1])
+
+    from transformers import DynamicCache
+
+    from kvprof.model.latent import oriented
+
+    cache = oriented(DynamicCache(config=agents.config), agents.latent)
+    recorders = {index: _LayerRecorder(index, blocks[index], state.keep) for index in chosen}
+    handles = []
+    try:
+        for index, recorder in recorders.items():
+            block = blocks[index]
+            if "split" in parts or "lr" in parts:
+                handles += recorder.hooks(projections, "split" in parts)
+            if "hidden" in parts:
+                handles.append(block.register_forward_pre_hook(_hidden_hook(state, recorder), with_kwargs=True))
+            handles.append(
+                block.register_forward_hook(_finish_hook(state, recorder, cache, parts, projections, adapter_names))
+            )
+        with agents.activate(agent), torch.no_grad():  # not inference_mode: callers may update the tensors
+            try:
+                agents.base_model.get_decoder()(
+                    input_ids=ids[None], position_ids=pos[None], cache=cache, use_cache=True
+                )
+            except _Stop:
+                pass
+    except torch.OutOfMemoryError:
+        raise KvprofError(
+            f"capturing a {length}-token input ran out of memory; select fewer --layers, lower "
+            "--max-tokens, or use a larger device."
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return TurnCapture(
+        agent=agent,
+        token_ids=ids[start:end].clone(),
+        positions=pos[start:end].clone(),
+        layers={index: recorders[index].result for index in chosen},
+    )
+
+
+def _down_projection(module: torch.nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    """X·A of one adapter, computed as peft computes it in its forward (dropout is the identity in eval)."""
+    lora_a = module.lora_A[adapter]
+    return lora_a(module.lora_dropout[adapter](x.to(lora_a.weight.dtype)))
+
+
+def _hidden_hook(state: _Capture, recorder: _LayerRecorder):
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        recorder.result.hidden = state.span(hidden[0], 0)
+
+    return hook
+
+
+def _finish_hook(
+    state: _Capture,
+    recorder: _LayerRecorder,
+    cache,
+    parts: Sequence[str],
+    projections: Sequence[str],
+    adapter_names: Sequence[str],
+):
+    """After a selected layer: copy its K/V from the cache, build the splits and LR activations, drop the rest."""
+
+    def hook(module, args, output):
+        index, result = recorder.index, recorder.result
+        if "kv" in parts:
+            cached = cache.layers[index]
+            if cached.keys.shape[-2] != state.positions.numel():
+                raise KvprofError(
+                    f"layer {index} keeps only {cached.keys.shape[-2]} of the {state.positions.numel()} "
+                    "input tokens in its cache (sliding window); pass a shorter input (--max-tokens)."
+                )
+            result.keys = state.span(cached.keys[0], 1)
+            result.values = state.span(cached.values[0], 1)
+        for name, module_ in recorder.modules.items():
+            if "split" in parts:
+                normalised = name in recorder.normalised
+                base = state.shape(recorder.base[name], name, index, rotate=not normalised)
+                adapter = recorder.adapter.get(name)  # already cut to the kept tokens
+                result.split[name] = ProjectionSplit(
+                    base=base,
+                    adapter=(
+                        torch.zeros_like(base)
+                        if adapter is None
+                        else state.shape(adapter, name, index, kept=True, rotate=not normalised)
+                    ),
+                    normalised=normalised,
+                )
+            if "lr" in parts and _is_lora(module_):
+                result.lr[name] = {
+                    adapter: state.span(_down_projection(module_, adapter, recorder.inputs[name])[0], 0)
+                    for adapter in adapter_names
+                    if adapter in module_.lora_A
+                }
+        recorder.inputs.clear()
+        recorder.base.clear()
+        recorder.adapter.clear()
+        if index == state.last_layer:
+            raise _Stop
+
+    return hook

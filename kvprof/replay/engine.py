@@ -1,0 +1,776 @@
+"""The replay engine: a trace turn by turn under sharing policies, measured against the dense (NonShared) run.
+
+Teacher-forced replay (`replay_trace`) advances the dense run and every policy in lockstep: per turn the dense
+result is computed once, compared with each policy's, then released, so memory stays bounded on long traces.
+Online replay (`replay_online`) re-runs the workflow under each policy: agents generate their own outputs and errors
+propagate to later agents, as the papers measure accuracy.
+
+Metrics (kvprof.replay.metrics, docs/design.md): per layer relative Frobenius error and mean token cosine of K and V on
+the reused span; KL(dense ‖ policy), top-1 agreement and first-token match on the outputs; reuse ratio ρ per token, per
+call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT, latency, analytic memory.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvprof.capture.workflow import SearchTool, exact_match, require_react_agents, run_react
+from kvprof.claims.memory import memory_verdicts
+from kvprof.errors import KvprofError
+from kvprof.model.agents import AgentSet
+from kvprof.model.layers import LayerKind
+from kvprof.model.recurrent import RECURRENT_STATES
+from kvprof.model.runtime import Runtime
+from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResult
+from kvprof.policies.base import tensor_bytes
+from kvprof.policies.nonshared import NonShared
+from kvprof.profiling import cpu_description, gpu_memory
+from kvprof.replay.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of
+from kvprof.replay.metrics import (
+    kl_divergence,
+    mean_token_cosine,
+    relative_frobenius,
+    reused_from_others,
+    top1_agreement,
+)
+from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
+from kvprof.traces.tasks import Task, task_of
+from kvprof.traces.trace import Trajectory
+
+DENSE = "dense"
+PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
+# stored structures that are not token-indexed caches, by name or name prefix: counted at their exact bytes
+UNPAGED = ("anchor pool", RECURRENT_STATES)
+TIMINGS = ("turn", "trajectory")
+"""`replay_trace`'s timing modes: per-turn medians (kvprof) or PReCache's trajectory timing (code)."""
+
+
+def compare_turn(
+    result: TurnResult,
+    dense: TurnResult,
+    from_others: int,
+    trace_outputs: list[int],
+    kinds: list[LayerKind] | None = None,
+) -> dict:
+    """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced on
+    `trace_outputs`). `from_others`: reused tokens another agent processed first (`reused_from_others`). With the
+    model's layer `kinds`, a window layer's K/V error counts the reused tokens the turn's computed tokens can attend
+    there only (`attended_from`)."""
+    record = {
+        "agent": result.agent,
+        "input_tokens": result.input_kv[0][0].shape[1],
+        "output_tokens": len(result.output_ids),
+        "reused": result.reused,
+        "moved": result.moved,
+        "extended": result.extended,
+        "adapter_made": result.adapter_made,
+        "recomputed": result.recomputed,
+        "realigned": result.realigned,
+        "corrected": result.corrected,
+        "fallback": result.fallback,
+        "from_others": from_others,
+        "adapter_free": result.adapter_free,
+        "prefilled": result.prefilled,
+        "flops": result.flops,
+        "ttft_flops": result.ttft_flops,
+        "ttft_s": result.ttft_s,
+        "decode_s": result.decode_s,
+        "decode_steps": result.decode_steps,
+        "latency_s": result.latency_s,
+        "memory_bytes": sum(result.memory.values()),
+        "working_peak_bytes": max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values())),
+        "cuda_peak_bytes": result.cuda_peak_bytes,
+    }
+    kl = kl_divergence(dense.logits, result.logits)
+    predicted = result.logits.argmax(-1).tolist()
+    record.update(
+        kl=float(kl.mean()) if len(kl) else 0.0,
+        kl_sum=float(kl.sum()),
+        top1_sum=float(top1_agreement(dense.logits, result.logits).sum()),
+        first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()) if len(kl) else True,
+        trace_agreement_sum=sum(a == b for a, b in zip(predicted, trace_outputs)),
+    )
+    layers = []
+    spans = [(0, result.reused)] * bool(result.reused) + result.moved_spans
+    if spans:
+        device = result.input_kv[0][0].device
+        reused = torch.cat(
+            [torch.arange(result.prefix_len + a, result.prefix_len + b, device=device) for a, b in spans]
+        )
+        first_computed = result.prefix_len + result.reused
+        for layer, ((keys, values), (dense_keys, dense_values)) in enumerate(zip(result.input_kv, dense.input_kv)):
+            where = reused if kinds is None else reused[reused >= attended_from(kinds[layer], first_computed)]
+            keys, values = keys[:, where], values[:, where]
+            dense_keys, dense_values = dense_keys[:, where], dense_values[:, where]
+            layers.append(
+                {
+                    "k_error": relative_frobenius(keys, dense_keys),
+                    "k_cosine": mean_token_cosine(keys, dense_keys),
+                    "v_error": relative_frobenius(values, dense_values),
+                    "v_cosine": mean_token_cosine(values, dense_values),
+                }
+            )
+    record["layers"] = layers
+    record["corrected_spans"] = [
+        span_error(result, dense, start, end) | {"hop": hop} for start, end, hop in result.corrected_spans
+    ]
+    return record
+
+
+def attended_from(kind: LayerKind, first_computed: int) -> int:
+    """The first cache position a layer of `kind` lets the turn's computed tokens (positions `first_computed`..)
+    attend: 0 in a full-attention layer, W − 1 before the first in a sliding window, its chunk's start in a chunked
+    one. Reused tokens before it cannot change the turn's outputs through this layer."""
+    if kind.window is None:
+        return 0
+    if kind.attention == "chunked":
+        return kind.window * (first_computed // kind.window)
+    return max(first_computed - kind.window + 1, 0)
+
+
+def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> dict:
+    """Relative Frobenius error of K and V on shared-timeline tokens [start, end), mean over layers 1.. (layer 0 is
+    uncorrected by the delta policies), against the dense turn."""
+    begin, stop = result.prefix_len + start, result.prefix_len + end
+    rows = [
+        (
+            relative_frobenius(k[:, begin:stop], dk[:, begin:stop]),
+            relative_frobenius(v[:, begin:stop], dv[:, begin:stop]),
+        )
+        for (k, v), (dk, dv) in list(zip(result.input_kv, dense.input_kv))[1:]
+    ]
+    return {
+        "tokens": end - start,
+        "k_error": statistics.fmean(row[0] for row in rows) if rows else 0.0,
+        "v_error": statistics.fmean(row[1] for row in rows) if rows else 0.0,
+    }
+
+
+def error_by_hop(turns: list[dict]) -> dict[str, dict]:
+    """Mean K/V error of corrected segments by hop (1: the first reader after the producer, 2: the next, ...)."""
+    spans: dict[int, list[dict]] = {}
+    for turn in turns:
+        for span in turn.get("corrected_spans", []):
+            spans.setdefault(span["hop"], []).append(span)
+    return {
+        str(hop): {
+            "segments": len(rows),
+            "k_error": statistics.fmean(r["k_error"] for r in rows),
+            "v_error": statistics.fmean(r["v_error"] for r in rows),
+        }
+        for hop, rows in sorted(spans.items())
+    }
+
+
+def weights_bytes(model) -> int:
+    """Bytes of every parameter and buffer of `model` (the base model with every agent's adapter loaded) as stored:
+    what `torch.cuda.max_memory_allocated` counts besides caches and activations. A bitsandbytes 4-bit weight
+    counts its packed bytes and its quantization state (absmax per block, code book; nested for double
+    quantization), as it sits in memory."""
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        total += tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)
+        if state is not None:
+            total += sum(t.numel() * t.element_size() for t in state.as_dict().values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
+    """The bytes `tensors` (a policy's `live_tensors`) occupy in KV blocks of `page_size` tokens, as vLLM holds
+    caches: each tensor's token axis — −2 in every token-indexed cache kvprof stores: K/V (B, H_kv, T, D), LR caches
+    (1, T, r), hidden states (1, T, d_model) — rounded up to whole blocks; `UNPAGED` structures at their exact
+    bytes."""
+    total = 0
+    for name, group in tensors.items():
+        for t in group:
+            exact = t.numel() * t.element_size()
+            tokens = t.shape[-2] if t.dim() >= 2 and not name.startswith(UNPAGED) else 0
+            total += exact * math.ceil(tokens / page_size) * page_size // tokens if tokens else exact
+    return total
+
+
+def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_size: int) -> dict:
+    """Memory of one turn as the papers report it, besides kvprof's analytic bytes: `kv_block_bytes`, the stored
+    caches after the turn in KV blocks of `page_size` tokens (`paged_bytes`) and `kv_blocks`, those bytes in full
+    K/V blocks (`page_size` tokens × every layer's K and V: exactly vLLM's block count for full-dimension caches, a
+    fraction for rank-r ones); `allocator_peak_bytes`, the allocator's peak with the weights (`weights`): on CUDA the
+    weights + the allocator's peak above the turn's start + the policy's stored bytes (`TurnResult.cuda_peak_bytes`:
+    as if the policy ran alone), elsewhere the analytic equivalent, the weights + the turn's working peak."""
+    paged = paged_bytes(policy.stored_tensors(), page_size)
+    working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
+    peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
+    return {
+        "kv_block_bytes": paged,
+        "kv_blocks": paged / (page_size * policy.runtime.kv_bytes_per_token),
+        "allocator_peak_bytes": weights + peak,
+    }
+
+
+def allocator_peak(turns: list[dict]) -> tuple[int | None, str | None]:
+    """The allocator's peak with the weights over a policy's turns, and how it was read: with trajectory timing on
+    CUDA, `torch.cuda.max_memory_allocated` over each timed run of a trajectory, the policy alone (PReCache's
+    reading); else the per-turn readings (`paper_memory`)."""
+    if not turns or "allocator_peak_bytes" not in turns[0]:
+        return None, None
+    alone = [b for t in turns for b in t.get("runs", {}).get("cuda_allocated_bytes", []) if b is not None]
+    if alone:
+        return max(alone), "cuda: max_memory_allocated over each timed trajectory run, the policy alone"
+    source = (
+        "cuda: weights + the allocator's peak above each turn's start + the policy's stored bytes"
+        if turns[0]["cuda_peak_bytes"] is not None
+        else "analytic (no CUDA): weights + the peak of stored + working bytes"
+    )
+    return max(t["allocator_peak_bytes"] for t in turns), source
+
+
+def summarise(turns: list[dict]) -> dict:
+    """Aggregate per-turn records of one policy (token-weighted fidelity, summed cost, per-layer mean error)."""
+    outputs = sum(t["output_tokens"] for t in turns)
+    inputs = sum(t["input_tokens"] for t in turns)
+    reusable = [t for t in turns if t["reused"] or t.get("moved")]
+    layer_count = max((len(t["layers"]) for t in turns), default=0)
+    per_layer = []
+    for layer in range(layer_count):
+        rows = [t["layers"][layer] for t in reusable]
+        per_layer.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0]})
+    timed = trajectory_timed(turns)
+    decode_s = sum(row["decode_s"] for row in timed)
+    decode_steps = sum(t["decode_steps"] for t in turns)
+    cuda_peaks = [t["cuda_peak_bytes"] for t in turns if t["cuda_peak_bytes"] is not None]
+    allocator_bytes, allocator_source = allocator_peak(turns)
+    summary = {
+        "turns": len(turns),
+        "input_tokens": inputs,
+        "output_tokens": outputs,
+        "kl": sum(t["kl_sum"] for t in turns) / max(outputs, 1),
+        "top1": sum(t["top1_sum"] for t in turns) / max(outputs, 1),
+        "first_token_match": statistics.fmean(t["first_token_match"] for t in turns) if turns else None,
+        "trace_agreement": sum(t["trace_agreement_sum"] for t in turns) / max(outputs, 1),
+        "reuse_per_token": sum(t["from_others"] for t in turns) / max(inputs, 1),
+        "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
+        "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
+        "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
+        "recomputed": sum(t["recomputed"] for t in turns),
+        "moved": sum(t.get("moved", 0) for t in turns),
+        "moved_recomputed": sum(t.get("moved_recomputed", 0) for t in turns),
+        "adapter_made": sum(t.get("adapter_made", 0) for t in turns),
+        "delta_reuse": delta_reuse(turns),
+        "error_by_hop": error_by_hop(turns),
+        "recompute_ratio": (
+            sum(t["recomputed"] for t in reusable)
+            / sum((t["reused"] + t.get("extended", 0)) * len(t["layers"]) for t in reusable)
+            if reusable
+            else 0.0
+        ),
+        "prefilled": sum(t["prefilled"] for t in turns),
+        "flops": sum(t["flops"] for t in turns),
+        "ttft_flops": sum(t["ttft_flops"] for t in turns),
+        "timing": "trajectory" if turns and "runs" in turns[0] else "turn",
+        "ttft_s": sum(row["ttft_s"] for row in timed),
+        "trajectory_ttft_s": trajectory_sums(turns, [row["ttft_s"] for row in timed]),
+        "decode_s": decode_s,
+        "tpot_s": decode_s / decode_steps if decode_steps else None,
+        "decode_tokens_per_s": decode_steps / decode_s if decode_s else None,
+        "latency_s": sum(row["latency_s"] for row in timed),
+        "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
+        "peak_working_bytes": max((t["working_peak_bytes"] for t in turns), default=0),
+        "cuda_peak_bytes": max(cuda_peaks) if cuda_peaks else None,
+        "allocator_peak_bytes": allocator_bytes,
+        "allocator_peak_source": allocator_source,
+        "peak_kv_block_bytes": max((t.get("kv_block_bytes", 0) for t in turns), default=0),
+        "peak_kv_blocks": max((t.get("kv_blocks", 0.0) for t in turns), default=0.0),
+        "layers": per_layer,
+        "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
+        "v_error": statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
+    }
+    summary["tokens_per_s"] = outputs / summary["latency_s"] if summary["latency_s"] else None
+    return summary
+
+
+def trajectory_timed(turns: list[dict]) -> list[dict[str, float]]:
+    """Each turn's TTFT, decode time and latency as the result reports them: with trajectory timing (a record has
+    `runs`), the mean over the timed runs of its trajectory (the warm-up run excluded); else the turn's own
+    measurement (the median of its timed repeats)."""
+    keys = ("ttft_s", "decode_s", "latency_s")
+    return [{key: statistics.fmean(t["runs"][key]) if "runs" in t else t[key] for key in keys} for t in turns]
+
+
+def trajectory_sums(turns: list[dict], values: list[float]) -> dict[str, float]:
+    """`values` (one per turn) summed per trajectory (trajectory id → sum), in replay order."""
+    sums: dict[str, float] = {}
+    for turn, value in zip(turns, values):
+        key = str(turn.get("trajectory"))
+        sums[key] = sums.get(key, 0.0) + value
+    return sums
+
+
+def delta_reuse(turns: list[dict]) -> float | None:
+    """ρ of a delta-correction policy: of the tokens of other agents' segments its gate decided on, the share it
+    served corrected (None for a policy without a gate)."""
+    corrected = sum(t.get("corrected", 0) for t in turns)
+    decided = corrected + sum(t.get("fallback", 0) for t in turns)
+    return corrected / decided if decided else None
+
+
+def relative_to_dense(summary: dict, dense: dict) -> dict:
+    """Speed-ups and memory ratios against the dense run measured in the same replay."""
+
+    def ratio(numerator, denominator):
+        return numerator / denominator if numerator is not None and denominator else None
+
+    return {
+        "ttft_speedup": ratio(dense["ttft_s"], summary["ttft_s"]),
+        "tpot_speedup": ratio(dense["tpot_s"], summary["tpot_s"]),
+        "latency_speedup": ratio(dense["latency_s"], summary["latency_s"]),
+        "prefill_speedup_implied": ratio(dense["prefilled"], summary["prefilled"]),
+        "flops_ratio": ratio(summary["flops"], dense["flops"]),
+        "ttft_speedup_implied_flops": ratio(dense["ttft_flops"], summary["ttft_flops"]),
+        "harness_efficiency": ratio(
+            ratio(dense["ttft_s"], summary["ttft_s"]), ratio(dense["ttft_flops"], summary["ttft_flops"])
+        ),
+        "memory_ratio": ratio(summary["peak_memory_bytes"], dense["peak_memory_bytes"]),
+        "working_memory_ratio": ratio(summary["peak_working_bytes"], dense["peak_working_bytes"]),
+        "allocator_peak_ratio": ratio(summary["allocator_peak_bytes"], dense["allocator_peak_bytes"]),
+        "kv_block_ratio": ratio(summary["peak_kv_block_bytes"], dense["peak_kv_block_bytes"]),
+    }
+
+
+def require_invocations(runtime: Runtime, trajectories: Iterable[Trajectory]) -> None:
+    """Refuse a trace in which an Activated LoRA agent's call lacks its invocation ids (peft would run that call on
+    the base model alone), naming the first such call."""
+    for traj in trajectories:
+        for index, turn in enumerate(traj.turns):
+            tokens = runtime.invocations.get(turn.agent)
+            if tokens is not None and last_occurrence(traj.input_tokens(turn), tokens) is None:
+                raise KvprofError(
+                    f"trajectory {traj.id!r} turn {index} ({turn.agent}): the input lacks the invocation ids "
+                    f"{tokens} of {turn.agent}'s Activated LoRA, so its adapter would never act; capture the trace "
+                    "with these adapters (their invocation is then in every call), or give the agent another adapter."
+                )
+
+
+def build_policies(runtime: Runtime, variants: Iterable[PolicyVariant]) -> list[SharingPolicy]:
+    return [variant.build(runtime) for variant in variants]
+
+
+def policy_entry(policy: SharingPolicy) -> dict:
+    """What a result records of a policy besides its numbers: identity, options and published figures."""
+    return {
+        "name": policy.name,
+        "family": policy.family,
+        "paper": policy.paper,
+        "approximate": policy.approximate,
+        "modes": list(policy.modes),
+        "moves_spans": policy.moves_spans,
+        "options": dict(policy.values),
+        "published": [asdict(figure) | {"text": str(figure)} for figure in policy.published],
+        "notes": policy.notes(),
+    }
+
+
+TurnHook = Callable[[Trajectory, int], None]
+
+
+@dataclass
+class ReplayProgress:
+    """Per-turn records of the trajectories replayed so far: a checkpoint a long sweep can resume from."""
+
+    trajectories: list[str] = field(default_factory=list)
+    records: dict[str, list[dict]] = field(default_factory=dict)
+    memory_exact: dict[str, bool] = field(default_factory=dict)
+
+    @classmethod
+    def of_checkpoint(cls, progress: object, checkpoint: Path) -> ReplayProgress:
+        """The progress a checkpoint file records (`asdict` of one), refused in one sentence naming `checkpoint`
+        when it is not one."""
+        kinds = {"trajectories": list, "records": dict, "memory_exact": dict}
+        if (
+            not isinstance(progress, dict)
+            or set(progress) != set(kinds)
+            or not all(isinstance(progress[key], kind) for key, kind in kinds.items())
+            or not all(isinstance(traj_id, str) for traj_id in progress["trajectories"])
+            or not all(isinstance(records, list) for records in progress["records"].values())
+        ):
+            raise KvprofError(
+                f"checkpoint {checkpoint} is not a replay checkpoint of this kvprof version; delete it to start again."
+            )
+        return cls(**progress)
+
+
+def replay_trace(
+    agents: AgentSet,
+    trajectories: Iterable[Trajectory],
+    variants: list[PolicyVariant],
+    repeats: int = 1,
+    on_turn: TurnHook | None = None,
+    check_memory: bool = False,
+    progress: ReplayProgress | None = None,
+    on_trajectory: Callable[[ReplayProgress], object] | None = None,
+    lora_attention: bool = False,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> dict:
+    """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
+
+    Each turn's record adds its memory as the papers report it (`paper_memory`: KV blocks of `page_size` tokens,
+    the allocator's peak with the weights).
+
+    `timing` "turn" (kvprof): each turn's TTFT is the median of `repeats` timed prefills after a warm-up of the same
+    turn on hot caches. "trajectory" (PReCache's `bench/single_stream.py`): the lockstep pass runs each turn once
+    (its records give fidelity and work), then each run (dense, every policy) replays every trajectory alone on a
+    timing instance of its own (`time_trajectory`): one untimed warm-up run, then `repeats` timed runs; a turn's
+    record keeps its per-run TTFT, decode time and latency (`runs`, the warm-up's under `warm_up`), and the
+    summaries take their mean over the runs.
+
+    Turns that leave the shared context reuse their longest common prefix with earlier turns and recompute the rest
+    (`kvprof.replay.branches`); the dense run's records say where and why (`TurnStart.to_json`).
+    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped; a variant that
+    keeps state across trajectories first replays them again, unrecorded, to rebuild that state (`rebuild_state`).
+    With `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
+    `span_matching`: how turns find their moved spans (`kvprof.traces.reuse.SpanMatching`).
+    """
+    trajectories = list(trajectories)
+    runtime = Runtime(agents, lora_attention, span_matching=span_matching)
+    kinds = agents.layer_kinds  # each layer's window: what its K/V error counts
+    require_invocations(runtime, trajectories)
+    dense = NonShared(runtime)
+    policies = build_policies(runtime, variants)
+    state = progress or ReplayProgress()
+    for label in [DENSE] + [policy.label for policy in policies]:
+        state.records.setdefault(label, [])
+    if timing not in TIMINGS:
+        raise ValueError(f"timing {timing!r} is not one of {TIMINGS}")
+    per_turn = repeats if timing == "turn" else 1
+    weights = weights_bytes(agents.model)
+    timers = (
+        {DENSE: NonShared(runtime), **{p.label: v.build(runtime) for p, v in zip(policies, variants)}}
+        if timing == "trajectory"
+        else {}
+    )
+    stateful = [policy for policy, variant in zip(policies, variants) if not variant.trajectory_independent]
+    done = [traj for traj in trajectories if traj.id in state.trajectories]
+    rebuild_state(runtime, stateful, done)
+    stateful_timers = [timers[v.label] for v in variants if not v.trajectory_independent and v.label in timers]
+    rebuild_state(runtime, stateful_timers, done, passes=repeats + 1)
+    for traj in trajectories:
+        if traj.id in state.trajectories:
+            continue
+        runtime.serve_trajectory(traj)
+        dense.reset()
+        for policy in policies:
+            policy.reset()
+        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes, runtime.span_matching), [dense, *policies])
+        for index, turn in enumerate(traj.turns):
+            outputs = traj.output_tokens(turn)
+            start = timeline.begin(index)
+            request = TurnRequest(turn.agent, traj.input_tokens(turn), outputs, moved=start.moved)
+            dense_result = dense.run_turn(request, per_turn)
+            where = {"trajectory": traj.id, "turn": index}
+            state.records[DENSE].append(
+                compare_turn(dense_result, dense_result, 0, outputs, kinds)
+                | paper_memory(dense, dense_result, weights, page_size)
+                | where
+                | {"start": start.to_json()}
+            )
+            for policy in policies:
+                turn_result = policy.run_turn(request, per_turn)
+                from_others = turn_result.from_others
+                if from_others is None:
+                    from_others = (
+                        reused_from_others(timeline.producers, turn.agent, turn_result.reused)
+                        if policy.serves_others
+                        else 0
+                    ) + moved_from_others(traj, start, turn_result, turn.agent)
+                state.records[policy.label].append(
+                    compare_turn(turn_result, dense_result, from_others, outputs, kinds)
+                    | paper_memory(policy, turn_result, weights, page_size)
+                    | where
+                    | {"moved_recomputed": start.moved_tokens - turn_result.moved}
+                )
+                if check_memory:
+                    exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
+                    state.memory_exact[policy.label] = state.memory_exact.get(policy.label, True) and exact
+            shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
+            timeline.end(index, turn.agent, shared_len + len(outputs))
+            if on_turn:
+                on_turn(traj, index)
+        if timers:
+            for run in [dense, *policies]:
+                run.reset()  # the lockstep runs' stored caches are released: each timed run holds only its own
+            for label, timer in timers.items():
+                records = state.records[label][-len(traj.turns) :]
+                for record, runs in zip(records, time_trajectory(timer, traj, repeats), strict=True):
+                    record.update(runs)
+        state.trajectories.append(traj.id)
+        if on_trajectory:
+            on_trajectory(state)
+    return replay_result(
+        state.records,
+        {policy.label: policy_entry(policy) for policy in policies},
+        state.memory_exact if check_memory else None,
+    )
+
+
+def moved_from_others(traj: Trajectory, start: TurnStart, result: TurnResult, agent: str) -> int:
+    """Moved tokens `result` served from the K/V of another agent's turn (the plan's source turn of each span)."""
+    served = set(result.moved_spans)
+    return sum(
+        len(span) for span in start.moved if (span.begin, span.end) in served and traj.turns[span.source].agent != agent
+    )
+
+
+def rebuild_state(
+    runtime: Runtime, policies: list[SharingPolicy], trajectories: list[Trajectory], passes: int = 1
+) -> None:
+    """Replay `trajectories` under `policies` (those that keep state across trajectories) without recording
+    anything, each trajectory `passes` times (a trajectory-timing instance ran each 1 + repeats times), so that a
+    resumed replay continues from the state an uninterrupted one would have reached."""
+    for traj in trajectories if policies else []:
+        runtime.serve_trajectory(traj)
+        for _ in range(passes):
+            for policy in policies:
+                policy.reset()
+            run_trajectory(runtime, policies, traj)
+
+
+def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajectory) -> list[list[TurnResult]]:
+    """Every turn of `traj` (already served: `Runtime.serve_trajectory`) under `policies` in lockstep, each turn
+    once (no per-turn repeats), following the trajectory's timeline (`kvprof.replay.branches`); per turn, each policy's
+    result."""
+    timeline = BranchingTimeline(plan_of(traj, runtime.prefixes, runtime.span_matching), policies)
+    results = []
+    for index, turn in enumerate(traj.turns):
+        start = timeline.begin(index)
+        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn), moved=start.moved)
+        results.append([policy.run_turn(request) for policy in policies])
+        shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
+        timeline.end(index, turn.agent, shared_len + len(request.output_ids or []))
+    return results
+
+
+def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> list[dict]:
+    """Trajectory timing as PReCache's `bench/single_stream.py` times a method: `policy` alone replays `traj` once
+    untimed (warm-up), then `repeats` times, each run from an empty store (`reset`), every turn once; the store is
+    released after the last run. Per turn: `runs` (per timed run: TTFT — the synced prefill call, so a
+    double-batched policy's two rows are inside and a lazy prefill's adapter-free pass outside —, decode time,
+    latency and, on CUDA, the allocator's peak with the weights, `torch.cuda.max_memory_allocated` during the turn)
+    and the warm-up run's TTFT and latency (`warm_up`)."""
+    runs = []
+    for _ in range(repeats + 1):
+        policy.reset()
+        runs.append([turn[0] for turn in run_trajectory(policy.runtime, [policy], traj)])
+    policy.reset()
+    warm_up, timed = runs[0], runs[1:]
+    return [
+        {
+            "warm_up": {"ttft_s": warm_up[index].ttft_s, "latency_s": warm_up[index].latency_s},
+            "runs": {
+                "ttft_s": [run[index].ttft_s for run in timed],
+                "decode_s": [run[index].decode_s for run in timed],
+                "latency_s": [run[index].latency_s for run in timed],
+                "cuda_allocated_bytes": [run[index].cuda_allocated_bytes for run in timed],
+            },
+        }
+        for index in range(len(traj.turns))
+    ]
+
+
+def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:
+    """The teacher-forced part of a replay's result from its per-turn records (label → records, the dense run's
+    under `DENSE`) and each policy's `policy_entry` (in the order the result lists them): every summary is
+    recomputed from the records, each policy's against the dense run's; `memory_exact` adds whether each policy's
+    analytic memory matched its live tensors."""
+    dense_summary = summarise(records[DENSE]) | {"timeline": timeline_summary(records[DENSE])}
+    policies: dict[str, dict] = {}
+    for label, entry in entries.items():
+        summary = summarise(records[label])
+        summary.update(relative_to_dense(summary, dense_summary))
+        policies[label] = entry | {"summary": summary, "turns": records[label]}
+        if memory_exact is not None:
+            policies[label]["memory_accounting_exact"] = memory_exact[label]
+    return {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": policies}
+
+
+def timeline_summary(dense_turns: list[dict]) -> dict:
+    """How the replayed turns followed the shared context (`kvprof.replay.branches`): turns that left it (by cause),
+    turns that returned to an earlier turn's state, and the stored tokens turns dropped."""
+    starts = [turn["start"] for turn in dense_turns if "start" in turn]
+    causes = Counter(start["divergence"]["cause"] for start in starts if start["divergence"])
+    return {
+        "turns": len(starts),
+        "left": sum(causes.values()),
+        "causes": dict(causes),
+        "restored": sum(start["restored_from"] is not None for start in starts),
+        "dropped_tokens": sum(start["dropped"] for start in starts),
+        "moved_tokens": sum(end - begin for start in starts for begin, end, *_ in start.get("moved", [])),
+    }
+
+
+def policy_responder(policy: SharingPolicy):
+    """A workflow responder that serves each agent call of one task with `policy`, generating greedily; a call whose
+    input leaves the context the calls before it built keeps their common prefix (`FollowedTimeline`)."""
+    timeline = FollowedTimeline(policy, policy.runtime.span_matching)
+
+    def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
+        shared = input_ids[len(policy.runtime.prefix(agent)) :]
+        moved = timeline.begin(shared)
+        request = TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new, moved=moved)
+        outputs = policy.run_turn(request).output_ids
+        timeline.end(shared + outputs)
+        return outputs
+
+    return respond
+
+
+def run_online(
+    agents: AgentSet,
+    tasks: list[Task],
+    variants: list[PolicyVariant],
+    on_task: Callable[[str, Task], None] | None = None,
+    lora_attention: bool = False,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> dict[str, list[Trajectory]]:
+    """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories.
+    Moved spans are runs of ids of `span_matching.min_span` or more (`kvprof.replay.branches.FollowedTimeline`)."""
+    runtime = Runtime(agents, lora_attention, span_matching=span_matching)
+    runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
+    runs.update({policy.label: policy for policy in build_policies(runtime, variants)})
+    tool = SearchTool()
+    trajectories: dict[str, list[Trajectory]] = {label: [] for label in runs}
+    for label, policy in runs.items():
+        for task in tasks:
+            runtime.serve_task(task)
+            policy.reset()
+            trajectories[label].append(run_react(agents.spec, agents.tokenizer, task, tool, policy_responder(policy)))
+            if on_task:
+                on_task(label, task)
+    return trajectories
+
+
+def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
+    """Exact-match accuracy per run, and the fraction of turns whose output differs from the dense run's."""
+    result = {}
+    for label, trajectories in runs.items():
+        diverged = total = correct = 0
+        for dense_traj, traj in zip(runs[DENSE], trajectories):
+            correct += exact_match(traj.prediction, traj.answer)
+            dense_outputs = [dense_traj.output_tokens(turn) for turn in dense_traj.turns]
+            outputs = [traj.output_tokens(turn) for turn in traj.turns]
+            for index in range(max(len(dense_outputs), len(outputs))):
+                total += 1
+                diverged += not (
+                    index < len(dense_outputs) and index < len(outputs) and dense_outputs[index] == outputs[index]
+                )
+        result[label] = {
+            "accuracy": correct / len(trajectories) if trajectories else None,
+            "correct": correct,
+            "tasks": len(trajectories),
+            "diverged_turns": diverged / max(total, 1),
+        }
+    return result
+
+
+@dataclass
+class ReplayHooks:
+    """Progress callbacks of `run_replay`: after each teacher-forced turn, each online task, each trajectory."""
+
+    on_turn: TurnHook | None = None
+    on_task: Callable[[str, Task], None] | None = None
+    on_trajectory: Callable[[ReplayProgress], object] | None = None
+
+
+def run_replay(
+    agents: AgentSet,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    repeats: int = 1,
+    online: bool = False,
+    lora_attention: bool = False,
+    progress: ReplayProgress | None = None,
+    hooks: ReplayHooks | None = None,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> dict:
+    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay (`timing` and
+    `span_matching` as `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode,
+    repeats, timing, span matching, attention path, device, CPU, dtype, GPU memory)."""
+    hooks = hooks or ReplayHooks()
+    if online:
+        require_react_agents(agents.spec.names)
+    result = replay_trace(
+        agents,
+        trajectories,
+        variants,
+        repeats=repeats,
+        on_turn=hooks.on_turn,
+        progress=progress,
+        on_trajectory=hooks.on_trajectory,
+        lora_attention=lora_attention,
+        timing=timing,
+        page_size=page_size,
+        span_matching=span_matching,
+    )
+    if online:
+        runs = run_online(
+            agents,
+            [task_of(t) for t in trajectories],
+            variants,
+            on_task=hooks.on_task,
+            lora_attention=lora_attention,
+            span_matching=span_matching,
+        )
+        result["online"] = summarise_online(runs)
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching))
+    result["memory_claims"] = memory_verdicts(result)
+    return result
+
+
+def timing_setting(timing: str, repeats: int) -> dict:
+    """How a replay timed TTFT, TPOT and latency (`replay_trace`'s `timing`): the mode, whose practice it follows
+    (`Option.origins`' labels), the timed runs (turn: repeats per turn; trajectory: runs per trajectory) and the
+    untimed warm-up runs before them."""
+    trajectory = timing == "trajectory"
+    return {
+        "mode": timing,
+        "origin": "code" if trajectory else "kvprof",
+        "runs": repeats,
+        "warm_up_runs": 1 if trajectory or repeats > 1 else 0,
+    }
+
+
+def run_setting(
+    agents: AgentSet,
+    repeats: int,
+    lora_attention: bool,
+    timing: str = "turn",
+    page_size: int = PAGE_SIZE,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> dict:
+    """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), KV page size,
+    span matching, the weights' bytes, each layer's kind (`kvprof.model.layers.LayerKind`), attention path, device, CPU,
+    dtype and GPU memory (read now: the allocator's peak so far)."""
+    return dict(
+        model=agents.model_name,
+        mode=agents.spec.mode,
+        repeats=repeats,
+        timing=timing_setting(timing, repeats),
+        page_size=page_size,
+        span_matching=span_matching.to_json(),
+        weights_bytes=weights_bytes(agents.model),
+        layers=[kind.to_json() for kind in agents.layer_kinds],
+        lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
+        device=str(agents.device),
+        cpu=cpu_description(),
+        dtype=str(agents.base_model.dtype).removeprefix("torch."),
+        gpu_memory=gpu_memory(agents.device),
+    )

@@ -1,0 +1,95 @@
+"""kvprof checks its policies on the user's own model before a replay reports anything.
+
+Each policy that has a setting in which it must reproduce the dense run (`SharingPolicy.exact_setting`) replays the
+first turns of the user's first trajectory in it:
+
+- "recompute all": the selective-recompute policies at ratio 1 recompute every reused (token, layer) entry, layer by
+  layer through the model's own decoder layers (their RoPE, windows, chunks, norms): the dense run's caches;
+- "one agent": every turn acted by one agent (its adapter), spans not moved: the low-rank policies' cache split
+  (base + that agent's LR part, key norms, RoPE per layer) must give its own caches back.
+
+A policy whose worst relative K/V error there exceeds the dtype's tolerance is refused for this model with the
+measured error, so an architecture nobody tested fails loudly instead of silently (a window or a key norm the split
+did not see was 5–47 % off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvprof.policies import PolicyVariant
+from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+
+if TYPE_CHECKING:
+    from kvprof.model.agents import AgentSet
+    from kvprof.traces.trace import Trajectory
+
+TURNS = 4  # first turns of the first trajectory replayed in each exact setting
+FLOAT32_TOLERANCE, HALF_TOLERANCE = 1e-4, 3e-2  # worst relative K/V error an exact setting may leave
+NO_MOVES = SpanMatching(min_span=1 << 30)  # a span that long never matches: the exact setting moves none
+_CHECKED: dict[str, dict[str, float]] = {}  # identity of (agents, trajectory, variants) → worst error per label
+
+
+def exact_variant(variant: PolicyVariant) -> PolicyVariant | None:
+    """`variant` in its policy's exact setting (`ratio` at 1 for "recompute all"), None for a policy without one."""
+    setting = variant.policy.exact_setting
+    if setting is None:
+        return None
+    options = dict(variant.options)
+    if setting == "recompute all":
+        options["ratio"] = "1"
+    return PolicyVariant(variant.name, options)
+
+
+def one_agent(trajectory: Trajectory, agent: str) -> Trajectory:
+    """`trajectory` with every turn acted by `agent`."""
+    return dataclasses.replace(trajectory, turns=[dataclasses.replace(t, agent=agent) for t in trajectory.turns])
+
+
+def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[PolicyVariant]) -> dict[str, float]:
+    """The worst relative K/V error of each of `variants` (by label) in its exact setting on the first `TURNS` turns
+    of `trajectory`; variants without an exact setting are left out. Computed once per agents, trajectory and
+    variants in a process."""
+    from kvprof.model.agents import agents_identity
+    from kvprof.replay.engine import replay_trace
+
+    exact = {variant.label: checked for variant in variants if (checked := exact_variant(variant)) is not None}
+    short = dataclasses.replace(trajectory, turns=trajectory.turns[:TURNS])
+    key = json.dumps([agents_identity(agents), trajectory.id, sorted(exact)], sort_keys=True, default=str)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    errors: dict[str, float] = {}
+    settings = {
+        "recompute all": (short, DEFAULT_MATCHING),
+        "one agent": (one_agent(short, short.turns[0].agent), NO_MOVES),
+    }
+    for setting, (replayed, matching) in settings.items():
+        chosen = {label: v for label, v in exact.items() if v.policy.exact_setting == setting}
+        unique = list({v.label: v for v in chosen.values()}.values())
+        if not unique:
+            continue
+        result = replay_trace(agents, [replayed], unique, span_matching=matching)["policies"]
+        for label, checked in chosen.items():
+            summary = result[checked.label]["summary"]
+            errors[label] = max(summary["k_error"], summary["v_error"])
+    _CHECKED[key] = errors
+    return errors
+
+
+def refusals(agents: AgentSet, errors: dict[str, float]) -> dict[str, str]:
+    """{label: one sentence} for the variants whose exact-setting error exceeds the model dtype's tolerance."""
+    tolerance = FLOAT32_TOLERANCE if agents.base_model.dtype == torch.float32 else HALF_TOLERANCE
+    return {
+        label: (
+            f"on this model, {label} in its exact setting (selective recompute at ratio 1, or a low-rank split of "
+            f"one agent's own cache) leaves a relative K/V error of {error:.2g} (at most {tolerance:g} expected), "
+            "so its results here would be wrong; this architecture has a layer kvprof does not yet model, so pick "
+            "another policy."
+        )
+        for label, error in errors.items()
+        if error > tolerance
+    }

@@ -1,0 +1,319 @@
+"""Logs of existing multi-agent systems, one agent call per line in the OpenAI chat format, as kvprof traces.
+
+    {"agent": "act", "messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+     {"role": "assistant", "name": "plan", "content": "..."}, {"role": "tool", "content": "..."}],
+     "output": "search[ Ada Lovelace]\\n", "trajectory": "task-7"}
+
+Messages are taken as frameworks write them: `content` text or null, `name` on any message (AutoGen/AG2 group chats
+log other agents' messages as user messages with a name), `tool_calls` on assistant messages and `tool_call_id` on
+tool results; an optional per-call `tools` list holds the function schemas the call was served with. The template
+gets them as logged (a missing `content` as null, as servers pass it), so a turn's input ids are exactly
+`apply_chat_template(messages, tools=tools, add_generation_prompt=True)` tokenized.
+
+`trajectory` (optional) groups calls into trajectories (default: one trajectory, "log"); calls keep their order. An
+optional `task` object (`question`, `answer`, `documents`) on any call of a trajectory lets online replay re-run it
+with kvprof's ReAct runner. The calls are rendered through the chat template (`kvprof.traces.chat`) into segments: a
+message rendered to the same ids in several calls is one segment, shared when several agents read it; a message whose
+ids differ between calls keeps each call's exact ids and is reported, and so is every reply the template reads back
+differently from the ids its agent generated (`ImportedLog.differences`, each with its log line). The output is its
+text tokenized on its own; an earlier output read back is the generation prompt and output segments that produced it
+when the tokens agree. The workflow's agents always come from the log; `--workflow` only supplies templates and
+limits for online re-runs.
+
+Mode: with adapters (`--agent NAME=DIR`) lora mode, every agent needs one; a trajectory whose agents have different
+system messages keeps each agent's system message private (its private prefix), otherwise it is shared. Without
+adapters prompt mode: every call starts with the agent's system message; the agent's role prompt is its most common
+system message (the first on a tie), and a call whose system message differs (per-task memory) keeps it as that
+trajectory's private prefix for the agent (its private text after the role prompt, when it extends the role prompt).
+A trajectory's prediction is the last answer a call gave (the workflow's `answer_pattern`: `answer[...]` or
+`finish[...]` by default).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvprof.errors import KvprofError
+from kvprof.fileio import jsonl_lines
+from kvprof.traces.chat import ChatFormat, ChatSegments, Difference, Message
+from kvprof.traces.reuse import last_occurrence
+from kvprof.traces.spec import AgentSpec, WorkflowSpec, adapter_invocation
+from kvprof.traces.trace import Segment, Trace, TraceHeader, Trajectory, Turn
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class LoggedCall:
+    """One line of a log: where it is (`line`), who acted, what it read and what it wrote."""
+
+    line: int
+    agent: str
+    messages: list[Message]
+    output: str
+    trajectory: str
+    task: dict | None = None
+    tools: list[dict] | None = None
+
+
+@dataclass
+class ImportedLog:
+    """The trace, how its mode was decided (a sentence), and per trajectory the messages whose tokens differ between
+    calls and the replies read back differently from their generated ids (`kvprof.traces.chat.Difference`, with log
+    lines)."""
+
+    trace: Trace
+    mode_reason: str
+    differences: dict[str, list[Difference]] = field(default_factory=dict)
+
+
+def _fail(path: Path, line: int, problem: str, fix: str) -> KvprofError:
+    return KvprofError(f"{path} line {line}: {problem}; {fix}.")
+
+
+def read_log(path: str | Path) -> list[LoggedCall]:
+    """The calls of a chat log, refusing a malformed line with its number and the fix."""
+    path = Path(path)
+    fix = "pass a JSONL file with one agent call per line"
+    calls = [_call(path, number, record) for number, record in jsonl_lines(path, "chat log", fix)]
+    if not calls:
+        raise KvprofError(f"chat log {path} holds no calls; add one JSON object per agent call.")
+    return calls
+
+
+def _call(path: Path, number: int, record: object) -> LoggedCall:
+    example = '{"agent", "messages": [{"role", "content"}, ...], "output"}'
+    if not isinstance(record, dict):
+        raise _fail(path, number, "is not a JSON object", f"write each call as {example}")
+    for name, kind in (("agent", str), ("messages", list), ("output", str)):
+        if not isinstance(record.get(name), kind):
+            raise _fail(path, number, f"has no {kind.__name__} field {name!r}", f"write each call as {example}")
+    messages = [_message(path, number, index, entry) for index, entry in enumerate(record["messages"])]
+    if not messages:
+        raise _fail(path, number, "has no messages", "log the messages the agent was called with")
+    last = messages[-1]
+    if last.role == "assistant" and last.content == record["output"] and last.name in (None, record["agent"]):
+        raise _fail(
+            path,
+            number,
+            "has its own output as the last message too, so the agent would read its reply before writing it",
+            "log the messages the agent was called with (drop the reply from 'messages')",
+        )
+    task = record.get("task")
+    if task is not None and not (isinstance(task, dict) and isinstance(task.get("question"), str)):
+        raise _fail(path, number, "has a 'task' without a string 'question'", "give task as {question, answer?}")
+    documents = (task or {}).get("documents") or {}
+    if not (isinstance(documents, dict) and all(isinstance(text, str) for text in documents.values())):
+        raise _fail(path, number, "has task documents that are not texts by name", "give documents as {name: text}")
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise _fail(path, number, "has 'tools' that is not a list of objects", "give tools as function schemas")
+    trajectory = str(record.get("trajectory", "log"))
+    return LoggedCall(number, record["agent"], messages, record["output"], trajectory, task, tools)
+
+
+def _message(path: Path, number: int, index: int, entry: object) -> Message:
+    """One logged message: role and content (text or null), and the OpenAI fields templates read."""
+    if not isinstance(entry, dict) or entry.get("role") not in ROLES:
+        shape = f"message {index} is not {{'role': one of {', '.join(ROLES)}, 'content': text}}"
+        raise _fail(path, number, shape, "fix that message")
+    content, calls, call_id, author = (entry.get(key) for key in ("content", "tool_calls", "tool_call_id", "name"))
+    problem = None
+    if content is not None and not isinstance(content, str):
+        problem = "has a content that is neither text nor null (content parts are not supported)"
+    elif calls is not None and not isinstance(calls, list):
+        problem = "has 'tool_calls' that is not a list"
+    elif call_id is not None and not isinstance(call_id, str):
+        problem = "has a 'tool_call_id' that is not text"
+    if problem:
+        raise _fail(path, number, f"message {index} {problem}", "log it as the OpenAI chat format has it")
+    for k, call in enumerate(calls or []):
+        problem = _tool_call_problem(call)
+        if problem:
+            fix = 'log each tool call as {"type": "function", "function": {"name": ..., "arguments": ...}}'
+            raise _fail(path, number, f"message {index} has tool call {k} {problem}", fix)
+    return Message.of(entry["role"], content, None if author is None else str(author), calls, call_id)
+
+
+def _tool_call_problem(call: object) -> str | None:
+    """What keeps an entry of an assistant message's `tool_calls` from being an OpenAI tool call
+    (`{"type": "function", "function": {"name", "arguments"}}`), or None."""
+    if not isinstance(call, dict):
+        return f"that is {type(call).__name__}, not an object"
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return "without a 'function' object"
+    if not isinstance(function.get("name"), str):
+        return "whose function has no text 'name'"
+    if not isinstance(function.get("arguments"), (str, dict)):
+        return "whose function has no 'arguments' (JSON text or an object)"
+    return None
+
+
+def _role_prompts(path: Path, calls: list[LoggedCall]) -> dict[str, str]:
+    """Prompt mode: each agent's role prompt, its most common system message (the first on a tie); every call must
+    start with a system message."""
+    seen: dict[str, Counter[str]] = {}
+    for call in calls:
+        first = call.messages[0]
+        if first.role != "system":
+            raise _fail(
+                path,
+                call.line,
+                f"agent {call.agent!r} has no system message first, so prompt mode has no role prompt for it",
+                f"log its system message, or pass --agent {call.agent}=ADAPTER_DIR for lora mode",
+            )
+        seen.setdefault(call.agent, Counter())[first.text] += 1
+    return {agent: counts.most_common(1)[0][0] for agent, counts in seen.items()}
+
+
+def _system(call: LoggedCall) -> str | None:
+    first = call.messages[0]
+    return first.text if first.role == "system" else None
+
+
+def import_log(
+    path: str | Path,
+    tokenizer,
+    template: str,
+    identity: dict,
+    model_name: str,
+    adapters: dict[str, str] | None = None,
+    workflow: WorkflowSpec | None = None,
+) -> ImportedLog:
+    """The trace of a chat log (see module docstring) rendered with `template`; `identity`: the tokenizer's
+    (`kvprof.model.agents.tokenizer_identity`); `workflow`: templates and limits for online re-runs (default
+    kvprof's)."""
+    path = Path(path)
+    calls = read_log(path)
+    names = list(dict.fromkeys(call.agent for call in calls))
+    private_in: set[str] = set()  # lora mode: trajectories whose agents have different system messages
+    invocations: dict[str, list[int] | None] = {}  # lora mode: each agent's Activated LoRA invocation, if any
+    prompts: dict[str, str] = {}  # prompt mode: each agent's role prompt
+    if adapters:
+        unknown = [call for call in calls if call.agent not in adapters]
+        if unknown:
+            raise _fail(
+                path,
+                unknown[0].line,
+                f"agent {unknown[0].agent!r} has no adapter",
+                f"pass --agent {unknown[0].agent}=ADAPTER_DIR (lora mode needs one per agent)",
+            )
+        mode = "lora"
+
+        invocations = {name: adapter_invocation(adapters[name]) for name in names}
+        agents = [AgentSpec(name, adapter=adapters[name]) for name in names]
+        reason = f"lora mode: adapters given for {', '.join(names)}"
+        by_trajectory: dict[str, set[str | None]] = {}
+        for call in calls:
+            by_trajectory.setdefault(call.trajectory, set()).add(_system(call))
+        private_in = {tid for tid, systems in by_trajectory.items() if len(systems - {None}) > 1}
+        if private_in:
+            reason += (
+                f" (their system messages differ in {len(private_in)} of {len(by_trajectory)} trajectories: there "
+                "each agent's system message is private, its private prefix)"
+            )
+    else:
+        prompts = _role_prompts(path, calls)
+        mode = "prompt"
+        agents = [AgentSpec(name, prompt=prompts[name]) for name in names]
+        distinct = len(set(prompts.values()))
+        reason = (
+            f"prompt mode: no adapters given; {len(names)} agents with {distinct} distinct role prompts, each agent's "
+            "role prompt being its most common system message (the first on a tie)"
+        )
+        other = [call for call in calls if _system(call) != prompts[call.agent]]
+        if other:
+            reason += (
+                f"; {len(other)} calls have another system message (per-task memory, first on line "
+                f"{other[0].line}): each stays that trajectory's private prefix for its agent"
+            )
+    base = workflow or WorkflowSpec(mode=mode, agents=[])
+    group_chat = any(m.role == "user" and m.name in names for call in calls for m in call.messages)
+    spec = WorkflowSpec(
+        **{**base.to_dict(), "mode": mode, "agents": agents, "chat_template": template, "group_chat": group_chat}
+    )
+    chat = ChatFormat(tokenizer, template)
+    trajectories: dict[str, Trajectory] = {}
+    builders: dict[str, ChatSegments] = {}
+    for call in calls:
+        traj = trajectories.get(call.trajectory)
+        if traj is None:
+            traj = trajectories[call.trajectory] = Trajectory(id=call.trajectory, segments={}, turns=[], question="")
+            builders[call.trajectory] = ChatSegments(chat, traj.segments)
+        if call.task is not None:
+            traj.question = call.task["question"]
+            traj.answer = None if call.task.get("answer") is None else str(call.task["answer"])
+            traj.documents = dict(call.task.get("documents") or {})
+        elif not traj.question:
+            traj.question = next((m.text for m in call.messages if m.role == "user"), "")
+        segments = builders[call.trajectory]
+        system = _system(call)
+        private = {0} if mode == "prompt" or (system is not None and call.trajectory in private_in) else set()
+        if mode == "prompt" and system is not None and system != prompts[call.agent]:
+            role = prompts[call.agent]
+            if system.startswith(role) and call.agent not in traj.private:
+                traj.private[call.agent] = system[len(role) :]  # the task's private text after the role prompt
+        try:
+            inputs, prompt_segment = segments.call(
+                len(traj.turns), call.messages, private, call.tools, line=call.line, agent=call.agent
+            )
+        except KvprofError as err:  # the template refuses this call's messages
+            raise KvprofError(f"{path} line {call.line}: {err}") from None
+        invocation = invocations.get(call.agent) if mode == "lora" else None
+        ids = [token for segment in inputs for token in traj.segments[segment].tokens]
+        if invocation is not None and last_occurrence(ids, invocation) is None:
+            raise _fail(
+                path,
+                call.line,
+                f"agent {call.agent!r}'s call lacks the invocation ids {invocation} of its Activated LoRA, so peft "
+                "would run it on the base model alone",
+                "log the calls as the agent was invoked, or give it its adapter's invocation",
+            )
+        output_ids = tokenizer.encode(call.output, add_special_tokens=False)
+        output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
+        traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))
+        answer = re.search(spec.answer_pattern, call.output)
+        if answer:  # the trajectory's prediction: the last answer (or finish) a call gave
+            traj.prediction = answer.group(1).strip()
+    header = TraceHeader(
+        model={"path": model_name}, tokenizer=identity, workflow=spec.to_dict(), source=f"chat-log:{path.name}"
+    )
+    differences = {tid: builders[tid].differences for tid in trajectories if builders[tid].differences}
+    return ImportedLog(Trace(header, list(trajectories.values())), reason, differences)
+
+
+def trajectory_calls(traj: Trajectory) -> list[dict]:
+    """A trajectory of a chat-rendered trace back as log lines (messages read from its segments), e.g. to write a
+    sample log; the inverse of `import_log` for traces captured through a chat template."""
+    lines: list[dict] = []
+    for turn in traj.turns:
+        messages = []
+        for seg_id in turn.input:
+            segment = traj.segments[seg_id]
+            message = _segment_message(segment)
+            if message is not None:
+                messages.append(message)
+        output = traj.segments[turn.output]
+        line: dict[str, object] = {
+            "agent": turn.agent,
+            "messages": [m.as_dict() for m in messages],
+            "output": output.text,
+            "trajectory": traj.id,
+        }
+        if not lines:
+            line["task"] = {"question": traj.question, "answer": traj.answer, "documents": traj.documents}
+        lines.append(line)
+    return lines
+
+
+def _segment_message(segment: Segment) -> Message | None:
+    role = {"prompt": "system", "system": "system", "question": "user", "observation": "tool"}.get(segment.kind)
+    if role is not None:
+        return Message(role, segment.text)
+    if segment.kind in ("output", "message"):
+        return Message("assistant", segment.text, segment.producer)
+    return None  # generation prompts and template tails

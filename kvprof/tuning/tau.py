@@ -1,0 +1,211 @@
+"""Choosing a delta-correction policy's gate threshold (`kvprof tune-tau`): sweep it on tuning trajectories,
+recommend the value with the most reuse that meets a target, verify that value on held-out trajectories.
+
+One sweep row per threshold, all thresholds replayed in one lockstep replay (the dense run computed once in one
+process; once per sequential shard on Ray, `kvprof.replay.sharded`): the
+policy replayed teacher-forced on the tuning trajectories against the dense run
+(`kvprof.replay.engine.run_replay`: ρ — the share of other agents' segment tokens its gate served corrected — per-layer
+K/V error, KL, top-1, TTFT / latency speed-ups and memory, all measured side by side with the dense run), and with
+`online` the workflow re-run under it (exact-match accuracy, and its drop in points from the dense re-run). Every
+row starts from the same anchor pool (a fitted file, `anchors`), which then grows online as the policy does.
+
+Targets (`Target`): a maximum accuracy drop in points, a maximum KL, or a reuse ratio to match (`target_rho`: the
+paper's comparisons at matched reuse, ρ ≈ 0.8 for LLM tasks; the row with the smallest ρ at least R). With an
+accuracy or KL target the recommendation is the row meeting it with the highest ρ (ties: lower KL, then the
+stricter threshold); it is then replayed on the held-out trajectories, where the target is checked again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvprof.errors import KvprofError
+from kvprof.model.agents import AgentSet
+from kvprof.policies import PolicyVariant, policy_class
+from kvprof.replay.engine import DENSE, ReplayHooks, ReplayProgress, run_replay
+from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+from kvprof.traces.trace import Trajectory
+
+THRESHOLDS = {"kvcmas": "tau", "kvcomm": "gamma"}  # the gate threshold option of each tunable policy
+GRID = ("0", "0.05", "0.1", "0.2", "0.3", "0.4", "0.5", "0.7", "1")
+
+
+def threshold_key(policy: str) -> str:
+    """The threshold option of a tunable policy, or a `KvprofError` naming those that have one."""
+    name = policy_class(policy).name
+    if name not in THRESHOLDS:
+        raise KvprofError(
+            f"policy {name} has no acceptance threshold to tune; pass --policy {' or '.join(THRESHOLDS)}."
+        )
+    return THRESHOLDS[name]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a recommended threshold must meet; exactly one of the three is set."""
+
+    max_accuracy_drop: float | None = None  # points of exact-match accuracy below the dense re-run
+    max_kl: float | None = None  # mean KL(dense ‖ policy) per output token, nats
+    target_rho: float | None = None  # the smallest ρ at least this
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.max_accuracy_drop, self.max_kl, self.target_rho) if v is not None]
+        if len(given) != 1:
+            raise KvprofError("give exactly one target: --max-accuracy-drop POINTS, --max-kl NATS or --target-rho R.")
+
+    @property
+    def needs_online(self) -> bool:
+        return self.max_accuracy_drop is not None
+
+    def describe(self) -> str:
+        if self.max_accuracy_drop is not None:
+            return f"accuracy at most {self.max_accuracy_drop:g} points below the dense run"
+        if self.max_kl is not None:
+            return f"KL(dense ‖ policy) at most {self.max_kl:g} nats per output token"
+        return f"reuse ρ at least {self.target_rho:g}"
+
+    def met(self, row: dict) -> bool:
+        if self.max_accuracy_drop is not None:
+            return row["accuracy_drop"] is not None and row["accuracy_drop"] <= self.max_accuracy_drop + 1e-9
+        if self.max_kl is not None:
+            return row["kl"] <= self.max_kl
+        assert self.target_rho is not None
+        return row["rho"] >= self.target_rho - 1e-9
+
+
+def row_of(result: dict, variant: PolicyVariant, threshold: str) -> dict:
+    """One threshold's measurements from a replay result holding `variant` (see module docstring)."""
+    summary = result["policies"][variant.label]["summary"]
+    row = {
+        "threshold": float(threshold),
+        "label": variant.label,
+        "rho": summary["delta_reuse"] or 0.0,
+        "kl": summary["kl"],
+        "top1": summary["top1"],
+        "k_error": summary["k_error"],
+        "v_error": summary["v_error"],
+        "layers": summary["layers"],
+        "prefilled": summary["prefilled"],
+        "dense_prefilled": result["dense"]["summary"]["prefilled"],
+        "ttft_speedup": summary["ttft_speedup"],
+        "latency_speedup": summary["latency_speedup"],
+        "memory_ratio": summary["memory_ratio"],
+        "peak_memory_bytes": summary["peak_memory_bytes"],
+        "accuracy": None,
+        "dense_accuracy": None,
+        "accuracy_drop": None,
+    }
+    if "online" in result:
+        accuracy, dense = result["online"][variant.label]["accuracy"], result["online"][DENSE]["accuracy"]
+        row.update(accuracy=accuracy, dense_accuracy=dense, accuracy_drop=100.0 * (dense - accuracy))
+    return row
+
+
+def recommend(rows: Sequence[dict], target: Target) -> dict | None:
+    """The recommended row (see module docstring), or None when no threshold meets the target."""
+    meeting = [row for row in rows if target.met(row)]
+    if not meeting:
+        return None
+    if target.target_rho is not None:
+        return min(meeting, key=lambda row: (row["rho"], row["kl"], row["threshold"]))
+    return max(meeting, key=lambda row: (row["rho"], -row["kl"], -row["threshold"]))
+
+
+def pareto(rows: Sequence[dict]) -> list[dict]:
+    """Rows no other row beats on both reuse (higher ρ) and KL (lower), by ρ."""
+
+    def beats(other: dict, row: dict) -> bool:
+        better = other["rho"] >= row["rho"] and other["kl"] <= row["kl"]
+        return better and (other["rho"], other["kl"]) != (row["rho"], row["kl"])
+
+    front = [row for row in rows if not any(beats(other, row) for other in rows)]
+    return sorted(front, key=lambda row: row["rho"])
+
+
+def variants_of(policy: str, options: dict[str, str], grid: Sequence[str]) -> list[PolicyVariant]:
+    """One variant of `policy` per threshold in `grid`, with its other `options`."""
+    name, key = policy_class(policy).name, threshold_key(policy)
+    return [PolicyVariant(name, {**options, key: threshold}) for threshold in grid]
+
+
+Replayer = Callable[[Sequence[Trajectory], list[PolicyVariant], bool], dict]
+"""Replays trajectories under variants and returns what `kvprof.replay.engine.run_replay` returns; the flag is True for
+the sweep (which a replayer may checkpoint and resume) and False for the held-out verification."""
+
+
+def in_process(
+    agents: AgentSet,
+    repeats: int = 1,
+    online: bool = False,
+    progress: ReplayProgress | None = None,
+    hooks: ReplayHooks | None = None,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> Replayer:
+    """A `Replayer` in this process: the sweep resumes from `progress` and reports to `hooks`; moved spans as
+    `span_matching` finds them."""
+
+    def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
+        return run_replay(
+            agents,
+            list(trajectories),
+            variants,
+            repeats=repeats,
+            online=online,
+            progress=progress if sweep else None,
+            hooks=hooks if sweep else None,
+            span_matching=span_matching,
+        )
+
+    return replay
+
+
+def tune(
+    replay: Replayer,
+    tuning: Sequence[Trajectory],
+    heldout: Sequence[Trajectory],
+    policy: str,
+    options: dict[str, str],
+    grid: Sequence[str],
+    target: Target,
+    online: bool,
+) -> dict:
+    """Sweep `grid` on `tuning`, recommend, verify on `heldout` (see module docstring). Every threshold is one
+    variant of one lockstep replay (`replay`: in this process, `in_process`, or sharded on a Ray cluster), so the
+    dense run is computed once for all of them (on Ray: once per sequential shard). `options`: the policy's other
+    options (its fitted pool); `online` must be what `replay` does."""
+    if target.needs_online and not online:
+        raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
+    variants = variants_of(policy, options, grid)
+    result = replay(tuning, variants, True)
+    rows = [row_of(result, variant, threshold) for variant, threshold in zip(variants, grid)]
+    rows = [row | {"target_met": target.met(row)} for row in rows]
+    best = recommend(rows, target)
+    verification = None
+    if best is not None and heldout:
+        (variant,) = variants_of(policy, options, [f"{best['threshold']:g}"])
+        checked = replay(heldout, [variant], False)
+        verification = row_of(checked, variant, f"{best['threshold']:g}")
+        verification["target_met"] = target.met(verification)
+    return {
+        "policy": policy_class(policy).name,
+        "threshold_option": threshold_key(policy),
+        "options": options,
+        "target": target.describe(),
+        "rows": rows,
+        "pareto": [row["threshold"] for row in pareto(rows)],
+        "recommended": best,
+        "heldout": verification,
+        "tuning_trajectories": [t.id for t in tuning],
+        "heldout_trajectories": [t.id for t in heldout],
+        "dense": {"summary": result["dense"]["summary"], "online": result.get("online", {}).get(DENSE)},
+    }
+
+
+def replay_flags(result: dict) -> list[str]:
+    """The recommendation as `kvprof replay --policy-option` values."""
+    best = result["recommended"]
+    if best is None:
+        return []
+    options = {**result["options"], result["threshold_option"]: f"{best['threshold']:g}"}
+    return [f"{result['policy']}.{key}={value}" for key, value in options.items()]
