@@ -15,7 +15,7 @@ PACKAGE = Path(kvprof.__file__).parent
 # Bottom to top; a package may import its own layer and the layers below it. docs/layout.md draws the same order.
 LAYERS = (
     ("errors", "fileio", "ui", "profiling"),  # plumbing
-    ("claims",),  # the papers' figures and the verdicts on them: data, no torch
+    ("claims", "results"),  # the papers' figures and verdicts; the commands' result files: data, no torch
     ("kernels",),  # attention and correction kernels, torch references
     ("traces",),  # trace format, tasks, chat templates and logs, shapes, reuse structure: no model
     ("model",),  # loading, the runtime, LoRA split, RoPE, layer kinds, buffers
