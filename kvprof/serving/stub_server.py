@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 STUB_VERSION = "stub"  # what it answers on /version
 
@@ -66,7 +67,7 @@ class StubServer:
         self.running = 0
         self.queries = 0
         self.hits = 0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler_for(self))
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -129,137 +130,140 @@ class StubServer:
         return "\n".join(["# HELP vllm:num_requests_running stub", *lines]) + "\n"
 
 
-def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
-    config = stub.config
+class StubHandler(BaseHTTPRequestHandler):
+    """The stub's HTTP endpoints; `handler_for` binds a subclass to one `StubServer`."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    stub: ClassVar[StubServer]
+    protocol_version = "HTTP/1.1"
 
-        def setup(self) -> None:
-            """Send each chunk at once (TCP_NODELAY), as uvicorn does: Nagle's algorithm would hold a stream's small
-            chunks back until the client's delayed ACK."""
-            super().setup()
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def setup(self) -> None:
+        """Send each chunk at once (TCP_NODELAY), as uvicorn does: Nagle's algorithm would hold a stream's small
+        chunks back until the client's delayed ACK."""
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-        def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
-            """Quiet: no access log."""
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
+        """Quiet: no access log."""
 
-        def _count(self) -> bool:
-            with stub.lock:
-                stub.requests += 1
-                over = stub.requests > config.max_requests
-            if over:
-                stub.shutdown()
-            return not over
+    def _count(self) -> bool:
+        with self.stub.lock:
+            self.stub.requests += 1
+            over = self.stub.requests > self.stub.config.max_requests
+        if over:
+            self.stub.shutdown()
+        return not over
 
-        def _send(self, status: int, body: dict | str) -> None:
-            data = (body if isinstance(body, str) else json.dumps(body)).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def _send(self, status: int, body: dict | str) -> None:
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-        def _body(self) -> dict:
-            length = int(self.headers.get("Content-Length", 0))
-            return json.loads(self.rfile.read(length) or b"{}")
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length", 0))
+        return json.loads(self.rfile.read(length) or b"{}")
 
-        def do_GET(self) -> None:
-            if not self._count():
+    def do_GET(self) -> None:
+        if not self._count():
+            return
+        if self.path == "/health":
+            self._send(200, "")
+        elif self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": self.stub.models()})
+        elif self.path == "/metrics":
+            self._send(200, self.stub.metrics())
+        elif self.path == "/version":
+            self._send(200, {"version": STUB_VERSION})
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        if not self._count():
+            return
+        body = self._body()
+        if self.path == "/tokenize":
+            self._send(200, {"tokens": self.stub.config.texts.get(body.get("prompt", ""), [])})
+        elif self.path == "/detokenize":
+            tokens = body.get("tokens", [])
+            text = next((t for t, ids in self.stub.config.texts.items() if ids == tokens), "")
+            self._send(200, {"prompt": text})
+        elif self.path == "/reset_prefix_cache" and self.stub.config.resettable:
+            with self.stub.lock:
+                self.stub.cache.clear()
+            self._send(200, "")
+        elif self.path == "/v1/completions":
+            self._complete(body)
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def _chunk(self, payload: dict | str) -> None:
+        data = f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _complete(self, body: dict) -> None:
+        model = body.get("model")
+        if model not in [self.stub.config.base, *self.stub.config.adapters]:
+            message = f"The model `{model}` does not exist."
+            self._send(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
+            return
+        prompt = list(body["prompt"])
+        count = int(body["max_tokens"])
+        with self.stub.lock:
+            self.stub.completions += 1
+            dying = self.stub.config.die_after is not None and self.stub.completions > self.stub.config.die_after
+            self.stub.running += 1
+        try:
+            self._stream(model, prompt, count, dying)
+        finally:
+            with self.stub.lock:
+                self.stub.running -= 1
+
+    def _stream(self, model: str, prompt: list[int], count: int, dying: bool) -> None:
+        queued = time.perf_counter()
+        cached = self.stub.cached_tokens(model, prompt)
+        answer = self.stub.config.answers.get(tuple(prompt), [])
+        output = (answer + [self.stub.config.filler] * count)[:count]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        name = self.stub.config.answer_model or model
+        time.sleep(self.stub.config.ttft)
+        first = time.perf_counter()
+        for index, token in enumerate(output):
+            if index:
+                time.sleep(self.stub.config.per_token)
+            choice = {"index": 0, "text": f"<{token}>", "token_ids": [token], "finish_reason": None}
+            if index == 0:
+                choice["prompt_token_ids"] = prompt
+            self._chunk({"object": "text_completion", "model": name, "choices": [choice]})
+            if dying:
+                self.stub.shutdown()
+                self.close_connection = True
+                self.wfile.flush()
+                self.connection.close()
                 return
-            if self.path == "/health":
-                self._send(200, "")
-            elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": stub.models()})
-            elif self.path == "/metrics":
-                self._send(200, stub.metrics())
-            elif self.path == "/version":
-                self._send(200, {"version": STUB_VERSION})
-            else:
-                self._send(404, {"detail": "Not Found"})
+        last = time.perf_counter()
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": count,
+            "total_tokens": len(prompt) + count,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        metrics = {"queue_time_ms": 0.0, "time_to_first_token_ms": 1000 * (first - queued)}
+        metrics["generation_time_ms"] = 1000 * (last - first)
+        self._chunk({"object": "text_completion", "model": name, "choices": [], "usage": usage, "metrics": metrics})
+        self._chunk("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
 
-        def do_POST(self) -> None:
-            if not self._count():
-                return
-            body = self._body()
-            if self.path == "/tokenize":
-                self._send(200, {"tokens": config.texts.get(body.get("prompt", ""), [])})
-            elif self.path == "/detokenize":
-                tokens = body.get("tokens", [])
-                text = next((t for t, ids in config.texts.items() if ids == tokens), "")
-                self._send(200, {"prompt": text})
-            elif self.path == "/reset_prefix_cache" and config.resettable:
-                with stub.lock:
-                    stub.cache.clear()
-                self._send(200, "")
-            elif self.path == "/v1/completions":
-                self._complete(body)
-            else:
-                self._send(404, {"detail": "Not Found"})
 
-        def _chunk(self, payload: dict | str) -> None:
-            data = f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
-
-        def _complete(self, body: dict) -> None:
-            model = body.get("model")
-            if model not in [config.base, *config.adapters]:
-                message = f"The model `{model}` does not exist."
-                self._send(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
-                return
-            prompt = list(body["prompt"])
-            count = int(body["max_tokens"])
-            with stub.lock:
-                stub.completions += 1
-                dying = config.die_after is not None and stub.completions > config.die_after
-                stub.running += 1
-            try:
-                self._stream(model, prompt, count, dying)
-            finally:
-                with stub.lock:
-                    stub.running -= 1
-
-        def _stream(self, model: str, prompt: list[int], count: int, dying: bool) -> None:
-            queued = time.perf_counter()
-            cached = stub.cached_tokens(model, prompt)
-            answer = config.answers.get(tuple(prompt), [])
-            output = (answer + [config.filler] * count)[:count]
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            name = config.answer_model or model
-            time.sleep(config.ttft)
-            first = time.perf_counter()
-            for index, token in enumerate(output):
-                if index:
-                    time.sleep(config.per_token)
-                choice = {"index": 0, "text": f"<{token}>", "token_ids": [token], "finish_reason": None}
-                if index == 0:
-                    choice["prompt_token_ids"] = prompt
-                self._chunk({"object": "text_completion", "model": name, "choices": [choice]})
-                if dying:
-                    stub.shutdown()
-                    self.close_connection = True
-                    self.wfile.flush()
-                    self.connection.close()
-                    return
-            last = time.perf_counter()
-            usage = {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": count,
-                "total_tokens": len(prompt) + count,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            }
-            metrics = {"queue_time_ms": 0.0, "time_to_first_token_ms": 1000 * (first - queued)}
-            metrics["generation_time_ms"] = 1000 * (last - first)
-            self._chunk({"object": "text_completion", "model": name, "choices": [], "usage": usage, "metrics": metrics})
-            self._chunk("[DONE]")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-
-    return Handler
+def handler_for(stub: StubServer) -> type[StubHandler]:
+    """A request handler class serving `stub`."""
+    return type("Handler", (StubHandler,), {"stub": stub})
 
 
 def trace_config(path: str, **overrides) -> StubConfig:

@@ -175,6 +175,109 @@ def _system(call: LoggedCall) -> str | None:
     return first.text if first.role == "system" else None
 
 
+@dataclass
+class _LogAgents:
+    """The agents a log's calls name and how they differ: `mode` and the sentence saying why; lora mode: each agent's
+    Activated LoRA invocation (if any) and the trajectories whose agents have different system messages; prompt mode:
+    each agent's role prompt."""
+
+    mode: str
+    agents: list[AgentSpec]
+    reason: str
+    invocations: dict[str, list[int] | None] = field(default_factory=dict)
+    private_in: set[str] = field(default_factory=set)
+    prompts: dict[str, str] = field(default_factory=dict)
+
+
+def _lora_agents(path: Path, calls: list[LoggedCall], names: list[str], adapters: dict[str, str]) -> _LogAgents:
+    unknown = [call for call in calls if call.agent not in adapters]
+    if unknown:
+        raise _fail(
+            path,
+            unknown[0].line,
+            f"agent {unknown[0].agent!r} has no adapter",
+            f"pass --agent {unknown[0].agent}=ADAPTER_DIR (lora mode needs one per agent)",
+        )
+    reason = f"lora mode: adapters given for {', '.join(names)}"
+    by_trajectory: dict[str, set[str | None]] = {}
+    for call in calls:
+        by_trajectory.setdefault(call.trajectory, set()).add(_system(call))
+    private_in = {tid for tid, systems in by_trajectory.items() if len(systems - {None}) > 1}
+    if private_in:
+        reason += (
+            f" (their system messages differ in {len(private_in)} of {len(by_trajectory)} trajectories: there "
+            "each agent's system message is private, its private prefix)"
+        )
+    return _LogAgents(
+        "lora",
+        [AgentSpec(name, adapter=adapters[name]) for name in names],
+        reason,
+        invocations={name: adapter_invocation(adapters[name]) for name in names},
+        private_in=private_in,
+    )
+
+
+def _prompt_agents(path: Path, calls: list[LoggedCall], names: list[str]) -> _LogAgents:
+    prompts = _role_prompts(path, calls)
+    reason = (
+        f"prompt mode: no adapters given; {len(names)} agents with {len(set(prompts.values()))} distinct role "
+        "prompts, each agent's role prompt being its most common system message (the first on a tie)"
+    )
+    other = [call for call in calls if _system(call) != prompts[call.agent]]
+    if other:
+        reason += (
+            f"; {len(other)} calls have another system message (per-task memory, first on line "
+            f"{other[0].line}): each stays that trajectory's private prefix for its agent"
+        )
+    return _LogAgents("prompt", [AgentSpec(name, prompt=prompts[name]) for name in names], reason, prompts=prompts)
+
+
+def _add_call(
+    path: Path,
+    call: LoggedCall,
+    traj: Trajectory,
+    segments: ChatSegments,
+    log: _LogAgents,
+    answer_pattern: str,
+    tokenizer,
+) -> None:
+    """Append `call` to `traj` as a turn: its task, its private text (prompt mode), its segments and output."""
+    if call.task is not None:
+        traj.question = call.task["question"]
+        traj.answer = None if call.task.get("answer") is None else str(call.task["answer"])
+        traj.documents = dict(call.task.get("documents") or {})
+    elif not traj.question:
+        traj.question = next((m.text for m in call.messages if m.role == "user"), "")
+    system = _system(call)
+    prompt_mode = log.mode == "prompt"
+    private = {0} if prompt_mode or (system is not None and call.trajectory in log.private_in) else set()
+    role = log.prompts.get(call.agent)
+    if prompt_mode and system is not None and system != role and system.startswith(role):
+        traj.private.setdefault(call.agent, system[len(role) :])  # the task's private text after the role prompt
+    try:
+        inputs, prompt_segment = segments.call(
+            len(traj.turns), call.messages, private, call.tools, line=call.line, agent=call.agent
+        )
+    except KvprofError as err:  # the template refuses this call's messages
+        raise KvprofError(f"{path} line {call.line}: {err}") from None
+    invocation = log.invocations.get(call.agent)
+    ids = [token for segment in inputs for token in traj.segments[segment].tokens]
+    if invocation is not None and last_occurrence(ids, invocation) is None:
+        raise _fail(
+            path,
+            call.line,
+            f"agent {call.agent!r}'s call lacks the invocation ids {invocation} of its Activated LoRA, so peft "
+            "would run it on the base model alone",
+            "log the calls as the agent was invoked, or give it its adapter's invocation",
+        )
+    output_ids = tokenizer.encode(call.output, add_special_tokens=False)
+    output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
+    traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))
+    answer = re.search(answer_pattern, call.output)
+    if answer:  # the trajectory's prediction: the last answer (or finish) a call gave
+        traj.prediction = answer.group(1).strip()
+
+
 def import_log(
     path: str | Path,
     tokenizer,
@@ -190,51 +293,17 @@ def import_log(
     path = Path(path)
     calls = read_log(path)
     names = list(dict.fromkeys(call.agent for call in calls))
-    private_in: set[str] = set()  # lora mode: trajectories whose agents have different system messages
-    invocations: dict[str, list[int] | None] = {}  # lora mode: each agent's Activated LoRA invocation, if any
-    prompts: dict[str, str] = {}  # prompt mode: each agent's role prompt
-    if adapters:
-        unknown = [call for call in calls if call.agent not in adapters]
-        if unknown:
-            raise _fail(
-                path,
-                unknown[0].line,
-                f"agent {unknown[0].agent!r} has no adapter",
-                f"pass --agent {unknown[0].agent}=ADAPTER_DIR (lora mode needs one per agent)",
-            )
-        mode = "lora"
-
-        invocations = {name: adapter_invocation(adapters[name]) for name in names}
-        agents = [AgentSpec(name, adapter=adapters[name]) for name in names]
-        reason = f"lora mode: adapters given for {', '.join(names)}"
-        by_trajectory: dict[str, set[str | None]] = {}
-        for call in calls:
-            by_trajectory.setdefault(call.trajectory, set()).add(_system(call))
-        private_in = {tid for tid, systems in by_trajectory.items() if len(systems - {None}) > 1}
-        if private_in:
-            reason += (
-                f" (their system messages differ in {len(private_in)} of {len(by_trajectory)} trajectories: there "
-                "each agent's system message is private, its private prefix)"
-            )
-    else:
-        prompts = _role_prompts(path, calls)
-        mode = "prompt"
-        agents = [AgentSpec(name, prompt=prompts[name]) for name in names]
-        distinct = len(set(prompts.values()))
-        reason = (
-            f"prompt mode: no adapters given; {len(names)} agents with {distinct} distinct role prompts, each agent's "
-            "role prompt being its most common system message (the first on a tie)"
-        )
-        other = [call for call in calls if _system(call) != prompts[call.agent]]
-        if other:
-            reason += (
-                f"; {len(other)} calls have another system message (per-task memory, first on line "
-                f"{other[0].line}): each stays that trajectory's private prefix for its agent"
-            )
-    base = workflow or WorkflowSpec(mode=mode, agents=[])
+    log = _lora_agents(path, calls, names, adapters) if adapters else _prompt_agents(path, calls, names)
+    base = workflow or WorkflowSpec(mode=log.mode, agents=[])
     group_chat = any(m.role == "user" and m.name in names for call in calls for m in call.messages)
     spec = WorkflowSpec(
-        **{**base.to_dict(), "mode": mode, "agents": agents, "chat_template": template, "group_chat": group_chat}
+        **{
+            **base.to_dict(),
+            "mode": log.mode,
+            "agents": log.agents,
+            "chat_template": template,
+            "group_chat": group_chat,
+        }
     )
     chat = ChatFormat(tokenizer, template)
     trajectories: dict[str, Trajectory] = {}
@@ -244,46 +313,12 @@ def import_log(
         if traj is None:
             traj = trajectories[call.trajectory] = Trajectory(id=call.trajectory, segments={}, turns=[], question="")
             builders[call.trajectory] = ChatSegments(chat, traj.segments)
-        if call.task is not None:
-            traj.question = call.task["question"]
-            traj.answer = None if call.task.get("answer") is None else str(call.task["answer"])
-            traj.documents = dict(call.task.get("documents") or {})
-        elif not traj.question:
-            traj.question = next((m.text for m in call.messages if m.role == "user"), "")
-        segments = builders[call.trajectory]
-        system = _system(call)
-        private = {0} if mode == "prompt" or (system is not None and call.trajectory in private_in) else set()
-        if mode == "prompt" and system is not None and system != prompts[call.agent]:
-            role = prompts[call.agent]
-            if system.startswith(role) and call.agent not in traj.private:
-                traj.private[call.agent] = system[len(role) :]  # the task's private text after the role prompt
-        try:
-            inputs, prompt_segment = segments.call(
-                len(traj.turns), call.messages, private, call.tools, line=call.line, agent=call.agent
-            )
-        except KvprofError as err:  # the template refuses this call's messages
-            raise KvprofError(f"{path} line {call.line}: {err}") from None
-        invocation = invocations.get(call.agent) if mode == "lora" else None
-        ids = [token for segment in inputs for token in traj.segments[segment].tokens]
-        if invocation is not None and last_occurrence(ids, invocation) is None:
-            raise _fail(
-                path,
-                call.line,
-                f"agent {call.agent!r}'s call lacks the invocation ids {invocation} of its Activated LoRA, so peft "
-                "would run it on the base model alone",
-                "log the calls as the agent was invoked, or give it its adapter's invocation",
-            )
-        output_ids = tokenizer.encode(call.output, add_special_tokens=False)
-        output, _ = segments.output(call.agent, output_ids, call.output, prompt_segment)
-        traj.turns.append(Turn(agent=call.agent, input=inputs, output=output))
-        answer = re.search(spec.answer_pattern, call.output)
-        if answer:  # the trajectory's prediction: the last answer (or finish) a call gave
-            traj.prediction = answer.group(1).strip()
+        _add_call(path, call, traj, builders[call.trajectory], log, spec.answer_pattern, tokenizer)
     header = TraceHeader(
         model={"path": model_name}, tokenizer=identity, workflow=spec.to_dict(), source=f"chat-log:{path.name}"
     )
     differences = {tid: builders[tid].differences for tid in trajectories if builders[tid].differences}
-    return ImportedLog(Trace(header, list(trajectories.values())), reason, differences)
+    return ImportedLog(Trace(header, list(trajectories.values())), log.reason, differences)
 
 
 def trajectory_calls(traj: Trajectory) -> list[dict]:

@@ -283,21 +283,7 @@ def _require(where: _Where, record: dict, name: str, kind: type | tuple[type, ..
     return value
 
 
-def _parse_header(where: _Where, record: dict) -> TraceHeader:
-    if record.get("record") != "header":
-        raise where.fail(
-            "record",
-            "the first line must be the trace header",
-            "pass a file written by `kvprof capture` (or its CSV import)",
-        )
-    if record.get("schema") != SCHEMA:
-        raise where.fail("schema", f"is {record.get('schema')!r}, not {SCHEMA!r}", "pass a kvprof trace file")
-    version = _require(where, record, "version", int)
-    if version > VERSION:
-        raise where.fail("version", f"is {version}, newer than this kvprof reads ({VERSION})", "upgrade kvprof")
-    model = _require(where, record, "model", dict)
-    if not isinstance(model.get("path", ""), str):
-        raise where.fail("model.path", "should be the model's path (text)")
+def _parse_tokenizer(where: _Where, record: dict) -> dict:
     tokenizer = _require(where, record, "tokenizer", dict)
     for key in ("name", "vocab_size", "fingerprint"):
         if key not in tokenizer:
@@ -305,6 +291,10 @@ def _parse_header(where: _Where, record: dict) -> TraceHeader:
     vocab = tokenizer["vocab_size"]
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise where.fail("tokenizer.vocab_size", f"is {vocab!r}, not a positive integer")
+    return tokenizer
+
+
+def _parse_workflow(where: _Where, record: dict) -> dict:
     workflow = _require(where, record, "workflow", dict)
     agents = workflow.get("agents")
     if not isinstance(agents, list) or not agents or not all(isinstance(a, dict) and "name" in a for a in agents):
@@ -322,6 +312,92 @@ def _parse_header(where: _Where, record: dict) -> TraceHeader:
         problem = None if key == "agents" else setting_problem(key, value)
         if problem:
             raise where.fail(f"workflow.{key}", problem)
+    return workflow
+
+
+def _parse_segment(where: _Where, name: str, raw: object, vocab: int) -> Segment:
+    if not isinstance(raw, dict):
+        raise where.fail(name, "should be an object")
+    kind, scope = raw.get("kind"), raw.get("scope")
+    if kind not in SEGMENT_KINDS:
+        raise where.fail(f"{name}.kind", f"is {kind!r}, not one of {', '.join(SEGMENT_KINDS)}")
+    if scope not in SCOPES:
+        raise where.fail(f"{name}.scope", f"is {scope!r}, not 'shared' or 'private'")
+    tokens = raw.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise where.fail(f"{name}.tokens", "should be a list of integer token ids")
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise where.fail(f"{name}.tokens", f"holds id {bad}, outside the tokenizer's vocabulary of {vocab}")
+    text, producer = raw.get("text", ""), raw.get("producer")
+    if not isinstance(text, str):
+        raise where.fail(f"{name}.text", "should be a string")
+    if producer is not None and not isinstance(producer, str):
+        raise where.fail(f"{name}.producer", "should be an agent's name")
+    return Segment(kind=kind, scope=scope, tokens=tokens, text=text, producer=producer)
+
+
+def _parse_turn(
+    where: _Where, name: str, raw: object, segments: dict[str, Segment], agents: set[str], produced: set[str]
+) -> Turn:
+    """One turn of a trajectory; `produced`: the outputs earlier turns produced (this turn's added)."""
+    if not isinstance(raw, dict):
+        raise where.fail(name, "should be an object")
+    agent = raw.get("agent")
+    if not isinstance(agent, str) or agent not in agents:
+        raise where.fail(
+            f"{name}.agent",
+            f"names agent {agent!r}, which the header does not declare (declared: {', '.join(sorted(agents))})",
+        )
+    inputs = raw.get("input")
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(seg_id, str) for seg_id in inputs):
+        raise where.fail(f"{name}.input", "should be a non-empty list of segment ids")
+    for seg_id in inputs:
+        if seg_id not in segments:
+            raise where.fail(f"{name}.input", f"refers to segment {seg_id!r}, which the trajectory does not define")
+        if segments[seg_id].kind == "output" and seg_id not in produced:
+            raise where.fail(f"{name}.input", f"reads output {seg_id!r} before any turn produced it")
+    output = raw.get("output")
+    if not isinstance(output, str) or output not in segments or segments[output].kind != "output":
+        raise where.fail(f"{name}.output", f"{output!r} is not an output segment of this trajectory")
+    produced.add(output)
+    return Turn(agent=agent, input=list(inputs), output=output)
+
+
+def _parse_texts(where: _Where, record: dict) -> tuple[dict, dict, str]:
+    """A trajectory's documents, private texts and question."""
+    documents = record.get("documents", {})
+    if not isinstance(documents, dict) or not all(isinstance(v, str) for v in documents.values()):
+        raise where.fail("documents", "should map names to texts")
+    private = record.get("private", {})
+    if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
+        raise where.fail("private", "should map agent names to texts")
+    question = record.get("question", "")
+    if not isinstance(question, str):
+        raise where.fail("question", "should be a string")
+    for key in ("answer", "prediction"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            raise where.fail(key, "should be a string or null")
+    return documents, private, question
+
+
+def _parse_header(where: _Where, record: dict) -> TraceHeader:
+    if record.get("record") != "header":
+        raise where.fail(
+            "record",
+            "the first line must be the trace header",
+            "pass a file written by `kvprof capture` (or its CSV import)",
+        )
+    if record.get("schema") != SCHEMA:
+        raise where.fail("schema", f"is {record.get('schema')!r}, not {SCHEMA!r}", "pass a kvprof trace file")
+    version = _require(where, record, "version", int)
+    if version > VERSION:
+        raise where.fail("version", f"is {version}, newer than this kvprof reads ({VERSION})", "upgrade kvprof")
+    model = _require(where, record, "model", dict)
+    if not isinstance(model.get("path", ""), str):
+        raise where.fail("model.path", "should be the model's path (text)")
+    tokenizer = _parse_tokenizer(where, record)
+    workflow = _parse_workflow(where, record)
     source = record.get("source", "capture")
     if not isinstance(source, str):
         raise where.fail("source", "should be text")
@@ -343,69 +419,17 @@ def _parse_trajectory(where: _Where, record: dict, header: TraceHeader) -> Traje
         raise where.fail("record", f"is {record.get('record')!r}, expected 'trajectory'")
     traj_id = str(_require(where, record, "id", (str, int)))
     vocab = header.tokenizer["vocab_size"]
-    segments: dict[str, Segment] = {}
-    for seg_id, raw in _require(where, record, "segments", dict).items():
-        name = f"segments.{seg_id}"
-        if not isinstance(raw, dict):
-            raise where.fail(name, "should be an object")
-        kind, scope = raw.get("kind"), raw.get("scope")
-        if kind not in SEGMENT_KINDS:
-            raise where.fail(f"{name}.kind", f"is {kind!r}, not one of {', '.join(SEGMENT_KINDS)}")
-        if scope not in SCOPES:
-            raise where.fail(f"{name}.scope", f"is {scope!r}, not 'shared' or 'private'")
-        tokens = raw.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise where.fail(f"{name}.tokens", "should be a list of integer token ids")
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise where.fail(f"{name}.tokens", f"holds id {bad}, outside the tokenizer's vocabulary of {vocab}")
-        text, producer = raw.get("text", ""), raw.get("producer")
-        if not isinstance(text, str):
-            raise where.fail(f"{name}.text", "should be a string")
-        if producer is not None and not isinstance(producer, str):
-            raise where.fail(f"{name}.producer", "should be an agent's name")
-        segments[seg_id] = Segment(kind=kind, scope=scope, tokens=tokens, text=text, producer=producer)
+    segments = {
+        seg_id: _parse_segment(where, f"segments.{seg_id}", raw, vocab)
+        for seg_id, raw in _require(where, record, "segments", dict).items()
+    }
     agents = set(header.agent_names)
-    turns: list[Turn] = []
     produced: set[str] = set()
     raw_turns = _require(where, record, "turns", list)
     if not raw_turns:
         raise where.fail("turns", f"trajectory {traj_id!r} has no turns", "drop that line or re-capture the trace")
-    for index, raw in enumerate(raw_turns):
-        name = f"turns[{index}]"
-        if not isinstance(raw, dict):
-            raise where.fail(name, "should be an object")
-        agent = raw.get("agent")
-        if not isinstance(agent, str) or agent not in agents:
-            raise where.fail(
-                f"{name}.agent",
-                f"names agent {agent!r}, which the header does not declare (declared: {', '.join(sorted(agents))})",
-            )
-        inputs = raw.get("input")
-        if not isinstance(inputs, list) or not inputs or not all(isinstance(seg_id, str) for seg_id in inputs):
-            raise where.fail(f"{name}.input", "should be a non-empty list of segment ids")
-        for seg_id in inputs:
-            if seg_id not in segments:
-                raise where.fail(f"{name}.input", f"refers to segment {seg_id!r}, which the trajectory does not define")
-            if segments[seg_id].kind == "output" and seg_id not in produced:
-                raise where.fail(f"{name}.input", f"reads output {seg_id!r} before any turn produced it")
-        output = raw.get("output")
-        if not isinstance(output, str) or output not in segments or segments[output].kind != "output":
-            raise where.fail(f"{name}.output", f"{output!r} is not an output segment of this trajectory")
-        produced.add(output)
-        turns.append(Turn(agent=agent, input=list(inputs), output=output))
-    documents = record.get("documents", {})
-    if not isinstance(documents, dict) or not all(isinstance(v, str) for v in documents.values()):
-        raise where.fail("documents", "should map names to texts")
-    private = record.get("private", {})
-    if not isinstance(private, dict) or not all(isinstance(v, str) for v in private.values()):
-        raise where.fail("private", "should map agent names to texts")
-    question = record.get("question", "")
-    if not isinstance(question, str):
-        raise where.fail("question", "should be a string")
-    for key in ("answer", "prediction"):
-        if record.get(key) is not None and not isinstance(record[key], str):
-            raise where.fail(key, "should be a string or null")
+    turns = [_parse_turn(where, f"turns[{i}]", raw, segments, agents, produced) for i, raw in enumerate(raw_turns)]
+    documents, private, question = _parse_texts(where, record)
     return Trajectory(
         id=traj_id,
         segments=segments,
