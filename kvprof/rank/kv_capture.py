@@ -254,6 +254,40 @@ class _Capture:
         return per_head.contiguous()
 
 
+def _check_parts(agents: AgentSet, parts: Sequence[str] | None) -> Sequence[str]:
+    """The parts to capture (default: all the mode has), refused in one sentence when unknown or not in this mode."""
+    lora = agents.spec.mode == "lora"
+    if parts is None:
+        parts = PARTS if lora else ("kv", "hidden")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise KvprofError(f"unknown capture part {', '.join(sorted(unknown))}; use {', '.join(PARTS)}.")
+    if ("split" in parts or "lr" in parts) and not lora:
+        raise KvprofError("the 'split' and 'lr' parts need LoRA agents (lora mode); this agent set is in prompt mode.")
+    return parts
+
+
+def _check_input(
+    device: torch.device,
+    input_ids: Sequence[int] | torch.Tensor,
+    positions: torch.Tensor | None,
+    keep: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """The input ids (L,), their positions (L,) and the kept token range, refused in one sentence when they do not
+    fit together."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
+    length = ids.numel()
+    if length == 0:
+        raise KvprofError("capture_turn got an empty input; pass at least one token.")
+    pos = torch.arange(length, device=device) if positions is None else torch.as_tensor(positions, device=device)
+    if pos.shape != (length,):
+        raise KvprofError(f"positions has shape {tuple(pos.shape)}, expected ({length},): one position per token.")
+    start, end = keep if keep is not None else (0, length)
+    if not 0 <= start < end <= length:
+        raise KvprofError(f"keep=({start}, {end}) is not a token range inside the {length}-token input.")
+    return ids, pos, (start, end)
+
+
 def capture_turn(
     agents: AgentSet,
     agent: str | None,
@@ -275,25 +309,9 @@ def capture_turn(
     (default: every loaded adapter that targets the projection). Returns a `TurnCapture`, tensors in fp32 on the
     model's device.
     """
-    lora = agents.spec.mode == "lora"
-    if parts is None:
-        parts = PARTS if lora else ("kv", "hidden")
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise KvprofError(f"unknown capture part {', '.join(sorted(unknown))}; use {', '.join(PARTS)}.")
-    if ("split" in parts or "lr" in parts) and not lora:
-        raise KvprofError("the 'split' and 'lr' parts need LoRA agents (lora mode); this agent set is in prompt mode.")
-    device = agents.device
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
+    parts = _check_parts(agents, parts)
+    ids, pos, (start, end) = _check_input(agents.device, input_ids, positions, keep)
     length = ids.numel()
-    if length == 0:
-        raise KvprofError("capture_turn got an empty input; pass at least one token.")
-    pos = torch.arange(length, device=device) if positions is None else torch.as_tensor(positions, device=device)
-    if pos.shape != (length,):
-        raise KvprofError(f"positions has shape {tuple(pos.shape)}, expected ({length},): one position per token.")
-    start, end = keep if keep is not None else (0, length)
-    if not 0 <= start < end <= length:
-        raise KvprofError(f"keep=({start}, {end}) is not a token range inside the {length}-token input.")
     blocks = decoder_layers(agents.base_model)
     chosen = resolve_layers(layers, len(blocks))
     adapter_names = list(agents.adapters) if lr_adapters is None else list(lr_adapters)
@@ -312,14 +330,7 @@ def capture_turn(
     handles = []
     try:
         for index, recorder in recorders.items():
-            block = blocks[index]
-            if "split" in parts or "lr" in parts:
-                handles += recorder.hooks(projections, "split" in parts)
-            if "hidden" in parts:
-                handles.append(block.register_forward_pre_hook(_hidden_hook(state, recorder), with_kwargs=True))
-            handles.append(
-                block.register_forward_hook(_finish_hook(state, recorder, cache, parts, projections, adapter_names))
-            )
+            handles += _register(blocks[index], recorder, state, cache, parts, projections, adapter_names)
         with agents.activate(agent), torch.no_grad():  # not inference_mode: callers may update the tensors
             try:
                 agents.base_model.get_decoder()(
@@ -341,6 +352,23 @@ def capture_turn(
         positions=pos[start:end].clone(),
         layers={index: recorders[index].result for index in chosen},
     )
+
+
+def _register(
+    block: torch.nn.Module,
+    recorder: _LayerRecorder,
+    state: _Capture,
+    cache,
+    parts: Sequence[str],
+    projections: Sequence[str],
+    adapters: list[str],
+) -> list:
+    """Hook one decoder layer for a capture; returns the hook handles."""
+    handles = recorder.hooks(projections, "split" in parts) if "split" in parts or "lr" in parts else []
+    if "hidden" in parts:
+        handles.append(block.register_forward_pre_hook(_hidden_hook(state, recorder), with_kwargs=True))
+    handles.append(block.register_forward_hook(_finish_hook(state, recorder, cache, parts, projections, adapters)))
+    return handles
 
 
 def _down_projection(module: torch.nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:

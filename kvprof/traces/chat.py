@@ -297,14 +297,18 @@ def _align(text: str, messages: list[Message]) -> list[tuple[int, int] | None]:
         contents[k] = (at, at + len(needles[k]))
     for k, needle in enumerate(needles):
         if needle and contents[k] is None:
-            taken = sorted(c for c in contents if c is not None)
-            at = text.find(needle)
-            while at >= 0:
-                if all(at + len(needle) <= begin or at >= end for begin, end in taken):
-                    contents[k] = (at, at + len(needle))
-                    break
-                at = text.find(needle, at + 1)
+            contents[k] = _uncovered_occurrence(text, needle, [c for c in contents if c is not None])
     return contents
+
+
+def _uncovered_occurrence(text: str, needle: str, taken: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The first occurrence of `needle` in `text` that overlaps none of the `taken` (begin, end) ranges."""
+    at = text.find(needle)
+    while at >= 0:
+        if all(at + len(needle) <= begin or at >= end for begin, end in taken):
+            return at, at + len(needle)
+        at = text.find(needle, at + 1)
+    return None
 
 
 def _fill(pieces: list[Piece], ids: list[int], starts: list[int]) -> None:

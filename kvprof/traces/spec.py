@@ -191,6 +191,48 @@ def _infer_mode(agents: list[AgentSpec], declared: str | None, origin: str = "")
     return mode
 
 
+def _read_workflow_file(path: Path, agents: dict[str, AgentSpec]) -> dict:
+    """The settings of the TOML workflow file at `path`, its agents added to `agents` (adapter paths resolved
+    against the file's folder); refused in one sentence naming the file."""
+    fix = "pass a TOML workflow spec (e.g. kvprof/demo/assets/workflow_lora.toml)"
+    try:
+        raw = tomllib.loads(read_text_file(path, "workflow file", fix))
+    except tomllib.TOMLDecodeError as err:
+        raise KvprofError(f"workflow file {path} is not valid TOML ({err}); fix the file.") from None
+    table = raw.pop("agents", {})
+    if not isinstance(table, dict):
+        raise KvprofError(f"workflow file {path}: 'agents' should be a table of [agents.NAME] tables; fix the file.")
+    for key, value in raw.items():
+        problem = setting_problem(key, value)
+        if problem:
+            raise KvprofError(f"workflow file {path}: '{key}' {problem}; fix the file.")
+    for name, fields in table.items():
+        problem = agent_problem(fields)
+        if problem:
+            raise KvprofError(f"workflow file {path}: agent {name!r} {problem}; fix the file.")
+        adapter = fields.get("adapter")
+        if adapter is not None and not Path(adapter).is_absolute():
+            adapter = str((path.parent / adapter).resolve())
+        agents[name] = AgentSpec(
+            name=name, adapter=adapter, prompt=fields.get("prompt"), max_new_tokens=fields.get("max_new_tokens")
+        )
+    return raw
+
+
+def _apply_agent_flags(agents: dict[str, AgentSpec], agent_flags: list[str], role_flags: list[str]) -> None:
+    """--agent NAME=ADAPTER_DIR and --role NAME=PROMPT (or NAME=@FILE) over `agents`: each flag makes its agent a
+    lora-mode or a prompt-mode one."""
+    for value in agent_flags:
+        name, adapter = parse_assignment("--agent", value)
+        agents[name] = replace(agents.get(name, AgentSpec(name)), adapter=adapter, prompt=None)
+    for value in role_flags:
+        name, prompt = parse_assignment("--role", value)
+        if prompt.startswith("@"):
+            fix = f"pass --role {name}=@FILE with an existing text file, or the prompt text itself"
+            prompt = read_text_file(prompt[1:], "role prompt file", fix)
+        agents[name] = replace(agents.get(name, AgentSpec(name)), prompt=prompt, adapter=None)
+
+
 def build_spec(
     workflow_file: str | Path | None = None,
     agent_flags: list[str] | None = None,
@@ -203,45 +245,11 @@ def build_spec(
     agents: dict[str, AgentSpec] = {a.name: a for a in (base.agents if base else [])}
     declared_mode = data.get("mode") if base else None
     if workflow_file is not None:
-        path = Path(workflow_file)
-        fix = "pass a TOML workflow spec (e.g. kvprof/demo/assets/workflow_lora.toml)"
-        try:
-            raw = tomllib.loads(read_text_file(path, "workflow file", fix))
-        except tomllib.TOMLDecodeError as err:
-            raise KvprofError(f"workflow file {path} is not valid TOML ({err}); fix the file.") from None
-        table = raw.pop("agents", {})
-        if not isinstance(table, dict):
-            raise KvprofError(
-                f"workflow file {path}: 'agents' should be a table of [agents.NAME] tables; fix the file."
-            )
-        for key, value in raw.items():
-            problem = setting_problem(key, value)
-            if problem:
-                raise KvprofError(f"workflow file {path}: '{key}' {problem}; fix the file.")
-        for name, fields in table.items():
-            problem = agent_problem(fields)
-            if problem:
-                raise KvprofError(f"workflow file {path}: agent {name!r} {problem}; fix the file.")
-            adapter = fields.get("adapter")
-            if adapter is not None and not Path(adapter).is_absolute():
-                adapter = str((path.parent / adapter).resolve())
-            agents[name] = AgentSpec(
-                name=name, adapter=adapter, prompt=fields.get("prompt"), max_new_tokens=fields.get("max_new_tokens")
-            )
+        raw = _read_workflow_file(Path(workflow_file), agents)
         declared_mode = raw.get("mode", declared_mode)
         data.update(raw)
-    for value in agent_flags or []:
-        name, adapter = parse_assignment("--agent", value)
-        previous = agents.get(name, AgentSpec(name))
-        agents[name] = replace(previous, adapter=adapter, prompt=None)
-        declared_mode = None
-    for value in role_flags or []:
-        name, prompt = parse_assignment("--role", value)
-        if prompt.startswith("@"):
-            fix = f"pass --role {name}=@FILE with an existing text file, or the prompt text itself"
-            prompt = read_text_file(prompt[1:], "role prompt file", fix)
-        previous = agents.get(name, AgentSpec(name))
-        agents[name] = replace(previous, prompt=prompt, adapter=None)
+    if agent_flags or role_flags:
+        _apply_agent_flags(agents, agent_flags or [], role_flags or [])
         declared_mode = None
     origin = "" if workflow_file is None else f"workflow file {workflow_file}: "
     if not agents:
