@@ -781,6 +781,50 @@ def _context_free_records(
     ]
 
 
+def _shared_spans(traj: Trajectory, agent_names: Sequence[str], sequences: dict[str, AgentSequence]) -> list[PairSpan]:
+    """The non-empty shared span of every agent pair (i before j in `agent_names`) that both act in `traj`."""
+    spans = []
+    for i, source in enumerate(agent_names):
+        for target in agent_names[i + 1 :]:
+            if source in sequences and target in sequences:
+                span = pair_span(traj, sequences[source], sequences[target])
+                if len(span):
+                    spans.append(span)
+    return spans
+
+
+def _pair_result(
+    agents: AgentSet,
+    traj: Trajectory,
+    span: PairSpan,
+    captures: dict[str, TurnCapture],
+    layers: Sequence[int],
+    per_head: bool,
+    columns: int,
+) -> PairResult:
+    """One pair's comparison on its shared span, per layer, from the two agents' captures."""
+    return PairResult(
+        trajectory=traj.id,
+        source=span.source,
+        target=span.target,
+        tokens=len(span),
+        bound=min(len(span), columns),
+        segments=span.segments,
+        layers={
+            layer: compare_pair(
+                captures[span.source],
+                captures[span.target],
+                span,
+                layer,
+                agents.ropes[layer],
+                per_head,
+                agents.base_model.dtype,
+            )
+            for layer in layers
+        },
+    )
+
+
 def analyze_trace(
     agents: AgentSet,
     trace: Trace,
@@ -815,14 +859,7 @@ def analyze_trace(
         sequences = {
             name: sequence for name in agent_names if (sequence := agent_sequence(traj, name, max_tokens)) is not None
         }
-        spans = []
-        for i, source in enumerate(agent_names):
-            for target in agent_names[i + 1 :]:
-                if source not in sequences or target not in sequences:
-                    continue
-                span = pair_span(traj, sequences[source], sequences[target])
-                if len(span):
-                    spans.append(span)
+        spans = _shared_spans(traj, agent_names, sequences)
         if spans:
             needed = {span.source for span in spans} | {span.target for span in spans}
             captures = {
@@ -830,29 +867,7 @@ def analyze_trace(
                 for name in agent_names
                 if name in needed
             }
-            for span in spans:
-                result.pairs.append(
-                    PairResult(
-                        trajectory=traj.id,
-                        source=span.source,
-                        target=span.target,
-                        tokens=len(span),
-                        bound=min(len(span), columns),
-                        segments=span.segments,
-                        layers={
-                            layer: compare_pair(
-                                captures[span.source],
-                                captures[span.target],
-                                span,
-                                layer,
-                                ropes[layer],
-                                per_head,
-                                agents.base_model.dtype,
-                            )
-                            for layer in layers
-                        },
-                    )
-                )
+            result.pairs += [_pair_result(agents, traj, span, captures, layers, per_head, columns) for span in spans]
             if mode == "prompt":
                 result.segments += _context_free_records(
                     agents, traj, spans, sequences, captures, layers, ropes, per_head, columns
