@@ -49,6 +49,21 @@ def check_lora_attention_inputs(
     attn_mask: torch.Tensor | None = None,
 ) -> None:
     """Raise `KvprofError` naming the offending input when the shapes, dtypes or devices do not fit together."""
+    _check_qkv(q, k, v_base)
+    _check_low_rank(q, k, v_lr, lora_b)
+    tensors = {"q": q, "k": k, "v_base": v_base, "v_lr": v_lr, "lora_b": lora_b}
+    for name, tensor in tensors.items():
+        if tensor.dtype != q.dtype:
+            raise KvprofError(f"{name} is {tensor.dtype} but q is {q.dtype}; cast {name} to {q.dtype}.")
+        if tensor.device != q.device:
+            raise KvprofError(f"{name} is on {tensor.device} but q is on {q.device}; move {name} to {q.device}.")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise KvprofError(f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32.")
+    if attn_mask is not None:
+        _check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v_base: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v_base.dim() != 4:
         raise KvprofError(
             f"q, k and v_base must be 4-D (B, H, L, D); got {tuple(q.shape)}, {tuple(k.shape)} and "
@@ -71,6 +86,11 @@ def check_lora_attention_inputs(
             f"q has {q_len} positions but k only {kv_len}; the keys must include the queries "
             "(Lq ≤ Lk): append the new tokens to the cache before attending."
         )
+
+
+def _check_low_rank(q: torch.Tensor, k: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> None:
+    batch, _, _, head_dim = q.shape
+    _, kv_heads, kv_len, _ = k.shape
     if v_lr.dim() == 3:
         lr_ok = v_lr.shape[:2] == (batch, kv_len)
     elif v_lr.dim() == 4:
@@ -95,27 +115,22 @@ def check_lora_attention_inputs(
             f"LoRA rank {rank} is outside 1..{MAX_RANK}; Flash-LoRA-Attention supports ranks up to "
             f"{MAX_RANK}: use the naive expansion for larger adapters."
         )
-    tensors = {"q": q, "k": k, "v_base": v_base, "v_lr": v_lr, "lora_b": lora_b}
-    for name, tensor in tensors.items():
-        if tensor.dtype != q.dtype:
-            raise KvprofError(f"{name} is {tensor.dtype} but q is {q.dtype}; cast {name} to {q.dtype}.")
-        if tensor.device != q.device:
-            raise KvprofError(f"{name} is on {tensor.device} but q is on {q.device}; move {name} to {q.device}.")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise KvprofError(f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32.")
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            raise KvprofError(
-                f"attn_mask is {attn_mask.dtype}; pass a boolean mask (True = attend), as "
-                "transformers' sdpa mask function builds."
-            )
-        try:
-            torch.broadcast_shapes(attn_mask.shape, (batch, q_heads, q_len, kv_len))
-        except RuntimeError:
-            raise KvprofError(
-                f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, H_q, Lq, Lk) = "
-                f"{(batch, q_heads, q_len, kv_len)}; build it for these query and key lengths."
-            ) from None
+
+
+def _check_mask(attn_mask: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
+    """attn_mask must be boolean and broadcast to (B, H_q, Lq, Lk) = `shape`."""
+    if attn_mask.dtype != torch.bool:
+        raise KvprofError(
+            f"attn_mask is {attn_mask.dtype}; pass a boolean mask (True = attend), as "
+            "transformers' sdpa mask function builds."
+        )
+    try:
+        torch.broadcast_shapes(attn_mask.shape, shape)
+    except RuntimeError:
+        raise KvprofError(
+            f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, H_q, Lq, Lk) = "
+            f"{shape}; build it for these query and key lengths."
+        ) from None
 
 
 def lora_factors_like(q: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
