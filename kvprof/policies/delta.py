@@ -613,18 +613,28 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.corrected.setdefault(agent, []).extend((start, end) for start, end, _ in context.corrected_spans)
         self.bases.update(context.bases)
         assert self.pool is not None
-        for decision in [*context.decisions, *context.moved_decisions]:
-            gate = context.gates.get(decision.segment.name)
-            if gate is not None:
-                self.verdicts[decision.segment.name] = decision.verdict
-                if decision.verdict:
-                    self.pool.activate(gate)
+        self.record_verdicts(context)
         for decision in context.decisions:
             self.latest[decision.segment.name] = agent
             self.readers[decision.segment.name] += 1
         added = self.log.observe(agent, context.shared_len, self.seen[agent])
         for segment in added:
             self.latest[segment.name] = agent
+        return self.learn_turn(agent, context, added)
+
+    def record_verdicts(self, context: DeltaContext) -> None:
+        """Keep each gated segment's verdict; an accepted gate activates the anchors it matched."""
+        assert self.pool is not None
+        for decision in [*context.decisions, *context.moved_decisions]:
+            gate = context.gates.get(decision.segment.name)
+            if gate is not None:
+                self.verdicts[decision.segment.name] = decision.verdict
+                if decision.verdict:
+                    self.pool.activate(gate)
+
+    def learn_turn(self, agent: str, context: DeltaContext, added: list[SharedSegment]) -> float:
+        """What the pool learns from a committed turn: its rejected or uncorrected inputs and the segments it
+        produced, as the pool admits them, and its rejected moved spans. Returns the FLOPs spent."""
         flops = 0.0
         for decision in context.decisions:
             segment = decision.segment
