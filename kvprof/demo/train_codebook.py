@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import torch
 import typer
@@ -53,6 +53,10 @@ from kvprof.demo.train import _tail, model_config, train_loop
 from kvprof.demo.world import write_tasks, write_workflow_toml
 from kvprof.fileio import write_json
 from kvprof.ui import progress
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+    from transformers import PreTrainedTokenizerFast
 
 
 @dataclass
@@ -221,6 +225,81 @@ def per_call_accuracy(model, tokenizer, tasks: list[CodebookTask]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------- phases
 
 
+@dataclass
+class _Phases:
+    """The training phases of one model, each recorded in `record` (seconds, steps, final loss, held-out checks)."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerFast
+    cfg: TrainConfig
+    bar: Progress
+    record: dict
+    eval_tasks: list[CodebookTask]
+    eval_symbol_tasks: list[CodebookTask]
+
+    def train(self, name: str, steps: int, stream: Iterator[list[Example]], lr: float, bf16: bool, done) -> None:
+        """Train up to `steps` steps, ending early once `done(check)` holds (asked every `check_every` steps, each
+        check recorded with the loss and per-call held-out accuracy)."""
+        job = self.bar.add_task(name, total=steps)
+        began = time.perf_counter()
+        checks: list[dict] = []
+
+        def step(index: int, loss: float) -> None:
+            self.bar.update(job, completed=index + 1, description=f"{name} loss {loss:.3f}")
+
+        def stop(index: int, losses: list[float]) -> bool:
+            if (index + 1) % self.cfg.check_every:
+                return False
+            check = {
+                "step": index + 1,
+                "loss": _tail(losses),
+                "colour": per_call_accuracy(self.model, self.tokenizer, self.eval_tasks),
+                "symbol": per_call_accuracy(self.model, self.tokenizer, self.eval_symbol_tasks),
+            }
+            self.model.train()
+            checks.append(check)
+            self.bar.console.print(f"{name} {json.dumps(check)}")
+            return done(check)
+
+        cfg = self.cfg
+        parameters = list(self.model.parameters())
+        pad = self.tokenizer.pad_token_id
+        losses = train_loop(self.model, parameters, stream, steps, lr, cfg.warmup, pad, step, bf16=bf16, stop=stop)
+        self.record[name] = {
+            "seconds": round(time.perf_counter() - began, 1),
+            "steps": len(losses),
+            "final_loss": _tail(losses),
+            "checks": checks,
+        }
+
+
+def _train_phases(phases: _Phases) -> None:
+    """Recall, keys, lookup, decode: each until its own criterion holds or its step budget ends."""
+    cfg, tokenizer = phases.cfg, phases.tokenizer
+
+    def recalled(check: dict) -> bool:
+        return check["loss"] < cfg.recall_done_loss
+
+    phases.train("recall", cfg.recall_steps, recall_stream(tokenizer, cfg), cfg.recall_lr, False, recalled)
+    phases.train("keys", cfg.keys_steps, key_stream(tokenizer, cfg), cfg.recall_lr, False, recalled)
+    phases.train(
+        "lookup",
+        cfg.lookup_steps,
+        task_stream(tokenizer, cfg, "lookup", decode=False),
+        cfg.lr,
+        True,
+        lambda check: check["symbol"]["reflect"] >= cfg.done_accuracy,
+    )
+    phases.train(
+        "decode",
+        cfg.decode_steps,
+        task_stream(tokenizer, cfg, "decode", decode=True),
+        cfg.lr,
+        True,
+        lambda check: min(check["colour"]["act:finish"], check["colour"]["reflect"]) >= cfg.done_accuracy,
+    )
+
+
 def run(out: Path, cfg: TrainConfig) -> dict:
     """All phases into `out`; returns the training record (also written to OUT/training.json)."""
     from transformers import LlamaForCausalLM
@@ -233,50 +312,6 @@ def run(out: Path, cfg: TrainConfig) -> dict:
     eval_symbol_tasks = make_tasks("heldout", cfg.eval_tasks, start=20_000, asks="symbol")
     started = time.perf_counter()
     with progress() as bar:
-
-        def phase(name: str, steps: int, stream: Iterator[list[Example]], lr: float, bf16: bool, done) -> None:
-            """Train up to `steps` steps, ending early once `done(losses)` holds (asked every `check_every` steps,
-            each check recorded with the loss and per-call held-out accuracy)."""
-            job = bar.add_task(name, total=steps)
-            began = time.perf_counter()
-            checks: list[dict] = []
-
-            def step(index: int, loss: float) -> None:
-                bar.update(job, completed=index + 1, description=f"{name} loss {loss:.3f}")
-
-            def stop(index: int, losses: list[float]) -> bool:
-                if (index + 1) % cfg.check_every:
-                    return False
-                check = {
-                    "step": index + 1,
-                    "loss": _tail(losses),
-                    "colour": per_call_accuracy(model, tokenizer, eval_tasks),
-                    "symbol": per_call_accuracy(model, tokenizer, eval_symbol_tasks),
-                }
-                model.train()
-                checks.append(check)
-                bar.console.print(f"{name} {json.dumps(check)}")
-                return done(check)
-
-            losses = train_loop(
-                model,
-                list(model.parameters()),
-                stream,
-                steps,
-                lr,
-                cfg.warmup,
-                tokenizer.pad_token_id,
-                step,
-                bf16=bf16,
-                stop=stop,
-            )
-            record["phases"][name] = {
-                "seconds": round(time.perf_counter() - began, 1),
-                "steps": len(losses),
-                "final_loss": _tail(losses),
-                "checks": checks,
-            }
-
         began = time.perf_counter()
         tokenizer = build_tokenizer(make_tasks("train", cfg.tokenizer_tasks), cfg.vocab_size)
         tokenizer.save_pretrained(out / "model")
@@ -285,38 +320,7 @@ def run(out: Path, cfg: TrainConfig) -> dict:
         config = model_config(cfg, tokenizer)
         config._attn_implementation = "sdpa"
         model = LlamaForCausalLM(config)
-        phase(
-            "recall",
-            cfg.recall_steps,
-            recall_stream(tokenizer, cfg),
-            cfg.recall_lr,
-            False,
-            lambda check: check["loss"] < cfg.recall_done_loss,
-        )
-        phase(
-            "keys",
-            cfg.keys_steps,
-            key_stream(tokenizer, cfg),
-            cfg.recall_lr,
-            False,
-            lambda check: check["loss"] < cfg.recall_done_loss,
-        )
-        phase(
-            "lookup",
-            cfg.lookup_steps,
-            task_stream(tokenizer, cfg, "lookup", decode=False),
-            cfg.lr,
-            True,
-            lambda check: check["symbol"]["reflect"] >= cfg.done_accuracy,
-        )
-        phase(
-            "decode",
-            cfg.decode_steps,
-            task_stream(tokenizer, cfg, "decode", decode=True),
-            cfg.lr,
-            True,
-            lambda check: min(check["colour"]["act:finish"], check["colour"]["reflect"]) >= cfg.done_accuracy,
-        )
+        _train_phases(_Phases(model, tokenizer, cfg, bar, record["phases"], eval_tasks, eval_symbol_tasks))
         model.save_pretrained(out / "model")
         record["parameters"] = sum(p.numel() for p in model.parameters())
         write_workflow_toml(out / "workflow_prompt.toml", workflow_spec())
