@@ -9,8 +9,9 @@ engine under a load, without a GPU or a serving engine that implements the polic
 - `engine`: an iteration-level model of a vLLM-V1-style scheduler (token budget, chunked prefill, max_num_seqs,
   KV blocks from a memory budget, preemption by recompute) driven by Poisson or closed-loop trajectory arrivals;
 - `sweep`: each policy at each load, its latency percentiles, throughput, memory, out-of-memory verdicts and the
-  highest load meeting a TTFT SLO; and the calibration's errors on its own runs;
-- `claims`: the published serving figures' verdicts from a simulation, stated as simulated.
+  highest load meeting a TTFT SLO; and the calibration's errors on its own runs.
+
+The published serving figures' verdicts from a simulation are `kvprof.claims.serving`.
 
 Pure Python (no torch; numpy and scipy only for the fit): an hour of traffic at 8 qps for each of 17 policies takes
 40–50 s on one core (scripts/simulate_bench.py).
