@@ -9,8 +9,10 @@ V = X_i·W0 + s·(X_j·A_j)·B_j. Approximate (agent i shaped the base part). Me
 - `code` (default, the authors' code): one forward over the tokens after the agent's LR cache (the gap: others'
   tokens since its last turn, then its chunk), timed as prefill. Gap tokens attend to the shared K_base / V_base
   plus their own LR term, not to their own fresh K/V; base K/V are appended only past the base cache's end; X·A_j of
-  every token extends the LR cache (`fastchat/serve/inference.py` `generate_stream`; `modeling_llama.py`
-  `LlamaAttention.forward`; `peft/tuners/lora/layer.py` `Linear.forward`). Compute ≈ NonShared's.
+  every token extends the LR cache (`fastchat/serve/inference.py` `generate_stream`: `input_ids[past_seq_length:]`;
+  `modeling_llama.py` `LlamaAttention.forward`: keys sliced to those past the base cache; `peft/tuners/lora/layer.py`
+  `Linear.forward`: `base_layer` on those tokens only, `past_lr_cache.update(lora_A(x))` on all). Compute ≈
+  NonShared's.
 - `full` (paper text): the whole context re-run from position 0 into a fresh cache; compute ≥ NonShared.
 - `incremental` (kvprof): the code's extent, the gap tokens in a separate forward attending to their own fresh K/V.
 
