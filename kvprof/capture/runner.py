@@ -37,8 +37,7 @@ def capture_spec(
     max_rounds: int | None = None,
     max_new_tokens: int | None = None,
 ) -> WorkflowSpec:
-    """The workflow a capture runs: a TOML file and agent/role flags (`kvprof.traces.spec.build_spec`), with its limits
-    replaced where given; refuses agents the ReAct schedule has no role for."""
+    """The capture's workflow from a TOML file and flags (`build_spec`), limits replaced; refuses unknown roles."""
     spec = build_spec(workflow, agent_flags, role_flags)
     if max_rounds is not None:
         spec.max_rounds = max_rounds
@@ -73,8 +72,7 @@ def checkpoint_path(trace_path: Path) -> Path:
 
 
 def resumed_trajectories(checkpoint: Path, header: TraceHeader, tasks: Sequence[Task]) -> list[Trajectory]:
-    """The trajectories an interrupted capture left in `checkpoint`, which must exist; refuses a checkpoint of
-    another model, workflow or sampling (another `header`) or of other leading `tasks`."""
+    """The trajectories in `checkpoint`; refuses one with another `header` or other leading `tasks`."""
     partial = read_partial_trace(checkpoint)
     if header_record(partial.header) != json.loads(json.dumps(header_record(header))):
         raise KvprofError(
@@ -101,13 +99,8 @@ def capture_trajectories(
     on_turn: Callable[[Trajectory, Turn], None] | None = None,
     on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
-    """Run `agents.spec`'s ReAct workflow on the `tasks` after the `resumed` ones (the trajectories of the first
-    tasks, from `resumed_trajectories`) and write them all to `trace_path`; returns them in task order.
-
-    Each new trajectory is also appended to the checkpoint (`checkpoint_path`), which is removed once the trace is
-    complete. `on_task` is called before a task runs, `on_turn` after each agent call, `on_trajectory` after a
-    task's trajectory is written.
-    """
+    """Run the ReAct workflow on `tasks` after the `resumed` ones, write all to `trace_path` (checkpointing each,
+    checkpoint removed at the end); trajectories in task order. Callbacks: `on_task`, `on_turn`, `on_trajectory`."""
     captured = list(resumed)
     checkpoint = checkpoint_path(trace_path)
     tool = SearchTool()
@@ -129,8 +122,7 @@ def capture_trajectories(
 
 
 def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
-    """The numbers of a capture result: trajectories, agent calls and tokens (distinct, and in segments several
-    agents read), exact-match accuracy on the tasks with an answer, `elapsed` seconds, and per-agent turn counts."""
+    """Trajectories, calls, tokens (distinct, shared), exact-match accuracy, `elapsed` s, per-agent turns."""
     with_answer = [t for t in trajectories if t.answer is not None]
     correct = sum(exact_match(t.prediction, t.answer) for t in with_answer)
     per_agent: dict[str, dict] = defaultdict(lambda: {"turns": 0, "input_tokens": 0, "output_tokens": 0})

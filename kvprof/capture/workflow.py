@@ -94,12 +94,8 @@ def generate(
     spec: WorkflowSpec,
     sampling: Sampling,
 ) -> list[int]:
-    """One agent call with transformers' `generate`: returns the new token ids (stop string / end id included); a
-    stop string ends the call once the generated text contains it, an end id (EOS, the chat template's end of turn:
-    `kvprof.traces.stopping.end_ids`) once it is generated.
-
-    `agent` None runs the base model with adapters disabled (`AgentSet.activate`). A call of an Activated LoRA agent
-    whose input lacks its invocation ids is refused: peft would run it on the base model alone."""
+    """One call with `generate`: new ids through the stop string or end id (`kvprof.traces.stopping.end_ids`).
+    `agent` None: adapters off. Refuses an aLoRA call without its invocation ids (peft would run the base alone)."""
     tokenizer = agents.tokenizer
     invocation = invocation_tokens(agents.model, agent) if agent is not None and spec.mode == "lora" else None
     if invocation is not None and last_occurrence(input_ids, invocation) is None:
@@ -164,12 +160,8 @@ def run_react(
     respond: Responder,
     on_turn: TurnCallback | None = None,
 ) -> Trajectory:
-    """Run one task through the ReAct schedule and return its trajectory (see module docstring).
-
-    `respond` decides each output: the model for capture, a sharing policy for online replay, or scripted gold
-    outputs when building training data — the layout of the inputs is the same in every case: kvprof's own
-    (`TextLayout`) or, when the spec has a chat template, chat messages (`ChatLayout`).
-    """
+    """Run one task through the ReAct schedule; its trajectory. `respond`: the model (capture), a policy (online
+    replay) or gold outputs (training data); inputs laid out by `TextLayout` or `ChatLayout` alike."""
     layout: Layout = (
         ChatLayout(spec, tokenizer, task, respond) if spec.chat_template else TextLayout(spec, tokenizer, task, respond)
     )
@@ -203,8 +195,7 @@ def run_react(
 
 
 def require_react_agents(names: list[str]) -> None:
-    """Refuse, in one sentence, agents (`names`) that `run_react` cannot schedule: it calls `act` every round, and
-    `plan` / `reflect` when the workflow has them."""
+    """Refuse agents `run_react` cannot schedule (it needs `act`; `plan` / `reflect` optional)."""
     if "act" not in names or any(name not in ("plan", "act", "reflect") for name in names):
         raise KvprofError(
             f"--online re-runs kvprof's ReAct schedule (agents act, and plan / reflect when present), but this "
@@ -269,11 +260,8 @@ class TextLayout:
 
 
 class ChatLayout:
-    """Chat messages through the spec's chat template (`kvprof.traces.chat`): the role prompt as the acting agent's
-    system message (prompt mode; in lora mode the spec's system prompt, shared), the question as a user message, earlier
-    outputs as assistant messages named by their agent (with the spec's `group_chat`, another agent's as a user message
-    with its name, as AutoGen / AG2 lay a group chat out), observations as tool messages; then the generation
-    prompt."""
+    """Chat messages through the spec's template (`kvprof.traces.chat`): system (role prompt; lora mode: the shared
+    system prompt), user (question), assistant by agent (`group_chat`: user with a name, as AutoGen / AG2), tool."""
 
     def __init__(self, spec: WorkflowSpec, tokenizer, task: Task, respond: Responder):
         assert spec.chat_template is not None  # chosen by run_react

@@ -1,12 +1,9 @@
 """Verdicts on the published memory figures the replayed policies carry (`Published.memory`, a `MemoryClaim`).
 
-A claim is a ratio: the claiming policy's peak memory, read as the paper reads it (`MemoryClaim.measure`), over a
-reference run's in the same replay. For each replayed policy with such a figure and each reference run the replay
-holds, the verdict is "holds" (the measured ratio lies in the claimed interval), "does not hold", or "not
-comparable" — the reference was not replayed, or only with other options than the claim's setting; the trace's
-longest context is shorter than the claim's, or its agents are not as many; the measure was not recorded — always
-with the measured ratio where there is one, and why. It reads a replay's result (a dict, as `kvprof replay` writes
-it), so it applies to saved results too.
+A claim is the policy's peak memory as the paper reads it (`MemoryClaim.measure`) over a reference run's in the same
+replay. Per policy and reference: "holds" (ratio in the interval), "does not hold", or "not comparable" (reference not
+replayed or with other options; shorter longest context or fewer agents than the claim's; measure not recorded),
+with the ratio and why. Reads a replay's result dict, so saved results too.
 """
 
 from __future__ import annotations
@@ -20,10 +17,9 @@ DENSE_NAME = "nonshared"  # the dense run is NonShared: a claim against NonShare
 
 
 def memory_verdicts(result: dict) -> list[dict]:
-    """One verdict per (replayed policy with a memory claim, claim, reference run) in `result` (`kvprof replay`'s
-    payload): policy, claim (its text), reference (a label, "dense" for NonShared), measure, ratio (policy ÷
-    reference, None when either reading is missing), claimed [low, high], reading (how the interval reads the
-    claim), holds (True / False / None), verdict (`VERDICTS`) and why."""
+    """One verdict per (policy, memory claim, reference run) in `kvprof replay`'s `result`: policy, claim,
+    reference ("dense" for NonShared), measure, ratio (None if a reading is missing), claimed, reading, holds,
+    verdict (`VERDICTS`), why."""
     dense_turns = result["dense"]["turns"]
     context = max((t["input_tokens"] + t["output_tokens"] for t in dense_turns), default=0)
     agents = len({t["agent"] for t in dense_turns})
@@ -50,8 +46,7 @@ def memory_verdicts(result: dict) -> list[dict]:
 def _judge(
     label: str, figure: dict, claim: dict, reference: str, entry: dict, run: dict, context: int, agents: int
 ) -> dict:
-    """The verdict of `claim` (policy `label`'s, `entry`) against one reference run (`run`, labelled `reference`),
-    on a trace whose longest context is `context` tokens among `agents` agents."""
+    """`label`'s `claim` against reference `run`, on a trace of longest context `context` and `agents` agents."""
     key, what = MEASURES[claim["measure"]]
     mine, theirs = entry["summary"].get(key), run["summary"].get(key)
     ratio = mine / theirs if mine is not None and theirs else None
@@ -98,8 +93,7 @@ def verdict_entry(
     why: str,
     holds: bool | None = None,
 ) -> dict:
-    """One verdict of `claim` (a `MemoryClaim` or `ServingClaim` as a dict, from `figure`, a `Published` as a dict)
-    of policy `label` against `reference`: the fields every claim verdict has (see `memory_verdicts`)."""
+    """The fields every claim verdict has (`memory_verdicts`), for `label`'s `claim` (as a dict) of `figure`."""
     return {
         "policy": label,
         "claim": figure["claim"],

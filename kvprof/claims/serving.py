@@ -1,14 +1,11 @@
 """Verdicts on the published serving figures (`Published.serving`, a `ServingClaim`) from a simulation, stated as
 simulated.
 
-A claim is a ratio at a setting: the claiming policy's measure (median TTFT, per-request throughput) over a
-reference run's, at the claim's load, on trajectories scaled to the claim's shared context. For each simulated
-policy with such a figure (and the claim's variant, `policy_options`) and each simulated reference, the verdict is
-"holds" (the ratio lies in the claimed interval), "does not hold", or "not comparable" — the reference was not
-simulated (or only with other options), the simulation was not scaled to the claim's shared context, the claim's
-load was not simulated, or either run ran out of memory — with the ratio where there is one, and why. An
-out-of-memory claim holds when the policy runs out of memory at the setting. Pure Python: it reads the simulation's
-payload and the claims as dicts (`dataclasses.asdict` of `Published`).
+A claim is the policy's measure (median TTFT, per-request throughput) over a reference's at the claim's load, on
+trajectories scaled to its shared context. Per simulated policy (the claim's variant) and reference: "holds", "does
+not hold", or "not comparable" (reference not simulated or with other options, not scaled to the claim's context,
+load not simulated, or either run out of memory), with the ratio and why; an out-of-memory claim holds when the
+policy runs out of memory there. Pure Python over the payload and `Published` dicts.
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ SHARED_TOLERANCE = 0.1  # the simulation's shared context within 10 % of the cla
 
 
 def serving_verdicts(result: dict, policies: dict[str, dict], published: dict[str, list[dict]]) -> list[dict]:
-    """One verdict per (simulated policy with a serving claim, claim, reference) in `result` (`kvprof simulate`'s
-    payload). `policies`: label → {"name", "options"} of the simulated runs; `published`: policy name → its
-    `Published` entries as dicts. Each verdict: policy, claim (its text), reference, measure, load, ratio, claimed
-    [low, high], reading, holds (True / False / None), verdict and why."""
+    """One verdict per (policy, serving claim, reference) in `kvprof simulate`'s `result` (`policies`: label →
+    {"name", "options"}; `published`: name → `Published` dicts), with `memory_verdicts`' fields plus load."""
     rows: dict[str, list[dict]] = {}
     for row in result["runs"]:
         rows.setdefault(row["policy"], []).append(row)
@@ -96,8 +91,7 @@ def _verdict_for(label: str, figure: dict, claim: dict, result: dict):
 
 
 def _row_at(rows: list[dict], claim: dict) -> dict | str:
-    """The policy's simulated row at the claim's shared context and load (the lowest qps when the claim names
-    none), or why none."""
+    """The simulated row at the claim's context and load (lowest qps if none named), or why none."""
     wanted = claim["shared_tokens"]
     if wanted:
         rows = [

@@ -1,29 +1,12 @@
 """Flash-LoRA-Attention: attention over V = V_base + V_lr·B without expanding V_lr to full width.
 
-Paper: LRAgent: Efficient KV Cache Sharing for Multi-LoRA LLM Agents (Jeon, Ha, Kim, 2026; arXiv:2602.01053),
-section "Flash-LoRA-Attention". With LoRA on `v_proj`, an agent's values split exactly into a shared base part
-V_base = X·W0 and a rank-r part V_lr·B (V_lr = X·A, B = s·B_lora). Instead of materialising V_base + V_lr·B
-(O(L·r·D) work and a second full-width value tensor), the product is reassociated:
+Paper: LRAgent (Jeon, Ha, Kim, 2026; arXiv:2602.01053), "Flash-LoRA-Attention": O = P·V_base + (P·V_lr)·B, one extra
+rank-r accumulator, B applied once per query row. Causal attention is bottom-right (Lq ≤ Lk: query i sees
+j ≤ i + Lk − Lq); a boolean mask (broadcastable to (B, H_q, Lq, Lk), True = attend) replaces it. Torch reference (the
+CPU path) and dispatcher here; the Triton kernel (`kvprof.kernels.attention_triton`) is imported only on demand.
 
-    O = P·(V_base + V_lr·B) = P·V_base + (P·V_lr)·B
-
-so attention carries one extra rank-r accumulator and B is applied once per query row.
-
-Shapes used throughout (GQA: H_q = g·H_kv):
-
-    q       (B, H_q, Lq, D)
-    k       (B, H_kv, Lk, D)
-    v_base  (B, H_kv, Lk, D)
-    v_lr    (B, Lk, r) shared by all KV heads, or (B, H_kv, Lk, r) per KV head
-    lora_b  (H_kv, r, D), LoRA scaling folded in
-    out     (B, H_q, Lq, D)
-
-Causal attention is aligned bottom-right (Lq ≤ Lk): query i attends keys j ≤ i + Lk − Lq, which covers a full
-prefill (Lq = Lk), decode (Lq = 1) and chunked prefill over a cache. An optional boolean mask
-(broadcastable to (B, H_q, Lq, Lk), True = attend) replaces the causal rule, as transformers' sdpa masks do.
-
-This module holds the torch versions (the reference and the CPU path) and the dispatcher; the Triton kernel is in
-`kvprof.kernels.attention_triton` and is imported only when a CUDA tensor (or the Triton interpreter) asks for it.
+Shapes (H_q = g·H_kv): q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) shared or (B, H_kv, Lk, r);
+lora_b (H_kv, r, D), scaling folded in; out (B, H_q, Lq, D).
 """
 
 from __future__ import annotations
@@ -134,9 +117,7 @@ def _check_mask(attn_mask: torch.Tensor, shape: tuple[int, int, int, int]) -> No
 
 
 def lora_factors_like(q: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v_lr and lora_b for attention with q: float32 factors (what peft keeps, and the LR cache computed from them)
-    are cast to a 16-bit q's dtype, which is how the kernels consume them; any other pair is returned as is (and
-    `check_lora_attention_inputs` names a mismatch)."""
+    """v_lr, lora_b as the kernels take them: float32 factors (peft's) cast to a 16-bit q's dtype; else as is."""
     if q.dtype in (torch.float16, torch.bfloat16):
         v_lr = v_lr.to(q.dtype) if v_lr.dtype == torch.float32 else v_lr
         lora_b = lora_b.to(q.dtype) if lora_b.dtype == torch.float32 else lora_b
@@ -178,14 +159,8 @@ def flash_lora_attention_ref(
     causal: bool = True,
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of Flash-LoRA-Attention (LRAgent, arXiv:2602.01053), also the CPU path.
-
-    Computes O = P·V_base + (P·V_lr)·B in q's dtype, with the softmax in float32 (as transformers' eager
-    attention does). Shapes: q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r);
-    lora_b (H_kv, r, D); attn_mask broadcastable to (B, H_q, Lq, Lk), True = attend, replacing the causal rule.
-    Returns (B, H_q, Lq, D). Materialises P, so it is meant for short sequences. Float32 factors with a 16-bit q
-    are cast to q's dtype (`lora_factors_like`).
-    """
+    """Torch reference (and CPU path): O = P·V_base + (P·V_lr)·B (B, H_q, Lq, D) in q's dtype, softmax in float32
+    as transformers' eager. Materialises P: short sequences. Shapes: module docstring."""
     v_lr, lora_b = lora_factors_like(q, v_lr, lora_b)
     check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -198,8 +173,7 @@ def flash_lora_attention_ref(
 
 
 def expand_lora_values(v_base: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-    """V = V_base + V_lr·B at full width: (B, H_kv, Lk, D) from v_base (B, H_kv, Lk, D), v_lr (B, Lk, r) or
-    (B, H_kv, Lk, r) and lora_b (H_kv, r, D). This is the expansion Flash-LoRA-Attention avoids."""
+    """V = V_base + V_lr·B at full width, (B, H_kv, Lk, D): the expansion Flash-LoRA-Attention avoids."""
     if v_lr.dim() == 3:
         return v_base + torch.einsum("blr,hrd->bhld", v_lr, lora_b)
     return v_base + torch.matmul(v_lr, lora_b)
@@ -213,12 +187,8 @@ def plain_attention(
     causal: bool = True,
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention without LoRA through torch's `scaled_dot_product_attention`, with GQA and bottom-right causality.
-
-    q (B, H_q, Lq, D); k, v (B, H_kv, Lk, D); returns (B, H_q, Lq, D). Lq = Lk causal and Lq = 1 use SDPA's own
-    fast paths; other causal shapes pass an explicit bottom-right mask. On CUDA only FlashAttention takes GQA
-    natively (16-bit, no mask); elsewhere there the KV heads are repeated, as transformers does.
-    """
+    """SDPA with GQA and bottom-right causality: q (B, H_q, Lq, D), k, v (B, H_kv, Lk, D) → (B, H_q, Lq, D).
+    Other causal shapes than Lq = Lk or 1 pass a mask; KV heads repeated unless FlashAttention takes GQA."""
     q_len, kv_len = q.shape[2], k.shape[2]
     mask = attn_mask
     is_causal = False
@@ -265,8 +235,7 @@ def lora_b_per_head(lora_b_weight: torch.Tensor, num_kv_heads: int, scaling: flo
 
 
 def triton_path_available(tensor: torch.Tensor) -> bool:
-    """True when the Triton kernels can run on `tensor`: a CUDA tensor with Triton installed, or any tensor while
-    the Triton interpreter (TRITON_INTERPRET=1 before triton was imported) is on."""
+    """Whether Triton can run on `tensor`: CUDA with Triton, or any under TRITON_INTERPRET=1."""
     try:
         import triton
     except ImportError:
@@ -284,13 +253,8 @@ def flash_lora_attention(
     causal: bool = True,
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Flash-LoRA-Attention (LRAgent, arXiv:2602.01053): the Triton kernel on CUDA, the torch reference elsewhere.
-
-    q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);
-    returns (B, H_q, Lq, D). `scale` defaults to 1/sqrt(D); `causal` is bottom-right aligned; `attn_mask`
-    (boolean, broadcastable to (B, H_q, Lq, Lk)) replaces the causal rule when given. On CUDA, head sizes
-    without a kernel (not 32, 64 or 128) take the expansion path (`naive_lora_attention`) instead.
-    """
+    """Flash-LoRA-Attention → (B, H_q, Lq, D): Triton on CUDA (head sizes 32, 64, 128; others expand), the torch
+    reference elsewhere. `scale` 1/sqrt(D) by default; shapes and masks: module docstring."""
     if triton_path_available(q) and q.shape[-1] in SUPPORTED_HEAD_DIMS:
         from kvprof.kernels.attention_triton import flash_lora_attention_triton
 

@@ -1,31 +1,14 @@
 """Flash-LoRA-Attention forward in Triton (LRAgent, arXiv:2602.01053, "Flash-LoRA-Attention").
 
-One flash-attention pass with online softmax computes both accumulators from the same probabilities P:
+One online-softmax pass computes acc = P·V_base (BLOCK_M, D) and acc_lr = P·V_lr (BLOCK_M, r_pad), then
+O = acc / l + (acc_lr / l)·B. The g query heads of a KV head are packed into rows (row = position·g + head); full key
+blocks are visited unmasked, then the diagonal / ragged / masked ones; with fewer tiles than SMs the keys are split
+(`combine_splits`: the flash-decoding merge, exact since B is linear). Rank, causality and mask are compile-time
+constants; prefill ranks below r_pad are zero-padded on the host (EVEN_R); offsets past 2³¹ are int64. Design:
+docs/kernels.md, docs/design.md#kernels-kvprofkernels.
 
-    acc    = P·V_base   (BLOCK_M, D)
-    acc_lr = P·V_lr     (BLOCK_M, r_pad)
-    O      = acc / l + (acc_lr / l)·B
-
-Layout of a program: the g query heads that share one KV head are packed into the row dimension
-(row = query_position·g + head_in_group), so every K/V tile loaded serves all g heads; this keeps decode
-(Lq = 1) tiles at least g rows full. Keys are visited in two stages: blocks every row of the tile may see
-completely (no masking work), then the blocks on the causal diagonal, the ragged end and any user mask.
-When there are fewer tiles than streaming multiprocessors (decode, short chunks over a long cache), the key
-range is split across programs ("split-KV"): each finishes its own output O_s (B applied) and softmax statistics,
-and `combine_splits` averages the O_s weighted by their softmax mass (the flash-decoding merge; B is linear, so
-applying it per split is exact).
-
-Shapes (GQA: H_q = g·H_kv): q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) shared or
-(B, H_kv, Lk, r) per KV head; lora_b (H_kv, r, D); out (B, H_q, Lq, D), stored as (B, Lq, H_q, D) so that
-transformers' (B, Lq, H_q, D) view of it is free.
-
-Everything that shapes the inner loop is a compile-time constant: the rank RANK (zero-padded to RANK_PAD, a power of
-two ≥ 16 as a 16-bit `tl.dot` needs K ≥ 16 on GPU, ≥ 32 for decode tiles; with RANK == RANK_PAD, "EVEN_R", the V_lr
-tile loads without a column mask), causality and the user mask. So a mask-free launch compiles to a loop without any
-mask code, and the V_lr tile goes through the same vectorized, asynchronously pipelined loads as K and V. Triton 3.9
-pipelines a column-masked V_lr tile in the decode loop but not in the prefill loop, so for prefill tiles a rank
-below r_pad is zero-padded on the host (V_lr columns, B rows) and always runs EVEN_R. Offsets that can pass 2³¹
-elements (head, query row, mask row, output) are formed in int64.
+Shapes (H_q = g·H_kv): q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b
+(H_kv, r, D); out (B, H_q, Lq, D), stored as (B, Lq, H_q, D).
 """
 
 from __future__ import annotations
@@ -64,8 +47,7 @@ def dot_accumulate(a, b, acc, INTERPRETING: tl.constexpr, PRECISION: tl.constexp
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr, INTERPRETING: tl.constexpr):
-    """x.to(dtype) rounding to nearest even, as the GPU does; the interpreter truncates float32 → bfloat16, so
-    there the rounding bias is added to the bits of normal numbers first (zeros and subnormals stay as they are)."""
+    """x.to(dtype) rounding to nearest even as the GPU does (the interpreter truncates, so the bias is added first)."""
     if INTERPRETING and dtype == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bias = tl.where((bits & 0x7F800000) != 0, 0x7FFF + ((bits >> 16) & 1), 0)
@@ -231,13 +213,11 @@ def flash_lora_attention_fwd(
     INTERPRETING: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One (query tile, batch·KV head, key split) program. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv, num_splits).
+    """One (query tile, batch·KV head, key split) program; grid (cdiv(Lq·g, BLOCK_M), B·H_kv, num_splits).
 
-    With num_splits == 1 it writes O; otherwise its key range's own output (float32) and softmax statistics
-    (log2-domain running max, sum) to part_out (B·H_kv, num_splits, Lq·g, D) and part_max, part_sum
-    (B·H_kv, num_splits, Lq·g) for `combine_splits`. `qk_scale` is the softmax scale times log2(e). CAUSAL is
-    the bottom-right rule; HAS_MASK reads mask (B, H_q, Lq, Lk, any strides, nonzero = attend) instead.
-    """
+    One split writes O; several write part_out (B·H_kv, splits, Lq·g, D) float32 and log2-domain part_max, part_sum
+    (B·H_kv, splits, Lq·g). `qk_scale`: softmax scale · log2(e); CAUSAL bottom-right; HAS_MASK: mask
+    (B, H_q, Lq, Lk), nonzero = attend."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -392,12 +372,8 @@ def combine_splits(
     BLOCK_M: tl.constexpr,
     INTERPRETING: tl.constexpr,
 ):
-    """Merge the per-split outputs of `flash_lora_attention_fwd`, each weighted by its share of the softmax mass
-    2^(m_s − M)·l_s. Grid: (cdiv(Lq·g, BLOCK_M), B·H_kv).
-
-    All splits' statistics are loaded at once, as a (SPLITS_PAD, BLOCK_M) tile (SPLITS_PAD ≥ num_splits, a power
-    of two; the padding is masked off), for each row's maximum M and total mass; the outputs are then summed
-    SPLIT_CHUNK splits at a time, loads that do not wait on one another."""
+    """Merge per-split outputs weighted by 2^(m_s − M)·l_s; grid (cdiv(Lq·g, BLOCK_M), B·H_kv). Statistics load as
+    one (SPLITS_PAD, BLOCK_M) tile; outputs are summed SPLIT_CHUNK splits at a time."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
@@ -439,8 +415,7 @@ def combine_splits(
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile sizes and launch options of one shipped `flash_lora_attention_fwd` configuration; the rank is
-    zero-padded to at least `min_rank_pad`."""
+    """One shipped configuration's tiles and launch options (rank padded to ≥ `min_rank_pad`)."""
 
     block_m: int
     block_n: int
@@ -513,8 +488,7 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pick_num_splits(programs: int, kv_len: int, device: torch.device) -> int:
-    """Split the keys across programs when the tiles alone leave streaming multiprocessors idle (at most
-    MAX_SPLITS, the combine's largest padded split count)."""
+    """Key splits when the tiles alone leave SMs idle (at most MAX_SPLITS)."""
     if device.type != "cuda":
         return 1
     sm_count = _sm_count(device)
@@ -529,8 +503,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Launch context for tensors on `device`: the CUDA device itself (a model on another GPU than the current
-    one would otherwise read another device's memory), nothing elsewhere."""
+    """Launch under `device`'s CUDA device (else another GPU's memory would be read); nothing elsewhere."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -540,8 +513,7 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One launch of a jitted kernel: grid, positional arguments, and keyword arguments (compile-time constants
-    and launch options). The launchers run these; the ahead-of-time test compiles exactly these."""
+    """One kernel launch (grid, arguments, constants): what launchers run and the AOT test compiles."""
 
     kernel: triton.runtime.JITFunction
     grid: tuple[int, ...]
@@ -555,8 +527,7 @@ class KernelLaunch:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Everything about a launch that depends only on shapes, dtype, device and flags (cached per combination):
-    tiles, grids, split-KV partition, and the compile-time constants and launch options of both kernels."""
+    """A launch's shape-dependent tiles, grids, splits and constants, cached per combination."""
 
     config: AttentionConfig
     m_blocks: int
@@ -739,13 +710,10 @@ def flash_lora_attention_triton(
     config: AttentionConfig | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Launch Flash-LoRA-Attention (LRAgent, arXiv:2602.01053) and return O (B, H_q, Lq, D).
+    """Launch Flash-LoRA-Attention; O (B, H_q, Lq, D), a view of (B, Lq, H_q, D) memory. Shapes: module docstring.
 
-    q (B, H_q, Lq, D); k, v_base (B, H_kv, Lk, D); v_lr (B, Lk, r) or (B, H_kv, Lk, r); lora_b (H_kv, r, D);
-    attn_mask boolean, broadcastable to (B, H_q, Lq, Lk), True = attend (replaces the causal rule). Float32
-    factors (v_lr, lora_b) with 16-bit q are cast to q's dtype. `config` and `num_splits` override the shipped
-    tile configuration and the split-KV heuristic (tests). O is a (B, H_q, Lq, D) view of (B, Lq, H_q, D) memory.
-    """
+    `attn_mask` (True = attend) replaces causality; float32 factors with 16-bit q are cast; `config`, `num_splits`
+    override the shipped tile and split heuristic (tests)."""
     out, launches = attention_launches(q, k, v_base, v_lr, lora_b, scale, causal, attn_mask, config, num_splits)
     with on_device(q.device):
         for launch in launches:

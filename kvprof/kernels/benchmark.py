@@ -6,10 +6,8 @@ For each case (mode, sequence length, rank) three methods attend over the same r
     naive       expand V = V_base + V_lr·B to full width, then SDPA (what Flash-LoRA-Attention replaces)
     sdpa        plain SDPA over V_base, no LoRA at all (the speed of light for the LoRA variants)
 
-prefill: Lq = Lk = L, causal. decode: Lq = 1 over Lk = L cached keys. Timing is warm-up then repeats, reported
-as medians: `triton.testing.do_bench` on CUDA (L2 flushed before every run), a perf_counter loop elsewhere.
-FLOP and byte counts are analytic minimums (each tensor read or written once), so TFLOP/s and GB/s are
-effective rates; ratios to the device's peak are given only for devices in `DEVICE_PEAKS`.
+prefill: Lq = Lk = L, causal; decode: Lq = 1 over L keys. Medians after warm-up (`do_bench` on CUDA, perf_counter
+elsewhere); FLOPs and bytes are analytic minimums (effective rates); peak ratios only for `DEVICE_PEAKS` devices.
 """
 
 from __future__ import annotations
@@ -123,8 +121,7 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> Timi
 
 
 def time_cpu(fn: Callable[[], object], warmup_ms: float, rep_ms: float, min_runs: int = MIN_CPU_RUNS) -> Timing:
-    """perf_counter: run for `warmup_ms` (at least once), then time single calls until `rep_ms` have passed and at
-    least `min_runs` calls were timed."""
+    """perf_counter: warm up `warmup_ms`, then time calls for `rep_ms` and at least `min_runs`."""
     started = time.perf_counter()
     fn()
     while (time.perf_counter() - started) * 1e3 < warmup_ms:

@@ -1,33 +1,11 @@
-"""Chunked prefill over a cache at the speed of a prefill from scratch.
+"""Chunked prefill over a cache at the speed of a prefill from scratch (why: docs/design.md#kernels-kvprofkernels).
 
-A chunk of Lq new tokens after Lc cached ones attends with a bottom-right causal rule: query i sees keys
-j ≤ Lc + i. transformers expresses that as an explicit (B, 1, Lq, Lk) boolean mask, and an explicit mask sends
-PyTorch's SDPA to its masked path: on CPU it repeats the K/V heads for grouped-query attention (a copy of the
-whole cache per layer) and skips no masked blocks; measured here, a 4096-token chunk after 4.7k–13k cached tokens
-runs at 110–130 GFLOP/s against 165–175 GFLOP/s for a causal prefill from scratch. A sharing policy prefills
-nothing but chunks after caches, the dense baseline mostly prefills from scratch, so that difference would read
-as a policy effect in every TTFT ratio.
-
-Here the chunk's attention is two unmasked passes merged by their log-sum-exps (the FlashAttention split):
-
-    O = (e^{m₁} O₁ + e^{m₂} O₂) / (e^{m₁} + e^{m₂})
-
-with O₁, m₁ over the cached keys (no mask; the query heads of a KV-head group stacked along the query axis, so the
-cache is read once per KV head, not copied per query head) and O₂, m₂ over the chunk's own keys (SDPA's causal
-rule, which is exact on a square block). The result equals masked SDPA to float rounding.
-
-`chunk_mask` is the mask function registered with kvprof's attention implementation: it returns None exactly when
-the mask would be the plain bottom-right causal one (no padding, no sliding window, no extra mask functions), and
-otherwise whatever transformers' `sdpa_mask` returns. So under kvprof's implementation a None mask with
-1 < Lq < Lk always means the bottom-right causal rule.
-
-The CPU path uses `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp);
-other devices build the bottom-right mask and call SDPA.
-
-`scattered_attention` is the same split for queries at scattered cache positions (a selective recompute's chosen
-tokens, each attending the keys up to its own position): per block of queries, the keys before the block's first
-position in one unmasked pass, the few keys from there to its last position with a small mask, merged alike —
-instead of one (Lq, Lk) mask over the whole cache.
+A chunk after a cache is attended as two unmasked passes merged by log-sum-exp,
+O = (e^{m₁} O₁ + e^{m₂} O₂) / (e^{m₁} + e^{m₂}): over the cached keys (query heads of a KV group stacked, the cache
+read once per KV head) and over the chunk's own keys (causal); equal to masked SDPA to float rounding. `chunk_mask`
+returns None exactly for a plain bottom-right causal chunk, so under kvprof's implementation a None mask with
+1 < Lq < Lk means that rule. CPU uses `aten._scaled_dot_product_flash_attention_for_cpu` (it returns the LSE); other
+devices build the mask and call SDPA. `scattered_attention` does the same for queries at scattered cache positions.
 """
 
 from __future__ import annotations
@@ -51,9 +29,8 @@ def chunk_mask(
     allow_is_causal_skip: bool = True,
     **kwargs,
 ) -> torch.Tensor | None:
-    """transformers' mask-function signature. None for a plain bottom-right causal chunk after a cache (see the
-    module docstring); `sdpa_mask`'s result otherwise (with its causal skip only where SDPA's top-left rule is
-    right: Lq = 1 or Lq = Lk)."""
+    """None for a plain bottom-right causal chunk after a cache, else `sdpa_mask`'s (causal skip only at Lq = 1 or
+    Lq = Lk)."""
     plain = (
         allow_is_causal_skip
         and mask_function is causal_mask_function
@@ -81,11 +58,8 @@ def chunk_mask(
 def chunk_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Bottom-right causal attention of a chunk after a cache.
-
-    query (B, H_q, Lq, D); key (B, H_kv, Lk, D), value (B, H_kv, Lk, D_v) with Lk > Lq: the last Lq keys are the
-    chunk's own. Returns (B, H_q, Lq, D_v) in the query's dtype.
-    """
+    """Bottom-right causal attention: query (B, H_q, Lq, D), key (B, H_kv, Lk, D), value (B, H_kv, Lk, D_v),
+    Lk > Lq (the last Lq keys the chunk's) → (B, H_q, Lq, D_v)."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
@@ -109,8 +83,7 @@ def chunk_attention(
 def merge_by_lse(
     first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
 ) -> torch.Tensor:
-    """One attention output from two over disjoint key sets, (..., L, D) each with its log-sum-exp (..., L):
-    O = (e^{m₁} O₁ + e^{m₂} O₂) / (e^{m₁} + e^{m₂}), in float32."""
+    """Merge outputs (..., L, D) over disjoint keys by their log-sum-exps (..., L), in float32."""
     top = torch.maximum(first_lse, second_lse)
     first_weight = (first_lse - top).exp().unsqueeze(-1)
     second_weight = (second_lse - top).exp().unsqueeze(-1)
@@ -128,13 +101,8 @@ def scattered_attention(
     scale: float | None = None,
     block: int = SCATTER_BLOCK,
 ) -> torch.Tensor:
-    """Causal attention of queries at cache positions `positions` (Lq,), increasing: query i sees keys
-    j ≤ positions[i].
-
-    query (B, H_q, Lq, D); key, value (B, H_kv, Lk, D) with Lk > positions[-1]. Returns (B, H_q, Lq, D) in the
-    query's dtype. Per block of `block` queries (positions lo..hi): keys [0, lo) unmasked, keys [lo, hi] under a
-    (block, hi − lo + 1) mask, merged by their log-sum-exps; the query heads of a KV-head group stacked along the
-    query axis (no copy of the cache per query head)."""
+    """Causal attention of queries at increasing `positions` (Lq,): query (B, H_q, Lq, D), key, value
+    (B, H_kv, Lk, D) → (B, H_q, Lq, D). Per `block` (lo..hi): keys [0, lo) unmasked, [lo, hi] masked, LSE-merged."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     groups = q_heads // kv_heads

@@ -1,11 +1,7 @@
 """Anchor-based low-rank cache correction: out = C_src + Σ_n w_n·U_n·V_n, written into the target cache.
 
-KVCOMM and KVCMAS correct a reused cache segment with deltas mixed from anchors; KVCMAS stores each anchor's
-delta as rank-r truncated-SVD factors U (L × r) and V (r × D), so the correction of one layer's K or V for one
-segment is a weighted sum of N low-rank products added to the source cache. Computed naively, every term
-materialises an (H, L, D) tensor; fused, each output tile is produced once from the factors.
-
-Shapes:
+KVCMAS's anchor deltas are rank-r factors, so one layer's K or V correction is a weighted sum of N low-rank products;
+fused, each output tile is produced once from the factors instead of materialising (H, L, D) per term. Shapes:
 
     c_src  (H, L, D)     source cache of one segment (one layer, keys or values)
     u      (N, H, L, r)  left factors of the N anchor deltas
@@ -13,8 +9,7 @@ Shapes:
     w      (N,)          mixing weights (softmax over anchors), any float dtype
     out    (H, L, D)     may be a view into the target cache, e.g. cache[b, :, start:start + L, :], or c_src itself
 
-This module holds the torch reference (also the CPU path) and the dispatcher; the Triton kernel lives in
-`kvprof.kernels.correction_triton`.
+Torch reference (CPU path) and dispatcher; the Triton kernel is `kvprof.kernels.correction_triton`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Flash-LoRA-Attention as a transformers attention implementation, "kvprof_lora".
 
-A model loaded (or switched) with `attn_implementation="kvprof_lora"` attends like "sdpa" — a chunk after a cache
-through `kvprof.kernels.chunk_attention` (no explicit mask; the same result at from-scratch prefill speed) — until a
-`LoraAttentionContext` is active; then every layer with an entry attends over V = V_base + V_lr·B through
-Flash-LoRA-Attention (LRAgent, arXiv:2602.01053), where V_base is the value the model put in its cache and V_lr,
-B come from the context. This is how BaseLRShared attends: the cache holds base values only, the shared rank-r
-cache holds X·A for every cached token, and the acting agent's B is applied at attention time.
+Attends like "sdpa" (chunks after a cache through `kvprof.kernels.chunk_attention`) until a `LoraAttentionContext` is
+active; then each layer with an entry attends over V = V_base + V_lr·B (LRAgent, arXiv:2602.01053), V_base from the
+model's cache, V_lr and B from the context — how the low-rank policies attend with `--lora-attention`. V_lr must
+cover every key attended: (B, Lk, r) or (B, H_kv, Lk, r), Lk = cached + new. The mask function is `chunk_mask`. The
+name avoids "flash", which transformers reserves for FlashAttention variants.
 
     register_lora_attention()
     model.set_attn_implementation(LORA_ATTENTION)
-    context = LoraAttentionContext({layer: LoraValues(v_lr, lora_b) for layer, ... in ...})
-    with use_lora_attention(context):
+    with use_lora_attention(LoraAttentionContext({layer: LoraValues(v_lr, lora_b), ...})):
         logits = model(input_ids, past_key_values=cache).logits
-
-V_lr must cover every key the layer attends in that call: (B, Lk, r) or (B, H_kv, Lk, r), Lk = cached + new
-tokens. The mask function registered with the attention function is `chunk_mask`: sdpa's masks, except None for a
-plain chunk after a cache, which both paths attend with the bottom-right causal rule; padding and sliding windows
-get sdpa's masks, which the attention function honours.
-
-The name avoids "flash": transformers treats names containing it as FlashAttention variants.
 """
 
 from __future__ import annotations
@@ -73,9 +64,7 @@ _scattered_positions: contextvars.ContextVar[torch.Tensor | None] = contextvars.
 
 @contextlib.contextmanager
 def scattered_queries(positions: torch.Tensor) -> Iterator[None]:
-    """Within the block, an unmasked "kvprof_lora" layer call attends queries at cache `positions` (Lq,),
-    increasing, causally over the whole cache (`scattered_attention`): what a selective recompute's chosen tokens do,
-    without an explicit (Lq, Lk) mask."""
+    """Inside, unmasked "kvprof_lora" calls attend queries at `positions` (Lq,) causally (`scattered_attention`)."""
     token = _scattered_positions.set(positions)
     try:
         yield
@@ -103,14 +92,10 @@ def lora_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature: query (B, H_q, Lq, D), key/value (B, H_kv, Lk, D) → (B, Lq, H_q, D).
+    """query (B, H_q, Lq, D), key/value (B, H_kv, Lk, D) → (B, Lq, H_q, D).
 
-    Without an active context entry for `module.layer_idx` this is transformers' sdpa attention, except that a
-    chunk after a cache without a mask (`chunk_mask`'s None: bottom-right causal) goes through `chunk_attention`, or,
-    inside `scattered_queries`, queries at scattered positions through `scattered_attention`.
-    With an entry, it is Flash-LoRA-Attention over V = value + V_lr·B: a given mask replaces causality; no mask
-    means bottom-right causal for Lq > 1 and full attention for Lq = 1.
-    """
+    No context entry: sdpa, unmasked chunks through `chunk_attention` (`scattered_attention` in `scattered_queries`).
+    An entry: Flash-LoRA-Attention over value + V_lr·B (a mask replaces causality; none: bottom-right, Lq = 1 full)."""
     context = _active_context.get()
     lora = context.get(module.layer_idx) if context is not None else None
     q_len, kv_len = query.shape[2], key.shape[2]

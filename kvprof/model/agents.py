@@ -42,19 +42,13 @@ LORA_TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 
 def head_dim(config) -> int:
-    """The size D of one attention head of a transformers model `config` (K/V are (..., H_kv, L, D)).
-
-    Not every config records it: some architectures (Qwen2, for one) always use hidden_size / num_attention_heads and
-    have no `head_dim` field, and older saved configs of others lack it or store None. Architectures that decouple
-    the two (Mistral-Nemo, Gemma, Qwen3) do record it. So: `config.head_dim` when set, else
-    hidden_size // num_attention_heads.
-    """
+    """Head size D: `config.head_dim` when set (Mistral-Nemo, Gemma, Qwen3), else hidden_size // num_attention_heads
+    (Qwen2 and older configs have no such field or store None)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def kv_heads(config) -> int:
-    """The number H_kv of key/value heads of a transformers model `config`: `num_key_value_heads`, or every attention
-    head for an architecture without grouped-query attention, whose config has no such field (GPT-NeoX, Persimmon)."""
+    """H_kv: `num_key_value_heads`, else every attention head (no GQA: GPT-NeoX, Persimmon)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
@@ -92,16 +86,15 @@ def _load_error(what: str, name: str, err: Exception) -> KvprofError:
 
 
 def check_model_path(name: str) -> None:
-    """Refuse at once a `--model` that can only be a local path (it starts with `.`, `/` or `~`, or has more than one
-    `/`, which no hub id has) and does not exist — instead of letting the hub client retry a download for a minute."""
+    """Refuse at once a missing `--model` that can only be a local path (`.`, `/`, `~`, or several `/`), rather than
+    let the hub client retry for a minute."""
     local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
     if local and not Path(name).expanduser().exists():
         raise KvprofError(f"model directory {name} does not exist; pass --model with a local model directory.")
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of model `name`; refuses one that cannot turn text into token ids and back (kvprof decodes
-    generated tokens to find stop strings and to record each output's text)."""
+    """The tokenizer of model `name`; refuses one that cannot round-trip text (stop strings, recorded outputs)."""
     from transformers import AutoTokenizer
 
     check_model_path(name)
@@ -128,9 +121,8 @@ def tokenizer_identity(tokenizer) -> dict:
 
 
 def check_layers(model) -> None:
-    """Refuse, before any forward, a model kvprof's per-layer caches cannot hold: a decoder layer with neither
-    attention nor a recurrent token mixer (`kvprof.model.lora.attention_of`), or layers that read another layer's cache
-    (Gemma 3n's and Gemma 4's KV-shared layers)."""
+    """Refuse a model per-layer caches cannot hold: a layer with neither attention nor a recurrent mixer, or layers
+    reading another's cache (Gemma 3n / 4 KV sharing)."""
     from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
 
     for index, layer in enumerate(decoder_layers(model)):
@@ -144,8 +136,7 @@ def check_layers(model) -> None:
 
 
 def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
-    """The causal LM in directory `name`, in `dtype` on `device`, attending with `attn` (an architecture that has no
-    sdpa attention falls back to its own eager one)."""
+    """The causal LM `name` in `dtype` on `device`, attending with `attn` (eager where there is no sdpa)."""
     from transformers import AutoModelForCausalLM
 
     check_model_path(name)
@@ -175,8 +166,7 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
 
 
 def check_forward(model, name: str) -> None:
-    """Refuse in one sentence a model that cannot run its own forward pass on a few tokens (a config that does not
-    match its modeling code: head sizes, head counts, expert groups), before any command relies on it."""
+    """Refuse a model that cannot run its own forward on a few tokens (config not matching its modeling code)."""
     ids = torch.arange(1, 5, device=next(model.parameters()).device)[None] % model.config.vocab_size
     try:
         with torch.inference_mode():
@@ -282,11 +272,7 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
 
 
 class AgentSet:
-    """One base model and the agents on it (see module docstring).
-
-    `model` is the module to call: a `PeftModel` in lora mode (with every agent's adapter loaded under the agent's
-    name), the base model in prompt mode.
-    """
+    """One base model and its agents; `model`: a `PeftModel` with each agent's adapter (lora mode), else the base."""
 
     def __init__(self, spec: WorkflowSpec, base_model, tokenizer, model_name: str):
         self.spec = spec
@@ -313,9 +299,8 @@ class AgentSet:
                 self.check_activated_lora(agent.name)
 
     def check_activated_lora(self, agent: str) -> None:
-        """For an Activated LoRA agent, check on the model that its K/V before its invocation are the base model's
-        (relative error ≤ 1e-6 in float32, the dtype's rounding else): what every exact sharing of its caches
-        rests on. Refuses in one sentence if they are not."""
+        """Refuse an aLoRA agent whose K/V before its invocation are not the base model's (≤ 1e-6 relative in
+        float32, the dtype's rounding else): exact sharing rests on it."""
         from kvprof.model.lora import invocation_tokens
 
         tokens = invocation_tokens(self.model, agent)
@@ -349,15 +334,13 @@ class AgentSet:
 
     @functools.cached_property
     def ropes(self) -> LayerRopes:
-        """Each layer's RoPE of the base model (`kvprof.model.rope.model_ropes`), found and checked on the model once,
-        adapters disabled."""
+        """Each layer's RoPE (`kvprof.model.rope.model_ropes`), checked once, adapters off."""
         with self.activate(None):
             return model_ropes(self.base_model)
 
     @functools.cached_property
     def layer_kinds(self) -> list[LayerKind]:
-        """Each decoder layer's attention (full, sliding or chunked, its window) and position encoding
-        (`kvprof.model.layers.layer_kinds`)."""
+        """Each layer's attention kind and position encoding (`kvprof.model.layers.layer_kinds`)."""
         from kvprof.model.layers import layer_kinds
 
         return layer_kinds(self.base_model, self.ropes)
@@ -411,8 +394,7 @@ def load_agents(
 
 
 def agents_identity(agents: AgentSet) -> dict:
-    """What a replay's records depend on of the loaded agents, which its checkpoint records: the model, the agents
-    (adapters, role prompts), the dtype and the device."""
+    """What a replay's checkpoint records of the loaded agents: model, adapters, role prompts, dtype, device."""
     return {
         "model": agents.model_name,
         "agents": [asdict(agent) for agent in agents.spec.agents],
@@ -431,12 +413,8 @@ def load_agents_for_trace(
     dtype: str = "auto",
     attn: str = "sdpa",
 ) -> AgentSet:
-    """Load the model and agents a trace was captured with; `model` and the agent flags override the header.
-
-    Refuses a model whose tokenizer differs from the trace's. Relative model and adapter paths in the header
-    resolve against the trace's folder when they exist there (a trace shipped next to its model, like the demo
-    world's sample traces), else against the working directory.
-    """
+    """Load a trace's model and agents (`model` and agent flags override the header); refuses another tokenizer.
+    Relative paths resolve against the trace's folder when they exist there, else the working directory."""
     return load_agents_for_header(
         trace_header(trace_path), str(trace_path), model, workflow, agent_flags, role_flags, device, dtype, attn
     )
@@ -453,8 +431,7 @@ def load_agents_for_header(
     dtype: str = "auto",
     attn: str = "sdpa",
 ) -> AgentSet:
-    """`load_agents_for_trace` from a trace's header (`trace_header`) alone, as a replay worker on another machine
-    does, which is sent the header and trajectories rather than the trace file; `trace_name` names it in refusals."""
+    """`load_agents_for_trace` from the header alone (a remote replay worker); `trace_name` for refusals."""
     from kvprof.traces.spec import build_spec
     from kvprof.traces.trace import check_tokenizer
 

@@ -1,24 +1,12 @@
 """Caches that grow in place: preallocated storage appended to without copying what it already holds.
 
-A transformers `DynamicCache` appends a forward's new K/V with `torch.cat`, which copies the whole cache: every
-chunk and every decode step costs O(L) in memory traffic, and a policy that hands the model a context it assembled
-pays that copy again. On long trajectories with short turns (ReAct: a few tokens of thought after 17k tokens of
-context) those copies, not the policy, dominate a turn. Here the storage is allocated with room to spare:
-
-- `GrowingTensor`: one tensor growing along one axis; `write(start, part)` copies `part` into place (O(n)), and the
-  storage grows by `GROWTH` when full (one copy, amortised O(1) per token). `view(end)` is the valid prefix.
-- `KVBuffer`: one layer's keys and values, (B, H_kv, capacity, D) each, growing along the token axis.
-- `BufferCache`: a `DynamicCache` whose layers (`BufferLayer`) write the model's new K/V into `KVBuffer`s after a
-  given length and return views. A policy whose stored cache *is* what the acting agent attends to (NonShared's own
-  cache, FullShared's shared cache in lora mode) lets the turn append in place past the stored length: the stored
-  prefix is never copied, and `commit` only advances the length. Tokens written past a holder's valid length are
-  scratch until it advances, so a repeated prefill rewrites the same place.
-
-All storage is allocated and written in inference mode (the model's caches are inference tensors); callers write
-into `slot`s in inference mode too (a policy's turn runs in it).
-
-Stored-memory figures count valid tokens (`view`), as a paged server would hold them; the spare capacity (at most
-`GROWTH` − 1 of the valid size) is the harness's and shows only in the CUDA allocator's peak.
+transformers' `DynamicCache` appends with `torch.cat`, copying the whole cache every chunk and decode step; on long
+trajectories with short turns those copies would dominate a turn (docs/design.md#sharing-policies). `GrowingTensor`
+grows along one axis (by `GROWTH` when full: amortised O(1) per token); `KVBuffer` is one layer's K and V
+(B, H_kv, capacity, D); `BufferCache` is a `DynamicCache` whose `BufferLayer`s write new K/V in place after a given
+length. Tokens past a holder's valid length are scratch (a repeated prefill rewrites them). Storage is allocated and
+written in inference mode. Stored-memory figures count valid tokens, as a paged server holds them; the spare
+capacity (< `GROWTH` − 1 of the valid size) shows only in the CUDA allocator's peak.
 """
 
 from __future__ import annotations
@@ -90,8 +78,7 @@ class KVBuffer:
 
     @classmethod
     def like(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> KVBuffer:
-        """An empty buffer for keys and values shaped like `keys` and `values` (B, H_kv, ·, D), with room for
-        `capacity` tokens."""
+        """An empty buffer shaped like `keys`, `values` (B, H_kv, ·, D) for `capacity` tokens."""
         return cls(GrowingTensor(keys, 2, capacity), GrowingTensor(values, 2, capacity))
 
     @classmethod
@@ -101,8 +88,7 @@ class KVBuffer:
 
     @classmethod
     def of_parts(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], spare: int = 0) -> KVBuffer:
-        """A buffer holding the token spans `parts` (each (K, V), (B, H_kv, L_i, D)) one after the other, with room
-        for `spare` more tokens: the concatenation written once, in place."""
+        """A buffer of the spans `parts` ((K, V) each (B, H_kv, L_i, D)) in order, written once, `spare` room."""
         length = sum(int(keys.shape[2]) for keys, _ in parts)
         buffer = cls.like(*parts[0], length + spare)
         start = 0
@@ -113,8 +99,7 @@ class KVBuffer:
 
     @classmethod
     def of_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], spare: int = 0) -> KVBuffer:
-        """A buffer holding the batch rows `rows` (each (K, V), (b, H_kv, L, D)) stacked along the batch axis, with
-        room for `spare` more tokens."""
+        """A buffer of batch `rows` ((K, V) each (b, H_kv, L, D)) stacked on the batch axis, `spare` room."""
         length = int(rows[0][0].shape[2])
         batch = sum(int(keys.shape[0]) for keys, _ in rows)
         grown = []
@@ -146,10 +131,8 @@ slots start.. of `buffer`, before attention reads them; may overwrite any of tho
 
 
 class BufferLayer(DynamicLayer):
-    """A cache layer over a `KVBuffer`: the first `length` tokens are the context; `update` writes the new tokens
-    in place after them (then lets `rewrite`, if any, overwrite some of them: `Rewrite`) and returns views of
-    everything so far. `index`: the decoder layer's index, for `rewrite`. `latent`: an MLA layer, which the model
-    updates with (latent, k_rot) and the buffer holds as (k_rot, latent) (`kvprof.model.latent`)."""
+    """A cache layer over a `KVBuffer` (context: its first `length` tokens): `update` writes in place after them,
+    applies `rewrite` (for layer `index`), returns views. `latent`: an MLA layer, held as (k_rot, latent)."""
 
     def __init__(
         self, buffer: KVBuffer, length: int, index: int = 0, rewrite: Rewrite | None = None, latent: bool = False
@@ -193,10 +176,8 @@ class BufferLayer(DynamicLayer):
 
 
 class BufferCache(DynamicCache):
-    """A `DynamicCache` whose layer i appends in place to `buffers[i]` after the first `length` tokens (each
-    forward's new tokens passed to `rewrite` once written, when given); the layers in `latent` are MLA layers
-    (`BufferLayer`); a hybrid's recurrent layer continues from its buffer's state
-    (`kvprof.model.recurrent.StateBuffer`)."""
+    """A `DynamicCache` whose layer i appends in place to `buffers[i]` after `length` tokens (`rewrite` after each
+    write); recurrent layers continue from their `StateBuffer`."""
 
     def __init__(
         self,

@@ -1,14 +1,9 @@
 """Multi-head latent attention (MLA: DeepSeek V2 / V3, Kimi K2) as kvprof holds its cache.
 
-An MLA layer caches per token one compressed latent c = norm(X·W_DKV), (B, 1, L, C) with C = `kv_lora_rank`, and
-one RoPE key k_rot shared by every head, (B, 1, L, R) with R = `qk_rope_head_dim`, rotated at the token's position;
-each head's key and value are expanded from the latent at every forward (`kv_b_proj`). transformers 5 caches exactly
-these two (the model calls `cache.update(latent, k_rot)`), as serving engines do.
-
-kvprof holds every layer's cache as (K, V) with the position-carrying part first, so re-aligning a cache to other
-positions is one rule for every layer (rotate K with the layer's RoPE, leave V): for an MLA layer its K is k_rot
-(B, 1, L, R) and its V the latent (B, 1, L, C). The cache layers kvprof hands the model (`LatentOrderLayer`, and
-`kvprof.model.buffers.BufferLayer` for these layers) take the model's order and store kvprof's.
+An MLA layer caches per token a latent (B, 1, L, C), C = `kv_lora_rank`, and a shared RoPE key k_rot (B, 1, L, R),
+R = `qk_rope_head_dim` (transformers: `cache.update(latent, k_rot)`). kvprof holds it as K = k_rot, V = latent —
+position-carrying part first, so re-alignment is one rule for every layer (rotate K, keep V); `LatentOrderLayer` and
+`kvprof.model.buffers.BufferLayer` take the model's order and store kvprof's. Background: docs/models.md.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ class LatentShape:
 
 
 def latent_shape(attention: torch.nn.Module) -> LatentShape | None:
-    """The `LatentShape` of an attention module that caches an MLA latent (it holds `kv_a_proj_with_mqa` and the
-    latent's rank), None for one that caches K and V per head."""
+    """The `LatentShape` of an MLA attention module (`kv_a_proj_with_mqa`), else None."""
     rank = getattr(attention, "kv_lora_rank", None)
     if not hasattr(attention, "kv_a_proj_with_mqa") or not isinstance(rank, int):
         return None
@@ -54,8 +48,7 @@ def latent_layers(model) -> dict[int, LatentShape]:
 
 
 class LatentOrderLayer(DynamicLayer):
-    """A growing cache layer for an MLA layer that stores (k_rot, latent) as kvprof's K and V while the model updates
-    and reads it in its own order (latent, k_rot)."""
+    """An MLA cache layer storing (k_rot, latent) while the model uses (latent, k_rot)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rope_keys, latent = super().update(value_states, key_states, *args, **kwargs)
@@ -63,8 +56,7 @@ class LatentOrderLayer(DynamicLayer):
 
 
 def oriented(cache: DynamicCache, latent: dict[int, LatentShape]) -> DynamicCache:
-    """`cache` (a fresh transformers cache) with its MLA layers replaced by `LatentOrderLayer`s, so that
-    `cache.layers[i].keys` is each layer's position-carrying part (see module docstring)."""
+    """`cache` with MLA layers as `LatentOrderLayer`s (`.keys`: the position-carrying part)."""
     for index in latent:
         cache.layers[index] = LatentOrderLayer()
     return cache

@@ -1,14 +1,9 @@
 """What each decoder layer of a model caches and how its keys carry positions, read from the model itself.
 
-A layer attends to every earlier token (full), to its last W (a sliding window: Gemma 2 / 3, Mistral, gpt-oss,
-Cohere 2's local layers; its attention module's `sliding_window`), or within chunks of W (Llama 4's chunked layers:
-`attention_chunk_size`); its keys carry RoPE (one RoPE for every layer, or one per layer type as in Gemma 3's local
-and global layers) or no position at all (NoPE: SmolLM3's and Llama 4's every fourth layer, Cohere 2's global
-layers), as `kvprof.model.rope.model_ropes` finds by shifting an input. A multi-head latent attention layer (DeepSeek
-V3, Kimi K2) caches one latent and one RoPE key per token instead of K and V per head (`kvprof.model.latent`); a
-hybrid's recurrent layer keeps a state and no per-token cache (`kvprof.model.recurrent`). What sharing a layer's cache
-means depends on all of these: a window layer attends only to what its window holds, a key moves by its own layer's
-rotation or not at all, and a state is its own sequence's only.
+Attention full, sliding (its last W) or chunked (within chunks of W); keys with one RoPE, one per layer type, or NoPE
+(`kvprof.model.rope.model_ropes`); an MLA layer caches a latent and a RoPE key (`kvprof.model.latent`); a hybrid's
+recurrent layer a state (`kvprof.model.recurrent`). What sharing a layer's cache means depends on all of these:
+docs/models.md.
 """
 
 from __future__ import annotations
@@ -22,11 +17,8 @@ from kvprof.model.rope import LayerRopes
 
 @dataclass(frozen=True)
 class LayerKind:
-    """One decoder layer: `attention` "full", "sliding" or "chunked" with its `window` W (tokens; None for full),
-    `position`, its keys' RoPE as `LayerRopes.names` names it ("rope", "rope (<layer type>)" or "NoPE"), and
-    `latent`: for a multi-head latent attention layer what it caches per token (`kvprof.model.latent`), else None. A
-    hybrid's recurrent layer has `attention` "recurrent" and its token mixer as `position` (`linear_attn`, `mamba`,
-    `conv`)."""
+    """One layer: `attention` "full" / "sliding" / "chunked" (`window` W, None for full) or "recurrent" (then
+    `position` is its mixer); `position` its keys' RoPE name ("rope", "rope (<type>)", "NoPE"); `latent` for MLA."""
 
     attention: str
     window: int | None
@@ -46,10 +38,8 @@ class LayerKind:
 
 
 def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
-    """Each decoder layer's `LayerKind`: its window from its attention module (`sliding_window`; the config's
-    where the module reads it from there at run time, as Mistral's: `layer_types`' sliding layers, else every layer)
-    or, for chunked attention, from the config's `layer_types` and `attention_chunk_size`; its position encoding
-    from `ropes`."""
+    """Each layer's `LayerKind`: window from the module's `sliding_window` (or the config's, as Mistral reads it),
+    chunks from `layer_types` / `attention_chunk_size`, position from `ropes`."""
     config = model.config
     types = list(getattr(config, "layer_types", None) or [])
     configured = getattr(config, "sliding_window", None)
@@ -74,10 +64,8 @@ def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
 
 
 def cache_shapes(model) -> list[tuple[int, int, int]]:
-    """Per decoder layer what its cache holds per token: (H_kv, D_k, D_v) of its K (B, H_kv, L, D_k) and V
-    (B, H_kv, L, D_v) — its KV heads and head size, read from its attention module (Gemma 4's global layers have
-    heads of their own size), (1, R, C) for an MLA layer's RoPE key and latent (`kvprof.model.latent`), (1, 0, 0) for a
-    recurrent layer (its state is apart: `kvprof.model.recurrent`)."""
+    """Per layer (H_kv, D_k, D_v) of its K (B, H_kv, L, D_k) and V (B, H_kv, L, D_v), from its attention module
+    (Gemma 4's global heads differ); (1, R, C) for MLA; (1, 0, 0) for a recurrent layer."""
     from kvprof.model.agents import head_dim, kv_heads
 
     shapes = []
@@ -99,8 +87,7 @@ def cache_shapes(model) -> list[tuple[int, int, int]]:
 
 
 def model_layer_kinds(name: str, device: str = "auto", dtype: str = "auto") -> list[LayerKind]:
-    """The `LayerKind`s of the causal LM at `name` (a local directory or a hub id), loaded without adapters on
-    `device` in `dtype` (kvprof's `--device` / `--dtype` values) and probed for its layers' RoPE."""
+    """The `LayerKind`s of the model `name`, loaded without adapters (`--device` / `--dtype` values)."""
     from kvprof.model.agents import load_base_model, resolve_device, resolve_dtype
     from kvprof.model.rope import model_ropes
 

@@ -1,12 +1,9 @@
 """The cache-side algebra of LoRA: per-layer K/V projections split into base (X·W0) and low-rank (X·A)·B parts.
 
-For a projection with LoRA, `Y = X·W0ᵀ + s·(X·Aᵀ)·Bᵀ` (peft stores A as (r, d_in), B as (d_out, r)). Values split
-exactly: `V = V_base + V_lr·B̃` with `V_lr = X·Aᵀ` (L, r) and `B̃ = s·Bᵀ` (r, H_kv·D). Keys are stored after RoPE,
-which is linear, so `K = RoPE(X·W0ᵀ) + RoPE(V_lr·B̃)`: the low-rank key part can be stored at rank r but must be
-expanded to full width before rotation, costing `L·r·H_kv·D` multiply-adds per use (LRAgent and PReCache refuse
-LoRA on k_proj; kvprof supports it at that cost).
-
-`X` is the input of the attention projections (the output of the layer's input norm), captured by `HiddenTap`.
+`Y = X·W0ᵀ + s·(X·Aᵀ)·Bᵀ` (peft: A (r, d_in), B (d_out, r)). Values split exactly: `V = V_base + V_lr·B̃`,
+`V_lr = X·Aᵀ` (L, r), `B̃ = s·Bᵀ` (r, H_kv·D). Keys are post-RoPE: `K = RoPE(X·W0ᵀ) + RoPE(V_lr·B̃)`, the low-rank
+part expanded before rotation (`L·r·H_kv·D` multiply-adds per use; LRAgent and PReCache refuse LoRA on k_proj,
+kvprof supports it at that cost). `X`, the attention projections' input, is captured by `HiddenTap`.
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def projection_columns(attention: torch.nn.Module, name: str, index: int) -> tuple[torch.nn.Module, slice | None]:
-    """The module that computes projection `name` (q_proj, k_proj or v_proj) of layer `index`'s attention, and which
-    columns of its output are that projection: the projection itself (None: every column), or its block of a fused
-    `qkv_proj` (Phi-3). Refuses any other layout in one sentence."""
+    """The module computing projection `name` of layer `index` and its columns (None: all; a block of Phi-3's
+    `qkv_proj`); refuses other layouts."""
     from kvprof.model.latent import latent_shape
 
     if latent_shape(attention) is not None:
@@ -114,11 +110,8 @@ def _check_plain_adapter(module: torch.nn.Module, agent: str, where: str) -> Non
 
 
 def layer_splits(agents) -> list[LayerSplit]:
-    """Per layer, the k/v projection weights of the base and of every agent's adapter (see `ProjectionWeights`).
-
-    A fused qkv_proj (Phi-3) splits by its column blocks: its k and v rows of W0 and of every B, its one A shared by
-    both. Refuses a model whose attention has neither layout, or normalises its values (v_norm), and an adapter that
-    is not plain LoRA (DoRA, a bias on B): their cached values are not X·W0 plus a low-rank part."""
+    """Per layer, base and adapter weights of k/v projections (`ProjectionWeights`; Phi-3's `qkv_proj` by column
+    blocks, one A for both). Refuses other layouts, v_norm, and adapters that are not plain LoRA (DoRA, bias on B)."""
     splits = []
     model_name = agents.base_model.config.name_or_path
     for index, layer in enumerate(decoder_layers(agents.base_model)):
@@ -147,9 +140,8 @@ def layer_splits(agents) -> list[LayerSplit]:
 
 
 class ProjectionNorm:
-    """A layer's query or key norm (`q_norm` / `k_norm`: Qwen3, OLMo 2, Gemma 3, Cohere), applied as the layer
-    applies it, between the projection and RoPE: on the projection's output laid out (B, L, H, D) — per head, with
-    D weights (Qwen3) or H × D (Cohere) — or over the whole projection (OLMo 2: H·D weights)."""
+    """A layer's `q_norm` / `k_norm` between projection and RoPE, as the layer applies it: per head (D weights:
+    Qwen3; H × D: Cohere) or over the projection (H·D: OLMo 2)."""
 
     def __init__(self, norm: torch.nn.Module, width: int):
         self.norm = norm
@@ -168,8 +160,7 @@ class ProjectionNorm:
 
 
 def invocation_tokens(model, agent: str) -> list[int] | None:
-    """The invocation sequence of `agent`'s adapter when it is an Activated LoRA (peft's `alora_invocation_tokens`:
-    the adapter acts from the last occurrence of these ids in a call's input on), else None."""
+    """The aLoRA invocation ids of `agent`'s adapter (peft's `alora_invocation_tokens`), else None."""
     config = getattr(model, "peft_config", {}).get(agent)
     tokens = getattr(config, "alora_invocation_tokens", None)
     return list(tokens) if tokens else None
@@ -194,10 +185,8 @@ def projection_norm(attention: torch.nn.Module, projection: str) -> torch.nn.Mod
 
 
 def key_norms(model) -> list[ProjectionNorm] | None:
-    """Per layer the key `ProjectionNorm` of a model that normalises its keys before RoPE; None for a model that does
-    not. A layer without one in a model that normalises others (Llama 4's NoPE layers) gets the identity, so every
-    layer's stored keys are kept the same way (un-normalised, un-rotated). Llama 4 normalises its keys after RoPE:
-    its norm (an RMS over each head's channels, no weight) commutes with RoPE's rotation, so before is the same."""
+    """Per layer the key `ProjectionNorm` (identity for a layer without one, e.g. Llama 4's NoPE layers), or None
+    for a model without key norms. Llama 4's weightless per-head RMS after RoPE commutes with it, so counts."""
     layers = decoder_layers(model)
     norms = [projection_norm(attention_of(layer, index), "k_proj") for index, layer in enumerate(layers)]
     if all(norm is None for norm in norms):
@@ -211,8 +200,7 @@ RECURRENT_NAMES = ("linear_attn", "mamba", "conv", "mixer")  # a hybrid's recurr
 
 
 def recurrent_of(layer: torch.nn.Module) -> str | None:
-    """The name of a hybrid's recurrent decoder layer's token mixer (`linear_attn`, `mamba`, `conv`, `mixer`), None
-    for a layer that holds an attention module."""
+    """A hybrid's recurrent token mixer name (`linear_attn`, `mamba`, `conv`, `mixer`), None for attention."""
     if any(isinstance(getattr(layer, name, None), torch.nn.Module) for name in ATTENTION_NAMES):
         return None
     return next((name for name, _ in layer.named_children() if name in RECURRENT_NAMES), None)
@@ -225,8 +213,7 @@ def mixer_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
 
 
 def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
-    """The attention module of decoder layer `index` (`self_attn` in Llama-style decoders, `attention` in GPT-NeoX).
-    Refuses a layer without one (a hybrid's recurrent layer: callers that walk every layer skip those first)."""
+    """Layer `index`'s attention module (`self_attn`, or GPT-NeoX's `attention`); refuses a layer without one."""
     for name in ATTENTION_NAMES:
         module = getattr(layer, name, None)
         if isinstance(module, torch.nn.Module):
@@ -244,8 +231,7 @@ def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layer list of a transformers causal LM (LoRA layers are injected in place, so this is the adapted
-    model too)."""
+    """The decoder layers of a causal LM (adapted too: LoRA is injected in place)."""
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:  # a causal LM whose get_decoder() is itself (Llama 4): its decoder is `model`
         layers = getattr(getattr(model, "model", None), "layers", None)
@@ -258,11 +244,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def unshared_down_projections(splits: list[LayerSplit], agents: list[str]) -> list[str]:
-    """The cached projections (k_proj, v_proj of each layer) whose down-projection A the agents do not share: adapted
-    by some agents only, or with different A ("layer 0 k_proj", ...). BaseLRShared shares one LR cache X·A for
-    exactly these projections, so this asks nothing of the others: a projection no agent adapts (K in PReCache's
-    and LRAgent's q/v setting, where A is shared on v_proj only) and the projections outside the cache (q_proj,
-    o_proj), whose A may differ per agent."""
+    """Cached projections ("layer 0 k_proj", ...) whose A the agents do not share (adapted by some only, or with
+    different A): what BaseLRShared refuses; unadapted projections and q_proj / o_proj are free."""
     unshared = []
     for index, split in enumerate(splits):
         for side, projection in (("k_proj", split.key), ("v_proj", split.value)):
@@ -275,20 +258,13 @@ def unshared_down_projections(splits: list[LayerSplit], agents: list[str]) -> li
 
 
 class HiddenTap:
-    """Captures, during forwards inside `capture()`, X, the input of each layer's attention projections, the
-    residual stream entering each decoder layer (what a policy recomputing layers from a stored state starts from),
-    and what the cached projections (k_proj, v_proj, or their blocks of a fused qkv_proj) computed on X: their base
-    outputs X·W0ᵀ (+ bias), from the LoRA layer's `base_layer` (or the projection itself when it has no adapter),
-    and each adapter's down-projection X·Aᵀ, from its `lora_A` module — the forward's own results, which policies
-    store instead of recomputing them.
+    """Captures inside `capture()` the forward's own results, which policies store instead of recomputing.
 
-    From the last forward: `hidden[i]` and `residual[i]` are (B, L, d_model) for layer i; `base[i]` is
-    {"key"|"value": (B, L, H_kv·D)} (keys before any key norm and RoPE); `down[i]` is {"key"|"value": {agent:
-    (B_a, L, r)}} for the adapters that ran there, in the adapter's dtype (B_a: the rows of a mixed batch that
-    adapter ran on, all rows otherwise; a fused qkv_proj's one A serves both sides). Entries are set as the layer
-    runs, so they are readable from inside the forward once the layer has projected (the cache's `update`). A model
-    whose k/v outputs cannot be found (`taps_projections` False: GPT-NeoX) leaves `base` and `down` empty.
-    """
+    Per layer i of the last forward: `hidden[i]` (attention input X) and `residual[i]` (entering the layer),
+    (B, L, d_model); `base[i]` {"key"|"value": (B, L, H_kv·D)}, X·W0ᵀ (+ bias) from `base_layer`, before key norm
+    and RoPE; `down[i]` {"key"|"value": {agent: (B_a, L, r)}}, X·Aᵀ from `lora_A` in the adapter's dtype (B_a: its
+    rows of a mixed batch). Set as the layer runs (readable from the cache's `update`); empty `base` / `down` when
+    `taps_projections` is False (GPT-NeoX)."""
 
     def __init__(self, model):
         self.layers = decoder_layers(model)

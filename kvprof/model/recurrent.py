@@ -1,16 +1,10 @@
-"""A hybrid model's recurrent layers (Qwen 3.5 and Qwen3-Next's Gated DeltaNet `linear_attn`, Granite 4's `mamba`,
+"""A hybrid model's recurrent layers (Gated DeltaNet `linear_attn` of Qwen 3.5 / Qwen3-Next, Granite 4's `mamba`,
 LFM2's short `conv`) as kvprof holds them.
 
-Such a layer keeps no K/V per token: after n tokens it holds a state (a short convolution's last inputs, and for
-linear attention and state spaces a recurrent state) that summarises all n, in place of a cache. A prefix is reused
-by restoring the state at the prefix's end, as vLLM's hybrid cache does; a state cannot be cut at another length,
-moved to other positions or taken from another agent's context, so only exact prefix reuse of one sequence's own
-state is possible there.
-
-kvprof holds a recurrent layer in its per-layer lists as zero-width K and V (B, 1, L, 0) — they take no memory and
-every per-token operation on them (re-alignment, errors, slicing) is empty — and its state in a `StateBuffer` in
-place of a `kvprof.model.buffers.KVBuffer`: the state after its first `length` tokens, from which a `StateLayer` (the
-cache layer the model updates) starts a forward on a copy, so a repeated prefill starts from the same state.
+Such a layer keeps a state summarising its n tokens instead of per-token K/V: only exact prefix reuse of one
+sequence's own state is possible (restored at the prefix's end, as vLLM's hybrid cache; docs/models.md). kvprof's
+per-layer lists hold zero-width K and V (B, 1, L, 0), so per-token operations on them are empty, and the state in a
+`StateBuffer`; a `StateLayer` starts each forward from a copy, so a repeated prefill starts from the same state.
 """
 
 from __future__ import annotations
@@ -42,8 +36,8 @@ def _copied(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | 
 
 @dataclass
 class LayerState:
-    """One recurrent layer's state, as transformers' `LinearAttentionLayer` holds it: per state index its
-    convolution state (B, channels, kernel) and recurrent state (B, heads, ...) or None, and the kernel size."""
+    """A recurrent layer's state as `LinearAttentionLayer` holds it: conv (B, channels, kernel), recurrent
+    (B, heads, ...) or None, kernel size."""
 
     conv: dict[int, torch.Tensor | None]
     recurrent: dict[int, torch.Tensor | None]
@@ -63,9 +57,8 @@ class LayerState:
 
 
 class StateBuffer(KVBuffer):
-    """A recurrent layer's buffer: its `state` after its sequence's first `length` tokens (None: no token yet), and
-    zero-width K/V (B, 1, ·, 0) of any length for kvprof's per-layer lists. Nothing is written to it: a forward
-    updates a copy (`StateLayer`), and `kvprof.model.runtime.Runtime.buffers_of` takes a new buffer of that."""
+    """The `state` after `length` tokens (None: none yet) and zero-width K/V (B, 1, ·, 0); never written (forwards
+    update a copy, `Runtime.buffers_of` takes a new buffer)."""
 
     def __init__(self, state: LayerState | None, length: int, template: torch.Tensor):
         self.state, self.length = state, length
@@ -88,9 +81,7 @@ class StateBuffer(KVBuffer):
 
 
 class StateLayer(LinearAttentionLayer):
-    """The cache layer of a recurrent layer for one forward (or one turn's forwards): starts from a copy of
-    `buffer`'s state, which must be the state after exactly `length` tokens (the context the forward continues);
-    the model updates the copy."""
+    """A recurrent layer's cache for a forward or turn: a copy of `buffer`'s state after exactly `length` tokens."""
 
     def __init__(self, buffer: StateBuffer, length: int):
         super().__init__()

@@ -1,25 +1,10 @@
 """Moving cached keys to new positions: RoPE re-rotation with the model's own rotary embedding, per layer.
 
-transformers stores keys **after** RoPE. RoPE rotates pairs of channels by an angle `p·θ_i`, so a key cached at
-position p moves to position p + δ by one more rotation of `δ·θ_i`: R(p + δ) = R(δ)·R(p). A `Rope` holds what that
-takes, read from the model:
-
-- the frequencies θ_i, from the model's rotary embedding (`inv_freq`, or one `<layer type>_inv_freq` per layer type
-  as in Gemma 3 / 4's local and global layers), which already include static rope scaling (llama3, linear, yarn's
-  frequency part); yarn's attention scaling multiplies cos/sin at both positions and so cancels in a re-rotation.
-  Dynamic (length-dependent) scaling is not a rotation by a fixed angle and is refused;
-- the rotated channels: the first `rotary_dim` = 2·len(θ) of each head, the rest passing through unrotated (partial
-  rotary: Phi, StableLM, GPT-NeoX, GLM);
-- the pairing: channel i with i + rotary_dim/2 (Llama's `rotate_half`), or channels 2i and 2i + 1 (`interleaved`:
-  GLM, Cohere), read from the model's own `rotate_half`.
-
-A layer without RoPE (NoPE: SmolLM3's, Llama 4's every fourth layer, Cohere 2's global layers) gets `NO_ROPE`, the
-identity: its keys carry no position and move as they are.
-
-`model_ropes` finds each layer's RoPE on the model itself, among those candidates: shifting every position of an
-input by δ leaves a RoPE model's hidden states unchanged, so each layer's keys at p + δ must be R(δ) times its keys
-at p for that layer's R. A layer no candidate explains (absolute positions, a RoPE kvprof does not read) is refused in
-one sentence rather than re-aligned wrongly.
+A `Rope` holds, read from the model, the frequencies θ_i (`inv_freq`, or one per layer type as in Gemma 3 / 4; static
+scaling included, dynamic refused), the rotated channels (the first `rotary_dim`; partial rotary) and the pairing
+(`rotate_half` or `interleaved`). A NoPE layer gets `NO_ROPE`, the identity. `model_ropes` finds and checks each
+layer's RoPE on the model (shifted input ⇒ rotated keys), refusing a layer no candidate explains. Background:
+docs/models.md.
 """
 
 from __future__ import annotations
@@ -42,8 +27,7 @@ HALF_TOLERANCE, HALF_SHARE = 0.05, 0.25
 
 
 def rotary_embedding(model) -> torch.nn.Module | None:
-    """The rotary embedding module of a transformers decoder (PEFT-wrapped or not), None for a model without one;
-    dynamic rope scaling is refused."""
+    """A decoder's rotary embedding module (None without; dynamic scaling refused)."""
     for path, module in model.named_modules():
         if not path.endswith("rotary_emb"):
             continue
@@ -58,8 +42,7 @@ def rotary_embedding(model) -> torch.nn.Module | None:
 
 
 def layer_position_embeddings(rotary: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, layer_type):
-    """What the model passes decoder layers of `layer_type` as `position_embeddings` for `positions` (1, L): its
-    rotary embedding's output, for that layer type where the embedding has one per type (Gemma 3 / 4)."""
+    """`position_embeddings` for `layer_type`'s layers at `positions` (1, L) (per type: Gemma 3 / 4)."""
     if "layer_type" in inspect.signature(rotary.forward).parameters:
         return rotary(hidden, positions, layer_type)
     return rotary(hidden, positions)
@@ -77,11 +60,8 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rope:
-    """A model's RoPE as kvprof applies it to (..., L, D) states (see module docstring).
-
-    inv_freq: (R/2,) fp32, R = `rotary_dim` ≤ D; interleaved: channel pairs (2i, 2i+1) instead of (i, i + R/2);
-    attention_scaling: the factor the model's cos/sin carry (1.0 for plain RoPE; yarn's attention factor).
-    """
+    """A model's RoPE on (..., L, D): inv_freq (R/2,) fp32, R = `rotary_dim` ≤ D; interleaved pairs (2i, 2i+1)
+    instead of (i, i + R/2); attention_scaling of cos/sin (yarn's; 1.0 plain)."""
 
     inv_freq: torch.Tensor
     interleaved: bool = False
@@ -103,8 +83,7 @@ class Rope:
         return angles.cos() * scale, angles.sin() * scale
 
     def rotate(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`states` (..., L, D) rotated by tables (L, R) from `tables`, in `states`' dtype (compute in fp32 by
-        passing fp32 states); channels past R pass through."""
+        """`states` (..., L, D) rotated by `tables` (L, R), in their dtype; channels past R pass through."""
         rotary = self.rotary_dim
         turned, passed = states[..., :rotary], states[..., rotary:]
         swap = rotate_pairs if self.interleaved else rotate_half
@@ -132,8 +111,7 @@ def apply_rope(states: torch.Tensor, positions: torch.Tensor, rope: Rope) -> tor
 
 
 def _pairings(model) -> tuple[bool, ...]:
-    """The channel pairings (interleaved or not) the model's modeling code may use: the one its module-level
-    `rotate_half` applies to (0, 1, 2, 3), or both when it has none (Llama 4 rotates complex pairs)."""
+    """Pairings the modeling code may use: its `rotate_half`'s, or both without one (Llama 4)."""
     module = sys.modules.get(type(model.get_decoder()).__module__)
     swap = getattr(module, "rotate_half", None)
     if swap is None:
@@ -147,8 +125,7 @@ NO_ROPE = Rope(inv_freq=torch.zeros(0))  # a NoPE layer: rotary_dim 0, every cha
 
 @dataclass(frozen=True)
 class LayerRopes:
-    """Each decoder layer's `Rope` (`NO_ROPE` for a NoPE layer) and the name of what it is ("rope", "rope
-    (sliding_attention)", "NoPE"), as `model_ropes` found them."""
+    """Each layer's `Rope` and its name ("rope", "rope (sliding_attention)", "NoPE")."""
 
     layers: tuple[Rope, ...]
     names: tuple[str, ...]
@@ -169,8 +146,7 @@ class LayerRopes:
 
 
 def rope_candidates(model) -> dict[str, Rope]:
-    """Every RoPE the model's rotary embedding holds, by name ("rope", or "rope (<layer type>)" for one per layer
-    type), and "NoPE"."""
+    """Every RoPE the rotary embedding holds, by name ("rope", "rope (<layer type>)"), and "NoPE"."""
     candidates = {"NoPE": NO_ROPE}
     rotary = rotary_embedding(model)
     if rotary is None:
@@ -189,8 +165,7 @@ def rope_candidates(model) -> dict[str, Rope]:
 
 
 def model_ropes(model) -> LayerRopes:
-    """Each layer's RoPE of a transformers decoder (PEFT-wrapped or not), found and checked on the model (see module
-    docstring)."""
+    """Each layer's RoPE, found and checked on the model (PEFT-wrapped or not)."""
     candidates = rope_candidates(model)
     shifts = _shifted_keys(model)
     half = model.dtype != torch.float32
@@ -224,8 +199,7 @@ def check_ropes(model, ropes: LayerRopes) -> None:
 
 
 def _shifted_keys(model) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Per layer, the float32 keys of a probe input at positions 0.. and at positions `PROBE_SHIFT`.. (None for a
-    hybrid's recurrent layer)."""
+    """Per layer float32 keys of a probe at 0.. and at `PROBE_SHIFT`.. (None: recurrent layer)."""
     from transformers import DynamicCache
 
     from kvprof.model.latent import latent_layers, oriented

@@ -1,10 +1,8 @@
 """Model execution for replay: one forward of a chunk over a given cache, greedy decoding, cache construction.
 
-A `Runtime` wraps an `AgentSet` and knows the shapes every policy needs: layers, KV heads `H_kv`, head size `D`,
-the rotary frequencies, the per-layer LoRA splits (`kvprof.model.lora`), and each agent's private prefix (its role
-prompt in prompt mode; empty in lora mode). Caches handed to the model are `BufferCache`s
-(`kvprof.model.buffers`: transformers `DynamicCache`s that append in place) over per-layer `(K, V)` of shape
-(B, H_kv, L, D); keys post-RoPE, as transformers stores them.
+A `Runtime` wraps an `AgentSet` and knows the shapes policies need (layers, H_kv, D, rotary tables, LoRA splits,
+each agent's private prefix). Caches are `BufferCache`s (`kvprof.model.buffers`) over per-layer (K, V)
+(B, H_kv, L, D), keys post-RoPE.
 """
 
 from __future__ import annotations
@@ -43,15 +41,9 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class ChunkForward:
-    """What one forward over a chunk of n tokens returns.
-
-    logits: (B, n, vocab) fp32; hidden: per layer the attention inputs X, (B, n, d_model), when captured;
-    cache: the DynamicCache after the forward (context + chunk); residual: per layer the residual stream entering
-    the decoder layer, (B, n, d_model), when captured; base: per layer the cached projections' base outputs
-    {"key"|"value": (B, n, H_kv·D)} (keys before any key norm and RoPE) and down: per layer {"key"|"value":
-    {agent: (B_a, n, r)}}, the down-projections X·Aᵀ of the adapters that ran, when captured
-    (`kvprof.model.lora.HiddenTap`).
-    """
+    """One forward over n tokens: logits (B, n, vocab) fp32, the cache after it, and when captured
+    (`kvprof.model.lora.HiddenTap`) per layer: hidden X and residual (B, n, d_model), base {"key"|"value":
+    (B, n, H_kv·D)} (before key norm and RoPE), down {"key"|"value": {agent: (B_a, n, r)}}."""
 
     logits: torch.Tensor
     hidden: list[torch.Tensor] | None
@@ -67,17 +59,11 @@ def _captured(state: torch.Tensor | None) -> torch.Tensor:
 
 
 class Runtime:
-    """See module docstring. The runtime's forwards attend through kvprof's registered attention implementation
-    ("kvprof_lora", switched on for each forward and back after it): sdpa, with chunks after a cache attended
-    without an explicit mask (`kvprof.kernels.chunk_attention`). With `lora_attention` the low-rank policies hand it
-    V_base and V_lr instead of expanded values (Flash-LoRA-Attention: the Triton kernel on CUDA, its torch
-    reference elsewhere).
+    """Forwards attend through kvprof's "kvprof_lora" attention (sdpa, unmasked chunks after a cache); with
+    `lora_attention` low-rank policies pass V_base and V_lr (Flash-LoRA-Attention).
 
-    `fast_paths=False` is the plain path the tests hold the fast one to: every turn copies its context into a
-    fresh cache (no in-place appends to stored buffers) and, without `lora_attention`, the model attends with its
-    own implementation (sdpa with transformers' explicit masks).
-
-    `span_matching`: how the trajectories served find their moved spans (`kvprof.traces.reuse.SpanMatching`)."""
+    `fast_paths=False`: the plain path the tests hold the fast one to (fresh copied caches, the model's own
+    attention); `span_matching`: how moved spans are found (`kvprof.traces.reuse.SpanMatching`)."""
 
     def __init__(
         self,
@@ -132,8 +118,7 @@ class Runtime:
 
     @functools.cached_property
     def splits(self) -> list[LayerSplit]:
-        """Per layer the base and adapter weights of k_proj and v_proj (`kvprof.model.lora.layer_splits`; lora mode,
-        else empty), read when a policy first needs them: a model whose cache does not split is refused then."""
+        """Per layer k_proj / v_proj base and adapter weights (`kvprof.model.lora.layer_splits`), read lazily."""
         return layer_splits(self.agents) if self.agents.spec.mode == "lora" else []
 
     @functools.cached_property
@@ -142,15 +127,11 @@ class Runtime:
         return key_norms(self.agents.base_model)
 
     def require_split(self) -> None:
-        """Read `splits` and `key_norms` now (they are kept), refusing in one sentence a model whose cache does not
-        split into base and adapter parts: what every low-rank policy's `check` asks first."""
+        """Read `splits` and `key_norms` now, refusing a model whose cache does not split (low-rank `check`s)."""
         _ = self.splits, self.key_norms
 
     def rope_tables(self, length: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of layer `layer`'s RoPE at positions 0..length−1, each (length, R) fp32
-        (`kvprof.model.rope.Rope`), attention scaling included: computed once per RoPE for the longest context asked
-        for and sliced after (policies that rotate a whole context every turn would otherwise recompute the same
-        angles)."""
+        """cos, sin of layer `layer`'s RoPE at 0..length−1, each (length, R) fp32, scaled; tabulated once, sliced."""
         rope = self.ropes[layer]
         tables = self._rope_tables.get(id(rope))
         if tables is None or tables[0].shape[0] < length:
@@ -160,17 +141,15 @@ class Runtime:
         return cos[:length], sin[:length]
 
     def held_length(self, layer: int, length: int) -> int:
-        """Of a sequence's first `length` tokens, how many layer `layer` must keep for the next token, as an engine
-        keeps them: all of them in a full-attention layer, the last W in a sliding-window layer, those of the current
-        W-token chunk in a chunked one (`kvprof.model.layers.LayerKind`)."""
+        """Of `length` tokens, how many layer `layer` keeps for the next: all, the last W (sliding), or the current
+        chunk's (chunked)."""
         kind = self.agents.layer_kinds[layer]
         if kind.window is None:
             return length
         return min(length, kind.window) if kind.attention == "sliding" else length % kind.window
 
     def held(self, buffers: list[KVBuffer], length: int) -> list[torch.Tensor]:
-        """The K/V tensors of a sequence's cache over its first `length` tokens, as an engine holds them: per layer
-        the K and V of its `held_length` last tokens (a hybrid's recurrent layers: none; their states apart)."""
+        """Per layer K, V of its `held_length` last tokens of `length`, as an engine holds them."""
         tensors = []
         for index, buffer in enumerate(buffers):
             if isinstance(buffer, StateBuffer):
@@ -185,20 +164,17 @@ class Runtime:
         return heads * (key_dim + value_dim) * self.dtype.itemsize
 
     def kv_bytes(self, tokens: int) -> int:
-        """Bytes a sequence's cache of `tokens` tokens takes as an engine holds it (`held`): per layer its
-        `held_length` tokens' K and V (recurrent states apart: `state_bytes`)."""
+        """Bytes of a `tokens`-long cache as an engine holds it (`held`; recurrent states apart)."""
         return sum(self.layer_token_bytes(layer) * self.held_length(layer, tokens) for layer in range(self.num_layers))
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take in the cache, over the layers: Σ H_kv·(D_k + D_v)·itemsize (an MLA model's
-        latent and RoPE key, as engines hold them; a hybrid's recurrent layers hold none)."""
+        """Σ over layers of `layer_token_bytes` (MLA: latent and RoPE key)."""
         return sum(self.layer_token_bytes(layer) for layer in range(self.num_layers))
 
     @functools.cached_property
     def state_bytes(self) -> int:
-        """Bytes a hybrid model's recurrent layers hold for one sequence, whatever its length (0 without such
-        layers): their states after one token, measured on the model."""
+        """Bytes of a hybrid's recurrent states per sequence, any length (measured; 0 without)."""
         if not self.recurrent:
             return 0
         cache = self.cache_from(self.empty_kv())
@@ -214,8 +190,7 @@ class Runtime:
         return [buffer for buffer in buffers if isinstance(buffer, StateBuffer)]
 
     def states_cover(self, buffers: list[KVBuffer], length: int) -> bool:
-        """Whether a cache's recurrent layers hold their state after exactly `length` tokens, so a context of that
-        length can be continued (always, for a model without recurrent layers)."""
+        """Whether a cache's recurrent states are after exactly `length` tokens (always without recurrent layers)."""
         return all(buffer.length == length for buffer in self.state_buffers(buffers))
 
     @property
@@ -224,8 +199,7 @@ class Runtime:
         return self.num_layers * self.hidden_size * self.dtype.itemsize
 
     def _role_prompt_ids(self, prompt: str) -> list[int]:
-        """A role prompt's tokens as every call starts with them: on their own, or as the chat template renders the
-        system message (`kvprof.traces.chat`)."""
+        """A role prompt's tokens as calls start: alone, or as the chat template's system message."""
         template = self.agents.spec.chat_template
         if template is None:
             return self.agents.tokenizer.encode(prompt, add_special_tokens=False)
@@ -233,19 +207,15 @@ class Runtime:
         return system
 
     def prefix(self, agent: str) -> list[int]:
-        """The agent's private prefix tokens in the trajectory being served (its role prompt in prompt mode, and the
-        task's private text for it when the task has one)."""
+        """The agent's private prefix in the served trajectory (role prompt, then the task's private text)."""
         return self.prefixes.get(agent, [])
 
     def serve_trajectory(self, traj: Trajectory) -> None:
-        """Serve `traj`'s own private prefixes (`Trajectory.private_prefixes`), so a task whose agents read private
-        text (notes, memory) after their role prompts replays with exactly the prefixes it was captured with
-        (`Trajectory.served_prefixes`). Call before the policies' `reset`."""
+        """Serve `traj`'s captured private prefixes (`Trajectory.served_prefixes`); call before policies' `reset`."""
         self.prefixes = traj.served_prefixes(self.role_prefixes) if self.role_prefixes else {}
 
     def serve_task(self, task: Task) -> None:
-        """Serve `task`'s private prefixes for an online re-run: each role prompt followed by the task's private
-        text for that agent, tokenized as the workflow lays it out."""
+        """Serve `task`'s private prefixes for an online re-run, as the workflow lays them out."""
         spec = self.agents.spec
         self.prefixes = {
             name: self._role_prompt_ids(private_prompt(spec, task, name)) if task.private.get(name) else ids
@@ -254,9 +224,8 @@ class Runtime:
 
     @contextlib.contextmanager
     def serving_call(self, agent: str, input_ids: list[int]) -> Iterator[None]:
-        """Within the block, forwards of `agent` belong to its call on `input_ids`: an Activated LoRA acts from the
-        last occurrence of its invocation ids in that input on, in every forward of the call (a decode step's one
-        token included), as peft's `generate` applies it; without the invocation it never acts."""
+        """Inside, `agent`'s forwards belong to its call on `input_ids`: an aLoRA acts from the last invocation on,
+        in every forward (decode steps included), as peft's `generate`; never without one."""
         if agent not in self.invocations:
             yield
             return
@@ -267,17 +236,15 @@ class Runtime:
             self.call = None
 
     def adapter_acts_from(self, agent: str) -> int | None:
-        """Within `serving_call`: the position in `agent`'s call input (private prefix included) from which its
-        Activated LoRA acts — its K/V from there on are the adapter's, the ones before are the base model's; None for
-        an adapter that acts on every token (plain LoRA) or not at all (an aLoRA call without its invocation)."""
+        """Within `serving_call`: the input position (prefix included) from which `agent`'s aLoRA acts; None for
+        plain LoRA or a call without the invocation."""
         if self.call is None or self.call[0] != agent:
             return None
         return self.call[1]
 
     def alora_offsets(self, rows: list[str | None], start: int, count: int) -> list[int | None] | None:
-        """peft's `alora_offsets` for a forward of `count` tokens at positions start.. with one adapter per row
-        (None: disabled): for the served call's agent, how many of the forward's last tokens its adapter acts on;
-        None when the forward is not the served call's (peft then looks for the invocation in its own ids)."""
+        """peft's `alora_offsets` for a forward of `count` tokens at start..: per row, the last tokens the adapter
+        acts on; None outside the served call."""
         if self.call is None or self.call[0] not in rows:
             return None
         agent, invocation = self.call
@@ -293,10 +260,8 @@ class Runtime:
         rewrite: Rewrite | None = None,
         states: list[KVBuffer] | None = None,
     ) -> BufferCache:
-        """A cache holding copies of `layers[i] = (K, V)`, each (B, H_kv, L, D), in fresh buffers with room for
-        `spare` more tokens; the model's appends write in place (`kvprof.model.buffers`; then `rewrite` may overwrite
-        them), the inputs stay untouched. A hybrid's recurrent layers start from their `StateBuffer` in `states`
-        (the buffers `layers` were read from), or from no state for an empty context."""
+        """A cache of copies of per-layer (K, V) (B, H_kv, L, D) with room for `spare` more (appends in place);
+        recurrent layers start from `states`."""
         length = int(layers[0][0].shape[2])
         buffers: list[KVBuffer] = []
         for index, (keys, values) in enumerate(layers):
@@ -311,16 +276,14 @@ class Runtime:
     def cache_over(
         self, kv: list[KV], buffers: list[KVBuffer] | None, spare: int = 0, rewrite: Rewrite | None = None
     ) -> BufferCache:
-        """A cache whose context is `kv` (per layer (K, V), (B, H_kv, L, D)): when `buffers` holds them (kv are
-        their first L tokens), in place — not copied, the model's appends write after them; otherwise a copy
-        (`cache_from`) with room for `spare` more tokens. `rewrite`: see `kvprof.model.buffers.Rewrite`."""
+        """A cache with context `kv` (per layer (B, H_kv, L, D)): in place over `buffers` when they hold it, else a
+        copy (`cache_from`)."""
         if buffers is None or not self.fast_paths:
             return self.cache_from(kv, spare, rewrite, buffers)
         return self.buffer_cache(buffers, int(kv[0][0].shape[2]), rewrite)
 
     def buffer_cache(self, buffers: list[KVBuffer], length: int, rewrite: Rewrite | None = None) -> BufferCache:
-        """A cache over `buffers` whose first `length` tokens are the context, appended in place; MLA layers in
-        kvprof's order (`kvprof.model.latent`)."""
+        """A cache over `buffers` with `length` context tokens, appended in place."""
         return BufferCache(buffers, length, rewrite, self.latent)
 
     @staticmethod
@@ -336,8 +299,7 @@ class Runtime:
 
     @staticmethod
     def cache_length(cache: DynamicCache) -> int:
-        """Tokens a cache holds, as its attention layers count them (transformers ≥ 5.25 asks a hybrid's first layer,
-        whose count starts where the cache was made, not where its restored state was)."""
+        """Tokens a cache holds, as its attention layers count them (not a hybrid's first layer)."""
         for layer in cache.layers:
             if isinstance(layer, BufferLayer):
                 return layer.length
@@ -373,12 +335,8 @@ class Runtime:
         adapter_names: list[str] | None = None,
         last_logits_only: bool = False,
     ) -> ChunkForward:
-        """Run `ids` (n tokens, or a (B, n) tensor) at positions start..start+n−1 over `cache`.
-
-        `agent` selects the adapter (None: adapters disabled); `adapter_names` instead gives one adapter per batch
-        row (peft's mixed batch, "__base__" for none). `last_logits_only` computes logits for the last position only
-        (a prefill needs no more), so `logits` is then (B, 1, vocab).
-        """
+        """Run `ids` (n, or (B, n)) at positions start.. over `cache` with `agent`'s adapter (None: off) or one per
+        row (`adapter_names`, "__base__": none); `last_logits_only`: logits (B, 1, vocab)."""
         tokens = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.device)
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).expand(tokens.shape[0], -1)
         kwargs: dict[str, object] = {"logits_to_keep": 1} if last_logits_only else {}
@@ -417,11 +375,8 @@ class Runtime:
 
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:
-        """The model attends through kvprof's implementation inside the block, through its own outside. Without
-        Flash-LoRA-Attention only a model that attends with sdpa switches (kvprof's implementation is sdpa plus the
-        unmasked chunk path); one loaded with another implementation (eager, e.g. for logit soft-capping) keeps it,
-        and so does the plain path. Nested inside a block that already switched (a turn switches once for all its
-        forwards), it changes nothing."""
+        """Attend through kvprof's implementation inside the block (sdpa models, or with Flash-LoRA-Attention;
+        eager models and the plain path keep theirs); nested, a no-op."""
         model = self.agents.base_model
         previous = model.config._attn_implementation
         if previous == self.attention or not self.lora_attention and (not self.fast_paths or previous != "sdpa"):
@@ -434,17 +389,13 @@ class Runtime:
             model.set_attn_implementation(previous)
 
     def stops(self, new_tokens: list[int], max_new: int) -> bool:
-        """Capture's stopping rules, for greedy generation: an end id (`kvprof.traces.stopping.end_ids`: EOS, the chat
-        template's end of turn), a stop string in the text of `new_tokens` (`kvprof.traces.stopping`), or the token
-        budget."""
+        """Capture's stopping rules (`kvprof.traces.stopping`): an end id, a stop string, or the budget."""
         if len(new_tokens) >= max_new or new_tokens[-1] in self._end:
             return True
         return self._stop is not None and self._stop.found(new_tokens)
 
     def flops(self, tokens: int, context: int) -> float:
-        """Analytic forward FLOPs of `tokens` new tokens after `context` cached ones: 2·params per token in the
-        linear layers plus, per attention layer, its `layer_pair_flops` per (query, key) pair it attends
-        (`attended`)."""
+        """Analytic FLOPs of `tokens` after `context`: 2·params per token + `layer_pair_flops` per `attended` pair."""
         attention = sum(
             self.layer_pair_flops[layer] * self.attended(layer, context, tokens) for layer in range(self.num_layers)
         )
@@ -452,8 +403,7 @@ class Runtime:
 
     @functools.cached_property
     def layer_pair_flops(self) -> list[float]:
-        """Per layer the FLOPs of one (query, key) pair over the query heads: 2·H_q·(D_qk + D_v) (QKᵀ and PV; an MLA
-        layer's query head is its RoPE and non-RoPE parts, its value head its own size; 0 in a recurrent layer)."""
+        """Per layer FLOPs of one (query, key) pair: 2·H_q·(D_qk + D_v) (0 in a recurrent layer)."""
         flops = []
         for index, layer in enumerate(decoder_layers(self.agents.base_model)):
             if index in self.recurrent:
@@ -467,8 +417,7 @@ class Runtime:
         return flops
 
     def attended(self, layer: int, start: int, count: int) -> int:
-        """(query, key) pairs layer `layer` computes for `count` tokens at positions start..: each attends every key
-        up to itself, its sliding window's last W, or its chunk's so far; none in a recurrent layer."""
+        """(query, key) pairs layer `layer` computes for `count` tokens at start.. (causal, window or chunk)."""
         kind = self.agents.layer_kinds[layer]
         if kind.attention == "recurrent":
             return 0

@@ -1,22 +1,16 @@
 """A tiny, untrained world built locally from a config: tokenizer, model, LoRA adapters, tasks, workflows.
 
-For tests and for trying commands without the demo world: nothing is downloaded. Outputs of an untrained model are
-noise, but every code path (loading, adapters, generation, traces) is real.
+For tests and trying commands offline: outputs are noise, every code path is real. `ARCHITECTURES` (same sizes,
+tokenizer, adapters, tasks, workflows), each exercising a code path:
 
-The model is one of `ARCHITECTURES` (same sizes, tokenizer, adapters, tasks and workflows for each):
-
-- `llama` (the default): no projection biases, RoPE θ = 10⁴.
-- `qwen2`: q/k/v projections with biases, drawn random normal after init (an initialised Qwen2 has zero biases, which
-  would leave every bias code path untested); RoPE θ = 10⁶, as Qwen2 ships.
-- `mistral`: sliding-window attention with a window (`MISTRAL_WINDOW`) longer than any tiny sequence, so results equal
-  full attention while the model runs its sliding-window masks and cache layers; RoPE θ = 10⁶.
-- `qwen3`: per-head query and key norms (q_norm, k_norm) between the projections and RoPE, so a cached key is not a
-  base plus an adapter part; head size 16 set apart from hidden / heads; RoPE θ = 10⁶.
-- `phi`: partial rotary (RoPE on the first half of each head, the rest passed through), biases on every attention
-  projection (random, as for qwen2), an output projection named `dense`, LayerNorm, and attention and MLP side by
-  side on one norm.
-- `phi3`: one fused projection for queries, keys and values (`qkv_proj`, adapted as one module, as Phi-3 adapters
-  are), split by its column blocks.
+- `llama` (default): no biases, RoPE θ = 10⁴.
+- `qwen2`: random non-zero q/k/v biases (an initialised Qwen2's are zero); θ = 10⁶.
+- `mistral`: sliding window (`MISTRAL_WINDOW`) longer than any sequence: full-attention results through sliding
+  masks and cache layers; θ = 10⁶.
+- `qwen3`: per-head q_norm / k_norm before RoPE; head size 16 apart from hidden / heads; θ = 10⁶.
+- `phi`: partial rotary (half of each head), random biases on every attention projection, `dense` output,
+  LayerNorm, parallel attention and MLP.
+- `phi3`: fused `qkv_proj`, adapted as one module, split by column blocks.
 
     python -m kvprof.model.tiny DIR [ARCH]   # writes DIR/model, DIR/adapters/{plan,act,reflect},
                                        DIR/adapters_shared_a/..., # DIR/tasks.jsonl,
@@ -106,8 +100,7 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def tiny_sizes(vocab_size: int, eos_id: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
-    """The config fields that make a model tiny, common to every architecture's config class (EOS also BOS and
-    padding; untied embeddings)."""
+    """Config fields making a model tiny, common to every architecture (EOS also BOS and padding; untied)."""
     return dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -175,11 +168,8 @@ def build_adapter(
     invocation: list[int] | None = None,
     task_type: str | None = "CAUSAL_LM",
 ):
-    """Save a LoRA adapter with random, non-zero A and B (`init_lora_weights=False`).
-
-    With `shared_a_seed`, A comes from that seed (adapters built with the same one share A; only B differs). With
-    `invocation`, an Activated LoRA invoked by those ids (peft's `alora_invocation_tokens`; `task_type` as saved).
-    """
+    """Save a LoRA adapter with random non-zero A and B; `shared_a_seed`: A from that seed (shared A);
+    `invocation`: an aLoRA invoked by those ids (`task_type` as saved)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -199,8 +189,7 @@ def build_adapter(
 
 
 def attention_targets(model) -> tuple[str, ...]:
-    """The names of the linear layers inside the first attention layer (q_proj, k_proj, v_proj, o_proj in Llama;
-    qkv_proj in Phi-3; dense in Phi; a hybrid's first layer that attends), the LoRA targets of the tiny adapters."""
+    """The linear layers of the first attention layer (the tiny adapters' targets)."""
     index, layer = next((i, layer) for i, layer in enumerate(decoder_layers(model)) if recurrent_of(layer) is None)
     attention = attention_of(layer, index)
     return tuple(
@@ -217,10 +206,8 @@ def attention_targets(model) -> tuple[str, ...]:
 def build_tiny_world(
     root: str | Path, seed: int = 0, arch: str = "llama", configure: Callable[[int, int], object] | None = None
 ) -> TinyWorld:
-    """Write the tiny world of architecture `arch` under `root` (see module docstring) and return its paths.
-
-    `configure`, if given, builds the model's config instead of `tiny_config` from (vocabulary size, EOS id): any
-    transformers causal LM (`scripts/arch_survey.py`). The adapters target every linear layer of the attention."""
+    """Write the tiny world of `arch` under `root`; its paths. `configure(vocab, eos)` replaces `tiny_config` (any
+    causal LM: `scripts/arch_survey.py`)."""
     world = TinyWorld(Path(root))
     world.root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()

@@ -1,21 +1,16 @@
 """ALoRAShared (kvprof): exact sharing between Activated LoRA agents — one cache of the base model's K/V.
 
-An Activated LoRA (peft's aLoRA, `LoraConfig(alora_invocation_tokens=...)`) acts only from the last occurrence of its
-invocation ids in a call's input on. Every token a call computes before that is the base model's K/V over base K/V,
-the same whichever agent computed it, so every aLoRA agent (and the base model) may reuse it as is. A token computed
-from the invocation on (the agent's cue and its output) holds that adapter's K/V; the next call reads it as context
-before its own invocation and must recompute it with the base weights to stay exact. So the store is FullShared's
-shared timeline cut, after each call, at the call's invocation: each turn reuses the base prefix and prefills the
-rest (the last calls' adapter-made tokens included, now with the base weights). Equal to NonShared to float
-rounding, with fewer tokens prefilled. An engine that keys only post-invocation blocks by adapter shares the same.
-Each turn's record splits its input: `reused` base tokens, `adapter_made` tokens recomputed with the base weights
-(of `prefilled`), and the new rest.
+No paper proposes it: it is the exact baseline an aLoRA deployment gets (an engine that keys only post-invocation
+blocks by adapter shares the same), beside the approximate sharing of plain LoRA agents. Why it is exact:
+docs/alora.md. FullShared's timeline is cut after each call at its invocation: each turn reuses the base prefix and
+prefills the rest, the last calls' adapter-made tokens (cue, output) recomputed with the base weights. Equal to
+NonShared to float rounding, with fewer tokens prefilled. A turn's record splits its input into `reused` base tokens,
+`adapter_made` tokens (of `prefilled`) and the new rest.
 
-A plain LoRA agent acts on every token: its calls reuse nothing and store nothing (exact, NonShared's work). Agents
-with system prompts of their own diverge there (lora mode has no private prefixes: the replay reuses the common
-start only). Moved spans are computed (base K/V depend on their context, which differs at other positions). No paper
-proposes this policy; it is the exact baseline an aLoRA deployment gets, beside the approximate sharing of plain
-LoRA agents.
+- A plain LoRA agent reuses and stores nothing (exact, NonShared's work).
+- Agents with system prompts of their own diverge there (lora mode has no private prefixes: only the common start is
+  reused).
+- Moved spans are computed (base K/V depend on their context).
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
-"""Anchor pools: what the delta-correction policies (KVComm, KVCMAS, GraphFlow) know about how a shared segment's
-K/V change with the context it is read in.
+"""Anchor pools: what the delta-correction policies know about how a shared segment's K/V change with its context.
 
-A shared segment of L tokens read by agent a after its own context has a cache C_a (per layer (H_kv, L, D)).
-Everything here lives in the segment's own frame: keys rotated back to positions 0..L−1
-(`kvprof.model.rope.rotate_keys`), so caches read at different positions compare and subtract directly. Tensors are
-stacked over layers: (layers, H_kv, L, D).
+Everything is in the segment's own frame (keys rotated back to positions 0..L−1, `kvprof.model.rope.rotate_keys`),
+stacked (layers, H_kv, L, D). `Stored`: full-dimensional (KVComm) or per-layer rank-r truncated SVD of the
+(L × H_kv·D) matrix, U (layers, L, r) · V (layers, r, H_kv·D) (KVCMAS). `Anchor`: a slot's observed segment — base B
+(its `owner`'s cache, or the context-free encoding) and per-agent deltas Δ_a = C_a − B. `AnchorPool`: anchors per
+slot; `match` (KVCOMM's `predict_as_anchor`, `_compute_anchor_weight_entry`), `mixed_delta`, admission and eviction
+as the code's `set_anchor` / `update_anchor` (up to V + 1 per slot), `activate` (the code's top-p cut-off), `save` /
+`load` (safetensors, model and tokenizer identity checked). The gate and correction: docs/policies/delta.md.
 
-- `Stored`: one (layers, H_kv, L, D) tensor kept full-dimensional (KVComm) or, per layer, as the rank-r truncated SVD
-  of its (L × H_kv·D) matrix, Z ≈ U·V with U (layers, L, r) and V (layers, r, H_kv·D) (KVCMAS: one SVD per layer,
-  r·(L + H_kv·D) parameters). A prefix of the rows is a prefix of U's rows, so a shorter segment costs nothing.
-- `Anchor`: one observed segment of a slot: its base B — the cache its readers were corrected from when it was
-  observed: the producer's own cache of it (`owner`, an agent) or its context-free encoding (`owner` None) — and,
-  per other agent that computed it densely, its delta Δ_a = C_a − B; with an activation count. C_owner = B.
-- `AnchorPool`: the anchors of every slot (a workflow placeholder, e.g. the planner's first output). `match` weighs a
-  candidate reference (the cache a reader will be corrected from, whose owner is `source`) against each eligible
-  anchor's cache for the same owner, C_source = B + Δ_source (like for like): gate weights softmax(−‖X_V − A_V‖₂)
-  over all layers (the public KVCOMM code's `predict_as_anchor`), their entropy in bits against γ·log2 N, and per-token
-  correction weights, separately for K and V, softmax(−mean |X − A| over layers, heads and dims) (its
-  `_compute_anchor_weight_entry`). `mixed_delta` adds Σ_n w_n·(Δ_target − Δ_source)_n to the reference. Admission and
-  eviction follow the code's `set_anchor` / `update_anchor`: on every dense reader's call a slot holding more than
-  V anchors drops the least-activated of its oldest `window` (the first on ties), so it holds up to V + 1; an accepted
-  match activates its top weights by the code's top-p cut-off (`activate`).
-- Saving and loading (`save` / `load`): safetensors for the tensors, a JSON header for the layout and the identity
-  of the model and tokenizer the pool was fitted on, checked on load.
-
-Memory of a pool (`nbytes`, equal to its tensors' bytes): per stored matrix, layers·H_kv·L·D elements full-dimensional
-or layers·r_eff·(L + H_kv·D) as factors, r_eff = min(r, L, H_kv·D); an anchor read by N agents holds N such
-matrices (its base and N − 1 deltas; N + 1 when its base is a context-free encoding) for K and for V.
+Memory (`nbytes` = `analytic_bytes`): per stored matrix layers·H_kv·L·D elements, or layers·r_eff·(L + H_kv·D) with
+r_eff = min(r, L, H_kv·D); an anchor read by N agents holds N matrices (N + 1 with a context-free base) for K and V.
 """
 
 from __future__ import annotations
@@ -63,8 +46,8 @@ class Stored:
 
     @classmethod
     def of(cls, tensor: torch.Tensor, rank: int | None) -> Stored:
-        """`tensor` (layers, H_kv, L, D) kept whole (`rank` None) or as the rank-min(rank, L, H_kv·D) truncated SVD of
-        each layer's (L × H_kv·D) matrix, computed in float32 and stored in the tensor's dtype."""
+        """`tensor` (layers, H_kv, L, D) whole (`rank` None) or as per-layer truncated SVD (float32, stored in its
+        dtype)."""
         layers, heads, length, head_dim = tensor.shape
         if rank is None:
             return cls(full=tensor.clone(), heads=heads)
@@ -94,8 +77,7 @@ class Stored:
         return product.unflatten(-1, (self.heads, -1)).transpose(1, 2)
 
     def head_factors(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's factors as the correction kernel takes them: U (H_kv, length, r) (the layer's U, the same for
-        every head) and V (H_kv, r, D)."""
+        """One layer's factors for the correction kernel: U (H_kv, length, r) (shared by heads), V (H_kv, r, D)."""
         assert self.u is not None and self.v is not None
         rank = self.v.shape[-2]
         u = self.u[layer, :length].expand(self.heads, length, rank)
@@ -103,8 +85,7 @@ class Stored:
 
 
 def stored_bytes(layers: int, heads: int, length: int, head_dim: int, rank: int | None, itemsize: int) -> int:
-    """The formula for one `Stored` matrix: layers·H·L·D elements full-dimensional, layers·r_eff·(L + H·D) as
-    per-layer factors with r_eff = min(rank, L, H·D)."""
+    """Bytes of one `Stored` matrix by the formula in the module docstring."""
     if rank is None:
         return layers * heads * length * head_dim * itemsize
     keep = min(rank, length, heads * head_dim)
@@ -113,9 +94,8 @@ def stored_bytes(layers: int, heads: int, length: int, head_dim: int, rank: int 
 
 @dataclass
 class Anchor:
-    """One observed segment of a slot. name: where it was observed (trajectory and segment); owner: whose cache the
-    base is (an agent, or None for the context-free encoding); base_keys/base_values: that cache in the segment's
-    frame; deltas: agent → (ΔK, ΔV) = C_agent − B; activations: how often an accepted match relied on it."""
+    """One observed segment of a slot: `name` (trajectory and segment), base cache of `owner` (None: context-free),
+    `deltas` agent → (ΔK, ΔV) = C_agent − B, `activations` by accepted matches."""
 
     name: str
     owner: str | None
@@ -137,8 +117,7 @@ class Anchor:
         return ([self.owner] if self.owner is not None else []) + list(self.deltas)
 
     def cache(self, agent: str | None, length: int, values: bool, layers: slice = slice(None)) -> torch.Tensor:
-        """C_agent on the first `length` rows (layers, H_kv, length, D) float32: B, plus Δ_agent unless `agent` owns
-        the base."""
+        """C_agent = B + Δ_agent on the first `length` rows, (layers, H_kv, length, D) float32."""
         part = 1 if values else 0
         base = (self.base_values if values else self.base_keys).dense(length, layers)
         if agent == self.owner:
@@ -152,10 +131,8 @@ class Anchor:
 
 @dataclass
 class Match:
-    """A candidate reference (owned by `source`) weighed against a slot's eligible anchors. weights (N,) float32:
-    the gate's softmax over −distance; entropy: H(w)/log N in [0, 1] (H in bits with the code's ε; 1 when fewer than
-    two anchors: no evidence); key_weights / value_weights (N, L): the correction's per-token weights (None: every
-    token takes `weights`)."""
+    """A candidate (owned by `source`) against a slot's eligible anchors: gate `weights` (N,) float32, `entropy`
+    H(w)/log N in [0, 1] (1 with < 2 anchors), per-token `key_weights` / `value_weights` (N, L) or None."""
 
     anchors: list[Anchor]
     source: str | None
@@ -177,8 +154,7 @@ class Match:
 
 
 def normalized_entropy(weights: torch.Tensor) -> float:
-    """H(w)/log2 N of a probability vector (N,), H = −Σ w·log2(w + ε) as the public KVCOMM code computes it; 1.0 for
-    N < 2."""
+    """H(w)/log2 N of (N,), H = −Σ w·log2(w + ε) as KVCOMM's code; 1.0 for N < 2."""
     if weights.numel() < 2:
         return 1.0
     probabilities = weights.double()
@@ -201,9 +177,7 @@ def per_token_weights(candidate: torch.Tensor, anchors: torch.Tensor, temperatur
 
 
 class AnchorPool:
-    """Anchors per slot (see module docstring). capacity: V, the anchors a slot keeps before it is trimmed; window:
-    eviction looks at the oldest `window` anchors and drops the least activated; rank: factor rank (None:
-    full-dimensional)."""
+    """Anchors per slot: `capacity` V, eviction `window` (oldest anchors considered), factor `rank` (None: full)."""
 
     def __init__(self, capacity: int, window: int, rank: int | None):
         self.capacity, self.window, self.rank = capacity, window, rank
@@ -215,14 +189,12 @@ class AnchorPool:
     def add(
         self, slot: str, name: str, owner: str | None, base_keys: torch.Tensor, base_values: torch.Tensor
     ) -> Anchor:
-        """A new anchor for a segment: base K/V (layers, H_kv, L, D) in its frame, `owner`'s cache (None: the
-        context-free encoding), after `trim` (the code checks before adding, so a slot holds up to V + 1)."""
+        """A new anchor with base K/V (layers, H_kv, L, D) of `owner`, after `trim` (as the code: up to V + 1)."""
         self.trim(slot)
         return self.insert(slot, name, owner, base_keys, base_values)
 
     def trim(self, slot: str) -> None:
-        """The public code's size check (`set_anchor` → `update_anchor`), run on every dense reader's call: a slot
-        holding more than V anchors drops the least-activated of its oldest `window` (the first on ties)."""
+        """The code's size check (`update_anchor`): above V, drop the least-activated of the oldest `window`."""
         anchors = self.slots.setdefault(slot, [])
         if len(anchors) > self.capacity:
             oldest = anchors[: self.window]
@@ -237,8 +209,7 @@ class AnchorPool:
         return anchor
 
     def add_delta(self, anchor: Anchor, agent: str, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Agent `agent`'s dense K/V of the anchor's segment (layers, H_kv, L, D), in its frame: kept as its delta
-        (nothing for the base's owner)."""
+        """Keep `agent`'s dense K/V (layers, H_kv, L, D) as its delta (nothing for the owner)."""
         if agent == anchor.owner:
             return
         delta_keys = keys.float() - anchor.base_keys.dense(anchor.length)
@@ -269,9 +240,8 @@ class AnchorPool:
         exclude: str = "",
         per_token: bool = True,
     ) -> Match:
-        """Weigh a candidate reference (K, V) (layers, H_kv, L, D), `source`'s cache of a segment, against the
-        eligible anchors' C_source on the same first L rows (see module docstring); `per_token` adds the
-        correction's per-token K and V weights."""
+        """Weigh candidate (K, V) (layers, H_kv, L, D), `source`'s cache, against eligible anchors' C_source;
+        `per_token` adds per-token weights."""
         keys, values = reference
         length = values.shape[-2]
         anchors = self.eligible(slot, length, source, agents, exclude)
@@ -288,9 +258,8 @@ class AnchorPool:
 
     @staticmethod
     def activate(match: Match, top_p: float = TOP_P) -> None:
-        """Count an accepted match for its top anchors by the public KVCOMM code's cut-off: sorted by weight, the
-        anchors before the last position whose cumulative weight is still below `top_p`, inclusive — all of them
-        when the first weight alone reaches it."""
+        """Count an accepted match for its top anchors by KVCOMM's cut-off: by weight, through the last position
+        whose cumulative weight is below `top_p` (all when the first alone reaches it)."""
         order = torch.argsort(match.weights, descending=True)
         below = (torch.cumsum(match.weights[order], dim=0) < top_p).nonzero().flatten()
         cutoff = int(below[-1]) if below.numel() else len(order) - 1
@@ -302,8 +271,7 @@ class AnchorPool:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def analytic_bytes(self, layers: int, heads: int, dims: tuple[int, int], itemsize: int) -> int:
-        """The formula (`stored_bytes`): per anchor, K (head size dims[0]) and V (dims[1]) of its base and of each
-        delta."""
+        """`stored_bytes` over every anchor's base and deltas, K and V."""
         return sum(
             (1 + len(anchor.deltas)) * stored_bytes(layers, heads, anchor.length, dim, self.rank, itemsize)
             for anchors in self.slots.values()
@@ -321,8 +289,7 @@ class AnchorPool:
     # ------------------------------------------------------------------------------------------ files
 
     def save(self, path: str | Path, identity: dict) -> Path:
-        """Write the pool: safetensors at `path` (tensors by slot/anchor/part), its layout and `identity` (the model
-        and tokenizer it was fitted on) in the file's metadata. Atomic."""
+        """Write the pool atomically: safetensors, layout and `identity` in the metadata."""
         from safetensors.torch import save
 
         tensors: dict[str, torch.Tensor] = {}
@@ -360,8 +327,7 @@ class AnchorPool:
 
     @classmethod
     def load(cls, path: str | Path, identity: dict, device: torch.device) -> AnchorPool:
-        """A pool written by `save`, refused with one sentence when the file is not one or was fitted on another
-        model or tokenizer than `identity` (`kvprof.policies.delta.pool_identity`) names."""
+        """A pool written by `save`; refused if not one or fitted on another model / tokenizer than `identity`."""
         metadata, tensors = _read_pool(path, device)
         if metadata.get("kind") != POOL_KIND:
             raise KvprofError(f"{path} is not a kvprof anchor pool; {POOL_FIX}.")
@@ -437,9 +403,7 @@ def _metadata_json(path: str | Path, metadata: dict[str, str], key: str) -> dict
 
 
 class _PoolShapes:
-    """The stored tensors of a pool file being loaded, checked against the model's shape (`identity["shape"]`:
-    layers x H_kv x D, or layers x H_kv x D_k x D_v for an MLA model's RoPE keys and latents), its dtype and the
-    pool's rank."""
+    """A pool file's tensors, checked against the model's shape (`pool_shape`), its dtype and the pool's rank."""
 
     def __init__(self, path: str | Path, identity: dict, rank: int | None, tensors: dict[str, torch.Tensor]):
         self.path, self.rank, self.tensors = path, rank, tensors
@@ -483,8 +447,7 @@ class _PoolShapes:
 
 
 def pool_digest(path: str | Path) -> str:
-    """A digest of a pool file's content (its tensors by name and its metadata, in a canonical order): the file's
-    bytes are not canonical (safetensors writes its metadata in no fixed order)."""
+    """A digest of a pool file's tensors and metadata in canonical order (safetensors' bytes are not canonical)."""
     import hashlib
 
     metadata, tensors = _read_pool(path)
@@ -496,11 +459,8 @@ def pool_digest(path: str | Path) -> str:
 
 
 def mixed_delta(match: Match, target: str, layer: int, values: bool, src: torch.Tensor, out: torch.Tensor) -> None:
-    """The corrected K (values=False) or V of one layer into `out` (H_kv, L, D): src + Σ_n w_n·(Δ_target −
-    Δ_source)_n on the first L rows, w_n per token (`Match.token_weights`), Δ of an anchor's owner zero. Low-rank
-    anchors go through the fused correction kernel (`kvprof.kernels.correction`) as one GEMM over the concatenated
-    factors, each term's U rows scaled by its per-token weights (ranks zero-padded to the largest); full-dimensional
-    ones are summed directly."""
+    """One layer's corrected K (`values=False`) or V into `out` (H_kv, L, D): src + Σ_n w_n·(Δ_target − Δ_source)_n,
+    w per token; low-rank anchors in one fused GEMM (`kvprof.kernels.correction`)."""
     length = src.shape[-2]
     part = 1 if values else 0
     weights = match.token_weights(values, length)

@@ -1,41 +1,13 @@
-"""The `SharingPolicy` interface: what every KV-sharing method implements, and the turn loop they share.
+"""The `SharingPolicy` interface every KV-sharing method implements, and the turn loop they share.
 
-Coordinates. Agent a's input at a turn is `prefix_a + S[0:n]`: its private prefix (its role prompt in prompt mode,
-empty in lora mode) followed by the first n tokens of the trajectory's shared timeline S (question, cues, outputs,
-observations — everything every agent reads, in order). Policies store caches of S and hand the acting agent a
-`Context`: the cache of its prefix and of the first `reused` tokens of S. The agent then computes the rest of its
-input (the chunk) with its own adapter over that context, and its output tokens after it. `commit` lets the policy
-keep what it wants of the turn.
-
-Real traces do not always extend one timeline: a turn's input may leave it (a reply re-rendered by the chat
-template, another role header). The replay engine (`kvprof.replay.branches`) then calls `truncate(keep)` before the
-turn — the policy forgets the timeline from the divergence on, and the turn computes the rest as new tokens — and, when
-the turn shares more with an earlier turn's sequence, first `restore`s the `snapshot` it took after that turn. So a
-policy only ever sees inputs that extend what it stores. Past what it stores, the input may hold moved spans (ids an
-earlier turn processed at other positions; `TurnRequest.moved`): a policy that `moves_spans` keeps the K/V of the
-turns they come from (`keep_span_source`) and extends its context over them in `assemble` (`extend_context`:
-re-aligned K/V, new tokens between them computed span by span, `Context.extended`); the others compute them with
-the chunk.
-
-A policy is one module: a subclass that declares its identity (`name`, `family`, `paper`, `approximate`, `modes`),
-its knobs (`options`: `Option`s, with the values `--policy all` sweeps), its `published` figures and its
-`timeline_state` (the attributes `snapshot` copies), and implements `reset`, `assemble` (build the context; a policy
-that carries work from `assemble` to `commit` returns its own `Context` subclass), `commit`, `truncate`,
-`live_tensors` and `analytic_bytes`. Registering it is one line in
-`kvprof.policies.REGISTRY`; the CLI, the test matrix and the reports pick it up from there.
-
-The turn (`run_turn`) is three named steps, and a policy's work is charged to the phase a serving system pays it in:
-
-- `prefill` (timed: TTFT): `assemble` (the context: copies, expansions, re-rotations, an LR prefill), the chunk's
-  forward, then `on_prefill` (work on the chunk's own hidden states that serving does during prefill, e.g. the
-  down-projections X·A_k of PReCache);
-- `decode` (timed per step: TPOT): one forward per output token over the growing cache, as serving decodes —
-  teacher-forced on the trace's tokens or greedy — each followed by `on_decode_step` (the same per-token work);
-- `commit` (after the turn, inside end-to-end latency): what the policy stores, and work serving defers past the
-  turn (ReBaseShared's lazy prefill).
-
-Work done in `on_prefill` / `on_decode_step` is kept in the turn's `Context` (a policy's own subclass) and only
-stored by `commit`, so a timed prefill can repeat without changing the policy's state.
+Agent a's input at a turn is `prefix_a + S[0:n]`: its private prefix (role prompt in prompt mode, empty in lora
+mode), then the first n tokens of the shared timeline S. `assemble` hands the agent a `Context` (its prefix and the
+first `reused` tokens of S); the agent computes the rest (the chunk) and its output over it; `commit` keeps what the
+policy stores. Before a turn that leaves the stored timeline the engine calls `restore` / `truncate`
+(`kvprof.replay.branches`), so a policy only sees inputs extending what it stores, possibly followed by moved spans
+(`TurnRequest.moved`, `extend_context`). Phases (`run_turn`): `prefill` (TTFT: `assemble`, the chunk's forward,
+`on_prefill`), `decode` (TPOT: one forward per token, `on_decode_step`), `commit` (end-to-end only). Concepts,
+phases and how to add a policy: docs/design.md#sharing-policies.
 """
 
 from __future__ import annotations
@@ -125,8 +97,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
         return False
 
     def notes(self) -> list[str]:
-        """What a reader of this policy's results must know about how it ran (e.g. where a profile it used came
-        from); recorded in the replay result and printed with its tables. None by default."""
+        """What a reader of the results must know about how it ran (e.g. a profile's origin); printed with the
+        tables. None by default."""
         return []
 
     def check(self, runtime: Runtime) -> None:
@@ -148,8 +120,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             )
 
     def check_recurrent(self, runtime: Runtime) -> None:
-        """Refuse a hybrid model (recurrent layers, `kvprof.model.recurrent`) for a policy that serves an agent caches
-        other calls computed."""
+        """Refuse a hybrid model (`kvprof.model.recurrent`) for a policy serving caches other calls computed."""
         if runtime.recurrent and self.serves_others:
             index, mixer = next(iter(runtime.recurrent.items()))
             raise KvprofError(
@@ -161,15 +132,13 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @classmethod
     def independent_of_trajectories(cls, options: dict[str, str]) -> bool:
-        """Whether the variant with `options` replays each trajectory alone, whatever it replayed before (so a
-        sharded replay may spread its trajectories over workers): `trajectory_independent`, unless an option
+        """Whether this variant replays each trajectory alone (shardable): `trajectory_independent` unless an option
         changes it."""
         return cls.trajectory_independent
 
     @abstractmethod
     def reset(self) -> None:
-        """Forget the trajectory's state: a new trajectory starts (state kept across trajectories, when
-        `trajectory_independent` is False, survives)."""
+        """Forget the trajectory's state (state kept across trajectories survives)."""
 
     @abstractmethod
     def assemble(self, agent: str, shared: list[int]) -> ContextT:
@@ -189,9 +158,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @abstractmethod
     def truncate(self, keep: int) -> None:
-        """Forget every stored token at shared-timeline index `keep` or later: the next turn's input leaves the
-        stored timeline there (`kvprof.replay.branches`), so what follows is new tokens for it. Storage past `keep` may
-        stay allocated (the next turn overwrites it in place)."""
+        """Forget every stored token at timeline index ≥ `keep` (the next input leaves the timeline there); storage
+        may stay allocated."""
 
     def snapshot(self) -> dict[str, object]:
         """A copy of the trajectory's stored state (`timeline_state`; tensors cloned), for `restore`."""
@@ -213,8 +181,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         self.last_turn: tuple[str, int, int, list[KV]] | None = None
 
     def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
-        """Keep tokens [lo, hi) of the last turn's shared sequence (it is turn `turn` of the trajectory) for later
-        turns' moved spans; nothing for a policy that does not move spans."""
+        """Keep tokens [lo, hi) of turn `turn`'s shared sequence for later moved spans (no-op unless `moves_spans`)."""
         if self.moves_spans and self.last_turn is not None:
             agent, prefix_len, inputs, kv = self.last_turn
             self.span_store.keep(turn, prefix_len, kv, lo, hi, agent, inputs)
@@ -229,11 +196,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
         span_kv: SpanKV | None = None,
         forward: PieceForward | None = None,
     ) -> None:
-        """Extend `context` over the turn's moved spans after its reused tokens (`extend_over_moved`): new tokens
-        between them computed by `agent` (or, with `placeholders`, left as zeros for the policy to compute:
-        `context.placeholders`; `on_piece`, `span_kv`, `forward`: see `extend_over_moved`), moved K/V re-aligned
-        after them; `context.kv` / `buffers` then cover them all. Nothing to do without moved spans past the
-        context."""
+        """Extend `context` over the moved spans past its reused tokens (`kvprof.policies.moved.extend_over_moved`):
+        moved K/V re-aligned, new tokens between them computed by `agent` (or zeros with `placeholders`)."""
         spans = [span for span in self.moved_now if span.begin >= context.reused]
         if not spans:
             return
@@ -292,26 +256,22 @@ class SharingPolicy(ABC, Generic[ContextT]):
         return None
 
     def on_prefill(self, agent: str, context: ContextT, forward: ChunkForward, start: int) -> float:
-        """Work serving does during `agent`'s prefill on the chunk just computed (timed into TTFT); keep results in
-        `context`. `forward.hidden` holds the chunk's attention inputs (per layer (B, n, d_model)) when
-        `needs_hidden`; `start` is the timeline index of its first token. Returns the work's analytic FLOPs."""
+        """Serving's work on the chunk during prefill (TTFT), kept in `context`; its analytic FLOPs.
+
+        `forward.hidden`: per layer (B, n, d_model) when `needs_hidden`; `start`: the chunk's first timeline index."""
         return 0.0
 
     def on_decode_step(self, agent: str, context: ContextT, forward: ChunkForward, start: int) -> float:
-        """The same for one decode step (timed into the step): `forward` computed the token at timeline index
-        `start`. Returns analytic FLOPs."""
+        """`on_prefill` for one decode step (the token at timeline index `start`)."""
         return 0.0
 
     # ---------------------------------------------------------------------------------------------- the turn
 
     def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
-        """Serve one agent call: `prefill` (timed: TTFT), `decode` (timed per step), `commit`.
+        """Serve one agent call: `prefill` (TTFT, median of `repeats` after a warm-up), `decode`, `commit`.
 
-        With `repeats` > 1 the prefill runs once as warm-up and then `repeats` times; TTFT is the median.
-        Decoding is teacher-forced on `request.output_ids`, or greedy when they are None. The whole turn runs in
-        inference mode (no autograd bookkeeping; the caches are inference tensors, written in place), with the
-        model switched to kvprof's attention once for all its forwards (`Runtime.kvprof_attention`).
-        """
+        Teacher-forced on `request.output_ids` (greedy when None); in inference mode, with kvprof's attention
+        (`Runtime.kvprof_attention`)."""
         with torch.inference_mode(), self.runtime.kvprof_attention():
             with self.runtime.serving_call(request.agent, request.input_ids):
                 return self._run_turn(request, repeats)
@@ -395,8 +355,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @torch.inference_mode()
     def prefill(self, agent: str, shared: list[int], repeats: int = 1) -> Prefill[ContextT]:
-        """Assemble the context and run the chunk over it (after the context's refreshed tokens, when it has any:
-        `Context.refreshed`); timed (median of `repeats` after a warm-up)."""
+        """Assemble the context and run the chunk (after `Context.refreshed` tokens) over it; timed."""
         timings, context, forward, start, flops = [], None, None, 0, 0.0
         for _ in range(repeats + 1 if repeats > 1 else 1):
             started = clock(self.runtime.device)
@@ -422,14 +381,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     @torch.inference_mode()
     def decode(self, request: TurnRequest, first: Prefill[ContextT], warm_up: bool = False) -> Decoded:
-        """The output tokens after the prefill, one forward per token over the growing cache as serving decodes:
-        teacher-forced (the trace's next token is fed, the logits before it are kept) on `request.output_ids`, or
-        greedy with transformers' stopping rules. The last forward writes the last token's K/V.
-
-        With `warm_up`, the first step's forward runs once untimed before the timed steps (its token is then taken
-        off the cache again): what a decode step pays only on its first run — the Triton kernels' compilation and
-        autotuning for the decode shape, the allocator's first blocks — stays out of TPOT, as the prefill's
-        warm-up keeps it out of TTFT."""
+        """One forward per output token over the growing cache: teacher-forced on `request.output_ids`, or greedy
+        with transformers' stopping rules; the last forward writes the last token's K/V. `warm_up`: the first step
+        runs once untimed first (Triton compilation, first allocations out of TPOT)."""
         runtime, agent, context = self.runtime, request.agent, first.context
         forced = request.output_ids
         outputs: list[int] = []

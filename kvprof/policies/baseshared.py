@@ -1,39 +1,32 @@
 """BaseShared (LRAgent): one shared base cache; each agent extends its own rank-r LR cache by an "LR prefill".
 
-The base cache X_i·W0 is stored once, by whichever agent processed a token first; each agent j keeps its own LR
-cache X_j·A_j and attends to V = X_i·W0 + s·(X_j·A_j)·B_j (keys likewise when its adapter targets k_proj).
-Approximate: the base part was shaped by agent i. Paper: LRAgent (BaseShared), code: hjeon2k/LRAgent, branch
-`baseshared`.
+Paper: LRAgent (BaseShared); code: hjeon2k/LRAgent, branch `baseshared`. The base cache X_i·W0 is stored once, by
+whichever agent processed a token first; agent j keeps its LR cache X_j·A_j and attends to
+V = X_i·W0 + s·(X_j·A_j)·B_j. Approximate (agent i shaped the base part). Memory ≈ 1× + N·r/d.
 
-The LR prefill, `lr_prefill`:
+`lr_prefill` (option origins):
 
-- `code` (the default, what the authors' code does): one forward over the tokens after the end of the agent's own
-  LR cache — what others added since its last turn (the gap), then its new chunk — timed as the turn's prefill.
-  The gap tokens attend to the shared K_base / V_base at their own positions plus their own LR term (the forward's
-  X·A_j of them, B_j applied), not to their own fresh K/V; base K/V are appended only past the base cache's end;
-  the forward's X·A_j of every token it ran extends the agent's LR cache (`fastchat/serve/inference.py`
-  `generate_stream`: `input_ids[past_seq_length:]`; `modeling_llama.py` `LlamaAttention.forward`: keys sliced to
-  those past the base cache; `peft/tuners/lora/layer.py` `Linear.forward`: `base_layer` on those tokens only,
-  `past_lr_cache.update(lora_A(x))` on all). Compute ≈ NonShared's.
-- `full` (paper text): the whole accumulated context re-run from position 0 with the agent's adapter into a fresh
-  cache, rebuilding its LR cache; compute ≥ NonShared.
-- `incremental` (kvprof): the code's extent, but the gap tokens pass in a separate forward over the agent's own
-  view of the earlier ones, attending to their own fresh K/V.
+- `code` (default, the authors' code): one forward over the tokens after the agent's LR cache (the gap: others'
+  tokens since its last turn, then its chunk), timed as prefill. Gap tokens attend to the shared K_base / V_base
+  plus their own LR term, not to their own fresh K/V; base K/V are appended only past the base cache's end; X·A_j of
+  every token extends the LR cache (`fastchat/serve/inference.py` `generate_stream`: `input_ids[past_seq_length:]`;
+  `modeling_llama.py` `LlamaAttention.forward`: keys sliced to those past the base cache; `peft/tuners/lora/layer.py`
+  `Linear.forward`: `base_layer` on those tokens only, `past_lr_cache.update(lora_A(x))` on all). Compute ≈
+  NonShared's.
+- `full` (paper text): the whole context re-run from position 0 into a fresh cache; compute ≥ NonShared.
+- `incremental` (kvprof): the code's extent, the gap tokens in a separate forward attending to their own fresh K/V.
 
-Memory ≈ 1× + N·r/d. Where kvprof departs from the code: LRAgent adapts v_proj only (K fully shared); an adapter on
-k_proj here adds RoPE(s·(X·A_k)·B_k) to the shared base keys in the same way, a kvprof extension. The code runs
-Flash-LoRA-Attention over V_base and the rank-r values; kvprof expands the values unless `--lora-attention` (same
-result), and always writes the gap tokens' values expanded.
+Deviations from the code:
 
-Moved spans (ids an earlier turn processed at other positions) are computed as new tokens: every LR prefill above
-runs the backbone over each token past the agent's own LR cache, so re-aligning a span's base K/V (as the other
-low-rank policies do, `kvprof.policies.lowrank`) would save no computation and only replace the agent's own K/V of
-those tokens by another agent's base.
+- LRAgent adapts v_proj only; an adapter on k_proj here adds RoPE(s·(X·A_k)·B_k) to the shared base keys (kvprof).
+- The code runs Flash-LoRA-Attention over V_base and rank-r values; kvprof expands the values unless
+  `--lora-attention` (same result), and always writes the gap tokens' values expanded.
+- Moved spans are computed as new tokens: the LR prefill runs the backbone over them anyway, so re-aligning their
+  base K/V would save nothing and replace the agent's own K/V by another's.
 
-Phases: TTFT — the context (the agent's view of the tokens its LR cache covers), the forward over the gap and the
-chunk (with `full` / `incremental`: the separate LR prefill, its cache and hidden states being the turn's
-transients, then the chunk's forward), and the down-projections and base K/V of the tokens it adds; each decode
-step — the same for its token; after the turn — storing them.
+Phases: TTFT — the context (the agent's view of what its LR cache covers), the forward over gap and chunk (with
+`full` / `incremental`: the separate LR prefill, then the chunk's forward), the new tokens' down-projections and base
+K/V; decode — the same per token; after the turn — storing them.
 """
 
 from __future__ import annotations
@@ -64,8 +57,8 @@ LRAGENT_MEMORY = Published(
 
 @dataclass
 class BaseSharedContext(LowRankContext):
-    """low_rank: the acting agent's LR cache over the reused span after its LR prefill (None before it has any);
-    own: its down-projections of the turn's tokens (chunk, then each output token), which `commit` appends."""
+    """low_rank: the agent's LR cache over the reused span (None before it has one); own: its down-projections of
+    the turn's tokens, appended by `commit`."""
 
     low_rank: LowRank | None = None
     own: list[LowRank] = field(default_factory=list)
@@ -130,14 +123,9 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         )
 
     def _assemble_code(self, agent: str, shared: list[int]) -> BaseSharedContext:
-        """The LR prefill as LRAgent's code runs it (`lr_prefill=code`): the context is the agent's view of the
-        tokens its LR cache covers (base + its B over its LR cache); the tokens after them up to the store's end
-        (the gap: what others added since the agent's last turn) are refreshed by the turn's own forward, with the
-        chunk after them (`Context.refreshed`). At each layer the forward's K/V of the gap tokens are replaced,
-        before attention, by the shared base K/V plus the agent's B over their down-projections X·Aᵀ from that
-        same forward (`kvprof.model.lora.HiddenTap.down`): `inference.py` feeds `input_ids[past_lr_seq_length:]`,
-        `modeling_llama.py` keeps the base cache's keys for positions it holds and `LRCache.update` appends the
-        forward's X·A to the agent's LR cache."""
+        """`lr_prefill=code`: the context covers the agent's LR cache; the gap tokens are refreshed by the turn's own
+        forward (`Context.refreshed`), their K/V replaced before attention by base K/V + B over that forward's X·Aᵀ
+        (`kvprof.model.lora.HiddenTap.down`), as `inference.py`, `modeling_llama.py` and `LRCache.update` do."""
         runtime, store = self.runtime, self.store
         reused = self.reused_span(shared)
         have = min(store.lr_length(agent), reused)
@@ -159,9 +147,8 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         return context
 
     def _gap_rewrite(self, agent: str, context: BaseSharedContext, have: int, reused: int) -> Rewrite:
-        """The cache rewrite of `_assemble_code`: slots have..reused of each layer (the gap tokens, written by the
-        forward that starts at `have`) become the store's base K/V plus `agent`'s B over the gap tokens' X·Aᵀ the
-        forward just computed; the expansions' FLOPs are added to the context's `extra_flops`."""
+        """Rewrite slots have..reused (the gap) of each layer to base K/V + `agent`'s B over the forward's X·Aᵀ; the
+        expansions' FLOPs go to `extra_flops`."""
         store, tap, splits = self.store, self.runtime.tap, self.runtime.splits
 
         def rewrite(layer: int, buffer: KVBuffer, start: int, count: int) -> None:
@@ -178,8 +165,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         return rewrite
 
     def on_forward(self, agent: str, context: BaseSharedContext, forward: ChunkForward, start: int) -> float:
-        """The agent's own X·A of the forward's tokens, and the base K/V of those the store does not hold yet, both
-        from the forward itself (`LowRankStore.forward_down_projections`, `LowRankStore.base_update`)."""
+        """Keep the forward's own X·A, and base K/V of tokens the store lacks (`LowRankStore.base_update`)."""
         context.own.append(LowRankStore.forward_down_projections(self.runtime, forward, agent))
         skip = self.new_tokens(context, forward, start)
         if skip is None:

@@ -1,43 +1,30 @@
-"""CacheBlend: reuse the shared cache and recompute the tokens whose K/V deviate most, selected at a check layer.
+"""CacheBlend: reuse the shared cache; recompute the tokens whose K/V deviate most at a check layer.
 
-Paper: CacheBlend (Yao et al., EuroSys 2025; arXiv:2405.16444), as the selective-recompute baseline of PReCache
-(30 % recompute ratio) and KVCMAS (KV reuse ρ = 0.9 and 0.8). For the acting agent, the reused span of the shared
-cache (FullShared's store, keys re-rotated in prompt mode) is blended (`kvprof.policies.selective`):
+Paper: CacheBlend (Yao et al., EuroSys 2025; arXiv:2405.16444); code: YaoJiayi/CacheBlend, and LMCache's blender for
+the `lmcache` / `key` choices. The selective-recompute baseline of PReCache (30 % ratio) and KVCMAS (ρ = 0.9, 0.8).
+Blends FullShared's store (keys re-rotated in prompt mode, `kvprof.policies.selective`): layers before `check_layer`
+recomputed for every reused token; at the check layer the top R reused tokens by deviation are selected and carried
+through the remaining layers; the query suffix (the chunk) is computed after the blend. R = 0: FullShared; R = 1:
+NonShared. Walk-through: docs/policies/selective.md.
 
-1. layers 0 .. check − 1 are recomputed for every reused token from the input embeddings (CacheBlend recomputes
-   the first layer in full; `check_layer`, default 1, is its check layer);
-2. at the check layer the reused tokens' new values (`deviation=value`, the paper's Σ(V_new − V_old)² over heads
-   and channels) or keys (`deviation=key`, what LMCache's blender scores) are projected from the new hidden
-   states, and the top R of them by that deviation are selected (R = `ratio`, a share of the reused tokens);
-3. at the check layer, with `check_update=original` (the default, the original CacheBlend code,
-   YaoJiayi/CacheBlend), every reused token's K/V become the ones just projected; with `check_update=lmcache`
-   only the selected tokens' do and the others keep the reused K/V there (LMCache's blender, though it projected
-   theirs too);
-4. the selected tokens are carried through the check layer and every layer after it, attending to the blended
-   cache, their K/V scattered over the reused ones; the other tokens keep the reused K/V after the check layer.
+Deviations and option origins:
 
-The query suffix (the turn's new input tokens) is always recomputed: it is the turn's chunk, computed after the
-blend (see `kvprof.policies.selective`). At R = 0 nothing is selected and the policy is FullShared; at R = 1 it
-recomputes everything (NonShared).
+- The reused span is one shared cache computed by earlier agents in their own contexts (adapters, prefixes), the
+  multi-agent papers' setting, not chunks each precomputed on its own.
+- Tokens are selected once, at the check layer, as both public codes do; the paper filters gradually per layer.
+- Default ratio 0.16, the original code's (paper text: 15 %; PReCache compares at 30 %, swept by `--policy all`). The
+  ratio counts reused tokens only (LMCache's counts the suffix too).
+- `deviation=value` (default): the paper's Σ(V_new − V_old)² over heads and channels; `key`: Σ(ΔK)², LMCache's.
+- `check_update=original` (default, the original code): every reused token's check-layer K/V become the newly
+  projected ones; `lmcache`: only the selected tokens' (LMCache's blender, though it projects all).
+- Moved spans (`kvprof.policies.moved`) are served re-aligned and blended, the check layer run over the whole input
+  (CacheBlend's RAG setting). The new tokens between them hold placeholder slots the blend computes through every
+  layer, outside the ratio's budget (so R = 1 is the dense run), attending to the input before them; CacheBlend's
+  code would prefill a chunk missing from its store on its own.
 
-Moved spans (`kvprof.policies.moved`): ids other turns processed at other positions are served re-aligned and
-blended with the reused span — the check layer runs over the whole input, as in CacheBlend's RAG setting. The new
-tokens between moved spans have no cache: they hold placeholder slots until the blend computes them through every
-layer (always among the recomputed tokens, outside the ratio's budget), so at R = 1 the turn is the dense run.
-CacheBlend's code would prefill a chunk missing from its store on its own; here they attend to the input before
-them.
-
-Approximate, and where kvprof departs from the paper: CacheBlend fuses chunks each precomputed on its own
-(positions re-aligned); here the reused span is one shared cache of tokens computed by earlier agents in their own
-contexts (with their adapters, after their prefixes), which is the setting of the multi-agent papers that compare
-against it. The paper picks the ratio per layer with a gradual filtering schedule; kvprof selects once, at the
-check layer, as both public implementations do. The default ratio is the original code's, 0.16 (the paper's text
-says 15 %; PReCache compares at 30 %, which `--policy all` sweeps). The ratio counts reused tokens only (LMCache's
-counts the suffix too).
-
-Phases: TTFT — FullShared's context, the blend (the full layers, the check-layer projections and the selected
-tokens' layers: all of the selection work), the chunk's forward; each decode step — one token; after the turn —
-FullShared's commit (the store keeps the producers' K/V, not this agent's blend).
+Phases: TTFT — FullShared's context, the blend (full layers, check-layer projections, selected tokens' layers), the
+chunk's forward; decode — one token per step; after the turn — FullShared's commit (the producers' K/V, not this
+blend).
 """
 
 from __future__ import annotations

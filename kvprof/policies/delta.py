@@ -1,50 +1,15 @@
-"""Delta correction: reuse another agent's cache of a shared segment after adding an estimate of how the reader's
-context would have changed it — the machinery KVComm, KVCMAS and GraphFlow share (one module per method: `kvcomm`,
-`kvcmas`, `graphflow`), as the authors' public code runs it. Prompt mode only: agents differ by their private prefix
-PF_a, and a shared segment (the question, an observation, another agent's output) read after PF_j has K/V C_j ≠ C_i.
+"""Delta correction: reuse another agent's cache of a shared segment plus an estimate of how the reader's context
+would have changed it — the machinery KVComm, KVCMAS and GraphFlow share (`kvcomm`, `kvcmas`, `graphflow`).
 
-Segments and slots. The shared timeline is cut into segments as it grows: each turn adds the tokens of its input
-nobody had read yet (`part` "in": the question, an observation, the workflow's cue) and its output ("out"). A
-segment's slot is its place in the workflow, `AGENT.inK` / `AGENT.outK` (the K-th input or output of that agent's
-turns), the placeholder its anchors are pooled under (`kvprof.policies.anchors`), so segments in the same place of
-different trajectories share a pool.
-
-A turn of agent j. Each agent keeps its own cache (its prefix and every token it has read, as NonShared does: the
-active caches are full-dimensional; the saving is prefill compute, not their memory). For each segment others added
-since j's last turn (`decide`):
-
-- the reference: the cache j corrects from, `source_of` — an output's producer's in-context cache (KVComm and
-  KVCMAS alike), an input's context-free encoding (KVComm, GraphFlow: one reference prefill per segment,
-  `NeutralContext`) or its previous / first reader's cache (KVCMAS chain / star); keys rotated into the segment's
-  frame;
-- the gate (`accepts`), decided once per segment by its first reader (`verdicts`): the reference against its slot's
-  anchors (`kvprof.policies.anchors.AnchorPool.match`); `gated` says which segments have one (KVCMAS: outputs only);
-- accepted: j gets reference + Σ w·(Δ_j − Δ_source) with per-token weights, keys rotated to j's positions, layer 0
-  left as the reference (its K/V depend only on the token and its position, so the re-aligned reference is exact
-  there); refused: j prefills densely — its whole call (`fallback=call`, the code's) or only the refused segments
-  (`fallback=segment`, kvprof's) — and with `pool=grow` its dense cache joins the segment's anchor (created on the
-  first refusal, its base `owner_of`: the reference of the time). KVCMAS also keeps every dense computation of an
-  input while its slot has fewer than V anchors (`admits`). Densely read segments after the last corrected one are
-  simply part of j's chunk, so a gate that accepts nothing replays exactly what NonShared computes.
-
-Every matching, correction, reference prefill and dense fallback runs in `assemble`, inside the timed prefill; the
-gate's verdicts, activations and pool growth are kept in `commit`. The acceptance rate ρ (`Context.corrected` /
-`fallback`: tokens of others' segments served corrected / prefilled densely) is the replay's `delta_reuse`. The pool
-outlives `reset` (it is fitted once (`kvprof fit-anchors`, option `anchors`) and grows online across trajectories,
-in replay order), so these policies are not trajectory-independent. A branching trace (`truncate`) cuts the segment
-log, the caches and the verdicts; the pool keeps what it learnt (kvprof's: the public code replays one growing
-timeline).
-
-Moved spans (ids another turn processed at other positions, `kvprof.policies.moved`): read as placeholder segments
-— KVCOMM's placeholders, a shared segment after each agent's different prefix — in the reading turn's coordinates
-(`moved_segment`), produced by the agent of the turn they come from, pooled per message kind (`AGENT.out.moved`,
-`AGENT.in.moved`). The reference is the K/V that turn held, or for an input the context-free encoding (KVComm,
-GraphFlow); the gate and the correction are the segments' own; new tokens between moved spans are prefilled densely
-over the cache so far (`read_moved`); a refused span is prefilled densely and, with `pool=grow`, learnt into its
-anchor. kvprof's, where the public code has no counterpart: a moved input is corrected from the turn that first read
-it (KVCMAS's chain of readers is not followed across positions), and the agent's own earlier reading of the same span
-elsewhere is not reused.
-
+Prompt mode only: a segment read after PF_j has K/V C_j ≠ C_i. The timeline is cut into segments (`SegmentLog`),
+pooled by slot (`AGENT.inK` / `AGENT.outK`, `kvprof.policies.anchors`). Each agent keeps its own full cache (the
+saving is prefill compute, not memory). Per segment others added since j's last turn (`decide`): a reference
+(`source_of`), a gate decided once by the first reader (`accepts`, `gated`), then either reference +
+Σ w·(Δ_j − Δ_source) (layer 0: the reference) or a dense prefill (`fallback=call`, the code's; `segment`, kvprof's),
+the segment learnt as an anchor with `pool=grow`. ρ (`delta_reuse`) counts tokens served corrected. The pool outlives
+`reset` (fitted by `kvprof fit-anchors`, grown across trajectories in replay order), so these policies are not
+trajectory-independent. Moved spans are placeholder segments (`moved_segment`, slots `AGENT.out.moved` /
+`AGENT.in.moved`). Walk-through and kvprof's choices for branches and moved spans: docs/policies/delta.md.
 Approximate: the correction is an estimate from other segments' deltas.
 """
 
@@ -101,8 +66,7 @@ class SegmentLog:
         self.turns: Counter[str] = Counter()
 
     def observe(self, agent: str, input_len: int, total_len: int) -> list[SharedSegment]:
-        """Record a turn of `agent` whose shared input was `input_len` tokens and whose outputs end the timeline
-        at `total_len`; returns the segments it added."""
+        """Record `agent`'s turn (input `input_len` tokens, timeline now `total_len`); the segments it added."""
         turn = self.turns[agent]
         self.turns[agent] += 1
         added = []
@@ -116,9 +80,8 @@ class SegmentLog:
         return added
 
     def truncate(self, keep: int) -> tuple[list[SharedSegment], dict[str, str]]:
-        """Forget the timeline from index `keep` on: segments starting there or later are dropped, one running
-        across it ends there (same slot; a name of its own, `NAME[:LENGTH]`: an anchor learnt of the whole segment is
-        not this one's). Returns the dropped segments and the cut one's old name → new name."""
+        """Forget the timeline from `keep` on; a segment across it is cut and renamed `NAME[:LENGTH]`. The dropped
+        segments and old → new name."""
         dropped = [segment for segment in self.segments if segment.start >= keep]
         renamed: dict[str, str] = {}
         kept = []
@@ -139,8 +102,7 @@ FITTED = "fitted:"  # what the names of a loaded pool's anchors start with (the 
 
 
 def pool_shape(runtime: Runtime) -> tuple[int, ...]:
-    """A pool's tensors' model shape: (layers, H_kv, D), or (layers, H_kv, D_k, D_v) when K and V differ (an MLA
-    model's RoPE keys and latents)."""
+    """A pool's model shape: (layers, H_kv, D), or (layers, H_kv, D_k, D_v) when K and V differ (MLA)."""
     dims = (runtime.key_dim,) if runtime.key_dim == runtime.value_dim else (runtime.key_dim, runtime.value_dim)
     return (runtime.num_layers, runtime.kv_heads, *dims)
 
@@ -157,20 +119,17 @@ def pool_identity(runtime: Runtime) -> dict:
 
 
 def stack(kv: list[tuple[torch.Tensor, torch.Tensor]], begin: int, end: int, shift: int, ropes: LayerRopes) -> Stacked:
-    """Batch row 0 of tokens [begin, end) of per-layer (K, V) (B, H_kv, T, D), stacked (layers, H_kv, L, D), each
-    layer's keys rotated by `shift` positions with its RoPE."""
+    """Row 0, tokens [begin, end) of per-layer (K, V) (B, H_kv, T, D), stacked (layers, H_kv, L, D), keys rotated
+    by `shift`."""
     keys = torch.stack([k[0, :, begin:end] for k, _ in kv])
     values = torch.stack([v[0, :, begin:end] for _, v in kv])
     return (ropes.rotate_stacked(keys, shift) if shift else keys), values
 
 
 class NeutralContext:
-    """What a context-free encoding is computed after: the tokens every agent's prefix starts with (their longest
-    common prefix — a shared system header, the "You are the" of role prompts), else the tokenizer's BOS token when
-    it has one, else nothing. An encoding of a segment with no context at all makes its first token the sequence's
-    first (an attention sink), which no agent ever reads; the public KVComm code likewise encodes placeholders inside
-    the template and drops the template's tokens. Only the segment's K/V are kept; the neutral tokens' cache is
-    computed once per trajectory."""
+    """What a context-free encoding follows: the agents' longest common prefix, else BOS, else nothing (no attention
+    sink on the segment's first token; KVComm's code encodes inside the template). Only the segment's K/V are kept;
+    the neutral tokens' cache is computed once per trajectory."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -191,8 +150,7 @@ class NeutralContext:
         return len(self.ids), self.runtime.flops(len(self.ids), 0)
 
     def encode(self, ids: list[int]) -> Stacked:
-        """The context-free encoding of `ids`: (K, V), each (layers, H_kv, L, D), keys in the segment's frame
-        (positions 0..L−1), adapters off; FLOPs: `self.runtime.flops(len(ids), len(self.ids))`."""
+        """Context-free (K, V) of `ids`, each (layers, H_kv, L, D), positions 0..L−1, adapters off; and its FLOPs."""
         runtime = self.runtime
         if self.kv is None:
             cache = runtime.cache_from(runtime.empty_kv())
@@ -210,8 +168,7 @@ def threshold_option(default: str, meaning: str) -> Option:
 
 
 def pool_options(capacity: str) -> dict[str, Option]:
-    """The options every anchor-pool policy has: the pool size per slot, the eviction window, and a fitted pool to
-    start from."""
+    """Every anchor-pool policy's options: pool size per slot, eviction window, a fitted pool to start from."""
     return {
         "anchors_per_slot": Option(capacity, parse=positive_int, help="anchors kept per slot (V)"),
         "window": Option("5", parse=positive_int, help="the eviction window"),
@@ -238,11 +195,8 @@ def fallback_option() -> Option:
 
 @dataclass
 class Decision:
-    """What happened to one segment of others the agent read this turn. source: whose cache the reference is (None:
-    the context-free encoding); reference: that cache in the segment's frame; gated: whether a gate decided for the
-    segment (`verdict`: the gate accepted it, decided once per segment); match: the anchors the correction mixes
-    (None: `corrected_kv` weighs them when the segment is corrected); corrected: the agent got the segment
-    corrected (else it prefilled it densely)."""
+    """One segment of others read this turn: `source` of the `reference` (None: context-free encoding), the gate's
+    `verdict` if `gated`, the `match` the correction mixes, and whether it was `corrected` (else prefilled)."""
 
     segment: SharedSegment
     source: str | None
@@ -255,11 +209,8 @@ class Decision:
 
 @dataclass
 class DeltaContext(Context):
-    """shared / shared_len: the turn's shared input and its length; decisions: per segment of others read this turn;
-    moved_decisions: per moved span read this turn, in order (`moved_segment`: the segment in this turn's
-    coordinates); first: the agent's first turn (its buffers are new); bases: context-free encodings computed this
-    turn, by segment name; gates: the matches of segments gated for the first time this turn (their verdicts and
-    activations are kept at commit)."""
+    """The turn's shared input, `decisions` per segment and `moved_decisions` per moved span, `first` turn, `bases`
+    (encodings computed this turn) and `gates` (first-time matches, kept at commit)."""
 
     shared: list[int] = field(default_factory=list)
     shared_len: int = 0
@@ -271,9 +222,8 @@ class DeltaContext(Context):
 
 
 class DeltaCorrection(SharingPolicy[DeltaContext]):
-    """Base class of the delta-correction policies (see module docstring). A subclass sets `rank` (anchor factor
-    rank, None: full-dimensional), `source_of` (whose cache a reader corrects from), `gated` (which segments a gate
-    decides for) and implements `accepts`, the gate."""
+    """Base of the delta-correction policies: a subclass sets `rank` (None: full-dimensional), `source_of`, `gated`
+    and implements `accepts`."""
 
     family = "delta"
     approximate = True
@@ -307,18 +257,15 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
 
     @property
     def whole_call(self) -> bool:
-        """Whether a refused segment makes its reader prefill its whole call densely (option `fallback`, the public
-        code's), rather than only the refused segments (kvprof's)."""
+        """Whether a refusal makes the reader prefill its whole call (`fallback=call`, the code's)."""
         return self.settings.get("fallback") == "call"
 
     def source_of(self, reader: str, segment: SharedSegment) -> str | None:
-        """Whose cache `reader` corrects `segment` from: its producer's for an output, the context-free encoding
-        (None) for an input (KVComm's references; KVCMAS overrides the inputs')."""
+        """Whose cache `reader` corrects `segment` from: the producer's (output) or None, the encoding (input)."""
         return segment.producer if segment.is_output else None
 
     def owner_of(self, segment: SharedSegment) -> str | None:
-        """The base of a new anchor of `segment`: the cache its readers were corrected from at the time (the
-        producer's for an output, the context-free encoding for an input)."""
+        """A new anchor's base: the cache `segment`'s readers were corrected from at the time."""
         return segment.producer if segment.is_output else None
 
     def gated(self, segment: SharedSegment) -> bool:
@@ -349,8 +296,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         self.neutral = NeutralContext(self.runtime)
 
     def truncate(self, keep: int) -> None:
-        """Cut the segment log at `keep` (kvprof's: the public code replays one growing timeline), each agent's cache,
-        the context-free encodings and the gate's verdicts with it; the anchor pool keeps what it learnt."""
+        """Cut the segment log, caches, encodings and verdicts at `keep` (kvprof's); the pool keeps what it learnt."""
         dropped, renamed = self.log.truncate(keep)
         for segment in dropped:
             for table in (self.latest, self.readers, self.bases, self.verdicts):
@@ -391,15 +337,13 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     # ------------------------------------------------------------------------------------------ the turn
 
     def base_of(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Stacked:
-        """The segment's context-free encoding (`NeutralContext.encode`), computed once per segment: a reference
-        prefill, charged to the turn's prefill that needs it first."""
+        """The segment's context-free encoding, computed once, charged to the first turn needing it."""
         base, flops = self.encoding(segment, shared, context)
         context.extra_flops += flops
         return base
 
     def encoding(self, segment: SharedSegment, shared: list[int], context: DeltaContext) -> tuple[Stacked, float]:
-        """`base_of` without charging its FLOPs: (encoding, FLOPs of computing it now, 0 if known). Counts the
-        tokens in the turn's `extra_prefill`."""
+        """`base_of` without charging its FLOPs: (encoding, FLOPs now or 0); tokens counted in `extra_prefill`."""
         known = self.bases.get(segment.name) or context.bases.get(segment.name)
         if known is not None:
             return known, 0.0
@@ -416,8 +360,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return stack(kv, begin, begin + segment.length, -begin, self.runtime.ropes)
 
     def cache_of(self, owner: str | None, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Stacked:
-        """`owner`'s cache of `segment` in its frame; None: its context-free encoding (charged to this turn when
-        computed now)."""
+        """`owner`'s cache of `segment` in its frame (None: its context-free encoding)."""
         return self.base_of(segment, shared, context) if owner is None else self.stored_segment(owner, segment)
 
     def decide(self, agent: str, segment: SharedSegment, shared: list[int], context: DeltaContext) -> Decision:
@@ -428,9 +371,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     def judge(
         self, agent: str, segment: SharedSegment, source: str | None, reference: Stacked, context: DeltaContext
     ) -> Decision:
-        """The gate's verdict on `segment` read by `agent` from `reference` (`source`'s cache; None: the context-free
-        encoding), decided by the first reader, once per segment (the candidate is the same reference for every
-        reader); `correction_match` adds the anchors the correction mixes, for the segments that are corrected."""
+        """The gate's verdict on `segment` from `reference`, decided once by the first reader; corrected segments get
+        their `correction_match`."""
         assert self.pool is not None
         gated = self.gated(segment)
         verdict = True
@@ -457,9 +399,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return match
 
     def corrected_kv(self, agent: str, decision: Decision, context: DeltaContext) -> Stacked:
-        """The accepted segment's K/V for `agent`, in its frame: reference + mixed deltas on layers 1.. (the
-        reference alone when no anchor holds `agent`'s cache of a segment this long: the public code reuses it
-        uncorrected)."""
+        """Reference + mixed deltas on layers 1.. in the segment's frame (no covering anchor: the reference, as the
+        code)."""
         match = decision.match or self.correction_match(agent, decision, context)
         keys, values = decision.reference
         out_keys, out_values = keys.clone(), values.clone()
@@ -516,23 +457,19 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     # ------------------------------------------------------------------------------------------ moved spans
 
     def moved_segment(self, span: MovedSpan) -> SharedSegment:
-        """A moved span as a placeholder segment in the reading turn's coordinates: produced by the agent of the
-        turn it comes from, an output when it lies in that turn's outputs (else an input), pooled in the slot
-        `AGENT.out.moved` / `AGENT.in.moved` (one per message kind), named by its source."""
+        """A moved span as a segment in this turn's coordinates, produced by its source turn's agent, slot
+        `AGENT.out.moved` / `AGENT.in.moved`."""
         kept = self.span_store.source(span)
         part = "out" if span.source_begin >= kept.inputs else "in"
         name = f"{self.log.trajectory}@{span.source}+{span.source_begin}:{len(span)}"
         return SharedSegment(span.begin, span.end, kept.agent, f"{kept.agent}.{part}.moved", name, part)
 
     def moved_source(self, segment: SharedSegment) -> str | None:
-        """Whose cache a moved span is corrected from: the turn it comes from for an output (its producer's), the
-        context-free encoding (None) for an input (KVComm's and GraphFlow's references; KVCMAS overrides)."""
+        """A moved span's reference: its source turn's cache (output) or None, the encoding (input)."""
         return segment.producer if segment.is_output else None
 
     def decide_moved(self, agent: str, span: MovedSpan, shared: list[int], context: DeltaContext) -> Decision:
-        """The reference and the gate's verdict for a moved span (`moved_segment`): the reference is the K/V the
-        turn it comes from held (`kvprof.policies.moved.SpanStore`), keys rotated into the segment's frame, or its
-        context-free encoding."""
+        """`decide` for a moved span, its reference from `kvprof.policies.moved.SpanStore` or the encoding."""
         segment = self.moved_segment(span)
         source = self.moved_source(segment)
         if source is None:
@@ -543,9 +480,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return self.judge(agent, segment, source, reference, context)
 
     def read_moved(self, agent: str, buffers: list[KVBuffer], context: DeltaContext) -> None:
-        """Extend `agent`'s context past `context.reused` over the moved spans it gets corrected: the tokens before
-        each (new tokens, refused moved spans) prefilled densely over the cache so far, then the span's corrected
-        K/V written at its positions. Refused spans after the last corrected one are part of the chunk."""
+        """Extend the context over corrected moved spans: tokens before each prefilled densely, then its corrected
+        K/V; refused spans after the last corrected one join the chunk."""
         runtime = self.runtime
         prefix_len = len(runtime.prefix(agent))
         position = context.reused
@@ -567,8 +503,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         context.extended = position - context.reused
 
     def learn_moved(self, agent: str, decision: Decision) -> None:
-        """Keep `agent`'s dense K/V of a refused moved span in its slot's anchor of it, creating that anchor (its
-        base: the reference the gate refused; the delta of the agent whose turn it comes from) first."""
+        """Learn `agent`'s dense K/V of a refused moved span into its anchor (created with the refused reference)."""
         assert self.pool is not None
         segment = decision.segment
         self.pool.trim(segment.slot)
@@ -580,8 +515,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     def write_corrected(
         self, agent: str, decision: Decision, buffers: list[KVBuffer], context: DeltaContext, hop: int
     ) -> None:
-        """Write the accepted segment's corrected K/V (`corrected_kv`, keys rotated to its positions after
-        `agent`'s prefix) into `buffers` and count it (`hop`: see `Context.corrected_spans`)."""
+        """Write `corrected_kv`, keys rotated to its positions, into `buffers`; count it at `hop`."""
         segment = decision.segment
         at = len(self.runtime.prefix(agent)) + segment.start
         keys, values = self.corrected_kv(agent, decision, context)
@@ -594,8 +528,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
     def prefill_densely(
         self, agent: str, segments: list[SharedSegment], buffers: list[KVBuffer], context: DeltaContext
     ) -> None:
-        """The dense fallback for consecutive refused segments: one forward of their tokens with `agent`'s adapter
-        over its context so far, written in place into `buffers` after it."""
+        """Dense fallback: one forward over consecutive refused segments, written in place into `buffers`."""
         if not segments:
             return
         runtime = self.runtime
@@ -651,8 +584,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return flops
 
     def admits(self, segment: SharedSegment) -> bool:
-        """Whether a dense computation of an ungated input joins its slot (KVCMAS: its anchor exists, or the slot has
-        fewer than V anchors; no eviction)."""
+        """Whether a dense ungated input joins its slot (KVCMAS: anchor exists or < V anchors; no eviction)."""
         assert self.pool is not None
         if not (self.admits_dense_inputs and self.grow) or segment.is_output:
             return False
@@ -660,9 +592,8 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         return self.pool.anchor(segment.slot, segment.name) is not None or len(anchors) < self.pool.capacity
 
     def learn(self, agent: str, segment: SharedSegment, context: DeltaContext) -> float:
-        """Keep `agent`'s dense K/V of `segment` in its slot's anchor of it, creating that anchor (its base:
-        `owner_of`; the producer's delta) on the segment's first admission, after the slot's size check. Returns the
-        FLOPs: a reference prefill when the base is a context-free encoding not computed yet."""
+        """Learn `agent`'s dense K/V of `segment` into its anchor (created on first admission, base `owner_of`);
+        FLOPs of a reference prefill if needed."""
         assert self.pool is not None
         flops = 0.0
         self.pool.trim(segment.slot)  # the public code's size check runs on every dense reader's call

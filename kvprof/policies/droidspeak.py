@@ -1,36 +1,25 @@
-"""DroidSpeak: reuse the shared cache and recompute a contiguous block of critical layers for every reused token.
+"""DroidSpeak: reuse the shared cache; recompute a contiguous block of critical layers for every reused token.
 
-Paper: DroidSpeak (Liu et al., 2024; arXiv:2411.02820), as the selective-recompute baseline of LRAgent, PReCache
-(30 % recompute ratio) and KVCMAS (KV reuse ρ = 0.9 and 0.8). Only some layers' K/V are critical when one model
-reads another's cache; DroidSpeak recomputes those layers for the reused tokens and reuses every other layer's K/V.
-Recomputing a block of layers needs the hidden states entering it, so the block is contiguous and those states are
-stored with the cache (one layer's worth, d_model per token, counted in the policy's memory; none when the block
-starts at layer 0, which recomputes from the input embeddings).
+Paper: DroidSpeak (Liu et al., 2024; arXiv:2411.02820), the selective-recompute baseline of LRAgent, PReCache (30 %
+ratio) and KVCMAS (ρ = 0.9, 0.8). The block is recomputed from the hidden states entering
+it (the residual stream the token's first processing agent left, stored: d_model per token, counted in memory; none
+for a block at layer 0), with the acting agent's adapter and positions, over the blended cache; every other layer's
+K/V are reused. Approximate: outside the block the K/V are another agent's, and the block starts from another
+agent's hidden state (exact only at layer 0). LRAgent reports it up to 2.6 points below NonShared.
 
-- the knob: R (`ratio`) is the share of layers recomputed: a block of max(1, round(R·layers)) layers for R > 0
-  (R = 0: none, FullShared; R = 1: all, NonShared). On a model with few layers the ratio actually run is a
-  multiple of 1/layers (0.25 on the 4-layer demo model for R = 0.1–0.3): the replay reports it as measured.
-- the block: the window of that many consecutive layers with the largest deviation in a layer profile — per layer
-  ‖C_reused − C_dense‖² / ‖C_dense‖² over K and V of the reused span, summed over calibration turns. DroidSpeak
-  profiles each layer's effect on task quality offline; kvprof's profile is this cache-deviation proxy (approximate).
-  `profile=FILE` loads a saved profile (a small JSON file; `profile_out=FILE` writes one); without one, the policy
-  profiles on the replay itself and says so: every turn of the first trajectory it replays is a calibration turn,
-  served by recomputing every layer of the reused span (exact, and charged to those turns' TTFT: they report a
-  recompute ratio of 1), and the block is chosen when the next trajectory starts.
-- the stored hidden state: the residual stream entering the block's first layer, from the agent that first
-  processed the token (captured during its prefill and decode forwards); the block is recomputed from it with the
-  acting agent's adapter, at the acting agent's positions, attending to the blended cache.
+- `ratio` R: a block of max(1, round(R·layers)) layers for R > 0 (R = 0: FullShared; R = 1: NonShared); on few layers
+  the ratio run is a multiple of 1/layers (0.25 on the 4-layer demo for R = 0.1–0.3), reported as measured.
+- The block (kvprof's proxy, approximate): the window with the largest summed deviation ‖C_reused − C_dense‖² /
+  ‖C_dense‖² over K and V of the reused span in a layer profile; DroidSpeak profiles each layer's effect on task
+  quality offline. `profile=FILE` loads one, `profile_out=FILE` writes one; without one the first trajectory
+  replayed calibrates (every reused layer recomputed: exact, charged to TTFT, recompute ratio 1) and the block is
+  chosen when the next starts.
+- Moved spans (`kvprof.policies.moved`) are served re-aligned; the block starts from the hidden states their source
+  turn held, used at the reader's positions as they are (as DroidSpeak reuses a sender's), and for the new tokens
+  between them from their own forward.
 
-Moved spans (ids other turns processed at other positions, `kvprof.policies.moved`) are served re-aligned like the
-timeline's tokens, and the block is recomputed for them too: from the hidden states entering it that the turn they
-come from held (kept with their K/V; used at the reader's positions as they are, as DroidSpeak reuses a sender's),
-and for the new tokens between them from their own forward.
-
-Approximate: outside the block the K/V are another agent's, and the block starts from another agent's hidden
-state (exact only at layer 0). LRAgent reports its accuracy up to 2.6 points below NonShared.
-
-Phases: TTFT — FullShared's context, the block's recompute; each decode step — one token (its hidden state entering
-the block kept); after the turn — FullShared's commit and the new tokens' hidden states appended to the store.
+Phases: TTFT — FullShared's context, the block's recompute; decode — one token (its block-entry hidden state kept);
+after the turn — FullShared's commit and the new tokens' hidden states stored.
 """
 
 from __future__ import annotations
@@ -99,8 +88,7 @@ class LayerProfile:
 
     @classmethod
     def read(cls, path: str, layers: int) -> LayerProfile:
-        """A profile written by `profile_out`, refused with one sentence when it is not one or is for a model with
-        another number of layers."""
+        """A profile written by `profile_out`; refused if it is not one or has another number of layers."""
         fix = "pass a file written by --policy-option droidspeak.profile_out=FILE"
         payload = read_json_file(path, "DroidSpeak profile", fix)
         if not isinstance(payload, dict) or payload.get("kind") != PROFILE_KIND:
@@ -119,9 +107,8 @@ class LayerProfile:
 
 @dataclass
 class DroidSpeakContext(FullSharedContext):
-    """states: hidden states entering the block of the turn's tokens new to the store, as (timeline index of the
-    first, (1, n, d_model)) per forward or span; pieces: those of the new tokens between moved spans, as their
-    forwards captured them (`extend_over_moved`); calibration: this turn's layer deviations (a calibration turn)."""
+    """states: block-entry hidden states of the turn's new tokens, (first timeline index, (1, n, d_model)) per
+    forward or span; pieces: those of new tokens between moved spans; calibration: this turn's layer deviations."""
 
     states: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -201,8 +188,7 @@ class DroidSpeak(SelectiveRecompute):
         self.kept_states: dict[int, tuple[int, torch.Tensor]] = {}  # source turn -> (lo, (1, hi − lo, d_model))
 
     def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
-        """Besides the turn's K/V, its tokens' hidden states entering the block (the store holds the turn's
-        sequence now), for moved spans read later."""
+        """Also keep the turn's block-entry hidden states, for moved spans read later."""
         super().keep_span_source(turn, lo, hi)
         if self.needs_hidden and self.states is not None:
             self.kept_states[turn] = (lo, self.states.view(hi)[:, lo:hi].clone())
@@ -220,9 +206,8 @@ class DroidSpeak(SelectiveRecompute):
         return keep
 
     def extended_states(self, context: DroidSpeakContext) -> list[tuple[int, torch.Tensor]]:
-        """Hidden states entering the block of the tokens the context covers past its reused ones, in order: the new
-        tokens' as their forwards computed them, a moved span's as the turn it comes from held them (at its
-        positions: hidden states are not re-aligned; DroidSpeak reuses the sender's as they are)."""
+        """Block-entry hidden states of the context past its reused tokens, in order: new tokens' from their forwards,
+        a moved span's as its source turn held them (not re-aligned)."""
         spans = {(span.begin, span.end): span for span in self.moved_now}
         parts = list(context.pieces)
         for begin, end in context.moved_spans:

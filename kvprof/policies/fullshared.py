@@ -1,20 +1,15 @@
-"""FullShared: one cache for the shared timeline, whichever agent computed each token; new tokens only.
+"""FullShared: one cache of the shared timeline, whichever agent computed each token; new tokens only.
 
-Each shared token's K/V is computed once, by the first agent that processes it (with that agent's adapter, after
-that agent's role prompt) and reused by every other agent as is. In prompt mode the keys are re-rotated from the
-producer's positions to the reader's (`kvprof.model.rope.rotate_keys`). Approximate: another agent's adapter and prefix
-shaped those K/V. Memory 1× plus each agent's private prefix. The naive-sharing baseline of LRAgent and PReCache.
+The naive-sharing baseline of LRAgent, PReCache and KVCOMM. Each token's K/V is computed once, by the first agent
+to process it (its adapter, after its role prompt), and reused as is; in prompt mode keys are re-rotated to the
+reader's positions (`kvprof.model.rope.rotate_keys`). Approximate; memory 1× plus each agent's private prefix.
+Moved spans (`kvprof.policies.moved`) are served from the K/V their source turn held, re-rotated; the new tokens
+between them are computed over the cache so far, and the store keeps the sequence as the reader attended it.
 
-Moved spans (`kvprof.policies.moved`): a span of the input another turn processed at other positions is served from
-the K/V that turn held, keys re-rotated to the reader's positions, as the timeline's tokens are in prompt mode; the
-new tokens between moved spans are computed over the cache so far. The store then holds the turn's sequence as the
-reader attended it.
-
-Phases: TTFT — the agent's role prompt on its first turn, the context and the chunk's forward; each decode step —
-one token; after the turn — appending the turn's new K/V to the shared cache. Without a private prefix (lora mode)
-the context is the shared cache itself and the turn appends in place after it (`kvprof.model.buffers`): nothing is
-copied and `commit` only extends the stored length. With prefixes (prompt mode) each turn builds its context —
-the agent's prefix, then the shared keys re-rotated to its positions — and `commit` copies the new tokens' K/V.
+Phases: TTFT — the role prompt on the agent's first turn, the context, the chunk's forward; decode — one token;
+after the turn — appending the new K/V to the shared cache. Without private prefixes (lora mode) the turn appends
+in place (`kvprof.model.buffers`) and `commit` only extends the stored length; with prefixes each turn builds its
+context (prefix, then re-rotated shared keys) and `commit` copies the new K/V.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""GraphFlow: a shared segment corrected by what earlier edges of the same workflow graph showed (approximated:
-GraphFlow has no public code; this follows its public description as the KVCMAS paper compares against it).
+"""GraphFlow: a shared segment corrected by the mean delta earlier edges of the same workflow graph showed.
 
-Reference: the same as KVComm's public code (`kvprof.policies.kvcomm`): an output is reused from its producer's
-in-context cache (an edge of the graph carries the producer's cache to its reader), an external input from its
-context-free encoding (a reference prefill, once per segment). For reader j the correction is the mean delta Δ_j of
-the segments observed before in the same slot — the same edge of the workflow graph (the placeholder and the reading
-agent) — with no confidence gate: a slot with an observed delta for j is always corrected; one without is prefilled
-densely (only that segment) and its delta observed (kept as in `kvprof.policies.anchors.AnchorPool`, full-dimensional,
-V = 20 per slot). What is approximated: how GraphFlow learns the correction from observed edges (kvprof averages them
-uniformly, with no learned parameters) and which cache an edge carries.
+Approximated: GraphFlow has no public code; this follows its public description as the KVCMAS paper compares against
+it. References as KVComm's code (`kvprof.policies.kvcomm`): an output from its producer's in-context cache, an
+external input from its context-free encoding (a reference prefill, once per segment). Reader j's correction is the
+mean Δ_j of the segments observed before in the same slot (placeholder and reader), with no gate: a slot with an
+observed delta for j is always corrected, one without is prefilled densely (that segment only) and its delta kept
+(`kvprof.policies.anchors.AnchorPool`, full-dimensional, V = 20 per slot).
+
+Approximated: how GraphFlow learns the correction from observed edges (kvprof averages them uniformly, no learned
+parameters) and which cache an edge carries.
 """
 
 from __future__ import annotations

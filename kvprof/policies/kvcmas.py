@@ -1,39 +1,33 @@
-"""KVCMAS: low-rank anchor pools and chain correction (the KVCMAS paper), as its public code runs it (hjeon2k/KVCMAS,
-`KVCMAS/llm/gpt_chat.py` and `KVCMAS/llm/kvcmas_engine.py`).
+"""KVCMAS: low-rank anchor pools and chain correction.
 
-References. An agent's output is reused from its producer's own in-context cache, keys rotated back to position 0,
-in both modes. An external input (the question) is never encoded on its own: its first reader computes it densely
-(hop 0) and its cache is harvested (`_fs_harvest_question`); with `chain=chain` (the code's default,
-`KVCMAS_CHAIN_DELTA=1`) every later reader corrects from the previous reader's cache of it (corrected or dense,
-harvested again after every hop), with `chain=star` from hop 0's.
+Paper: KVCMAS; code: hjeon2k/KVCMAS (`KVCMAS/llm/gpt_chat.py`, `KVCMAS/llm/kvcmas_engine.py`). Walk-through:
+docs/policies/delta.md. As the code:
 
-Gate. Only outputs are gated, once, when produced (`predict_as_anchor`, as KVComm's: values of every layer,
-softmax(−‖X − A‖₂), accepted when H(w) ≤ τ·log2 N with at least two anchors, τ = 0.3); a refused output becomes an
-anchor and every reader prefills its whole call densely. Inputs are never gated: they are always corrected, and an
-input computed densely (hop 0, or inside a refused call) joins its slot while the slot holds fewer than V anchors
-(`_admit_q`).
-
-Correction. reference + Σ w·(Δ_reader − Δ_source) with per-token K and V weights, softmax of −mean |X − A| over
-layers, heads and dims (temperature 1), layer 0 uncorrected; the candidate X is matched against each anchor's cache
-of the same owner as the reference (its base, or base + Δ_source), so a chained reference is compared like for like.
-Anchors keep their base and deltas as rank-r factors of each layer's (L × H_kv·D) matrix (r = 32): per matrix
-layers·r·(L + H_kv·D) parameters; the correction is one fused GEMM per layer and side over the concatenated factors
-(`kvprof.kernels.correction`). Pool: V = 10 per slot (the published runs), trimmed above V by the least-activated of
-the oldest 5.
-
-τ = 0.3: the code's default; its runners use 0.29–0.34 for the LLM tasks. `kvprof tune-tau` picks τ for a user's
-own trajectories.
+- References: an output from its producer's in-context cache, keys rotated to position 0 (both modes). An external
+  input is never encoded alone: its first reader computes it densely (hop 0, harvested by `_fs_harvest_question`);
+  `chain=chain` (default, `KVCMAS_CHAIN_DELTA=1`): later readers correct from the previous reader's cache (harvested
+  after every hop); `chain=star`: from hop 0's.
+- Gate: outputs only, once, when produced (`predict_as_anchor`, as KVComm's, τ = 0.3: the code's default, its runners
+  use 0.29–0.34; `kvprof tune-tau` picks one); a refused output becomes an anchor and its readers prefill their whole
+  call. Inputs are always corrected; one computed densely (hop 0, or in a refused call) joins its slot while the
+  slot holds fewer than V (`_admit_q`).
+- Correction: reference + Σ w·(Δ_reader − Δ_source), per-token K and V weights (softmax of −mean |X − A|,
+  temperature 1), layer 0 uncorrected; one fused GEMM per layer and side (`kvprof.kernels.correction`). Anchors: base
+  and deltas as rank-r factors of each layer's (L × H_kv·D) matrix, r = 32 (layers·r·(L + H_kv·D) per matrix); V = 10
+  per slot (the published runs), trimmed above V by the least-activated of the oldest 5.
 
 Remaining deviations from the public code:
-- the candidate is compared with the anchor's cache of the reference's owner; the code compares it with the anchor's
-  stored base, which each later dense writer overwrites with the reference it read (`set_anchor_streaming_raw`),
-  and takes each reader's delta against the reference that reader read rather than as Δ_reader − Δ_source;
-- the factors are an exact truncated SVD, where the code runs a randomized range finder (two iterations, seed 42)
-  and stores them in the model's dtype;
-- the per-layer top-10 "hot" anchor selection is not modelled (it only acts on a slot holding 11 anchors);
-- hop 0's blank question anchor is not modelled;
-- keys are compared in the segment's frame; the gate's FLOPs are charged to the first reader's turn; an anchor
-  lacking the reader's delta is skipped, and a segment no anchor covers is reused uncorrected, as the code does;
+
+- The candidate is compared with the anchor's cache of the reference's owner (base, or base + Δ_source: like for
+  like); the code compares it with the anchor's stored base, which each later dense writer overwrites with the
+  reference it read (`set_anchor_streaming_raw`), and takes each reader's delta against the reference that reader
+  read rather than as Δ_reader − Δ_source.
+- The factors are an exact truncated SVD; the code runs a randomized range finder (two iterations, seed 42) and
+  stores them in the model's dtype.
+- The per-layer top-10 "hot" anchor selection is not modelled (it only acts on a slot holding 11 anchors).
+- Hop 0's blank question anchor is not modelled.
+- Keys are compared in the segment's frame; the gate's FLOPs are charged to the first reader's turn; an anchor
+  lacking the reader's delta is skipped, and a segment no anchor covers is reused uncorrected, as the code does.
 - `fallback=segment` (kvprof's) prefills only refused segments densely.
 """
 

@@ -1,30 +1,16 @@
-"""The store the low-rank policies share: a base cache plus rank-r LR caches, on the shared timeline (lora mode).
+"""The store the low-rank policies share: a base cache plus named rank-r LR caches on the shared timeline (lora mode).
 
-Per layer the store holds K_base = RoPE(X·W0_kᵀ) and V_base = X·W0_vᵀ, each (1, H_kv, N, D), for the N tokens of the
-timeline processed so far, and any number of LR caches `X·Aᵀ` (1, N_c, r) under a name (an agent, or "shared"),
-each for the projections its adapter targets. Which forward feeds it — the processing agent's (BaseShared,
-BaseLRShared, PreLRShared) or an adapter-free one (ReBaseShared) — is the policy's choice. What that forward
-computed is stored, never projected again, as the authors' code takes it: the base K/V from the forward's own
-projections (`LowRankStore.base_update`: V from v_proj's `base_layer`, K from k_proj when the adapter leaves it
-alone, else its base output rotated) and the processing agent's X·Aᵀ from its own `lora_A`
-(`LowRankStore.forward_down_projections`); only the other agents' X·A_kᵀ (PReCache's precomputation) are extra
-GEMMs (`LowRankStore.down_projections`).
+Per layer: K_base = RoPE(X·W0_kᵀ), V_base = X·W0_vᵀ, each (1, H_kv, N, D), and LR caches X·Aᵀ (1, N_c, r) named by
+agent or "shared". Agent j sees K = K_base + RoPE((X·Aᵀ)·s·B_jᵀ), V = V_base + (X·Aᵀ)·s·B_jᵀ (the value expansion is
+the torch reference of Flash-LoRA-Attention, same result). Key-norm models (Qwen3, OLMo 2) store K_base un-normalised
+and un-rotated; every view applies k_norm and RoPE to the sum (counted in its FLOPs). Dtypes as peft: adapter-dtype
+expansions, float32 sums, caches stored in the model's dtype. Background: docs/design.md#sharing-policies.
 
-`assemble` rebuilds what agent j attends to: K = K_base + RoPE((X·Aᵀ)·s·B_jᵀ) and V = V_base + (X·Aᵀ)·s·B_jᵀ.
-The value expansion is the torch reference of Flash-LoRA-Attention's O = P·V_base + (P·V_lr)·B (same result); the
-key expansion is inherent to LoRA on k_proj (RoPE does not commute with the rank-r factorisation).
-
-A model that normalises its keys between k_proj and RoPE (`k_norm`: Qwen3, OLMo 2) caches
-K = RoPE(k_norm(X·W0_kᵀ + (X·Aᵀ)·s·B_jᵀ)), which is not a base plus a low-rank part. For it the store keeps the
-un-normalised, un-rotated K_base = X·W0_kᵀ and every view computes k_norm and RoPE of the sum, for every agent and
-token it assembles (a cost Llama-style models do not pay, counted in the view's FLOPs). Values split as before.
-
-Dtypes, per operation, so that half-precision models (bfloat16 / float16, the CUDA default) replay as peft runs
-them: peft keeps adapter factors in float32 and computes a LoRA branch by upcasting X, so the down-projections X·Aᵀ
-and the expansions (X·Aᵀ)·s·Bᵀ run in the adapter's dtype (float32 for peft's default) and each sum
-base + low-rank is formed in float32 before it is cast to the model's dtype, as peft adds its branch. The stored
-caches (base and LR) are kept in the model's dtype, as a server keeps them; Flash-LoRA-Attention gets V_lr and B in
-the model's dtype and accumulates in float32.
+- As the authors' code (LRAgent, PReCache), what the processing forward computed is stored, never projected again:
+  base K/V from its projections (`LowRankStore.base_update`), its X·Aᵀ from its own `lora_A`
+  (`LowRankStore.forward_down_projections`); only other agents' X·A_kᵀ (PReCache's precomputation) are extra GEMMs.
+- Moved spans (kvprof; the authors' code stores one timeline per conversation and never meets one): base K/V
+  re-aligned (a key-norm model's un-rotated keys move as they are), LR caches copied (position-free).
 """
 
 from __future__ import annotations
@@ -50,13 +36,10 @@ KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view'
 
 @dataclass
 class StoreUpdate:
-    """Base K/V and LR caches of consecutive timeline tokens, computed during a turn (in the phase serving computes
-    them) and appended by the policy's `commit`.
+    """Base K/V and LR caches of consecutive timeline tokens from `start`, computed in a turn, appended by `commit`.
 
-    start: timeline index of the first token; producer: who processed them (an agent, or "neutral");
-    base: per layer (K_base, V_base), each (1, H_kv, n, D); low_rank: LR cache name → per layer
-    {"key"|"value": (1, n, r)}.
-    """
+    producer: an agent or "neutral"; base: per layer (K_base, V_base) (1, H_kv, n, D); low_rank: name → per layer
+    {"key"|"value": (1, n, r)}."""
 
     start: int
     producer: str
@@ -69,11 +52,8 @@ class StoreUpdate:
 
 @dataclass
 class StoreView:
-    """What an agent attends to from the store (`LowRankStore.assemble`).
-
-    kv: per layer (K, V), (1, H_kv, length, D), views of `buffers` (per layer a `KVBuffer` the turn may append to
-    in place); flops: the analytic FLOPs of the expansions; lora_values: per layer the rank-r value side for
-    Flash-LoRA-Attention, or None when the values are complete."""
+    """What an agent attends to: per layer (K, V) (1, H_kv, length, D), views of `buffers`; the expansions' `flops`;
+    `lora_values`: rank-r value sides for Flash-LoRA-Attention, or None."""
 
     kv: list[KV]
     flops: float
@@ -82,8 +62,8 @@ class StoreView:
 
 
 class LowRankStore:
-    """The base cache (per layer a `KVBuffer`) and the named LR caches (per layer {"key"|"value": a
-    `GrowingTensor` (1, ≥ n, r)}), all growing in place (`kvprof.model.buffers`)."""
+    """Base cache (per layer a `KVBuffer`) and named LR caches (per layer {"key"|"value": `GrowingTensor`
+    (1, ≥ n, r)}), growing in place."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -96,13 +76,11 @@ class LowRankStore:
         return len(self.producers)
 
     def lr_length(self, name: str) -> int:
-        """Tokens the LR cache `name` covers: an adapter that adapts no cached projection (an MLP-only adapter:
-        its agents' K/V differ only through the hidden states) has an empty LR cache that covers every token."""
+        """Tokens the LR cache `name` covers (every token for an adapter adapting no cached projection)."""
         return self.lr_lengths.get(name, 0) if self.adapts_cache(name) else len(self)
 
     def adapts_cache(self, name: str) -> bool:
-        """Whether the adapter behind LR cache `name` (an agent's, or the first agent's for a shared cache) adapts
-        k_proj or v_proj in any layer."""
+        """Whether the adapter behind LR cache `name` adapts k_proj or v_proj in any layer."""
         names = self.runtime.agents.spec.names
         agent = name if name in names else names[0]
         return any(agent in getattr(split, side).down for split in self.runtime.splits for side in SPLIT_SIDES)
@@ -120,16 +98,11 @@ class LowRankStore:
     def base_update(
         self, forward: ChunkForward, start: int, producer: str, adapter: str | None, row: int = 0, skip: int = 0
     ) -> tuple[StoreUpdate, float]:
-        """The base K/V of the tokens `forward` computed from its `skip`-th on (timeline indices start..), batch row
-        `row`, taken from the forward itself, as an update (the store is not changed), and its FLOPs.
+        """Base K/V of row `row`'s tokens from the `skip`-th on (timeline start..) as an update, and its FLOPs.
 
-        V_base is the value projection's base output (peft's `base_layer`, `HiddenTap.base`), as PReCache's
-        `precache_value` and LRAgent's `Linear.forward` take it. K_base is the forward's own cached key where the
-        row's adapter (`adapter`; None: adapters off) does not target k_proj — it is the base key, as the papers'
-        code reads it from k_proj — else RoPE of the key projection's base output (6 FLOPs per entry: a rotation the
-        forward's own keys do not give); for a model with a key norm, that base output un-normalised and
-        un-rotated (every view normalises and rotates base + adapter). Nothing is projected again: the only FLOPs
-        are those rotations."""
+        V_base: v_proj's `base_layer` output (as PReCache's `precache_value`, LRAgent's `Linear.forward`). K_base: the
+        forward's key unless `adapter` targets k_proj, else RoPE of k_proj's base output (6 FLOPs per entry; a
+        key-norm model's un-normalised, un-rotated)."""
         runtime = self.runtime
         assert forward.base is not None  # captured: every forward of a low-rank policy's turn captures
         cached = runtime.kv_of(forward.cache)
@@ -151,8 +124,7 @@ class LowRankStore:
         return StoreUpdate(start=start, producer=producer, base=base), flops
 
     def apply(self, updates: list[StoreUpdate]) -> None:
-        """Append the updates' tokens the store does not hold yet, in timeline order (each update must start at or
-        before the store's end)."""
+        """Append the updates' tokens the store lacks, in order (each starting at or before the store's end)."""
         for update in sorted(updates, key=lambda u: u.start):
             skip = len(self) - update.start
             if skip < 0:
@@ -174,11 +146,8 @@ class LowRankStore:
     def down_projections(
         runtime: Runtime, hidden: list[torch.Tensor], agents: list[str]
     ) -> dict[str, list[dict[str, torch.Tensor]]]:
-        """X·A_kᵀ for every agent k in one GEMM per projection (PReCache's precomputation).
-
-        hidden: per layer (1, n, d_model) → {agent: per layer {"key"|"value": (1, n, r)}}. Computed in the adapter
-        factors' dtype (X upcast, as peft does), returned in X's dtype (the LR cache's storage dtype).
-        """
+        """X·A_kᵀ for every agent k, one GEMM per projection: per layer (1, n, d_model) → {agent: per layer
+        {"key"|"value": (1, n, r)}}, computed in the adapters' dtype, returned in X's."""
         result: dict[str, list[dict[str, torch.Tensor]]] = {agent: [] for agent in agents}
         for split, x in zip(runtime.splits, hidden):
             parts: dict[str, dict[str, torch.Tensor]] = {agent: {} for agent in agents}
@@ -200,10 +169,8 @@ class LowRankStore:
     def forward_down_projections(
         runtime: Runtime, forward: ChunkForward, agent: str, skip: int = 0
     ) -> list[dict[str, torch.Tensor]]:
-        """X·A_agentᵀ of the tokens `forward` computed from its `skip`-th on, as the forward's own LoRA layers
-        computed them (`HiddenTap.down`: the adapter's rows of the batch): per layer {"key"|"value": (1, n, r)} for
-        the projections `agent` adapts, in the forward's hidden dtype (the LR cache's storage dtype). No FLOPs
-        beyond the forward's: LRAgent's and PReCache's code append the forward's own `lora_A(x)` to the LR cache."""
+        """X·A_agentᵀ of the forward's tokens from the `skip`-th on, from its own LoRA layers (`HiddenTap.down`):
+        per layer {"key"|"value": (1, n, r)}; no extra FLOPs (as the authors' code appends `lora_A(x)`)."""
         assert forward.down is not None and forward.hidden is not None  # captured
         dtype = forward.hidden[0].dtype
         return [
@@ -226,9 +193,8 @@ class LowRankStore:
         )
 
     def write_low_rank(self, name: str, start: int, layers: list[dict[str, torch.Tensor]]) -> None:
-        """Write `layers` (per layer {"key"|"value": (1, n, r)}) into the LR cache `name` at tokens start..start+n
-        (start ≤ its length); its length becomes start + n. Nothing for an adapter that adapts no cached projection
-        (`adapts_cache`)."""
+        """Write `layers` (per layer {"key"|"value": (1, n, r)}) into LR cache `name` at start..start+n (start ≤ its
+        length), which becomes its length."""
         if not any(layer for layer in layers):
             return
         current = self.low_rank.get(name)
@@ -260,11 +226,8 @@ class LowRankStore:
     def expand(
         self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
-        """One layer's (K, V) of n tokens at timeline indices begin.. as `agent` sees them — their base `base`
-        ((1, H_kv, n, D) each) plus B applied to each LR cache in `sides` ("key"|"value" → (1, n, r)); the other
-        side the base itself; keys normalised and rotated for a model with a key norm — and the FLOPs. Expansions
-        run in the adapter's dtype, RoPE from the runtime's cos/sin tables, sums in float32 (returned so: the
-        caller casts where it stores them)."""
+        """One layer's (K, V) (1, H_kv, n, D) from timeline index `begin` as `agent` sees them: `base` plus B over
+        `sides` ("key"|"value" → (1, n, r)), in float32, and the FLOPs."""
         runtime = self.runtime
         split = runtime.splits[layer]
         key_norm = None if runtime.key_norms is None else runtime.key_norms[layer]
@@ -301,9 +264,7 @@ class LowRankStore:
         end: int,
         offset: int = 0,
     ) -> float:
-        """Write one layer's K/V of the store's tokens begin..end as `agent` sees them (`expand`; `sides`:
-        "key"|"value" → (1, ≥ end − offset, r), its first token at timeline index `offset`) into the same slots of
-        `target`; returns the FLOPs."""
+        """Write `expand` of tokens begin..end into the same slots of `target` (`sides` start at `offset`); FLOPs."""
         base_keys, base_values = self.base[layer].view(end)
         sliced = {side: t[:, begin - offset : end - offset] for side, t in sides.items()}
         (keys, values), flops = self.expand(
@@ -321,14 +282,11 @@ class LowRankStore:
         expand_values: bool = True,
         spare: int = 0,
     ) -> StoreView:
-        """Per layer (K, V) of the first `length` tokens as `agent` sees them: the base plus `agent`'s B applied to
-        the LR cache `low_rank` (per layer {"key"|"value": (1, ≥length, r)}); with `low_rank=None`, the base alone.
+        """Per layer (K, V) of the first `length` tokens as `agent` sees them: base + B over `low_rank` (per layer
+        {"key"|"value": (1, ≥ length, r)}; None: the base alone), with room for `spare` more.
 
-        With `expand_values=False` the values stay V_base and the rank-r part is returned per layer as
-        `LoraValues(v_lr (1, length, r), lora_b (H_kv, r, D))`, both in the cache's dtype, for
-        Flash-LoRA-Attention. Expanded layers are written in the cache's dtype into a fresh buffer with room for
-        `spare` more tokens; a layer with nothing to expand is the base itself, appendable in place when `length`
-        is the store's length."""
+        `expand_values=False`: values stay V_base, the rank-r side returned as `LoraValues(v_lr (1, length, r),
+        lora_b (H_kv, r, D))`."""
         runtime = self.runtime
         if not self.base:
             return StoreView(runtime.empty_kv(), 0.0, None, None)
@@ -364,9 +322,7 @@ class LowRankStore:
         length: int,
         spare: int = 0,
     ) -> tuple[list[KVBuffer], float]:
-        """An agent's kept view (per layer a `KVBuffer` holding what `assemble` would give for its first `have`
-        tokens) extended to `length` tokens: only tokens have..length are expanded and written (into the slots
-        after the valid ones; a new view is allocated when `view` is None). Returns the view and the FLOPs."""
+        """Extend a kept view (valid for `have` tokens; None: new) to `length` tokens; the view and the FLOPs."""
         if view is None:
             view = [KVBuffer.like(*buffer.view(0), length + spare) for buffer in self.base]
         flops = sum(
@@ -422,11 +378,8 @@ VIEWS = Option(
 
 @dataclass
 class LowRankContext(Context):
-    """updates: the store updates the turn computed in `on_prefill` / `on_decode_step` (and for the new tokens
-    between moved spans), appended by `commit`; view: with `views=kept`, the acting agent's kept view, valid for the
-    `reused` tokens once committed; moved_updates: the store updates of the turn's moved spans (base K/V re-aligned,
-    LR caches copied: `LowRankPolicy.moved_update`); pieces: the new tokens computed between them (timeline index of
-    the first, ids)."""
+    """updates: the turn's store updates, appended by `commit`; view: the kept view (`views=kept`); moved_updates:
+    the moved spans' updates; pieces: new tokens between them (first timeline index, ids)."""
 
     updates: list[StoreUpdate] = field(default_factory=list)
     view: list[KVBuffer] | None = None
@@ -438,29 +391,11 @@ LowRankContextT = TypeVar("LowRankContextT", bound=LowRankContext)
 
 
 class LowRankPolicy(SharingPolicy[LowRankContextT]):
-    """Shared base of the policies that keep a `LowRankStore` (lora mode): the store, its memory, the context an
-    agent gets from it (base cache plus its B applied to the LR cache it reads), and the turn's store updates.
+    """Base of the policies keeping a `LowRankStore`: the store, its memory, agents' views, the turn's updates.
 
-    Phases: the base K/V and LR caches of the tokens a turn adds to the timeline are taken from the forward that
-    processed them (see the module docstring) — during prefill for the chunk, at each decode step for an output
-    token — and appended after the turn by `commit`.
-
-    What is recomputed per turn: with `views=per-turn` (a policy that declares the `VIEWS` option; the default)
-    the acting agent's view of the whole reused context — K_base + RoPE(K_lr·B_j) and V_base + V_lr·B_j — is
-    expanded again every turn (the stored state is only the base and LR caches; under Flash-LoRA-Attention the
-    values are not expanded at all). A token's view for a given agent never changes once the token is stored, so
-    `views=kept` keeps each agent's expanded view and extends it with the tokens added since its last turn
-    (memory: one full cache per agent that has acted, counted as `view:AGENT`).
-
-    Moved spans (`kvprof.policies.moved`; in lora mode, ids an earlier turn processed at other positions: the
-    question or another agent's reply after this agent's own system prompt): the store keeps, of each turn later
-    turns read from, its base cache and every LR cache of those tokens; a moved span's base K/V are re-aligned (keys
-    re-rotated by the shift; a key-norm model's stored keys are un-rotated and move as they are) and its LR caches
-    copied (X·Aᵀ is position-free), and the reader attends to them as to any stored token: the base plus its B over
-    its LR cache, the key part rotated at the reader's positions. The new tokens between moved spans are computed by
-    the agent over the cache so far and stored as its chunk's are (`extend_over_moved_store`). None of the authors'
-    code meets a moved span (each stores one timeline per conversation); this is their stored state moved as
-    FullShared moves a cache."""
+    Store updates come from the forward that processed the tokens (prefill, each decode step), appended by `commit`.
+    `views=per-turn` (default): the agent's view of the reused context is expanded every turn; `views=kept`
+    (kvprof): each agent's view is kept and extended (memory `view:AGENT`)."""
 
     modes: ClassVar[tuple[str, ...]] = ("lora",)
     timeline_state: ClassVar[tuple[str, ...]] = ("store", "views", "view_lengths")
@@ -496,9 +431,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     def store_view(
         self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int, spare: int
     ) -> LowRankContext:
-        """The context of `agent` from the store: base cache + `agent`'s B over `low_rank` on `reused` tokens,
-        values expanded or handed to Flash-LoRA-Attention as the runtime says; room for `spare` more tokens. With
-        `views=kept` the agent's kept view, extended to `reused` tokens, which the turn then appends to in place."""
+        """`agent`'s context from the store on `reused` tokens (room for `spare`); the kept view with `views=kept`."""
         if self.settings.get("views") == "kept" and reused:
             have = min(self.view_lengths.get(agent, 0), reused)
             view, flops = self.store.extend_view(agent, low_rank, self.views.get(agent), have, reused, spare)
@@ -515,8 +448,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         )
 
     def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
-        """Keep the store's tokens [lo, hi) of the last turn's sequence (turn `turn`): base K/V and every LR cache
-        that covers them, copied (the store's storage is overwritten after a truncation)."""
+        """Copy the store's tokens [lo, hi) of turn `turn` (base K/V, every covering LR cache) for moved spans."""
         if self.last_turn is None:
             return
         hi = min(hi, len(self.store))
@@ -526,9 +458,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         self.span_store.keep(turn, 0, base, lo, hi, agent, inputs, low_rank)
 
     def moved_update(self, span: MovedSpan) -> tuple[StoreUpdate, float]:
-        """The store update of a moved span (timeline indices span.begin..): its kept base K/V, keys re-rotated by
-        the shift (not for a key-norm model, whose stored keys are un-rotated), values as they are, and its kept LR
-        caches; the FLOPs of the rotation."""
+        """A moved span's store update (kept base K/V re-rotated unless key-norm, kept LR caches) and its FLOPs."""
         kv, source = self.span_store.span(span)
         delta, flops = span.begin - source, 0.0
         if delta and self.runtime.key_norms is None:
@@ -538,11 +468,8 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         return StoreUpdate(span.begin, producer, kv, self.span_store.low_rank(span)), flops
 
     def extend_over_moved_store(self, agent: str, shared: list[int], context: LowRankContextT) -> None:
-        """Extend `context` over the turn's moved spans after its reused tokens (`extend_context`): the new tokens
-        before each computed by the policy's own forward (`adapter_rows`, its attention context) and stored by
-        `on_forward` as the chunk's are, then each span's store update (`moved_update`) and `agent`'s view of it —
-        base plus its B over the span's LR cache `lr_name(agent)`, values expanded; with `adapter_rows`, each row as
-        that row's adapter sees it, the adapter-free row the base alone — appended."""
+        """`extend_context` for the store: new tokens by the policy's own forward (stored by `on_forward`), each
+        span's `moved_update` and the agent's view of it (per batch row: its adapter's; adapter-free: the base)."""
         rows = self.adapter_rows(agent) or [agent]
 
         def span_kv(span: MovedSpan, position: int) -> tuple[list[KV], float]:
@@ -579,15 +506,13 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
             position = end
 
     def keep_view(self, chunk: Chunk[LowRankContextT]) -> None:
-        """With `views=kept`, make the turn's extended view the agent's (valid up to the reused tokens: the turn
-        wrote its own K/V after them)."""
+        """With `views=kept`, keep the turn's view as the agent's (valid up to the reused tokens)."""
         if chunk.context.view is not None:
             self.views[chunk.agent] = chunk.context.view
             self.view_lengths[chunk.agent] = chunk.context.reused
 
     def new_tokens(self, context: LowRankContext, forward: ChunkForward, start: int) -> int | None:
-        """How many of the tokens `forward` computed (timeline indices start..; captured) the store or an earlier
-        update of this turn already holds (the rest are new); None when every token is known."""
+        """How many of the forward's tokens (from `start`) are already held; None when all are."""
         assert forward.hidden is not None  # needs_hidden: every forward of the turn captures
         known = max([len(self.store)] + [u.start + len(u) for u in context.updates + context.moved_updates])
         skip = max(known - start, 0)
@@ -600,8 +525,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         return self.on_forward(agent, context, forward, start)
 
     def on_forward(self, agent: str, context: LowRankContextT, forward: ChunkForward, start: int) -> float:
-        """The store work on the tokens one forward of the turn computed (the chunk in prefill, one token per decode
-        step: the same work in both phases); returns its analytic FLOPs."""
+        """The store work on one forward's tokens (prefill chunk or decode token); its analytic FLOPs."""
         return 0.0
 
     def commit(self, chunk: Chunk[LowRankContextT]) -> float:

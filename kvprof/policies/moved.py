@@ -1,14 +1,9 @@
 """Moved spans: K/V a turn reads at other positions than an earlier turn computed them, and how a policy serves them.
 
-A turn's input is a sequence of spans (`kvprof.replay.branches`): the prefix it keeps of the stored timeline, then moved
-spans (ids an earlier turn processed elsewhere: the question, a tool result, another agent's reply read after this
-agent's role prompt and header) and new tokens between them. A policy that moves caches
-(`SharingPolicy.moves_spans`) keeps, of each turn later turns read from, the K/V that turn held (`SpanStore`), and
-serves a moved span by re-aligning them: keys re-rotated from the source turn's positions to the reader's with the
-model's own rotary embedding (`kvprof.model.rope.rotate_keys`), values as they are. `extend_over_moved` runs the part
-of a turn after its kept prefix span by span — new tokens computed by the acting agent over the cache so far, each moved
-span's K/V inserted after them — so that, with the dense run's K/V inserted, the turn is exactly the model's full
-forward (causal attention: a token's K/V depend on what precedes it only).
+A policy that `moves_spans` keeps each source turn's K/V (`SpanStore`) and serves a moved span re-aligned: keys
+re-rotated to the reader's positions (`kvprof.model.rope.rotate_keys`), values as they are. `extend_over_moved` runs
+a turn past its kept prefix span by span, so with the dense run's K/V it is exactly the model's full forward
+(causal attention). Concepts: docs/design.md#concepts.
 """
 
 from __future__ import annotations
@@ -24,11 +19,9 @@ from kvprof.traces.reuse import MovedSpan
 
 @dataclass
 class KeptSequence:
-    """Part of one turn's cache: per layer (K, V), (1, H_kv, hi − lo, D), of its shared sequence's tokens
-    [lo, hi), computed at positions `prefix_len` + lo.. (after the acting agent's private prefix); `agent` acted in
-    that turn and `inputs` is its shared input's length (the tokens after it are its outputs). A low-rank policy
-    keeps its base cache as `kv` and its LR caches of the same tokens as `low_rank` (name → per layer
-    {"key"|"value": (1, hi − lo, r)}; position-free)."""
+    """Tokens [lo, hi) of one turn's cache: per layer (K, V) (1, H_kv, hi − lo, D) at positions `prefix_len` + lo..;
+    `inputs`: its shared input's length. Low-rank policies: base cache in `kv`, position-free LR caches in
+    `low_rank` (name → per layer {"key"|"value": (1, hi − lo, r)})."""
 
     lo: int
     hi: int
@@ -56,10 +49,8 @@ class SpanStore:
         inputs: int = 0,
         low_rank: dict[str, list[dict[str, torch.Tensor]]] | None = None,
     ) -> None:
-        """Keep tokens [lo, hi) of turn `turn`'s shared sequence from its cache `kv` (per layer (K, V),
-        (B, H_kv, ≥ prefix_len + hi, D); batch row 0, copied: the cache's storage is reused by later turns); `agent`
-        acted in it, its shared input `inputs` tokens long; a low-rank policy's LR caches of the same sequence
-        (`low_rank`: name → per layer {"key"|"value": (1, ≥ hi, r)}) copied alike."""
+        """Copy tokens [lo, hi) of turn `turn` from `kv` (per layer (B, H_kv, ≥ prefix_len + hi, D), row 0) and
+        `low_rank` (name → per layer {"key"|"value": (1, ≥ hi, r)})."""
         begin, end = prefix_len + lo, prefix_len + hi
         self.turns[turn] = KeptSequence(
             lo,
@@ -85,8 +76,7 @@ class SpanStore:
         return kept, start, start + len(span)
 
     def span(self, span: MovedSpan) -> tuple[list[KV], int]:
-        """The kept K/V of `span` (per layer (1, H_kv, len(span), D)) and the position its first token was
-        computed at."""
+        """The kept K/V of `span` (per layer (1, H_kv, len(span), D)) and its first token's source position."""
         kept, start, end = self._kept(span)
         return [(k[:, :, start:end], v[:, :, start:end]) for k, v in kept.kv], kept.prefix_len + span.source_begin
 
@@ -116,10 +106,8 @@ class SpanStore:
 
 @dataclass
 class Extension:
-    """What `extend_over_moved` did: the shared tokens it covered past the context (`covered`), of which `moved`
-    were served from kept K/V (`spans`: their (begin, end)) and `computed` prefilled by the agent (or, with
-    placeholders, left for the policy to compute: `placeholders`, their (begin, end)); the FLOPs of those forwards
-    and re-rotations."""
+    """What `extend_over_moved` did: tokens `covered` past the context, `moved` from kept K/V (`spans`), `computed`
+    by the agent (or left as `placeholders`), and the FLOPs."""
 
     covered: int = 0
     moved: int = 0
@@ -148,16 +136,12 @@ def extend_over_moved(
     span_kv: SpanKV | None = None,
     forward: PieceForward | None = None,
 ) -> Extension:
-    """Extend `cache` (the agent's prefix and the first `reused` shared tokens, a `kvprof.model.buffers.BufferCache`
-    appending in place) over `spans` (moved spans at or after `reused`, in order): the new tokens before each are
-    computed with `agent`'s adapter over the cache so far, then the span's kept K/V (`store`) are appended, keys
-    re-rotated by (reader position − source position). Ends after the last span; the rest of the input is the
-    turn's chunk. With `placeholders` the new tokens before a span are not computed: zeros hold their slots, for a
-    policy that recomputes them with the moved spans (CacheBlend over the whole input). `on_piece(begin, forward)`
-    gets each forward of new tokens (shared index of its first token; its attention inputs and residual stream
-    captured), for a policy that keeps their hidden states. A policy that serves moved spans otherwise (the
-    low-rank store's base and LR caches) gives `span_kv`, and one whose forwards are its own (batch rows, attention
-    context) gives `forward`; a forward's FLOPs count each of its batch rows."""
+    """Extend `cache` (a `BufferCache`: prefix + `reused` tokens) over `spans` in order: new tokens before each
+    computed by `agent`, then the span's kept K/V appended, keys re-rotated; the rest of the input is the chunk.
+
+    `placeholders`: zeros instead of new tokens, for the policy to recompute (CacheBlend); `on_piece(begin,
+    forward)`: sees each forward of new tokens (hidden states captured); `span_kv`: serves spans otherwise (low-rank
+    store); `forward`: the policy's own forward (batch rows; FLOPs count each row)."""
     prefix_len = len(runtime.prefix(agent))
     done = Extension()
     position = reused
@@ -191,8 +175,7 @@ def extend_over_moved(
 
 
 def store_span_kv(runtime: Runtime, store: SpanStore) -> SpanKV:
-    """Moved spans served from the K/V their source turns held (`store`), keys re-rotated by (reader position −
-    source position), values as they are."""
+    """Moved spans from their source turns' K/V (`store`), keys re-rotated by reader − source position."""
 
     def kv_at(span: MovedSpan, position: int) -> tuple[list[KV], float]:
         kv, source = store.span(span)

@@ -1,17 +1,14 @@
-"""NonShared: every agent keeps its own cache and prefills every token it has not processed itself.
+"""NonShared: each agent keeps its own cache and prefills every token it has not processed itself.
 
-The dense baseline every other policy is measured against (exact; memory grows N× with N agents).
+The dense baseline (of LRAgent and PReCache) every policy is measured against: exact; memory N× with N agents.
 
-An Activated LoRA agent (peft's aLoRA) keeps of a call's cache only the tokens before the call's invocation: from
-there on its K/V are the adapter's, while its next call, whose own invocation comes later, reads them as context
-before that invocation — with the base weights, as peft's `generate` computes them.
+- An aLoRA agent keeps of a call's cache only the tokens before its invocation: its next call reads the later ones
+  with the base weights, as peft's `generate` computes them.
+- On a hybrid model (`kvprof.model.recurrent`) a turn whose reused prefix is shorter than the agent's recurrent
+  state (a branch back to an earlier point) starts over from its role prompt.
 
-On a hybrid model (`kvprof.model.recurrent`) the agent's recurrent layers keep their state after its own cache; a turn
-whose reused prefix is shorter than that (a branch returning to an earlier point) starts over from its role prompt.
-
-Phases: TTFT — the agent's role prompt on its first turn, then the chunk of the input it has not processed itself;
-each decode step — one token over its own cache; after the turn — keeping the turn's cache as its own. The turn
-appends in place to the agent's own buffers (`kvprof.model.buffers`), so nothing it already holds is copied.
+Phases: TTFT — the role prompt on the agent's first turn, then the chunk it has not processed; decode — one token
+over its own cache; after the turn — keeping the cache (appended in place, `kvprof.model.buffers`: nothing copied).
 """
 
 from __future__ import annotations

@@ -13,14 +13,12 @@ ORIGINS = ("code", "paper text", "kvprof")  # where an option's choice comes fro
 
 @dataclass(frozen=True)
 class Option:
-    """One knob of a policy. Values are strings on the command line; `parse` turns one into the setting.
+    """One knob of a policy: a command-line string that `parse` turns into the setting.
 
-    choices: the allowed values (None: any value `parse` accepts); default: the setting of the authors' public
-    code; sweep: the values `--policy all` replays (empty: the default only); labelled: False for an option that
-    never shows in a variant's label (a file path: the policy's notes name it), which then takes one value per
-    replay; origins: where a choice comes from, one of `ORIGINS` ("code": the authors' public code, "paper text":
-    a reading of the paper's text the code does not follow, "kvprof": kvprof's own), shown in `--help`.
-    """
+    default: the authors' public code's setting; choices: allowed values (None: any `parse` accepts); sweep: what
+    `--policy all` replays (empty: the default); labelled: False for an option kept out of labels (a file path), one
+    value per replay; origins: per choice one of `ORIGINS` ("code", "paper text" the code does not follow, "kvprof"),
+    shown in `--help`."""
 
     default: str
     choices: tuple[str, ...] | None = None
@@ -44,8 +42,8 @@ class Option:
 
     @property
     def kind(self) -> str:
-        """What a value must be, from the parser's docstring ("a number in [0, 1]"); "a valid value" for a parser
-        without one of its own."""
+        """What a value must be: the parser's docstring, read at run time ("a number in [0, 1]"), else "a valid
+        value"."""
         doc = "" if self.parse in (str, int, float) else (self.parse.__doc__ or "").strip()
         return doc[0].lower() + doc[1:].rstrip(".") if doc else "a valid value"
 
@@ -58,8 +56,7 @@ class Option:
         return f"{self.kind}: {self.help}" if self.parse is not str else self.help
 
     def label(self, key: str, value: str) -> str:
-        """How the value shows in a variant's label: the value itself for a choice, key=value otherwise; empty for
-        the default of an option that is not swept (labels name what a sweep varies, and any departure from it)."""
+        """The value in a variant's label: a choice as is, else key=value; empty for an unswept option's default."""
         if not self.labelled or not self.sweep and value == self.default:
             return ""
         return value if self.choices is not None else f"{key}={value}"

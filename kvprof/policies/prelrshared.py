@@ -1,17 +1,15 @@
 """PreLRShared (PReCache): shared base cache + LR caches precomputed for every agent by whoever processed a token.
 
-When agent i processes tokens, it stores their base K/V (X_i·W0) and, in one GEMM over all agents' down-projections,
-X_i·A_k for every agent k. Agent j later reuses the base cache and X_i·A_j, applying its own B_j at attention time:
-V = X_i·W0 + s·(X_i·A_j)·B_j. Only new tokens go through the backbone. Approximate: X_i carries agent i's adapter
-effects from earlier layers. Paper: PReCache (PreLRShared).
+Paper: PReCache (PreLRShared); code: hjeon2k/PReCache. Agent i stores the base K/V X_i·W0 of the tokens it
+processes and, in one GEMM over all agents' down-projections, X_i·A_k for every agent k; agent j attends to
+V = X_i·W0 + s·(X_i·A_j)·B_j. Only new tokens go through the backbone. Approximate (X_i carries agent i's adapter).
 
-Phases: TTFT — the context from the store (expansions of the LR caches, or Flash-LoRA-Attention's rank-r values),
-the chunk's forward, and the chunk's down-projections for every other agent (serving computes them while
-prefilling the chunk: PReCache's `precache_value` runs every adapter's `lora_A`); the base K/V and the acting
-agent's own X·A are the forward's own (`LowRankStore.base_update`, `forward_down_projections`); each decode step —
-the same for its token; after the turn — appending them to the store. Where kvprof departs from the code: PReCache
-adapts v_proj only (K shared); an adapter on k_proj here costs a rotation of the base keys (their projection is
-the forward's) and an expansion of the key LR caches in every view.
+Deviation: PReCache adapts v_proj only (K shared); an adapter on k_proj here costs a rotation of the base keys and an
+expansion of the key LR caches in every view (kvprof).
+
+Phases: TTFT — the context from the store (LR expansions, or Flash-LoRA-Attention's rank-r values), the chunk's
+forward and its down-projections for every other agent (as PReCache's `precache_value` runs every `lora_A` while
+prefilling); the base K/V and own X·A come from the forward; decode — the same per token; after the turn — storing.
 """
 
 from __future__ import annotations
@@ -97,9 +95,7 @@ class PreLRShared(LowRankPolicy[LowRankContext]):
         return context
 
     def on_forward(self, agent: str, context: LowRankContext, forward: ChunkForward, start: int) -> float:
-        """Base K/V and every agent's X·A_k of the forward's tokens the store does not hold yet: the base K/V and the
-        acting agent's X·A from the forward itself, the other agents' down-projections in one GEMM over their A
-        (PReCache's `precache_value` runs every adapter's `lora_A` on the projection's input: the writers)."""
+        """Base K/V and every agent's X·A_k of the forward's new tokens: own from the forward, others' in one GEMM."""
         skip = self.new_tokens(context, forward, start)
         if skip is None:
             return 0.0

@@ -1,20 +1,17 @@
 """ReBaseShared (PReCache): a neutral base cache and LR caches from adapter-free hidden states.
 
-The shared context is also processed with adapters disabled, giving neutral hidden states X_neut; the store keeps
-X_neut·W0 (the neutral base cache) and, for every other agent k, X_neut·A_k. The agent that processed a token keeps
-its own LR cache from its own adapted hidden states (X_i·A_i, computed by its LoRA forward anyway), as the paper does
-(`own_lr=adapted`); `own_lr=neutral` builds it from X_neut too (a kvprof variant). Agent j attends to
-V = X_neut·W0 + s·(X·A_j)·B_j — the base part does not depend on which agent processed a token first.
-Approximate (X_neut ≠ X_j). Paper: PReCache (ReBaseShared).
+Paper: PReCache (ReBaseShared); code: hjeon2k/PReCache. The context is also processed adapter-free, giving X_neut;
+the store keeps X_neut·W0 and, for every other agent k, X_neut·A_k. Agent j attends to V = X_neut·W0 + s·(X·A_j)·B_j,
+whichever agent processed the token first. Approximate (X_neut ≠ X_j).
 
-Schedules and phases: `lp` (lazy prefill) — TTFT holds the context, the chunk's forward and the acting agent's own
-down-projections; after the turn (outside TTFT, inside end-to-end latency) its tokens are re-processed once
-adapter-free and the neutral base and other agents' LR caches stored. `db` (double batching) — the adapted row and
-an adapter-free row run in one 2-row batch during prefill and at every decode step, and the neutral base and LR
-caches of each forward's tokens are computed right after it (inside TTFT / the step). Both give the same cache state.
-
-Moved spans (`LowRankPolicy`): the neutral base K/V re-aligned and every LR cache copied; the new tokens between
-them are computed by the agent during the turn and, with `lp`, passed adapter-free after it, span by span.
+- `own_lr=adapted` (default, the paper): the processing agent's own LR cache is X_i·A_i from its adapted forward;
+  `own_lr=neutral` (kvprof) builds it from X_neut too.
+- `schedule=lp` (lazy prefill): TTFT holds the context, the chunk's forward and the agent's own down-projections;
+  after the turn (end-to-end latency only) its tokens are re-processed adapter-free and the neutral caches stored.
+  `db` (double batching): an adapted and an adapter-free row in one 2-row batch at prefill and every decode step,
+  the neutral caches computed right after each forward. Both give the same cache state.
+- Moved spans (`LowRankPolicy`): neutral base K/V re-aligned, LR caches copied; the new tokens between them are
+  computed in the turn and, with `lp`, passed adapter-free after it, span by span.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ NEUTRAL = "neutral"
 
 @dataclass
 class ReBaseSharedContext(LowRankContext):
-    """own: the acting agent's own down-projections X_i·A_i of the turn's new tokens, per forward, in timeline order
-    (per layer {"key"|"value": (1, n, r)}, from the forward's LoRA layers); the lazy-prefill schedule stores them
-    with the after-turn pass."""
+    """own: the agent's X_i·A_i of the turn's new tokens per forward, in timeline order (per layer {"key"|"value":
+    (1, n, r)}); `lp` stores them with the after-turn pass."""
 
     own: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)
 
@@ -141,10 +137,8 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         agent: str,
         own: list[dict[str, torch.Tensor]] | None,
     ) -> tuple[StoreUpdate, float]:
-        """The neutral base cache and LR caches of the tokens `forward` computed adapter-free in batch row `row`,
-        from its `skip`-th on (timeline indices start..): the base K/V from the forward itself, the other agents'
-        X_neut·A_k in one GEMM (PReCache's adapter-free pass runs their `lora_A`); `agent`'s own LR cache is `own`
-        when given (from its adapted row)."""
+        """Neutral base K/V and LR caches of the tokens batch row `row` computed adapter-free, from the `skip`-th on
+        (timeline start..); others' X_neut·A_k in one GEMM; `agent`'s own is `own` when given."""
         assert forward.hidden is not None  # captured
         update, flops = self.store.base_update(forward, start, NEUTRAL, None, row=row, skip=skip)
         names = self.runtime.agents.spec.names
@@ -191,8 +185,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         return flops
 
     def _lazy_prefill(self, agent: str, new_ids: list[int], own: list[dict[str, torch.Tensor]] | None) -> float:
-        """The lazy-prefill pass (after the turn) over new tokens appended to the store: adapter-free over the
-        neutral base cache, storing their neutral base and LR caches (`agent`'s own: `own`, when given); FLOPs."""
+        """The after-turn adapter-free pass over the new tokens, storing their neutral caches; its FLOPs."""
         runtime, store = self.runtime, self.store
         context_len = len(store)
         base = store.assemble(None, None, context_len, spare=len(new_ids))

@@ -1,36 +1,27 @@
-"""RelayCaching: reuse earlier agents' decode-phase KV and rectify the few tokens that deviate or matter most.
+"""RelayCaching: reuse earlier agents' decode-phase KV; rectify the few tokens that deviate or matter most.
 
-Paper: RelayCaching, as the selective-recompute baseline of PReCache (30 % recompute ratio) and KVCMAS (KV reuse
-ρ = 0.9 and 0.8). An agent that reads another agent's output reuses the K/V that agent produced while decoding it,
-instead of prefilling the text again, and rectifies a sparse set of tokens in staged layer bands. The public
-description is partial; kvprof's choices, each with its source:
+Paper: RelayCaching, the selective-recompute baseline of PReCache (30 % ratio) and KVCMAS (ρ = 0.9, 0.8). A reader
+of another agent's output reuses the K/V that agent produced while decoding it and rectifies a sparse set of tokens
+in staged layer bands. The public description is partial; kvprof's choices, each with its source:
 
-- what is reused: FullShared's store (`kvprof.policies.selective`), in which an earlier agent's output is exactly
-  the K/V of its decode phase (the relay); tokens an earlier agent prefilled (the question, observations) are
-  reused from the same store, where RelayCaching leaves them to the server's prefix cache — a prefix cache cannot
-  share them across adapters or role prompts, so in this setting they are relayed too (kvprof's choice);
-- which tokens are rectified (RelayCaching's rule): those whose deviation 1 − cos(v_reuse, v_full) is at least
-  1.5 × the mean deviation, or whose attention influence on the last 10 tokens is high. kvprof measures both at the
-  check layer (`check_layer`, default 1): v_full are the values projected there from the recomputed hidden
-  states, v_reuse the reused values, the cosine taken per token over all heads; influence is the attention mass the
-  last 10 reused tokens' queries (at the check layer, from the recomputed states) put on each token, summed over
-  heads, and "high" is kvprof's reading: at least 1.5 × the mean influence, as for the deviation. To make R the one
-  knob of the selective-recompute family, the tokens the rule flags are ranked first and the budget R of the reused
-  tokens is filled from the ranking (deviation ÷ its mean + influence ÷ its mean): at small R it is the rule's most
-  flagrant tokens, at R = 1 every token;
-- the staged layer bands (kvprof's placement; the description names the kinds, not where they sit): full
-  recompute of every reused token in layers 0 .. check − 1 (the states the deviation is measured from), sparse
-  rectification of the selected tokens from the check layer on, and a skip band of the last `skip_layers` layers
-  (default 0) whose reused K/V are kept as they are.
+- Reused: FullShared's store (`kvprof.policies.selective`), where an earlier agent's output is its decode-phase K/V
+  (the relay). Tokens an earlier agent prefilled are relayed too (kvprof): RelayCaching leaves them to the server's
+  prefix cache, which cannot share them across adapters or role prompts.
+- Rectified (RelayCaching's rule): deviation 1 − cos(v_reuse, v_full) ≥ 1.5 × its mean, or high attention influence
+  on the last 10 tokens. Both measured at `check_layer` (default 1; kvprof): v_full projected from the recomputed
+  states, cosine per token over all heads; influence = attention mass of the last 10 reused tokens' queries, summed
+  over heads; "high" read as ≥ 1.5 × the mean (kvprof).
+- Budget (kvprof, so R is the family's one knob): flagged tokens ranked first, then R of the reused tokens filled by
+  deviation ÷ its mean + influence ÷ its mean.
+- Bands (kvprof's placement; the description names only the kinds): full recompute of layers before the check
+  layer, sparse rectification from it on, a skip band of the last `skip_layers` (default 0) kept as reused.
+- Moved spans (`kvprof.policies.moved`): served re-aligned; the new tokens between them are computed in FullShared's
+  extension and again in the blend with the moved spans.
 
-At R = 0 nothing is rectified (FullShared); at R = 1 with no skip band everything is recomputed (NonShared).
+R = 0: FullShared; R = 1 without a skip band: NonShared.
 
-Phases: TTFT — FullShared's context, the blend (the full band, the check-layer projections and attention
-influence, the rectified tokens' layers); each decode step — one token; after the turn — FullShared's commit.
-
-Moved spans (`kvprof.policies.moved`): served re-aligned from FullShared's extension, the new tokens between them
-computed there and then again in the blend with the moved spans (the reused tokens are the kept prefix and the
-moved spans; at R = 1 the turn is the dense run).
+Phases: TTFT — FullShared's context, the blend (full band, check-layer projections and influence, rectified tokens'
+layers); decode — one token; after the turn — FullShared's commit.
 """
 
 from __future__ import annotations
@@ -108,9 +99,8 @@ class RelayCaching(SelectiveRecompute):
         blend.carry(check, self.runtime.num_layers - skip, hidden[:, chosen], positions[chosen])
 
     def _influence(self, blend: Blend, layer: int, probe: Probe, positions: torch.Tensor) -> torch.Tensor:
-        """Attention mass (n,) the last `WINDOW` reused tokens put on each reused token at `layer`: their queries
-        (RoPE'd as the layer does) over the agent's prefix keys and the reused tokens' recomputed keys, causal,
-        summed over query heads and the window."""
+        """Attention mass (n,) the last `WINDOW` reused tokens' queries put on each reused token at `layer` (causal,
+        over prefix and recomputed keys, summed over query heads and the window)."""
         runtime = self.runtime
         attention = attention_of(self.stack.layers[layer], layer)
         window = positions[-WINDOW:]

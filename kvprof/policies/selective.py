@@ -1,36 +1,14 @@
-"""Selective recompute: reuse the shared cache and recompute part of it for the acting agent — the machinery
-DroidSpeak, CacheBlend and RelayCaching share (one module per method: `droidspeak`, `cacheblend`, `relaycaching`).
+"""Selective recompute: the machinery DroidSpeak, CacheBlend and RelayCaching share (`droidspeak`, `cacheblend`,
+`relaycaching`).
 
-The three keep FullShared's store (one cache of the shared timeline, each token's K/V from the first agent that
-processed it, keys re-rotated to the reader's positions in prompt mode by `FullShared.assemble`: one re-alignment
-for every policy) and differ only in which (token, layer) K/V entries of the reused span they recompute for the
-acting agent before its chunk, and from which hidden states:
-
-- `LayerStack`: the model's input embeddings, decoder layers and rotary embedding, called one layer at a time.
-- `Blend`: one turn's blended context — the reused context in buffers of the turn's own (the store keeps the
-  producers' K/V), on which recomputed K/V are scattered layer by layer. `Blend.layer(l, h, positions)` runs
-  decoder layer l, with the acting agent's adapter, for the tokens at cache `positions` (m,) whose hidden states
-  entering the layer are h (1, m, d_model): their K/V (1, H_kv, m, D) are written over the reused ones at those
-  positions, then they attend causally (keys at positions ≤ their own) to the blended cache — the agent's prefix,
-  the reused span with this layer's recomputed entries in place — and the layer's output (1, m, d_model) carries
-  them to the next layer (CacheBlend's "selected tokens carried through the remaining layers"; `Blend.carry` runs
-  a band of layers, the last of which only needs their K/V). `Blend.probe(l, h, positions)` only projects their
-  queries, keys and values at layer l: the selection work (CacheBlend's check layer, RelayCaching's deviation and
-  attention influence) without the layer's attention and MLP.
-- the knob: one recompute ratio R per policy (`ratio_option`; `--policy all` sweeps R = 0.1, 0.2, 0.3) and
-  `budget`, the tokens R selects.
-- the accounting: every recomputed (token, layer) entry is counted (`Context.recomputed`; the replay reports
-  recomputed ÷ (reused tokens × layers), the ratio actually run, and KV reuse is 1 − it), and the FLOPs of every
-  layer pass and probe are the policy's `extra_flops`. All of it runs in `assemble`, inside the timed prefill:
-  selection is charged to TTFT.
-
-The chunk (the agent's new input tokens: CacheBlend's query suffix, always recomputed) is the turn's own forward
-over the blended context; since it follows every reused token, computing it after the blend equals computing it in
-one pass with the recomputed tokens (causal attention: no reused token attends to it).
-
-At R = 1 each policy recomputes every layer of every reused token from the input embeddings: the agent's own dense
-cache (NonShared, to float rounding). At R = 0 it recomputes nothing (no check-layer pass either: there is nothing to
-select) and is FullShared.
+The three keep FullShared's store (keys re-rotated once, by `FullShared.assemble`) and differ only in which
+(token, layer) K/V entries of the reused span they recompute for the acting agent before its chunk, and from which
+hidden states. `LayerStack` runs the model one layer at a time; `Blend` is a turn's blended context on which
+recomputed K/V are scattered (`Blend.layer`, `Blend.carry`; `Blend.probe` projects only, for selection); one knob R
+(`ratio_option`, `budget`; `--policy all` sweeps 0.1, 0.2, 0.3). Every recomputed (token, layer) entry is counted
+(`Context.recomputed`: the ratio actually run; KV reuse = 1 − it) and every pass's FLOPs are `extra_flops`, all in
+`assemble`: selection is charged to TTFT. R = 1: NonShared to float rounding; R = 0: FullShared. How the blend works:
+docs/policies/selective.md.
 """
 
 from __future__ import annotations
@@ -69,9 +47,8 @@ def budget(ratio: float, count: int) -> int:
 
 
 def select_top(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices (ascending) of the `count` highest of `scores` (n,). Scores are compared at a resolution of 1e-4 of
-    the largest, ties going to the earlier token: float rounding (another attention path, another dtype) does not
-    reorder tokens whose scores it cannot tell apart."""
+    """Indices (ascending) of the `count` highest of `scores` (n,), compared at 1e-4 of the largest, ties to the
+    earlier token (so float rounding does not reorder them)."""
     scale = scores.abs().max().clamp_min(torch.finfo(scores.dtype).tiny)
     ranked = torch.sort(torch.round(scores / scale * 1e4), descending=True, stable=True).indices
     return ranked[:count].sort().values
@@ -83,9 +60,7 @@ PROJECTIONS = (*QKV, *MLA_PROJECTIONS, FUSED_QKV, "query_key_value")  # the atte
 class LayerStack:
     """The model's input embeddings, decoder layers and rotary embedding, for forwards one layer at a time.
 
-    Refuses a model whose first decoder layer does not read the input embeddings as they are (a decoder that
-    scales or transforms them inside its forward): recomputing from layer 0 starts from the embeddings.
-    """
+    Refuses a model whose first layer transforms the input embeddings (recomputing from layer 0 starts from them)."""
 
     def __init__(self, runtime: Runtime):
         model = runtime.agents.base_model
@@ -118,8 +93,7 @@ class LayerStack:
         self._check_embeddings()
 
     def _cache_argument(self) -> str:
-        """The name under which a decoder layer takes the cache it writes to: `cache` (Llama-style layers) or
-        `layer_past` (GPT-NeoX). Refuses a layer that takes neither."""
+        """The layer's cache argument: `cache` (Llama-style) or `layer_past` (GPT-NeoX); refuses others."""
         parameters = inspect.signature(self.layers[0].forward).parameters
         if "per_layer_input" in parameters and getattr(self.runtime.agents.config, "hidden_size_per_layer_input", None):
             raise KvprofError(
@@ -149,8 +123,7 @@ class LayerStack:
             )
 
     def unmasked_chunks(self) -> bool:
-        """Whether the model attends through kvprof's attention now (inside a turn), which attends a chunk after a
-        cache without a mask (bottom-right causal); otherwise every layer pass gets an explicit mask."""
+        """Whether kvprof's attention is on (chunks after a cache need no mask); else passes get explicit masks."""
         return self.runtime.agents.base_model.config._attn_implementation == self.runtime.attention
 
     def embed(self, ids: list[int]) -> torch.Tensor:
@@ -159,15 +132,13 @@ class LayerStack:
             return self.embeddings(torch.tensor([ids], device=self.runtime.device))
 
     def position_embeddings(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
-        """What the model passes decoder layer `layer` as `position_embeddings` at `positions` (n,): its rotary
-        embedding's cos/sin, of the layer's type where the model has one RoPE per layer type (Gemma 3 / 4)."""
+        """The layer's `position_embeddings` (cos, sin) at `positions` (n,), per layer type (Gemma 3 / 4)."""
         layer_types = getattr(self.runtime.agents.config, "layer_types", None)
         layer_type = layer_types[layer] if layer_types else None
         return layer_position_embeddings(self.rotary, hidden, positions[None], layer_type)
 
     def layer_flops(self, layer: int, positions: torch.Tensor) -> float:
-        """Analytic FLOPs of one decoder layer for the tokens at cache positions `positions` (m,): 2·params per
-        token in its linear layers plus the runtime's `layer_pair_flops` per (query, key) pair they attend there."""
+        """Analytic FLOPs of one layer for `positions` (m,): 2·params per token + `layer_pair_flops` per pair."""
         runtime = self.runtime
         pairs = runtime.attended_at(layer, positions)
         return 2.0 * self.linear_params[layer] * len(positions) + runtime.layer_pair_flops[layer] * pairs
@@ -178,10 +149,8 @@ class LayerStack:
 
 
 class LayerCache:
-    """What a decoder layer asks of a cache besides `update`: how many tokens precede its new ones (Llama 4's NoPE
-    layers scale queries by position, counting positions from there), the first of the cache `positions` (m,) the
-    layer computes. Only exact where those positions run without a gap, or where the scale cannot change
-    (`check_position_scaling`)."""
+    """A cache's tokens before the layer's new ones: the first of `positions` (m,) (Llama 4's NoPE layers count
+    positions from there; exact only without gaps, `check_position_scaling`)."""
 
     positions: torch.Tensor
     latent: bool  # an MLA layer: the model passes and reads (latent, k_rot), kvprof holds (k_rot, latent)
@@ -195,8 +164,7 @@ class LayerCache:
 
 
 class ScatterCache(LayerCache):
-    """A one-layer stand-in for the model's cache: `update` writes the layer's new K/V (1, H_kv, m, D) at cache
-    `positions` (m,) of the blended `keys` / `values` (1, H_kv, T, D) and returns all T of them."""
+    """One-layer cache: `update` writes new K/V (1, H_kv, m, D) at `positions` (m,) of the blend (1, H_kv, T, D)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, latent: bool = False):
         self.keys, self.values, self.positions, self.latent = keys, values, positions, latent
@@ -213,8 +181,7 @@ class _Projected(Exception):
 
 
 class ProbeCache(LayerCache):
-    """A one-layer stand-in for the cache that keeps the layer's new K/V (1, H_kv, m, D) at `positions` (m,) and
-    stops the layer."""
+    """One-layer cache that keeps the new K/V (1, H_kv, m, D) and stops the layer."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -229,9 +196,8 @@ class ProbeCache(LayerCache):
 
 @dataclass
 class Probe:
-    """The projections of m tokens at one layer, as the layer computes them: keys (post-RoPE) and values
-    (1, H_kv, m, D); queries (1, m, H_q·D), the query projection's output (before RoPE and any query norm), when
-    probed."""
+    """m tokens' projections at one layer: keys (post-RoPE), values (1, H_kv, m, D); queries (1, m, H_q·D),
+    before RoPE and query norm, when probed."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -239,17 +205,14 @@ class Probe:
 
 
 def position_scale_floor(attention: torch.nn.Module) -> int | None:
-    """F of an attention module that scales its queries by position (Llama 4's NoPE layers: attention temperature
-    tuning, 1 + β·log(1 + ⌊(p + 1)/F⌋)), None for one that does not."""
+    """F of a module scaling queries by 1 + β·log(1 + ⌊(p + 1)/F⌋) (Llama 4's NoPE layers), else None."""
     if not getattr(attention, "attn_temperature_tuning", False) or getattr(attention, "use_rope", True):
         return None
     return int(attention.floor_scale)
 
 
 def check_position_scaling(floor: int | None, index: int, positions: torch.Tensor) -> None:
-    """Refuse recomputing tokens at gapped `positions` (m,) of layer `index`, which scales its queries by position
-    past `floor` (`position_scale_floor`), once the scale can differ between them (p + 1 ≥ F): the layer counts
-    positions from the first without gaps."""
+    """Refuse gapped `positions` (m,) at a position-scaled layer once the scale can differ (p + 1 ≥ F)."""
     if floor is None or int(positions.max()) + 1 < floor:
         return
     if not bool(torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + len(positions)))):
@@ -276,10 +239,8 @@ def causal_mask(
 
 
 class Blend:
-    """One turn's blended context (see module docstring): per layer (K, V), (1, H_kv, P + n, D), views of the
-    turn's buffers; P the agent's prefix, n the reused tokens. `recomputed` counts the (token, layer) entries
-    written, `flops` the analytic FLOPs of the layer passes and probes, `hidden_bytes` the largest carried hidden
-    states (a layer's input and output)."""
+    """One turn's blended context: per layer (K, V), (1, H_kv, P + n, D) (P prefix, n reused tokens); counts
+    `recomputed` (token, layer) entries, `flops`, and `hidden_bytes` (largest carried hidden states)."""
 
     def __init__(self, stack: LayerStack, kv: list[KV], buffers: list[KVBuffer], prefix_len: int):
         self.stack = stack
@@ -331,9 +292,8 @@ class Blend:
     def full_then_probe(
         self, ids: list[int], check: int, queries: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, Probe]:
-        """Recompute layers 0 .. check − 1 for every reused token (`ids`, from their input embeddings), then probe
-        layer `check` for all of them: the work a check-layer selection needs. Returns the hidden states entering
-        `check` (1, n, d), the tokens' cache positions (n,) and the probe."""
+        """Recompute layers 0 .. check − 1 for every reused token, probe layer `check`: hidden states entering it
+        (1, n, d), positions (n,), the probe."""
         positions = self.positions(len(ids))
         hidden = self.stack.embed(ids)
         for index in range(check):
@@ -341,9 +301,8 @@ class Blend:
         return hidden, positions, self.probe(check, hidden, positions, queries)
 
     def carry(self, start: int, end: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Recompute layers start .. end − 1 for the tokens at `positions` (hidden states entering `start`); the
-        last of them only projects and scatters their K/V (nothing after it reads their hidden states). Returns the
-        hidden states entering layer end − 1."""
+        """Recompute layers start .. end − 1 for `positions` (the last only writes K/V); hidden states entering
+        layer end − 1."""
         for index in range(start, end - 1):
             hidden = self.layer(index, hidden, positions)
         if end > start:
@@ -355,8 +314,7 @@ class Blend:
         return hidden
 
     def probe(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, queries: bool = False) -> Probe:
-        """The keys and values layer `index` computes for the tokens at `positions` (hidden states entering it
-        (1, m, d)), and with `queries` its query projection's output (`query_projection`); nothing is written."""
+        """Project layer `index` for `positions` (hidden states (1, m, d)), queries too with `queries`; no writes."""
         layer = self.stack.layers[index]
         outputs: list[torch.Tensor] = []
         handle = None
@@ -385,8 +343,8 @@ class Blend:
 
 
 def query_projection(attention: torch.nn.Module) -> tuple[torch.nn.Module, int] | None:
-    """The module whose output holds an attention layer's queries, and how many of its first columns they are:
-    `q_proj` (all of them), or Phi-3's fused `qkv_proj` (the first H_q·D); None for any other layout."""
+    """The module holding a layer's queries and their column count: `q_proj`, Phi-3's `qkv_proj` (first H_q·D), or
+    None."""
     size = getattr(attention, "head_dim", None)  # the layer's own (Gemma 4's global layers), else the model's
     width = attention.config.num_attention_heads * (size if isinstance(size, int) else head_dim(attention.config))
     for name in ("q_proj", FUSED_QKV):
@@ -397,9 +355,8 @@ def query_projection(attention: torch.nn.Module) -> tuple[torch.nn.Module, int] 
 
 
 class SelectiveRecompute(FullShared):
-    """Base of the selective-recompute policies: FullShared's store and re-aligned context, then `recompute` on a
-    `Blend` of it, inside `assemble` (timed into TTFT). A subclass declares `ratio` among its options and
-    implements `recompute`."""
+    """FullShared's store, then `recompute` on a `Blend` inside `assemble`; subclasses declare `ratio` and
+    implement `recompute`."""
 
     family = "selective recompute"
     approximate = True
@@ -437,10 +394,8 @@ class SelectiveRecompute(FullShared):
 
     @abstractmethod
     def recompute(self, blend: Blend, ids: list[int], context: FullSharedContext) -> None:
-        """Recompute what the policy selects of the reused tokens `ids` (the first `context.covered` of the shared
-        input: the kept prefix and, past it, the moved spans and the new tokens between them, whose (begin, end)
-        `context.placeholders` gives when the extension left them uncomputed) into `blend`, with the acting agent's
-        adapter active."""
+        """Recompute the selected reused tokens `ids` (kept prefix, moved spans, and `context.placeholders`' new
+        tokens) into `blend`, with the agent's adapter."""
 
     def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
         context = super().assemble(agent, shared)

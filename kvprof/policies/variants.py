@@ -1,9 +1,8 @@
-"""Policy variants as data: which (policy, options) pairs a replay runs, with their labels.
+"""Policy variants as data: which (policy, options) pairs a replay runs, with their labels (`enumerate_variants`,
+used by the CLI, the test matrix and the reports).
 
-One function, `enumerate_variants`, turns a selection (`all`, or policy names) and option values into variants; the
-CLI (`--policy`, `--policy-option POLICY.KEY=VALUE`), the test matrix and the reports all use it. `--policy all`
-replays, for every registered policy, the product of each option's declared `sweep` values; a named policy runs
-with its published defaults. Option values given for a policy replace its sweep (several values: each is replayed).
+`--policy all`: every policy with the product of its options' `sweep` values; a named policy: its published defaults;
+`--policy-option POLICY.KEY=VALUE` values replace the sweep (each value replayed).
 """
 
 from __future__ import annotations
@@ -115,9 +114,8 @@ def enumerate_variants(
 
 
 def command_selection(variants: Sequence[PolicyVariant]) -> tuple[list[str], list[str]]:
-    """The `--policy` names and `--policy-option POLICY.KEY=VALUE` flags that make `enumerate_variants` replay
-    `variants` (their labels, in order), e.g. for the command line a result file records; a `KvprofError` when no
-    selection does (`enumerate_variants` replays the product of each policy's given values)."""
+    """The `--policy` / `--policy-option` flags that replay `variants` (labels, in order); `KvprofError` when none
+    can (a selection replays the product of each policy's values)."""
     from kvprof.policies import policy_class
 
     names = list(dict.fromkeys(variant.name for variant in variants))
@@ -148,8 +146,7 @@ def command_selection(variants: Sequence[PolicyVariant]) -> tuple[list[str], lis
 def runnable_variants(
     variants: Sequence[PolicyVariant], runtime: Runtime, skip: bool
 ) -> tuple[list[PolicyVariant], dict[str, str]]:
-    """The variants this runtime (mode, adapters) can replay, and {label: reason} for the others. With
-    `skip=False` the first refusal is raised instead (a policy the user named explicitly)."""
+    """The variants this runtime can replay, and {label: reason} for the others (`skip=False`: raise the first)."""
     runnable, skipped = [], {}
     for variant in variants:
         try:

@@ -1,45 +1,17 @@
 """Rank and cross-agent similarity of the caches agents build on shared context (`kvprof rank-analysis`).
 
-For every trajectory, each selected agent prefills what it holds after its last turn there (that turn's input and its
-own output; `kvprof.rank.kv_capture.capture_turn`). For every agent pair (i, j), i before j in the workflow's agent
-order, the
-**span** is the shared segments both hold; on it:
+Per trajectory each selected agent prefills what it holds after its last turn (`kvprof.rank.kv_capture`); each pair
+(i, j), i before j in agent order, is compared on the shared segments both hold (its span), per layer, for K and V:
+C_i, C_j and Δ_{j←i} = C_j − R(C_i) (R: RoPE re-alignment in prompt mode, identity in lora mode); in lora mode also
+base parts and adapter outputs (key parts before a key norm and RoPE). Matrices are flattened (n, H_kv·D) or per head
+(n, D) (`per_head=True`). Prompt mode adds KVCMAS's quantity, Δ_j = C_{j,seg} − R(C_{ref,seg}) against each segment's
+context-free encoding, one record per (trajectory, agent, segment). Statistics (`kvprof.replay.metrics`): effective
+and energy ranks above the `noise_floor`, spectra, cosines, relative norms; each record counts once in the means.
 
-- lora mode: both agents read the span at identical positions after identical tokens, so C_i and C_j differ only by
-  the adapters. Each cache splits into the base part X·W0 and the adapter output s·X·A·B (keys post-RoPE; for a
-  model that normalises keys before RoPE, Qwen3 or OLMo 2, the key parts are taken before the norm and RoPE, the
-  parts a low-rank store shares: `kvprof.rank.kv_capture`).
-- prompt mode: the span sits after different role prompts, at different positions; agent i's keys are re-aligned to
-  j's positions with the model's RoPE (`kvprof.model.rope.rotate_keys`) before anything is compared.
-
-Quantities, per layer, for K and V separately: the caches C_i, C_j; the delta Δ_{j←i} = C_j − R(C_i) (R the
-re-alignment, identity in lora mode); in lora mode the base parts and adapter outputs of both agents. Each is a
-matrix over the span's n tokens, either **flattened** (n, H_kv·D), one row per token with all KV heads side by side
-(the default), or **per head** (n, D) for each KV head, with the statistics averaged over heads (`per_head=True`).
-
-Prompt mode adds KVCMAS's own quantity, the delta against the **context-free reference**: every shared segment of a
-pair span is also encoded on its own (its tokens alone at positions 0..n−1, no role prompt, nothing before it), and
-for each agent j holding it, Δ_j = C_{j,seg} − R(C_{ref,seg}), the agent's cache of the segment minus the
-context-free one with its keys re-aligned to the agent's positions. One record per (trajectory, agent, segment).
-Δ_{j←i} = Δ_j − R(Δ_i), so rank(Δ_{j←i}) can reach rank(Δ_j) + rank(Δ_i): the delta between agents is not the
-quantity the paper's rank claim is about.
-
-Statistics (kvprof.replay.metrics): entropy effective rank exp(H(σ/Σσ)), energy ranks at 90 % and 99 % of Σσ², the
-energy spectrum σ²/Σσ² (singular values below the rounding-noise floor of the cache, set as numpy's matrix_rank sets it,
-count as zero: see `noise_floor`); cross-agent cosine per token (mean) and of the flattened matrices; relative norms
-‖Δ‖/‖C_j‖ and ‖adapter output‖/‖C‖. Every (trajectory, pair), and every (trajectory, agent, segment), counts once in
-the per-layer means.
-
-Published claims checked (`claims()`):
-- LRAgent (arXiv:2602.01053): base caches of different agents on the same context have cosine similarity > 0.97,
-  while the adapter outputs are largely decorrelated ("low similarity"; kvprof reads "nearly orthogonal" as
-  |mean token cosine| < 0.1).
-- KVCMAS (docs/design.md, "Sharing policies"): per-agent delta corrections have effective rank < 32, well below the
-  KV feature dimension; the caches they correct have a somewhat higher effective rank. Prompt mode checks both on the
-  context-free deltas Δ_j (the caches: C_{j,seg}), on the records of more than 32 tokens when there are any (shorter
-  segments cannot reach rank 32). Lora-mode agents read the shared span after identical tokens, with no prefix for a
-  context-free reference to leave out: there both are checked on Δ_{j←i} against C_i, C_j, kvprof's extension (not
-  the paper's quantity), and the claims say so.
+Claims checked (`claims()`): LRAgent's base-cache cosine > 0.97 and nearly orthogonal adapter outputs (|mean token
+cosine| < 0.1, kvprof's reading); KVCMAS's delta effective rank < 32 and higher-rank caches — on Δ_j in prompt mode
+(records > 32 tokens when any), on Δ_{j←i} in lora mode (kvprof's extension, said so). Definitions:
+docs/design.md#metrics-same-definitions-everywhere, docs/commands/rank-analysis.md.
 """
 
 from __future__ import annotations
@@ -76,10 +48,8 @@ BETWEEN_AGENTS_QUANTITY = (
 
 @dataclass
 class AgentSequence:
-    """The tokens an agent holds after its last turn in a trajectory: input + own output, cut to `max_tokens`.
-
-    tokens: (L,) list of ids. spans: segment id → (start, end) offsets inside `tokens` (cut segments shortened).
-    """
+    """An agent's tokens after its last turn (input + output, ≤ `max_tokens`): `tokens` (L,), `spans` segment id →
+    (start, end)."""
 
     agent: str
     tokens: list[int]
@@ -88,11 +58,8 @@ class AgentSequence:
 
 @dataclass
 class PairSpan:
-    """The shared tokens two agents both hold in one trajectory.
-
-    source_rows, target_rows: (n,) token indices into the source's / target's `AgentSequence`; shift: (n,) target
-    position − source position of each token (all zero in lora mode). segments: the shared segment ids covered.
-    """
+    """Shared tokens two agents hold: `source_rows`, `target_rows` (n,) indices, `shift` (n,) target − source
+    position (0 in lora mode), `segments` covered."""
 
     trajectory: str
     source: str
@@ -161,21 +128,14 @@ def as_matrices(states: torch.Tensor, per_head: bool) -> torch.Tensor:
 
 
 def noise_floor(reference: torch.Tensor, per_head: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Singular values at or below this are rounding noise: σ_max(C)·max(n, columns)·ε(dtype), one per matrix.
-
-    The tolerance of numpy.linalg.matrix_rank, taken from the cache C a quantity belongs to (reference: (H, n, D))
-    and the model's dtype, so a delta that is only rounding error gets rank 0 instead of the rank of noise.
-    """
+    """Per matrix σ_max(C)·max(n, columns)·ε(dtype), numpy's matrix_rank tolerance from the cache C (H, n, D) the
+    quantity belongs to: a delta of pure rounding gets rank 0."""
     matrices = as_matrices(reference, per_head)
     return metrics.singular_values(matrices)[:, 0] * max(matrices.shape[-2:]) * torch.finfo(dtype).eps
 
 
 def rank_stats(states: torch.Tensor, per_head: bool, floor: torch.Tensor) -> dict:
-    """Entropy effective rank and energy ranks (90 %, 99 %) of (H, n, D) states, averaged over heads if per head.
-
-    floor: (matrices,) noise floor (`noise_floor`); singular values at or below it count as zero. Returns
-    {"effective", "energy90", "energy99", "spectrum"}: spectrum is the mean energy spectrum σ²/Σσ² (k,).
-    """
+    """{"effective", "energy90", "energy99", "spectrum" (k,)} of (H, n, D) states, σ ≤ `floor` (matrices,) as zero."""
     sigmas = metrics.singular_values(as_matrices(states, per_head))
     sigmas = torch.where(sigmas > floor[:, None], sigmas, torch.zeros_like(sigmas))
     count = sigmas.shape[0]
@@ -196,11 +156,7 @@ def similarity(a: torch.Tensor, b: torch.Tensor, per_head: bool) -> tuple[float,
 
 @dataclass
 class PairLayer:
-    """Statistics of one agent pair at one layer for K or V.
-
-    values: metric name → float (see `METRICS`). spectra: quantity ("cache", "delta", "base", "adapter") → mean
-    energy spectrum (k,) tensor.
-    """
+    """One pair, one layer, K or V: `values` (`METRICS`) and `spectra` ("cache", "delta", "base", "adapter" → (k,))."""
 
     values: dict[str, float]
     spectra: dict[str, torch.Tensor]
@@ -257,10 +213,7 @@ def compare_pair(
     per_head: bool,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, PairLayer]:
-    """Statistics of one pair at one layer, {"K": PairLayer, "V": PairLayer} (see `METRICS`), computed in fp64.
-
-    dtype: the model's dtype, for the noise floor of the ranks (`noise_floor`, from the target's cache C_j).
-    """
+    """{"K"|"V": PairLayer} of one pair at one layer in fp64; `dtype` sets the noise floor (from C_j)."""
     src, dst = source.layers[layer], target.layers[layer]
     # Captures compared here are taken with parts including "kv" (`run_rank_analysis`), so keys and values are set.
     assert src.keys is not None and src.values is not None, "source capture lacks keys/values"
@@ -330,8 +283,7 @@ CONTEXT_FREE_METRICS = {
 def reference_captures(
     agents: AgentSet, traj: Trajectory, lengths: dict[str, int], layers: Sequence[int]
 ) -> dict[str, TurnCapture]:
-    """The context-free encoding of each segment: its first `lengths[segment id]` tokens alone, at positions
-    0..n−1, with nothing before them and no adapter; {segment id: capture with keys and values (H_kv, n, D)}."""
+    """Each segment's first `lengths[id]` tokens encoded alone at 0..n−1, no adapter: {id: capture (H_kv, n, D)}."""
     return {
         seg_id: capture_turn(agents, None, traj.segments[seg_id].tokens[:count], layers=layers, parts=("kv",))
         for seg_id, count in lengths.items()
@@ -348,12 +300,8 @@ def compare_reference(
     per_head: bool,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, PairLayer]:
-    """Δ_j = C_j,seg − R(C_ref,seg) of one agent's segment at one layer, {"K": PairLayer, "V": PairLayer} (see
-    `CONTEXT_FREE_METRICS`), computed in fp64.
-
-    The segment is the agent's rows start..start+count−1; the reference's first `count` rows have their keys rotated
-    by `start` positions onto them. dtype: the model's dtype, for the noise floor (`noise_floor`, from C_j,seg).
-    """
+    """Δ_j = C_j,seg − R(C_ref,seg) on rows start..start+count−1 at one layer, {"K"|"V": PairLayer}
+    (`CONTEXT_FREE_METRICS`), fp64; reference keys rotated by `start`."""
     own, ref = agent.layers[layer], reference.layers[layer]
     # Both captures are taken with the "kv" part (`analyze_trace`, `reference_captures`).
     assert own.keys is not None and own.values is not None, "agent capture lacks keys/values"
@@ -382,10 +330,7 @@ def compare_reference(
 
 @dataclass
 class PairResult:
-    """One agent pair in one trajectory: its span and the per-layer statistics {layer: {"K"|"V": PairLayer}}.
-
-    bound: min(n, columns), the largest rank any matrix of this pair can have.
-    """
+    """One pair in one trajectory: span, {layer: {"K"|"V": PairLayer}}, `bound` = min(n, columns)."""
 
     trajectory: str
     source: str
@@ -398,12 +343,8 @@ class PairResult:
 
 @dataclass
 class SegmentResult:
-    """One agent's cache of one shared segment against the segment's context-free encoding, in one trajectory, and
-    the per-layer statistics {layer: {"K"|"V": PairLayer}} (see `compare_reference`).
-
-    start: the segment's first position in the agent's sequence; bound: min(tokens, columns), the largest rank any
-    matrix of this record can have.
-    """
+    """One agent's segment against its context-free encoding: {layer: {"K"|"V": PairLayer}}, `start` in the
+    agent's sequence, `bound` = min(tokens, columns)."""
 
     trajectory: str
     agent: str
@@ -416,10 +357,8 @@ class SegmentResult:
 
 @dataclass
 class Claim:
-    """A published claim and whether this model, these agents and this trace reproduce it (None: not applicable).
-
-    quantity: what was measured to test it, and whether that is the paper's quantity.
-    """
+    """A published claim and whether this run reproduces it (None: not applicable); `quantity`: what was measured
+    and whether it is the paper's."""
 
     paper: str
     statement: str
@@ -588,8 +527,7 @@ class RankAnalysis:
         ]
 
     def to_dict(self) -> dict:
-        """JSON-ready results: settings, per-layer means and spectra, per-pair values, context-free records (prompt
-        mode; None in lora mode), claims."""
+        """JSON-ready results: settings, means, spectra, pairs, context-free records (None in lora mode), claims."""
         layer_means, spectra = _layer_records(self.layer_means(), self.layer_spectra())
         return {
             "mode": self.mode,
@@ -672,11 +610,7 @@ def _kvcmas_claims(
     quantity: str,
     label: str = "",
 ) -> list[Claim]:
-    """KVCMAS's two claims on per-layer `means` (with "delta_rank" and "cache_rank") over the records `scope` names.
-
-    bound: the largest rank any of those matrices can have; delta, cache: how the statements name the two quantities;
-    label: appended to both statements.
-    """
+    """KVCMAS's two claims on `means` ("delta_rank", "cache_rank") over `scope`'s records; `bound`, names, `label`."""
     trivial = (
         f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
         "little on this trace"
@@ -743,9 +677,7 @@ def _context_free_records(
     per_head: bool,
     columns: int,
 ) -> list[SegmentResult]:
-    """For each captured agent and each segment of its pair spans, its cache of the segment against the segment's
-    context-free encoding (see module docstring): one `SegmentResult` each, agents in `captures` order, segments in
-    the agent's order. columns: of each matrix (H_kv·D flattened, D per head)."""
+    """One `SegmentResult` per captured agent and segment of its pair spans, in order; `columns` per matrix."""
     rows: dict[tuple[str, str], tuple[int, int]] = {}
     for name in captures:
         held = {seg for span in spans if name in (span.source, span.target) for seg in span.segments}
@@ -834,11 +766,8 @@ def analyze_trace(
     per_head: bool = False,
     on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> RankAnalysis:
-    """Capture every selected agent's cache on each trajectory and compare all pairs on their shared spans.
-
-    layers: resolved layer indices (`kvprof.rank.kv_capture.resolve_layers`). Raises `KvprofError` if no pair of
-    selected agents shares a segment anywhere in the trace.
-    """
+    """Capture every selected agent on each trajectory and compare all pairs on their spans (`layers` resolved);
+    `KvprofError` if no pair shares a segment."""
     mode = trace.header.mode
     shapes = [agents.cache_shapes[layer] for layer in layers]
     heads = max(shape[0] for shape in shapes)

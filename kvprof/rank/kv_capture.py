@@ -1,28 +1,18 @@
 """K/V capture for one agent call, with the LoRA split of every projection and the states a replay needs.
 
-One prefill of `input_ids` as one agent, observed through forward hooks, layer by layer:
+One prefill of `input_ids` as one agent, observed through forward hooks, layer by layer (`capture_turn` parts):
 
-- **kv**: the K and V the model writes to its cache (`DynamicCache`, the same object `model(...).cache` returns),
-  keys post-RoPE, per layer (H_kv, L, D).
-- **split** (lora mode): for each requested projection (default `k_proj`, `v_proj`), its output split into the
-  frozen-weight part X·W0 (+ bias), from a hook on peft's `base_layer`, and the adapter part s·(X·A)·B, from hooks
-  on peft's `lora_B[name]` (times `scaling[name]`). RoPE is linear, so keys (and queries) split after RoPE too: each
-  part is rotated on its own with the model's rotary cos/sin at the token positions, and base + adapter = the cached
-  key. (The key's adapter part is expanded to full width before the rotation: it is not rank r after RoPE.) Models
-  that normalise queries or keys before RoPE (`q_norm`/`k_norm`: Qwen3, OLMo 2) break that linearity: their q/k
-  split is taken before the norm and RoPE (`ProjectionSplit.normalised`), base + adapter is then the projection's
-  output, not the cached key — the part a low-rank store shares (`kvprof.policies.lowrank`). A value norm
-  (`v_norm`) is refused.
-- **hidden**: the hidden state entering each layer (the residual stream; DroidSpeak-style recompute starts here).
-- **lr**: the rank-r LR activations X·A_k of each projection for every loaded adapter k (PReCache's precomputed LR
-  cache: all agents' down-projections applied to the hidden states of whoever runs the call), computed with peft's own
-  `lora_A[k]` module on the projection's input. With adapters disabled (`agent=None`) these are the neutral LR caches
-  X_neut·A_k of ReBaseShared.
+- **kv**: the cache's K and V, keys post-RoPE, per layer (H_kv, L, D).
+- **split** (lora mode): each projection's output as X·W0 (+ bias), from peft's `base_layer`, plus s·(X·A)·B, from
+  `lora_B[name]`; q/k parts are rotated on their own (RoPE is linear; the key's adapter part at full width). With a
+  q/k norm before RoPE (Qwen3, OLMo 2) the split is taken before the norm and RoPE (`ProjectionSplit.normalised`),
+  the part a low-rank store shares; a value norm is refused.
+- **hidden**: the residual stream entering each layer (where DroidSpeak-style recompute starts).
+- **lr**: X·A_k of every loaded adapter k from peft's own `lora_A[k]` (PReCache's precomputed LR caches; with
+  `agent=None`, ReBaseShared's neutral X_neut·A_k).
 
-Memory: only the selected layers are kept, only the token range `keep`, each tensor copied to fp32 as its layer
-finishes; the forward stops after the last selected layer (the layers before it still build their cache, as any
-prefill does). The batch is one sequence, so no tensor has a batch axis.
-LoRA variants (DoRA) and merged adapters have no separate adapter output and are refused for `split` and `lr`.
+Only the selected layers and the `keep` token range are kept, copied to fp32 as each layer finishes; the forward stops
+after the last selected layer. One sequence, no batch axis. DoRA and merged adapters are refused for split and lr.
 """
 
 from __future__ import annotations
@@ -43,12 +33,8 @@ PER_HEAD = {"q_proj", "k_proj", "v_proj"}  # projections reshaped to (heads, L, 
 
 @dataclass
 class ProjectionSplit:
-    """One projection's output on the kept tokens, split as  total = base + adapter.
-
-    base: X·W0 (+ bias), adapter: Σ over active adapters of s·(X·A)·B (zeros when no active adapter targets the
-    projection or adapters are disabled). Shapes: `k_proj` (H_kv, L, D) and `q_proj` (H, L, D), both post-RoPE;
-    `v_proj` (H_kv, L, D); any other projection (L, out_features). fp32.
-    """
+    """A projection's output on the kept tokens = base X·W0 (+ bias) + adapter Σ s·(X·A)·B (zeros if none), fp32:
+    `k_proj` (H_kv, L, D), `q_proj` (H, L, D) post-RoPE; `v_proj` (H_kv, L, D); others (L, out_features)."""
 
     base: torch.Tensor
     adapter: torch.Tensor
@@ -56,20 +42,14 @@ class ProjectionSplit:
 
     @property
     def total(self) -> torch.Tensor:
-        """base + adapter: for `k_proj` / `v_proj` the cached K / V, unless `normalised`: the layer normalises this
-        projection's output before RoPE, and the parts are the projection's output, before the norm and RoPE."""
+        """base + adapter: the cached K / V for `k_proj` / `v_proj`, unless `normalised` (then pre-norm, pre-RoPE)."""
         return self.base + self.adapter
 
 
 @dataclass
 class LayerCapture:
-    """What one decoder layer produced for the kept tokens (fields not requested are None / empty). fp32.
-
-    keys, values: (H_kv, L, D), exactly the layer's cache entries (keys post-RoPE).
-    hidden: (L, d_model), the hidden state entering the layer.
-    split: projection name → `ProjectionSplit`.
-    lr: projection name → adapter name → X·A (L, r), unscaled (the LR cache before B and s).
-    """
+    """One layer's capture of the kept tokens, fp32 (unrequested: None / empty): keys, values (H_kv, L, D) as cached;
+    hidden (L, d_model); split: projection → `ProjectionSplit`; lr: projection → adapter → X·A (L, r), unscaled."""
 
     layer: int
     keys: torch.Tensor | None = None
@@ -81,11 +61,8 @@ class LayerCapture:
 
 @dataclass
 class TurnCapture:
-    """One prefill as one agent: the kept tokens and the selected layers' captures.
-
-    agent: the agent that ran (None: adapters disabled). token_ids, positions: (L,) for the kept tokens.
-    layers: layer index → `LayerCapture`, in increasing layer order.
-    """
+    """One prefill as `agent` (None: adapters off): kept `token_ids`, `positions` (L,), `layers` index →
+    `LayerCapture` in order."""
 
     agent: str | None
     token_ids: torch.Tensor
@@ -118,9 +95,7 @@ def resolve_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
 
 
 def _projection(layer: torch.nn.Module, name: str, index: int) -> tuple[torch.nn.Module, slice | None]:
-    """The module that computes projection `name` (e.g. k_proj) inside one decoder layer — a peft LoRA layer or a
-    plain Linear — and the columns of its output that are it (None: all; a block of a fused qkv_proj for q/k/v,
-    `kvprof.model.lora.projection_columns`)."""
+    """The module computing projection `name` in a layer and its columns (`kvprof.model.lora.projection_columns`)."""
     if name in QKV:
         return projection_columns(attention_of(layer, index), name, index)
     found = [(path, module) for path, module in layer.named_modules() if path.rsplit(".", 1)[-1] == name]
@@ -133,8 +108,7 @@ def _projection(layer: torch.nn.Module, name: str, index: int) -> tuple[torch.nn
 
 
 def _is_projection(path: str, module: torch.nn.Module) -> bool:
-    """A linear layer of the model (plain or peft's LoRA wrapper), not a part of a LoRA layer (its base layer or
-    factors)."""
+    """A model linear layer (plain or LoRA wrapper), not a LoRA layer's part."""
     inside_lora = any(part == "base_layer" or part.startswith("lora_") for part in path.split("."))
     return not inside_lora and (isinstance(module, torch.nn.Linear) or _is_lora(module))
 
@@ -144,8 +118,7 @@ def _is_lora(module: torch.nn.Module) -> bool:
 
 
 def _normalised(attention: torch.nn.Module, name: str, index: int) -> bool:
-    """Whether the layer normalises the projection's output before RoPE (its split is then taken before the norm);
-    refuses a value norm, after which the cached values have no base + adapter split."""
+    """Whether the projection is normalised before RoPE (split taken before the norm); refuses a value norm."""
     if projection_norm(attention, name) is None:
         return False
     if name == "v_proj":
@@ -237,11 +210,7 @@ class _Capture:
         return tensor[tuple(index)].float().clone()
 
     def shape(self, flat: torch.Tensor, name: str, layer: int, kept: bool = False, rotate: bool = True) -> torch.Tensor:
-        """(1, L, out) projection output of layer `layer` → the `ProjectionSplit` layout of the kept tokens, fp32.
-
-        q/k/v: (H, L_kept, D), rotated with the layer's RoPE for q and k unless `rotate` is False; other
-        projections (L_kept, out). `kept`: the tokens were already cut to the kept range.
-        """
+        """(1, L, out) → `ProjectionSplit` layout of the kept tokens, fp32 (q/k rotated unless `rotate` is False)."""
         rows = flat[0].float() if kept else self.span(flat[0], 0)
         if name not in PER_HEAD:
             return rows
@@ -299,16 +268,11 @@ def capture_turn(
     keep: tuple[int, int] | None = None,
     lr_adapters: Sequence[str] | None = None,
 ) -> TurnCapture:
-    """Prefill `input_ids` as `agent` (None: adapters disabled) and capture the requested `parts` (see module doc).
+    """Prefill `input_ids` (L,) as `agent` (None: adapters off) and capture `parts` → `TurnCapture` (fp32, on the
+    model's device).
 
-    input_ids: (L,) token ids (a list or a (L,) / (1, L) tensor). layers: indices to keep (None: all).
-    parts: any of "kv", "split", "hidden", "lr" (default: all the mode has; prompt mode has no "split" or "lr").
-    projections: which projections to split / take X·A of.
-    positions: (L,) position ids (default 0..L-1; pass them when the tokens sit after an uncached prefix).
-    keep: (start, end) token range to keep (default: all L tokens). lr_adapters: adapters whose X·A to compute
-    (default: every loaded adapter that targets the projection). Returns a `TurnCapture`, tensors in fp32 on the
-    model's device.
-    """
+    parts: "kv", "split", "hidden", "lr" (default: all the mode has); positions (L,): default 0..L−1 (pass them after
+    an uncached prefix); keep: (start, end); lr_adapters: default every adapter targeting the projection."""
     parts = _check_parts(agents, parts)
     ids, pos, (start, end) = _check_input(agents.device, input_ids, positions, keep)
     length = ids.numel()

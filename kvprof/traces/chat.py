@@ -1,29 +1,10 @@
 """Agent calls as chat messages, rendered through a chat template into the segments of a trajectory.
 
-Instruct models are served through their tokenizer's chat template: an agent call is a list of messages — the agent's
-role prompt as its system message (prompt mode), the question as a user message, earlier agents' outputs as
-assistant messages carrying the agent's name (or, in group chats, as user messages with a name), tool calls and tool
-results — rendered by `tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)`. kvprof
-renders exactly that (the same text, tokenized the same way): a turn's input ids are always the call's ids as a server
-tokenizes them. How they are cut into segments is derived, and only decides what can be shared:
-
-- Incremental templates (messages[:k] render to a text prefix of messages[:k+1], each message's content inside its
-  own part): one span per message, template tokens included; the tail after the last message is the generation
-  prompt.
-- Templates that are not incremental (Mistral moving the system prompt into the last user message, Qwen 2.5 grouping
-  consecutive tool results, Llama 3.1 moving the first user message into its tool block, Gemma folding the system
-  prompt into the first user turn): the whole call's rendering is aligned to the messages where the text allows it —
-  each message's content located in the rendered text (as given, else stripped, as templates that `| trim` render
-  it) — and the template text between contents becomes segments of its own ("glue", kind `cue`).
-
-A token belongs to the part its text starts in, so a token merging text across a boundary counts once. Segments
-follow messages: a message rendered to the same ids in several calls is one segment, shared when several agents read
-it; one whose ids differ between calls keeps each call's exact ids and the difference is recorded
-(`ChatSegments.differences`). An earlier reply read back is stored as the generation prompt and output segments that
-produced it when its rendering starts with exactly those ids (or as the output segment alone when only its content
-was aligned), so later calls extend the sequence that produced it; every reply the template reads back differently from
-its generated ids (trimmed, under another role's header, merged with a neighbouring token) is recorded too, with the
-log line that reads it.
+A call's input ids are exactly `tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)`;
+only the cut into segments is derived, and it decides only what can be shared: one segment per message for
+incremental templates, else contents located in the rendering with template "glue" segments (kind `cue`) between
+them. Ids that change between calls, and replies read back differently from their generated ids, are recorded
+(`ChatSegments.differences`). The rules: docs/commands/import-chat.md.
 """
 
 from __future__ import annotations
@@ -45,12 +26,8 @@ template (`import-chat --chat-template auto` or `off`)."""
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message in the OpenAI format; hashable (segments are keyed by messages).
-
-    name: who wrote it (an agent's name on assistant messages and group-chat user messages, a tool's on tool results);
-    tool_calls: the assistant's tool calls as canonical JSON text (`Message.of`), given back as a list by `as_dict`;
-    tool_call_id: the call a tool message answers. `content` may be None (an assistant message that only calls tools).
-    """
+    """One OpenAI-format chat message, hashable: `name` (agent or tool), `tool_calls` as canonical JSON text (a list
+    in `as_dict`), `tool_call_id`; `content` None for a message that only calls tools."""
 
     role: str
     content: str | None
@@ -67,8 +44,7 @@ class Message:
         tool_calls: list | None = None,
         tool_call_id: str | None = None,
     ) -> Message:
-        """A message with `tool_calls` given as the OpenAI list (stored as JSON text, key order kept: templates render
-        them with `tojson`, which keeps it)."""
+        """A message with `tool_calls` as the OpenAI list (stored as JSON, key order kept as `tojson` keeps it)."""
         calls = None if tool_calls is None else json.dumps(tool_calls, ensure_ascii=False, separators=(",", ":"))
         return cls(role, content, name, calls, tool_call_id)
 
@@ -94,9 +70,7 @@ def template_sha256(template: str) -> str:
 
 
 def resolve_chat_template(choice: str, tokenizer) -> str | None:
-    """`--chat-template`: auto (the tokenizer's template when it has one, else kvprof's own layout), on (the
-    tokenizer's, required), off (kvprof's own layout) or the path of a Jinja template file. Returns the template
-    text, or None for kvprof's layout."""
+    """`--chat-template` auto / on / off / a Jinja file → the template text, or None for kvprof's own layout."""
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # several named templates: the default one
         own = own.get("default")
@@ -121,10 +95,8 @@ def resolve_chat_template(choice: str, tokenizer) -> str | None:
 
 @dataclass
 class Piece:
-    """A stretch of a rendered call: `part` is "message" (a whole message, template tokens included: incremental
-    templates), "glue" (template text before message `message`'s content), "content" (the content of message
-    `message`) or "tail" (everything after the last message: the generation prompt); [start, end) are characters of
-    the rendered text, `ids` the tokens that start in it."""
+    """Characters [start, end) of a rendered call and the `ids` starting there; `part`: "message" (incremental),
+    "glue" (before message `message`'s content), "content", or "tail" (the generation prompt)."""
 
     part: str
     message: int | None
@@ -135,10 +107,8 @@ class Piece:
 
 @dataclass
 class Rendering:
-    """One call rendered: its text, its ids exactly as `apply_chat_template` tokenizes it, the pieces they split into
-    (in text order; their ids concatenated are `ids`), where each message's content is in the text (None where it
-    could not be located), and the generation prompt's text ('' when the template has none or it cannot be told
-    apart)."""
+    """One rendered call: text, ids, pieces (in order, ids concatenating to `ids`), each content's location (or
+    None), generation prompt text ('' if none)."""
 
     text: str
     ids: list[int]
@@ -207,8 +177,7 @@ class ChatFormat:
         return Rendering(full, ids, starts, pieces, contents, self._generation(messages, tools, full), False)
 
     def _incremental_ends(self, messages: list[Message], tools: list | None, full: str) -> list[int] | None:
-        """Where each message's text ends when messages[:k] render to text prefixes of messages[:k+1] and of the call
-        with its generation prompt; None when they do not (or a prefix does not render)."""
+        """Each message's text end when the template is incremental, else None."""
         ends, done = [], ""
         for count in range(1, len(messages) + 1):
             try:
@@ -229,9 +198,8 @@ class ChatFormat:
         return full[len(bare) :] if full.startswith(bare) else ""
 
     def spans(self, messages: list[Message], tools: list | None = None) -> tuple[list[list[int]], list[int]]:
-        """Per message its ids in this call (template text before its content included), and the generation
-        prompt's ids; their concatenation is the call's input exactly as `apply_chat_template(messages, tools,
-        add_generation_prompt=True)` tokenizes it. Refuses a template that renders the messages out of order."""
+        """Per message its ids (template text included) and the generation prompt's, concatenating to the call's
+        exact ids; refuses out-of-order renderings."""
         rendering = self.render(messages, tools)
         spans: list[list[int]] = [[] for _ in messages]
         order = [piece.message for piece in rendering.pieces if piece.message is not None]
@@ -267,10 +235,8 @@ def _locate(text: str, message: Message, begin: int = 0, end: int | None = None)
 
 
 def _align(text: str, messages: list[Message]) -> list[tuple[int, int] | None]:
-    """Each message's content located in the rendered call, or None: the in-order assignment that covers the most
-    characters (contents in message order, each at its first occurrence after the previous one), then any message
-    left out placed where it occurs in the text no other content covers (a template that moves it, e.g. the system
-    prompt into the last user message)."""
+    """Each content's location (or None): the in-order assignment covering most characters, then moved messages
+    (e.g. a system prompt in the last user message) where no other content lies."""
     needles = []
     for message in messages:
         needle = _needle(message)
@@ -320,12 +286,9 @@ def _fill(pieces: list[Piece], ids: list[int], starts: list[int]) -> None:
 
 @dataclass
 class Difference:
-    """A message whose ids are not what an earlier call gave it, with the log lines involved (None outside a log).
-
-    Either a message rendered to other ids than in call `first_call` (`producer` None), or a reply the template reads
-    back differently from the ids its agent generated (`producer`: that agent, `first_call`/`first_line` its call,
-    `first_ids` the generated ids, `ids` what the reading call has in their place; `also`: later lines that read it
-    the same way)."""
+    """A message with other ids than in `first_call` (`producer` None), or a reply read back differently from the
+    `first_ids` `producer` generated (`ids`: what the reader has; `also`: later lines alike); lines None outside a
+    log."""
 
     message: Message
     first_call: int
@@ -369,8 +332,7 @@ class Difference:
 
 @dataclass
 class Reply:
-    """An agent's output as recorded: who wrote it in which call, its ids, the generation prompt it followed, and
-    the segments that hold it (generation prompt, if any, then output)."""
+    """A recorded output: author, call, ids, generation prompt, and its segments."""
 
     agent: str
     call: int
@@ -382,11 +344,7 @@ class Reply:
 
 @dataclass
 class ChatSegments:
-    """Builds the segments of one trajectory from rendered calls (see module docstring).
-
-    format: renders the calls; segments: id → `Segment`, the trajectory's; differences: messages whose ids changed
-    between calls, and replies read back differently from their generated ids.
-    """
+    """Builds one trajectory's `segments` (id → `Segment`) and `differences` from calls rendered by `format`."""
 
     format: ChatFormat
     segments: dict[str, Segment] = field(default_factory=dict)
@@ -413,9 +371,8 @@ class ChatSegments:
         line: int | None = None,
         agent: str | None = None,
     ) -> tuple[list[str], str | None]:
-        """Render call `index` (`private`: indices of messages only this agent reads, e.g. its role prompt; `tools`:
-        the call's function schemas; `line`: its log line; `agent`: who acts) and return its input segment ids —
-        their tokens are exactly the call's ids — and the generation prompt's segment id (None when there is none)."""
+        """Render call `index` (`private`: messages only `agent` reads); its input segment ids (exactly the call's
+        ids) and the generation prompt's (or None)."""
         rendering = self.format.render(messages, tools)
         self._lines[index] = line
         self._last = (index, rendering.generation)
@@ -452,8 +409,7 @@ class ChatSegments:
         return inputs, prompt_segment
 
     def _reply_of(self, message: Message, index: int) -> Reply | None:
-        """The earlier reply `message` reads back: an assistant or user message whose content is that reply's text
-        (exactly, else stripped) and whose name, if any, is its agent's; the latest such."""
+        """The latest earlier reply whose text (exact, else stripped) and agent `message` matches."""
         if message.role not in ("assistant", "user") or not _needle(message):
             return None
         for key in (message.content, (message.content or "").strip()):
@@ -467,8 +423,7 @@ class ChatSegments:
         return None
 
     def _empty(self, index: int, part: str, message: Message) -> None:
-        """A message none of whose tokens start in it (merged into a token that starts before): a difference when
-        it had tokens in an earlier call."""
+        """A message with no token of its own (merged): a difference if it had tokens before."""
         renderings = self._by_message.setdefault((part, message), [])
         if renderings and all(known for _, known, _ in renderings):
             self._differ(message, renderings[0], index, [])
@@ -489,8 +444,8 @@ class ChatSegments:
         return [self._reuse(index, (part, message), ids, scope, record=reply is None)]
 
     def _reuse(self, index: int, key: tuple[str, Message], ids: list[int], scope: str, record: bool = True) -> str:
-        """The segment of message `key` (its part, its message) rendered as `ids`: an earlier one with the same ids,
-        else a new one (a new rendering of a known message is recorded as a difference, once, when `record`)."""
+        """The segment for `key` rendered as `ids`: an earlier one with those ids, else new (a difference, once, with
+        `record`)."""
         renderings = self._by_message.setdefault(key, [])
         for seg_id, known, _ in renderings:
             if known == ids:
@@ -525,8 +480,7 @@ class ChatSegments:
         content: tuple[int, int] | None,
         reply: Reply,
     ) -> None:
-        """Record `reply` read back by call `index` differently from its generated ids: other ids where its text
-        starts, or its ids after other template text than the generation prompt it was generated after."""
+        """Record `reply` read back differently by call `index` (other ids, or after another header)."""
         decode = self.format.tokenizer.decode
         if content is None:
             got, detail = [], "its text does not appear in the rendering"
@@ -567,8 +521,7 @@ class ChatSegments:
         self.differences.append(difference)
 
     def output(self, agent: str, ids: list[int], text: str, prompt_segment: str | None) -> tuple[str, Message]:
-        """Record the output of the call rendered last; returns its segment id and the assistant message later calls
-        read it as."""
+        """Record the last call's output: its segment id and the message later calls read."""
         seg_id = self._new("output", "shared", ids, text, producer=agent)
         index, generation = self._last
         segments = ([prompt_segment] if prompt_segment else []) + [seg_id]

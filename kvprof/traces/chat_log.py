@@ -4,29 +4,13 @@
      {"role": "assistant", "name": "plan", "content": "..."}, {"role": "tool", "content": "..."}],
      "output": "search[ Ada Lovelace]\\n", "trajectory": "task-7"}
 
-Messages are taken as frameworks write them: `content` text or null, `name` on any message (AutoGen/AG2 group chats
-log other agents' messages as user messages with a name), `tool_calls` on assistant messages and `tool_call_id` on
-tool results; an optional per-call `tools` list holds the function schemas the call was served with. The template
-gets them as logged (a missing `content` as null, as servers pass it), so a turn's input ids are exactly
-`apply_chat_template(messages, tools=tools, add_generation_prompt=True)` tokenized.
-
-`trajectory` (optional) groups calls into trajectories (default: one trajectory, "log"); calls keep their order. An
-optional `task` object (`question`, `answer`, `documents`) on any call of a trajectory lets online replay re-run it
-with kvprof's ReAct runner. The calls are rendered through the chat template (`kvprof.traces.chat`) into segments: a
-message rendered to the same ids in several calls is one segment, shared when several agents read it; a message whose
-ids differ between calls keeps each call's exact ids and is reported, and so is every reply the template reads back
-differently from the ids its agent generated (`ImportedLog.differences`, each with its log line). The output is its
-text tokenized on its own; an earlier output read back is the generation prompt and output segments that produced it
-when the tokens agree. The workflow's agents always come from the log; `--workflow` only supplies templates and
-limits for online re-runs.
-
-Mode: with adapters (`--agent NAME=DIR`) lora mode, every agent needs one; a trajectory whose agents have different
-system messages keeps each agent's system message private (its private prefix), otherwise it is shared. Without
-adapters prompt mode: every call starts with the agent's system message; the agent's role prompt is its most common
-system message (the first on a tie), and a call whose system message differs (per-task memory) keeps it as that
-trajectory's private prefix for the agent (its private text after the role prompt, when it extends the role prompt).
-A trajectory's prediction is the last answer a call gave (the workflow's `answer_pattern`: `answer[...]` or
-`finish[...]` by default).
+Messages as frameworks write them (`content` or null, `name`, `tool_calls`, `tool_call_id`; per-call `tools`) go to
+the template as logged, so input ids are exactly `apply_chat_template(messages, tools=tools,
+add_generation_prompt=True)`. `trajectory` groups calls (default "log"); an optional `task` (`question`, `answer`,
+`documents`) enables online re-runs. Segments, differences and the mode (lora with `--agent NAME=DIR`, else prompt;
+private prefixes) are as docs/commands/import-chat.md describes. The output is its text tokenized alone; agents come
+from the log (`--workflow` only supplies templates and limits); a trajectory's prediction is its last answer
+(`answer_pattern`: `answer[...]` or `finish[...]` by default).
 """
 
 from __future__ import annotations
@@ -61,9 +45,7 @@ class LoggedCall:
 
 @dataclass
 class ImportedLog:
-    """The trace, how its mode was decided (a sentence), and per trajectory the messages whose tokens differ between
-    calls and the replies read back differently from their generated ids (`kvprof.traces.chat.Difference`, with log
-    lines)."""
+    """The trace, its mode decision (a sentence), and per trajectory its `kvprof.traces.chat.Difference`s."""
 
     trace: Trace
     mode_reason: str
@@ -139,8 +121,7 @@ def _message(path: Path, number: int, index: int, entry: object) -> Message:
 
 
 def _tool_call_problem(call: object) -> str | None:
-    """What keeps an entry of an assistant message's `tool_calls` from being an OpenAI tool call
-    (`{"type": "function", "function": {"name", "arguments"}}`), or None."""
+    """Why a `tool_calls` entry is not `{"type": "function", "function": {"name", "arguments"}}`, or None."""
     if not isinstance(call, dict):
         return f"that is {type(call).__name__}, not an object"
     function = call.get("function")
@@ -287,9 +268,7 @@ def import_log(
     adapters: dict[str, str] | None = None,
     workflow: WorkflowSpec | None = None,
 ) -> ImportedLog:
-    """The trace of a chat log (see module docstring) rendered with `template`; `identity`: the tokenizer's
-    (`kvprof.model.agents.tokenizer_identity`); `workflow`: templates and limits for online re-runs (default
-    kvprof's)."""
+    """The trace of a chat log rendered with `template`; `identity`: `tokenizer_identity`; `workflow`: for re-runs."""
     path = Path(path)
     calls = read_log(path)
     names = list(dict.fromkeys(call.agent for call in calls))
@@ -322,8 +301,7 @@ def import_log(
 
 
 def trajectory_calls(traj: Trajectory) -> list[dict]:
-    """A trajectory of a chat-rendered trace back as log lines (messages read from its segments), e.g. to write a
-    sample log; the inverse of `import_log` for traces captured through a chat template."""
+    """A chat-rendered trajectory back as log lines: the inverse of `import_log`."""
     lines: list[dict] = []
     for turn in traj.turns:
         messages = []

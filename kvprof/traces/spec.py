@@ -20,13 +20,10 @@ Layout of one turn's input (each piece is its own segment, tokenized on its own)
     lora:   system | question | (cue, output, observation)* of earlier turns | cue of this turn
     prompt: role prompt of the acting agent (private) | question | ... | cue of this turn
 
-In lora mode all agents read the shared segments at identical positions ("matched prefix"); in prompt mode the
-shared segments sit after role prompts of different lengths, so at different positions per agent.
-
-With a `chat_template` (capture's `--chat-template`, the tokenizer's own by default when it has one) each call is
-chat messages instead — system (the role prompt in prompt mode), user (question), assistant (earlier outputs, named
-by agent; with `group_chat`, the other agents' outputs as user messages with their name), tool (observations) —
-rendered by the template, one segment per message (`kvprof.traces.chat`).
+Lora mode reads shared segments at identical positions; prompt mode after role prompts of different lengths. With a
+`chat_template` each call is chat messages instead — system (role prompt), user (question), assistant (earlier outputs
+by agent; `group_chat`: user messages with a name), tool (observations) — one segment per message
+(`kvprof.traces.chat`).
 """
 
 from __future__ import annotations
@@ -148,8 +145,7 @@ def setting_problem(key: str, value: object) -> str | None:
 
 
 def agent_problem(fields: object, keys: dict[str, JsonType] = AGENT_TYPES) -> str | None:
-    """Why an agent's fields (a TOML table, or a trace header's agent object with `keys` AGENT_TYPES and its name)
-    cannot be used, or None."""
+    """Why an agent's fields (TOML table or header object) cannot be used, or None."""
     if not isinstance(fields, dict):
         return "should be a table of adapter, prompt and max_new_tokens"
     for key, value in fields.items():
@@ -271,8 +267,7 @@ def build_spec(
 
 
 def check_react_roles(spec: WorkflowSpec, origin: str = "") -> None:
-    """The ReAct schedule knows the roles plan, act and reflect; `act` is required. `origin` begins refusals (the
-    workflow file the agents come from)."""
+    """Refuse roles other than plan, act, reflect, or a missing `act`; `origin` begins refusals."""
     unknown = [name for name in spec.names if name not in ROLES]
     if unknown:
         raise KvprofError(
@@ -286,8 +281,7 @@ def check_react_roles(spec: WorkflowSpec, origin: str = "") -> None:
 
 
 def adapter_invocation(path: str | Path) -> list[int] | None:
-    """The invocation ids of the adapter at `path` when it is an Activated LoRA (`alora_invocation_tokens` in its
-    adapter_config.json), else None (also when the file is missing: loading the adapter refuses it)."""
+    """The aLoRA invocation ids in `path`'s adapter_config.json, else None (also when missing)."""
     config_path = Path(path) / "adapter_config.json"
     if not config_path.is_file():
         return None

@@ -1,14 +1,8 @@
 """Stop strings: generation ends at the first token after which the generated text contains a stop string.
 
-transformers' own `StopStringCriteria` matches stop strings against a preprocessed vocabulary, which fails on
-tokenizers it cannot map back to text (a byte-level BPE without a decoder, a vocabulary without the stop string's
-characters). `StopStrings` instead decodes the generated tokens with the tokenizer, so it works with any tokenizer that
-decodes (`kvprof.model.agents.load_tokenizer` refuses one that does not) and agrees with the text a trace records for
-each output (`tokenizer.decode(tokens)`). Capture (transformers' `generate`) and replay (`Runtime.stops`, greedy
-decoding) both use it, and both end a reply at the same ids (`end_ids`): the tokenizer's and the model's
-end-of-sequence ids and, for calls rendered through a chat template, the token the template closes an assistant message
-with — where a server stops generating (vLLM stops at the ids of the model's generation config, which list it for chat
-models).
+`StopStrings` decodes the generated tokens (transformers' `StopStringCriteria` fails on tokenizers it cannot map back
+to text), so it agrees with the text a trace records. Capture and replay (`Runtime.stops`) both use it and end a reply
+at the same `end_ids`, where a server stops (vLLM: the generation config's ids).
 """
 
 from __future__ import annotations
@@ -25,12 +19,8 @@ PROBE = "kvprof-probe-reply"  # an assistant message's content, to find what a t
 
 
 class StopStrings(StoppingCriteria):
-    """Stops once the text of the tokens generated after the first `prompt_length` contains one of `stop`.
-
-    Checked after every new token, it stops at the token that completes the first stop string: where the decoded
-    text is the text transformers' `StopStringCriteria` reconstructs, the token that one stops at, except that a stop
-    string is only found in the generated text, never across the prompt's end.
-    """
+    """Stops at the token completing a stop string in the text generated after `prompt_length` (as
+    `StopStringCriteria` where its text agrees, but never across the prompt's end)."""
 
     def __init__(self, tokenizer, stop: Sequence[str], prompt_length: int = 0):
         self.tokenizer = tokenizer
@@ -49,9 +39,7 @@ class StopStrings(StoppingCriteria):
 
 
 def end_of_turn(tokenizer, template: str) -> int | None:
-    """The special token `template` closes an assistant message with (Llama 3's `<|eot_id|>`, Qwen's `<|im_end|>`,
-    Gemma's `<end_of_turn>`, Mistral's `</s>`): the first special id of what it renders after a reply's content.
-    None when it writes none there (kvprof's demo layout) or cannot render a user message and a reply."""
+    """The special token `template` closes an assistant message with (`<|eot_id|>`, `<|im_end|>`, …), or None."""
     try:
         text = ChatFormat(tokenizer, template).text([Message("user", "Hello."), Message("assistant", PROBE)])
     except jinja2.TemplateError:
@@ -64,8 +52,7 @@ def end_of_turn(tokenizer, template: str) -> int | None:
 
 
 def end_ids(tokenizer, generation_config, template: str | None) -> list[int]:
-    """The ids a reply ends at (see the module docstring): the tokenizer's EOS, the generation config's EOS ids and
-    the chat template's end-of-turn token, each once, in that order."""
+    """The ids a reply ends at: tokenizer EOS, generation-config EOS ids, the template's end of turn, once each."""
     ids = [tokenizer.eos_token_id]
     configured = getattr(generation_config, "eos_token_id", None)
     ids += configured if isinstance(configured, list) else [configured]

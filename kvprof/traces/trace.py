@@ -9,10 +9,9 @@ captured with); every following line is one trajectory::
      "segments": {"question": {"kind": "question", "scope": "shared", "tokens": [...], "text": "..."}, ...},
      "turns": [{"agent": "plan", "input": ["system", "question", "cue:plan:0"], "output": "out:plan:0"}, ...]}
 
-A trajectory stores each segment once; a turn lists the segment ids of its input, in order, and the id of the
-segment it produced. A segment's `scope` is `shared` (it can appear in several agents' inputs: the question,
-observations, earlier outputs) or `private` (one agent's own role prompt). Input segments are tokenized on their
-own, so `tokens == tokenizer.encode(text)`; output segments keep the generated ids, and `decode(tokens) == text`.
+Each segment is stored once; a turn lists its input segment ids and its output's. `scope`: `shared` (several
+agents may read it) or `private` (one agent's role prompt). Inputs: `tokens == tokenizer.encode(text)`; outputs keep
+the generated ids, `decode(tokens) == text`.
 """
 
 from __future__ import annotations
@@ -78,9 +77,7 @@ class Trajectory:
         return list(self.segments[turn.output].tokens)
 
     def private_prefixes(self) -> dict[str, list[int]]:
-        """Each agent's private prefix in this trajectory: the tokens of the private segments its first turn's input
-        starts with (its role prompt, and the task's private text when there is one); agents without private
-        segments (lora mode) are absent."""
+        """Each agent's private prefix: the private segments its first input starts with (absent in lora mode)."""
         prefixes: dict[str, list[int]] = {}
         for turn in self.turns:
             if turn.agent in prefixes:
@@ -95,10 +92,8 @@ class Trajectory:
         return prefixes
 
     def served_prefixes(self, defaults: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Each agent's private prefix as replay serves it (prompt mode): its `private_prefixes` entry, else its
-        entry of `defaults` (its role prompt); none for an agent whose calls do not all start with it (a template
-        that moves the system prompt, e.g. Mistral's into the last user message): its role prompt is then part of
-        its input, which leaves the other agents' context where it differs (`kvprof.replay.branches`)."""
+        """Private prefixes as replay serves them: `private_prefixes`, else `defaults`; none for an agent whose calls
+        do not all start with it (e.g. Mistral's template moves the system prompt): then it is part of its input."""
         prefixes = {**defaults, **self.private_prefixes()}
         for turn in self.turns:
             ids = prefixes.get(turn.agent)
@@ -190,10 +185,7 @@ def trajectory_record(traj: Trajectory) -> dict:
 
 
 class TraceWriter:
-    """Streams trajectories to a trace file atomically: the file appears, complete, only on `close()`.
-
-    Use as a context manager; if the block raises, nothing is written.
-    """
+    """Streams trajectories to a trace file atomically (complete on `close()`; nothing if the block raises)."""
 
     def __init__(self, path: str | os.PathLike, header: TraceHeader):
         self.path = Path(path)
@@ -215,10 +207,8 @@ class TraceWriter:
 
 
 class PartialTrace:
-    """The checkpoint of a capture in progress: a trace file that grows by one trajectory at a time, each line
-    flushed to disk when written, so an interrupted capture can resume from it (`read_partial_trace`). Unlike
-    `TraceWriter` the file is visible while it grows: it is a checkpoint, never the result. `append=True` continues
-    an existing checkpoint (its header already written)."""
+    """A capture's checkpoint: a trace file growing one flushed trajectory at a time, for resuming
+    (`read_partial_trace`); never the result. `append=True` continues one."""
 
     def __init__(self, path: str | os.PathLike, header: TraceHeader, append: bool = False):
         self.path = Path(path)
@@ -497,8 +487,7 @@ def _beside(folder: Path, path: str) -> str:
 
 
 def trace_header(trace_path) -> TraceHeader:
-    """The header of the trace at `trace_path`, with relative model and adapter paths resolved against the trace's
-    folder where they exist there (`kvprof.model.agents.load_agents_for_trace`)."""
+    """The trace's header, relative model and adapter paths resolved against its folder where they exist there."""
     header = read_header(trace_path)
     folder = Path(trace_path).parent
     if header.model.get("path"):
@@ -510,8 +499,7 @@ def trace_header(trace_path) -> TraceHeader:
 
 
 def check_tokenizer(header: TraceHeader, identity: dict, trace_path: str | os.PathLike, model_name: str) -> None:
-    """Refuse to use a trace with a tokenizer other than the one it was captured with, or whose header claims another
-    vocabulary than that tokenizer's (its token ids were checked against the header's)."""
+    """Refuse a tokenizer other than the trace's, or whose vocabulary differs from the header's."""
     if header.tokenizer.get("fingerprint") != identity["fingerprint"]:
         raise KvprofError(
             f"trace {trace_path} was captured with tokenizer {header.tokenizer.get('name')!r} "
