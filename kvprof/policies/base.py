@@ -38,6 +38,7 @@ from kvprof.policies.turns import (
     TurnResult,
     attended_kv,
     lora_context,
+    reuse_counts,
 )
 from kvprof.profiling import CudaPeak, clock
 from kvprof.traces.reuse import MovedSpan
@@ -326,16 +327,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
             transient_bytes=turn_cache + hidden + context.working_bytes,
             cuda_peak_bytes=meter.peak(),
             cuda_allocated_bytes=meter.allocated(),
-            recomputed=context.recomputed,
-            realigned=context.realigned,
-            corrected=context.corrected,
-            fallback=context.fallback,
-            from_others=context.from_others,
-            corrected_spans=context.corrected_spans,
-            moved=context.moved,
-            moved_spans=context.moved_spans,
-            extended=context.extended,
-            adapter_made=context.adapter_made,
+            **reuse_counts(context),
         )
 
     def _shared_input(self, request: TurnRequest) -> list[int]:

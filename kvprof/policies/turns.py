@@ -3,7 +3,7 @@ chunk computed over it, the prefill and decode steps' outputs and the turn's res
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 import torch
@@ -26,8 +26,39 @@ class TurnRequest:
     moved: tuple[MovedSpan, ...] = ()
 
 
+@dataclass(kw_only=True)
+class ReuseCounts:
+    """How a turn's context was made, which the turn's result reports as the context counted it.
+
+    recomputed: (token, layer) entries recomputed in `assemble` (`kvprof.policies.selective`; reused × layers: all);
+    realigned: reused tokens whose keys were re-rotated.
+    corrected / fallback: tokens of others' segments a delta gate accepted / refused (`kvprof.policies.delta`);
+    from_others: reused tokens from another agent's computation, when the policy counts them itself;
+    corrected_spans: (start, end, hop) per corrected segment, hop = 1 + earlier readers besides the producer.
+    extended / moved / moved_spans: tokens covered past the reused span (`extend_over_moved`), `moved` of them served
+    re-aligned (at `moved_spans`).
+    adapter_made: prefilled tokens an earlier aLoRA call computed with its adapter, recomputed with the base weights.
+    """
+
+    recomputed: int = 0
+    realigned: int = 0
+    corrected: int = 0
+    fallback: int = 0
+    from_others: int | None = None
+    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    extended: int = 0
+    moved: int = 0
+    moved_spans: list[tuple[int, int]] = field(default_factory=list)
+    adapter_made: int = 0
+
+
+def reuse_counts(context: ReuseCounts) -> dict:
+    """The `ReuseCounts` fields of `context`, to hand on to the turn's result."""
+    return {item.name: getattr(context, item.name) for item in fields(ReuseCounts)}
+
+
 @dataclass
-class Context:
+class Context(ReuseCounts):
     """The cache a policy hands the acting agent before its chunk (a policy carrying work to `commit` subclasses it).
 
     kv: per layer (K, V), each (B, H_kv, len(prefix) + reused, D); B is 1, or 2 double-batched.
@@ -37,13 +68,8 @@ class Context:
     lora_values: per layer (v_lr (1, reused − refreshed, r), B (H_kv, r, D)) when `kv` holds V_base only
     (Flash-LoRA-Attention adds (P·V_lr)·B); None when `kv` is complete.
     buffers: the `KVBuffer`s `kv` views, when the turn may append in place (past `kv`'s length: scratch); None: copied.
-    recomputed: (token, layer) entries recomputed in `assemble` (`kvprof.policies.selective`; reused × layers: all);
-    realigned: reused tokens whose keys were re-rotated.
-    corrected / fallback: tokens of others' segments a delta gate accepted / refused (`kvprof.policies.delta`);
-    from_others: reused tokens from another agent's computation, when the policy counts them itself;
-    corrected_spans: (start, end, hop) per corrected segment, hop = 1 + earlier readers besides the producer.
-    extended / moved / moved_spans / placeholders: tokens covered past the reused span (`extend_over_moved`): `moved`
-    served re-aligned (at `moved_spans`), the rest computed in `assemble` (`extra_prefill`) or left as `placeholders`.
+    placeholders: tokens past the reused span neither moved nor computed in `assemble` (`extra_prefill`).
+    The `ReuseCounts` say how the context was made.
     refreshed / rewrite: the last `refreshed` reused tokens go through the turn's forward with the chunk, their K/V
     replaced per layer by `rewrite` (`kvprof.model.buffers.Rewrite`; BaseShared's `lr_prefill=code`); `kv` covers the
     first reused − refreshed tokens.
@@ -58,19 +84,9 @@ class Context:
     working_bytes: int = 0
     lora_values: list[LoraValues | None] | None = None
     buffers: list[KVBuffer] | None = None
-    recomputed: int = 0
-    realigned: int = 0
-    corrected: int = 0
-    fallback: int = 0
-    from_others: int | None = None
-    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
     refreshed: int = 0
     rewrite: Rewrite | None = None
-    extended: int = 0
-    moved: int = 0
-    moved_spans: list[tuple[int, int]] = field(default_factory=list)
     placeholders: list[tuple[int, int]] = field(default_factory=list)
-    adapter_made: int = 0
 
     @property
     def covered(self) -> int:
@@ -99,7 +115,7 @@ class Chunk(Generic[ContextT]):
 
 
 @dataclass
-class TurnResult:
+class TurnResult(ReuseCounts):
     """One policy's account of one turn.
 
     logits: (n_out, vocab) fp32, row j predicting output j; input_kv: per layer (K, V) (H_kv, T_in, D) attended over the
@@ -108,7 +124,7 @@ class TurnResult:
     forwards; memory: bytes per stored structure after the turn, stored_before_bytes their sum before; transient_bytes:
     the turn's working set; cuda_peak_bytes: the allocator's peak above the turn's start plus stored bytes;
     cuda_allocated_bytes: `torch.cuda.max_memory_allocated` over the turn, everything included (both None off CUDA).
-    The rest are the `Context`'s.
+    The `ReuseCounts` are the `Context`'s.
     """
 
     agent: str
@@ -130,16 +146,6 @@ class TurnResult:
     transient_bytes: int = 0
     cuda_peak_bytes: int | None = None
     cuda_allocated_bytes: int | None = None
-    recomputed: int = 0
-    realigned: int = 0
-    corrected: int = 0
-    fallback: int = 0
-    from_others: int | None = None
-    corrected_spans: list[tuple[int, int, int]] = field(default_factory=list)
-    moved: int = 0
-    moved_spans: list[tuple[int, int]] = field(default_factory=list)
-    extended: int = 0
-    adapter_made: int = 0
 
 
 @dataclass
