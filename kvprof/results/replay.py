@@ -22,7 +22,9 @@ Deviations from the file as written:
 from __future__ import annotations
 
 import dataclasses
+from typing import overload
 
+from kvprof.errors import KvprofError
 from kvprof.results.base import (
     NUMBER,
     OPTIONAL,
@@ -171,3 +173,24 @@ class ReplayResult(ResultFile):
     trace_source: str | None = json_field(str, absent=True)
     skipped: dict[str, str] | None = json_field(dict, absent=True)
     self_check: dict[str, float] | None = json_field((dict, OPTIONAL))
+
+
+def replay_of(result: ReplayResult | dict) -> ReplayResult:
+    """`result` itself, or the replay in its JSON: a result file's, or the payload `kvprof replay` holds before it
+    writes the file (the command passes that to the report until it builds a `ReplayResult`)."""
+    return result if isinstance(result, ReplayResult) else ReplayResult.from_json(result, "the replay result")
+
+
+@overload
+def summary_of(label: str, run: DenseRun) -> DenseSummary: ...
+
+
+@overload
+def summary_of(label: str, run: PolicyRun) -> PolicySummary: ...
+
+
+def summary_of(label: str, run: DenseRun | PolicyRun) -> RunSummary:
+    """The summary of the run `label`, refused when the result lacks it (simulate's fixtures keep turns alone)."""
+    if run.summary is None:
+        raise KvprofError(f"the replay result has no summary of the {label} run; {FIX}.")
+    return run.summary
