@@ -16,10 +16,12 @@ from kvprof.fileio import JsonType, check_fields, read_result
 from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench, simulate
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
+from kvprof.results.base import ResultFile
 from kvprof.results.replay import ReplayResult
+from kvprof.results.tune_tau import TuneTauResult
 
 SectionBuilder = Callable[[Any], list[Section]]
-"""A result kind's sections from its JSON (a replay's from its `ReplayResult`)."""
+"""A result kind's sections from its JSON, or from its typed result (`TYPED`)."""
 
 BUILDERS: dict[str, SectionBuilder] = {
     "bench": bench.sections,
@@ -65,6 +67,8 @@ SHOWN_FIELDS: dict[str, dict[str, JsonType]] = {
     "simulate": {"runs": list, "settings": dict, "scale": dict, "cost_model": dict},
 }
 """The fields each result kind's sections read first; `result_sections` checks them before drawing."""
+TYPED: dict[str, type[ResultFile]] = {"replay": ReplayResult, "tune_tau": TuneTauResult}
+"""The result kinds whose sections draw from a typed result (`kvprof.results`), read from the JSON first."""
 DATA_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError)
 """What drawing sections from a result's JSON raises on a field deeper than `SHOWN_FIELDS` that is missing or has
 another type or value than kvprof writes."""
@@ -93,6 +97,8 @@ def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
     shown: object = result
     if kind == "replay":
         shown = read_replay(result, path, fix)
+    elif kind in TYPED:
+        shown = TYPED[kind].from_json(result, str(path), fix)
     try:
         sections = builder(shown)
     except DATA_ERRORS as err:
