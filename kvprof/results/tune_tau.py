@@ -7,8 +7,9 @@ run's part (`SweepDense`, its summary a `kvprof.results.replay.DenseSummary`). K
 
 Deviations from the file as written:
 
-- fields older files lack (`target`, the held-out trajectories, the dense run, the trace and pool) read as None
-  and are left out when written again; a missing `model` is written as null.
+- fields older files lack (`target`, the held-out trajectories, the dense run, the trace, model and pool) read as
+  None and are left out when written again; so are the trace, model and pool of the payload `tune` returns
+  (the command adds them).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class TuneTauResult(ResultFile):
     heldout_trajectories: list[str] | None = json_field(list, absent=True)
     dense: SweepDense | None = json_field(dict, read=record_reader(SweepDense), absent=True)
     trace: str | None = json_field(str, absent=True)
-    model: str | None = json_field((str, OPTIONAL))
+    model: str | None = json_field(str, absent=True)
     pool: str | None = json_field(str, absent=True)
 
 
