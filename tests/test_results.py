@@ -21,11 +21,20 @@ import kvprof.results
 from kvprof.cli import app
 from kvprof.errors import KvprofError
 from kvprof.results.base import ResultFile
+from kvprof.results.capture import CaptureResult
+from kvprof.results.inspect import InspectResult
+from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.replay import ReplayResult
 from kvprof.results.tune_tau import TuneTauResult
 
 DATA = Path(__file__).parent / "data"
-TYPES: dict[str, type[ResultFile]] = {"replay": ReplayResult, "tune_tau": TuneTauResult}
+TYPES: dict[str, type[ResultFile]] = {
+    "capture": CaptureResult,
+    "inspect": InspectResult,
+    "rank_analysis": RankAnalysisResult,
+    "replay": ReplayResult,
+    "tune_tau": TuneTauResult,
+}
 
 
 def kvprof_run(*args: object) -> None:
@@ -35,9 +44,15 @@ def kvprof_run(*args: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory, prompt_trace) -> dict[str, Path]:
+def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str, Path]:
     """Each typed kind's result file as its command wrote it."""
     out = tmp_path_factory.mktemp("results")
+    kvprof_run(
+        "capture", "--model", tiny_world.model, "--tasks", tiny_world.tasks, "--workflow", tiny_world.lora_workflow,
+        "--out", out / "capture", "--device", "cpu",
+    )  # fmt: skip
+    kvprof_run("inspect", lora_trace, "--out", out / "inspect")
+    kvprof_run("rank-analysis", lora_trace, "--out", out / "rank", "--device", "cpu")
     kvprof_run(
         "tune-tau", prompt_trace, "--grid", "0,0.5,1", "--tune", "2", "--option", "rank=4", "--max-kl", "1e-3",
         "--no-online", "--out", out / "tune", "--device", "cpu",
@@ -46,7 +61,13 @@ def written(tmp_path_factory, prompt_trace) -> dict[str, Path]:
         "replay", prompt_trace, "--policy", "nonshared", "--policy", "kvcmas", "--limit", "1", "--repeats", "1",
         "--out", out / "replay", "--device", "cpu",
     )  # fmt: skip
-    return {"replay": out / "replay" / "replay.json", "tune_tau": out / "tune" / "tune_tau.json"}
+    return {
+        "capture": out / "capture" / "capture.json",
+        "inspect": out / "inspect" / "inspect.json",
+        "rank_analysis": out / "rank" / "rank_analysis.json",
+        "replay": out / "replay" / "replay.json",
+        "tune_tau": out / "tune" / "tune_tau.json",
+    }
 
 
 @pytest.mark.parametrize("kind", sorted(TYPES))

@@ -17,6 +17,8 @@ from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
 from kvprof.results.base import ResultFile
+from kvprof.results.capture import CaptureResult
+from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.replay import ReplayResult
 from kvprof.results.tune_tau import TuneTauResult
 
@@ -67,7 +69,12 @@ SHOWN_FIELDS: dict[str, dict[str, JsonType]] = {
     "simulate": {"runs": list, "settings": dict, "scale": dict, "cost_model": dict},
 }
 """The fields each result kind's sections read first; `result_sections` checks them before drawing."""
-TYPED: dict[str, type[ResultFile]] = {"replay": ReplayResult, "tune_tau": TuneTauResult}
+TYPED: dict[str, type[ResultFile]] = {
+    "capture": CaptureResult,
+    "rank_analysis": RankAnalysisResult,
+    "replay": ReplayResult,
+    "tune_tau": TuneTauResult,
+}
 """The result kinds whose sections draw from a typed result (`kvprof.results`), read from the JSON first."""
 DATA_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError)
 """What drawing sections from a result's JSON raises on a field deeper than `SHOWN_FIELDS` that is missing or has
