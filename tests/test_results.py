@@ -19,13 +19,16 @@ from typer.testing import CliRunner
 
 import kvprof.results
 from kvprof.cli import app
+from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.results.base import ResultFile
 from kvprof.results.capture import CaptureResult
 from kvprof.results.inspect import InspectResult
 from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.replay import ReplayResult
+from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.results.tune_tau import TuneTauResult
+from kvprof.serving.stub_server import StubServer, trace_config
 
 DATA = Path(__file__).parent / "data"
 TYPES: dict[str, type[ResultFile]] = {
@@ -33,6 +36,7 @@ TYPES: dict[str, type[ResultFile]] = {
     "inspect": InspectResult,
     "rank_analysis": RankAnalysisResult,
     "replay": ReplayResult,
+    "serve_bench": ServeBenchResult,
     "tune_tau": TuneTauResult,
 }
 
@@ -52,6 +56,9 @@ def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str,
         "--out", out / "capture", "--device", "cpu",
     )  # fmt: skip
     kvprof_run("inspect", lora_trace, "--out", out / "inspect")
+    served = demo_world().sample_traces["lora_short"]
+    with StubServer(trace_config(str(served), base="base", adapters=["plan", "act", "reflect"])) as stub:
+        kvprof_run("serve-bench", served, "--url", stub.url, "--concurrency", "1", "--out", out / "serve_bench")
     kvprof_run("rank-analysis", lora_trace, "--out", out / "rank", "--device", "cpu")
     kvprof_run(
         "tune-tau", prompt_trace, "--grid", "0,0.5,1", "--tune", "2", "--option", "rank=4", "--max-kl", "1e-3",
@@ -66,6 +73,7 @@ def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str,
         "inspect": out / "inspect" / "inspect.json",
         "rank_analysis": out / "rank" / "rank_analysis.json",
         "replay": out / "replay" / "replay.json",
+        "serve_bench": out / "serve_bench" / "serve_bench.json",
         "tune_tau": out / "tune" / "tune_tau.json",
     }
 

@@ -20,6 +20,7 @@ from kvprof.results.base import ResultFile
 from kvprof.results.capture import CaptureResult
 from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.replay import ReplayResult
+from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.results.tune_tau import TuneTauResult
 
 SectionBuilder = Callable[[Any], list[Section]]
@@ -73,6 +74,7 @@ TYPED: dict[str, type[ResultFile]] = {
     "capture": CaptureResult,
     "rank_analysis": RankAnalysisResult,
     "replay": ReplayResult,
+    "serve_bench": ServeBenchResult,
     "tune_tau": TuneTauResult,
 }
 """The result kinds whose sections draw from a typed result (`kvprof.results`), read from the JSON first."""
