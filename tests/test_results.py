@@ -27,6 +27,7 @@ from kvprof.results.inspect import InspectResult
 from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.replay import ReplayResult
 from kvprof.results.serve_bench import ServeBenchResult
+from kvprof.results.simulate import SimulateResult
 from kvprof.results.tune_tau import TuneTauResult
 from kvprof.serving.stub_server import StubServer, trace_config
 
@@ -37,6 +38,7 @@ TYPES: dict[str, type[ResultFile]] = {
     "rank_analysis": RankAnalysisResult,
     "replay": ReplayResult,
     "serve_bench": ServeBenchResult,
+    "simulate": SimulateResult,
     "tune_tau": TuneTauResult,
 }
 
@@ -56,6 +58,11 @@ def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str,
         "--out", out / "capture", "--device", "cpu",
     )  # fmt: skip
     kvprof_run("inspect", lora_trace, "--out", out / "inspect")
+    simulated = DATA / "simulate"
+    kvprof_run(
+        "simulate", simulated / "replay.json", "--calibration", simulated / "serve_bench.json", "--qps", "1",
+        "--duration", "2", "--out", out / "simulate",
+    )  # fmt: skip
     served = demo_world().sample_traces["lora_short"]
     with StubServer(trace_config(str(served), base="base", adapters=["plan", "act", "reflect"])) as stub:
         kvprof_run("serve-bench", served, "--url", stub.url, "--concurrency", "1", "--out", out / "serve_bench")
@@ -74,6 +81,7 @@ def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str,
         "rank_analysis": out / "rank" / "rank_analysis.json",
         "replay": out / "replay" / "replay.json",
         "serve_bench": out / "serve_bench" / "serve_bench.json",
+        "simulate": out / "simulate" / "simulate.json",
         "tune_tau": out / "tune" / "tune_tau.json",
     }
 

@@ -21,6 +21,7 @@ from kvprof.results.capture import CaptureResult
 from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.replay import ReplayResult
 from kvprof.results.serve_bench import ServeBenchResult
+from kvprof.results.simulate import SimulateResult
 from kvprof.results.tune_tau import TuneTauResult
 
 SectionBuilder = Callable[[Any], list[Section]]
@@ -75,6 +76,7 @@ TYPED: dict[str, type[ResultFile]] = {
     "rank_analysis": RankAnalysisResult,
     "replay": ReplayResult,
     "serve_bench": ServeBenchResult,
+    "simulate": SimulateResult,
     "tune_tau": TuneTauResult,
 }
 """The result kinds whose sections draw from a typed result (`kvprof.results`), read from the JSON first."""
