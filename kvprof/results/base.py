@@ -8,7 +8,8 @@ is; `to_json` writes the fields in their declared order, which is the order the 
 `ResultFile` adds the envelope of `kvprof.commands.common.result_envelope` (schema, version, kvprof, created,
 environment, args): `read(path)` refuses a file that is not a result of its kind, or of a newer format, through
 `kvprof.fileio.read_result`. A result a command builds in memory, before it writes the file, has no envelope
-(`envelope` is None).
+(`envelope` is None). A file without a version (read as version 1, as `read_result` reads it) is written back
+with `"version": 1`.
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ Reader = Callable[[Any, str, str], Any]
 OPTIONAL = type(None)
 
 
-def json_field(kind: JsonType, *, read: Reader | None = None, absent: bool = False, default: Any = None) -> Any:
+def json_field(kind: JsonType, *, read: Reader | None = None, absent: bool = False) -> Any:
     """A field of a `Record`: `kind` is the JSON type it holds (a tuple with None: it may be null, or missing, and
-    is None then); `read` turns the
-    JSON value into the typed one (value, where, fix); `absent`: files older than this kvprof may lack it (then it
-    is `default`, and `to_json` leaves it out while it is None)."""
+    is None then); `read` turns the JSON value into the typed one (value, where, fix); `absent`: files older than
+    this kvprof may lack it (then it is None, and `to_json` leaves it out while it is None)."""
     metadata = {"kind": kind, "read": read, "absent": absent}
     if absent or (isinstance(kind, tuple) and OPTIONAL in kind):
-        return dataclasses.field(default=default, metadata=metadata)
+        return dataclasses.field(default=None, metadata=metadata)
     return dataclasses.field(metadata=metadata)
+
+
+def _json_fields(record: Record | type[Record]) -> list[dataclasses.Field]:
+    """The fields of a record declared with `json_field` (a result's `envelope` is not one)."""
+    return [f for f in dataclasses.fields(record) if "kind" in f.metadata]
 
 
 def _dump(value: Any) -> Any:
@@ -56,15 +61,15 @@ class Record:
     def from_json(cls: type[R], record: object, where: str, fix: str) -> R:
         """The record `record` (read at `where`, e.g. "runs/replay.json, policy 'x'"), refused with `fix` when a
         declared field is missing or of another type."""
-        fields = dataclasses.fields(cls)
+        fields = _json_fields(cls)
         kinds = {f.name: (f.metadata["kind"], OPTIONAL) if f.metadata["absent"] else f.metadata["kind"] for f in fields}
-        check_fields(record, kinds, where, fix)
+        checked = check_fields(record, kinds, where, fix)
         values = {}
         for f in fields:
-            if f.name not in record:
+            if f.name not in checked:
                 continue
             read = f.metadata["read"]
-            value = record[f.name]
+            value = checked[f.name]
             values[f.name] = read(value, f"{where}, {f.name}", fix) if read and value is not None else value
         return cls(**values)
 
@@ -72,7 +77,7 @@ class Record:
         """The record as kvprof writes it."""
         return {
             f.name: _dump(getattr(self, f.name))
-            for f in dataclasses.fields(self)
+            for f in _json_fields(self)
             if not (f.metadata["absent"] and getattr(self, f.name) is None)
         }
 
@@ -138,7 +143,7 @@ class ResultFile(Record):
 
     KIND: ClassVar[str]
     FIX: ClassVar[str]
-    envelope: Envelope | None = dataclasses.field(default=None, metadata={"kind": object, "read": None, "absent": True})
+    envelope: Envelope | None = None
 
     @classmethod
     def read(cls: type[F], path: str | os.PathLike) -> F:
@@ -151,22 +156,17 @@ class ResultFile(Record):
     def from_json(cls: type[F], record: object, where: str, fix: str | None = None) -> F:
         """The result in `record`: a result file's JSON (with its envelope) or a command's payload (without)."""
         fix = fix or cls.FIX
-        check_fields(record, {}, where, fix)
-        payload = {key: value for key, value in record.items() if key not in ENVELOPE_FIELDS}
+        checked = check_fields(record, {}, where, fix)
+        payload = {key: value for key, value in checked.items() if key not in ENVELOPE_FIELDS}
         result = super().from_json(payload, where, fix)
-        if "schema" in record:
-            result.envelope = Envelope.from_json(
-                {"version": RESULT_VERSION} | {key: record[key] for key in ENVELOPE_FIELDS if key in record},
-                where,
-                fix,
-            )
+        if "schema" in checked:
+            envelope = {key: checked[key] for key in ENVELOPE_FIELDS if key in checked}
+            result.envelope = Envelope.from_json({"version": RESULT_VERSION} | envelope, where, fix)
         return result
 
     def to_json(self) -> dict:
         """The result file's JSON: the envelope's fields, then the payload's (the payload alone without one)."""
-        payload = super().to_json()
-        payload.pop("envelope", None)
-        return (self.envelope.to_json() if self.envelope else {}) | payload
+        return (self.envelope.to_json() if self.envelope else {}) | super().to_json()
 
 
 __all__ = [
