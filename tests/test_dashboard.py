@@ -20,6 +20,7 @@ from kvprof.report.dashboard import dashboard_sections, write_dashboard
 from kvprof.report.html import render_html
 from kvprof.report.styles import DENSE, KNOWN, policy_style
 from kvprof.report.uncertainty import Interval, proportion, ratio_of_sums
+from kvprof.results.replay import ReplayResult
 from kvprof.traces.trace import read_trace
 
 
@@ -162,13 +163,14 @@ def test_browser_draws_every_figure_without_console_errors(replay_file, tmp_path
 def test_decision_without_online_accuracy_or_a_nonshared_rerun(replay_file):
     result = json.loads(replay_file.read_text())
     del result["online"], result["policies"][DENSE]
+    result = ReplayResult.from_json(result, str(replay_file))
     section = replay.decision_section(result)
     assert section.card[0].startswith("Target: the fastest TTFT (this replay ran without --online")
     reference = decision.outcomes(result)[0]
     assert reference.label == DENSE and reference.ttft == Interval(1.0, 1.0, 1.0, reference.ttft.n)
     pareto, bars, _ = section.figures
-    assert len(pareto.data) == len(result["policies"]) + 1  # the KL panel only, one marker per label
-    assert {trace.legendgroup for trace in bars.data} == set(result["policies"]) | {DENSE}
+    assert len(pareto.data) == len(result.policies) + 1  # the KL panel only, one marker per label
+    assert {trace.legendgroup for trace in bars.data} == set(result.policies) | {DENSE}
 
 
 def test_browser_on_the_report_named_in_kvprof_report(tmp_path):

@@ -383,10 +383,17 @@ def results(world, tmp_path_factory) -> dict[str, bytes]:
     folder = tmp_path_factory.mktemp("results")
     simulate(DATA / "simulate" / "replay.json", folder)
 
+    real = json.loads((DATA / "results" / "replay.json").read_bytes())
+
     def made_up(trajectories, variants, sweep) -> dict:
+        """A replay's payload: tests/data/results/replay.json's dense run (12 tokens prefilled) and one of its
+        policies per variant, their summaries' numbers made up."""
+        policy = real["policies"]["fullshared"]
         summaries = {
-            variant.label: {
-                "summary": {
+            variant.label: policy
+            | {
+                "summary": policy["summary"]
+                | {
                     "delta_reuse": k / len(variants),
                     "kl": 0.1 * (1 - k / len(variants)) ** 2,
                     "top1": 0.9,
@@ -402,7 +409,8 @@ def results(world, tmp_path_factory) -> dict[str, bytes]:
             }
             for k, variant in enumerate(variants)
         }
-        return {"dense": {"summary": {"prefilled": 12}}, "policies": summaries}
+        dense = real["dense"] | {"summary": real["dense"]["summary"] | {"prefilled": 12}}
+        return {"dense": dense, "policies": summaries}
 
     trajectories = read_trace(world.sample_traces["prompt_short"]).trajectories
     swept = tune(made_up, trajectories[:2], trajectories[2:], "kvcmas", {"rank": "4"}, GRID, Target(max_kl=0.05), False)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvprof.results.serve_bench import ServeBenchResult, ServeLoad, ServeRun, ServeSummary
 from kvprof.serving.traffic import Load
 from kvprof.simulate.cost import Observation, StepCost, fit, serve_bench_observations
 from kvprof.simulate.engine import EngineConfig, Traffic, simulate
@@ -231,20 +232,20 @@ def test_serve_bench_requests_become_the_steps_they_spanned():
         "cached_tokens": 20,
         "output_tokens": 5,
     }
-    ttft, decode = serve_bench_observations({"requests": [lone]})
+    ttft, decode = serve_bench_observations([lone])
     assert (ttft.seconds, ttft.steps, ttft.prefill, ttft.decode, ttft.kv_read) == (pytest.approx(0.1), 1, 100, 0, 120)
     assert (decode.seconds, decode.steps, decode.decode) == (pytest.approx(0.4), 4, 4)
     assert decode.kv_read == 4 * 120 + 10
     # a second request sent while the first decodes: its TTFT spans the first's decode steps until its prefill
     second = lone | {"due": 0.2, "ttft": 0.15, "e2e": 0.4, "prompt_tokens": 60, "cached_tokens": 0, "output_tokens": 3}
-    observations = serve_bench_observations({"requests": [lone, second]})
+    observations = serve_bench_observations([lone, second])
     spanned = observations[2]
     assert spanned.kind == "ttft" and spanned.prefill == 60
     assert spanned.decode == pytest.approx(4 * 0.15 / 0.4) and spanned.steps == pytest.approx(4 * 0.15 / 0.4)
     # a stream whose tokens after the first came in one burst gives one observation, send to last token
     burst = lone | {"due": 1.0, "ttft": 0.45, "e2e": 0.4501}
     paced = [lone | {"due": 2.0 + k} for k in range(3)]
-    observations = serve_bench_observations({"requests": [burst, *paced]})
+    observations = serve_bench_observations([burst, *paced])
     assert observations[0].kind == "ttft" and observations[1].kind == "ttft"
     assert (observations[0].seconds, observations[0].steps, observations[0].decode) == (pytest.approx(0.4501), 5, 4)
 
@@ -361,7 +362,7 @@ def test_a_file_that_is_no_replay_is_refused(tmp_path, run_cli):
     assert code == 2 and "is not a kvprof replay result" in err and len(err.strip().splitlines()) == 1
 
 
-def _serve_bench(loads: tuple[int, ...]) -> dict:
+def _serve_bench(loads: tuple[int, ...]) -> ServeBenchResult:
     """A serve-bench result with one run per pattern and load, each of 8 requests sent one after another."""
     runs = []
     for pattern in ("agents", "base"):
@@ -374,9 +375,9 @@ def _serve_bench(loads: tuple[int, ...]) -> dict:
                 }
                 for i in range(8)
             ]  # fmt: skip
-            summary = {"pattern": pattern, "load": {"kind": "concurrency", "value": load}}
-            runs.append({"summary": summary, "requests": requests})
-    return {"schema": "kvprof.result.serve_bench", "runs": runs}
+            summary = ServeSummary(pattern=pattern, load=ServeLoad(kind="concurrency", value=load), overall={})
+            runs.append(ServeRun(summary=summary, requests=requests))
+    return ServeBenchResult(server={}, runs=runs)
 
 
 def test_fit_load_fits_one_load_and_refuses_a_missing_one():
@@ -386,7 +387,7 @@ def test_fit_load_fits_one_load_and_refuses_a_missing_one():
     data = _serve_bench((1, 2))
     one = serve_bench_cost(data, "sb.json", fit_load=2)
     assert "at load 2" in one.source and one.fit["observations"] < serve_bench_cost(data, "sb.json").fit["observations"]
-    assert [fitted_run(run, 2) for run in data["runs"]] == [False, True, False, True]
+    assert [fitted_run(run, 2) for run in data.runs] == [False, True, False, True]
     with pytest.raises(KvprofError, match="has no run at load 3"):
         serve_bench_cost(data, "sb.json", fit_load=3)
 
@@ -423,14 +424,14 @@ def test_token_arrival_times_give_the_engines_single_steps():
 
     first = sent_at(0.0, 10, [0.010, 0.015, 0.020, 0.025])
     second = sent_at(0.012, 20, [0.008, 0.013])
-    steps = [o for o in serve_bench_observations({"requests": [first, second]}) if o.kind == "decode"]
+    steps = [o for o in serve_bench_observations([first, second]) if o.kind == "decode"]
     assert [(o.seconds, o.prefill, o.decode) for o in steps] == [
         (pytest.approx(0.005), 0, 1),
         (pytest.approx(0.005), 20, 1),
         (pytest.approx(0.005), 0, 2),
     ]
     burst = first | {"token_times": [0.010, 0.015, 0.01501, 0.025]}  # its third token 10 µs after the second
-    steps = [o for o in serve_bench_observations({"requests": [burst, second]}) if o.kind == "decode"]
+    steps = [o for o in serve_bench_observations([burst, second]) if o.kind == "decode"]
     assert [o.decode for o in steps] == [1, 2]  # the step with the burst token and the one after it are left out
 
 
@@ -441,10 +442,15 @@ def test_an_engines_prefix_cache_reuses_whole_blocks():
     (rounded,) = at_block_granularity((TrajectoryWork("t", (reused,)),), 128)[0].requests
     assert rounded.prefill_tokens == 44 and rounded.prefill_weight == pytest.approx(1.0)
     assert at_block_granularity((TrajectoryWork("t", (reused,)),), 1)[0].requests[0] is reused
-    runs = [{"requests": [{"cached_tokens": 256}, {"cached_tokens": 0}, {"cached_tokens": 384}]}]
-    assert cached_block({"runs": runs}) == 128 and cached_block({"runs": [{"requests": [{}]}]}) is None
-    one_prefix = [{"requests": [{"cached_tokens": 2048}, {"cached_tokens": 2048}]}]  # every hit the same prefix
-    assert cached_block({"runs": one_prefix}) is None
+    assert cached_block(served([{"cached_tokens": 256}, {"cached_tokens": 0}, {"cached_tokens": 384}])) == 128
+    assert cached_block(served([{}])) is None
+    assert cached_block(served([{"cached_tokens": 2048}, {"cached_tokens": 2048}])) is None  # every hit one prefix
+
+
+def served(requests: list[dict]) -> ServeBenchResult:
+    """A serve-bench result of one run holding `requests`."""
+    summary = ServeSummary(pattern="agents", load=ServeLoad(kind="concurrency", value=1), overall={})
+    return ServeBenchResult(server={}, runs=[ServeRun(summary=summary, requests=requests)])
 
 
 def test_serving_claims_get_a_verdict_at_their_setting_or_say_why_not():

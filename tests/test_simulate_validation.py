@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvprof.simulate.cost import serve_bench_cost
+from kvprof.results.serve_bench import ServeBenchResult
+from kvprof.simulate.cost import read_serve_bench, serve_bench_cost
 from kvprof.simulate.sweep import GIB, Settings, cached_block, serve_bench_errors
 from kvprof.simulate.workload import load_replay
 
@@ -24,8 +25,8 @@ VALIDATED = (2, 3, 4)  # trajectories in flight
 
 
 @pytest.fixture(scope="module")
-def bench() -> dict:
-    return json.loads((DATA / "serve_bench.json").read_text(encoding="utf-8"))
+def bench() -> ServeBenchResult:
+    return read_serve_bench(DATA / "serve_bench.json")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvprof.capture.workflow import Sampling, SearchTool, exact_match, model_responder, run_react
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet, tokenizer_identity
+from kvprof.results.capture import CaptureSummary
 from kvprof.traces.spec import WorkflowSpec, build_spec, check_react_roles
 from kvprof.traces.tasks import Task
 from kvprof.traces.trace import (
@@ -122,7 +123,8 @@ def capture_trajectories(
 
 
 def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
-    """Trajectories, calls, tokens (distinct, shared), exact-match accuracy, `elapsed` s, per-agent turns."""
+    """Trajectories, calls, tokens (distinct, shared), exact-match accuracy, `elapsed` s, per-agent turns: a
+    `kvprof.results.capture.CaptureSummary`'s JSON."""
     with_answer = [t for t in trajectories if t.answer is not None]
     correct = sum(exact_match(t.prediction, t.answer) for t in with_answer)
     per_agent: dict[str, dict] = defaultdict(lambda: {"turns": 0, "input_tokens": 0, "output_tokens": 0})
@@ -136,13 +138,13 @@ def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
             stats["turns"] += 1
             stats["input_tokens"] += len(traj.input_tokens(turn))
             stats["output_tokens"] += len(traj.segments[turn.output])
-    return {
-        "trajectories": len(trajectories),
-        "turns": sum(s["turns"] for s in per_agent.values()),
-        "distinct_tokens": total_tokens,
-        "shared_tokens": shared_tokens,
-        "with_answer": len(with_answer),
-        "accuracy": correct / len(with_answer) if with_answer else None,
-        "seconds": round(elapsed, 3),
-        "agents": dict(per_agent),
-    }
+    return CaptureSummary(
+        trajectories=len(trajectories),
+        turns=sum(s["turns"] for s in per_agent.values()),
+        distinct_tokens=total_tokens,
+        shared_tokens=shared_tokens,
+        with_answer=len(with_answer),
+        accuracy=correct / len(with_answer) if with_answer else None,
+        seconds=round(elapsed, 3),
+        agents=dict(per_agent),
+    ).to_json()

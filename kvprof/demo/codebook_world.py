@@ -43,6 +43,7 @@ from kvprof.fileio import write_json
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import DENSE, ReplayHooks, run_replay
+from kvprof.results.replay import replay_of, summary_of
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import Trace, read_trace, write_trace
 from kvprof.ui import progress
@@ -163,9 +164,11 @@ def evaluate(
             online=True,
             hooks=ReplayHooks(on_task=lambda label, task: bar.advance(job)),
         )
-    rows = {"nonshared": {**result["dense"]["summary"], **result["online"][DENSE]}}
-    for label, entry in result["policies"].items():
-        rows[label] = {**entry["summary"], **result["online"][label]}
+    replay = replay_of(result)
+    online = replay.online or {}
+    rows = {"nonshared": summary_of(DENSE, replay.dense).to_json() | online[DENSE]}
+    for label, run in replay.policies.items():
+        rows[label] = summary_of(label, run).to_json() | online[label]
     return {label: {key: row.get(key) for key in KEPT} for label, row in rows.items()}
 
 

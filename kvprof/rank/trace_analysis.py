@@ -18,6 +18,7 @@ from kvprof.model.layers import layer_list
 from kvprof.model.lora import decoder_layers
 from kvprof.rank.analysis import analyze_trace, select_agents
 from kvprof.rank.kv_capture import resolve_layers
+from kvprof.results.rank_analysis import RankAnalysisResult, RankClaim
 from kvprof.traces.trace import Trace, Trajectory, read_trace
 
 
@@ -69,7 +70,8 @@ def run_rank_analysis(
     per_head: bool = False,
     on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> dict:
-    """The rank-analysis record of `setup`: trace, model, seconds and `kvprof.rank.analysis.RankAnalysis.to_dict()`.
+    """The rank-analysis record of `setup`: trace, model, seconds and `kvprof.rank.analysis.RankAnalysis.to_dict()`,
+    built as a `kvprof.results.rank_analysis.RankAnalysisResult` and returned as its JSON.
 
     max_tokens: at most this many first tokens per agent; per_head: one (tokens, D) matrix per KV head instead of
     one flattened (tokens, H_kv·D) matrix per layer; `on_trajectory` is called after each trajectory.
@@ -84,10 +86,11 @@ def run_rank_analysis(
         per_head=per_head,
         on_trajectory=on_trajectory,
     )
-    return {
-        "trace": str(setup.trace_path),
-        "model": setup.agents.model_name,
-        "layer_kinds": [kind.to_json() for kind in setup.agents.layer_kinds],
-        "seconds": round(time.perf_counter() - started, 3),
-        **result.to_dict(),
-    }
+    analysis = result.to_dict()
+    return RankAnalysisResult(
+        trace=str(setup.trace_path),
+        model=setup.agents.model_name,
+        layer_kinds=[kind.to_json() for kind in setup.agents.layer_kinds],
+        seconds=round(time.perf_counter() - started, 3),
+        **analysis | {"claims": [RankClaim(**claim) for claim in analysis["claims"]]},
+    ).to_json()

@@ -40,6 +40,7 @@ from kvprof.replay.metrics import (
     reused_from_others,
     top1_agreement,
 )
+from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory
@@ -588,16 +589,22 @@ def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memo
     """The teacher-forced part of a replay's result from its per-turn records (label → records, the dense run's
     under `DENSE`) and each policy's `policy_entry` (in the order the result lists them): every summary is
     recomputed from the records, each policy's against the dense run's; `memory_exact` adds whether each policy's
-    analytic memory matched its live tensors."""
-    dense_summary = summarise(records[DENSE]) | {"timeline": timeline_summary(records[DENSE])}
-    policies: dict[str, dict] = {}
+    analytic memory matched its live tensors. The runs are built as `kvprof.results.replay` records (a summary field
+    they do not declare fails here) and returned as their JSON."""
+    dense_summary = summarise(records[DENSE])
+    dense = DenseRun(
+        summary=DenseSummary(**dense_summary, timeline=timeline_summary(records[DENSE])), turns=records[DENSE]
+    )
+    policies: dict[str, PolicyRun] = {}
     for label, entry in entries.items():
         summary = summarise(records[label])
-        summary.update(relative_to_dense(summary, dense_summary))
-        policies[label] = entry | {"summary": summary, "turns": records[label]}
-        if memory_exact is not None:
-            policies[label]["memory_accounting_exact"] = memory_exact[label]
-    return {"dense": {"summary": dense_summary, "turns": records[DENSE]}, "policies": policies}
+        policies[label] = PolicyRun(
+            **entry,
+            summary=PolicySummary(**summary, **relative_to_dense(summary, dense_summary)),
+            turns=records[label],
+            memory_accounting_exact=None if memory_exact is None else memory_exact[label],
+        )
+    return {"dense": dense.to_json(), "policies": {label: run.to_json() for label, run in policies.items()}}
 
 
 def timeline_summary(dense_turns: list[dict]) -> dict:

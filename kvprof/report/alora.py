@@ -6,17 +6,18 @@ each against its own dense run."""
 from __future__ import annotations
 
 from kvprof.report.tables import TableData, cell
+from kvprof.results.replay import ReplayResult, replay_of, summary_of
 
 LORA_FAMILIES = ("baseline", "LRAgent", "PReCache")
 
 
-def comparison_rows(lora: dict, alora: dict) -> list[dict]:
+def comparison_rows(lora: ReplayResult | dict, alora: ReplayResult | dict) -> list[dict]:
     """One row per (agents, policy): online accuracy, KL and K error against that replay's dense run, TTFT speed-up
     (measured and FLOP-implied) and the KV memory in blocks relative to the dense run. `lora`, `alora`: replay
     results (`replay.json`) of the plain LoRA agents and of their aLoRA twins, on the same tasks."""
     rows = []
-    for agents, record in (("LoRA", lora), ("aLoRA", alora)):
-        online = record.get("online", {})
+    for agents, record in (("LoRA", replay_of(lora)), ("aLoRA", replay_of(alora))):
+        online = record.online or {}
         dense = {
             "agents": agents,
             "policy": "dense (reference)",
@@ -26,24 +27,24 @@ def comparison_rows(lora: dict, alora: dict) -> list[dict]:
             "ttft_speedup": 1.0,
             "flops_speedup": 1.0,
             "kv_memory": 1.0,
-            "prefilled": record["dense"]["summary"]["prefilled"],
+            "prefilled": summary_of("dense", record.dense).prefilled,
         }
         rows.append(dense)
-        for label, entry in record["policies"].items():
-            if agents == "LoRA" and entry["family"] not in LORA_FAMILIES:
+        for label, run in record.policies.items():
+            if agents == "LoRA" and run.family not in LORA_FAMILIES:
                 continue
-            summary = entry["summary"]
+            summary = summary_of(label, run)
             rows.append(
                 {
                     "agents": agents,
                     "policy": label,
                     "accuracy": online.get(label, {}).get("accuracy"),
-                    "kl": summary["kl"],
-                    "k_error": summary["k_error"],
-                    "ttft_speedup": summary.get("ttft_speedup"),
-                    "flops_speedup": summary.get("ttft_speedup_implied_flops"),
-                    "kv_memory": summary.get("kv_block_ratio"),
-                    "prefilled": summary["prefilled"],
+                    "kl": summary.kl,
+                    "k_error": summary.k_error,
+                    "ttft_speedup": summary.ttft_speedup,
+                    "flops_speedup": summary.ttft_speedup_implied_flops,
+                    "kv_memory": summary.kv_block_ratio,
+                    "prefilled": summary.prefilled,
                 }
             )
     return rows

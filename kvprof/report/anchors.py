@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
+from kvprof.results.tune_tau import SweepRow, TuneTauResult, tune_tau_of
 
 
 def _bytes(count: int | None) -> str:
@@ -64,87 +65,86 @@ def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
-def _row_cells(row: dict) -> list[str]:
-    accuracy = "—" if row["accuracy"] is None else f"{100 * row['accuracy']:.0f} % ({row['accuracy_drop']:+.0f})"
+def _row_cells(row: SweepRow) -> list[str]:
+    accuracy = "—" if row.accuracy is None else f"{100 * row.accuracy:.0f} % ({row.accuracy_drop:+.0f})"
     return [
-        f"{row['rho']:.2f}",
-        f"{row['kl']:.2e}",
-        f"{row['top1']:.3f}",
-        f"{row['k_error']:.3f} / {row['v_error']:.3f}",
+        f"{row.rho:.2f}",
+        f"{row.kl:.2e}",
+        f"{row.top1:.3f}",
+        f"{row.k_error:.3f} / {row.v_error:.3f}",
         accuracy,
-        _ratio(row["ttft_speedup"]),
-        _ratio(row["latency_speedup"]),
-        _ratio(row["memory_ratio"]),
+        _ratio(row.ttft_speedup),
+        _ratio(row.latency_speedup),
+        _ratio(row.memory_ratio),
     ]
 
 
 COLUMNS = ["ρ", "KL", "top-1", "K / V err", "accuracy (drop, pts)", "TTFT ×", "latency ×", "memory ×"]
 
 
-def sweep_table(result: dict) -> TableData:
+def sweep_table(result: TuneTauResult | dict) -> TableData:
     """One row per swept threshold on the tuning trajectories; the recommended one marked."""
-    key = result["threshold_option"]
-    best = result["recommended"]
+    result = tune_tau_of(result)
+    key = result.threshold_option
+    best = result.recommended
     table = TableData(
-        f"{result['policy']}: {key} swept on {len(result['tuning_trajectories'])} tuning trajectories "
-        f"(target: {result['target']})",
+        f"{result.policy}: {key} swept on {len(result.tuning_trajectories)} tuning trajectories "
+        f"(target: {result.target})",
         [key, *COLUMNS, ""],
         caption="ρ: of other agents' segment tokens the gate decided on, the share served corrected; KL per output "
         "token against the dense run (teacher-forced); accuracy: exact match when the workflow is re-run under the "
         "policy, drop in points below the dense re-run; speed-ups and memory measured against the dense run in the "
         "same replay. ★ recommended, ✓ meets the target.",
     )
-    for row in result["rows"]:
-        mark = "★" if best is not None and row["threshold"] == best["threshold"] else ""
-        mark += "✓" if row["target_met"] else ""
-        table.add_row(f"{row['threshold']:g}", *_row_cells(row), mark)
+    for row in result.rows:
+        mark = "★" if best is not None and row.threshold == best.threshold else ""
+        mark += "✓" if row.target_met else ""
+        table.add_row(f"{row.threshold:g}", *_row_cells(row), mark)
     return table
 
 
-def verification_lines(result: dict) -> list[str]:
+def verification_lines(result: TuneTauResult | dict) -> list[str]:
     """The recommendation and how it fared on the held-out trajectories, as sentences."""
-    best = result["recommended"]
-    key = result["threshold_option"]
+    result = tune_tau_of(result)
+    best = result.recommended
+    key = result.threshold_option
     if best is None:
-        return [f"no {key} in the sweep meets the target ({result['target']}); loosen the target or widen --grid."]
-    lines = [
-        f"recommended {key} = {best['threshold']:g}: ρ {best['rho']:.2f}, KL {best['kl']:.2e} on the tuning "
-        "trajectories."
-    ]
-    held = result["heldout"]
+        return [f"no {key} in the sweep meets the target ({result.target}); loosen the target or widen --grid."]
+    lines = [f"recommended {key} = {best.threshold:g}: ρ {best.rho:.2f}, KL {best.kl:.2e} on the tuning trajectories."]
+    held = result.heldout
     if held is None:
         lines.append("no held-out trajectories to verify it on (--tune covers the whole trace).")
     else:
-        verdict = "meets" if held["target_met"] else "MISSES"
+        verdict = "meets" if held.target_met else "MISSES"
         lines.append(
-            f"held-out ({len(result['heldout_trajectories'])} trajectories): ρ {held['rho']:.2f}, KL {held['kl']:.2e}"
+            f"held-out ({len(result.heldout_trajectories)} trajectories): ρ {held.rho:.2f}, KL {held.kl:.2e}"
             + (
-                f", accuracy {100 * held['accuracy']:.0f} % (drop {held['accuracy_drop']:+.0f} pts)"
-                if held["accuracy"] is not None
+                f", accuracy {100 * held.accuracy:.0f} % (drop {held.accuracy_drop:+.0f} pts)"
+                if held.accuracy is not None
                 else ""
             )
-            + f" — {verdict} the target ({result['target']})."
+            + f" — {verdict} the target ({result.target})."
         )
     return lines
 
 
-def pareto_figure(result: dict):
+def pareto_figure(result: TuneTauResult):
     """ρ against KL (log) and, with online re-runs, against the accuracy drop; the front and the recommendation."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    rows = result["rows"]
-    online = any(row["accuracy"] is not None for row in rows)
+    rows = result.rows
+    online = any(row.accuracy is not None for row in rows)
     titles = ["KL(dense ‖ policy) vs reuse ρ"] + (["accuracy drop (points) vs reuse ρ"] if online else [])
     figure = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, horizontal_spacing=0.12)
-    key = result["threshold_option"]
-    labels = [f"{key}={row['threshold']:g}" for row in rows]
-    floor = min((row["kl"] for row in rows if row["kl"] > 0), default=1e-12) / 10
-    front = [row for row in rows if row["threshold"] in result["pareto"]]
+    key = result.threshold_option
+    labels = [f"{key}={row.threshold:g}" for row in rows]
+    floor = min((row.kl for row in rows if row.kl > 0), default=1e-12) / 10
+    front = [row for row in rows if row.threshold in result.pareto]
     figure.add_trace(
         go.Scatter(
-            x=[row["rho"] for row in rows],
-            y=[max(row["kl"], floor) for row in rows],
+            x=[row.rho for row in rows],
+            y=[max(row.kl, floor) for row in rows],
             mode="markers+text",
             text=labels,
             textposition="top center",
@@ -156,8 +156,8 @@ def pareto_figure(result: dict):
     )
     figure.add_trace(
         go.Scatter(
-            x=[row["rho"] for row in front],
-            y=[max(row["kl"], floor) for row in front],
+            x=[row.rho for row in front],
+            y=[max(row.kl, floor) for row in front],
             mode="lines",
             name="Pareto front",
             line={"color": "#0072B2", "dash": "dot"},
@@ -165,14 +165,14 @@ def pareto_figure(result: dict):
         row=1,
         col=1,
     )
-    best = result["recommended"]
+    best = result.recommended
     if best is not None:
         figure.add_trace(
             go.Scatter(
-                x=[best["rho"]],
-                y=[max(best["kl"], floor)],
+                x=[best.rho],
+                y=[max(best.kl, floor)],
                 mode="markers",
-                name=f"recommended {key}={best['threshold']:g}",
+                name=f"recommended {key}={best.threshold:g}",
                 marker={"size": 16, "symbol": "star", "color": "#D55E00"},
             ),
             row=1,
@@ -183,8 +183,8 @@ def pareto_figure(result: dict):
     if online:
         figure.add_trace(
             go.Scatter(
-                x=[row["rho"] for row in rows],
-                y=[row["accuracy_drop"] for row in rows],
+                x=[row.rho for row in rows],
+                y=[row.accuracy_drop for row in rows],
                 mode="markers+text",
                 text=labels,
                 textposition="top center",
@@ -196,8 +196,8 @@ def pareto_figure(result: dict):
         )
         figure.update_yaxes(title_text="accuracy drop (points)", row=1, col=2)
         figure.update_xaxes(title_text="ρ", row=1, col=2)
-    count = len(result["tuning_trajectories"])
-    figure.update_layout(height=460, title=f"{result['policy']}: {key} sweep (n = {count} tuning trajectories)")
+    count = len(result.tuning_trajectories)
+    figure.update_layout(height=460, title=f"{result.policy}: {key} sweep (n = {count} tuning trajectories)")
     return figure
 
 
@@ -237,11 +237,12 @@ def fit_sections(report: dict) -> list[Section]:
     ]
 
 
-def tune_sections(result: dict) -> list[Section]:
+def tune_sections(result: TuneTauResult | dict) -> list[Section]:
     """Dashboard sections of a tune-tau result: the recommendation first."""
+    result = tune_tau_of(result)
     return [
         Section(
-            f"{result['policy']}: {result['threshold_option']} sweep",
+            f"{result.policy}: {result.threshold_option} sweep",
             card=verification_lines(result),
             tables=[sweep_table(result)],
             figures=[pareto_figure(result)],

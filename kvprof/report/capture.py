@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
+from kvprof.results.capture import CaptureResult, CaptureSummary, capture_summary_of
 
 
-def agent_table(summary: dict, title: str) -> TableData:
+def agent_table(summary: CaptureSummary, title: str) -> TableData:
     """One row per agent of a capture summary: its turns and mean input and output tokens per turn."""
     table = TableData(title=title, columns=["agent", "turns", "mean input tokens", "mean output tokens"])
-    for name, stats in summary["agents"].items():
+    for name, stats in summary.agents.items():
         table.add_row(
             name,
             stats["turns"],
@@ -19,25 +20,26 @@ def agent_table(summary: dict, title: str) -> TableData:
     return table
 
 
-def trace_table(summary: dict) -> TableData:
+def trace_table(summary: CaptureSummary | dict) -> TableData:
     """The terminal table of a capture: the agent table, titled with the size of the trace."""
+    summary = capture_summary_of(summary)
     return agent_table(
         summary,
-        f"trace: {summary['trajectories']} trajectories, {summary['distinct_tokens']} "
-        f"distinct tokens ({summary['shared_tokens']} in segments read by several agents)",
+        f"trace: {summary.trajectories} trajectories, {summary.distinct_tokens} "
+        f"distinct tokens ({summary.shared_tokens} in segments read by several agents)",
     )
 
 
-def sections(result: dict) -> list[Section]:
-    summary = result["summary"]
-    accuracy = summary.get("accuracy")
+def sections(result: CaptureResult) -> list[Section]:
+    summary = result.summary
+    accuracy = summary.accuracy
     text = [
-        f"{summary['trajectories']} trajectories, {summary['turns']} agent calls, {summary['distinct_tokens']} "
-        f"distinct tokens ({summary['shared_tokens']} in segments read by several agents); trace "
-        f"{result['trace']}."
+        f"{summary.trajectories} trajectories, {summary.turns} agent calls, {summary.distinct_tokens} "
+        f"distinct tokens ({summary.shared_tokens} in segments read by several agents); trace "
+        f"{result.trace}."
     ]
     if accuracy is not None:
-        text.append(f"exact-match accuracy {accuracy:.1%} on {summary['with_answer']} tasks.")
+        text.append(f"exact-match accuracy {accuracy:.1%} on {summary.with_answer} tasks.")
     return [
         Section(title="Captured trajectories", text=text, tables=[agent_table(summary, "agent calls")], order="inputs")
     ]

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import JsonType, check_fields, read_result
 from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench, simulate
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
+from kvprof.results.base import ResultFile
+from kvprof.results.capture import CaptureResult
+from kvprof.results.rank_analysis import RankAnalysisResult
+from kvprof.results.replay import ReplayResult
+from kvprof.results.serve_bench import ServeBenchResult
+from kvprof.results.simulate import SimulateResult
+from kvprof.results.tune_tau import TuneTauResult
 
-SectionBuilder = Callable[[dict], list[Section]]
+SectionBuilder = Callable[[Any], list[Section]]
+"""A result kind's sections from its JSON, or from its typed result (`TYPED`)."""
 
 BUILDERS: dict[str, SectionBuilder] = {
     "bench": bench.sections,
@@ -62,7 +71,15 @@ SHOWN_FIELDS: dict[str, dict[str, JsonType]] = {
     "simulate": {"runs": list, "settings": dict, "scale": dict, "cost_model": dict},
 }
 """The fields each result kind's sections read first; `result_sections` checks them before drawing."""
-RUN_FIELDS: dict[str, JsonType] = {"summary": dict, "turns": list}  # the dense run and each policy of a replay
+TYPED: dict[str, type[ResultFile]] = {
+    "capture": CaptureResult,
+    "rank_analysis": RankAnalysisResult,
+    "replay": ReplayResult,
+    "serve_bench": ServeBenchResult,
+    "simulate": SimulateResult,
+    "tune_tau": TuneTauResult,
+}
+"""The result kinds whose sections draw from a typed result (`kvprof.results`), read from the JSON first."""
 DATA_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError)
 """What drawing sections from a result's JSON raises on a field deeper than `SHOWN_FIELDS` that is missing or has
 another type or value than kvprof writes."""
@@ -88,12 +105,13 @@ def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
         )
     fix = f"pass the {kind}.json a kvprof {kind.replace('_', '-')} run wrote, unchanged"
     check_fields(result, SHOWN_FIELDS[kind], str(path), fix)
+    shown: object = result
     if kind == "replay":
-        check_fields(result["dense"], RUN_FIELDS, f"{path}, dense run", fix)
-        for label, entry in result["policies"].items():
-            check_fields(entry, RUN_FIELDS, f"{path}, policy {label!r}", fix)
+        shown = read_replay(result, path, fix)
+    elif kind in TYPED:
+        shown = TYPED[kind].from_json(result, str(path), fix)
     try:
-        sections = builder(result)
+        sections = builder(shown)
     except DATA_ERRORS as err:
         raise KvprofError(
             f"{path} is a {kind} result with a field kvprof cannot read ({type(err).__name__}: {err}); {fix}."
@@ -101,6 +119,16 @@ def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
     for section in sections:
         section.title = f"{section.title} — {path}"
     return sections
+
+
+def read_replay(result: dict, path: Path, fix: str) -> ReplayResult:
+    """A replay result's JSON as a `ReplayResult`, refused naming `path` when a run lacks its summary."""
+    replay = ReplayResult.from_json(result, str(path), fix)
+    runs = {"dense run": replay.dense} | {f"policy {label!r}": run for label, run in replay.policies.items()}
+    for name, run in runs.items():
+        if run.summary is None:
+            raise KvprofError(f"{path}, {name} has no field 'summary'; {fix}.")
+    return replay
 
 
 def _device(result: dict) -> str:

@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 from kvprof.report.figures import Reference, add_references, base_layout, box_figure
 from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.uncertainty import Interval, bootstrap, proportion, ratio_of_sums
+from kvprof.results.replay import ReplayResult, summary_of
 
 TOLERANCE = 0.01  # the target: within one accuracy point of NonShared
 KL_TIE = 0.10  # KLs within 10 % of the lowest count as tied
@@ -45,8 +46,11 @@ def _by_task(turns: list[dict]) -> dict[str, list[dict]]:
     return tasks
 
 
-def _outcome(label: str, turns: list[dict], dense: list[dict], summary: dict, kl: float, accuracy) -> Outcome:
-    """The outcome of one run's per-turn records `turns` against the dense run's `dense`."""
+def _outcome(
+    label: str, turns: list[dict], dense: list[dict], memory: float | None, kl: float, accuracy: Interval | None
+) -> Outcome:
+    """The outcome of one run's per-turn records `turns` against the dense run's `dense`; `memory`: its peak
+    stored bytes ÷ the dense run's."""
     mine, reference = _by_task(turns), _by_task(dense)
     tasks = [task for task in reference if task in mine]
 
@@ -60,7 +64,6 @@ def _outcome(label: str, turns: list[dict], dense: list[dict], summary: dict, kl
         max(t["memory_bytes"] for t in mine[x]) / max(max(t["memory_bytes"] for t in reference[x]), 1) for x in tasks
     ]
     tpot = bootstrap(decode, lambda sums: 1e3 * sums[..., 0] / sums[..., 1]) if decode[:, 1].sum() > 0 else None
-    memory = summary.get("memory_ratio", 1.0)
     return Outcome(
         label=label,
         accuracy=accuracy,
@@ -72,24 +75,24 @@ def _outcome(label: str, turns: list[dict], dense: list[dict], summary: dict, kl
     )
 
 
-def outcomes(result: dict) -> list[Outcome]:
+def outcomes(result: ReplayResult) -> list[Outcome]:
     """NonShared first, then every policy of the replay result in its order."""
-    online = result.get("online") or {}
+    online = result.online or {}
 
     def accuracy(label: str) -> Interval | None:
         entry = online.get(label)
         return proportion(entry["correct"], entry["tasks"]) if entry and entry["tasks"] else None
 
-    dense = result["dense"]
-    policies = result["policies"]
+    dense = result.dense.turns
+    policies = {label: (run.turns, summary_of(label, run)) for label, run in result.policies.items()}
     if DENSE in policies:
-        reference = policies[DENSE]
-        first = _outcome(DENSE, reference["turns"], dense["turns"], reference["summary"], 0.0, accuracy(DENSE))
+        turns, summary = policies[DENSE]
+        first = _outcome(DENSE, turns, dense, summary.memory_ratio, 0.0, accuracy(DENSE))
     else:
-        first = _outcome(DENSE, dense["turns"], dense["turns"], {}, 0.0, accuracy(DENSE_ONLINE))
+        first = _outcome(DENSE, dense, dense, 1.0, 0.0, accuracy(DENSE_ONLINE))
     rest = [
-        _outcome(label, entry["turns"], dense["turns"], entry["summary"], entry["summary"]["kl"], accuracy(label))
-        for label, entry in policies.items()
+        _outcome(label, turns, dense, summary.memory_ratio, summary.kl, accuracy(label))
+        for label, (turns, summary) in policies.items()
         if label != DENSE
     ]
     return [first, *rest]
@@ -370,16 +373,14 @@ def bars_figure(items: Sequence[Outcome]) -> go.Figure:
     return figure
 
 
-def ttft_box_figure(result: dict) -> go.Figure:
+def ttft_box_figure(result: ReplayResult) -> go.Figure:
     """Per-turn TTFT (median of repeats) of the dense run (as nonshared) and every policy, by acting agent."""
-    runs = {DENSE: result["dense"]["turns"]} | {
-        label: entry["turns"] for label, entry in result["policies"].items() if label != DENSE
-    }
+    runs = {DENSE: result.dense.turns} | {label: run.turns for label, run in result.policies.items() if label != DENSE}
     groups = {label: ([t["agent"] for t in turns], [1e3 * t["ttft_s"] for t in turns]) for label, turns in runs.items()}
-    turns = len(result["dense"]["turns"])
+    turns = len(result.dense.turns)
     return box_figure(
         groups,
-        f"TTFT per turn by acting agent ({turns} turns per policy; median of {result.get('repeats', 1)} repeats each)",
+        f"TTFT per turn by acting agent ({turns} turns per policy; median of {result.repeats or 1} repeats each)",
         "TTFT ms (log)",
         log_y=True,
         style=policy_style,

@@ -10,6 +10,7 @@ from kvprof.report.figures import Reference, StyleOf, cycle_style, heatmap_figur
 from kvprof.report.html import Section, write_html
 from kvprof.report.styles import PolicyStyle
 from kvprof.report.tables import TableData
+from kvprof.results.rank_analysis import RankAnalysisResult, rank_analysis_of
 
 KV_NAMES = ("K", "V")
 VERDICTS = {True: "holds", False: "does not hold", None: "n/a"}
@@ -22,18 +23,19 @@ def _rank(means: dict[str, float], name: str) -> str:
     return f"{means[f'{name}_rank']:.1f} ({means[f'{name}_energy90']:.0f}/{means[f'{name}_energy99']:.0f})"
 
 
-def layer_tables(result: dict) -> list[TableData]:
+def layer_tables(result: RankAnalysisResult | dict) -> list[TableData]:
     """Per-layer means over (trajectory, agent pair) spans: ranks, then norms and cross-agent similarities.
 
     lora mode adds the base part X·W0 and the adapter output; prompt mode has neither, and adds a third table: the
     deltas against the context-free reference (results written before kvprof measured them have no such table).
     """
-    lora = result["mode"] == "lora"
-    spans = f"means over {len(result['pairs'])} (trajectory, agent pair) spans"
+    result = rank_analysis_of(result)
+    lora = result.mode == "lora"
+    spans = f"means over {len(result.pairs)} (trajectory, agent pair) spans"
     ranks = TableData(
-        title=f"effective rank per layer, {result['mode']} mode ({spans})",
+        title=f"effective rank per layer, {result.mode} mode ({spans})",
         columns=["layer", "C", *(["base X·W0", "adapter"] if lora else []), "Δ_j←i"],
-        caption=f"entropy effective rank (energy rank 90 %/99 %); matrices {result['matrix']}",
+        caption=f"entropy effective rank (energy rank 90 %/99 %); matrices {result.matrix}",
     )
     similarity = TableData(
         title=f"norms and cross-agent similarity per layer ({spans})",
@@ -47,7 +49,7 @@ def layer_tables(result: dict) -> list[TableData]:
         caption="cos = mean token cosine between the two agents' states (source keys re-aligned "
         "to the target's positions)",
     )
-    for entry in result["layer_means"]:
+    for entry in result.layer_means:
         for kv in KV_NAMES:
             means, label = entry[kv], f"{entry['layer']} {kv}"
             if lora:
@@ -65,12 +67,12 @@ def layer_tables(result: dict) -> list[TableData]:
             else:
                 ranks.add_row(label, _rank(means, "cache"), _rank(means, "delta"))
                 similarity.add_row(label, f"{means['delta_relative']:.3f}", f"{means['cache_cosine']:.4f}")
-    context_free = result.get("context_free")
+    context_free = result.context_free
     return [ranks, similarity, *([context_free_table(context_free)] if context_free else [])]
 
 
 def context_free_table(context_free: dict) -> TableData:
-    """Per-layer means of the prompt-mode deltas against the context-free reference (`result["context_free"]`)."""
+    """Per-layer means of the prompt-mode deltas against the context-free reference (`result.context_free`)."""
     table = TableData(
         title="delta against the context-free reference per layer, prompt mode (means over "
         f"{len(context_free['segments'])} (trajectory, agent, segment) records)",
@@ -93,21 +95,21 @@ def context_free_table(context_free: dict) -> TableData:
     return table
 
 
-def verdict_lines(result: dict) -> list[str]:
+def verdict_lines(result: RankAnalysisResult | dict) -> list[str]:
     """One line per published claim: paper, claim, verdict, measured value and detail."""
+    result = rank_analysis_of(result)
     return [
-        f"{c['paper']}: {c['statement']} — {VERDICTS[c['holds']]} (measured {c['measured']}; {c['detail']})"
-        for c in result["claims"]
+        f"{c.paper}: {c.statement} — {VERDICTS[c.holds]} (measured {c.measured}; {c.detail})" for c in result.claims
     ]
 
 
-def _layer_grid(result: dict, metric: str, kv: str) -> tuple[list[str], list[list[float | None]]]:
+def _layer_grid(result: RankAnalysisResult, metric: str, kv: str) -> tuple[list[str], list[list[float | None]]]:
     """Agent pairs × layers: the mean of `metric` over the trajectories of each (unordered) pair; a layer a pair was
     not measured at stays None. Returns the row labels and the grid."""
-    layers = [entry["layer"] for entry in result["layer_means"]]
+    layers = [entry["layer"] for entry in result.layer_means]
     sums: dict[tuple[str, str], dict[int, list[float]]] = {}
-    order = {agent: i for i, agent in enumerate(result["agents"])}
-    for pair in result["pairs"]:
+    order = {agent: i for i, agent in enumerate(result.agents)}
+    for pair in result.pairs:
         key = tuple(sorted((pair["source"], pair["target"]), key=lambda agent: order.get(agent, len(order))))
         for entry in pair["layers"]:
             sums.setdefault(key, {}).setdefault(entry["layer"], []).append(entry[kv][metric])  # type: ignore[arg-type]
@@ -152,15 +154,15 @@ def spectrum_style(layers: list[int]) -> StyleOf:
     return style
 
 
-def figures(result: dict) -> tuple[list, list, list]:
+def figures(result: RankAnalysisResult) -> tuple[list, list, list]:
     """Per-layer curves (rank, norms, cosines, with the claims' thresholds), cumulative spectra, and agent-pair ×
     layer heatmaps of the cosines."""
-    layers = [entry["layer"] for entry in result["layer_means"]]
-    present = result["layer_means"][0]["K"]
-    context_free = result.get("context_free")
+    layers = [entry["layer"] for entry in result.layer_means]
+    present = result.layer_means[0]["K"]
+    context_free = result.context_free
 
     def per_layer(metric: str, kv: str) -> list[float]:
-        return [entry[kv][metric] for entry in result["layer_means"]]
+        return [entry[kv][metric] for entry in result.layer_means]
 
     reference_ranks = (
         {
@@ -225,7 +227,7 @@ def figures(result: dict) -> tuple[list, list, list]:
     for kv in KV_NAMES:
         series = {
             f"layer {entry['layer']} {QUANTITIES[name]}": list(accumulate(entry[kv][name]))
-            for entry in result["spectra"]
+            for entry in result.spectra
             for name in ("cache", "delta")
         }
         if context_free:
@@ -242,7 +244,7 @@ def figures(result: dict) -> tuple[list, list, list]:
             + (f"<br><sup>zero, not drawn: {', '.join(zero)}</sup>" if zero else ""),
             "singular directions k (log)",
             "fraction of Σσ²",
-            style=spectrum_style([entry["layer"] for entry in result["spectra"]]),
+            style=spectrum_style([entry["layer"] for entry in result.spectra]),
             markers=False,
             references=[
                 Reference(0.9, "90 %"),
@@ -253,7 +255,7 @@ def figures(result: dict) -> tuple[list, list, list]:
         )
         spectra.append(figure)
     heatmaps = []
-    for metric in ["base_cosine", "adapter_cosine"] if result["mode"] == "lora" else ["cache_cosine"]:
+    for metric in ["base_cosine", "adapter_cosine"] if result.mode == "lora" else ["cache_cosine"]:
         for kv in KV_NAMES:
             rows, grid = _layer_grid(result, metric, kv)
             heatmaps.append(
@@ -268,29 +270,30 @@ def figures(result: dict) -> tuple[list, list, list]:
     return curves, spectra, heatmaps
 
 
-def sections(result: dict) -> list[Section]:
+def sections(result: RankAnalysisResult | dict) -> list[Section]:
     """Dashboard sections: verdicts and tables, per-layer rank, norm and cosine curves, spectra, agent-pair ×
     layer heatmaps."""
+    result = rank_analysis_of(result)
     verdicts = TableData(
         title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
     )
-    for claim in result["claims"]:
+    for claim in result.claims:
         verdicts.add_row(
-            claim["paper"],
-            claim["statement"],
-            VERDICTS[claim["holds"]],
-            claim["measured"],
-            claim["detail"],
-            claim.get("quantity", ""),
+            claim.paper,
+            claim.statement,
+            VERDICTS[claim.holds],
+            claim.measured,
+            claim.detail,
+            claim.quantity or "",
         )
-    layers = [entry["layer"] for entry in result["layer_means"]]
+    layers = [entry["layer"] for entry in result.layer_means]
     curves, spectra, heatmaps = figures(result)
     return [
         Section(
             "Cache rank and cross-agent similarity",
             text=[
-                f"Agents {', '.join(result['agents'])}; layers {', '.join(map(str, layers))}; "
-                f"{result['mode']} mode; matrices {result['matrix']}."
+                f"Agents {', '.join(result.agents)}; layers {', '.join(map(str, layers))}; "
+                f"{result.mode} mode; matrices {result.matrix}."
             ],
             tables=[verdicts, *layer_tables(result)],
         ),
@@ -312,13 +315,14 @@ def sections(result: dict) -> list[Section]:
     ]
 
 
-def write_report(path: Path, result: dict) -> Path:
+def write_report(path: Path, result: RankAnalysisResult | dict) -> Path:
     """The HTML page of a rank-analysis result at `path`: its sections, under a line naming trace, model, mode,
     spans and matrices."""
+    result = rank_analysis_of(result)
     return write_html(
         path,
         "kvprof rank-analysis",
         sections(result),
-        subtitle=f"{result['trace']} · model {result['model']} · {result['mode']} mode · "
-        f"{len(result['pairs'])} (trajectory, pair) spans · matrices {result['matrix']}",
+        subtitle=f"{result.trace} · model {result.model} · {result.mode} mode · "
+        f"{len(result.pairs)} (trajectory, pair) spans · matrices {result.matrix}",
     )

@@ -8,53 +8,60 @@ from kvprof.report.html import Section
 from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.tables import TableData, cell
 from kvprof.report.uncertainty import LEVEL, RESAMPLES
+from kvprof.results.replay import PolicySummary, ReplayResult, RunSummary, replay_of, summary_of
 
 
 def _mib(value: float) -> str:
     return f"{value / 2**20:.2f}"
 
 
-def _device(result: dict) -> str:
+def _device(result: ReplayResult) -> str:
     """The device a replay ran on; for the CPU its name and matrix extensions (they decide which dtype is fast)."""
-    device = result.get("device", "")
-    cpu = result.get("cpu")
+    device = result.device or ""
+    cpu = result.cpu
     if device != "cpu" or not cpu:
         return device
     return f"cpu ({cpu['name']}; {', '.join(cpu['matrix_flags']) or 'no AVX2'})"
 
 
-def _rows(result: dict) -> list[tuple[str, dict, dict, dict | None]]:
-    """(label, summary, ratios to dense, online result) for the dense run and each policy."""
-    online = result.get("online") or {}
-    dense = result["dense"]["summary"]
-    unit = dict.fromkeys(
-        (
-            "ttft_speedup",
-            "tpot_speedup",
-            "prefill_speedup_implied",
-            "ttft_speedup_implied_flops",
-            "harness_efficiency",
-            "latency_speedup",
-            "memory_ratio",
-            "working_memory_ratio",
-        ),
-        1.0,
-    )
-    rows = [("dense (NonShared)", dense, unit, online.get("dense"))]
-    rows += [
-        (label, entry["summary"], entry["summary"], online.get(label)) for label, entry in result["policies"].items()
+DENSE_RATIOS = dict.fromkeys(
+    (
+        "ttft_speedup",
+        "tpot_speedup",
+        "prefill_speedup_implied",
+        "ttft_speedup_implied_flops",
+        "harness_efficiency",
+        "latency_speedup",
+        "memory_ratio",
+        "working_memory_ratio",
+    ),
+    1.0,
+)
+"""The dense run's ratios to itself that the tables show (the others are '–')."""
+
+
+def _ratio(summary: RunSummary, name: str) -> float | None:
+    """A run's ratio `name` to the dense run (`PolicySummary`); the dense run's own is `DENSE_RATIOS`'."""
+    return getattr(summary, name) if isinstance(summary, PolicySummary) else DENSE_RATIOS.get(name)
+
+
+def _rows(result: ReplayResult) -> list[tuple[str, RunSummary, dict | None]]:
+    """(label, summary, online result) for the dense run and each policy."""
+    online = result.online or {}
+    rows: list[tuple[str, RunSummary, dict | None]] = [
+        ("dense (NonShared)", summary_of(DENSE, result.dense), online.get("dense"))
     ]
+    rows += [(label, summary_of(label, run), online.get(label)) for label, run in result.policies.items()]
     return rows
 
 
-def dense_check(result: dict) -> str:
+def dense_check(result: ReplayResult | dict) -> str:
     """How much of the trace's outputs the dense run reproduces (greedy argmax, teacher-forced): the oracle's own
     check. A trace captured from this model must give 100 %; less means other weights, dtype or library versions."""
-    agreement = result["dense"]["summary"].get("trace_agreement")
-    if agreement is None:
-        return ""
+    result = replay_of(result)
+    agreement = summary_of(DENSE, result.dense).trace_agreement
     text = f"dense run reproduces {agreement:.1%} of the trace's output tokens"
-    source = result.get("trace_source", "capture")
+    source = result.trace_source or "capture"
     if source != "capture":
         return text + f" (source {source!r}: its outputs may come from another model; 100 % says this one wrote them)"
     if agreement < 1.0:
@@ -67,10 +74,10 @@ def dense_check(result: dict) -> str:
     return text
 
 
-def timeline_note(result: dict) -> str:
+def timeline_note(result: ReplayResult | dict) -> str:
     """How the replayed turns followed the shared context (`kvprof.replay.branches`), when any left it: how many, why,
     how many returned to an earlier turn's state, and what that cost; empty when every turn extended it."""
-    timeline = result["dense"]["summary"].get("timeline")
+    timeline = summary_of(DENSE, replay_of(result).dense).timeline
     moved = timeline.get("moved_tokens", 0) if timeline else 0
     if not timeline or not (timeline["left"] or timeline["restored"] or moved):
         return ""
@@ -85,13 +92,14 @@ def timeline_note(result: dict) -> str:
     )
 
 
-def fidelity_table(result: dict) -> TableData:
+def fidelity_table(result: ReplayResult | dict) -> TableData:
     """Policy × cache error and output fidelity (and online accuracy when measured)."""
-    online = bool(result.get("online"))
+    result = replay_of(result)
+    online = bool(result.online)
     columns = ["policy", "K err", "V err", "KL", "top-1", "1st tok"] + (["accuracy", "diverged"] if online else [])
     check = dense_check(result)
     table = TableData(
-        title=f"fidelity: {result['dense']['summary']['turns']} turns of {result.get('trace', 'the trace')}, "
+        title=f"fidelity: {summary_of(DENSE, result.dense).turns} turns of {result.trace or 'the trace'}, "
         "teacher-forced, against the dense (NonShared) run",
         columns=columns,
         caption="K/V err: relative Frobenius error on the reused span, mean over layers and turns; KL(dense‖policy) "
@@ -105,14 +113,14 @@ def fidelity_table(result: dict) -> TableData:
         + "."
         + (f" {check[0].upper()}{check[1:]}." if check else ""),
     )
-    for label, summary, _, accuracy in _rows(result):
+    for label, summary, accuracy in _rows(result):
         cells = [
             label,
-            cell(summary["k_error"], ".3g"),
-            cell(summary["v_error"], ".3g"),
-            cell(summary["kl"], ".3g"),
-            cell(summary["top1"], ".3f"),
-            cell(summary["first_token_match"], ".2f"),
+            cell(summary.k_error, ".3g"),
+            cell(summary.v_error, ".3g"),
+            cell(summary.kl, ".3g"),
+            cell(summary.top1, ".3f"),
+            cell(summary.first_token_match, ".2f"),
         ]
         if online:
             cells += [
@@ -123,8 +131,9 @@ def fidelity_table(result: dict) -> TableData:
     return table
 
 
-def reuse_table(result: dict) -> TableData:
+def reuse_table(result: ReplayResult | dict) -> TableData:
     """Policy × reuse ratios and tokens prefilled."""
+    result = replay_of(result)
     table = TableData(
         title="reuse: tokens served from stored caches instead of prefilled",
         columns=[
@@ -146,7 +155,7 @@ def reuse_table(result: dict) -> TableData:
         "layer) entries ÷ layers); implied × = dense ÷ policy tokens prefilled; FLOP × = dense ÷ policy analytic "
         "FLOPs of the TTFT phase (every batch row counted): the TTFT speed-up the work allows.",
     )
-    timeline = result["dense"]["summary"].get("timeline") or {}
+    timeline = summary_of(DENSE, result.dense).timeline or {}
     moved = bool(timeline.get("moved_tokens"))
     if moved:
         table.columns[5:5] = ["moved re-aligned", "moved recomputed"]
@@ -155,34 +164,34 @@ def reuse_table(result: dict) -> TableData:
             "positions) served from their K/V re-aligned (and corrected, by the delta policies) / recomputed (a "
             "policy that does not move spans, or a delta gate's refusal)."
         )
-    for label, summary, ratios, _ in _rows(result):
-        split = [str(summary.get("moved", 0)), str(summary.get("moved_recomputed", 0))] if moved else []
+    for label, summary, _ in _rows(result):
+        split = [str(summary.moved or 0), str(summary.moved_recomputed or 0)] if moved else []
         table.add_row(
             label,
-            cell(summary["reuse_per_token"], ".2f"),
-            cell(summary["reuse_per_call"], ".2f"),
-            cell(summary["reuse_per_call_excl_source"], ".2f"),
-            cell(summary.get("adapter_free_per_token"), ".2f"),
+            cell(summary.reuse_per_token, ".2f"),
+            cell(summary.reuse_per_call, ".2f"),
+            cell(summary.reuse_per_call_excl_source, ".2f"),
+            cell(summary.adapter_free_per_token, ".2f"),
             *split,
-            cell(summary.get("recompute_ratio"), ".2f"),
-            str(summary["prefilled"]),
-            cell(ratios["prefill_speedup_implied"], ".2f"),
-            cell(ratios.get("ttft_speedup_implied_flops"), ".2f"),
+            cell(summary.recompute_ratio, ".2f"),
+            str(summary.prefilled),
+            cell(_ratio(summary, "prefill_speedup_implied"), ".2f"),
+            cell(_ratio(summary, "ttft_speedup_implied_flops"), ".2f"),
         )
     return table
 
 
-def delta_table(result: dict) -> TableData | None:
+def delta_table(result: ReplayResult | dict) -> TableData | None:
     """The delta-correction policies' gate and accumulated error: ρ (the share of other agents' segment tokens the
     gate served corrected) and the corrected segments' K/V error by hop; None when no policy has a gate."""
     rows = [
-        (label, entry["summary"])
-        for label, entry in result["policies"].items()
-        if entry["summary"].get("delta_reuse") is not None
+        (label, summary)
+        for label, summary, _ in _rows(replay_of(result))
+        if isinstance(summary, PolicySummary) and summary.delta_reuse is not None
     ]
     if not rows:
         return None
-    hops = sorted({int(hop) for _, summary in rows for hop in summary["error_by_hop"]})
+    hops = sorted({int(hop) for _, summary in rows for hop in summary.error_by_hop})
     table = TableData(
         title="delta correction: the gate's reuse and the corrected segments' error by hop",
         columns=["policy", "ρ (gate)", *[f"hop {hop} K / V err (n)" for hop in hops]],
@@ -194,22 +203,23 @@ def delta_table(result: dict) -> TableData | None:
     for label, summary in rows:
         cells = []
         for hop in hops:
-            entry = summary["error_by_hop"].get(str(hop))
+            entry = summary.error_by_hop.get(str(hop))
             cells.append(
                 "—" if entry is None else f"{entry['k_error']:.4f} / {entry['v_error']:.4f} ({entry['segments']})"
             )
-        table.add_row(label, cell(summary["delta_reuse"], ".2f"), *cells)
+        table.add_row(label, cell(summary.delta_reuse, ".2f"), *cells)
     return table
 
 
-def cost_table(result: dict) -> TableData:
+def cost_table(result: ReplayResult | dict) -> TableData:
     """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
-    cuda = any(summary.get("cuda_peak_bytes") is not None for _, summary, _, _ in _rows(result))
-    timing = result.get("timing") or {"mode": "turn", "origin": "kvprof", "runs": result.get("repeats", 1)}
+    result = replay_of(result)
+    cuda = any(summary.cuda_peak_bytes is not None for _, summary, _ in _rows(result))
+    timing = result.timing or {"mode": "turn", "origin": "kvprof", "runs": result.repeats or 1}
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
     columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else []) + ["alloc. MiB", "blocks MiB", "blocks ×"]
     table = TableData(
-        title=f"cost: {_device(result)} {result.get('dtype', '')}, {timing_text(timing)}",
+        title=f"cost: {_device(result)} {result.dtype or ''}, {timing_text(timing)}",
         columns=columns,
         caption="TTFT s / latency s: summed over turns"
         + (" (each turn's mean over the timed runs of its trajectory)" if timing["mode"] == "trajectory" else "")
@@ -221,44 +231,39 @@ def cost_table(result: dict) -> TableData:
         "prefill's working set)"
         + ("; CUDA: allocator peak of the policy's own turns plus its stored bytes" if cuda else "")
         + "; as the papers report memory: alloc., the allocator's peak with the weights ("
-        + (_allocator_source(result) or "not recorded")
-        + f"); blocks, the stored caches in KV blocks of {result.get('page_size', 16)} tokens as vLLM holds them "
+        + (summary_of(DENSE, result.dense).allocator_peak_source or "not recorded")
+        + f"); blocks, the stored caches in KV blocks of {result.page_size or 16} tokens as vLLM holds them "
         "(peak; × = policy ÷ dense).",
     )
-    for label, summary, ratios, _ in _rows(result):
+    for label, summary, _ in _rows(result):
         cells = [
             label,
-            cell(summary["ttft_s"], ".3f"),
-            cell(ratios["ttft_speedup"], ".2f"),
-            cell(ratios.get("harness_efficiency"), ".2f"),
-            cell(summary.get("tpot_s") and summary["tpot_s"] * 1e3, ".2f"),
-            cell(ratios.get("tpot_speedup"), ".2f"),
-            cell(summary["latency_s"], ".3f"),
-            cell(ratios["latency_speedup"], ".2f"),
-            _mib(summary["peak_memory_bytes"]),
-            _mib(summary.get("peak_working_bytes", 0)),
-            cell(ratios.get("working_memory_ratio"), ".2f"),
+            cell(summary.ttft_s, ".3f"),
+            cell(_ratio(summary, "ttft_speedup"), ".2f"),
+            cell(_ratio(summary, "harness_efficiency"), ".2f"),
+            cell(summary.tpot_s and summary.tpot_s * 1e3, ".2f"),
+            cell(_ratio(summary, "tpot_speedup"), ".2f"),
+            cell(summary.latency_s, ".3f"),
+            cell(_ratio(summary, "latency_speedup"), ".2f"),
+            _mib(summary.peak_memory_bytes),
+            _mib(summary.peak_working_bytes),
+            cell(_ratio(summary, "working_memory_ratio"), ".2f"),
         ]
         if cuda:
-            cells.append(cell(summary.get("cuda_peak_bytes") and summary["cuda_peak_bytes"] / 2**20, ".2f"))
+            cells.append(cell(summary.cuda_peak_bytes and summary.cuda_peak_bytes / 2**20, ".2f"))
         cells += [
-            cell(summary.get("allocator_peak_bytes") and summary["allocator_peak_bytes"] / 2**20, ".2f"),
-            cell(summary.get("peak_kv_block_bytes") and summary["peak_kv_block_bytes"] / 2**20, ".2f"),
-            cell(ratios.get("kv_block_ratio"), ".2f"),
+            cell(summary.allocator_peak_bytes and summary.allocator_peak_bytes / 2**20, ".2f"),
+            cell(summary.peak_kv_block_bytes and summary.peak_kv_block_bytes / 2**20, ".2f"),
+            cell(_ratio(summary, "kv_block_ratio"), ".2f"),
         ]
         table.add_row(*cells)
     return table
 
 
-def _allocator_source(result: dict) -> str | None:
-    """How the allocator peaks of a result were read (`kvprof.replay.engine.allocator_peak`)."""
-    return result["dense"]["summary"].get("allocator_peak_source")
-
-
-def memory_claims_table(result: dict) -> TableData | None:
+def memory_claims_table(result: ReplayResult | dict) -> TableData | None:
     """A verdict for each published memory claim of the replayed policies (`kvprof.claims.memory`), None without
     any."""
-    claims = result.get("memory_claims")
+    claims = replay_of(result).memory_claims
     if not claims:
         return None
     table = TableData(
@@ -296,17 +301,16 @@ def timing_text(timing: dict) -> str:
     )
 
 
-def layer_table(result: dict) -> TableData:
+def layer_table(result: ReplayResult) -> TableData:
     """Per-layer V and K error of each policy (mean over turns with a reused span)."""
-    layers = len(result["dense"]["summary"]["layers"]) or max(
-        (len(entry["summary"]["layers"]) for entry in result["policies"].values()), default=0
-    )
+    dense = summary_of(DENSE, result.dense).layers
+    per_policy = {label: summary_of(label, run).layers for label, run in result.policies.items()}
+    layers = len(dense) or max((len(per_layer) for per_layer in per_policy.values()), default=0)
     table = TableData(
         title="per-layer relative error on the reused span (V / K)",
         columns=["policy"] + [f"layer {i}" for i in range(layers)],
     )
-    for label, entry in result["policies"].items():
-        per_layer = entry["summary"]["layers"]
+    for label, per_layer in per_policy.items():
         table.add_row(
             label,
             *[f"{row['v_error']:.3g} / {row['k_error']:.3g}" for row in per_layer] + ["–"] * (layers - len(per_layer)),
@@ -314,14 +318,14 @@ def layer_table(result: dict) -> TableData:
     return table
 
 
-def policy_notes(result: dict) -> list[str]:
+def policy_notes(result: ReplayResult | dict) -> list[str]:
     """One line per note a policy recorded about how it ran (`SharingPolicy.notes`), and one for each policy that
     recomputed moved spans (it does not move them)."""
     lines = []
-    for label, entry in result["policies"].items():
-        lines += [f"{label}: {note}" for note in entry.get("notes", [])]
-        recomputed = entry["summary"].get("moved_recomputed", 0)
-        if recomputed and entry.get("moves_spans") is False:
+    for label, run in replay_of(result).policies.items():
+        lines += [f"{label}: {note}" for note in run.notes or []]
+        recomputed = summary_of(label, run).moved_recomputed
+        if recomputed and run.moves_spans is False:
             lines.append(
                 f"{label}: does not move spans: it recomputed the {recomputed} tokens of moved spans (ids other "
                 "turns processed at other positions) as new tokens"
@@ -329,18 +333,18 @@ def policy_notes(result: dict) -> list[str]:
     return lines
 
 
-def notes(result: dict) -> list[str]:
+def notes(result: ReplayResult) -> list[str]:
     """One line per policy: its paper, whether it is exact, and the figures its paper publishes (recorded in the
     result from the policy class), then the skipped policies."""
     check = dense_check(result)
     lines = [check] if check else []
-    for label, entry in result["policies"].items():
-        exactness = "approximate" if entry["approximate"] else "exact"
-        published = "; ".join(figure["claim"] for figure in entry.get("published", []))
-        lines.append(f"{label}: {entry['paper']}, {exactness}" + (f"; published: {published}" if published else ""))
+    for label, run in result.policies.items():
+        exactness = "approximate" if run.approximate else "exact"
+        published = "; ".join(figure["claim"] for figure in run.published or [])
+        lines.append(f"{label}: {run.paper}, {exactness}" + (f"; published: {published}" if published else ""))
     lines += policy_notes(result)
-    lines += [f"skipped {name}: {reason}" for name, reason in result.get("skipped", {}).items()]
-    settings = {figure["setting"] for entry in result["policies"].values() for figure in entry.get("published", [])}
+    lines += [f"skipped {name}: {reason}" for name, reason in (result.skipped or {}).items()]
+    settings = {figure["setting"] for run in result.policies.values() for figure in run.published or []}
     lines += [f"published figures measured on: {setting}" for setting in sorted(settings)]
     return lines
 
@@ -360,7 +364,7 @@ def _uncertainty_note(items: list[decision.Outcome]) -> str:
     )
 
 
-def decision_section(result: dict) -> Section:
+def decision_section(result: ReplayResult) -> Section:
     """The decision: the recommendation for a stated target, the Pareto scatter, the cost bars, per-turn TTFT."""
     items = decision.outcomes(result)
     chosen = decision.decide(items)
@@ -382,12 +386,13 @@ def _positive(values: list[float]) -> list[float | None]:
     return [value if value > 0 else None for value in values]
 
 
-def diagnostic_figures(result: dict) -> list:
+def diagnostic_figures(result: ReplayResult) -> list:
     """Per-layer error (log axis), KL per turn (boxes on a log axis) and cache memory per turn, one look per policy;
     the nonshared policy is left out where it repeats the dense run."""
-    policies = {label: entry for label, entry in result["policies"].items() if label != DENSE}
+    policies = {label: run for label, run in result.policies.items() if label != DENSE}
     figures = []
-    layered = {label: entry["summary"]["layers"] for label, entry in policies.items() if entry["summary"]["layers"]}
+    per_layer = {label: summary_of(label, run).layers for label, run in policies.items()}
+    layered = {label: rows for label, rows in per_layer.items() if rows}
     if layered:
         layers = range(max(len(rows) for rows in layered.values()))
         for key, name in (("v_error", "V"), ("k_error", "K")):
@@ -402,9 +407,7 @@ def diagnostic_figures(result: dict) -> list:
                     style=policy_style,
                 )
             )
-    kl = {
-        label: ([label] * len(entry["turns"]), [t["kl"] for t in entry["turns"]]) for label, entry in policies.items()
-    }
+    kl = {label: ([label] * len(run.turns), [t["kl"] for t in run.turns]) for label, run in policies.items()}
     exact = sum(value <= 0 for _, values in kl.values() for value in values)
     figures.append(
         box_figure(
@@ -416,10 +419,10 @@ def diagnostic_figures(result: dict) -> list:
         )
     )
     figures[-1].update_layout(showlegend=False)
-    runs = {DENSE: result["dense"]["turns"]} | {label: entry["turns"] for label, entry in policies.items()}
+    runs = {DENSE: result.dense.turns} | {label: run.turns for label, run in policies.items()}
     figures.append(
         line_figure(
-            range(len(result["dense"]["turns"])),
+            range(len(result.dense.turns)),
             {label: [t["memory_bytes"] / 2**20 for t in rows] for label, rows in runs.items()},
             "analytic cache memory after each turn (all trajectories in order)",
             "turn",
@@ -431,8 +434,9 @@ def diagnostic_figures(result: dict) -> list:
     return figures
 
 
-def sections(result: dict) -> list[Section]:
+def sections(result: ReplayResult | dict) -> list[Section]:
     """Dashboard sections: the decision first, then the tables and the diagnostic figures."""
+    result = replay_of(result)
     return [
         decision_section(result),
         Section(

@@ -9,18 +9,19 @@ import plotly.graph_objects as go
 from kvprof.report.figures import base_layout, cycle_style, line_figure
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData, milliseconds
+from kvprof.results.serve_bench import ServeBenchResult, ServeSummary, serve_bench_of
 
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
 
-def _gauge(summary: dict, name: str, scale: float = 1.0, unit: str = "") -> str:
-    stats = summary["server"]["gauges"].get(name)
+def _gauge(summary: ServeSummary, name: str, scale: float = 1.0, unit: str = "") -> str:
+    stats = (summary.server or {}).get("gauges", {}).get(name)
     return "-" if stats is None else f"{scale * stats['max']:.{1 if scale != 1 else 0}f}{unit}"
 
 
-def runs_table(result: dict) -> TableData:
+def runs_table(result: ServeBenchResult | dict) -> TableData:
     """One row per run: requests, output agreement, prefix-hit ratio, latencies (ms), throughput, server gauges."""
     table = TableData(
         title="serve-bench: one row per reuse pattern and load",
@@ -45,41 +46,41 @@ def runs_table(result: dict) -> TableData:
         "scheduling) in ms; tok/s counts prompt and output tokens; max wait / peak KV: the largest waiting "
         "request count and KV-cache use /metrics showed.",
     )
-    for run in result["runs"]:
-        summary = run["summary"]
-        overall, agreement = summary["overall"], summary["agreement"]
+    for run in serve_bench_of(result).runs:
+        summary = run.summary
+        overall, agreement, throughput = summary.overall, summary.agreement or {}, summary.throughput or {}
         table.add_row(
-            summary["pattern"],
-            summary["load"]["label"],
-            summary["requests"],
+            summary.pattern,
+            summary.load.label,
+            summary.requests,
             f"{agreement['matching']}/{agreement['requests']}",
-            _percent(summary["prefix_hit_ratio"]),
+            _percent(summary.prefix_hit_ratio),
             milliseconds(overall["ttft"], "p50"),
             milliseconds(overall["ttft"], "p90"),
             milliseconds(overall["tpot"], "p50"),
             milliseconds(overall["e2e"], "p90"),
             milliseconds(overall["server_queue"], "p90"),
-            f"{summary['throughput']['requests_per_s']:.2f}",
-            f"{summary['throughput']['tokens_per_s']:.0f}",
+            f"{throughput['requests_per_s']:.2f}",
+            f"{throughput['tokens_per_s']:.0f}",
             _gauge(summary, "waiting"),
             _gauge(summary, "kv_cache_usage", 100, " %"),
         )
     return table
 
 
-def agents_table(result: dict) -> TableData:
+def agents_table(result: ServeBenchResult | dict) -> TableData:
     """One row per run and agent: requests, prefix-hit ratio, TTFT p50/p90/p99 and e2e p90."""
     table = TableData(
         title="serve-bench per agent",
         columns=["pattern", "load", "agent", "requests", "cached", "TTFT p50", "TTFT p90", "TTFT p99", "e2e p90"],
         caption="times in ms; cached: the agent's prompt tokens served from the prefix cache.",
     )
-    for run in result["runs"]:
-        summary = run["summary"]
-        for agent, stats in summary["agents"].items():
+    for run in serve_bench_of(result).runs:
+        summary = run.summary
+        for agent, stats in (summary.agents or {}).items():
             table.add_row(
-                summary["pattern"],
-                summary["load"]["label"],
+                summary.pattern,
+                summary.load.label,
                 agent,
                 stats["requests"],
                 _percent(stats["prefix_hit_ratio"]),
@@ -91,9 +92,9 @@ def agents_table(result: dict) -> TableData:
     return table
 
 
-def comparison_table(result: dict) -> TableData | None:
+def comparison_table(result: ServeBenchResult | dict) -> TableData | None:
     """Base against agents at each load run under both patterns; None when no load was."""
-    rows = result.get("comparison") or []
+    rows = serve_bench_of(result).comparison or []
     if not rows:
         return None
     table = TableData(
@@ -115,13 +116,13 @@ def comparison_table(result: dict) -> TableData | None:
     return table
 
 
-def ttft_cdf_figure(result: dict) -> go.Figure:
+def ttft_cdf_figure(result: ServeBenchResult) -> go.Figure:
     """The empirical CDF of TTFT, one line per (pattern, load)."""
-    labels = [f"{run['summary']['pattern']} @ {run['summary']['load']['label']}" for run in result["runs"]]
+    labels = [f"{run.summary.pattern} @ {run.summary.load.label}" for run in result.runs]
     style = cycle_style(labels)
     figure = go.Figure()
-    for label, run in zip(labels, result["runs"]):
-        ttfts = sorted(1000 * request["ttft"] for request in run["requests"])
+    for label, run in zip(labels, result.runs):
+        ttfts = sorted(1000 * request["ttft"] for request in run.requests)
         look = style(label)
         figure.add_trace(
             go.Scatter(
@@ -138,32 +139,32 @@ def ttft_cdf_figure(result: dict) -> go.Figure:
     return figure
 
 
-def load_figures(result: dict) -> list[go.Figure]:
+def load_figures(result: ServeBenchResult) -> list[go.Figure]:
     """Throughput and TTFT p90 against load, one line per pattern (loads in the order they ran)."""
-    summaries = [run["summary"] for run in result["runs"]]
-    load_labels = list(dict.fromkeys(s["load"]["label"] for s in summaries))
-    patterns = list(dict.fromkeys(s["pattern"] for s in summaries))
+    summaries = [run.summary for run in result.runs]
+    load_labels = list(dict.fromkeys(s.load.label for s in summaries))
+    patterns = list(dict.fromkeys(s.pattern for s in summaries))
 
     def series(value) -> dict[str, list[float | None]]:
-        table = {(s["pattern"], s["load"]["label"]): s for s in summaries}
+        table = {(s.pattern, s.load.label): s for s in summaries}
         return {
             name: [value(table[(name, label)]) if (name, label) in table else None for label in load_labels]
             for name in patterns
         }
 
-    throughput = series(lambda s: s["throughput"]["tokens_per_s"])
-    ttft_p90 = series(lambda s: 1000 * s["overall"]["ttft"]["p90"] if s["overall"]["ttft"] else None)
+    throughput = series(lambda s: (s.throughput or {})["tokens_per_s"])
+    ttft_p90 = series(lambda s: 1000 * s.overall["ttft"]["p90"] if s.overall["ttft"] else None)
     return [
         line_figure(load_labels, throughput, "throughput against load", "load", "tokens/s (prompt + output)"),
         line_figure(load_labels, ttft_p90, "TTFT p90 against load", "load", "TTFT p90 (ms)"),
     ]
 
 
-def sections(result: dict) -> list[Section]:
-    """The serve-bench dashboard section, from the JSON result."""
-    server = result["server"]
+def sections(result: ServeBenchResult) -> list[Section]:
+    """The serve-bench dashboard section."""
+    server = result.server
     text = [
-        f"trace {result['trace']} ({result['mode']} mode, {len(result['trajectories'])} trajectories) on "
+        f"trace {result.trace} ({result.mode} mode, {len(result.trajectories or [])} trajectories) on "
         f"{'a vLLM server kvprof started' if server['started'] else 'the server'} at {server['url']} (version "
         f"{server.get('version') or 'unknown'}); base model "
         f"{server['base']}" + (f", adapters {', '.join(server['adapters'])}" if server["adapters"] else "") + ".",

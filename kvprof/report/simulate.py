@@ -4,6 +4,7 @@ calibrated on, one row per policy and load, and the highest load meeting the TTF
 from __future__ import annotations
 
 from kvprof.report.tables import TableData, milliseconds
+from kvprof.results.simulate import SimulateResult, simulate_of
 
 GIB = 2**30
 
@@ -12,9 +13,10 @@ def _error(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.0f} %"
 
 
-def cost_lines(result: dict) -> list[str]:
+def cost_lines(result: SimulateResult | dict) -> list[str]:
     """The step model (its source, coefficients and fit statistics) and the scaling, as lines of text."""
-    model = result["cost_model"]
+    result = simulate_of(result)
+    model = result.cost_model
     lines = [
         "step time t = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens + g·adapter_step (+ e per "
         f"request on TTFT), {model['source']}: a = {1e3 * model['a']:.3g} ms, b = {1e6 * model['b']:.3g} µs/token, "
@@ -22,7 +24,7 @@ def cost_lines(result: dict) -> list[str]:
         f"ms, f = {1e6 * model.get('f', 0.0):.3g} µs/adapter token, "
         f"g = {1e3 * model.get('g', 0.0):.3g} ms/step with adapters"
     ]
-    block = result["settings"].get("prefix_block")
+    block = result.settings.prefix_block
     if block:
         lines.append(
             f"prefix cache: reused tokens rounded down to whole blocks of {block} tokens, the rest prefilled again "
@@ -36,7 +38,7 @@ def cost_lines(result: dict) -> list[str]:
             if fit.get(f"r2_{kind}") is not None
         )
         lines.append(f"fit: {r2}" + "".join(f"; {note}" for note in fit.get("notes", [])))
-    scale = result["scale"]
+    scale = result.scale
     if scale["shared_tokens"]:
         scaled = ", ".join(f"{scale['factors'][str(n)]:.1f}× to {n}" for n in scale["shared_tokens"])
         lines.append(
@@ -47,9 +49,10 @@ def cost_lines(result: dict) -> list[str]:
     return lines
 
 
-def errors_table(result: dict) -> TableData | None:
+def errors_table(result: SimulateResult | dict) -> TableData | None:
     """The calibration runs re-simulated: measured against simulated median TTFT and throughput; None without."""
-    rows = result.get("calibration_errors") or []
+    result = simulate_of(result)
+    rows = result.calibration_errors or []
     if not rows:
         return None
     table = TableData(
@@ -72,12 +75,13 @@ def errors_table(result: dict) -> TableData | None:
     return table
 
 
-def runs_table(result: dict) -> TableData:
+def runs_table(result: SimulateResult | dict) -> TableData:
     """One row per policy and load: TTFT p50/p90/p99 (ms), e2e p90, throughput, peak KV memory, preemptions,
     OOM (why: `out_of_memory_lines`)."""
-    scaled = bool(result["scale"]["shared_tokens"])
+    result = simulate_of(result)
+    scaled = bool(result.scale["shared_tokens"])
     table = TableData(
-        title=f"simulated serving ({result['cost_model']['source']})",
+        title=f"simulated serving ({result.cost_model['source']})",
         columns=[
             "policy",
             *(["context"] if scaled else []),
@@ -98,7 +102,7 @@ def runs_table(result: dict) -> TableData:
         "at the peak (kept caches of the trajectories in flight and the running turns'); evict: trajectories whose "
         "kept state was evicted (their next turn recomputed).",
     )
-    for row in result["runs"]:
+    for row in result.runs:
         oom = row["out_of_memory"]
         context = [str(row.get("shared_tokens"))] if scaled else []
         if row["requests"] == 0:
@@ -123,11 +127,12 @@ def runs_table(result: dict) -> TableData:
     return table
 
 
-def out_of_memory_lines(result: dict) -> list[str]:
+def out_of_memory_lines(result: SimulateResult | dict) -> list[str]:
     """Why each policy and load that ran out of memory did (one line each)."""
+    result = simulate_of(result)
     return [
         f"{row['policy']} @ {row['load']['label']}{_context(row)}: out of memory: {row['out_of_memory']}"
-        for row in result["runs"]
+        for row in result.runs
         if row["out_of_memory"]
     ]
 
@@ -136,13 +141,14 @@ def _context(row: dict) -> str:
     return f", {row['shared_tokens']} tokens" if row.get("shared_tokens") else ""
 
 
-def sustainable_table(result: dict) -> TableData | None:
+def sustainable_table(result: SimulateResult | dict) -> TableData | None:
     """Per policy, the highest swept load whose TTFT p90 met the SLO; None without an SLO."""
-    best = result.get("sustainable")
+    result = simulate_of(result)
+    best = result.sustainable
     if best is None:
         return None
-    slo = result["settings"]["ttft_slo_s"]
-    kinds = list(dict.fromkeys(row["load"]["kind"] for row in result["runs"]))
+    slo = result.settings.ttft_slo_s
+    kinds = list(dict.fromkeys(row["load"]["kind"] for row in result.runs))
     table = TableData(
         title=f"highest swept load meeting TTFT p90 ≤ {1000 * slo:.0f} ms (simulated)",
         columns=["policy", *("qps" if kind == "qps" else "concurrency" for kind in kinds)],
@@ -153,9 +159,10 @@ def sustainable_table(result: dict) -> TableData | None:
     return table
 
 
-def claim_lines(result: dict) -> list[str]:
+def claim_lines(result: SimulateResult | dict) -> list[str]:
     """The published serving figures' verdicts, stated as simulated, with the cost model they used."""
-    verdicts = result.get("serving_claims") or []
+    result = simulate_of(result)
+    verdicts = result.serving_claims or []
     if not verdicts:
         return []
     lines = [f"published serving claims, simulated with {verdicts[0]['cost_model']}:"]
@@ -166,9 +173,9 @@ def claim_lines(result: dict) -> list[str]:
     return lines
 
 
-def claims_table(result: dict) -> TableData | None:
+def claims_table(result: SimulateResult) -> TableData | None:
     """The published serving figures' verdicts as a table (the dashboard's); None without any."""
-    verdicts = result.get("serving_claims") or []
+    verdicts = result.serving_claims or []
     if not verdicts:
         return None
     table = TableData(
@@ -189,16 +196,16 @@ def claims_table(result: dict) -> TableData | None:
     return table
 
 
-def figures(result: dict) -> list:
+def figures(result: SimulateResult) -> list:
     """TTFT p90 against load, one line per policy (at the longest simulated context), and, where several
     --shared-tokens lengths were swept, peak KV memory against the shared context (at the lowest load)."""
     from kvprof.report.figures import line_figure
 
-    runs = [row for row in result["runs"] if row["requests"]]
-    lengths = sorted({row.get("shared_tokens") or 0 for row in result["runs"]})
+    runs = [row for row in result.runs if row["requests"]]
+    lengths = sorted({row.get("shared_tokens") or 0 for row in result.runs})
     longest = [row for row in runs if (row.get("shared_tokens") or 0) == lengths[-1]]
     loads = sorted({row["load"]["value"] for row in longest})
-    policies = list(dict.fromkeys(row["policy"] for row in result["runs"]))
+    policies = list(dict.fromkeys(row["policy"] for row in result.runs))
 
     def at(rows: list[dict], policy: str, key) -> dict | None:
         return next((row for row in rows if row["policy"] == policy and key(row)), None)
@@ -214,7 +221,7 @@ def figures(result: dict) -> list:
     kind = longest[0]["load"]["kind"] if longest else "qps"
     shown = [line_figure(loads, ttft, "TTFT p90 against load (simulated)", kind, "TTFT p90 (ms)", log_y=True)]
     if len(lengths) > 1:
-        lowest = min(row["load"]["value"] for row in result["runs"])
+        lowest = min(row["load"]["value"] for row in result.runs)
         memory = {
             policy: [
                 row["peak_kv_bytes"] / GIB
@@ -234,7 +241,7 @@ def figures(result: dict) -> list:
     return shown
 
 
-def sections(result: dict) -> list:
+def sections(result: SimulateResult) -> list:
     """The simulate dashboard section, from the JSON result."""
     from kvprof.report.html import Section
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
+from kvprof.results.serve_bench import ServeLoad, ServeRun, ServeSummary
 from kvprof.serving.driver import LoadRun, RequestRecord
 
 LATENCIES = ("ttft", "tpot", "e2e", "server_queue", "send_delay")
@@ -116,8 +117,14 @@ def _agents(records: list[RequestRecord]) -> list[str]:
 
 
 def run_result(run: LoadRun) -> dict:
-    """One run in the JSON result: its summary, every request and the /metrics samples."""
-    return {"summary": summarize(run), "requests": [asdict(r) for r in run.requests], "samples": run.samples}
+    """One run in the JSON result: its summary, every request and the /metrics samples (a
+    `kvprof.results.serve_bench.ServeRun`'s JSON)."""
+    summary = summarize(run)
+    return ServeRun(
+        summary=ServeSummary(**summary | {"load": ServeLoad(**summary["load"])}),
+        requests=[asdict(r) for r in run.requests],
+        samples=run.samples,
+    ).to_json()
 
 
 def pattern_comparison(summaries: list[dict]) -> list[dict]:

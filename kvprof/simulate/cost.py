@@ -35,7 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import NUMBER, JsonType, check_fields, is_json, read_result
+from kvprof.fileio import NUMBER, JsonType, check_fields, is_json
+from kvprof.results.replay import ReplayResult, replay_of
+from kvprof.results.serve_bench import ServeBenchResult, ServeRun
 from kvprof.simulate.workload import ReplayWork
 
 ROOFLINE = "roofline, uncalibrated"
@@ -192,13 +194,15 @@ def _r2(measured, predicted) -> float | None:
     return 1.0 - float(((measured - predicted) ** 2).sum()) / total if total > 0 else None
 
 
-def replay_observations(data: dict) -> list[Observation]:
-    """The dense run's per-turn timings of a replay result's JSON: one TTFT observation (one step: the prefilled
-    tokens, reading the turn's input as context) and one decode observation (decode_steps steps of one sequence, its
-    context growing by one token a step) per turn."""
-    adapter = 1.0 if data.get("mode") == "lora" else 0.0
+def replay_observations(replay: ReplayResult | dict) -> list[Observation]:
+    """The dense run's per-turn timings of a `replay` (its JSON, as `kvprof simulate` passes it, is read as a
+    `ReplayResult` first): one TTFT observation (one step: the prefilled tokens, reading the turn's input as context)
+    and one decode observation (decode_steps steps of one sequence, its context growing by one token a step) per
+    turn."""
+    replay = replay_of(replay)
+    adapter = 1.0 if replay.mode == "lora" else 0.0
     observations = []
-    for turn in data["dense"]["turns"]:
+    for turn in replay.dense.turns:
         context, steps = turn["input_tokens"], int(turn.get("decode_steps") or turn["output_tokens"])
         prefill = turn["prefilled"]
         observations.append(Observation("ttft", turn["ttft_s"], 1, prefill, 0, context, 1, adapter * prefill, adapter))
@@ -210,20 +214,20 @@ def replay_observations(data: dict) -> list[Observation]:
     return observations
 
 
-def serve_bench_observations(run: dict) -> list[Observation]:
-    """One serve-bench run's requests as observations (see the module docstring): times from each request's send
-    time (due + send_delay), TTFT and end-to-end latency; a TTFT spans the steps from the send to the first token
-    (the step then running, the others' prefills and decodes in between, its own prefill step); prefill tokens are
-    the prompt tokens the server did not find cached. Every request of the `agents` pattern runs its agent's adapter
-    (every token of its steps), none of the `base` pattern's. A request whose tokens after the first arrived in one
-    burst (its mean inter-token time below `COALESCED` × the run's median: the server's output process fell behind and
-    sent them together, so its first-token time is late too) gives one observation from its send to its last token
-    instead. Where serve-bench recorded every token's arrival (`token_times`), the decode side is the engine's
-    single steps (`_step_observations`); else each request's decode phase, the others' work in it reconstructed
-    assuming even paces."""
-    adapter = 1.0 if (run.get("summary") or {}).get("pattern") == "agents" else 0.0
+def serve_bench_observations(records: list[dict], adapter_run: bool = False) -> list[Observation]:
+    """One serve-bench run's request `records` as observations (see the module docstring): times from each
+    request's send time (due + send_delay), TTFT and end-to-end latency; a TTFT spans the steps from the send to the
+    first token (the step then running, the others' prefills and decodes in between, its own prefill step); prefill
+    tokens are the prompt tokens the server did not find cached. Every request of an `agents` pattern run
+    (`adapter_run`) runs its agent's adapter (every token of its steps), none of the `base` pattern's. A request
+    whose tokens after the first arrived in one burst (its mean inter-token time below `COALESCED` × the run's
+    median: the server's output process fell behind and sent them together, so its first-token time is late too)
+    gives one observation from its send to its last token instead. Where serve-bench recorded every token's arrival
+    (`token_times`), the decode side is the engine's single steps (`_step_observations`); else each request's decode
+    phase, the others' work in it reconstructed assuming even paces."""
+    adapter = 1.0 if adapter_run else 0.0
     requests = []
-    for r in run["requests"]:
+    for r in records:
         sent = r["due"] + r["send_delay"]
         requests.append(
             {
@@ -378,72 +382,64 @@ REQUEST_TYPES: dict[str, JsonType] = {
 }
 
 
-def read_serve_bench(path: Path) -> dict:
-    """A `kvprof serve-bench` result's JSON with everything simulate reads from it checked (its runs' patterns,
-    loads, measured medians and requests); a file that is not one is refused with a sentence naming it."""
-    _, data = read_result(path, SERVE_BENCH_FIX, "serve_bench")
-    check_fields(data, {"runs": list, "args": (dict, type(None))}, str(path), SERVE_BENCH_FIX)
-    args = check_fields(
-        data.get("args") or {}, {"kv_cache_gib": (int, float, type(None))}, f"{path}, args", SERVE_BENCH_FIX
-    )
+def read_serve_bench(path: Path) -> ServeBenchResult:
+    """A `kvprof serve-bench` result with everything simulate reads from it checked (its runs' patterns, loads,
+    measured medians and requests); a file that is not one is refused with a sentence naming it."""
+    result = ServeBenchResult.read(path)
+    args = (result.envelope.args if result.envelope else None) or {}
+    check_fields(args, {"kv_cache_gib": (int, float, type(None))}, f"{path}, args", SERVE_BENCH_FIX)
     if args.get("kv_cache_gib") is not None and args["kv_cache_gib"] <= 0:
         raise KvprofError(
             f"{path} ran with kv_cache_gib {args['kv_cache_gib']}, not a positive size; {SERVE_BENCH_FIX}."
         )
-    if not data["runs"]:
+    if not result.runs:
         raise KvprofError(f"{path} holds no serve-bench runs; {SERVE_BENCH_FIX}.")
-    for index, run in enumerate(data["runs"]):
+    for index, run in enumerate(result.runs):
         where = f"{path}, run {index}"
-        check_fields(run, {"summary": dict, "requests": list}, where, SERVE_BENCH_FIX)
-        summary = check_fields(
-            run["summary"], {"pattern": str, "load": dict, "overall": dict}, f"{where} summary", SERVE_BENCH_FIX
-        )
-        check_fields(summary["load"], {"kind": str, "value": NUMBER}, f"{where} load", SERVE_BENCH_FIX)
-        check_fields(summary["overall"], {"ttft": (dict, type(None))}, f"{where} overall", SERVE_BENCH_FIX)
-        ttft = summary["overall"].get("ttft")
+        summary = run.summary
+        check_fields(summary.overall, {"ttft": (dict, type(None))}, f"{where} overall", SERVE_BENCH_FIX)
+        ttft = summary.overall.get("ttft")
         if ttft is not None:
-            check_fields(summary, {"throughput": dict}, f"{where} summary", SERVE_BENCH_FIX)
-            measured = (ttft.get("p50"), summary["throughput"].get("requests_per_s"))
+            throughput = check_fields(summary.throughput, {}, f"{where} summary, throughput", SERVE_BENCH_FIX)
+            measured = (ttft.get("p50"), throughput.get("requests_per_s"))
             if not all(is_json(value, NUMBER) and value > 0 for value in measured):
                 raise KvprofError(f"{where} has no positive median TTFT and request throughput; {SERVE_BENCH_FIX}.")
-        for number, request in enumerate(run["requests"]):
+        for number, request in enumerate(run.requests):
             record = f"{where} request {number}"
             check_fields(request, REQUEST_TYPES, record, SERVE_BENCH_FIX)
             counts = [request[key] for key in REQUEST_TYPES if is_json(request.get(key), NUMBER)]
             times = request.get("token_times") or []
             if any(value < 0 for value in counts) or not all(is_json(t, NUMBER) and t >= 0 for t in times):
                 raise KvprofError(f"{record} holds a negative or non-numeric count or time; {SERVE_BENCH_FIX}.")
-    return data
+    return result
 
 
-def serve_bench_cost(data: dict, source: str, fit_load: float | None = None) -> StepCost:
-    """The step model fitted to the runs of a serve-bench result's JSON `data`: every run, or only those at load
-    `fit_load` (a qps or concurrency value)."""
-    runs = data.get("runs") or []
-    if data.get("schema") != "kvprof.result.serve_bench" or not runs:
-        raise KvprofError(
-            f"{source} is not a kvprof serve-bench result with runs; pass the serve_bench.json `kvprof serve-bench` "
-            "wrote."
-        )
+def serve_bench_cost(result: ServeBenchResult, source: str, fit_load: float | None = None) -> StepCost:
+    """The step model fitted to the runs of a serve-bench `result` (read from `source`): every run, or only those
+    at load `fit_load` (a qps or concurrency value)."""
+    runs = result.runs
+    if not runs:
+        raise KvprofError(f"{source} holds no serve-bench runs; {SERVE_BENCH_FIX}.")
     if fit_load is not None:
         runs = [run for run in runs if fitted_run(run, fit_load)]
         if not runs:
             raise KvprofError(
                 f"{source} has no run at load {fit_load:g}; pass --fit-load with one of its loads "
-                f"({', '.join(sorted({_load_label(run) for run in data['runs']}))})."
+                f"({', '.join(sorted({_load_label(run) for run in result.runs}))})."
             )
         source = f"{source} at load {fit_load:g}"
-    return fit([o for run in runs for o in serve_bench_observations(run)], f"fit to serve-bench runs of {source}")
+    observations = [o for run in runs for o in serve_bench_observations(run.requests, run.summary.pattern == "agents")]
+    return fit(observations, f"fit to serve-bench runs of {source}")
 
 
-def fitted_run(run: dict, fit_load: float | None) -> bool:
+def fitted_run(run: ServeRun, fit_load: float | None) -> bool:
     """Whether a serve-bench run is one the step model was fitted to (all are when `fit_load` is None)."""
-    return fit_load is None or run["summary"]["load"]["value"] == fit_load
+    return fit_load is None or run.summary.load.value == fit_load
 
 
-def _load_label(run: dict) -> str:
-    load = run["summary"]["load"]
-    return f"{load['value']:g} {load['kind']}"
+def _load_label(run: ServeRun) -> str:
+    load = run.summary.load
+    return f"{load.value:g} {load.kind}"
 
 
 def roofline_cost(device: str, work: ReplayWork) -> StepCost:

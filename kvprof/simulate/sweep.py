@@ -15,6 +15,8 @@ import statistics
 from dataclasses import dataclass
 
 from kvprof.errors import KvprofError
+from kvprof.results.replay import ReplayResult, replay_of
+from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.serving.summary import distribution
 from kvprof.serving.traffic import Load
 from kvprof.simulate.cost import StepCost, fitted_run
@@ -126,11 +128,11 @@ def sweep(work: ReplayWork, cost: StepCost, settings: Settings, loads: list[Load
     return rows
 
 
-def cached_block(data: dict) -> int | None:
-    """The block size of the prefix cache that served a serve-bench result's JSON `data`: the greatest common divisor
-    of its requests' cached token counts (an engine caches whole blocks), or None when fewer than two distinct
-    non-zero counts leave it undetermined (every hit the same shared prefix would read as one huge block)."""
-    counts = {r.get("cached_tokens") or 0 for run in data.get("runs") or [] for r in run.get("requests") or []}
+def cached_block(result: ServeBenchResult) -> int | None:
+    """The block size of the prefix cache that served a serve-bench `result`: the greatest common divisor of its
+    requests' cached token counts (an engine caches whole blocks), or None when fewer than two distinct non-zero
+    counts leave it undetermined (every hit the same shared prefix would read as one huge block)."""
+    counts = {r.get("cached_tokens") or 0 for run in result.runs for r in run.requests}
     counts.discard(0)
     return math.gcd(*counts) if len(counts) >= 2 else None
 
@@ -151,46 +153,46 @@ def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
 
 
 def serve_bench_errors(
-    data: dict, work: ReplayWork, cost: StepCost, settings: Settings, fit_load: float | None = None
+    result: ServeBenchResult, work: ReplayWork, cost: StepCost, settings: Settings, fit_load: float | None = None
 ) -> list[dict]:
     """Each serve-bench run re-simulated: the pattern's policy (agents: nonshared, base: fullshared) on the run's
     trajectories in the order they started, at its measured arrival times (open loop) or concurrency, on the run's
     KV memory (`--kv-cache-gib`, else the settings') and its prefix cache's block (`cached_block`, else the
     settings'); the simulated median TTFT and throughput against the measured,
     as relative errors, each row marked `fitted` (the step model was fitted to it) or not (a validation run)."""
-    kv_gib = (data.get("args") or {}).get("kv_cache_gib")
+    kv_gib = ((result.envelope.args if result.envelope else None) or {}).get("kv_cache_gib")
     memory = settings.memory_bytes if kv_gib is None else kv_gib * GIB + work.weight_bytes()
     config = settings.engine(work, memory)
-    block = cached_block(data) or settings.prefix_block
+    block = cached_block(result) or settings.prefix_block
     rows = []
-    for run in data["runs"]:
-        summary = run["summary"]
-        label = PATTERN_POLICY.get(summary["pattern"])
+    for run in result.runs:
+        summary = run.summary
+        label = PATTERN_POLICY.get(summary.pattern)
         if label not in work.policies:
             continue
         trajectories = work.policies[label]
-        if summary["pattern"] == "base":
+        if summary.pattern == "base":
             trajectories = without_adapters(trajectories)
         by_id = {t.id: t for t in at_block_granularity(trajectories, block)}
         starts: dict[str, float] = {}
-        for request in run["requests"]:
+        for request in run.requests:
             starts[request["trajectory"]] = min(request["due"], starts.get(request["trajectory"], request["due"]))
         order = sorted((t for t in starts if t in by_id), key=starts.__getitem__)
-        if not order or summary["overall"]["ttft"] is None:
+        if not order or summary.overall["ttft"] is None:
             continue
-        load = Load(summary["load"]["kind"], summary["load"]["value"])
+        load = Load(summary.load.kind, summary.load.value)
         arrivals = tuple(starts[t] for t in order)  # a closed loop's first trajectories start as they were sent
         traffic = Traffic(load, count=len(order), arrivals=arrivals)
         simulated = run_policy(label, tuple(by_id[t] for t in order), cost, config, traffic)
-        row = _errors(f"{summary['pattern']} ({label}) @ {load.label}", summary, simulated)
+        measured = summary.overall["ttft"]["p50"], (summary.throughput or {})["requests_per_s"]
+        row = _errors(f"{summary.pattern} ({label}) @ {load.label}", *measured, simulated)
         rows.append(row | {"fitted": fitted_run(run, fit_load)})
     return rows
 
 
-def _errors(label: str, measured: dict, simulated: dict) -> dict:
-    """Measured against simulated median TTFT (s) and request throughput (requests/s), with relative errors."""
-    ttft = measured["overall"]["ttft"]["p50"]
-    rate = measured["throughput"]["requests_per_s"]
+def _errors(label: str, ttft: float, rate: float, simulated: dict) -> dict:
+    """Measured median TTFT `ttft` (s) and request throughput `rate` (requests/s) against the simulated, with
+    relative errors."""
     sim_ttft = simulated["ttft"]["p50"] if simulated.get("ttft") else None
     sim_rate = simulated["throughput"]["requests_per_s"] if "throughput" in simulated else None
     return {
@@ -204,10 +206,11 @@ def _errors(label: str, measured: dict, simulated: dict) -> dict:
     }
 
 
-def replay_errors(data: dict, work: ReplayWork, cost: StepCost, settings: Settings) -> list[dict]:
-    """The replay's dense run re-simulated as the replay ran it (one trajectory at a time, closed loop of 1, the
-    nonshared policy's work): simulated median TTFT and throughput against the replay's per-turn timings."""
-    turns = data["dense"]["turns"]
+def replay_errors(replay: ReplayResult | dict, work: ReplayWork, cost: StepCost, settings: Settings) -> list[dict]:
+    """The `replay`'s dense run re-simulated as the replay ran it (one trajectory at a time, closed loop of 1, the
+    nonshared policy's work): simulated median TTFT and throughput against the replay's per-turn timings (its JSON,
+    as `kvprof simulate` passes it, is read as a `ReplayResult` first)."""
+    turns = replay_of(replay).dense.turns
     if "nonshared" not in work.policies:
         return []
     trajectories = work.policies["nonshared"]
@@ -215,8 +218,6 @@ def replay_errors(data: dict, work: ReplayWork, cost: StepCost, settings: Settin
     simulated = run_policy(
         "nonshared", trajectories, cost, settings.engine(work), Traffic(load, count=len(trajectories))
     )
-    measured = {
-        "overall": {"ttft": {"p50": statistics.median(t["ttft_s"] for t in turns)}},
-        "throughput": {"requests_per_s": len(turns) / sum(t["ttft_s"] + t["decode_s"] for t in turns)},
-    }
-    return [_errors("dense replay (nonshared) @ 1 conc", measured, simulated)]
+    ttft = statistics.median(t["ttft_s"] for t in turns)
+    rate = len(turns) / sum(t["ttft_s"] + t["decode_s"] for t in turns)
+    return [_errors("dense replay (nonshared) @ 1 conc", ttft, rate, simulated)]

@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import NUMBER, JsonType, check_fields, is_json, read_result
+from kvprof.fileio import NUMBER, JsonType, check_fields, is_json
+from kvprof.results.replay import ReplayResult
 
 TURN_FIELDS = ("agent", "trajectory", "turn", "input_tokens", "output_tokens", "prefilled", "ttft_flops", "flops")
 DENSE_LABEL = "nonshared"  # a replay's dense run is NonShared; simulated under this label when not replayed as a policy
@@ -102,38 +103,33 @@ TURN_TYPES: dict[str, JsonType] = {
     "working_peak_bytes": (int, float, type(None)),
 }
 DENSE_TURN_TYPES: dict[str, JsonType] = TURN_TYPES | {"ttft_s": NUMBER, "decode_s": NUMBER}
-REPLAY_TYPES: dict[str, JsonType] = {
-    "dense": dict,
-    "policies": dict,
-    "mode": (str, type(None)),
-    "dtype": (str, type(None)),
-}
-POLICY_TYPES: dict[str, JsonType] = {"turns": list, "name": (str, type(None)), "options": (dict, type(None))}
 
 
 def load_replay(path: Path) -> ReplayWork:
-    """Read a `kvprof replay` result (`read_replay`) as serving work."""
-    return replay_work(read_replay(path), path)
+    """Read a `kvprof replay` result (`read_replay_result`) as serving work."""
+    return replay_work(read_replay_result(path), path)
 
 
-def read_replay(path: Path) -> dict:
-    """A `kvprof replay` result's JSON with everything simulate reads from it checked: the dense run's and every
+def read_replay_result(path: Path) -> ReplayResult:
+    """A `kvprof replay` result with everything simulate reads from it checked: the dense run's and every
     policy's per-turn records; a file that is not one is refused with a sentence naming it."""
-    _, data = read_result(path, REPLAY_FIX, "replay")
-    check_fields(data, REPLAY_TYPES, str(path), REPLAY_FIX)
-    check_fields(data["dense"], {"turns": list}, f"{path}, dense run", REPLAY_FIX)
-    if not data["dense"]["turns"] or not data["policies"]:
+    result = ReplayResult.read(path)
+    if not result.dense.turns or not result.policies:
         raise KvprofError(
             f"{path} holds no per-turn records of a dense run and policies; rerun `kvprof replay` with this kvprof."
         )
-    _check_turns(path, "dense run", data["dense"]["turns"], DENSE_TURN_TYPES)
-    for label, entry in data["policies"].items():
-        where = f"policy {label!r}"
-        check_fields(entry, POLICY_TYPES, f"{path}, {where}", REPLAY_FIX)
-        _check_turns(path, where, entry["turns"], TURN_TYPES)
-    if not any(t["turn"] == 0 and t.get("memory_bytes") for t in data["dense"]["turns"]):
+    _check_turns(path, "dense run", result.dense.turns, DENSE_TURN_TYPES)
+    for label, run in result.policies.items():
+        _check_turns(path, f"policy {label!r}", run.turns, TURN_TYPES)
+    if not any(t["turn"] == 0 and t.get("memory_bytes") for t in result.dense.turns):
         raise KvprofError(f"{path}: the dense run records no memory of a first turn; {REPLAY_FIX}.")
-    return data
+    return result
+
+
+def read_replay(path: Path) -> dict:
+    """`read_replay_result` as the JSON `kvprof simulate` reads it (it passes that to `replay_work`,
+    `kvprof.simulate.cost.replay_observations` and `kvprof.simulate.sweep.replay_errors`)."""
+    return read_replay_result(path).to_json()
 
 
 def _check_turns(path: Path, where: str, turns: list, types: dict[str, JsonType]) -> None:
@@ -148,10 +144,13 @@ def _check_turns(path: Path, where: str, turns: list, types: dict[str, JsonType]
             raise KvprofError(f"{record} has no input or output tokens; {REPLAY_FIX}.")
 
 
-def replay_work(data: dict, path: Path) -> ReplayWork:
-    """The work of every policy of a replay result's JSON `data` (read from `path`)."""
-    dense_turns = data.get("dense", {}).get("turns") or []
-    policies = data.get("policies") or {}
+def replay_work(result: ReplayResult | dict, path: Path) -> ReplayWork:
+    """The work of every policy of a replay `result` (read from `path`; its JSON, as `kvprof simulate` passes
+    it, is read as a `ReplayResult` first)."""
+    if isinstance(result, dict):
+        result = ReplayResult.from_json(result, str(path), REPLAY_FIX)
+    dense_turns = result.dense.turns
+    policies = result.policies
     if not dense_turns or not policies or any(field not in dense_turns[0] for field in TURN_FIELDS):
         raise KvprofError(
             f"{path} holds no per-turn records of a dense run and policies; rerun `kvprof replay` with this kvprof."
@@ -163,8 +162,8 @@ def replay_work(data: dict, path: Path) -> ReplayWork:
     )
     firsts = [t for t in dense_turns if t["turn"] == 0 and t.get("memory_bytes")]
     kv_per_token = statistics.median(t["memory_bytes"] / (t["input_tokens"] + t["output_tokens"]) for t in firsts)
-    lora = data.get("mode") == "lora"
-    work = {label: _trajectories(entry["turns"], dense, label, path, lora) for label, entry in policies.items()}
+    lora = result.mode == "lora"
+    work = {label: _trajectories(run.turns, dense, label, path, lora) for label, run in policies.items()}
     if DENSE_LABEL not in work:  # the dense run is NonShared's
         work[DENSE_LABEL] = _trajectories(dense_turns, dense, DENSE_LABEL, path, lora)
     return ReplayWork(
@@ -173,7 +172,7 @@ def replay_work(data: dict, path: Path) -> ReplayWork:
         prefill_flops_per_token=prefill_per_token,
         decode_flops_per_step=decode_per_step,
         kv_bytes_per_token=kv_per_token,
-        dtype_bytes=DTYPE_BYTES.get(str(data.get("dtype")), 4),
+        dtype_bytes=DTYPE_BYTES.get(str(result.dtype), 4),
         params=decode_per_step / 2,
     )
 

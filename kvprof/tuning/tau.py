@@ -18,12 +18,14 @@ stricter threshold); it is then replayed on the held-out trajectories, where the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet
 from kvprof.policies import PolicyVariant, policy_class
 from kvprof.replay.engine import DENSE, ReplayHooks, ReplayProgress, run_replay
+from kvprof.results.replay import ReplayResult, replay_of, summary_of
+from kvprof.results.tune_tau import SweepDense, SweepRow, TuneTauResult, tune_tau_of
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.trace import Trajectory
 
@@ -65,62 +67,62 @@ class Target:
             return f"KL(dense ‖ policy) at most {self.max_kl:g} nats per output token"
         return f"reuse ρ at least {self.target_rho:g}"
 
-    def met(self, row: dict) -> bool:
+    def met(self, row: SweepRow) -> bool:
         if self.max_accuracy_drop is not None:
-            return row["accuracy_drop"] is not None and row["accuracy_drop"] <= self.max_accuracy_drop + 1e-9
+            return row.accuracy_drop is not None and row.accuracy_drop <= self.max_accuracy_drop + 1e-9
         if self.max_kl is not None:
-            return row["kl"] <= self.max_kl
+            return row.kl <= self.max_kl
         assert self.target_rho is not None
-        return row["rho"] >= self.target_rho - 1e-9
+        return row.rho >= self.target_rho - 1e-9
 
 
-def row_of(result: dict, variant: PolicyVariant, threshold: str) -> dict:
+def row_of(replay: ReplayResult, variant: PolicyVariant, threshold: str) -> SweepRow:
     """One threshold's measurements from a replay result holding `variant` (see module docstring)."""
-    summary = result["policies"][variant.label]["summary"]
-    row = {
-        "threshold": float(threshold),
-        "label": variant.label,
-        "rho": summary["delta_reuse"] or 0.0,
-        "kl": summary["kl"],
-        "top1": summary["top1"],
-        "k_error": summary["k_error"],
-        "v_error": summary["v_error"],
-        "layers": summary["layers"],
-        "prefilled": summary["prefilled"],
-        "dense_prefilled": result["dense"]["summary"]["prefilled"],
-        "ttft_speedup": summary["ttft_speedup"],
-        "latency_speedup": summary["latency_speedup"],
-        "memory_ratio": summary["memory_ratio"],
-        "peak_memory_bytes": summary["peak_memory_bytes"],
-        "accuracy": None,
-        "dense_accuracy": None,
-        "accuracy_drop": None,
-    }
-    if "online" in result:
-        accuracy, dense = result["online"][variant.label]["accuracy"], result["online"][DENSE]["accuracy"]
-        row.update(accuracy=accuracy, dense_accuracy=dense, accuracy_drop=100.0 * (dense - accuracy))
+    summary = summary_of(variant.label, replay.policies[variant.label])
+    row = SweepRow(
+        threshold=float(threshold),
+        label=variant.label,
+        rho=summary.delta_reuse or 0.0,
+        kl=summary.kl,
+        top1=summary.top1,
+        k_error=summary.k_error,
+        v_error=summary.v_error,
+        layers=summary.layers,
+        prefilled=summary.prefilled,
+        dense_prefilled=summary_of(DENSE, replay.dense).prefilled,
+        ttft_speedup=summary.ttft_speedup,
+        latency_speedup=summary.latency_speedup,
+        memory_ratio=summary.memory_ratio,
+        peak_memory_bytes=summary.peak_memory_bytes,
+        accuracy=None,
+        dense_accuracy=None,
+        accuracy_drop=None,
+    )
+    if replay.online is not None:
+        accuracy, dense = replay.online[variant.label]["accuracy"], replay.online[DENSE]["accuracy"]
+        row = replace(row, accuracy=accuracy, dense_accuracy=dense, accuracy_drop=100.0 * (dense - accuracy))
     return row
 
 
-def recommend(rows: Sequence[dict], target: Target) -> dict | None:
+def recommend(rows: Sequence[SweepRow], target: Target) -> SweepRow | None:
     """The recommended row (see module docstring), or None when no threshold meets the target."""
     meeting = [row for row in rows if target.met(row)]
     if not meeting:
         return None
     if target.target_rho is not None:
-        return min(meeting, key=lambda row: (row["rho"], row["kl"], row["threshold"]))
-    return max(meeting, key=lambda row: (row["rho"], -row["kl"], -row["threshold"]))
+        return min(meeting, key=lambda row: (row.rho, row.kl, row.threshold))
+    return max(meeting, key=lambda row: (row.rho, -row.kl, -row.threshold))
 
 
-def pareto(rows: Sequence[dict]) -> list[dict]:
+def pareto(rows: Sequence[SweepRow]) -> list[SweepRow]:
     """Rows no other row beats on both reuse (higher ρ) and KL (lower), by ρ."""
 
-    def beats(other: dict, row: dict) -> bool:
-        better = other["rho"] >= row["rho"] and other["kl"] <= row["kl"]
-        return better and (other["rho"], other["kl"]) != (row["rho"], row["kl"])
+    def beats(other: SweepRow, row: SweepRow) -> bool:
+        better = other.rho >= row.rho and other.kl <= row.kl
+        return better and (other.rho, other.kl) != (row.rho, row.kl)
 
     front = [row for row in rows if not any(beats(other, row) for other in rows)]
-    return sorted(front, key=lambda row: row["rho"])
+    return sorted(front, key=lambda row: row.rho)
 
 
 def variants_of(policy: str, options: dict[str, str], grid: Sequence[str]) -> list[PolicyVariant]:
@@ -173,39 +175,40 @@ def tune(
     """Sweep `grid` on `tuning`, recommend, verify on `heldout` (see module docstring). Every threshold is one
     variant of one lockstep replay (`replay`: in this process, `in_process`, or sharded on a Ray cluster), so the
     dense run is computed once for all of them (on Ray: once per sequential shard). `options`: the policy's other
-    options (its fitted pool); `online` must be what `replay` does."""
+    options (its fitted pool); `online` must be what `replay` does. Returns the `TuneTauResult`'s JSON (the payload
+    `kvprof tune-tau` writes)."""
     if target.needs_online and not online:
         raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
     variants = variants_of(policy, options, grid)
-    result = replay(tuning, variants, True)
-    rows = [row_of(result, variant, threshold) for variant, threshold in zip(variants, grid)]
-    rows = [row | {"target_met": target.met(row)} for row in rows]
+    swept = replay_of(replay(tuning, variants, True))
+    rows = [row_of(swept, variant, threshold) for variant, threshold in zip(variants, grid)]
+    rows = [replace(row, target_met=target.met(row)) for row in rows]
     best = recommend(rows, target)
     verification = None
     if best is not None and heldout:
-        (variant,) = variants_of(policy, options, [f"{best['threshold']:g}"])
-        checked = replay(heldout, [variant], False)
-        verification = row_of(checked, variant, f"{best['threshold']:g}")
-        verification["target_met"] = target.met(verification)
-    return {
-        "policy": policy_class(policy).name,
-        "threshold_option": threshold_key(policy),
-        "options": options,
-        "target": target.describe(),
-        "rows": rows,
-        "pareto": [row["threshold"] for row in pareto(rows)],
-        "recommended": best,
-        "heldout": verification,
-        "tuning_trajectories": [t.id for t in tuning],
-        "heldout_trajectories": [t.id for t in heldout],
-        "dense": {"summary": result["dense"]["summary"], "online": result.get("online", {}).get(DENSE)},
-    }
+        (variant,) = variants_of(policy, options, [f"{best.threshold:g}"])
+        checked = row_of(replay_of(replay(heldout, [variant], False)), variant, f"{best.threshold:g}")
+        verification = replace(checked, target_met=target.met(checked))
+    return TuneTauResult(
+        policy=policy_class(policy).name,
+        threshold_option=threshold_key(policy),
+        options=options,
+        target=target.describe(),
+        rows=rows,
+        pareto=[row.threshold for row in pareto(rows)],
+        recommended=best,
+        heldout=verification,
+        tuning_trajectories=[t.id for t in tuning],
+        heldout_trajectories=[t.id for t in heldout],
+        dense=SweepDense(summary=summary_of(DENSE, swept.dense), online=(swept.online or {}).get(DENSE)),
+    ).to_json()
 
 
-def replay_flags(result: dict) -> list[str]:
+def replay_flags(result: TuneTauResult | dict) -> list[str]:
     """The recommendation as `kvprof replay --policy-option` values."""
-    best = result["recommended"]
+    result = tune_tau_of(result)
+    best = result.recommended
     if best is None:
         return []
-    options = {**result["options"], result["threshold_option"]: f"{best['threshold']:g}"}
-    return [f"{result['policy']}.{key}={value}" for key, value in options.items()]
+    options = {**result.options, result.threshold_option: f"{best.threshold:g}"}
+    return [f"{result.policy}.{key}={value}" for key, value in options.items()]

@@ -1,0 +1,183 @@
+"""What every typed result shares: JSON records declared as dataclasses, and the envelope of a result file.
+
+A `Record` subclass is a dataclass whose fields are declared with `json_field` (the JSON type the field holds, how a
+nested record is read, whether files older than this kvprof may lack it). `from_json` checks every declared field
+(`kvprof.fileio.check_fields`) and refuses a record that is not as kvprof writes it in one sentence naming where it
+is; `to_json` writes the fields in their declared order, which is the order the commands write them.
+
+`ResultFile` adds the envelope of `kvprof.commands.common.result_envelope` (schema, version, kvprof, created,
+environment, args): `read(path)` refuses a file that is not a result of its kind, or of a newer format, through
+`kvprof.fileio.read_result`. A result a command builds in memory, before it writes the file, has no envelope
+(`envelope` is None). A file without a version (read as version 1, as `read_result` reads it) is written back
+with `"version": 1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+from kvprof.fileio import NUMBER, RESULT_SCHEMA, RESULT_VERSION, JsonType, check_fields, read_result
+
+R = TypeVar("R", bound="Record")
+F = TypeVar("F", bound="ResultFile")
+Reader = Callable[[Any, str, str], Any]
+OPTIONAL = type(None)
+
+
+def json_field(kind: JsonType, *, read: Reader | None = None, absent: bool = False) -> Any:
+    """A field of a `Record`: `kind` is the JSON type it holds (a tuple with None: it may be null, or missing, and
+    is None then); `read` turns the JSON value into the typed one (value, where, fix); `absent`: files older than
+    this kvprof may lack it (then it is None, and `to_json` leaves it out while it is None)."""
+    metadata = {"kind": kind, "read": read, "absent": absent}
+    if absent or (isinstance(kind, tuple) and OPTIONAL in kind):
+        return dataclasses.field(default=None, metadata=metadata)
+    return dataclasses.field(metadata=metadata)
+
+
+def _json_fields(record: Record | type[Record]) -> list[dataclasses.Field]:
+    """The fields of a record declared with `json_field` (a result's `envelope` is not one)."""
+    return [f for f in dataclasses.fields(record) if "kind" in f.metadata]
+
+
+def _dump(value: Any) -> Any:
+    """A field's JSON value: records written with `to_json`, inside lists and objects too."""
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, dict):
+        return {key: _dump(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_dump(item) for item in value]
+    return value
+
+
+@dataclasses.dataclass(kw_only=True)
+class Record:
+    """A JSON object with declared fields (see the module docstring)."""
+
+    @classmethod
+    def from_json(cls: type[R], record: object, where: str, fix: str) -> R:
+        """The record `record` (read at `where`, e.g. "runs/replay.json, policy 'x'"), refused with `fix` when a
+        declared field is missing or of another type."""
+        fields = _json_fields(cls)
+        kinds = {f.name: (f.metadata["kind"], OPTIONAL) if f.metadata["absent"] else f.metadata["kind"] for f in fields}
+        checked = check_fields(record, kinds, where, fix)
+        values = {}
+        for f in fields:
+            if f.name not in checked:
+                continue
+            read = f.metadata["read"]
+            value = checked[f.name]
+            values[f.name] = read(value, f"{where}, {f.name}", fix) if read and value is not None else value
+        return cls(**values)
+
+    def to_json(self) -> dict:
+        """The record as kvprof writes it."""
+        return {
+            f.name: _dump(getattr(self, f.name))
+            for f in _json_fields(self)
+            if not (f.metadata["absent"] and getattr(self, f.name) is None)
+        }
+
+
+def record_reader(cls: type[Record]) -> Reader:
+    """A `json_field` reader of one nested `cls` record."""
+    return lambda value, where, fix: cls.from_json(value, where, fix)
+
+
+def records_by_label(cls: type[Record]) -> Reader:
+    """A `json_field` reader of an object of `cls` records by label (a policy's, a run's)."""
+    return lambda value, where, fix: {
+        label: cls.from_json(item, f"{where} {label!r}", fix) for label, item in value.items()
+    }
+
+
+def records_in_list(cls: type[Record]) -> Reader:
+    """A `json_field` reader of a list of `cls` records."""
+    return lambda value, where, fix: [cls.from_json(item, f"{where} {index}", fix) for index, item in enumerate(value)]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Environment(Record):
+    """What a result was measured on: python, torch and CUDA device versions, the CPU (`kvprof.profiling`), torch's
+    CPU threads; `workers`: a distributed run's Ray workers (host, device, CPU, ...), where there were any."""
+
+    python: str = json_field(str)
+    torch: str = json_field(str)
+    cuda: str | None = json_field((str, OPTIONAL))
+    cpu: dict | None = json_field((dict, OPTIONAL))
+    cpu_threads: int = json_field(int)
+    workers: list[dict] | None = json_field(list, absent=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Envelope(Record):
+    """The wrapper of every result file (`kvprof.commands.common.result_envelope`): `schema` is
+    `kvprof.result.<kind>`, `version` the format version, `kvprof` the version that wrote it, `created` an ISO
+    time, `args` the command's options (paths as text); all but the schema and version may be missing in a file
+    trimmed by hand (tests/data/simulate)."""
+
+    schema: str = json_field(str)
+    version: int = json_field(int)
+    kvprof: str | None = json_field(str, absent=True)
+    created: str | None = json_field(str, absent=True)
+    environment: Environment | None = json_field(dict, read=record_reader(Environment), absent=True)
+    args: dict | None = json_field(dict, absent=True)
+
+    @property
+    def kind(self) -> str:
+        """The result's kind: `replay`, `tune_tau`, ..."""
+        return self.schema.removeprefix(RESULT_SCHEMA)
+
+
+ENVELOPE_FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
+
+
+@dataclasses.dataclass(kw_only=True)
+class ResultFile(Record):
+    """A command's result: its payload's fields, declared by each subclass, and the file's `envelope` (None for a
+    payload a command holds in memory). Subclasses set `KIND` (the schema's suffix) and `FIX` (what a refusal
+    tells the user to do)."""
+
+    KIND: ClassVar[str]
+    FIX: ClassVar[str]
+    envelope: Envelope | None = None
+
+    @classmethod
+    def read(cls: type[F], path: str | os.PathLike) -> F:
+        """The result in the file at `path`, refused in one sentence naming it when it is not a kvprof result of
+        this kind, is of a newer format, or lacks a field this kvprof reads."""
+        _, payload = read_result(path, cls.FIX, cls.KIND)
+        return cls.from_json(payload, str(path), cls.FIX)
+
+    @classmethod
+    def from_json(cls: type[F], record: object, where: str, fix: str | None = None) -> F:
+        """The result in `record`: a result file's JSON (with its envelope) or a command's payload (without)."""
+        fix = fix or cls.FIX
+        checked = check_fields(record, {}, where, fix)
+        payload = {key: value for key, value in checked.items() if key not in ENVELOPE_FIELDS}
+        result = super().from_json(payload, where, fix)
+        if "schema" in checked:
+            envelope = {key: checked[key] for key in ENVELOPE_FIELDS if key in checked}
+            result.envelope = Envelope.from_json({"version": RESULT_VERSION} | envelope, where, fix)
+        return result
+
+    def to_json(self) -> dict:
+        """The result file's JSON: the envelope's fields, then the payload's (the payload alone without one)."""
+        return (self.envelope.to_json() if self.envelope else {}) | super().to_json()
+
+
+__all__ = [
+    "NUMBER",
+    "OPTIONAL",
+    "Envelope",
+    "Environment",
+    "Record",
+    "ResultFile",
+    "json_field",
+    "record_reader",
+    "records_by_label",
+    "records_in_list",
+]

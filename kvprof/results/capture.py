@@ -1,0 +1,48 @@
+"""`kvprof capture`'s result (capture.json): the trace it wrote and what that trace holds.
+
+Typed: the top level and the summary (`CaptureSummary`). Kept as JSON: the per-agent counts (`CaptureSummary.agents`:
+agent → turns, input_tokens, output_tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvprof.results.base import NUMBER, OPTIONAL, Record, ResultFile, json_field, record_reader
+
+FIX = "pass the capture.json a `kvprof capture` run wrote, unchanged (or rerun `kvprof capture`)"
+
+
+@dataclasses.dataclass(kw_only=True)
+class CaptureSummary(Record):
+    """A captured trace's numbers (`kvprof.capture.runner.trajectory_summary`): trajectories, agent calls, distinct
+    tokens and those in segments several agents read, tasks with an answer and the exact-match accuracy on them
+    (None without any), the seconds the capture took, and per-agent turn and token counts."""
+
+    trajectories: int = json_field(int)
+    turns: int = json_field(int)
+    distinct_tokens: int = json_field(int)
+    shared_tokens: int = json_field(int)
+    with_answer: int = json_field(int)
+    accuracy: float | None = json_field((*NUMBER, OPTIONAL))
+    seconds: float = json_field(NUMBER)
+    agents: dict[str, dict] = json_field(dict)
+
+
+@dataclasses.dataclass(kw_only=True)
+class CaptureResult(ResultFile):
+    """A capture: the trace file written and its summary."""
+
+    KIND = "capture"
+    FIX = FIX
+
+    trace: str = json_field(str)
+    summary: CaptureSummary = json_field(dict, read=record_reader(CaptureSummary))
+
+
+def capture_summary_of(summary: CaptureSummary | dict) -> CaptureSummary:
+    """`summary` itself, or the summary in its JSON (as `kvprof capture` and `kvprof import-chat` pass it to the
+    report until they build a `CaptureSummary`)."""
+    if isinstance(summary, CaptureSummary):
+        return summary
+    return CaptureSummary.from_json(summary, "the capture summary", FIX)

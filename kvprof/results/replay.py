@@ -1,0 +1,196 @@
+"""`kvprof replay`'s result (replay.json): the dense run and each policy's run, their summaries, and how the replay
+ran.
+
+Typed: the top level, each run (`DenseRun`, `PolicyRun`: a policy's identity, options and published figures) and
+each run's summary (`RunSummary`, with the dense run's timeline or a policy's ratios to the dense run). Kept as JSON
+(free-form, read by few and written by the engine record by record):
+
+- per-turn records (`turns`), per-layer means (`RunSummary.layers`), errors by hop, per-trajectory TTFT sums;
+- a policy's published figures (`PolicyRun.published`, `asdict` of `kvprof.policies.Published` plus its text);
+- the online runs (`online`: label → accuracy, correct, tasks, diverged_turns), the timing and span-matching
+  settings, the layer kinds, the CPU, GPU memory, memory verdicts (`kvprof.claims.memory`), self-check errors and a
+  sharded replay's `distributed` block.
+
+Deviations from the file as written:
+
+- a run's summary may be missing (simulate reads the turns alone: tests/data/simulate/replay.json); the report
+  refuses such a file;
+- fields older files lack (moved spans, layer kinds, span matching, online runs, ...) read as None and are left out
+  when written again; nullable fields they lack (`gpu_memory`, `self_check`) read as None and are written as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import overload
+
+from kvprof.errors import KvprofError
+from kvprof.results.base import (
+    NUMBER,
+    OPTIONAL,
+    Record,
+    ResultFile,
+    json_field,
+    record_reader,
+    records_by_label,
+)
+
+FIX = "pass the replay.json a `kvprof replay` run wrote, unchanged (or rerun `kvprof replay`)"
+MAYBE_NUMBER = (*NUMBER, OPTIONAL)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunSummary(Record):
+    """One run's aggregate over its turns (`kvprof.replay.engine.summarise`; docs/design.md defines the metrics):
+    token counts, fidelity (kl, top1, first-token match, agreement with the trace), reuse, recomputation, cost
+    (prefilled tokens, FLOPs, TTFT / decode / latency in seconds), memory peaks in bytes, per-layer K and V errors."""
+
+    turns: int = json_field(int)
+    input_tokens: int = json_field(int)
+    output_tokens: int = json_field(int)
+    kl: float = json_field(NUMBER)
+    top1: float = json_field(NUMBER)
+    first_token_match: float | None = json_field(MAYBE_NUMBER)
+    trace_agreement: float = json_field(NUMBER)
+    reuse_per_token: float = json_field(NUMBER)
+    reuse_per_call: float | None = json_field(MAYBE_NUMBER)
+    reuse_per_call_excl_source: float | None = json_field(MAYBE_NUMBER)
+    adapter_free_per_token: float = json_field(NUMBER)
+    recomputed: int = json_field(NUMBER)
+    moved: int | None = json_field(NUMBER, absent=True)
+    moved_recomputed: int | None = json_field(NUMBER, absent=True)
+    adapter_made: int | None = json_field(NUMBER, absent=True)
+    delta_reuse: float | None = json_field(MAYBE_NUMBER)
+    error_by_hop: dict = json_field(dict)
+    recompute_ratio: float = json_field(NUMBER)
+    prefilled: float = json_field(NUMBER)
+    flops: float = json_field(NUMBER)
+    ttft_flops: float = json_field(NUMBER)
+    timing: str = json_field(str)
+    ttft_s: float = json_field(NUMBER)
+    trajectory_ttft_s: dict = json_field(dict)
+    decode_s: float = json_field(NUMBER)
+    tpot_s: float | None = json_field(MAYBE_NUMBER)
+    decode_tokens_per_s: float | None = json_field(MAYBE_NUMBER)
+    latency_s: float = json_field(NUMBER)
+    peak_memory_bytes: float = json_field(NUMBER)
+    peak_working_bytes: float = json_field(NUMBER)
+    cuda_peak_bytes: float | None = json_field(MAYBE_NUMBER)
+    allocator_peak_bytes: float | None = json_field(MAYBE_NUMBER)
+    allocator_peak_source: str | None = json_field((str, OPTIONAL))
+    peak_kv_block_bytes: float = json_field(NUMBER)
+    peak_kv_blocks: float = json_field(NUMBER)
+    layers: list[dict] = json_field(list)
+    k_error: float = json_field(NUMBER)
+    v_error: float = json_field(NUMBER)
+    tokens_per_s: float | None = json_field(MAYBE_NUMBER)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DenseSummary(RunSummary):
+    """The dense run's summary; `timeline`: how its turns followed the shared context
+    (`kvprof.replay.engine.timeline_summary`: turns, left, causes, restored, dropped_tokens, moved_tokens)."""
+
+    timeline: dict | None = json_field(dict, absent=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PolicySummary(RunSummary):
+    """A policy's summary with its ratios to the dense run of the same replay
+    (`kvprof.replay.engine.relative_to_dense`; None where the dense run's measure is zero or missing)."""
+
+    ttft_speedup: float | None = json_field(MAYBE_NUMBER)
+    tpot_speedup: float | None = json_field(MAYBE_NUMBER)
+    latency_speedup: float | None = json_field(MAYBE_NUMBER)
+    prefill_speedup_implied: float | None = json_field(MAYBE_NUMBER)
+    flops_ratio: float | None = json_field(MAYBE_NUMBER)
+    ttft_speedup_implied_flops: float | None = json_field(MAYBE_NUMBER)
+    harness_efficiency: float | None = json_field(MAYBE_NUMBER)
+    memory_ratio: float | None = json_field(MAYBE_NUMBER)
+    working_memory_ratio: float | None = json_field(MAYBE_NUMBER)
+    allocator_peak_ratio: float | None = json_field(MAYBE_NUMBER)
+    kv_block_ratio: float | None = json_field(MAYBE_NUMBER)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DenseRun(Record):
+    """The dense (NonShared) run every policy is measured against: its summary and per-turn records."""
+
+    summary: DenseSummary | None = json_field(dict, read=record_reader(DenseSummary), absent=True)
+    turns: list[dict] = json_field(list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PolicyRun(Record):
+    """One policy variant's run (`kvprof.replay.engine.policy_entry` plus its numbers): registry name, family,
+    paper, whether it is approximate, the modes it replays, whether it keeps moved spans, its options, published
+    figures and notes; its summary and per-turn records; `memory_accounting_exact`: whether its analytic memory
+    matched its live tensors."""
+
+    name: str | None = json_field(str, absent=True)
+    family: str | None = json_field(str, absent=True)
+    paper: str | None = json_field(str, absent=True)
+    approximate: bool | None = json_field(bool, absent=True)
+    modes: list[str] | None = json_field(list, absent=True)
+    moves_spans: bool | None = json_field(bool, absent=True)
+    options: dict | None = json_field(dict, absent=True)
+    published: list[dict] | None = json_field(list, absent=True)
+    notes: list[str] | None = json_field(list, absent=True)
+    summary: PolicySummary | None = json_field(dict, read=record_reader(PolicySummary), absent=True)
+    turns: list[dict] = json_field(list)
+    memory_accounting_exact: bool | None = json_field(bool, absent=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReplayResult(ResultFile):
+    """A replay: the dense run, each policy's run by label, the online runs, and the setting (model, mode, repeats,
+    timing, KV page size, span matching, weights' bytes, layer kinds, attention path, device, CPU, dtype, GPU
+    memory), the memory verdicts, the trace and its source, the skipped policies (label → reason), the self-check's
+    errors (label → error) and a sharded replay's `distributed` block."""
+
+    KIND = "replay"
+    FIX = FIX
+
+    dense: DenseRun = json_field(dict, read=record_reader(DenseRun))
+    policies: dict[str, PolicyRun] = json_field(dict, read=records_by_label(PolicyRun))
+    online: dict[str, dict] | None = json_field(dict, absent=True)
+    model: str | None = json_field(str, absent=True)
+    mode: str | None = json_field(str, absent=True)
+    repeats: int | None = json_field(int, absent=True)
+    timing: dict | None = json_field(dict, absent=True)
+    page_size: int | None = json_field(int, absent=True)
+    span_matching: dict | None = json_field(dict, absent=True)
+    weights_bytes: int | None = json_field(int, absent=True)
+    layers: list[dict] | None = json_field(list, absent=True)
+    lora_attention: str | None = json_field(str, absent=True)
+    device: str | None = json_field(str, absent=True)
+    cpu: dict | None = json_field(dict, absent=True)
+    dtype: str | None = json_field(str, absent=True)
+    gpu_memory: dict | None = json_field((dict, OPTIONAL))
+    memory_claims: list[dict] | None = json_field(list, absent=True)
+    distributed: dict | None = json_field(dict, absent=True)
+    trace: str | None = json_field(str, absent=True)
+    trace_source: str | None = json_field(str, absent=True)
+    skipped: dict[str, str] | None = json_field(dict, absent=True)
+    self_check: dict[str, float] | None = json_field((dict, OPTIONAL))
+
+
+def replay_of(result: ReplayResult | dict) -> ReplayResult:
+    """`result` itself, or the replay in its JSON: a result file's, or the payload `kvprof replay` holds before it
+    writes the file (the command passes that to the report until it builds a `ReplayResult`)."""
+    return result if isinstance(result, ReplayResult) else ReplayResult.from_json(result, "the replay result")
+
+
+@overload
+def summary_of(label: str, run: DenseRun) -> DenseSummary: ...
+
+
+@overload
+def summary_of(label: str, run: PolicyRun) -> PolicySummary: ...
+
+
+def summary_of(label: str, run: DenseRun | PolicyRun) -> RunSummary:
+    """The summary of the run `label`, refused when the result lacks it (simulate's fixtures keep turns alone)."""
+    if run.summary is None:
+        raise KvprofError(f"the replay result has no summary of the {label} run; {FIX}.")
+    return run.summary

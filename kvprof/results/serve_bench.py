@@ -1,0 +1,96 @@
+"""`kvprof serve-bench`'s result (serve_bench.json): a trace's calls replayed against an OpenAI-compatible server at
+each load, per sharing pattern, with every request's timings (`kvprof.serving`).
+
+Typed: the top level, each run (`ServeRun`), its summary (`ServeSummary`) and load (`ServeLoad`). Kept as JSON:
+
+- the server's description (`server`: url, version, started, pid, command, base, adapters);
+- a summary's nested statistics (`overall` and per agent: requests, prefix-cache hits, TTFT / TPOT / latency
+  distributions; throughput; cache use by turn; agreement with the trace; the server's gauges and prefix cache);
+- per-request records (`kvprof.serving.client.RequestRecord` as a dict), the server's metric samples, the
+  pattern comparison rows.
+
+Deviations from the file as written:
+
+- fields a file trimmed to what simulate reads lacks (tests/data/simulate/serve_bench.json) read as None and are
+  left out when written again; the nullable ones (`model`, `prefix_hit_ratio`) are written as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvprof.results.base import (
+    NUMBER,
+    OPTIONAL,
+    Record,
+    ResultFile,
+    json_field,
+    record_reader,
+    records_in_list,
+)
+
+FIX = "pass the serve_bench.json a `kvprof serve-bench` run wrote, unchanged (or rerun `kvprof serve-bench`)"
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServeLoad(Record):
+    """A run's load: its kind (qps: open loop, concurrency: closed loop), value and label ("2 qps")."""
+
+    kind: str = json_field(str)
+    value: float = json_field(NUMBER)
+    label: str | None = json_field(str, absent=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServeSummary(Record):
+    """One run's summary (`kvprof.serving.summary.summarize`): its pattern (agents: every agent's adapter; base:
+    the base model alone), load, requests, trajectories left unfinished, seconds, throughput (requests, output
+    tokens and tokens per second), prefix-cache hit ratio, cache use by turn, agreement with the trace, statistics
+    overall and per agent, and the server's gauges and prefix-cache counters."""
+
+    pattern: str = json_field(str)
+    load: ServeLoad = json_field(dict, read=record_reader(ServeLoad))
+    requests: int | None = json_field(int, absent=True)
+    unfinished_trajectories: list[str] | None = json_field(list, absent=True)
+    duration_s: float | None = json_field(NUMBER, absent=True)
+    throughput: dict | None = json_field(dict, absent=True)
+    prefix_hit_ratio: float | None = json_field((*NUMBER, OPTIONAL))
+    cache_by_turn: dict | None = json_field(dict, absent=True)
+    agreement: dict | None = json_field(dict, absent=True)
+    overall: dict = json_field(dict)
+    agents: dict[str, dict] | None = json_field(dict, absent=True)
+    server: dict | None = json_field(dict, absent=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServeRun(Record):
+    """One (pattern, load) run: its summary, every request's record and the server's metric samples."""
+
+    summary: ServeSummary = json_field(dict, read=record_reader(ServeSummary))
+    requests: list[dict] = json_field(list)
+    samples: list[dict] | None = json_field(list, absent=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServeBenchResult(ResultFile):
+    """A serve-bench: the trace, its mode and model, the server, the trajectories replayed, the runs and the
+    pattern comparison (agents against base at each load)."""
+
+    KIND = "serve_bench"
+    FIX = FIX
+
+    trace: str | None = json_field(str, absent=True)
+    mode: str | None = json_field(str, absent=True)
+    model: str | None = json_field((str, OPTIONAL))
+    server: dict = json_field(dict)
+    trajectories: list[str] | None = json_field(list, absent=True)
+    runs: list[ServeRun] = json_field(list, read=records_in_list(ServeRun))
+    comparison: list[dict] | None = json_field(list, absent=True)
+
+
+def serve_bench_of(result: ServeBenchResult | dict) -> ServeBenchResult:
+    """`result` itself, or the serve-bench in its JSON: a result file's, or the payload `kvprof serve-bench` holds
+    before it writes the file (the command passes that to the report until it builds a `ServeBenchResult`)."""
+    if isinstance(result, ServeBenchResult):
+        return result
+    return ServeBenchResult.from_json(result, "the serve-bench result")
