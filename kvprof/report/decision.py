@@ -216,98 +216,106 @@ def pareto_figure(items: Sequence[Outcome], chosen: Decision | None = None) -> g
     marker area ∝ memory ÷ dense; error bars: bootstrap intervals over tasks. With `chosen`, arrows name the fastest
     policy meeting the target and the recommended one."""
     has_accuracy = items[0].accuracy is not None
-    n = items[0].ttft.n
-    titles = ([f"online accuracy (n = {items[0].accuracy.n} tasks)"] if items[0].accuracy else []) + [
+    titles = ([f"online accuracy (n = {items[0].accuracy.n} tasks)"] if has_accuracy else []) + [
         "KL(dense ‖ policy), teacher-forced"
     ]
     figure = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, horizontal_spacing=0.1)
     positive = [o.kl for o in items if o.kl > 0]
-    floor = min(positive, default=1e-6) / 10
+    floor = min(positive, default=1e-6) / 10  # where KL = 0 is drawn on the log axis
     for o in items:
-        look = policy_style(o.label)
-        marker = look.marker(_size(o.memory.value)) | {"opacity": 0.85}
-        hover = f"{o.label}<br>TTFT {o.ttft.text(unit='×')}<br>KL {o.kl:.3g}<br>memory {o.memory.value:.2f}× dense" + (
-            f"<br>accuracy {o.accuracy.text('.0%')}" if o.accuracy else ""
-        )
-        common = dict(
-            x=[o.ttft.value],
-            error_x=_error(o.ttft),
-            mode="markers",
-            marker=marker,
-            name=o.label,
-            legendgroup=o.label,
-            hovertext=[hover],
-            hoverinfo="text",
-        )
-        if o.accuracy:
-            figure.add_trace(
-                go.Scatter(y=[100 * o.accuracy.value], error_y=_error(o.accuracy, 100), **common), row=1, col=1
-            )
+        _add_outcome(figure, o, floor, kl_col=len(titles), legend_on_kl=not has_accuracy)
+    _speed_up_axes(figure, items, len(titles))
+    if has_accuracy:
+        _accuracy_band(figure, items[0].accuracy.value)
+    decades = [np.log10(floor) - 0.3, np.log10(max(positive, default=floor * 10)) + 0.3]  # explicit: see _speed_up_axes
+    figure.update_yaxes(
+        type="log", range=decades, exponentformat="power", title_text="nats / output token", row=1, col=len(titles)
+    )
+    if floor < min(positive, default=floor * 10):
+        exact = Reference(floor, "KL = 0 (exact) drawn on this line")
+        add_references(figure, [exact], log_x=True, log_y=True, row=1, col=len(titles))
+    if chosen is not None:
+        _name_choices(figure, chosen, has_accuracy, floor)
+    measured = "Accuracy and KL" if has_accuracy else "KL"
+    base_layout(figure, f"{measured} against measured TTFT speed-up — marker area ∝ memory ÷ dense", height=470)
+    figure.update_layout(legend=dict(y=-0.2), margin=dict(l=60, r=20, t=90, b=50))
+    return figure
+
+
+def _add_outcome(figure: go.Figure, o: Outcome, floor: float, kl_col: int, legend_on_kl: bool) -> None:
+    """One policy's markers: accuracy (column 1, when measured) and KL (column `kl_col`, 0 drawn at `floor`; in the
+    legend when `legend_on_kl`)."""
+    marker = policy_style(o.label).marker(_size(o.memory.value)) | {"opacity": 0.85}
+    hover = f"{o.label}<br>TTFT {o.ttft.text(unit='×')}<br>KL {o.kl:.3g}<br>memory {o.memory.value:.2f}× dense" + (
+        f"<br>accuracy {o.accuracy.text('.0%')}" if o.accuracy else ""
+    )
+    common = dict(
+        x=[o.ttft.value],
+        error_x=_error(o.ttft),
+        mode="markers",
+        marker=marker,
+        name=o.label,
+        legendgroup=o.label,
+        hovertext=[hover],
+        hoverinfo="text",
+    )
+    if o.accuracy:
         figure.add_trace(
-            go.Scatter(y=[o.kl if o.kl > 0 else floor], showlegend=not has_accuracy, **common),
-            row=1,
-            col=len(titles),
+            go.Scatter(y=[100 * o.accuracy.value], error_y=_error(o.accuracy, 100), **common), row=1, col=1
         )
-    kl_col = len(titles)
+    kl = go.Scatter(y=[o.kl if o.kl > 0 else floor], showlegend=legend_on_kl, **common)
+    figure.add_trace(kl, row=1, col=kl_col)
+
+
+def _speed_up_axes(figure: go.Figure, items: Sequence[Outcome], columns: int) -> None:
+    """Every column's x axis: TTFT speed-up on a log axis with the dense run's line at 1."""
     low = min(o.ttft.low for o in items)
     high = max(o.ttft.high for o in items)
     # Log axes get explicit ranges (in decades): plotly's autorange reads a reference line's value on a log axis
     # as a power of ten and would stretch the axis to it.
     span = [np.log10(min(low, 1.0) / 1.15), np.log10(max(high, 1.0) * 1.15)]
-    for col in range(1, kl_col + 1):
+    title = f"TTFT speed-up × (dense ÷ policy, n = {items[0].ttft.n} tasks)"
+    for col in range(1, columns + 1):
         add_references(figure, [Reference(1.0, "dense", axis="x")], log_x=True, row=1, col=col)
-        figure.update_xaxes(
-            type="log", range=span, title_text=f"TTFT speed-up × (dense ÷ policy, n = {n} tasks)", row=1, col=col
-        )
-    if items[0].accuracy:
-        bar = 100 * (items[0].accuracy.value - TOLERANCE)
-        figure.add_hrect(
-            y0=bar,
-            y1=104,
-            fillcolor="#009E73",
-            opacity=0.12,
-            line_width=0,
-            row=1,
-            col=1,
-        )
-        figure.add_annotation(
-            text="shaded: within 1 point of NonShared",
-            xref="x domain",
-            yref="y",
-            x=0.02,
-            y=bar - 2,
-            yanchor="top",
-            xanchor="left",
-            showarrow=False,
-            font=dict(size=10, color="#555"),
-            row=1,
-            col=1,
-        )
-        figure.update_yaxes(title_text="exact-match accuracy %", range=[-5, 105], row=1, col=1)
-    decades = [np.log10(floor) - 0.3, np.log10(max(positive, default=floor * 10)) + 0.3]  # explicit, as above
-    figure.update_yaxes(
-        type="log", range=decades, exponentformat="power", title_text="nats / output token", row=1, col=kl_col
+        figure.update_xaxes(type="log", range=span, title_text=title, row=1, col=col)
+
+
+def _accuracy_band(figure: go.Figure, dense_accuracy: float) -> None:
+    """The accuracy column's axis and the band within the tolerance of the dense run's accuracy."""
+    bar = 100 * (dense_accuracy - TOLERANCE)
+    figure.add_hrect(y0=bar, y1=104, fillcolor="#009E73", opacity=0.12, line_width=0, row=1, col=1)
+    figure.add_annotation(
+        text="shaded: within 1 point of NonShared",
+        xref="x domain",
+        yref="y",
+        x=0.02,
+        y=bar - 2,
+        yanchor="top",
+        xanchor="left",
+        showarrow=False,
+        font=dict(size=10, color="#555"),
+        row=1,
+        col=1,
     )
-    if floor < min(positive, default=floor * 10):
-        exact = Reference(floor, "KL = 0 (exact) drawn on this line")
-        add_references(figure, [exact], log_x=True, log_y=True, row=1, col=kl_col)
-    if chosen is not None:
-        y_of = (lambda o: 100 * o.accuracy.value) if has_accuracy else (lambda o: o.kl if o.kl > 0 else floor)
-        log_y = not has_accuracy
-        fastest, recommended = chosen.fastest, chosen.recommended
-        same = fastest is recommended
-        within = f" within {TOLERANCE * 100:.0f} point" if has_accuracy else ""
-        first = f"fastest{within}{' and recommended' if same else ''}: {fastest.label} {fastest.ttft.value:.2f}×"
-        y = y_of(fastest)
-        _point_to(figure, fastest, first, float(np.log10(y)) if log_y else y, (0, 45), 1)
-        if not same:
-            y = y_of(recommended)
-            second = f"recommended: {recommended.label} {recommended.ttft.value:.2f}×"
-            _point_to(figure, recommended, second, float(np.log10(y)) if log_y else y, (-80, 95), 1)
-    measured = "Accuracy and KL" if has_accuracy else "KL"
-    base_layout(figure, f"{measured} against measured TTFT speed-up — marker area ∝ memory ÷ dense", height=470)
-    figure.update_layout(legend=dict(y=-0.2), margin=dict(l=60, r=20, t=90, b=50))
-    return figure
+    figure.update_yaxes(title_text="exact-match accuracy %", range=[-5, 105], row=1, col=1)
+
+
+def _name_choices(figure: go.Figure, chosen: Decision, has_accuracy: bool, floor: float) -> None:
+    """Arrows to the fastest policy meeting the target and, when another, the recommended one."""
+
+    def y_of(o: Outcome) -> float:
+        if has_accuracy:
+            return 100 * o.accuracy.value
+        return float(np.log10(o.kl if o.kl > 0 else floor))  # a log axis takes annotation positions in decades
+
+    fastest, recommended = chosen.fastest, chosen.recommended
+    same = fastest is recommended
+    within = f" within {TOLERANCE * 100:.0f} point" if has_accuracy else ""
+    first = f"fastest{within}{' and recommended' if same else ''}: {fastest.label} {fastest.ttft.value:.2f}×"
+    _point_to(figure, fastest, first, y_of(fastest), (0, 45), 1)
+    if not same:
+        second = f"recommended: {recommended.label} {recommended.ttft.value:.2f}×"
+        _point_to(figure, recommended, second, y_of(recommended), (-80, 95), 1)
 
 
 def bars_figure(items: Sequence[Outcome]) -> go.Figure:

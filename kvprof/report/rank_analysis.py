@@ -154,15 +154,30 @@ def spectrum_style(layers: list[int]) -> StyleOf:
     return style
 
 
+COSINE_LABELS = {"cache_cosine": "caches", "base_cosine": "base caches", "adapter_cosine": "adapter outputs"}
+
+
 def figures(result: RankAnalysisResult) -> tuple[list, list, list]:
     """Per-layer curves (rank, norms, cosines, with the claims' thresholds), cumulative spectra, and agent-pair ×
     layer heatmaps of the cosines."""
+    spectra = [_spectrum_figure(result, kv) for kv in KV_NAMES]
+    return _layer_curves(result), spectra, _cosine_heatmaps(result)
+
+
+def _layer_curves(result: RankAnalysisResult) -> list:
+    """Effective rank, relative norms and cross-agent cosine per layer, with the papers' thresholds."""
     layers = [entry["layer"] for entry in result.layer_means]
     present = result.layer_means[0]["K"]
     context_free = result.context_free
 
-    def per_layer(metric: str, kv: str) -> list[float]:
-        return [entry[kv][metric] for entry in result.layer_means]
+    def per_layer(metrics: dict[str, str]) -> dict[str, list[float]]:
+        """`label K|V` → its metric per layer, for the metrics this result has."""
+        return {
+            f"{label} {kv}": [entry[kv][metric] for entry in result.layer_means]
+            for metric, label in metrics.items()
+            for kv in KV_NAMES
+            if metric in present
+        }
 
     reference_ranks = (
         {
@@ -172,50 +187,29 @@ def figures(result: RankAnalysisResult) -> tuple[list, list, list]:
         if context_free
         else {}
     )
-    cosine_labels = {"cache_cosine": "caches", "base_cosine": "base caches", "adapter_cosine": "adapter outputs"}
     cosine_references = [Reference(LRAGENT_BASE_COSINE, f"LRAgent: base caches > {LRAGENT_BASE_COSINE}")]
     if "adapter_cosine" in present:
         cosine_references += [
             Reference(LRAGENT_ORTHOGONAL, f"LRAgent: |adapter cos| < {LRAGENT_ORTHOGONAL}"),
             Reference(-LRAGENT_ORTHOGONAL, ""),
         ]
-    curves = [
+    ranks = per_layer({f"{name}_rank": label for name, label in QUANTITIES.items()}) | reference_ranks
+    norms = per_layer({"delta_relative": "‖Δ‖/‖C‖", "adapter_relative": "‖adapter‖/‖C‖"})
+    rank_reference = [Reference(KVCMAS_DELTA_RANK, f"KVCMAS: Δ rank < {KVCMAS_DELTA_RANK:g}")]
+    return [
         line_figure(
             layers,
-            {
-                f"{label} {kv}": per_layer(f"{name}_rank", kv)
-                for name, label in QUANTITIES.items()
-                for kv in KV_NAMES
-                if f"{name}_rank" in present
-            }
-            | reference_ranks,
+            ranks,
             "entropy effective rank per layer",
             "layer",
             "effective rank",
             style=quantity_style,
-            references=[Reference(KVCMAS_DELTA_RANK, f"KVCMAS: Δ rank < {KVCMAS_DELTA_RANK:g}")],
+            references=rank_reference,
         ),
+        line_figure(layers, norms, "relative norms per layer", "layer", "ratio", style=quantity_style),
         line_figure(
             layers,
-            {
-                f"{label} {kv}": per_layer(metric, kv)
-                for metric, label in (("delta_relative", "‖Δ‖/‖C‖"), ("adapter_relative", "‖adapter‖/‖C‖"))
-                for kv in KV_NAMES
-                if metric in present
-            },
-            "relative norms per layer",
-            "layer",
-            "ratio",
-            style=quantity_style,
-        ),
-        line_figure(
-            layers,
-            {
-                f"{label} {kv}": per_layer(metric, kv)
-                for metric, label in cosine_labels.items()
-                for kv in KV_NAMES
-                if metric in present
-            },
+            per_layer(COSINE_LABELS),
             "mean token cosine between two agents, per layer",
             "layer",
             "cosine",
@@ -223,37 +217,43 @@ def figures(result: RankAnalysisResult) -> tuple[list, list, list]:
             references=cosine_references,
         ),
     ]
-    spectra = []
-    for kv in KV_NAMES:
-        series = {
-            f"layer {entry['layer']} {QUANTITIES[name]}": list(accumulate(entry[kv][name]))
-            for entry in result.spectra
-            for name in ("cache", "delta")
+
+
+def _spectrum_figure(result: RankAnalysisResult, kv: str):
+    """`kv`'s cumulative energy spectra, per layer, of the caches and the deltas (context-free deltas too)."""
+    series = {
+        f"layer {entry['layer']} {QUANTITIES[name]}": list(accumulate(entry[kv][name]))
+        for entry in result.spectra
+        for name in ("cache", "delta")
+    }
+    if result.context_free:
+        series |= {
+            f"layer {entry['layer']} {CONTEXT_FREE_DELTA}": list(accumulate(entry[kv]["delta"]))
+            for entry in result.context_free["spectra"]
         }
-        if context_free:
-            series |= {
-                f"layer {entry['layer']} {CONTEXT_FREE_DELTA}": list(accumulate(entry[kv]["delta"]))
-                for entry in context_free["spectra"]
-            }
-        longest = max(len(values) for values in series.values())
-        zero = [name for name, values in series.items() if not any(values)]  # an exactly zero Δ has no spectrum
-        figure = line_figure(
-            list(range(1, longest + 1)),
-            {name: values for name, values in series.items() if name not in zero},
-            f"{kv}: energy captured by the top k singular directions (mean over spans)"
-            + (f"<br><sup>zero, not drawn: {', '.join(zero)}</sup>" if zero else ""),
-            "singular directions k (log)",
-            "fraction of Σσ²",
-            style=spectrum_style([entry["layer"] for entry in result.spectra]),
-            markers=False,
-            references=[
-                Reference(0.9, "90 %"),
-                Reference(0.99, "99 %"),
-                Reference(KVCMAS_DELTA_RANK, f"k = {KVCMAS_DELTA_RANK:g}", axis="x"),
-            ],
-            log_x=True,
-        )
-        spectra.append(figure)
+    longest = max(len(values) for values in series.values())
+    zero = [name for name, values in series.items() if not any(values)]  # an exactly zero Δ has no spectrum
+    return line_figure(
+        list(range(1, longest + 1)),
+        {name: values for name, values in series.items() if name not in zero},
+        f"{kv}: energy captured by the top k singular directions (mean over spans)"
+        + (f"<br><sup>zero, not drawn: {', '.join(zero)}</sup>" if zero else ""),
+        "singular directions k (log)",
+        "fraction of Σσ²",
+        style=spectrum_style([entry["layer"] for entry in result.spectra]),
+        markers=False,
+        references=[
+            Reference(0.9, "90 %"),
+            Reference(0.99, "99 %"),
+            Reference(KVCMAS_DELTA_RANK, f"k = {KVCMAS_DELTA_RANK:g}", axis="x"),
+        ],
+        log_x=True,
+    )
+
+
+def _cosine_heatmaps(result: RankAnalysisResult) -> list:
+    """Agent pair × layer heatmaps of the cosines the mode has (base and adapter in lora mode, caches in prompt)."""
+    layers = [entry["layer"] for entry in result.layer_means]
     heatmaps = []
     for metric in ["base_cosine", "adapter_cosine"] if result.mode == "lora" else ["cache_cosine"]:
         for kv in KV_NAMES:
@@ -263,11 +263,11 @@ def figures(result: RankAnalysisResult) -> tuple[list, list, list]:
                     grid,
                     [f"layer {layer}" for layer in layers],
                     rows,
-                    f"{kv}: mean token cosine of {cosine_labels[metric]}, agent pair × layer",
+                    f"{kv}: mean token cosine of {COSINE_LABELS[metric]}, agent pair × layer",
                     colorbar_title="cosine",
                 )
             )
-    return curves, spectra, heatmaps
+    return heatmaps
 
 
 def sections(result: RankAnalysisResult | dict) -> list[Section]:
