@@ -4,17 +4,15 @@ user's loads; the maths lives in kvprof/simulate/."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvprof.commands.common import OutOption, SeedOption, console, write_result
-from kvprof.errors import KvprofError
-from kvprof.serving.traffic import loads
+from kvprof.simulate import DEFAULT_QPS
 
-DEVICE_MODELS = ("a100", "h100", "h200")
-DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0, 8.0)
-KEPT = ("evict", "hold")
+if TYPE_CHECKING:
+    from kvprof.results.simulate import SimulateResult
 
 
 def command(
@@ -118,106 +116,35 @@ def command(
     """Serve every policy's measured per-turn work (from a replay) on a modelled vLLM-style engine at each load:
     TTFT p50/p90/p99, throughput, peak KV memory, out-of-memory, and the highest load meeting a TTFT SLO."""
     args = dict(locals())
-    from kvprof.simulate import cost as costs
-    from kvprof.simulate import sweep as sweeps
-    from kvprof.simulate.workload import read_replay, replay_work, scale_to_shapes
+    from kvprof.simulate.run import DEFAULT_SHARED_TOKENS, SimulationRequest, prepare
 
-    if calibration is not None and device_model is not None:
-        raise KvprofError("pass either --calibration or --device-model, not both.")
-    if fit_load is not None and calibration is None:
-        raise KvprofError("--fit-load selects runs of a --calibration file; pass --calibration SERVE_BENCH.json too.")
-    if device_model is not None and device_model not in DEVICE_MODELS:
-        raise KvprofError(
-            f"--device-model {device_model!r} is not one of {', '.join(DEVICE_MODELS)}; pass one of them."
-        )
-    if kept not in KEPT:
-        raise KvprofError(f"--kept {kept!r} is not one of {', '.join(KEPT)}; pass evict or hold.")
-    sweep_loads = loads(qps or [], concurrency or []) or loads(list(DEFAULT_QPS), [])
-    replay_data = read_replay(replay)
-    work = replay_work(replay_data, replay)
-    labels = policy or list(work.policies)
-    unknown = [label for label in labels if label not in work.policies]
-    if unknown:
-        raise KvprofError(
-            f"policy {unknown[0]!r} is not in {replay}; pass one of {', '.join(work.policies)} (or no --policy)."
-        )
-    calibration_data = costs.read_serve_bench(calibration) if calibration is not None else None
-    if device_model is not None:
-        step_cost = costs.roofline_cost(device_model, work)
-    elif calibration_data is not None:
-        step_cost = costs.serve_bench_cost(calibration_data, str(calibration), fit_load)
-    else:
-        step_cost = costs.fit(costs.replay_observations(replay_data), f"fit to the dense timings of {replay}")
-    if prefix_block is None:
-        prefix_block = (sweeps.cached_block(calibration_data) if calibration_data else None) or 16
-    settings = sweeps.Settings(
-        prefix_block=prefix_block,
-        evict_kept=kept == "evict",
-        memory_bytes=memory * sweeps.GIB,
-        duration=duration,
+    request = SimulationRequest(
+        replay=replay,
+        calibration=calibration,
+        fit_load=fit_load,
+        device_model=device_model,
+        policies=policy,
+        qps=qps or [],
+        concurrency=concurrency or [],
+        memory_gib=memory,
         ttft_slo=ttft_slo,
+        duration=duration,
         token_budget=token_budget,
         max_num_seqs=max_num_seqs,
+        prefix_block=prefix_block,
+        kept=kept,
+        shared_tokens=(shared_tokens or [DEFAULT_SHARED_TOKENS]) if shapes else None,
         seed=seed,
     )
-    errors = []
-    if calibration_data is not None:
-        errors = sweeps.serve_bench_errors(calibration_data, work, step_cost, settings, fit_load)
-    elif device_model is None:
-        errors = sweeps.replay_errors(replay_data, work, step_cost, settings)
-    lengths: list[int | None] = list(shared_tokens or [32768]) if shapes else [None]
-    rows, factors = [], {}
-    with console.status(f"simulating {len(labels)} policies at {len(sweep_loads)} loads × {len(lengths)} lengths"):
-        for length in lengths:
-            scaled = work if length is None else scale_to_shapes(work, length)
-            factors[str(length)] = scaled.scale
-            for row in sweeps.sweep(scaled, step_cost, settings, sweep_loads, labels):
-                rows.append(row | {"shared_tokens": length})
-    payload = {
-        "replay": str(replay),
-        "calibration": str(calibration) if calibration is not None else None,
-        "cost_model": step_cost.as_dict(),
-        "calibration_errors": errors,
-        "scale": {"shared_tokens": lengths if shapes else None, "factors": factors, "linear": True},
-        "model": {
-            "params": work.params,
-            "weight_bytes": work.weight_bytes(),
-            "kv_bytes_per_token": work.kv_bytes_per_token,
-        },
-        "settings": {
-            "memory_bytes": settings.memory_bytes,
-            "token_budget": token_budget,
-            "max_num_seqs": max_num_seqs,
-            "block_size": 16,
-            "prefix_block": prefix_block,
-            "kept": kept,
-            "duration_s": duration,
-            "ttft_slo_s": ttft_slo,
-        },
-        "runs": rows,
-        "sustainable": sweeps.sustainable_loads(rows, ttft_slo) if ttft_slo is not None else None,
-    }
-    payload["serving_claims"] = serving_claims(payload, replay_data)
-    show(payload)
-    path = write_result(out, "simulate", payload, args)
+    simulation = prepare(request)
+    with console.status(simulation.description):
+        result = simulation.run()
+    show(result)
+    path = write_result(out, "simulate", result.to_json(), args)
     console.print(f"wrote {path} (dashboard: kvprof report {path})")
 
 
-def serving_claims(payload: dict, replay_data: dict) -> list[dict]:
-    """Verdicts on the simulated policies' published serving figures (kvprof.claims.serving), the claims read from
-    the policy registry so that replays saved before a claim was recorded get its verdict too."""
-    from dataclasses import asdict
-
-    from kvprof.claims.serving import serving_verdicts
-    from kvprof.policies import REGISTRY
-
-    runs = {label: {"name": entry.get("name", label), "options": entry.get("options") or {}} for label, entry in
-            replay_data["policies"].items()}  # fmt: skip
-    published = {name: [asdict(figure) for figure in cls.published] for name, cls in REGISTRY.items()}
-    return serving_verdicts(payload, runs, published)
-
-
-def show(result: dict) -> None:
+def show(result: SimulateResult) -> None:
     """The cost model line, the calibration's errors, the per-policy table and the sustainable loads."""
     from kvprof.report.simulate import (
         claim_lines,

@@ -16,3 +16,5 @@ The published serving figures' verdicts from a simulation are `kvprof.claims.ser
 Pure Python (no torch; numpy and scipy only for the fit): an hour of traffic at 8 qps for each of 17 policies takes
 40–50 s on one core (scripts/simulate_bench.py).
 """
+
+DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0, 8.0)  # the loads `kvprof simulate` sweeps by default (trajectories per second)
