@@ -19,18 +19,21 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from kvprof.commands import capture, rank_analysis, replay
-from kvprof.commands import fit_anchors as fit_anchors_command
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
     OutOption,
     SeedOption,
+    capture_with_progress,
     command_args,
     console,
     print_adapters,
     print_sections,
+    print_skipped,
     progress,
+    replay_progress,
+    show_replay,
+    write_replay_page,
     write_result,
 )
 from kvprof.errors import KvprofError
@@ -57,9 +60,9 @@ class DemoContext:
     k_error: dict[str, float] = field(default_factory=dict)  # policy → K error of the q/k/v/o replay
     lora_replays: dict[str, dict] = field(default_factory=dict)  # adapter targets → replay of the plain LoRA agents
 
-    def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
-        """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
-        it, and keep its path for the report."""
+    def write_result(self, out: Path, kind: str, payload: dict, command: str, **options) -> Path:
+        """Write OUT/<kind>.json as `kvprof COMMAND` run with `options` (and this demo's device, dtype and seed)
+        writes it, and keep its path for the report."""
         path = write_result(
             out,
             kind,
@@ -92,14 +95,14 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
     agents = load_agents(spec, model, device=ctx.device, dtype=ctx.dtype)
     print_adapters(agents)
     sampling = Sampling(seed=ctx.seed)
-    trajectories, summary = capture.capture_with_progress(
+    trajectories, summary = capture_with_progress(
         agents, tasks, trace_path, sampled_trace_header(model, agents, sampling), sampling
     )
     result_path = ctx.write_result(
         out,
         "capture",
         {"trace": str(trace_path), "summary": summary},
-        capture.command,
+        "capture",
         model=model,
         tasks=ctx.world.heldout_tasks,
         workflow=workflow,
@@ -179,7 +182,7 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
         console.print(table.to_rich())
     for line in verdict_lines(record):
         console.print(line, markup=False)
-    json_path = ctx.write_result(out, "rank_analysis", record, rank_analysis.command, trace=trace, limit=limit)
+    json_path = ctx.write_result(out, "rank_analysis", record, "rank-analysis", trace=trace, limit=limit)
     html_path = write_report(out / "rank_analysis.html", record)
     console.print(f"wrote {json_path} and {html_path} ({record['seconds']:.1f} s)")
     claims = record["claims"]
@@ -202,15 +205,18 @@ def _online_replay(
     writes it (`options`: its other arguments; without `policy`, the selection that replays `variants`,
     `command_selection`); returns the record, online accuracy per run and that as text."""
     from kvprof.policies import command_selection
+    from kvprof.replay.engine import run_replay, with_trace
 
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)
-    record = replay.replay_with_progress(
-        trace, agents, trajectories, variants, skipped, repeats=ctx.repeats, online=True, lora_attention=lora_attention
-    )
-    replay.show(record)
-    ctx.write_result(out, "replay", record, replay.command, trace=trace, online=True, repeats=ctx.repeats, **options)
-    replay.write_page(out, record)
+    with replay_progress(f"replaying {len(variants)} policies", trajectories, len(variants), True) as hooks:
+        record = run_replay(
+            agents, trajectories, variants, ctx.repeats, online=True, lora_attention=lora_attention, hooks=hooks
+        )
+    record = with_trace(record, trace, skipped)
+    show_replay(record)
+    ctx.write_result(out, "replay", record, "replay", trace=trace, online=True, repeats=ctx.repeats, **options)
+    write_replay_page(out, record)
     online = {name: row["accuracy"] for name, row in record["online"].items()}
     return record, online, ", ".join(f"{name} {value:.0%}" for name, value in online.items())
 
@@ -231,7 +237,7 @@ def _replay_lora(
     selection = [ALL] if sweep else list(REGISTRY)
     every = [v for v in enumerate_variants(selection) if families is None or v.policy.family in families]
     variants, skipped = runnable_variants(every, Runtime(agents), skip=True)
-    replay.print_skipped(skipped)
+    print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     return _online_replay(
         ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda",
@@ -373,7 +379,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
             pools[name] = pool.save(out / f"anchors_{name}.safetensors", identity)
             report.update(pool=str(pools[name]), trace=str(trace), model=agents.model_name, stored_rank=rank)
             fit_path = ctx.write_result(
-                out / f"fit_{name}", "fit_anchors", report, fit_anchors_command.command,
+                out / f"fit_{name}", "fit_anchors", report, "fit-anchors",
                 trace=trace, rank="full" if rank is None else str(rank), limit=half,
             )  # fmt: skip
     console.print(fit_memory_table(report).to_rich())

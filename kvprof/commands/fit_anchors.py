@@ -27,8 +27,6 @@ from kvprof.errors import KvprofError
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
 from kvprof.traces.trace import read_trace
 
-POOL_FILE = "anchors.safetensors"
-
 
 def command(
     trace: Annotated[
@@ -62,6 +60,7 @@ def command(
 
     from kvprof.model.agents import load_agents_for_trace
     from kvprof.model.runtime import Runtime
+    from kvprof.policies.anchors import POOL_FILE
     from kvprof.policies.delta import pool_identity
     from kvprof.report.anchors import fit_error_table, fit_memory_table
     from kvprof.tuning.anchor_fit import fit_anchors
