@@ -503,35 +503,23 @@ def _announce(index: int, stages: list[Stage], ctx: DemoContext, spent: float, d
     console.print(" ".join((stage.run.__doc__ or "").split()), style="dim", markup=False)
 
 
+HELP = {
+    "full": "Every world and adapter set (captures without adapters, with the papers' q/v adapters and with Activated "
+    "LoRA twins, the rank analysis, every variant of every policy, aLoRA agents against LoRA agents, the codebook "
+    "world): about 10 minutes on 2 CPU cores.",
+    "tasks": "Held-out demo tasks per capture (default 12; 20 with --full).",
+    "replay_tasks": "Tasks replayed under every policy (default 6; 10 with --full).",
+    "repeats": "Timed repeats of each replayed prefill (after a warm-up); TTFT is the median.",
+    "world": "A demo world folder written by `python -m kvprof.demo.train` (default: the shipped one).",
+}
+
+
 def command(
-    full: Annotated[
-        bool,
-        typer.Option(
-            "--full",
-            help="Every world and adapter set (captures without adapters, with the papers' q/v adapters and with "
-            "Activated LoRA twins, the rank analysis, every variant of every policy, aLoRA agents against LoRA agents, "
-            "the codebook world): about 10 minutes on 2 CPU cores.",
-        ),
-    ] = False,
-    tasks: Annotated[
-        int | None, typer.Option("--tasks", help="Held-out demo tasks per capture (default 12; 20 with --full).")
-    ] = None,
-    replay_tasks: Annotated[
-        int | None,
-        typer.Option("--replay-tasks", help="Tasks replayed under every policy (default 6; 10 with --full)."),
-    ] = None,
-    repeats: Annotated[
-        int,
-        typer.Option(
-            "--repeats", min=1, help="Timed repeats of each replayed prefill (after a warm-up); TTFT is the median."
-        ),
-    ] = 2,
-    world: Annotated[
-        Path | None,
-        typer.Option(
-            "--world", help="A demo world folder written by `python -m kvprof.demo.train` (default: the shipped one)."
-        ),
-    ] = None,
+    full: Annotated[bool, typer.Option("--full", help=HELP["full"])] = False,
+    tasks: Annotated[int | None, typer.Option("--tasks", help=HELP["tasks"])] = None,
+    replay_tasks: Annotated[int | None, typer.Option("--replay-tasks", help=HELP["replay_tasks"])] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help=HELP["repeats"])] = 2,
+    world: Annotated[Path | None, typer.Option("--world", help=HELP["world"])] = None,
     out: OutOption = Path("runs/demo"),
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "auto",
@@ -565,8 +553,23 @@ def command(
         + ("" if full else " (every stage: kvprof demo --full)"),
         markup=False,
     )
+    started = time.perf_counter()
+    results = _run_stages(stages, ctx)
+    total = time.perf_counter() - started
+    _print_summary(f"kvprof demo{' --full' if full else ''} ({total:.0f} s)", results)
+    path = write_result(
+        out,
+        "demo",
+        {"world": str(ctx.world.root), "full": full, "stages": results, "seconds": round(total, 1)},
+        args | {"tasks": tasks, "replay_tasks": replay_tasks},
+    )
+    console.print(f"wrote {path}")
+
+
+def _run_stages(stages: list[Stage], ctx: DemoContext) -> dict[str, dict]:
+    """Run the stages in order, each announced; what demo.json records of each (its summary, seconds, numbers and
+    outputs), by stage name."""
     results: dict[str, dict] = {}
-    rows = []
     started = time.perf_counter()
     done_expected = 0.0
     for index, stage in enumerate(stages):
@@ -581,22 +584,19 @@ def command(
             **result.metrics,
             "outputs": [str(p) for p in result.outputs],
         }
-        rows.append((stage.name, result.summary, seconds, result.outputs))
-    total = time.perf_counter() - started
-    table = Table(title=f"kvprof demo{' --full' if full else ''} ({total:.0f} s)")
+    return results
+
+
+def _print_summary(title: str, results: dict[str, dict]) -> None:
+    """The table of stages (result, seconds, outputs), then the report's decision cards: the answer last, where the
+    terminal stops."""
+    table = Table(title=title)
     for column in ("stage", "result", "seconds", "outputs"):
         table.add_column(column, justify="right" if column == "seconds" else "left")
-    for name, summary, seconds, outputs in rows:
-        table.add_row(name, summary, f"{seconds:.1f}", "\n".join(str(p) for p in outputs))
+    for name, result in results.items():
+        table.add_row(name, result["summary"], f"{result['seconds']:.1f}", "\n".join(result["outputs"]))
     console.print(table)
-    for title, card in results["report"]["decisions"].items():  # the answer last, where the terminal stops
-        console.rule(title)
+    for heading, card in results["report"]["decisions"].items():
+        console.rule(heading)
         for line in card:
             console.print(line, style="bold", markup=False)
-    path = write_result(
-        out,
-        "demo",
-        {"world": str(ctx.world.root), "full": full, "stages": results, "seconds": round(total, 1)},
-        args | {"tasks": tasks, "replay_tasks": replay_tasks},
-    )
-    console.print(f"wrote {path}")
