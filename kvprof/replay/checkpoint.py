@@ -143,8 +143,7 @@ class Checkpoint:
         name = self.settings.get(key, key)
         if key in UNSHOWN:
             return name
-        shown = [", ".join(value) if isinstance(value, dict) else str(value) for value in (saved, current)]
-        return f"{name} {shown[0]}, not {shown[1]}"
+        return f"{name} {_shown(saved)}, not {_shown(current)}"
 
     def _refuse_foreign(self, foreign: list[str]) -> None:
         if foreign:
@@ -152,3 +151,13 @@ class Checkpoint:
                 f"checkpoint {self.path} holds trajectories {', '.join(foreign[:3])} that this replay does not "
                 "include; pass the --limit it was made with, or delete it to start again."
             )
+
+
+def _shown(value) -> str:
+    """A setting's value in a refusal: a list's items; a dict's keys, with their values when those are plain (the
+    variants of a replay by label, span matching as key=value)."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    if isinstance(value, dict):
+        return ", ".join(key if isinstance(item, dict) else f"{key}={item}" for key, item in value.items())
+    return str(value)
