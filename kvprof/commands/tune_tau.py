@@ -114,10 +114,12 @@ def command(
         )
         checkpoint = Checkpoint(out / CHECKPOINT, identity, tau.SWEEP_SETTINGS)
         if cluster is not None:
-            replayer = nullcontext(on_ray(cluster, checkpoint, resume, repeats, online, matching))
+            replayer = nullcontext(replayer_on_ray(cluster, checkpoint, resume, repeats, online, matching))
         else:
             label = f"replaying {len(thresholds)} values of {key} in lockstep"
-            replayer = in_process(agents, tuning, label, len(thresholds), checkpoint, resume, repeats, online, matching)
+            replayer = replayer_here(
+                agents, tuning, label, len(thresholds), checkpoint, resume, repeats, online, matching
+            )
         with replayer as replay:
             result = tau.tune(replay, tuning, heldout, policy_class(policy).name, options, thresholds, target, online)
     workers = None if cluster is None else cluster.workers_described()
@@ -125,7 +127,7 @@ def command(
 
 
 @contextmanager
-def in_process(
+def replayer_here(
     agents: AgentSet,
     tuning: list[Trajectory],
     label: str,
@@ -145,7 +147,7 @@ def in_process(
         yield in_process(agents, repeats, online, state, hooks, matching)
 
 
-def on_ray(
+def replayer_on_ray(
     cluster: RayCluster, checkpoint: Checkpoint, resume: bool, repeats: int, online: bool, matching: SpanMatching
 ) -> Replayer:
     """A `kvprof.tuning.tau.Replayer` that replays in shards on `cluster` (`common.replay_on_ray`: every threshold is
