@@ -108,18 +108,14 @@ def command(
                 anchors = tau.fit_pool(agents, tuning, policy, options, out, matching, lambda traj: bar.advance(job))
         # Ray workers open the pool themselves: at the same absolute path on every node.
         options["anchors"] = str(Path(anchors).resolve()) if cluster is not None else str(anchors)
-        ray_device = worker["device"] if worker is not None else None
         identity = tau.sweep_identity(
-            trace, anchors, agents, policy, thresholds, options, len(tuning), online, repeats, matching, ray_device
+            trace, anchors, agents, policy, thresholds, options, len(tuning), online, repeats, matching, worker
         )
         checkpoint = Checkpoint(out / CHECKPOINT, identity, tau.SWEEP_SETTINGS)
         if cluster is not None:
             replayer = nullcontext(replayer_on_ray(cluster, checkpoint, resume, repeats, online, matching))
         else:
-            label = f"replaying {len(thresholds)} values of {key} in lockstep"
-            replayer = replayer_here(
-                agents, tuning, label, len(thresholds), checkpoint, resume, repeats, online, matching
-            )
+            replayer = replayer_here(agents, tuning, key, thresholds, checkpoint, resume, repeats, online, matching)
         with replayer as replay:
             result = tau.tune(replay, tuning, heldout, policy_class(policy).name, options, thresholds, target, online)
     workers = None if cluster is None else cluster.workers_described()
@@ -130,20 +126,21 @@ def command(
 def replayer_here(
     agents: AgentSet,
     tuning: list[Trajectory],
-    label: str,
-    variants: int,
+    key: str,
+    thresholds: list[str],
     checkpoint: Checkpoint,
     resume: bool,
     repeats: int,
     online: bool,
     matching: SpanMatching,
 ) -> Iterator[Replayer]:
-    """A `kvprof.tuning.tau.Replayer` in this process under progress bars (`label`; `variants` thresholds): the sweep
-    checkpoints every tuning trajectory and, with `resume`, continues from those `checkpoint` holds."""
+    """A `kvprof.tuning.tau.Replayer` in this process, under progress bars of the `thresholds` of option `key`: the
+    sweep checkpoints every tuning trajectory and, with `resume`, continues from those `checkpoint` holds."""
     from kvprof.tuning.tau import in_process
 
     state = common.resumed_progress(checkpoint, resume, tuning, "tuning trajectories")
-    with common.replay_progress(label, tuning, variants, online, state, checkpoint) as hooks:
+    label = f"replaying {len(thresholds)} values of {key} in lockstep"
+    with common.replay_progress(label, tuning, len(thresholds), online, state, checkpoint) as hooks:
         yield in_process(agents, repeats, online, state, hooks, matching)
 
 

@@ -129,11 +129,12 @@ def sweep_identity(
     online: bool,
     repeats: int,
     span_matching: SpanMatching,
-    ray_device: str | None = None,
+    ray_worker: dict | None = None,
 ) -> dict:
     """The settings a sweep's records depend on, which its checkpoint records: the trace's and the pool's content,
     the policy, grid and other options, the tuning count, online re-runs, repeats, span matching, model, dtype and
-    device (`ray_device`: the Ray workers' device, for a sweep on Ray, whose checkpoint holds shards)."""
+    device (`ray_worker`: a Ray worker's identity, whose device counts, for a sweep on Ray, whose checkpoint holds
+    shards)."""
     identity = {
         "trace": trace_digest(trace),
         "pool": pool_digest(pool),
@@ -148,7 +149,7 @@ def sweep_identity(
         "dtype": str(agents.base_model.dtype),
         "device": str(agents.device),
     }
-    return identity if ray_device is None else identity | {"sharding": "ray", "device": ray_device}
+    return identity if ray_worker is None else identity | {"sharding": "ray", "device": ray_worker["device"]}
 
 
 def threshold_key(policy: str) -> str:
