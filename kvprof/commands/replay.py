@@ -135,7 +135,7 @@ class Replay:
     trajectories: list[Trajectory]
     choose: Callable[[Runnable], tuple[list[PolicyVariant], dict[str, str]]]
     lora_attention: str
-    checkpoint: Path
+    checkpoint_path: Path
     resume: bool
     settings: dict
 
@@ -157,7 +157,7 @@ class Replay:
             variants, skipped, checked = checked_variants(agents, self.trajectories[0], variants, skipped)
         require_variants(variants, skipped)
         identity = replay_identity(self.trace, agents_identity(agents), variants, use_kernel, **self.settings)
-        checkpoint = Checkpoint(self.checkpoint, identity)
+        checkpoint = Checkpoint(self.checkpoint_path, identity)
         state = common.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
         label, settings = f"replaying {len(variants)} policies", self.settings | {"lora_attention": use_kernel}
         with common.replay_progress(
@@ -179,7 +179,7 @@ class Replay:
             variants, skipped = self.choose(lambda chosen, skip: cluster.runnable(absolute_files(chosen), skip))
             require_variants(variants, skipped)
             identity = replay_identity(self.trace, loaded, variants, use_kernel, sharded=True, **self.settings)
-            checkpoint = Checkpoint(self.checkpoint, identity)
+            checkpoint = Checkpoint(self.checkpoint_path, identity)
             what, settings = f"{len(variants)} policies", self.settings | {"lora_attention": use_kernel}
             result = common.replay_on_ray(
                 cluster, self.trajectories, variants, what, checkpoint, self.resume, **settings
