@@ -232,7 +232,7 @@ def test_shard_checkpoint_resumes_only_whole_planned_shards(agents, lora_trace, 
     """A sharded checkpoint keeps its grouping (a cluster of another size resumes the same shards); a saved shard
     that is not exactly a planned one (another --limit) is dropped to be replayed again; a checkpoint of other
     trajectories, or not of this shape, is refused in one sentence."""
-    from kvprof.commands.replay import read_shard_checkpoint
+    from kvprof.replay.checkpoint import Checkpoint
 
     trajectories = read_trace(lora_trace).trajectories
     variants = [PolicyVariant("fullshared"), *STATEFUL[:2]]
@@ -242,15 +242,15 @@ def test_shard_checkpoint_resumes_only_whole_planned_shards(agents, lora_trace, 
     groups = shard_groups(shards)
     progress = shard_checkpoint(results, groups)
     checkpoint.write_text(json.dumps({"identity": {"x": 1}, "progress": progress}))
-    kept, kept_groups = read_shard_checkpoint(checkpoint, {"x": 1}, trajectories[:2], variants)
+    kept, kept_groups = Checkpoint(checkpoint, {"x": 1}).read_shards(trajectories[:2], variants)
     assert kept.keys() == results.keys() and kept_groups == groups == [[v.label for v in STATEFUL[:2]]]
-    more, more_groups = read_shard_checkpoint(checkpoint, {"x": 1}, trajectories, variants)  # a larger --limit
+    more, more_groups = Checkpoint(checkpoint, {"x": 1}).read_shards(trajectories, variants)  # a larger --limit
     assert set(more) == {f"trajectory:{t.id}" for t in trajectories[:2]} and more_groups == groups
     with pytest.raises(KvprofError, match="holds trajectories tiny1 that this replay does not include"):
-        read_shard_checkpoint(checkpoint, {"x": 1}, trajectories[:1], variants)
+        Checkpoint(checkpoint, {"x": 1}).read_shards(trajectories[:1], variants)
     checkpoint.write_text(json.dumps({"identity": {"x": 1}, "progress": {"trajectories": []}}))
     with pytest.raises(KvprofError, match="is not a sharded replay's checkpoint"):
-        read_shard_checkpoint(checkpoint, {"x": 1}, trajectories, variants)
+        Checkpoint(checkpoint, {"x": 1}).read_shards(trajectories, variants)
 
 
 def test_paths_reach_workers_absolute(lora_trace, tmp_path, monkeypatch):
@@ -361,15 +361,15 @@ def test_worker_killed_mid_run_still_yields_the_whole_result(ray_instance, agent
 def test_interrupted_ray_replay_resumes_from_its_shards(ray_instance, run_cli, lora_trace, tmp_path, monkeypatch):
     """Ctrl-C after the first shard: workers are killed, the checkpoint holds that shard; --resume replays the
     others only and writes the uninterrupted result; a checkpoint of one mode is refused by the other."""
-    import kvprof.commands.replay as replay_command
+    import kvprof.replay.checkpoint as checkpoint_module
 
-    write_json = replay_command.write_json
+    write_json = checkpoint_module.write_json
 
     def write_then_interrupt(path, payload):
         write_json(path, payload)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(replay_command, "write_json", write_then_interrupt)
+    monkeypatch.setattr(checkpoint_module, "write_json", write_then_interrupt)
     args = ("replay", lora_trace, "--policy", "fullshared", "--repeats", "1", "--device", "cpu", "--out", tmp_path)
     code, _, err = run_cli(*args, "--ray")
     checkpoint = tmp_path / "replay.partial.json"
@@ -475,15 +475,15 @@ def test_tune_tau_on_ray_equals_single_process(ray_instance, run_cli, prompt_tra
     assert sharded["recommended"]["threshold"] == one["recommended"]["threshold"]
     assert sharded["heldout"]["kl"] == one["heldout"]["kl"]
 
-    import kvprof.commands.tune_tau as tune_tau
+    import kvprof.replay.checkpoint as checkpoint_module
 
-    write_json = tune_tau.write_json
+    write_json = checkpoint_module.write_json
 
     def write_then_interrupt(path, payload):
         write_json(path, payload)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tune_tau, "write_json", write_then_interrupt)
+    monkeypatch.setattr(checkpoint_module, "write_json", write_then_interrupt)
     cut = ("--out", tmp_path / "cut", "--ray", "--ray-workers", "2")
     code, _, _ = run_cli(*common, *cut)
     assert code == 130 and (tmp_path / "cut" / "tune_tau.partial.json").exists()

@@ -78,6 +78,21 @@ def test_only_the_command_line_imports_commands():
     assert not {path: modules for path, modules in offenders.items() if modules}
 
 
+def test_no_command_imports_another():
+    """A command module imports the library and `kvprof.commands.common`, never another command: what two commands
+    share lives in the library (or, for options and progress displays, in common.py)."""
+    commands = {path.stem for path in (PACKAGE / "commands").glob("*.py")} - {"__init__", "common"}
+    offenders = {
+        path.name: sorted(
+            module
+            for module in _imported_modules(path)
+            if module.startswith("kvprof.commands.") and module.split(".")[2] in commands
+        )
+        for path in (PACKAGE / "commands").glob("*.py")
+    }
+    assert {name: modules for name, modules in offenders.items() if modules} == {}
+
+
 def test_reports_import_without_torch():
     """`kvprof report` renders any result file on a machine without torch: every report module imports with torch
     blocked."""

@@ -311,8 +311,7 @@ def test_anchor_pool(pools, data):
 @given(data=st.data())
 @fuzz(60)
 def test_tuned_file(data):
-    from kvprof.commands.replay import read_tuned
-    from kvprof.commands.tune_tau import TUNED_KIND
+    from kvprof.tuning.tuned import TUNED_KIND, read_tuned
 
     tuned = {
         "kind": TUNED_KIND,

@@ -169,15 +169,15 @@ def test_report_refuses_non_results(run_cli, tmp_path):
 def test_resume_refuses_a_checkpoint_of_other_settings(run_cli, lora_trace, tmp_path, monkeypatch):
     """A replay interrupted after its first trajectory resumes only with the settings its checkpoint was made
     with; with them it completes, replaying only the rest."""
-    import kvprof.commands.replay as replay_command
+    import kvprof.replay.checkpoint as checkpoint_module
 
-    write_json = replay_command.write_json
+    write_json = checkpoint_module.write_json
 
     def write_then_interrupt(path, payload):
         write_json(path, payload)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(replay_command, "write_json", write_then_interrupt)
+    monkeypatch.setattr(checkpoint_module, "write_json", write_then_interrupt)
     args = ("replay", lora_trace, "--limit", "2", "--out", tmp_path, "--device", "cpu")
     code, _, err = run_cli(*args, "--policy", "fullshared", "--repeats", "1")
     checkpoint = tmp_path / "replay.partial.json"

@@ -17,6 +17,7 @@ from kvprof.capture.workflow import Sampling, SearchTool, exact_match, model_res
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet, tokenizer_identity
 from kvprof.results.capture import CaptureSummary
+from kvprof.traces.chat import resolve_chat_template
 from kvprof.traces.spec import WorkflowSpec, build_spec, check_react_roles
 from kvprof.traces.tasks import Task
 from kvprof.traces.trace import (
@@ -46,6 +47,18 @@ def capture_spec(
         spec.max_new_tokens = max_new_tokens
     check_react_roles(spec, "" if workflow is None else f"workflow file {workflow}: ")
     return spec
+
+
+def use_chat_template(agents: AgentSet, chat_template: str, workflow: Path | None) -> None:
+    """Set how the agents' calls are rendered (--chat-template: auto keeps the workflow's own template, else
+    `kvprof.traces.chat.resolve_chat_template`); refuses a group-chat workflow left without a template."""
+    if chat_template != "auto" or agents.spec.chat_template is None:
+        agents.spec.chat_template = resolve_chat_template(chat_template, agents.tokenizer)
+    if agents.spec.group_chat and agents.spec.chat_template is None:
+        raise KvprofError(
+            f"workflow {workflow} lays calls out as a group chat (group_chat = true), which needs a chat template; "
+            "pass --chat-template FILE or set chat_template in the workflow."
+        )
 
 
 def trace_header(model: str, agents: AgentSet, **fields) -> TraceHeader:

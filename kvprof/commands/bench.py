@@ -17,16 +17,19 @@ from kvprof.errors import KvprofError
 DEFAULT_SEQ_LENS = {"cuda": "1024,4096,16384,32768", "cpu": "128,512"}
 
 
+HELP = {
+    "seq_lens": "Comma-separated context lengths L in tokens (prefill: Lq = Lk = L; decode: Lq = 1, Lk = L). Default: "
+    f"{DEFAULT_SEQ_LENS['cuda']} on CUDA, {DEFAULT_SEQ_LENS['cpu']} on CPU.",
+    "head_dim": "Head dimension D; the Triton kernel supports 32, 64 and 128.",
+    "lr_layout": "V_lr layout: shared (B, L, r), as LoRA on v_proj gives, or per-head (B, H_kv, L, r).",
+    "warmup_ms": "Warm-up time per method and case, in milliseconds.",
+    "rep_ms": "Timed repeats per method and case, in milliseconds (at least 5 runs on CPU); the median is reported.",
+    "threads": "CPU threads torch may use (0 = torch's default); 1 gives steadier CPU timings on a busy machine.",
+}
+
+
 def command(
-    seq_lens: Annotated[
-        str | None,
-        typer.Option(
-            "--seq-lens",
-            help="Comma-separated context lengths L in tokens (prefill: Lq = Lk = L; decode: Lq = 1, "
-            f"Lk = L). Default: {DEFAULT_SEQ_LENS['cuda']} on CUDA, {DEFAULT_SEQ_LENS['cpu']} "
-            "on CPU.",
-        ),
-    ] = None,
+    seq_lens: Annotated[str | None, typer.Option("--seq-lens", help=HELP["seq_lens"])] = None,
     ranks: Annotated[str, typer.Option("--ranks", help="Comma-separated LoRA ranks r (1-64).")] = "16",
     modes: Annotated[
         str, typer.Option("--modes", help="Comma-separated: prefill (causal), decode.")
@@ -34,32 +37,11 @@ def command(
     batch: Annotated[int, typer.Option("--batch", help="Sequences per call (B).")] = 1,
     q_heads: Annotated[int, typer.Option("--q-heads", help="Query heads H_q (Llama-3.1-8B: 32).")] = 32,
     kv_heads: Annotated[int, typer.Option("--kv-heads", help="Key/value heads H_kv (Llama-3.1-8B: 8).")] = 8,
-    head_dim: Annotated[
-        int, typer.Option("--head-dim", help="Head dimension D; the Triton kernel supports 32, 64 and 128.")
-    ] = 128,
-    lr_layout: Annotated[
-        str,
-        typer.Option(
-            "--lr-layout", help="V_lr layout: shared (B, L, r), as LoRA on v_proj gives, or per-head (B, H_kv, L, r)."
-        ),
-    ] = "shared",
-    warmup_ms: Annotated[
-        float, typer.Option("--warmup-ms", help="Warm-up time per method and case, in milliseconds.")
-    ] = 25.0,
-    rep_ms: Annotated[
-        float,
-        typer.Option(
-            "--rep-ms",
-            help="Timed repeats per method and case, in milliseconds (at least 5 runs on CPU); the median is reported.",
-        ),
-    ] = 100.0,
-    threads: Annotated[
-        int,
-        typer.Option(
-            "--threads",
-            help="CPU threads torch may use (0 = torch's default); 1 gives steadier CPU timings on a busy machine.",
-        ),
-    ] = 0,
+    head_dim: Annotated[int, typer.Option("--head-dim", help=HELP["head_dim"])] = 128,
+    lr_layout: Annotated[str, typer.Option("--lr-layout", help=HELP["lr_layout"])] = "shared",
+    warmup_ms: Annotated[float, typer.Option("--warmup-ms", help=HELP["warmup_ms"])] = 25.0,
+    rep_ms: Annotated[float, typer.Option("--rep-ms", help=HELP["rep_ms"])] = 100.0,
+    threads: Annotated[int, typer.Option("--threads", help=HELP["threads"])] = 0,
     out: OutOption = Path("runs/bench"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -73,8 +55,9 @@ def command(
     from kvprof.kernels.benchmark import (
         DEVICE_PEAKS,
         METHODS,
+        bench_device,
+        bench_result,
         build_cases,
-        check_cpu_case_fits,
         implementations,
         run_case,
     )
@@ -96,51 +79,25 @@ def command(
     cases = build_cases(
         _names(modes), lengths, _int_list("--ranks", ranks), batch, q_heads, kv_heads, head_dim, lr_layout
     )
-    if torch_device.type == "cuda":
-        device_name = torch.cuda.get_device_name(torch_device)
-    else:
-        device_name = "cpu"
-        for case in cases:
-            check_cpu_case_fits(case)
-    peak = DEVICE_PEAKS.get(device_name)
+    device_name = bench_device(torch_device, cases)
     timed = implementations(torch_device)
     for method in METHODS:
         console.print(f"[bold]{method}[/]: {timed[method]}")
     generator = torch.Generator(device=torch_device).manual_seed(seed)
+    peak = DEVICE_PEAKS.get(device_name)
     rows: list[dict] = []
     with progress() as bar:
         job = bar.add_task(f"timing on {device_name}", total=len(cases) * len(METHODS))
         for case in cases:
             rows.extend(
-                run_case(
-                    case,
-                    torch_dtype,
-                    torch_device,
-                    generator,
-                    warmup_ms,
-                    rep_ms,
-                    peak,
-                    on_method_done=lambda: bar.advance(job),
-                )
+                run_case(case, torch_dtype, torch_device, generator, warmup_ms, rep_ms, peak, lambda: bar.advance(job))
             )
-    payload = {
-        "device": device_name,
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "timer": "triton.testing.do_bench" if torch_device.type == "cuda" else "time.perf_counter",
-        "cpu_threads": torch.get_num_threads(),
-        "implementations": timed,
-        "peak": None if peak is None else {"flops_16bit": peak.flops_16bit, "bytes_per_s": peak.bytes_per_s},
-        "results": rows,
-    }
+    payload = bench_result(device_name, torch_dtype, torch_device, timed, rows)
     console.print(results_table(payload).to_rich())
     json_path = write_result(out, "bench", payload, args)
-    html_path = write_html(
-        out / "bench.html",
-        "kvprof bench",
-        sections(payload),
-        subtitle=f"{device_name} · {payload['dtype']} · B={batch}, H_q={q_heads}, H_kv={kv_heads}, "
-        f"D={head_dim}, V_lr {lr_layout}",
-    )
+    shape = f"B={batch}, H_q={q_heads}, H_kv={kv_heads}, D={head_dim}, V_lr {lr_layout}"
+    subtitle = f"{device_name} · {payload['dtype']} · {shape}"
+    html_path = write_html(out / "bench.html", "kvprof bench", sections(payload), subtitle=subtitle)
     console.print(f"wrote {json_path} and {html_path}")
 
 

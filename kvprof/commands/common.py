@@ -1,12 +1,16 @@
-"""Options and helpers every command shares: --out, --device, --dtype, --seed, --min-span / --span-boundaries, the
-console (`kvprof.ui`, re-exported here), result files, dashboard sections on the terminal."""
+"""Options and helpers the commands share: --out, --device, --dtype, --seed, --min-span / --span-boundaries, a
+trace's overrides (--model, --agent, --role, --limit), the Ray options, the console (`kvprof.ui`, re-exported here),
+result files, dashboard sections on the terminal, and the progress displays of a capture and of a replay (in this
+process or on Ray) that several commands and the demo run."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import inspect
 import platform
-from collections.abc import Callable
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,23 +21,48 @@ from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
+    from kvprof.capture.workflow import Sampling
     from kvprof.model.agents import AgentSet
+    from kvprof.policies import PolicyVariant
+    from kvprof.replay.checkpoint import Checkpoint
+    from kvprof.replay.engine import ReplayHooks, ReplayProgress
+    from kvprof.replay.sharded import RayCluster
     from kvprof.report import Section
+    from kvprof.traces.tasks import Task
+    from kvprof.traces.trace import TraceHeader, Trajectory
 
 __all__ = [
+    "AgentOverrideOption",
     "DeviceOption",
     "DtypeOption",
+    "LimitOption",
     "MinSpanOption",
+    "ModelOverrideOption",
     "OutOption",
+    "RayAddressOption",
+    "RayWorkerCpusOption",
+    "RayWorkersOption",
+    "RoleOverrideOption",
     "SeedOption",
     "SpanBoundariesOption",
+    "TraceArgument",
+    "capture_with_progress",
     "command_args",
     "console",
+    "demo_prompt_trace",
     "demo_trace",
+    "note",
     "print_adapters",
+    "print_layers",
     "print_sections",
+    "print_skipped",
     "progress",
+    "replay_on_ray",
+    "replay_progress",
+    "resumed_progress",
     "result_envelope",
+    "show_replay",
+    "write_replay_page",
     "write_result",
 ]
 
@@ -60,6 +89,39 @@ SpanBoundariesOption = Annotated[
         "reading turn or in the turn it comes from, as chunk caches reuse whole messages; ids: any run of equal ids. "
         "Turns generated online (--online) are matched by ids.",
     ),
+]
+
+TraceArgument = Annotated[
+    Path | None,
+    typer.Argument(help="Trace (JSONL) from `kvprof capture` [default: the demo world's sample trace]."),
+]
+ModelOverrideOption = Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")]
+AgentOverrideOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--agent",
+        help="NAME=ADAPTER_DIR: override an agent's adapter (lora mode, e.g. a shared-A set). Repeat per agent.",
+    ),
+]
+RoleOverrideOption = Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")]
+LimitOption = Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")]
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        help="With --ray: the cluster's address (HOST:PORT, ray://HOST:PORT, auto: the cluster `ray start` "
+        "started on this machine, local: a new instance here) [default: RAY_ADDRESS, else local].",
+    ),
+]
+RayWorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--ray-workers", help="With --ray: how many workers [default: one per GPU, else per --ray-worker-cpus]."
+    ),
+]
+RayWorkerCpusOption = Annotated[
+    int,
+    typer.Option("--ray-worker-cpus", min=1, help="With --ray: CPUs (and threads) each worker holds [default: 1]."),
 ]
 
 
@@ -95,13 +157,17 @@ def write_result(out: Path, kind: str, payload: dict, args: dict, workers: list[
     return write_json(out / f"{kind}.json", result_envelope(kind, payload, args, workers))
 
 
-def command_args(command: Callable, **given) -> dict:
-    """The `args` a result of `command` records when it runs with the options `given` and defaults for the rest:
-    what a stage of `kvprof demo` records for the command it stands for."""
-    defaults = {name: parameter.default for name, parameter in inspect.signature(command).parameters.items()}
+def command_args(name: str, **given) -> dict:
+    """The `args` a result of `kvprof NAME` records when it runs with the options `given` and defaults for the rest:
+    what a stage of `kvprof demo` records for the command it stands for (read from the typer app, so that no command
+    imports another)."""
+    from kvprof.cli import app
+
+    (command,) = [entry.callback for entry in app.registered_commands if entry.name == name]
+    defaults = {key: parameter.default for key, parameter in inspect.signature(command).parameters.items()}
     unknown = given.keys() - defaults.keys()
     if unknown:
-        raise TypeError(f"{command.__module__} has no options {', '.join(sorted(unknown))}")
+        raise TypeError(f"kvprof {name} has no options {', '.join(sorted(unknown))}")
     return defaults | given
 
 
@@ -152,3 +218,176 @@ def demo_prompt_trace(model: str | None) -> tuple[Path, str | None]:
 
     world = demo_world()
     return world.sample_traces["prompt_tune"], model or str(world.model)
+
+
+def print_skipped(skipped: dict[str, str]) -> None:
+    """One line per refusal reason, naming the variants it skipped."""
+    for reason in dict.fromkeys(skipped.values()):
+        labels = ", ".join(label for label, why in skipped.items() if why == reason)
+        console.print(f"[yellow]skipped {labels}[/]: {reason}")
+
+
+def capture_with_progress(
+    agents: AgentSet,
+    tasks: list[Task],
+    trace_path: Path,
+    header: TraceHeader,
+    sampling: Sampling,
+    resumed: Sequence[Trajectory] = (),
+) -> tuple[list[Trajectory], dict]:
+    """`capture_trajectories` under a progress bar, timed; prints the trace table. Returns the trajectories and
+    their `trajectory_summary`."""
+    from kvprof.capture.runner import capture_trajectories, trajectory_summary
+    from kvprof.report.capture import trace_table
+
+    started = time.perf_counter()
+    with progress() as bar:
+        job = bar.add_task("capturing", total=len(tasks), completed=len(resumed))
+        captured = capture_trajectories(
+            agents,
+            tasks,
+            trace_path,
+            header,
+            sampling,
+            resumed,
+            on_task=lambda task: bar.update(job, description=f"task {task.id}"),
+            on_turn=lambda traj, turn: bar.update(job, description=f"task {traj.id}: {turn.agent}"),
+            on_trajectory=lambda traj: bar.advance(job),
+        )
+    summary = trajectory_summary(captured, time.perf_counter() - started)
+    console.print(trace_table(summary).to_rich())
+    return captured, summary
+
+
+def resumed_progress(
+    checkpoint: Checkpoint, resume: bool, trajectories: list[Trajectory], what: str
+) -> ReplayProgress | None:
+    """With `resume`, the progress `checkpoint` holds (none if it does not exist), announced as the replayed `what`."""
+    if not resume or not checkpoint.path.exists():
+        return None
+    state = checkpoint.read_progress([traj.id for traj in trajectories])
+    console.print(f"resuming after {len(state.trajectories)} replayed {what}")
+    return state
+
+
+@contextmanager
+def replay_progress(
+    label: str,
+    trajectories: list[Trajectory],
+    variants: int,
+    online: bool,
+    state: ReplayProgress | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> Iterator[ReplayHooks]:
+    """Progress bars of a replay in this process of `trajectories` under `variants` variants (teacher-forced turns;
+    online re-runs with `online`), counting those `state` holds as replayed; yields the hooks that advance them and
+    save every replayed trajectory to `checkpoint`."""
+    from kvprof.replay.engine import ReplayHooks
+
+    with progress() as bar:
+        job = bar.add_task(label, total=sum(len(t.turns) for t in trajectories))
+        bar.update(job, completed=sum(len(t.turns) for t in trajectories if state and t.id in state.trajectories))
+        online_job = bar.add_task("online re-runs", total=len(trajectories) * (variants + 1)) if online else None
+        yield ReplayHooks(
+            on_turn=lambda traj, index: bar.advance(job),
+            # online_job is None only without online re-runs, when on_task is never called.
+            on_task=(lambda label, task: bar.advance(online_job)) if online_job is not None else None,
+            on_trajectory=checkpoint.save_progress if checkpoint is not None else None,
+        )
+
+
+def replay_on_ray(
+    cluster: RayCluster,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    what: str,
+    checkpoint: Checkpoint | None,
+    resume: bool,
+    online: bool = False,
+    **settings,
+) -> dict:
+    """`kvprof.replay.sharded.replay_sharded` on `cluster` under one progress display over its workers (`what`: the
+    variants, as the bar names them; `settings`: its other arguments), saving every completed shard to `checkpoint`
+    and, with `resume`, continuing from the shards it holds."""
+    from kvprof.replay.sharded import ShardHooks, plan_shards, replay_sharded, shard_groups
+
+    done, groups = None, None
+    if checkpoint is not None and resume and checkpoint.path.exists():
+        done, groups = checkpoint.read_shards(trajectories, variants)
+    shards = plan_shards(trajectories, variants, cluster.size, groups)
+    groups = shard_groups(shards)
+    if done is not None:
+        console.print(f"resuming after {len(done)} of {len(shards)} replayed shards")
+    _print_groups(groups)
+    with progress() as bar:
+        label = f"replaying {what} in {len(shards)} shards on up to {cluster.size} Ray workers"
+        job = bar.add_task(label, total=sum(shard.turns for shard in shards))
+        online_job = bar.add_task("online re-runs", total=sum(s.tasks(online) for s in shards)) if online else None
+
+        def show_progress(turns: int, tasks: int) -> None:
+            bar.update(job, completed=turns)
+            if online_job is not None:
+                bar.update(online_job, completed=tasks)
+
+        hooks = ShardHooks(
+            on_progress=show_progress,
+            on_shard=(lambda results: checkpoint.save_shards(results, groups)) if checkpoint is not None else None,
+            on_event=lambda line: bar.console.print(f"[yellow]{line}[/]"),
+        )
+        return replay_sharded(
+            cluster, trajectories, variants, online=online, done=done, hooks=hooks, groups=groups, **settings
+        )
+
+
+def _print_groups(groups: list[list[str]]) -> None:
+    """One line per sequential shard: its variants keep state across trajectories."""
+    for group in groups:
+        console.print(
+            f"{', '.join(group)} {'keeps' if len(group) == 1 else 'keep'} state across trajectories: "
+            + (
+                "it replays its trajectories in order in one shard, on one worker"
+                if len(group) == 1
+                else "they replay their trajectories in order, side by side in one shard, on one worker"
+            )
+        )
+
+
+def show_replay(result: dict) -> None:
+    """A replay's terminal output: a warning when the dense run does not reproduce a captured trace, then the
+    fidelity, reuse and cost tables."""
+    from kvprof.report.replay import (
+        cost_table,
+        delta_table,
+        dense_check,
+        fidelity_table,
+        memory_claims_table,
+        policy_notes,
+        reuse_table,
+        timeline_note,
+    )
+
+    check = dense_check(result)
+    if check.startswith("WARNING"):
+        console.print(f"[bold red]{check}[/]")
+    timeline = timeline_note(result)
+    if timeline:
+        console.print(timeline)
+    console.print(fidelity_table(result).to_rich())
+    console.print(reuse_table(result).to_rich())
+    delta = delta_table(result)
+    if delta is not None:
+        console.print(delta.to_rich())
+    console.print(cost_table(result).to_rich())
+    claims = memory_claims_table(result)
+    if claims is not None:
+        console.print(claims.to_rich())
+    for line in policy_notes(result):
+        console.print(line)
+
+
+def write_replay_page(out: Path, result: dict) -> Path:
+    """OUT/replay.html: a replay's dashboard page."""
+    from kvprof.report import write_html
+    from kvprof.report.replay import sections
+
+    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result["trace"])

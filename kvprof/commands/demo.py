@@ -19,18 +19,21 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from kvprof.commands import capture, rank_analysis, replay
-from kvprof.commands import fit_anchors as fit_anchors_command
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
     OutOption,
     SeedOption,
+    capture_with_progress,
     command_args,
     console,
     print_adapters,
     print_sections,
+    print_skipped,
     progress,
+    replay_progress,
+    show_replay,
+    write_replay_page,
     write_result,
 )
 from kvprof.errors import KvprofError
@@ -57,9 +60,9 @@ class DemoContext:
     k_error: dict[str, float] = field(default_factory=dict)  # policy → K error of the q/k/v/o replay
     lora_replays: dict[str, dict] = field(default_factory=dict)  # adapter targets → replay of the plain LoRA agents
 
-    def write_result(self, out: Path, kind: str, payload: dict, command: Callable, **options) -> Path:
-        """Write OUT/<kind>.json as `command` run with `options` (and this demo's device, dtype and seed) writes
-        it, and keep its path for the report."""
+    def write_result(self, out: Path, kind: str, payload: dict, command: str, **options) -> Path:
+        """Write OUT/<kind>.json as `kvprof COMMAND` run with `options` (and this demo's device, dtype and seed)
+        writes it, and keep its path for the report."""
         path = write_result(
             out,
             kind,
@@ -92,14 +95,14 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
     agents = load_agents(spec, model, device=ctx.device, dtype=ctx.dtype)
     print_adapters(agents)
     sampling = Sampling(seed=ctx.seed)
-    trajectories, summary = capture.capture_with_progress(
+    trajectories, summary = capture_with_progress(
         agents, tasks, trace_path, sampled_trace_header(model, agents, sampling), sampling
     )
     result_path = ctx.write_result(
         out,
         "capture",
         {"trace": str(trace_path), "summary": summary},
-        capture.command,
+        "capture",
         model=model,
         tasks=ctx.world.heldout_tasks,
         workflow=workflow,
@@ -179,7 +182,7 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
         console.print(table.to_rich())
     for line in verdict_lines(record):
         console.print(line, markup=False)
-    json_path = ctx.write_result(out, "rank_analysis", record, rank_analysis.command, trace=trace, limit=limit)
+    json_path = ctx.write_result(out, "rank_analysis", record, "rank-analysis", trace=trace, limit=limit)
     html_path = write_report(out / "rank_analysis.html", record)
     console.print(f"wrote {json_path} and {html_path} ({record['seconds']:.1f} s)")
     claims = record["claims"]
@@ -202,15 +205,18 @@ def _online_replay(
     writes it (`options`: its other arguments; without `policy`, the selection that replays `variants`,
     `command_selection`); returns the record, online accuracy per run and that as text."""
     from kvprof.policies import command_selection
+    from kvprof.replay.engine import run_replay, with_trace
 
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)
-    record = replay.replay_with_progress(
-        trace, agents, trajectories, variants, skipped, repeats=ctx.repeats, online=True, lora_attention=lora_attention
-    )
-    replay.show(record)
-    ctx.write_result(out, "replay", record, replay.command, trace=trace, online=True, repeats=ctx.repeats, **options)
-    replay.write_page(out, record)
+    with replay_progress(f"replaying {len(variants)} policies", trajectories, len(variants), True) as hooks:
+        record = run_replay(
+            agents, trajectories, variants, ctx.repeats, online=True, lora_attention=lora_attention, hooks=hooks
+        )
+    record = with_trace(record, trace, skipped)
+    show_replay(record)
+    ctx.write_result(out, "replay", record, "replay", trace=trace, online=True, repeats=ctx.repeats, **options)
+    write_replay_page(out, record)
     online = {name: row["accuracy"] for name, row in record["online"].items()}
     return record, online, ", ".join(f"{name} {value:.0%}" for name, value in online.items())
 
@@ -231,7 +237,7 @@ def _replay_lora(
     selection = [ALL] if sweep else list(REGISTRY)
     every = [v for v in enumerate_variants(selection) if families is None or v.policy.family in families]
     variants, skipped = runnable_variants(every, Runtime(agents), skip=True)
-    replay.print_skipped(skipped)
+    print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     return _online_replay(
         ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda",
@@ -373,7 +379,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
             pools[name] = pool.save(out / f"anchors_{name}.safetensors", identity)
             report.update(pool=str(pools[name]), trace=str(trace), model=agents.model_name, stored_rank=rank)
             fit_path = ctx.write_result(
-                out / f"fit_{name}", "fit_anchors", report, fit_anchors_command.command,
+                out / f"fit_{name}", "fit_anchors", report, "fit-anchors",
                 trace=trace, rank="full" if rank is None else str(rank), limit=half,
             )  # fmt: skip
     console.print(fit_memory_table(report).to_rich())
@@ -497,35 +503,23 @@ def _announce(index: int, stages: list[Stage], ctx: DemoContext, spent: float, d
     console.print(" ".join((stage.run.__doc__ or "").split()), style="dim", markup=False)
 
 
+HELP = {
+    "full": "Every world and adapter set (captures without adapters, with the papers' q/v adapters and with Activated "
+    "LoRA twins, the rank analysis, every variant of every policy, aLoRA agents against LoRA agents, the codebook "
+    "world): about 10 minutes on 2 CPU cores.",
+    "tasks": "Held-out demo tasks per capture (default 12; 20 with --full).",
+    "replay_tasks": "Tasks replayed under every policy (default 6; 10 with --full).",
+    "repeats": "Timed repeats of each replayed prefill (after a warm-up); TTFT is the median.",
+    "world": "A demo world folder written by `python -m kvprof.demo.train` (default: the shipped one).",
+}
+
+
 def command(
-    full: Annotated[
-        bool,
-        typer.Option(
-            "--full",
-            help="Every world and adapter set (captures without adapters, with the papers' q/v adapters and with "
-            "Activated LoRA twins, the rank analysis, every variant of every policy, aLoRA agents against LoRA agents, "
-            "the codebook world): about 10 minutes on 2 CPU cores.",
-        ),
-    ] = False,
-    tasks: Annotated[
-        int | None, typer.Option("--tasks", help="Held-out demo tasks per capture (default 12; 20 with --full).")
-    ] = None,
-    replay_tasks: Annotated[
-        int | None,
-        typer.Option("--replay-tasks", help="Tasks replayed under every policy (default 6; 10 with --full)."),
-    ] = None,
-    repeats: Annotated[
-        int,
-        typer.Option(
-            "--repeats", min=1, help="Timed repeats of each replayed prefill (after a warm-up); TTFT is the median."
-        ),
-    ] = 2,
-    world: Annotated[
-        Path | None,
-        typer.Option(
-            "--world", help="A demo world folder written by `python -m kvprof.demo.train` (default: the shipped one)."
-        ),
-    ] = None,
+    full: Annotated[bool, typer.Option("--full", help=HELP["full"])] = False,
+    tasks: Annotated[int | None, typer.Option("--tasks", help=HELP["tasks"])] = None,
+    replay_tasks: Annotated[int | None, typer.Option("--replay-tasks", help=HELP["replay_tasks"])] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help=HELP["repeats"])] = 2,
+    world: Annotated[Path | None, typer.Option("--world", help=HELP["world"])] = None,
     out: OutOption = Path("runs/demo"),
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "auto",
@@ -559,8 +553,23 @@ def command(
         + ("" if full else " (every stage: kvprof demo --full)"),
         markup=False,
     )
+    started = time.perf_counter()
+    results = _run_stages(stages, ctx)
+    total = time.perf_counter() - started
+    _print_summary(f"kvprof demo{' --full' if full else ''} ({total:.0f} s)", results)
+    path = write_result(
+        out,
+        "demo",
+        {"world": str(ctx.world.root), "full": full, "stages": results, "seconds": round(total, 1)},
+        args | {"tasks": tasks, "replay_tasks": replay_tasks},
+    )
+    console.print(f"wrote {path}")
+
+
+def _run_stages(stages: list[Stage], ctx: DemoContext) -> dict[str, dict]:
+    """Run the stages in order, each announced; what demo.json records of each (its summary, seconds, numbers and
+    outputs), by stage name."""
     results: dict[str, dict] = {}
-    rows = []
     started = time.perf_counter()
     done_expected = 0.0
     for index, stage in enumerate(stages):
@@ -575,22 +584,19 @@ def command(
             **result.metrics,
             "outputs": [str(p) for p in result.outputs],
         }
-        rows.append((stage.name, result.summary, seconds, result.outputs))
-    total = time.perf_counter() - started
-    table = Table(title=f"kvprof demo{' --full' if full else ''} ({total:.0f} s)")
+    return results
+
+
+def _print_summary(title: str, results: dict[str, dict]) -> None:
+    """The table of stages (result, seconds, outputs), then the report's decision cards: the answer last, where the
+    terminal stops."""
+    table = Table(title=title)
     for column in ("stage", "result", "seconds", "outputs"):
         table.add_column(column, justify="right" if column == "seconds" else "left")
-    for name, summary, seconds, outputs in rows:
-        table.add_row(name, summary, f"{seconds:.1f}", "\n".join(str(p) for p in outputs))
+    for name, result in results.items():
+        table.add_row(name, result["summary"], f"{result['seconds']:.1f}", "\n".join(result["outputs"]))
     console.print(table)
-    for title, card in results["report"]["decisions"].items():  # the answer last, where the terminal stops
-        console.rule(title)
+    for heading, card in results["report"]["decisions"].items():
+        console.rule(heading)
         for line in card:
             console.print(line, style="bold", markup=False)
-    path = write_result(
-        out,
-        "demo",
-        {"world": str(ctx.world.root), "full": full, "stages": results, "seconds": round(total, 1)},
-        args | {"tasks": tasks, "replay_tasks": replay_tasks},
-    )
-    console.print(f"wrote {path}")

@@ -14,8 +14,11 @@ import typer
 from kvprof.commands.common import (
     DeviceOption,
     DtypeOption,
+    LimitOption,
     MinSpanOption,
+    ModelOverrideOption,
     OutOption,
+    RoleOverrideOption,
     SeedOption,
     SpanBoundariesOption,
     console,
@@ -26,8 +29,6 @@ from kvprof.commands.common import (
 from kvprof.errors import KvprofError
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
 from kvprof.traces.trace import read_trace
-
-POOL_FILE = "anchors.safetensors"
 
 
 def command(
@@ -43,9 +44,9 @@ def command(
         int, typer.Option("--anchors-per-slot", min=1, help="Anchors kept per placeholder slot (V).")
     ] = 10,
     window: Annotated[int, typer.Option("--window", min=1, help="Eviction window of the pool.")] = 5,
-    limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")] = None,
-    role: Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")] = None,
+    limit: LimitOption = None,
+    model: ModelOverrideOption = None,
+    role: RoleOverrideOption = None,
     min_span: MinSpanOption = MIN_SPAN,
     span_boundaries: SpanBoundariesOption = "messages",
     out: OutOption = Path("runs/fit-anchors"),
@@ -62,6 +63,7 @@ def command(
 
     from kvprof.model.agents import load_agents_for_trace
     from kvprof.model.runtime import Runtime
+    from kvprof.policies.anchors import POOL_FILE
     from kvprof.policies.delta import pool_identity
     from kvprof.report.anchors import fit_error_table, fit_memory_table
     from kvprof.tuning.anchor_fit import fit_anchors

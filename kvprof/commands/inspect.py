@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -22,33 +22,25 @@ from kvprof.replay.branches import ReplayPlanSummary
 from kvprof.traces.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
 from kvprof.traces.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
+if TYPE_CHECKING:
+    from kvprof.model.layers import LayerKind
+    from kvprof.traces.trace import TraceHeader, Trajectory
+
+HELP = {
+    "model": "Also check that this model's tokenizer is the one the trace was captured with, and name its layers by "
+    "kind: full, sliding-window or chunked attention, multi-head latent attention, and each layer's RoPE or none "
+    "(loads the model).",
+    "divergences": "List up to N turns whose input leaves the cached sequence it extends.",
+    "block_size": "Prefix-cache block size of the serving engine whose cache hits are shown (vLLM: 16 on GPUs, 128 on "
+    "its CPU backend).",
+}
+
 
 def command(
     trace: Annotated[Path, typer.Argument(help="Trace file (JSONL) written by `kvprof capture`.")],
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            help="Also check that this model's tokenizer is the one the trace was captured with, and name its layers "
-            "by kind: full, sliding-window or chunked attention, multi-head latent attention, and each layer's RoPE or "
-            "none (loads the model).",
-        ),
-    ] = None,
-    divergences: Annotated[
-        int,
-        typer.Option(
-            "--divergences", min=0, help="List up to N turns whose input leaves the cached sequence it extends."
-        ),
-    ] = 10,
-    block_size: Annotated[
-        int,
-        typer.Option(
-            "--block-size",
-            min=1,
-            help="Prefix-cache block size of the serving engine whose cache hits are shown (vLLM: 16 on GPUs, 128 "
-            "on its CPU backend).",
-        ),
-    ] = BLOCK_SIZE,
+    model: Annotated[str | None, typer.Option("--model", help=HELP["model"])] = None,
+    divergences: Annotated[int, typer.Option("--divergences", min=0, help=HELP["divergences"])] = 10,
+    block_size: Annotated[int, typer.Option("--block-size", min=1, help=HELP["block_size"])] = BLOCK_SIZE,
     min_span: MinSpanOption = MIN_SPAN,
     span_boundaries: SpanBoundariesOption = "messages",
     out: Annotated[
@@ -62,28 +54,8 @@ def command(
     args = dict(locals())
     matching = SpanMatching(min_span, span_boundaries)
     header = read_header(trace)
-    kinds = None
-    if model is not None:
-        from kvprof.model.agents import load_tokenizer, tokenizer_identity
-        from kvprof.model.layers import describe_layers, model_layer_kinds
-
-        check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
-        kinds = model_layer_kinds(model, device, dtype)
-        console.print(f"model {model}: {describe_layers(kinds)}", markup=False)
-    table = Table(title=f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
-    for column in (
-        "trajectory",
-        "turns",
-        "agents",
-        "distinct tokens",
-        "shared tokens",
-        "longest input",
-        "answer",
-        "prediction",
-    ):
-        table.add_column(
-            column, justify="left" if column in ("trajectory", "agents", "answer", "prediction") else "right"
-        )
+    kinds = None if model is None else _model_layers(header, trace, model, device, dtype)
+    table = _trajectory_table(f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
     count = 0
     reuse_table, total, diverged, records = _reuse_table(block_size), ReuseSummary(), [], {}
     replay = ReplayPlanSummary()
@@ -97,17 +69,7 @@ def command(
         reuse_table.add_row(traj.id, *_reuse_cells(summary))
         diverged += [(traj.id, row) for row in rows if row.divergence is not None]
         records[traj.id] = {"summary": asdict(summary), "turns": [row.to_json() for row in rows]}
-        shared = shared_segment_ids(traj)
-        table.add_row(
-            traj.id,
-            str(len(traj.turns)),
-            ",".join(dict.fromkeys(t.agent for t in traj.turns)),
-            str(traj.num_tokens),
-            str(sum(len(traj.segments[s]) for s in shared)),
-            str(max((len(traj.input_tokens(t)) for t in traj.turns), default=0)),
-            str(traj.answer),
-            str(traj.prediction),
-        )
+        table.add_row(*_trajectory_cells(traj))
     console.print(table)
     reuse_table.add_section()
     reuse_table.add_row("all", *_reuse_cells(total), style="bold")
@@ -132,6 +94,40 @@ def command(
         f"{header.tokenizer['name']} ({header.tokenizer['vocab_size']} ids)"
         + ("; tokenizer matches --model" if model else "")
     )
+
+
+def _model_layers(header: TraceHeader, trace: Path, model: str, device: str, dtype: str) -> list[LayerKind]:
+    """--model: check its tokenizer against the trace's, print its layers by kind and return them."""
+    from kvprof.model.agents import load_tokenizer, tokenizer_identity
+    from kvprof.model.layers import describe_layers, model_layer_kinds
+
+    check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
+    kinds = model_layer_kinds(model, device, dtype)
+    console.print(f"model {model}: {describe_layers(kinds)}", markup=False)
+    return kinds
+
+
+def _trajectory_table(title: str) -> Table:
+    table = Table(title=title)
+    columns = ("trajectory", "turns", "agents", "distinct tokens", "shared tokens", "longest input", "answer")
+    for column in (*columns, "prediction"):
+        table.add_column(
+            column, justify="left" if column in ("trajectory", "agents", "answer", "prediction") else "right"
+        )
+    return table
+
+
+def _trajectory_cells(traj: Trajectory) -> list[str]:
+    return [
+        traj.id,
+        str(len(traj.turns)),
+        ",".join(dict.fromkeys(t.agent for t in traj.turns)),
+        str(traj.num_tokens),
+        str(sum(len(traj.segments[s]) for s in shared_segment_ids(traj))),
+        str(max((len(traj.input_tokens(t)) for t in traj.turns), default=0)),
+        str(traj.answer),
+        str(traj.prediction),
+    ]
 
 
 def _policy_table(plan: ReplayPlanSummary, mode: str) -> Table:

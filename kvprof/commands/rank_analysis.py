@@ -13,10 +13,14 @@ from typing import Annotated
 import typer
 
 from kvprof.commands.common import (
+    AgentOverrideOption,
     DeviceOption,
     DtypeOption,
+    LimitOption,
+    ModelOverrideOption,
     OutOption,
     SeedOption,
+    TraceArgument,
     console,
     demo_trace,
     progress,
@@ -26,16 +30,9 @@ from kvprof.errors import KvprofError
 
 
 def command(
-    trace: Annotated[
-        Path | None, typer.Argument(help="Trace file from `kvprof capture` (default: the demo world's sample trace).")
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option("--model", help="Base model directory (default: the one recorded in the trace).")
-    ] = None,
-    agent: Annotated[
-        list[str] | None,
-        typer.Option("--agent", help="NAME=ADAPTER_DIR: override an agent's adapter (lora mode). Repeat per agent."),
-    ] = None,
+    trace: TraceArgument = None,
+    model: ModelOverrideOption = None,
+    agent: AgentOverrideOption = None,
     agents: Annotated[
         str | None,
         typer.Option("--agents", help="Comma-separated agents to compare (default: all in the trace), e.g. plan,act."),
@@ -47,7 +44,7 @@ def command(
         int | None,
         typer.Option("--max-tokens", help="Use at most the first N tokens each agent holds (default: 2048)."),
     ] = 2048,
-    limit: Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")] = None,
+    limit: LimitOption = None,
     per_head: Annotated[
         bool,
         typer.Option(

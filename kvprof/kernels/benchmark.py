@@ -271,3 +271,30 @@ def build_cases(
         for length in seq_lens
         for rank in ranks
     ]
+
+
+def bench_device(device: torch.device, cases: list[BenchCase]) -> str:
+    """The name of the device the cases are timed on (its CUDA name, or cpu, where every case must fit in memory:
+    `check_cpu_case_fits`)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    for case in cases:
+        check_cpu_case_fits(case)
+    return "cpu"
+
+
+def bench_result(
+    device_name: str, dtype: torch.dtype, device: torch.device, timed: dict[str, str], rows: list[dict]
+) -> dict:
+    """`kvprof bench`'s result: the device, dtype, timer, threads, the implementation of each method, the device's
+    peaks when known (`DEVICE_PEAKS`) and the rows of `run_case`."""
+    peak = DEVICE_PEAKS.get(device_name)
+    return {
+        "device": device_name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "timer": "triton.testing.do_bench" if device.type == "cuda" else "time.perf_counter",
+        "cpu_threads": torch.get_num_threads(),
+        "implementations": timed,
+        "peak": None if peak is None else {"flops_16bit": peak.flops_16bit, "bytes_per_s": peak.bytes_per_s},
+        "results": rows,
+    }

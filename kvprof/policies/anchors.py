@@ -29,6 +29,7 @@ from kvprof.kernels.correction import low_rank_correction
 POOL_KIND = "kvprof.anchor-pool"
 POOL_VERSION = 2
 POOL_FIX = "pass a file written by kvprof fit-anchors"
+POOL_FILE = "anchors.safetensors"  # the pool fit-anchors and tune-tau write in their OUT
 ANCHOR_FIELDS: dict[str, JsonType] = {"name": str, "owner": (str, type(None)), "agents": list, "activations": int}
 TOP_P = 0.9  # the share of an accepted match's weight whose anchors count an activation (the public KVCOMM code's)
 ENTROPY_EPS = 1e-40  # added inside the gate's log2, as the public KVCOMM code does

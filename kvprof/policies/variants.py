@@ -8,7 +8,7 @@ used by the CLI, the test matrix and the reports).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvprof.errors import KvprofError
@@ -158,3 +158,21 @@ def runnable_variants(
             continue
         runnable.append(variant)
     return runnable, skipped
+
+
+SHORTHANDS = {"schedule": ("rebaseshared", "schedule"), "lr_prefill": ("baseshared", "lr_prefill")}
+Runnable = Callable[[list[PolicyVariant], bool], tuple[list[PolicyVariant], dict[str, str]]]
+
+
+def choose_variants(
+    policy: list[str], policy_options: list[str], schedule: str | None, lr_prefill: str | None, runnable: Runnable
+) -> tuple[list[PolicyVariant], dict[str, str]]:
+    """--policy / --policy-option / the documented shorthands → the variants to replay; with `all`, those this
+    setup cannot run are skipped (label → reason). `runnable(variants, skip)`: `runnable_variants` on the loaded
+    agents (here, or on a Ray worker)."""
+    flags = list(policy_options)
+    for value, (name, key) in zip((schedule, lr_prefill), SHORTHANDS.values()):
+        if value:
+            flags.append(f"{name}.{key}={value}")
+    variants = enumerate_variants(policy, parse_policy_options(flags))
+    return runnable(variants, any(name.lower() == ALL for name in policy))

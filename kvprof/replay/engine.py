@@ -24,7 +24,7 @@ import torch
 from kvprof.capture.workflow import SearchTool, exact_match, require_react_agents, run_react
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
-from kvprof.model.agents import AgentSet
+from kvprof.model.agents import AgentSet, trace_header
 from kvprof.model.layers import LayerKind
 from kvprof.model.recurrent import RECURRENT_STATES
 from kvprof.model.runtime import Runtime
@@ -32,7 +32,7 @@ from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResul
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import cpu_description, gpu_memory
-from kvprof.replay.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of
+from kvprof.replay.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of, require_one_timeline
 from kvprof.replay.metrics import (
     kl_divergence,
     mean_token_cosine,
@@ -43,7 +43,7 @@ from kvprof.replay.metrics import (
 from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.tasks import Task, task_of
-from kvprof.traces.trace import Trajectory
+from kvprof.traces.trace import Trajectory, iter_trajectories, read_header
 
 DENSE = "dense"
 PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
@@ -739,6 +739,41 @@ def run_replay(
         result["online"] = summarise_online(runs)
     result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching))
     result["memory_claims"] = memory_verdicts(result)
+    return result
+
+
+def check_setting(timing: str, lora_attention: str) -> None:
+    """Refuse a --timing other than `TIMINGS` and a --lora-attention other than auto, kernel or expand."""
+    if timing not in TIMINGS:
+        raise KvprofError(f"--timing {timing!r} is not {' or '.join(TIMINGS)}; pass one of them.")
+    if lora_attention not in ("auto", "kernel", "expand"):
+        raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
+
+
+def uses_kernel(lora_attention: str, device: str) -> bool:
+    """Whether low-rank policies attend through the Flash-LoRA-Attention kernel: --lora-attention kernel, or auto on
+    a GPU `device` (a device type, or a worker's device)."""
+    return lora_attention == "kernel" or (lora_attention == "auto" and device != "cpu")
+
+
+def replayed_trajectories(trace: Path, skip: int, limit: int | None, online: bool, strict: bool) -> list[Trajectory]:
+    """The trace's trajectories after the first `skip`, at most `limit` of them, refusing none; with `online`, the
+    trace's agents must be a ReAct workflow's, and with `strict` every turn must keep the shared context
+    (`kvprof.replay.branches.require_one_timeline`). Read from the trace alone, before a model loads."""
+    trajectories = list(iter_trajectories(trace))[skip:][:limit]
+    if not trajectories:
+        raise KvprofError(f"--skip {skip} leaves none of the trace's trajectories to replay; skip fewer.")
+    if online:
+        require_react_agents(trace_header(trace).agent_names)
+    if strict:
+        require_one_timeline(trajectories, trace_header(trace).mode)
+    return trajectories
+
+
+def with_trace(result: dict, trace: Path, skipped: dict[str, str]) -> dict:
+    """A replay's result (`run_replay`, or `kvprof.replay.sharded.replay_sharded`) naming the trace it replayed, the
+    trace's source and the variants `skipped` (label → reason), as `kvprof replay` writes it."""
+    result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return result
 
 

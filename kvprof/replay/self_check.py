@@ -94,3 +94,15 @@ def refusals(agents: AgentSet, errors: dict[str, float]) -> dict[str, str]:
         for label, error in errors.items()
         if error > tolerance
     }
+
+
+def checked_variants(
+    agents: AgentSet, trajectory: Trajectory, variants: list[PolicyVariant], skipped: dict[str, str]
+) -> tuple[list[PolicyVariant], dict[str, str], dict[str, float]]:
+    """The check before a replay reports: the variants that pass `check_on_model` on `trajectory`, the `skipped`
+    ones with those it refuses added (`refusals`), and each checked variant's error in its exact setting."""
+    if not any(variant.policy.exact_setting for variant in variants):
+        return variants, skipped, {}
+    errors = check_on_model(agents, trajectory, variants)
+    refused = refusals(agents, errors)
+    return [v for v in variants if v.label not in refused], skipped | refused, errors

@@ -679,6 +679,11 @@ class RayCluster:
             self._await_started(timeout=None)
         return dict(self.described)
 
+    def workers_described(self) -> list[dict]:
+        """The started workers' descriptions (host, device, CPU, ...) without the agents they loaded: what a
+        result's environment lists."""
+        return [{key: value for key, value in info.items() if key != "identity"} for info in self.described.values()]
+
     def replay(
         self,
         shards: list[Shard],

@@ -19,18 +19,139 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet
+from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, policy_class
+from kvprof.policies.anchors import POOL_FILE, pool_digest
+from kvprof.policies.delta import pool_identity
+from kvprof.replay.checkpoint import trace_digest
 from kvprof.replay.engine import DENSE, ReplayHooks, ReplayProgress, run_replay
 from kvprof.results.replay import ReplayResult, replay_of, summary_of
 from kvprof.results.tune_tau import SweepDense, SweepRow, TuneTauResult, tune_tau_of
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.trace import Trajectory
+from kvprof.tuning.anchor_fit import fit_anchors
 
 THRESHOLDS = {"kvcmas": "tau", "kvcomm": "gamma"}  # the gate threshold option of each tunable policy
 GRID = ("0", "0.05", "0.1", "0.2", "0.3", "0.4", "0.5", "0.7", "1")
+
+
+# How a refusal to resume a sweep names each setting `sweep_identity` records.
+SWEEP_SETTINGS = {
+    "trace": "another trace",
+    "pool": "another anchor pool (--anchors)",
+    "policy": "--policy",
+    "grid": "--grid",
+    "options": "--option",
+    "tune": "--tune",
+    "online": "--online/--no-online",
+    "repeats": "--repeats",
+    "span_matching": "--min-span / --span-boundaries",
+    "model": "--model",
+    "dtype": "--dtype",
+    "device": "--device",
+    "sharding": "with/without --ray (a sweep on Ray checkpoints shards, one in this process trajectories)",
+}
+
+
+def parse_grid(text: str) -> list[str]:
+    """--grid: comma-separated thresholds in [0, 1], each once."""
+    values = [piece.strip() for piece in text.split(",") if piece.strip()]
+    try:
+        if not values or any(not 0.0 <= float(v) <= 1.0 for v in values):
+            raise ValueError
+    except ValueError:
+        raise KvprofError(
+            f"--grid {text!r} is not a list of thresholds in [0, 1]; pass e.g. --grid 0,0.2,0.5,1."
+        ) from None
+    return list(dict.fromkeys(values))
+
+
+def parse_options(policy: str, flags: list[str]) -> dict[str, str]:
+    """KEY=VALUE flags → the policy's other options, checked against its declared ones; the sweep sets the threshold
+    and --anchors names the pool, so neither is one of them."""
+    cls, key = policy_class(policy), threshold_key(policy)
+    options = {}
+    for flag in flags:
+        name, sep, value = flag.partition("=")
+        if not sep or name not in cls.options:
+            raise KvprofError(
+                f"--option {flag!r} is not KEY=VALUE with a {cls.name} option ({', '.join(cls.options)})."
+            )
+        cls.options[name].check(cls.name, name, value)
+        options[name] = value
+    if key in options or "anchors" in options:
+        raise KvprofError(f"--option {key}/anchors: the sweep sets {key}, and --anchors names the pool.")
+    return options
+
+
+def split_trajectories(
+    agents: AgentSet, trace: Path, trajectories: list[Trajectory], tune_count: int | None
+) -> tuple[list[Trajectory], list[Trajectory]]:
+    """The tuning trajectories (the first `tune_count`, default half) and the held-out rest of a prompt-mode trace;
+    refuses a trace of another mode and a count outside the trace."""
+    if agents.spec.mode != "prompt":
+        raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
+    count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
+    if not 1 <= count <= len(trajectories):
+        raise KvprofError(f"--tune {count} must be between 1 and the trace's {len(trajectories)} trajectories.")
+    return trajectories[:count], trajectories[count:]
+
+
+def fit_pool(
+    agents: AgentSet,
+    tuning: list[Trajectory],
+    policy: str,
+    options: dict[str, str],
+    out: Path,
+    span_matching: SpanMatching,
+    on_trajectory: Callable[[Trajectory], object] | None = None,
+) -> Path:
+    """The anchor pool every row starts from when none is given: fitted on the tuning trajectories at the policy's
+    stored rank (KVComm: full-dimensional) and anchors per slot (its `options`, else their defaults), saved to
+    OUT/anchors.safetensors."""
+    cls = policy_class(policy)
+    rank = None if cls.name == "kvcomm" else int(options.get("rank", cls.options["rank"].default))
+    capacity = int(options.get("anchors_per_slot", cls.options["anchors_per_slot"].default))
+    pool, _ = fit_anchors(agents, tuning, rank, capacity, on_trajectory=on_trajectory, span_matching=span_matching)
+    return pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
+
+
+def sweep_identity(
+    trace: Path,
+    pool: Path,
+    agents: AgentSet,
+    policy: str,
+    grid: list[str],
+    options: dict[str, str],
+    tune_count: int,
+    online: bool,
+    repeats: int,
+    span_matching: SpanMatching,
+    ray_worker: dict | None = None,
+) -> dict:
+    """The settings a sweep's records depend on, which its checkpoint records: the trace's and the pool's content,
+    the policy, grid and other options, the tuning count, online re-runs, repeats, span matching, model, dtype and
+    device (`ray_worker`: a Ray worker's identity, whose device counts, for a sweep on Ray, whose checkpoint holds
+    shards)."""
+    identity = {
+        "trace": trace_digest(trace),
+        "pool": pool_digest(pool),
+        "policy": policy_class(policy).name,
+        "grid": grid,
+        "options": {k: v for k, v in options.items() if k != "anchors"},
+        "tune": tune_count,
+        "online": online,
+        "repeats": repeats,
+        "span_matching": span_matching.to_json(),
+        "model": agents.model_name,
+        "dtype": str(agents.base_model.dtype),
+        "device": str(agents.device),
+    }
+    return identity if ray_worker is None else identity | {"sharding": "ray", "device": ray_worker["device"]}
 
 
 def threshold_key(policy: str) -> str:
@@ -55,6 +176,13 @@ class Target:
         given = [v for v in (self.max_accuracy_drop, self.max_kl, self.target_rho) if v is not None]
         if len(given) != 1:
             raise KvprofError("give exactly one target: --max-accuracy-drop POINTS, --max-kl NATS or --target-rho R.")
+
+    @classmethod
+    def given(cls, max_accuracy_drop: float | None, max_kl: float | None, target_rho: float | None) -> Target:
+        """The target the options give; none given: an accuracy drop of at most 1 point."""
+        if max_accuracy_drop is None and max_kl is None and target_rho is None:
+            max_accuracy_drop = 1.0
+        return cls(max_accuracy_drop, max_kl, target_rho)
 
     @property
     def needs_online(self) -> bool:

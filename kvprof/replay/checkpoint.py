@@ -1,0 +1,163 @@
+"""The checkpoint of a long replay (`kvprof replay`, `kvprof tune-tau`): the settings its records depend on (its
+identity), written with the progress after every trajectory (in this process) or shard (on Ray), and read back
+on `--resume` with a one-sentence refusal of a file that is not one, one made with other settings (naming them),
+one of trajectories this run does not include, and one of the other kind (in-process or sharded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvprof.errors import KvprofError
+from kvprof.fileio import read_json_file, write_json
+from kvprof.replay.engine import ReplayProgress
+from kvprof.replay.sharded import ShardResult, resumable, saved_shards, shard_checkpoint
+from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+
+if TYPE_CHECKING:
+    from kvprof.policies import PolicyVariant
+    from kvprof.traces.trace import Trajectory
+
+# How a refusal to resume a replay names each setting `replay_identity` records.
+REPLAY_SETTINGS = {
+    "trace": "another trace",
+    "model": "--model",
+    "agents": "other agents (--agent/--role)",
+    "policies": "--policy",
+    "repeats": "--repeats",
+    "timing": "--timing",
+    "page_size": "--page-size",
+    "span_matching": "--min-span / --span-boundaries",
+    "dtype": "--dtype",
+    "device": "--device",
+    "lora_attention": "--lora-attention",
+    "sharding": "--ray (a sharded replay checkpoints shards)",
+    "online": "--online (a sharded replay checkpoints its shards' online re-runs)",
+}
+UNSHOWN = ("trace", "agents", "pool", "sharding")  # settings a refusal names without their values
+
+
+def trace_digest(trace: Path) -> str:
+    """The trace's content as an identity records it."""
+    return "sha256:" + hashlib.sha256(Path(trace).read_bytes()).hexdigest()
+
+
+def replay_identity(
+    trace: Path,
+    loaded: dict,
+    variants: list[PolicyVariant],
+    use_kernel: bool,
+    sharded: bool = False,
+    *,
+    repeats: int,
+    online: bool = False,
+    timing: str = "turn",
+    page_size: int = 16,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> dict:
+    """The settings a replay's records depend on: the trace's content, the model and agents, dtype and device
+    (`loaded`: `kvprof.model.agents.agents_identity`), the policy variants with their options, repeats, timing, page
+    size, span matching and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards, with their
+    online re-runs when `online`."""
+    identity = {
+        "trace": trace_digest(trace),
+        "model": loaded["model"],
+        "agents": loaded["agents"],
+        "policies": {variant.label: variant.options for variant in variants},
+        "repeats": repeats,
+        "timing": timing,
+        "page_size": page_size,
+        "span_matching": span_matching.to_json(),
+        "dtype": loaded["dtype"],
+        "device": loaded["device"],
+        "lora_attention": "kernel" if use_kernel else "expand",
+    }
+    return identity | ({"sharding": "ray", "online": online} if sharded else {})
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint file at `path` of a run with the settings `identity`; `settings`: how a refusal names each of
+    them (a flag, or what differs; a replay's by default)."""
+
+    path: Path
+    identity: dict
+    settings: dict[str, str] = field(default_factory=REPLAY_SETTINGS.copy)
+
+    def save_progress(self, progress: ReplayProgress) -> None:
+        """Write the progress of a replay in this process (after each trajectory), atomically."""
+        write_json(self.path, {"identity": self.identity, "progress": asdict(progress)})
+
+    def save_shards(self, results: dict[str, ShardResult], groups: list[list[str]]) -> None:
+        """Write the completed shards of a replay on Ray and its plan's grouping, atomically."""
+        write_json(self.path, {"identity": self.identity, "progress": shard_checkpoint(results, groups)})
+
+    def read_progress(self, trajectory_ids: list[str]) -> ReplayProgress:
+        """The progress an interrupted replay in this process left, refused when it holds trajectories outside
+        `trajectory_ids`."""
+        state = ReplayProgress.of_checkpoint(self._saved_progress(), self.path)
+        self._refuse_foreign([traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids])
+        return state
+
+    def read_shards(
+        self, trajectories: list[Trajectory], variants: list[PolicyVariant]
+    ) -> tuple[dict[str, ShardResult], list[list[str]]]:
+        """The shards an interrupted replay on Ray completed and its plan's grouping, as far as this replay can
+        resume them (`kvprof.replay.sharded.resumable`); a shard of other trajectories than `trajectories` is
+        refused."""
+        progress = self._saved_progress()
+        saved = saved_shards(progress, self.path)
+        self._refuse_foreign(
+            sorted(
+                {traj_id for result in saved.values() for traj_id in result.progress.trajectories}
+                - {traj.id for traj in trajectories}
+            )
+        )
+        return resumable(saved, progress.get("groups"), trajectories, variants)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def _saved_progress(self) -> dict:
+        """The progress record of the file, refusing one made with other settings than `identity`."""
+        saved = read_json_file(self.path, "checkpoint", "delete it to start again")
+        if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict) or "progress" not in saved:
+            raise KvprofError(f"{self.path} is not a checkpoint of this kvprof; delete it to start again.")
+        differences = [
+            self._difference(key, saved["identity"].get(key), self.identity.get(key))
+            for key in dict.fromkeys([*self.identity, *saved["identity"]])
+            if saved["identity"].get(key) != self.identity.get(key)
+        ]
+        if differences:
+            raise KvprofError(
+                f"checkpoint {self.path} was made with other settings ({'; '.join(differences)}); resume with the "
+                "options it was made with, or delete it to start again."
+            )
+        return saved["progress"]
+
+    def _difference(self, key: str, saved, current) -> str:
+        """A setting that differs from this run's, for the refusal: its value there and here."""
+        name = self.settings.get(key, key)
+        if key in UNSHOWN:
+            return name
+        return f"{name} {_shown(saved)}, not {_shown(current)}"
+
+    def _refuse_foreign(self, foreign: list[str]) -> None:
+        if foreign:
+            raise KvprofError(
+                f"checkpoint {self.path} holds trajectories {', '.join(foreign[:3])} that this replay does not "
+                "include; pass the --limit it was made with, or delete it to start again."
+            )
+
+
+def _shown(value) -> str:
+    """A setting's value in a refusal: a list's items; a dict's keys, with their values when those are plain (the
+    variants of a replay by label, span matching as key=value)."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    if isinstance(value, dict):
+        return ", ".join(key if isinstance(item, dict) else f"{key}={item}" for key, item in value.items())
+    return str(value)
