@@ -413,8 +413,8 @@ def results(world, tmp_path_factory) -> dict[str, bytes]:
 
     trajectories = read_trace(world.sample_traces["prompt_short"]).trajectories
     swept = tune(made_up, trajectories[:2], trajectories[2:], "kvcmas", {"rank": "4"}, GRID, Target(max_kl=0.05), False)
-    swept.update(trace="trace.jsonl", model="model", pool="pool.safetensors")
-    write_json(folder / "tune_tau.json", result_envelope("tune_tau", swept, {}))
+    swept.trace, swept.model, swept.pool = "trace.jsonl", "model", "pool.safetensors"
+    write_json(folder / "tune_tau.json", result_envelope("tune_tau", swept.to_json(), {}))
     inspect(world.sample_traces["lora_short"], out=folder)
     return {
         "simulate": (folder / "simulate.json").read_bytes(),

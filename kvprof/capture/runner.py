@@ -135,9 +135,8 @@ def capture_trajectories(
     return captured
 
 
-def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
-    """Trajectories, calls, tokens (distinct, shared), exact-match accuracy, `elapsed` s, per-agent turns: a
-    `kvprof.results.capture.CaptureSummary`'s JSON."""
+def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> CaptureSummary:
+    """Trajectories, calls, tokens (distinct, shared), exact-match accuracy, `elapsed` s, per-agent turns."""
     with_answer = [t for t in trajectories if t.answer is not None]
     correct = sum(exact_match(t.prediction, t.answer) for t in with_answer)
     per_agent: dict[str, dict] = defaultdict(lambda: {"turns": 0, "input_tokens": 0, "output_tokens": 0})
@@ -160,4 +159,4 @@ def trajectory_summary(trajectories: list[Trajectory], elapsed: float) -> dict:
         accuracy=correct / len(with_answer) if with_answer else None,
         seconds=round(elapsed, 3),
         agents=dict(per_agent),
-    ).to_json()
+    )

@@ -22,6 +22,7 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
+from kvprof.results.capture import CaptureResult, CaptureSummary
 from kvprof.traces.chat import template_sha256
 from kvprof.traces.spec import build_spec
 from kvprof.traces.trace import write_trace
@@ -84,7 +85,7 @@ def command(
     trace_path = out / "trace.jsonl"
     if shapes is not None:
         summary = import_shapes(shapes, trace_path, model, workflow, agent, role, mode, seed)
-        write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, args)
+        write_result(out, "capture", CaptureResult(trace=str(trace_path), summary=summary), args)
         console.print(f"wrote {trace_path}")
         return
     if tasks is None:
@@ -101,10 +102,10 @@ def command(
     header = sampled_trace_header(model, agents, sampling)
     resumed = _resumed(checkpoint_path(trace_path), header, task_list) if resume else []
     captured, summary = capture_with_progress(agents, task_list, trace_path, header, sampling, resumed)
-    write_result(out, "capture", {"trace": str(trace_path), "summary": summary}, args)
-    if summary["accuracy"] is not None:
-        console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
-    console.print(f"wrote {trace_path} ({len(captured)} trajectories, {summary['seconds']:.1f} s)")
+    write_result(out, "capture", CaptureResult(trace=str(trace_path), summary=summary), args)
+    if summary.accuracy is not None:
+        console.print(f"exact-match accuracy: {summary.accuracy:.1%} of {summary.with_answer} tasks")
+    console.print(f"wrote {trace_path} ({len(captured)} trajectories, {summary.seconds:.1f} s)")
 
 
 def import_shapes(
@@ -116,7 +117,7 @@ def import_shapes(
     role: list[str] | None,
     mode: str | None,
     seed: int,
-) -> dict:
+) -> CaptureSummary:
     """--shapes: a shape CSV imported as a trace (`kvprof.traces.shapes.import_shape_csv`), written to `trace_path`,
     its table printed; returns its summary."""
     from kvprof.capture.runner import trajectory_summary

@@ -18,6 +18,7 @@ import typer
 
 import kvprof
 from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
+from kvprof.results.base import ResultFile
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from kvprof.replay.engine import ReplayHooks, ReplayProgress
     from kvprof.replay.sharded import RayCluster
     from kvprof.report import Section
+    from kvprof.results.capture import CaptureSummary
+    from kvprof.results.replay import ReplayResult
     from kvprof.traces.tasks import Task
     from kvprof.traces.trace import TraceHeader, Trajectory
 
@@ -152,8 +155,13 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
     return envelope
 
 
-def write_result(out: Path, kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> Path:
-    """Write `OUT/<kind>.json` atomically (`result_envelope`) and return its path."""
+def write_result(
+    out: Path, kind: str, payload: dict | ResultFile, args: dict, workers: list[dict] | None = None
+) -> Path:
+    """Write `OUT/<kind>.json` atomically (`result_envelope`) and return its path; a typed result writes its JSON."""
+    if isinstance(payload, ResultFile):
+        assert payload.KIND == kind, f"a {payload.KIND} result written as {kind}"
+        payload = payload.to_json()
     return write_json(out / f"{kind}.json", result_envelope(kind, payload, args, workers))
 
 
@@ -234,7 +242,7 @@ def capture_with_progress(
     header: TraceHeader,
     sampling: Sampling,
     resumed: Sequence[Trajectory] = (),
-) -> tuple[list[Trajectory], dict]:
+) -> tuple[list[Trajectory], CaptureSummary]:
     """`capture_trajectories` under a progress bar, timed; prints the trace table. Returns the trajectories and
     their `trajectory_summary`."""
     from kvprof.capture.runner import capture_trajectories, trajectory_summary
@@ -352,7 +360,7 @@ def _print_groups(groups: list[list[str]]) -> None:
         )
 
 
-def show_replay(result: dict) -> None:
+def show_replay(result: ReplayResult) -> None:
     """A replay's terminal output: a warning when the dense run does not reproduce a captured trace, then the
     fidelity, reuse and cost tables."""
     from kvprof.report.replay import (
@@ -385,9 +393,9 @@ def show_replay(result: dict) -> None:
         console.print(line)
 
 
-def write_replay_page(out: Path, result: dict) -> Path:
+def write_replay_page(out: Path, result: ReplayResult) -> Path:
     """OUT/replay.html: a replay's dashboard page."""
     from kvprof.report import write_html
     from kvprof.report.replay import sections
 
-    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result["trace"])
+    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result.trace)

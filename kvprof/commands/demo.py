@@ -37,6 +37,8 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.errors import KvprofError
+from kvprof.results.base import ResultFile
+from kvprof.results.capture import CaptureResult
 from kvprof.traces.trace import Trace, read_trace, write_trace
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ class DemoContext:
     k_error: dict[str, float] = field(default_factory=dict)  # policy → K error of the q/k/v/o replay
     lora_replays: dict[str, dict] = field(default_factory=dict)  # adapter targets → replay of the plain LoRA agents
 
-    def write_result(self, out: Path, kind: str, payload: dict, command: str, **options) -> Path:
+    def write_result(self, out: Path, kind: str, payload: dict | ResultFile, command: str, **options) -> Path:
         """Write OUT/<kind>.json as `kvprof COMMAND` run with `options` (and this demo's device, dtype and seed)
         writes it, and keep its path for the report."""
         path = write_result(
@@ -101,24 +103,24 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
     result_path = ctx.write_result(
         out,
         "capture",
-        {"trace": str(trace_path), "summary": summary},
+        CaptureResult(trace=str(trace_path), summary=summary),
         "capture",
         model=model,
         tasks=ctx.world.heldout_tasks,
         workflow=workflow,
         limit=ctx.tasks,
     )
-    console.print(f"exact-match accuracy: {summary['accuracy']:.1%} of {summary['with_answer']} tasks")
-    console.print(f"wrote {trace_path} ({len(trajectories)} trajectories, {summary['seconds']:.1f} s)")
+    console.print(f"exact-match accuracy: {summary.accuracy:.1%} of {summary.with_answer} tasks")
+    console.print(f"wrote {trace_path} ({len(trajectories)} trajectories, {summary.seconds:.1f} s)")
     ctx.traces[mode] = trace_path
     return StageResult(
-        f"exact match {summary['accuracy']:.1%} on {summary['with_answer']} tasks, {summary['distinct_tokens']} tokens",
+        f"exact match {summary.accuracy:.1%} on {summary.with_answer} tasks, {summary.distinct_tokens} tokens",
         [trace_path, result_path],
         {
-            "accuracy": summary["accuracy"],
-            "tasks": summary["with_answer"],
-            "tokens": summary["distinct_tokens"],
-            "turns": summary["turns"],
+            "accuracy": summary.accuracy,
+            "tasks": summary.with_answer,
+            "tokens": summary.distinct_tokens,
+            "turns": summary.turns,
         },
     )
 
@@ -184,18 +186,14 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
         console.print(line, markup=False)
     json_path = ctx.write_result(out, "rank_analysis", record, "rank-analysis", trace=trace, limit=limit)
     html_path = write_report(out / "rank_analysis.html", record)
-    console.print(f"wrote {json_path} and {html_path} ({record['seconds']:.1f} s)")
-    claims = record["claims"]
-    paper = [claim for claim in claims if EXTENSION not in claim.get("quantity", "")]
-    extensions = [claim for claim in claims if claim not in paper]
-    summary = f"{sum(c['holds'] is True for c in paper)} of {len(paper)} published claims hold on this world"
+    console.print(f"wrote {json_path} and {html_path} ({record.seconds:.1f} s)")
+    paper = [claim for claim in record.claims if EXTENSION not in (claim.quantity or "")]
+    extensions = [claim for claim in record.claims if claim not in paper]
+    summary = f"{sum(c.holds is True for c in paper)} of {len(paper)} published claims hold on this world"
     if extensions:
-        summary += f"; {sum(c['holds'] is True for c in extensions)} of {len(extensions)} on kvprof's extension"
-    return StageResult(
-        summary,
-        [json_path, html_path],
-        {"claims": {claim["statement"]: claim["holds"] for claim in record["claims"]}},
-    )
+        summary += f"; {sum(c.holds is True for c in extensions)} of {len(extensions)} on kvprof's extension"
+    claims = {claim.statement: claim.holds for claim in record.claims}
+    return StageResult(summary, [json_path, html_path], {"claims": claims})
 
 
 def _online_replay(
@@ -213,11 +211,11 @@ def _online_replay(
         record = run_replay(
             agents, trajectories, variants, ctx.repeats, online=True, lora_attention=lora_attention, hooks=hooks
         )
-    record = with_trace(record, trace, skipped)
+    record = with_trace(record, trace, skipped, None)
     show_replay(record)
     ctx.write_result(out, "replay", record, "replay", trace=trace, online=True, repeats=ctx.repeats, **options)
     write_replay_page(out, record)
-    online = {name: row["accuracy"] for name, row in record["online"].items()}
+    online = {name: row["accuracy"] for name, row in record.online.items()}
     return record, online, ", ".join(f"{name} {value:.0%}" for name, value in online.items())
 
 

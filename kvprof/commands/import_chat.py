@@ -79,11 +79,11 @@ def command(
             {"trajectory": tid, "line": d.line, "read_back": d.producer is not None, "message": d.describe()}
             for tid, d in differences
         ],
-        "summary": summary,
+        "summary": summary.to_json(),
     }
     write_result(out, "import-chat", payload, args)
-    if summary["accuracy"] is not None:
+    if summary.accuracy is not None:
         console.print(
-            f"exact-match accuracy of the logged answers: {summary['accuracy']:.1%} of {summary['with_answer']} tasks"
+            f"exact-match accuracy of the logged answers: {summary.accuracy:.1%} of {summary.with_answer} tasks"
         )
     console.print(f"wrote {trace_path}")

@@ -19,6 +19,7 @@ from kvprof.commands.common import (
     write_result,
 )
 from kvprof.replay.branches import ReplayPlanSummary
+from kvprof.results.inspect import InspectedTrajectory, InspectResult
 from kvprof.traces.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
 from kvprof.traces.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
@@ -68,7 +69,7 @@ def command(
         total.add(rows)
         reuse_table.add_row(traj.id, *_reuse_cells(summary))
         diverged += [(traj.id, row) for row in rows if row.divergence is not None]
-        records[traj.id] = {"summary": asdict(summary), "turns": [row.to_json() for row in rows]}
+        records[traj.id] = InspectedTrajectory(summary=asdict(summary), turns=[row.to_json() for row in rows])
         table.add_row(*_trajectory_cells(traj))
     console.print(table)
     reuse_table.add_section()
@@ -78,17 +79,17 @@ def command(
     console.print(replay.describe(), markup=False)
     console.print(_policy_table(replay, header.mode))
     if out is not None:
-        payload = {
-            "trace": str(trace),
-            "mode": header.mode,
-            "block_size": block_size,
-            "span_matching": matching.to_json(),
-            "layers": None if kinds is None else [kind.to_json() for kind in kinds],
-            "total": asdict(total),
-            "replay": asdict(replay),
-            "trajectories": records,
-        }
-        console.print(f"wrote {write_result(out, 'inspect', payload, args)}")
+        result = InspectResult(
+            trace=str(trace),
+            mode=header.mode,
+            block_size=block_size,
+            span_matching=matching.to_json(),
+            layers=None if kinds is None else [kind.to_json() for kind in kinds],
+            total=asdict(total),
+            replay=asdict(replay),
+            trajectories=records,
+        )
+        console.print(f"wrote {write_result(out, 'inspect', result, args)}")
     console.print(
         f"valid: {count} trajectories; agents {', '.join(header.agent_names)}; tokenizer "
         f"{header.tokenizer['name']} ({header.tokenizer['vocab_size']} ids)"

@@ -94,7 +94,7 @@ def command(
         console.print(line, markup=False)
     json_path = write_result(out, "rank_analysis", payload, args)
     html_path = write_report(out / "rank_analysis.html", payload)
-    console.print(f"wrote {json_path} and {html_path} ({payload['seconds']:.1f} s)")
+    console.print(f"wrote {json_path} and {html_path} ({payload.seconds:.1f} s)")
 
 
 def parse_layers(text: str | None) -> list[int] | None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvprof.policies import PolicyVariant
     from kvprof.policies.variants import Runnable
     from kvprof.replay.sharded import AgentSource, RayCluster
+    from kvprof.results.replay import ReplayResult
     from kvprof.traces.trace import Trajectory
 
 CHECKPOINT = "replay.partial.json"
@@ -116,7 +117,7 @@ def command(
         result = replay.on_ray(
             RayCluster(absolute_source(source), ray_address, ray_workers, ray_worker_cpus, on_wait=common.note)
         )
-        workers = result["distributed"].pop("workers")
+        workers = result.distributed.pop("workers")
     else:
         result, workers = replay.in_process(source), None
     common.show_replay(result)
@@ -139,7 +140,7 @@ class Replay:
     resume: bool
     settings: dict
 
-    def in_process(self, source: AgentSource) -> dict:
+    def in_process(self, source: AgentSource) -> ReplayResult:
         """Replay in this process, the variants checked on the agents first (`kvprof.replay.self_check`),
         checkpointed after every trajectory."""
         from kvprof.model.agents import agents_identity
@@ -164,9 +165,9 @@ class Replay:
             label, self.trajectories, len(variants), settings["online"], state, checkpoint
         ) as hooks:
             result = run_replay(agents, self.trajectories, variants, progress=state, hooks=hooks, **settings)
-        return with_trace(result, self.trace, skipped) | {"self_check": checked}
+        return with_trace(result, self.trace, skipped, checked)
 
-    def on_ray(self, cluster: RayCluster) -> dict:
+    def on_ray(self, cluster: RayCluster) -> ReplayResult:
         """Replay in shards on `cluster`, checkpointed after every shard; the variants are chosen on a worker's
         agents, and not checked (the driver loads no model)."""
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
@@ -184,7 +185,7 @@ class Replay:
             result = common.replay_on_ray(
                 cluster, self.trajectories, variants, what, checkpoint, self.resume, **settings
             )
-        return with_trace(result, self.trace, skipped) | {"self_check": None}
+        return with_trace(result, self.trace, skipped, None)
 
 
 def require_variants(variants: list[PolicyVariant], skipped: dict[str, str]) -> None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvprof.policies import PolicyVariant
     from kvprof.replay.checkpoint import Checkpoint
     from kvprof.replay.sharded import RayCluster
+    from kvprof.results.tune_tau import TuneTauResult
     from kvprof.tuning.tau import Replayer
 
 CHECKPOINT = "tune_tau.partial.json"
@@ -172,7 +173,14 @@ def replayer_on_ray(
 
 
 def finish(
-    out: Path, result: dict, args: dict, trace, anchors, model: str, checkpoint: Checkpoint, workers: list[dict] | None
+    out: Path,
+    result: TuneTauResult,
+    args: dict,
+    trace: Path,
+    anchors: Path | str,
+    model: str,
+    checkpoint: Checkpoint,
+    workers: list[dict] | None,
 ) -> None:
     """Show the sweep and its recommendation, write tune_tau.json (with the Ray `workers` in its environment) /
     .html and tuned.json, drop the checkpoint."""
@@ -180,7 +188,7 @@ def finish(
     from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
     from kvprof.tuning.tuned import write_tuned
 
-    result.update(trace=str(trace), model=model, pool=str(anchors))
+    result.trace, result.model, result.pool = str(trace), model, str(anchors)
     common.console.print(sweep_table(result).to_rich())
     for line in verification_lines(result):
         common.console.print(line, markup=False)

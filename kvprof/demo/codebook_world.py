@@ -122,7 +122,7 @@ def codebook_world(root: str | Path | None = None) -> CodebookWorld:
 
 def _stats(trajectories) -> dict:
     summary = trajectory_summary(trajectories, 0.0)
-    return {key: summary[key] for key in ("trajectories", "distinct_tokens", "shared_tokens", "accuracy")}
+    return {key: getattr(summary, key) for key in ("trajectories", "distinct_tokens", "shared_tokens", "accuracy")}
 
 
 def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:

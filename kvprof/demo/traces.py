@@ -110,10 +110,10 @@ def build(world: DemoWorld, device: str = "cpu") -> dict[str, dict]:
                 summary = trajectory_summary(trajectories, 0.0)
                 relative_trace(trace, world.sample_traces[name])
             stats[name] = {
-                "trajectories": summary["trajectories"],
-                "tokens": summary["distinct_tokens"],
-                "shared_tokens": summary["shared_tokens"],
-                "accuracy": summary["accuracy"],
+                "trajectories": summary.trajectories,
+                "tokens": summary.distinct_tokens,
+                "shared_tokens": summary.shared_tokens,
+                "accuracy": summary.accuracy,
             }
     stats["prompt_tune"] = build_tune(world, device)
     write_sample_chat_log(world)
@@ -129,10 +129,10 @@ def build_tune(world: DemoWorld, device: str = "cpu") -> dict:
         relative_trace(trace, world.sample_traces["prompt_tune"])
     summary = trajectory_summary(trajectories, 0.0)
     return {
-        "trajectories": summary["trajectories"],
-        "tokens": summary["distinct_tokens"],
-        "shared_tokens": summary["shared_tokens"],
-        "accuracy": summary["accuracy"],
+        "trajectories": summary.trajectories,
+        "tokens": summary.distinct_tokens,
+        "shared_tokens": summary.shared_tokens,
+        "accuracy": summary.accuracy,
     }
 
 

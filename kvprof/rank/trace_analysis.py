@@ -69,9 +69,8 @@ def run_rank_analysis(
     max_tokens: int | None = 2048,
     per_head: bool = False,
     on_trajectory: Callable[[Trajectory], None] | None = None,
-) -> dict:
-    """The rank-analysis record of `setup`: trace, model, seconds and `kvprof.rank.analysis.RankAnalysis.to_dict()`,
-    built as a `kvprof.results.rank_analysis.RankAnalysisResult` and returned as its JSON.
+) -> RankAnalysisResult:
+    """The rank-analysis result of `setup`: trace, model, seconds and `kvprof.rank.analysis.RankAnalysis.to_dict()`.
 
     max_tokens: at most this many first tokens per agent; per_head: one (tokens, D) matrix per KV head instead of
     one flattened (tokens, H_kv·D) matrix per layer; `on_trajectory` is called after each trajectory.
@@ -93,4 +92,4 @@ def run_rank_analysis(
         layer_kinds=[kind.to_json() for kind in setup.agents.layer_kinds],
         seconds=round(time.perf_counter() - started, 3),
         **analysis | {"claims": [RankClaim(**claim) for claim in analysis["claims"]]},
-    ).to_json()
+    )

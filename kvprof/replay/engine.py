@@ -40,7 +40,7 @@ from kvprof.replay.metrics import (
     reused_from_others,
     top1_agreement,
 )
-from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary
+from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary, ReplayResult
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory, iter_trajectories, read_header
@@ -770,11 +770,12 @@ def replayed_trajectories(trace: Path, skip: int, limit: int | None, online: boo
     return trajectories
 
 
-def with_trace(result: dict, trace: Path, skipped: dict[str, str]) -> dict:
-    """A replay's result (`run_replay`, or `kvprof.replay.sharded.replay_sharded`) naming the trace it replayed, the
-    trace's source and the variants `skipped` (label → reason), as `kvprof replay` writes it."""
-    result.update(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
-    return result
+def with_trace(result: dict, trace: Path, skipped: dict[str, str], self_check: dict[str, float] | None) -> ReplayResult:
+    """The `ReplayResult` `kvprof replay` writes from a replay's JSON (`run_replay`, or
+    `kvprof.replay.sharded.replay_sharded`), naming the trace it replayed, the trace's source, the variants `skipped`
+    (label → reason) and the self-check's errors (label → error; None: not checked)."""
+    named = result | dict(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
+    return ReplayResult.from_json(named | {"self_check": self_check}, f"the replay of {trace}", "rerun kvprof replay")
 
 
 def timing_setting(timing: str, repeats: int) -> dict:

@@ -299,12 +299,11 @@ def tune(
     grid: Sequence[str],
     target: Target,
     online: bool,
-) -> dict:
+) -> TuneTauResult:
     """Sweep `grid` on `tuning`, recommend, verify on `heldout` (see module docstring). Every threshold is one
     variant of one lockstep replay (`replay`: in this process, `in_process`, or sharded on a Ray cluster), so the
     dense run is computed once for all of them (on Ray: once per sequential shard). `options`: the policy's other
-    options (its fitted pool); `online` must be what `replay` does. Returns the `TuneTauResult`'s JSON (the payload
-    `kvprof tune-tau` writes)."""
+    options (its fitted pool); `online` must be what `replay` does."""
     if target.needs_online and not online:
         raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
     variants = variants_of(policy, options, grid)
@@ -329,7 +328,7 @@ def tune(
         tuning_trajectories=[t.id for t in tuning],
         heldout_trajectories=[t.id for t in heldout],
         dense=SweepDense(summary=summary_of(DENSE, swept.dense), online=(swept.online or {}).get(DENSE)),
-    ).to_json()
+    )
 
 
 def replay_flags(result: TuneTauResult | dict) -> list[str]:

@@ -7,25 +7,26 @@ from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import check_fields, read_json_file, write_json
+from kvprof.results.tune_tau import TuneTauResult
 from kvprof.tuning.tau import replay_flags
 
 TUNED_KIND = "kvprof.tuned-policy"
 TUNED_FILE = "tuned.json"
 
 
-def write_tuned(out: Path, result: dict) -> Path | None:
+def write_tuned(out: Path, result: TuneTauResult) -> Path | None:
     """OUT/tuned.json of a tune-tau result (`kvprof.tuning.tau.tune`), written atomically; None when it recommends
     no threshold."""
-    if result["recommended"] is None:
+    if result.recommended is None:
         return None
     return write_json(
         out / TUNED_FILE,
         {
             "kind": TUNED_KIND,
-            "policy": result["policy"],
+            "policy": result.policy,
             "policy_options": replay_flags(result),
-            "target": result["target"],
-            "heldout_target_met": None if result["heldout"] is None else result["heldout"]["target_met"],
+            "target": result.target,
+            "heldout_target_met": None if result.heldout is None else result.heldout.target_met,
         },
     )
 
