@@ -43,6 +43,7 @@ from kvprof.traces.trace import Trace, read_trace, write_trace
 
 if TYPE_CHECKING:
     from kvprof.demo.assets import DemoWorld
+    from kvprof.results.replay import ReplayResult
 
 
 @dataclass
@@ -198,7 +199,7 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
 
 def _online_replay(
     ctx: DemoContext, out: Path, trace: Path, agents, trajectories, variants, skipped, lora_attention: bool, **options
-) -> tuple[dict, dict[str, float], str]:
+) -> tuple[ReplayResult, dict[str, float], str]:
     """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written to OUT as the command
     writes it (`options`: its other arguments; without `policy`, the selection that replays `variants`,
     `command_selection`); returns the record, online accuracy per run and that as text."""
@@ -221,7 +222,7 @@ def _online_replay(
 
 def _replay_lora(
     ctx: DemoContext, trace_name: str, out: Path, families: tuple[str, ...] | None = None, sweep: bool = True, **options
-) -> tuple[dict, dict[str, float], str]:
+) -> tuple[ReplayResult, dict[str, float], str]:
     """`kvprof replay --online` of the lora capture `trace_name` under every runnable variant of `--policy all`
     (`sweep`), or of every policy at its published defaults; only those of `families` when given. Returns what
     `_online_replay` returns."""
@@ -244,7 +245,7 @@ def _replay_lora(
 
 
 def _k_errors(record: dict) -> dict[str, float]:
-    return {label: entry["summary"]["k_error"] for label, entry in record["policies"].items()}
+    return {label: run.summary.k_error for label, run in record.policies.items()}
 
 
 def replay_all(ctx: DemoContext) -> StageResult:
@@ -257,7 +258,7 @@ def replay_all(ctx: DemoContext) -> StageResult:
     ctx.k_error = _k_errors(record)
     ctx.lora_replays["q/k/v/o"] = record
     return StageResult(
-        f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
+        f"{len(record.policies)} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
         {"online_accuracy": online},
     )
@@ -272,7 +273,7 @@ def replay_lora_defaults(ctx: DemoContext) -> StageResult:
     out = ctx.out / "replay"
     record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, LORA_FAMILIES, sweep=False)
     return StageResult(
-        f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
+        f"{len(record.policies)} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
         {"online_accuracy": online},
     )
@@ -295,7 +296,7 @@ def replay_lora_qv(ctx: DemoContext) -> StageResult:
         f"{label} {value:.2f} (q/k/v/o {qkvo[label]:.2f})" for label, value in k_error.items() if label in qkvo
     )
     return StageResult(
-        f"{len(record['policies'])} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}; K error: "
+        f"{len(record.policies)} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}; K error: "
         f"{compared}",
         [out / "replay.json", out / "replay.html"],
         {"online_accuracy": online, "k_error": k_error},
@@ -335,10 +336,10 @@ def alora_sharing(ctx: DemoContext) -> StageResult:
         rows = comparison_rows(ctx.lora_replays[targets], record)
         title = f"LoRA agents (the shared-A set) or aLoRA agents ({targets}, r=8)"
         console.print(comparison_table(rows, title).to_rich())
-        exact = record["policies"]["alorashared"]["summary"]
+        exact = record.policies["alorashared"].summary
         summaries.append(
-            f"{targets}: ALoRAShared KL {exact['kl']:.1g}, {exact['prefilled']} of "
-            f"{record['dense']['summary']['prefilled']} tokens prefilled, online {online['alorashared']:.0%}"
+            f"{targets}: ALoRAShared KL {exact.kl:.1g}, {exact.prefilled} of "
+            f"{record.dense.summary.prefilled} tokens prefilled, online {online['alorashared']:.0%}"
         )
         metrics[targets] = rows
         outputs += [out / "replay.json", out / "replay.html"]
@@ -391,7 +392,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
     record, online, accuracy = _online_replay(
         ctx, out, trace, agents, replayed, variants, {}, False, skip=half, limit=len(replayed),
     )  # fmt: skip
-    kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
+    kl = {label: run.summary.kl for label, run in record.policies.items()}
     return StageResult(
         f"{len(replayed)} tasks after fitting on {half}; online accuracy: {accuracy}; anchor pool at rank 32: "
         f"{report['memory']['saving']:.2f}× smaller",
@@ -417,7 +418,7 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     record, online, accuracy = _online_replay(
         ctx, out, trace, agents, trajectories, variants, {}, False, limit=len(trajectories)
     )
-    kl = {label: entry["summary"]["kl"] for label, entry in record["policies"].items()}
+    kl = {label: run.summary.kl for label, run in record.policies.items()}
     return StageResult(
         f"{len(trajectories)} codebook tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
