@@ -102,3 +102,16 @@ def test_reports_import_without_torch():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_no_function_over_80_lines_outside_kernels():
+    """Functions a newcomer reads in one screen (signature and docstring included); the Triton kernels, whose
+    bodies are one tiled loop each, are exempt. ruff holds their complexity (pyproject.toml)."""
+    long = {}
+    for path in _sources():
+        if _package_of(path) == "kernels":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert long == {}

@@ -172,6 +172,7 @@ def command_args(name: str, **given) -> dict:
     from kvprof.cli import app
 
     (command,) = [entry.callback for entry in app.registered_commands if entry.name == name]
+    assert command is not None, f"kvprof {name} has no callback"
     defaults = {key: parameter.default for key, parameter in inspect.signature(command).parameters.items()}
     unknown = given.keys() - defaults.keys()
     if unknown:
@@ -398,4 +399,4 @@ def write_replay_page(out: Path, result: ReplayResult) -> Path:
     from kvprof.report import write_html
     from kvprof.report.replay import sections
 
-    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result.trace)
+    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result.trace or "")

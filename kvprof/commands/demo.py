@@ -39,11 +39,11 @@ from kvprof.commands.common import (
 from kvprof.errors import KvprofError
 from kvprof.results.base import ResultFile
 from kvprof.results.capture import CaptureResult
+from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.traces.trace import Trace, read_trace, write_trace
 
 if TYPE_CHECKING:
     from kvprof.demo.assets import DemoWorld
-    from kvprof.results.replay import ReplayResult
 
 
 @dataclass
@@ -61,7 +61,9 @@ class DemoContext:
     traces: dict[str, Path] = field(default_factory=dict)
     results: list[Path] = field(default_factory=list)  # the result files written so far
     k_error: dict[str, float] = field(default_factory=dict)  # policy → K error of the q/k/v/o replay
-    lora_replays: dict[str, dict] = field(default_factory=dict)  # adapter targets → replay of the plain LoRA agents
+    lora_replays: dict[str, ReplayResult] = field(
+        default_factory=dict
+    )  # adapter targets → replay of the plain LoRA agents
 
     def write_result(self, out: Path, kind: str, payload: dict | ResultFile, command: str, **options) -> Path:
         """Write OUT/<kind>.json as `kvprof COMMAND` run with `options` (and this demo's device, dtype and seed)
@@ -209,14 +211,14 @@ def _online_replay(
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)
     with replay_progress(f"replaying {len(variants)} policies", trajectories, len(variants), True) as hooks:
-        record = run_replay(
+        payload = run_replay(
             agents, trajectories, variants, ctx.repeats, online=True, lora_attention=lora_attention, hooks=hooks
         )
-    record = with_trace(record, trace, skipped, None)
+    record = with_trace(payload, trace, skipped, None)
     show_replay(record)
     ctx.write_result(out, "replay", record, "replay", trace=trace, online=True, repeats=ctx.repeats, **options)
     write_replay_page(out, record)
-    online = {name: row["accuracy"] for name, row in record.online.items()}
+    online = {name: row["accuracy"] for name, row in (record.online or {}).items()}
     return record, online, ", ".join(f"{name} {value:.0%}" for name, value in online.items())
 
 
@@ -244,8 +246,8 @@ def _replay_lora(
     )  # fmt: skip
 
 
-def _k_errors(record: dict) -> dict[str, float]:
-    return {label: run.summary.k_error for label, run in record.policies.items()}
+def _k_errors(record: ReplayResult) -> dict[str, float]:
+    return {label: summary_of(label, run).k_error for label, run in record.policies.items()}
 
 
 def replay_all(ctx: DemoContext) -> StageResult:
@@ -336,10 +338,11 @@ def alora_sharing(ctx: DemoContext) -> StageResult:
         rows = comparison_rows(ctx.lora_replays[targets], record)
         title = f"LoRA agents (the shared-A set) or aLoRA agents ({targets}, r=8)"
         console.print(comparison_table(rows, title).to_rich())
-        exact = record.policies["alorashared"].summary
+        exact = summary_of("alorashared", record.policies["alorashared"])
+        dense_prefilled = summary_of("nonshared", record.dense).prefilled
         summaries.append(
             f"{targets}: ALoRAShared KL {exact.kl:.1g}, {exact.prefilled} of "
-            f"{record.dense.summary.prefilled} tokens prefilled, online {online['alorashared']:.0%}"
+            f"{dense_prefilled} tokens prefilled, online {online['alorashared']:.0%}"
         )
         metrics[targets] = rows
         outputs += [out / "replay.json", out / "replay.html"]
@@ -392,7 +395,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
     record, online, accuracy = _online_replay(
         ctx, out, trace, agents, replayed, variants, {}, False, skip=half, limit=len(replayed),
     )  # fmt: skip
-    kl = {label: run.summary.kl for label, run in record.policies.items()}
+    kl = {label: summary_of(label, run).kl for label, run in record.policies.items()}
     return StageResult(
         f"{len(replayed)} tasks after fitting on {half}; online accuracy: {accuracy}; anchor pool at rank 32: "
         f"{report['memory']['saving']:.2f}× smaller",
@@ -418,7 +421,7 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     record, online, accuracy = _online_replay(
         ctx, out, trace, agents, trajectories, variants, {}, False, limit=len(trajectories)
     )
-    kl = {label: run.summary.kl for label, run in record.policies.items()}
+    kl = {label: summary_of(label, run).kl for label, run in record.policies.items()}
     return StageResult(
         f"{len(trajectories)} codebook tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],

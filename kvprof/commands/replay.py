@@ -117,7 +117,7 @@ def command(
         result = replay.on_ray(
             RayCluster(absolute_source(source), ray_address, ray_workers, ray_worker_cpus, on_wait=common.note)
         )
-        workers = result.distributed.pop("workers")
+        workers = (result.distributed or {}).pop("workers", None)
     else:
         result, workers = replay.in_process(source), None
     common.show_replay(result)

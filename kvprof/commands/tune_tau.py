@@ -9,7 +9,7 @@ renders `kvprof.report.anchors`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -113,10 +113,11 @@ def command(
             trace, anchors, agents, policy, thresholds, options, len(tuning), online, repeats, matching, worker
         )
         checkpoint = Checkpoint(out / CHECKPOINT, identity, tau.SWEEP_SETTINGS)
-        if cluster is not None:
-            replayer = nullcontext(replayer_on_ray(cluster, checkpoint, resume, repeats, online, matching))
-        else:
-            replayer = replayer_here(agents, tuning, key, thresholds, checkpoint, resume, repeats, online, matching)
+        replayer: AbstractContextManager[Replayer] = (
+            nullcontext(replayer_on_ray(cluster, checkpoint, resume, repeats, online, matching))
+            if cluster is not None
+            else replayer_here(agents, tuning, key, thresholds, checkpoint, resume, repeats, online, matching)
+        )
         with replayer as replay:
             result = tau.tune(replay, tuning, heldout, policy_class(policy).name, options, thresholds, target, online)
     workers = None if cluster is None else cluster.workers_described()

@@ -43,7 +43,7 @@ from kvprof.replay.metrics import (
 from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary, ReplayResult
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.tasks import Task, task_of
-from kvprof.traces.trace import Trajectory, iter_trajectories, read_header
+from kvprof.traces.trace import Trajectory, Turn, iter_trajectories, read_header
 
 DENSE = "dense"
 PAGE_SIZE = 16  # tokens per KV block: vLLM's default block size, as PReCache's serving runs read memory
@@ -406,6 +406,71 @@ class ReplayProgress:
         return cls(**progress)
 
 
+@dataclass
+class Lockstep:
+    """The dense run and every policy replaying the turns of a trajectory side by side, each turn's records kept in
+    `state` (`per_turn`: timed prefills per turn; memory as the papers report it with `weights` bytes of weights
+    and KV blocks of `page_size` tokens; `check_memory`: whether analytic memory equals the live tensors; `kinds`:
+    each layer's kind, whose window says what its K/V error counts)."""
+
+    runtime: Runtime
+    dense: NonShared
+    policies: list[SharingPolicy]
+    state: ReplayProgress
+    kinds: list[LayerKind]
+    per_turn: int
+    weights: int
+    page_size: int
+    check_memory: bool
+
+    def replay(self, traj: Trajectory, on_turn: TurnHook | None) -> None:
+        """Every turn of `traj` under the dense run and every policy, from empty caches."""
+        self.runtime.serve_trajectory(traj)
+        for run in [self.dense, *self.policies]:
+            run.reset()
+        timeline = BranchingTimeline(
+            plan_of(traj, self.runtime.prefixes, self.runtime.span_matching), [self.dense, *self.policies]
+        )
+        for index, turn in enumerate(traj.turns):
+            self.turn(traj, index, turn, timeline)
+            if on_turn:
+                on_turn(traj, index)
+
+    def turn(self, traj: Trajectory, index: int, turn: Turn, timeline: BranchingTimeline) -> None:
+        """One turn: the dense run's record, then each policy's against it."""
+        outputs = traj.output_tokens(turn)
+        start = timeline.begin(index)
+        request = TurnRequest(turn.agent, traj.input_tokens(turn), outputs, moved=start.moved)
+        dense_result = self.dense.run_turn(request, self.per_turn)
+        where = {"trajectory": traj.id, "turn": index}
+        self.state.records[DENSE].append(
+            compare_turn(dense_result, dense_result, 0, outputs, self.kinds)
+            | paper_memory(self.dense, dense_result, self.weights, self.page_size)
+            | where
+            | {"start": start.to_json()}
+        )
+        for policy in self.policies:
+            turn_result = policy.run_turn(request, self.per_turn)
+            from_others = turn_result.from_others
+            if from_others is None:
+                from_others = (
+                    reused_from_others(timeline.producers, turn.agent, turn_result.reused)
+                    if policy.serves_others
+                    else 0
+                ) + moved_from_others(traj, start, turn_result, turn.agent)
+            self.state.records[policy.label].append(
+                compare_turn(turn_result, dense_result, from_others, outputs, self.kinds)
+                | paper_memory(policy, turn_result, self.weights, self.page_size)
+                | where
+                | {"moved_recomputed": start.moved_tokens - turn_result.moved}
+            )
+            if self.check_memory:
+                exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
+                self.state.memory_exact[policy.label] = self.state.memory_exact.get(policy.label, True) and exact
+        shared_len = len(request.input_ids) - len(self.runtime.prefix(turn.agent))
+        timeline.end(index, turn.agent, shared_len + len(outputs))
+
+
 def replay_trace(
     agents: AgentSet,
     trajectories: Iterable[Trajectory],
@@ -441,7 +506,6 @@ def replay_trace(
     """
     trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
-    kinds = agents.layer_kinds  # each layer's window: what its K/V error counts
     require_invocations(runtime, trajectories)
     dense = NonShared(runtime)
     policies = build_policies(runtime, variants)
@@ -462,48 +526,11 @@ def replay_trace(
     rebuild_state(runtime, stateful, done)
     stateful_timers = [timers[v.label] for v in variants if not v.trajectory_independent and v.label in timers]
     rebuild_state(runtime, stateful_timers, done, passes=repeats + 1)
+    lockstep = Lockstep(runtime, dense, policies, state, agents.layer_kinds, per_turn, weights, page_size, check_memory)
     for traj in trajectories:
         if traj.id in state.trajectories:
             continue
-        runtime.serve_trajectory(traj)
-        dense.reset()
-        for policy in policies:
-            policy.reset()
-        timeline = BranchingTimeline(plan_of(traj, runtime.prefixes, runtime.span_matching), [dense, *policies])
-        for index, turn in enumerate(traj.turns):
-            outputs = traj.output_tokens(turn)
-            start = timeline.begin(index)
-            request = TurnRequest(turn.agent, traj.input_tokens(turn), outputs, moved=start.moved)
-            dense_result = dense.run_turn(request, per_turn)
-            where = {"trajectory": traj.id, "turn": index}
-            state.records[DENSE].append(
-                compare_turn(dense_result, dense_result, 0, outputs, kinds)
-                | paper_memory(dense, dense_result, weights, page_size)
-                | where
-                | {"start": start.to_json()}
-            )
-            for policy in policies:
-                turn_result = policy.run_turn(request, per_turn)
-                from_others = turn_result.from_others
-                if from_others is None:
-                    from_others = (
-                        reused_from_others(timeline.producers, turn.agent, turn_result.reused)
-                        if policy.serves_others
-                        else 0
-                    ) + moved_from_others(traj, start, turn_result, turn.agent)
-                state.records[policy.label].append(
-                    compare_turn(turn_result, dense_result, from_others, outputs, kinds)
-                    | paper_memory(policy, turn_result, weights, page_size)
-                    | where
-                    | {"moved_recomputed": start.moved_tokens - turn_result.moved}
-                )
-                if check_memory:
-                    exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
-                    state.memory_exact[policy.label] = state.memory_exact.get(policy.label, True) and exact
-            shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
-            timeline.end(index, turn.agent, shared_len + len(outputs))
-            if on_turn:
-                on_turn(traj, index)
+        lockstep.replay(traj, on_turn)
         if timers:
             for run in [dense, *policies]:
                 run.reset()  # the lockstep runs' stored caches are released: each timed run holds only its own

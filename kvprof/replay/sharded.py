@@ -279,10 +279,12 @@ def run_shard(
     return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
-def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool) -> dict:
-    """The single-process result (`run_replay`'s payload) from every shard's result: records in trace order,
-    summaries recomputed from them. The run's setting is the first shard's, with every worker's device named and,
-    on CUDA, the highest allocator peak among them (each worker's own is in the `distributed` block)."""
+def _merged_records(
+    shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool
+) -> tuple[dict[str, list[dict]], dict[str, list[Trajectory]], dict[str, dict]]:
+    """Per label, the per-turn records and online re-runs of every shard in trace order, and each policy's entry:
+    trajectory shards concatenated; a sequential shard's runs whole (with its dense run when no trajectory shard
+    ran one)."""
     trajectory_shards = [shard for shard in shards if not shard.sequential]
     records: dict[str, list[dict]] = {DENSE: [], **{variant.label: [] for variant in variants}}
     runs: dict[str, list[Trajectory]] = {label: [] for label in records}
@@ -294,9 +296,7 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
             if online and result.online is not None:
                 runs[label] += result.online[label]
         entries |= result.entries
-    for shard in shards:
-        if not shard.sequential:
-            continue
+    for shard in (shard for shard in shards if shard.sequential):
         result = results[shard.key]
         labels = [v.label for v in shard.variants]
         if not trajectory_shards and not records[DENSE]:
@@ -305,18 +305,16 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
             records[label] = list(result.progress.records[label])
             if online and result.online is not None:
                 runs[label] = list(result.online[label])
-        beside = [v.label for v in shard.variants]
         for variant in shard.variants:
-            entry = result.entries[variant.label]
-            others = [label for label in beside if label != variant.label]
-            entries[variant.label] = entry | {
-                "notes": [
-                    *entry["notes"],
-                    f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed "
-                    "in order in one shard, on one worker (not spread over workers), beside a dense run of its own "
-                    "that its speed-ups are measured against" + (f" (with {', '.join(others)})" if others else ""),
-                ]
-            }
+            entries[variant.label] = _sequential_entry(result.entries[variant.label], shard, variant.label)
+    return records, runs, entries
+
+
+def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool) -> dict:
+    """The single-process result (`run_replay`'s payload) from every shard's result: records in trace order,
+    summaries recomputed from them. The run's setting is the first shard's, with every worker's device named and,
+    on CUDA, the highest allocator peak among them (each worker's own is in the `distributed` block)."""
+    records, runs, entries = _merged_records(shards, results, variants, online)
     merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants})
     for shard in shards:
         if shard.sequential:  # its speed-ups against the dense run that ran beside it, on the same worker
@@ -326,14 +324,30 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
                 summary.update(relative_to_dense(summary, own_dense))
     if online:
         merged["online"] = summarise_online(runs)
-    settings = [results[shard.key].setting for shard in shards]
+    merged |= _merged_setting([results[shard.key].setting for shard in shards])
+    merged["memory_claims"] = memory_verdicts(merged)
+    return merged
+
+
+def _sequential_entry(entry: dict, shard: Shard, label: str) -> dict:
+    """A policy entry of a sequential shard, its notes saying how it was replayed and beside which variants."""
+    others = [variant.label for variant in shard.variants if variant.label != label]
+    note = (
+        f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed in order in "
+        "one shard, on one worker (not spread over workers), beside a dense run of its own that its speed-ups are "
+        "measured against" + (f" (with {', '.join(others)})" if others else "")
+    )
+    return entry | {"notes": [*entry["notes"], note]}
+
+
+def _merged_setting(settings: list[dict]) -> dict:
+    """The run's setting from every shard's: the first's, with every worker's device named and, on CUDA, the
+    highest allocator peak among them."""
     setting = dict(settings[0])
     setting["device"] = ", ".join(dict.fromkeys(s["device"] for s in settings))
     readings = [s["gpu_memory"] for s in settings if s["gpu_memory"]]
     setting["gpu_memory"] = max(readings, key=lambda r: r["allocator_peak_bytes"]) if readings else None
-    merged |= setting
-    merged["memory_claims"] = memory_verdicts(merged)
-    return merged
+    return setting
 
 
 @dataclass(frozen=True)

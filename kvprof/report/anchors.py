@@ -117,7 +117,7 @@ def verification_lines(result: TuneTauResult | dict) -> list[str]:
     else:
         verdict = "meets" if held.target_met else "MISSES"
         lines.append(
-            f"held-out ({len(result.heldout_trajectories)} trajectories): ρ {held.rho:.2f}, KL {held.kl:.2e}"
+            f"held-out ({len(result.heldout_trajectories or [])} trajectories): ρ {held.rho:.2f}, KL {held.kl:.2e}"
             + (
                 f", accuracy {100 * held.accuracy:.0f} % (drop {held.accuracy_drop:+.0f} pts)"
                 if held.accuracy is not None

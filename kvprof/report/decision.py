@@ -53,6 +53,7 @@ def _outcome(
     stored bytes ÷ the dense run's."""
     mine, reference = _by_task(turns), _by_task(dense)
     tasks = [task for task in reference if task in mine]
+    ratio = float("nan") if memory is None else memory  # None: a dense run that stores nothing has no ratio
 
     def paired(key: str) -> np.ndarray:
         return np.array([[sum(t[key] for t in reference[x]), sum(t[key] for t in mine[x])] for x in tasks])
@@ -71,7 +72,7 @@ def _outcome(
         ttft=ratio_of_sums(paired("ttft_s")),
         tpot_ms=tpot,
         latency=ratio_of_sums(paired("latency_s")),
-        memory=Interval(memory, min(peaks, default=memory), max(peaks, default=memory), len(tasks)),
+        memory=Interval(ratio, min(peaks, default=ratio), max(peaks, default=ratio), len(tasks)),
     )
 
 
@@ -215,8 +216,9 @@ def pareto_figure(items: Sequence[Outcome], chosen: Decision | None = None) -> g
     """Accuracy (left; when measured) and KL on a log axis (right) against measured TTFT ×, one marker per policy,
     marker area ∝ memory ÷ dense; error bars: bootstrap intervals over tasks. With `chosen`, arrows name the fastest
     policy meeting the target and the recommended one."""
-    has_accuracy = items[0].accuracy is not None
-    titles = ([f"online accuracy (n = {items[0].accuracy.n} tasks)"] if has_accuracy else []) + [
+    dense_accuracy = items[0].accuracy
+    has_accuracy = dense_accuracy is not None
+    titles = ([f"online accuracy (n = {dense_accuracy.n} tasks)"] if dense_accuracy is not None else []) + [
         "KL(dense ‖ policy), teacher-forced"
     ]
     figure = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, horizontal_spacing=0.1)
@@ -225,8 +227,8 @@ def pareto_figure(items: Sequence[Outcome], chosen: Decision | None = None) -> g
     for o in items:
         _add_outcome(figure, o, floor, kl_col=len(titles), legend_on_kl=not has_accuracy)
     _speed_up_axes(figure, items, len(titles))
-    if has_accuracy:
-        _accuracy_band(figure, items[0].accuracy.value)
+    if dense_accuracy is not None:
+        _accuracy_band(figure, dense_accuracy.value)
     decades = [np.log10(floor) - 0.3, np.log10(max(positive, default=floor * 10)) + 0.3]  # explicit: see _speed_up_axes
     figure.update_yaxes(
         type="log", range=decades, exponentformat="power", title_text="nats / output token", row=1, col=len(titles)
@@ -304,7 +306,7 @@ def _name_choices(figure: go.Figure, chosen: Decision, has_accuracy: bool, floor
     """Arrows to the fastest policy meeting the target and, when another, the recommended one."""
 
     def y_of(o: Outcome) -> float:
-        if has_accuracy:
+        if has_accuracy and o.accuracy is not None:
             return 100 * o.accuracy.value
         return float(np.log10(o.kl if o.kl > 0 else floor))  # a log axis takes annotation positions in decades
 

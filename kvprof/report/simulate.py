@@ -144,10 +144,9 @@ def _context(row: dict) -> str:
 def sustainable_table(result: SimulateResult | dict) -> TableData | None:
     """Per policy, the highest swept load whose TTFT p90 met the SLO; None without an SLO."""
     result = simulate_of(result)
-    best = result.sustainable
-    if best is None:
+    best, slo = result.sustainable, result.settings.ttft_slo_s
+    if best is None or slo is None:
         return None
-    slo = result.settings.ttft_slo_s
     kinds = list(dict.fromkeys(row["load"]["kind"] for row in result.runs))
     table = TableData(
         title=f"highest swept load meeting TTFT p90 ≤ {1000 * slo:.0f} ms (simulated)",

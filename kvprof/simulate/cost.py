@@ -402,7 +402,7 @@ def read_serve_bench(path: Path) -> ServeBenchResult:
         if ttft is not None:
             throughput = check_fields(summary.throughput, {}, f"{where} summary, throughput", SERVE_BENCH_FIX)
             measured = (ttft.get("p50"), throughput.get("requests_per_s"))
-            if not all(is_json(value, NUMBER) and value > 0 for value in measured):
+            if not all(value is not None and is_json(value, NUMBER) and value > 0 for value in measured):
                 raise KvprofError(f"{where} has no positive median TTFT and request throughput; {SERVE_BENCH_FIX}.")
         for number, request in enumerate(run.requests):
             record = f"{where} request {number}"

@@ -232,7 +232,7 @@ def _add_call(
     system = _system(call)
     prompt_mode = log.mode == "prompt"
     private = {0} if prompt_mode or (system is not None and call.trajectory in log.private_in) else set()
-    role = log.prompts.get(call.agent)
+    role = log.prompts.get(call.agent, "")
     if prompt_mode and system is not None and system != role and system.startswith(role):
         traj.private.setdefault(call.agent, system[len(role) :])  # the task's private text after the role prompt
     try:

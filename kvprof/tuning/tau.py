@@ -108,7 +108,7 @@ def fit_pool(
     options: dict[str, str],
     out: Path,
     span_matching: SpanMatching,
-    on_trajectory: Callable[[Trajectory], object] | None = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> Path:
     """The anchor pool every row starts from when none is given: fitted on the tuning trajectories at the policy's
     stored rank (KVComm: full-dimensional) and anchors per slot (its `options`, else their defaults), saved to
