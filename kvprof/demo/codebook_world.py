@@ -43,7 +43,7 @@ from kvprof.fileio import write_json
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import DENSE, ReplayHooks, run_replay
-from kvprof.results.replay import replay_of, summary_of
+from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import Trace, read_trace, write_trace
 from kvprof.ui import progress
@@ -164,7 +164,7 @@ def evaluate(
             online=True,
             hooks=ReplayHooks(on_task=lambda label, task: bar.advance(job)),
         )
-    replay = replay_of(result)
+    replay = ReplayResult.of(result)
     online = replay.online or {}
     rows = {"nonshared": summary_of(DENSE, replay.dense).to_json() | online[DENSE]}
     for label, run in replay.policies.items():

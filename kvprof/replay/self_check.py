@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvprof.policies import PolicyVariant
-from kvprof.results.replay import replay_of, summary_of
+from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[Poli
         unique = list({v.label: v for v in chosen.values()}.values())
         if not unique:
             continue
-        runs = replay_of(replay_trace(agents, [replayed], unique, span_matching=matching)).policies
+        runs = ReplayResult.of(replay_trace(agents, [replayed], unique, span_matching=matching)).policies
         for label, checked in chosen.items():
             summary = summary_of(checked.label, runs[checked.label])
             errors[label] = max(summary.k_error, summary.v_error)

@@ -6,7 +6,7 @@ each against its own dense run."""
 from __future__ import annotations
 
 from kvprof.report.tables import TableData, cell
-from kvprof.results.replay import ReplayResult, replay_of, summary_of
+from kvprof.results.replay import ReplayResult, summary_of
 
 LORA_FAMILIES = ("baseline", "LRAgent", "PReCache")
 
@@ -16,7 +16,7 @@ def comparison_rows(lora: ReplayResult | dict, alora: ReplayResult | dict) -> li
     (measured and FLOP-implied) and the KV memory in blocks relative to the dense run. `lora`, `alora`: replay
     results (`replay.json`) of the plain LoRA agents and of their aLoRA twins, on the same tasks."""
     rows = []
-    for agents, record in (("LoRA", replay_of(lora)), ("aLoRA", replay_of(alora))):
+    for agents, record in (("LoRA", ReplayResult.of(lora)), ("aLoRA", ReplayResult.of(alora))):
         online = record.online or {}
         dense = {
             "agents": agents,

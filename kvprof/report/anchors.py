@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
-from kvprof.results.tune_tau import SweepRow, TuneTauResult, tune_tau_of
+from kvprof.results.tune_tau import SweepRow, TuneTauResult
 
 
 def _bytes(count: int | None) -> str:
@@ -84,7 +84,7 @@ COLUMNS = ["ρ", "KL", "top-1", "K / V err", "accuracy (drop, pts)", "TTFT ×", 
 
 def sweep_table(result: TuneTauResult | dict) -> TableData:
     """One row per swept threshold on the tuning trajectories; the recommended one marked."""
-    result = tune_tau_of(result)
+    result = TuneTauResult.of(result)
     key = result.threshold_option
     best = result.recommended
     table = TableData(
@@ -105,7 +105,7 @@ def sweep_table(result: TuneTauResult | dict) -> TableData:
 
 def verification_lines(result: TuneTauResult | dict) -> list[str]:
     """The recommendation and how it fared on the held-out trajectories, as sentences."""
-    result = tune_tau_of(result)
+    result = TuneTauResult.of(result)
     best = result.recommended
     key = result.threshold_option
     if best is None:
@@ -239,7 +239,7 @@ def fit_sections(report: dict) -> list[Section]:
 
 def tune_sections(result: TuneTauResult | dict) -> list[Section]:
     """Dashboard sections of a tune-tau result: the recommendation first."""
-    result = tune_tau_of(result)
+    result = TuneTauResult.of(result)
     return [
         Section(
             f"{result.policy}: {result.threshold_option} sweep",

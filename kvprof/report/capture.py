@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
-from kvprof.results.capture import CaptureResult, CaptureSummary, capture_summary_of
+from kvprof.results.capture import CaptureResult, CaptureSummary
 
 
 def agent_table(summary: CaptureSummary, title: str) -> TableData:
@@ -20,9 +20,8 @@ def agent_table(summary: CaptureSummary, title: str) -> TableData:
     return table
 
 
-def trace_table(summary: CaptureSummary | dict) -> TableData:
+def trace_table(summary: CaptureSummary) -> TableData:
     """The terminal table of a capture: the agent table, titled with the size of the trace."""
-    summary = capture_summary_of(summary)
     return agent_table(
         summary,
         f"trace: {summary.trajectories} trajectories, {summary.distinct_tokens} "

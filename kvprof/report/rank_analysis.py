@@ -10,7 +10,7 @@ from kvprof.report.figures import Reference, StyleOf, cycle_style, heatmap_figur
 from kvprof.report.html import Section, write_html
 from kvprof.report.styles import PolicyStyle
 from kvprof.report.tables import TableData
-from kvprof.results.rank_analysis import RankAnalysisResult, rank_analysis_of
+from kvprof.results.rank_analysis import RankAnalysisResult
 
 KV_NAMES = ("K", "V")
 VERDICTS = {True: "holds", False: "does not hold", None: "n/a"}
@@ -29,7 +29,7 @@ def layer_tables(result: RankAnalysisResult | dict) -> list[TableData]:
     lora mode adds the base part X·W0 and the adapter output; prompt mode has neither, and adds a third table: the
     deltas against the context-free reference (results written before kvprof measured them have no such table).
     """
-    result = rank_analysis_of(result)
+    result = RankAnalysisResult.of(result)
     lora = result.mode == "lora"
     spans = f"means over {len(result.pairs)} (trajectory, agent pair) spans"
     ranks = TableData(
@@ -97,7 +97,7 @@ def context_free_table(context_free: dict) -> TableData:
 
 def verdict_lines(result: RankAnalysisResult | dict) -> list[str]:
     """One line per published claim: paper, claim, verdict, measured value and detail."""
-    result = rank_analysis_of(result)
+    result = RankAnalysisResult.of(result)
     return [
         f"{c.paper}: {c.statement} — {VERDICTS[c.holds]} (measured {c.measured}; {c.detail})" for c in result.claims
     ]
@@ -273,7 +273,7 @@ def _cosine_heatmaps(result: RankAnalysisResult) -> list:
 def sections(result: RankAnalysisResult | dict) -> list[Section]:
     """Dashboard sections: verdicts and tables, per-layer rank, norm and cosine curves, spectra, agent-pair ×
     layer heatmaps."""
-    result = rank_analysis_of(result)
+    result = RankAnalysisResult.of(result)
     verdicts = TableData(
         title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
     )
@@ -318,7 +318,7 @@ def sections(result: RankAnalysisResult | dict) -> list[Section]:
 def write_report(path: Path, result: RankAnalysisResult | dict) -> Path:
     """The HTML page of a rank-analysis result at `path`: its sections, under a line naming trace, model, mode,
     spans and matrices."""
-    result = rank_analysis_of(result)
+    result = RankAnalysisResult.of(result)
     return write_html(
         path,
         "kvprof rank-analysis",

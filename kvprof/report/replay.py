@@ -8,7 +8,7 @@ from kvprof.report.html import Section
 from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.tables import TableData, cell
 from kvprof.report.uncertainty import LEVEL, RESAMPLES
-from kvprof.results.replay import PolicySummary, ReplayResult, RunSummary, replay_of, summary_of
+from kvprof.results.replay import PolicySummary, ReplayResult, RunSummary, summary_of
 
 
 def _mib(value: float) -> str:
@@ -58,7 +58,7 @@ def _rows(result: ReplayResult) -> list[tuple[str, RunSummary, dict | None]]:
 def dense_check(result: ReplayResult | dict) -> str:
     """How much of the trace's outputs the dense run reproduces (greedy argmax, teacher-forced): the oracle's own
     check. A trace captured from this model must give 100 %; less means other weights, dtype or library versions."""
-    result = replay_of(result)
+    result = ReplayResult.of(result)
     agreement = summary_of(DENSE, result.dense).trace_agreement
     text = f"dense run reproduces {agreement:.1%} of the trace's output tokens"
     source = result.trace_source or "capture"
@@ -77,7 +77,7 @@ def dense_check(result: ReplayResult | dict) -> str:
 def timeline_note(result: ReplayResult | dict) -> str:
     """How the replayed turns followed the shared context (`kvprof.replay.branches`), when any left it: how many, why,
     how many returned to an earlier turn's state, and what that cost; empty when every turn extended it."""
-    timeline = summary_of(DENSE, replay_of(result).dense).timeline
+    timeline = summary_of(DENSE, ReplayResult.of(result).dense).timeline
     moved = timeline.get("moved_tokens", 0) if timeline else 0
     if not timeline or not (timeline["left"] or timeline["restored"] or moved):
         return ""
@@ -94,7 +94,7 @@ def timeline_note(result: ReplayResult | dict) -> str:
 
 def fidelity_table(result: ReplayResult | dict) -> TableData:
     """Policy × cache error and output fidelity (and online accuracy when measured)."""
-    result = replay_of(result)
+    result = ReplayResult.of(result)
     online = bool(result.online)
     columns = ["policy", "K err", "V err", "KL", "top-1", "1st tok"] + (["accuracy", "diverged"] if online else [])
     check = dense_check(result)
@@ -133,7 +133,7 @@ def fidelity_table(result: ReplayResult | dict) -> TableData:
 
 def reuse_table(result: ReplayResult | dict) -> TableData:
     """Policy × reuse ratios and tokens prefilled."""
-    result = replay_of(result)
+    result = ReplayResult.of(result)
     table = TableData(
         title="reuse: tokens served from stored caches instead of prefilled",
         columns=[
@@ -186,7 +186,7 @@ def delta_table(result: ReplayResult | dict) -> TableData | None:
     gate served corrected) and the corrected segments' K/V error by hop; None when no policy has a gate."""
     rows = [
         (label, summary)
-        for label, summary, _ in _rows(replay_of(result))
+        for label, summary, _ in _rows(ReplayResult.of(result))
         if isinstance(summary, PolicySummary) and summary.delta_reuse is not None
     ]
     if not rows:
@@ -213,7 +213,7 @@ def delta_table(result: ReplayResult | dict) -> TableData | None:
 
 def cost_table(result: ReplayResult | dict) -> TableData:
     """Policy × measured time (TTFT, TPOT, latency) and memory, side by side with the dense run."""
-    result = replay_of(result)
+    result = ReplayResult.of(result)
     cuda = any(summary.cuda_peak_bytes is not None for _, summary, _ in _rows(result))
     timing = result.timing or {"mode": "turn", "origin": "kvprof", "runs": result.repeats or 1}
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
@@ -263,7 +263,7 @@ def cost_table(result: ReplayResult | dict) -> TableData:
 def memory_claims_table(result: ReplayResult | dict) -> TableData | None:
     """A verdict for each published memory claim of the replayed policies (`kvprof.claims.memory`), None without
     any."""
-    claims = replay_of(result).memory_claims
+    claims = ReplayResult.of(result).memory_claims
     if not claims:
         return None
     table = TableData(
@@ -322,7 +322,7 @@ def policy_notes(result: ReplayResult | dict) -> list[str]:
     """One line per note a policy recorded about how it ran (`SharingPolicy.notes`), and one for each policy that
     recomputed moved spans (it does not move them)."""
     lines = []
-    for label, run in replay_of(result).policies.items():
+    for label, run in ReplayResult.of(result).policies.items():
         lines += [f"{label}: {note}" for note in run.notes or []]
         recomputed = summary_of(label, run).moved_recomputed
         if recomputed and run.moves_spans is False:
@@ -436,7 +436,7 @@ def diagnostic_figures(result: ReplayResult) -> list:
 
 def sections(result: ReplayResult | dict) -> list[Section]:
     """Dashboard sections: the decision first, then the tables and the diagnostic figures."""
-    result = replay_of(result)
+    result = ReplayResult.of(result)
     return [
         decision_section(result),
         Section(

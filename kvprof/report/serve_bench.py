@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from kvprof.report.figures import base_layout, cycle_style, line_figure
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData, milliseconds
-from kvprof.results.serve_bench import ServeBenchResult, ServeSummary, serve_bench_of
+from kvprof.results.serve_bench import ServeBenchResult, ServeSummary
 
 
 def _percent(value: float | None) -> str:
@@ -46,7 +46,7 @@ def runs_table(result: ServeBenchResult | dict) -> TableData:
         "scheduling) in ms; tok/s counts prompt and output tokens; max wait / peak KV: the largest waiting "
         "request count and KV-cache use /metrics showed.",
     )
-    for run in serve_bench_of(result).runs:
+    for run in ServeBenchResult.of(result).runs:
         summary = run.summary
         overall, agreement, throughput = summary.overall, summary.agreement or {}, summary.throughput or {}
         table.add_row(
@@ -75,7 +75,7 @@ def agents_table(result: ServeBenchResult | dict) -> TableData:
         columns=["pattern", "load", "agent", "requests", "cached", "TTFT p50", "TTFT p90", "TTFT p99", "e2e p90"],
         caption="times in ms; cached: the agent's prompt tokens served from the prefix cache.",
     )
-    for run in serve_bench_of(result).runs:
+    for run in ServeBenchResult.of(result).runs:
         summary = run.summary
         for agent, stats in (summary.agents or {}).items():
             table.add_row(
@@ -94,7 +94,7 @@ def agents_table(result: ServeBenchResult | dict) -> TableData:
 
 def comparison_table(result: ServeBenchResult | dict) -> TableData | None:
     """Base against agents at each load run under both patterns; None when no load was."""
-    rows = serve_bench_of(result).comparison or []
+    rows = ServeBenchResult.of(result).comparison or []
     if not rows:
         return None
     table = TableData(

@@ -4,7 +4,7 @@ calibrated on, one row per policy and load, and the highest load meeting the TTF
 from __future__ import annotations
 
 from kvprof.report.tables import TableData, milliseconds
-from kvprof.results.simulate import SimulateResult, simulate_of
+from kvprof.results.simulate import SimulateResult
 
 GIB = 2**30
 
@@ -15,7 +15,7 @@ def _error(value: float | None) -> str:
 
 def cost_lines(result: SimulateResult | dict) -> list[str]:
     """The step model (its source, coefficients and fit statistics) and the scaling, as lines of text."""
-    result = simulate_of(result)
+    result = SimulateResult.of(result)
     model = result.cost_model
     lines = [
         "step time t = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens + g·adapter_step (+ e per "
@@ -51,7 +51,7 @@ def cost_lines(result: SimulateResult | dict) -> list[str]:
 
 def errors_table(result: SimulateResult | dict) -> TableData | None:
     """The calibration runs re-simulated: measured against simulated median TTFT and throughput; None without."""
-    result = simulate_of(result)
+    result = SimulateResult.of(result)
     rows = result.calibration_errors or []
     if not rows:
         return None
@@ -78,7 +78,7 @@ def errors_table(result: SimulateResult | dict) -> TableData | None:
 def runs_table(result: SimulateResult | dict) -> TableData:
     """One row per policy and load: TTFT p50/p90/p99 (ms), e2e p90, throughput, peak KV memory, preemptions,
     OOM (why: `out_of_memory_lines`)."""
-    result = simulate_of(result)
+    result = SimulateResult.of(result)
     scaled = bool(result.scale["shared_tokens"])
     table = TableData(
         title=f"simulated serving ({result.cost_model['source']})",
@@ -129,7 +129,7 @@ def runs_table(result: SimulateResult | dict) -> TableData:
 
 def out_of_memory_lines(result: SimulateResult | dict) -> list[str]:
     """Why each policy and load that ran out of memory did (one line each)."""
-    result = simulate_of(result)
+    result = SimulateResult.of(result)
     return [
         f"{row['policy']} @ {row['load']['label']}{_context(row)}: out of memory: {row['out_of_memory']}"
         for row in result.runs
@@ -143,7 +143,7 @@ def _context(row: dict) -> str:
 
 def sustainable_table(result: SimulateResult | dict) -> TableData | None:
     """Per policy, the highest swept load whose TTFT p90 met the SLO; None without an SLO."""
-    result = simulate_of(result)
+    result = SimulateResult.of(result)
     best, slo = result.sustainable, result.settings.ttft_slo_s
     if best is None or slo is None:
         return None
@@ -160,7 +160,7 @@ def sustainable_table(result: SimulateResult | dict) -> TableData | None:
 
 def claim_lines(result: SimulateResult | dict) -> list[str]:
     """The published serving figures' verdicts, stated as simulated, with the cost model they used."""
-    result = simulate_of(result)
+    result = SimulateResult.of(result)
     verdicts = result.serving_claims or []
     if not verdicts:
         return []

@@ -146,6 +146,11 @@ class ResultFile(Record):
     envelope: Envelope | None = None
 
     @classmethod
+    def of(cls: type[F], result: F | dict) -> F:
+        """`result` itself, or the result in its JSON (as the library's replays, which return JSON, hand it on)."""
+        return result if isinstance(result, cls) else cls.from_json(result, f"the {cls.KIND} result")
+
+    @classmethod
     def read(cls: type[F], path: str | os.PathLike) -> F:
         """The result in the file at `path`, refused in one sentence naming it when it is not a kvprof result of
         this kind, is of a newer format, or lacks a field this kvprof reads."""

@@ -38,11 +38,3 @@ class CaptureResult(ResultFile):
 
     trace: str = json_field(str)
     summary: CaptureSummary = json_field(dict, read=record_reader(CaptureSummary))
-
-
-def capture_summary_of(summary: CaptureSummary | dict) -> CaptureSummary:
-    """`summary` itself, or the summary in its JSON (as `kvprof capture` and `kvprof import-chat` pass it to the
-    report until they build a `CaptureSummary`)."""
-    if isinstance(summary, CaptureSummary):
-        return summary
-    return CaptureSummary.from_json(summary, "the capture summary", FIX)

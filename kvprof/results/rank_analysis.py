@@ -62,12 +62,3 @@ class RankAnalysisResult(ResultFile):
     pairs: list[dict] = json_field(list)
     context_free: dict | None = json_field((dict, OPTIONAL))
     claims: list[RankClaim] = json_field(list, read=records_in_list(RankClaim))
-
-
-def rank_analysis_of(result: RankAnalysisResult | dict) -> RankAnalysisResult:
-    """`result` itself, or the analysis in its JSON: a result file's, or the payload `kvprof rank-analysis` and
-    `kvprof demo` hold before they write the file (they pass that to the report until they build a
-    `RankAnalysisResult`)."""
-    if isinstance(result, RankAnalysisResult):
-        return result
-    return RankAnalysisResult.from_json(result, "the rank-analysis result")

@@ -175,12 +175,6 @@ class ReplayResult(ResultFile):
     self_check: dict[str, float] | None = json_field((dict, OPTIONAL))
 
 
-def replay_of(result: ReplayResult | dict) -> ReplayResult:
-    """`result` itself, or the replay in its JSON: a result file's, or the payload `kvprof replay` holds before it
-    writes the file (the command passes that to the report until it builds a `ReplayResult`)."""
-    return result if isinstance(result, ReplayResult) else ReplayResult.from_json(result, "the replay result")
-
-
 @overload
 def summary_of(label: str, run: DenseRun) -> DenseSummary: ...
 

@@ -86,11 +86,3 @@ class ServeBenchResult(ResultFile):
     trajectories: list[str] | None = json_field(list, absent=True)
     runs: list[ServeRun] = json_field(list, read=records_in_list(ServeRun))
     comparison: list[dict] | None = json_field(list, absent=True)
-
-
-def serve_bench_of(result: ServeBenchResult | dict) -> ServeBenchResult:
-    """`result` itself, or the serve-bench in its JSON: a result file's, or the payload `kvprof serve-bench` holds
-    before it writes the file (the command passes that to the report until it builds a `ServeBenchResult`)."""
-    if isinstance(result, ServeBenchResult):
-        return result
-    return ServeBenchResult.from_json(result, "the serve-bench result")

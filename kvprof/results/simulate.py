@@ -60,11 +60,3 @@ class SimulateResult(ResultFile):
     runs: list[dict] = json_field(list)
     sustainable: dict | None = json_field((dict, OPTIONAL))
     serving_claims: list[dict] | None = json_field(list, absent=True)
-
-
-def simulate_of(result: SimulateResult | dict) -> SimulateResult:
-    """`result` itself, or the simulation in its JSON: a result file's, or the payload `kvprof simulate` holds
-    before it writes the file (the command passes that to the report until it builds a `SimulateResult`)."""
-    if isinstance(result, SimulateResult):
-        return result
-    return SimulateResult.from_json(result, "the simulate result")

@@ -82,9 +82,3 @@ class TuneTauResult(ResultFile):
     trace: str | None = json_field(str, absent=True)
     model: str | None = json_field(str, absent=True)
     pool: str | None = json_field(str, absent=True)
-
-
-def tune_tau_of(result: TuneTauResult | dict) -> TuneTauResult:
-    """`result` itself, or the sweep in its JSON: a result file's, or the payload `kvprof tune-tau` holds before it
-    writes the file (the command passes that to the report until it builds a `TuneTauResult`)."""
-    return result if isinstance(result, TuneTauResult) else TuneTauResult.from_json(result, "the tune-tau result")

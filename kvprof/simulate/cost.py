@@ -36,7 +36,7 @@ from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import NUMBER, JsonType, check_fields, is_json
-from kvprof.results.replay import ReplayResult, replay_of
+from kvprof.results.replay import ReplayResult
 from kvprof.results.serve_bench import ServeBenchResult, ServeRun
 from kvprof.simulate.workload import ReplayWork
 
@@ -199,7 +199,7 @@ def replay_observations(replay: ReplayResult | dict) -> list[Observation]:
     `ReplayResult` first): one TTFT observation (one step: the prefilled tokens, reading the turn's input as context)
     and one decode observation (decode_steps steps of one sequence, its context growing by one token a step) per
     turn."""
-    replay = replay_of(replay)
+    replay = ReplayResult.of(replay)
     adapter = 1.0 if replay.mode == "lora" else 0.0
     observations = []
     for turn in replay.dense.turns:

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 from kvprof.errors import KvprofError
-from kvprof.results.replay import ReplayResult, replay_of
+from kvprof.results.replay import ReplayResult
 from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.serving.summary import distribution
 from kvprof.serving.traffic import Load
@@ -210,7 +210,7 @@ def replay_errors(replay: ReplayResult | dict, work: ReplayWork, cost: StepCost,
     """The `replay`'s dense run re-simulated as the replay ran it (one trajectory at a time, closed loop of 1, the
     nonshared policy's work): simulated median TTFT and throughput against the replay's per-turn timings (its JSON,
     as `kvprof simulate` passes it, is read as a `ReplayResult` first)."""
-    turns = replay_of(replay).dense.turns
+    turns = ReplayResult.of(replay).dense.turns
     if "nonshared" not in work.policies:
         return []
     trajectories = work.policies["nonshared"]

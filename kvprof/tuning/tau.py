@@ -29,8 +29,8 @@ from kvprof.policies.anchors import POOL_FILE, pool_digest
 from kvprof.policies.delta import pool_identity
 from kvprof.replay.checkpoint import trace_digest
 from kvprof.replay.engine import DENSE, ReplayHooks, ReplayProgress, run_replay
-from kvprof.results.replay import ReplayResult, replay_of, summary_of
-from kvprof.results.tune_tau import SweepDense, SweepRow, TuneTauResult, tune_tau_of
+from kvprof.results.replay import ReplayResult, summary_of
+from kvprof.results.tune_tau import SweepDense, SweepRow, TuneTauResult
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.trace import Trajectory
 from kvprof.tuning.anchor_fit import fit_anchors
@@ -307,14 +307,14 @@ def tune(
     if target.needs_online and not online:
         raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
     variants = variants_of(policy, options, grid)
-    swept = replay_of(replay(tuning, variants, True))
+    swept = ReplayResult.of(replay(tuning, variants, True))
     rows = [row_of(swept, variant, threshold) for variant, threshold in zip(variants, grid)]
     rows = [replace(row, target_met=target.met(row)) for row in rows]
     best = recommend(rows, target)
     verification = None
     if best is not None and heldout:
         (variant,) = variants_of(policy, options, [f"{best.threshold:g}"])
-        checked = row_of(replay_of(replay(heldout, [variant], False)), variant, f"{best.threshold:g}")
+        checked = row_of(ReplayResult.of(replay(heldout, [variant], False)), variant, f"{best.threshold:g}")
         verification = replace(checked, target_met=target.met(checked))
     return TuneTauResult(
         policy=policy_class(policy).name,
@@ -333,7 +333,7 @@ def tune(
 
 def replay_flags(result: TuneTauResult | dict) -> list[str]:
     """The recommendation as `kvprof replay --policy-option` values."""
-    result = tune_tau_of(result)
+    result = TuneTauResult.of(result)
     best = result.recommended
     if best is None:
         return []
