@@ -326,7 +326,7 @@ def make_tasks(split: str, count: int, start: int = 0, distractors: tuple[int, i
 
 
 def write_tasks(path: str | Path, tasks: Sequence[JsonTask]) -> Path:
-    """JSONL readable by `kvprof.capture.workflow.load_tasks` (a world's extra fields — here `entities`, `relations`,
+    """JSONL readable by `kvprof.traces.tasks.load_tasks` (a world's extra fields — here `entities`, `relations`,
     `split` — are ignored there and restore its task via its `read_tasks`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

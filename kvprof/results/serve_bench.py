@@ -6,7 +6,7 @@ Typed: the top level, each run (`ServeRun`), its summary (`ServeSummary`) and lo
 - the server's description (`server`: url, version, started, pid, command, base, adapters);
 - a summary's nested statistics (`overall` and per agent: requests, prefix-cache hits, TTFT / TPOT / latency
   distributions; throughput; cache use by turn; agreement with the trace; the server's gauges and prefix cache);
-- per-request records (`kvprof.serving.client.RequestRecord` as a dict), the server's metric samples, the
+- per-request records (`kvprof.serving.driver.RequestRecord` as a dict), the server's metric samples, the
   pattern comparison rows.
 
 Deviations from the file as written:
