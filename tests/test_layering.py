@@ -104,6 +104,21 @@ def test_reports_import_without_torch():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_report_command_renders_results_without_torch(run_cli, tmp_path):
+    """`kvprof report` on a replay and a simulate result, in a process where importing torch fails."""
+    replay = Path(__file__).parent / "data" / "simulate" / "replay.json"
+    code, _, err = run_cli("simulate", str(replay), "--qps", "1", "--duration", "5", "--out", str(tmp_path))
+    assert code == 0, err
+    files = [str(Path(__file__).parent / "data" / "results" / "replay.json"), str(tmp_path / "simulate.json")]
+    code = (
+        "import sys; sys.modules['torch'] = None; from kvprof.cli import main; "
+        f"sys.argv = ['kvprof', 'report', *{files!r}, '--out', {str(tmp_path / 'report.html')!r}]; main()"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "report.html").stat().st_size > 0
+
+
 def test_no_function_over_80_lines_outside_kernels():
     """Functions a newcomer reads in one screen (signature and docstring included); the Triton kernels, whose
     bodies are one tiled loop each, are exempt. ruff holds their complexity (pyproject.toml)."""
