@@ -93,12 +93,14 @@ def test_no_command_imports_another():
     assert {name: modules for name, modules in offenders.items() if modules} == {}
 
 
-def test_reports_import_without_torch():
-    """`kvprof report` renders any result file on a machine without torch: every report module imports with torch
-    blocked."""
+def test_reports_results_and_claims_import_without_torch():
+    """`kvprof report` renders any result file on a machine without torch: every report, result and claims module
+    imports with torch blocked."""
     code = (
-        "import sys, pkgutil, importlib; sys.modules['torch'] = None; import kvprof.report as r; "
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(r.__path__, 'kvprof.report.')]"
+        "import sys, pkgutil, importlib; sys.modules['torch'] = None\n"
+        "for name in ('kvprof.report', 'kvprof.results', 'kvprof.claims'):\n"
+        "    package = importlib.import_module(name)\n"
+        "    [importlib.import_module(m.name) for m in pkgutil.walk_packages(package.__path__, name + '.')]"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -11,11 +11,12 @@ import scipy.linalg
 import scipy.stats
 import torch
 
+from kvprof.claims.rank import EXTENSION
 from kvprof.commands.rank_analysis import parse_layers
 from kvprof.errors import KvprofError
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.rope import rotate_keys
-from kvprof.rank.analysis import EXTENSION, agent_sequence, analyze_trace, pair_span, select_agents
+from kvprof.rank.analysis import agent_sequence, analyze_trace, pair_span, select_agents
 from kvprof.traces.trace import Trace, read_trace, write_trace
 
 

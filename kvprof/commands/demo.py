@@ -173,7 +173,7 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
     verdict per published claim."""
     import torch
 
-    from kvprof.rank.analysis import EXTENSION
+    from kvprof.claims.rank import EXTENSION
     from kvprof.rank.trace_analysis import prepare_rank_analysis, run_rank_analysis
     from kvprof.report.rank_analysis import layer_tables, verdict_lines, write_report
 

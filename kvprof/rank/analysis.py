@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvprof.claims.papers import KVCMAS_DELTA_RANK, LRAGENT_BASE_COSINE, LRAGENT_ORTHOGONAL
+from kvprof.claims.papers import KVCMAS_DELTA_RANK
+from kvprof.claims.rank import (
+    BETWEEN_AGENTS_QUANTITY,
+    CONTEXT_FREE_QUANTITY,
+    EXTENSION,
+    KV_NAMES,
+    Claim,
+    kvcmas_claims,
+    lragent_claims,
+)
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet
 from kvprof.model.rope import LayerRopes, Rope, rotate_keys
@@ -29,18 +38,7 @@ from kvprof.rank.kv_capture import TurnCapture, capture_turn
 from kvprof.replay import metrics
 from kvprof.traces.trace import Trace, Trajectory
 
-KV_NAMES = ("K", "V")  # the two cache tensors, as result keys
 SPECTRUM_LENGTH = 128  # leading entries of each mean energy spectrum kept in results
-EXTENSION = "kvprof's extension (not the paper's quantity)"
-CONTEXT_FREE_QUANTITY = (
-    "Δ_j = C_j,seg − R(C_ref,seg): an agent's cache of a shared segment minus the segment encoded context-free "
-    "(alone, no prefix), keys re-aligned to the agent's positions (the paper's quantity)"
-)
-BETWEEN_AGENTS_QUANTITY = (
-    "Δ_j←i = C_j − C_i: the difference of two agents' caches of their shared span, "
-    f"{EXTENSION}; the paper's Δ_j is against the context-free encoding of a segment read after an agent's prefix, "
-    "and lora-mode agents read the shared span after identical tokens"
-)
 
 
 # ------------------------------------------------------------------------------------------------- spans
@@ -355,19 +353,6 @@ class SegmentResult:
     layers: dict[int, dict[str, PairLayer]]
 
 
-@dataclass
-class Claim:
-    """A published claim and whether this run reproduces it (None: not applicable); `quantity`: what was measured
-    and whether it is the paper's."""
-
-    paper: str
-    statement: str
-    holds: bool | None
-    measured: str
-    detail: str = ""
-    quantity: str = ""
-
-
 def _layer_means(
     results: Sequence[PairResult | SegmentResult], layers: Sequence[int], names: dict[str, str]
 ) -> dict[int, dict[str, dict[str, float]]]:
@@ -456,7 +441,7 @@ class RankAnalysis:
 
     def claims(self) -> list[Claim]:
         """Verdicts for the LRAgent and KVCMAS claims (see module docstring), with the measured values."""
-        claims = self._lragent_claims(self.layer_means())
+        claims = lragent_claims(self.mode, self.layer_means(), self.layers)
         if self.mode == "prompt":
             testable = [record for record in self.segments if record.bound > KVCMAS_DELTA_RANK]
             records = testable or self.segments
@@ -466,7 +451,7 @@ class RankAnalysis:
                 if testable
                 else f"all {len(records)} (trajectory, agent, segment) records"
             )
-            claims += _kvcmas_claims(
+            claims += kvcmas_claims(
                 self.context_free_means(records),
                 self.layers,
                 bound=max(record.bound for record in records),
@@ -476,7 +461,7 @@ class RankAnalysis:
                 quantity=CONTEXT_FREE_QUANTITY,
             )
         else:
-            claims += _kvcmas_claims(
+            claims += kvcmas_claims(
                 self.layer_means(),
                 self.layers,
                 bound=max(pair.bound for pair in self.pairs),
@@ -487,44 +472,6 @@ class RankAnalysis:
                 label=f" [{EXTENSION}]",
             )
         return claims
-
-    def _lragent_claims(self, means: dict[int, dict[str, dict[str, float]]]) -> list[Claim]:
-        """LRAgent's two claims in lora mode; one not-applicable claim in prompt mode."""
-        if self.mode != "lora":
-            cache = {kv: _mean(_over_layers(means, self.layers, "cache_cosine", kv)) for kv in KV_NAMES}
-            return [
-                Claim(
-                    "LRAgent",
-                    "base caches agree across agents and adapter outputs are nearly orthogonal",
-                    None,
-                    f"cache cosine K {cache['K']:.4f}, V {cache['V']:.4f}",
-                    "not applicable: prompt-mode agents have no adapters "
-                    "(the cache cosine after re-alignment is shown)",
-                    "the caches C_i, C_j of two agents on their shared span, keys re-aligned",
-                )
-            ]
-        base = {kv: _over_layers(means, self.layers, "base_cosine", kv) for kv in KV_NAMES}
-        lowest = min(((kv, layer, v) for kv in KV_NAMES for layer, v in base[kv]), key=lambda item: item[2])
-        adapter = {kv: _over_layers(means, self.layers, "adapter_cosine", kv) for kv in KV_NAMES}
-        largest = max(((kv, layer, v) for kv in KV_NAMES for layer, v in adapter[kv]), key=lambda item: abs(item[2]))
-        return [
-            Claim(
-                "LRAgent",
-                f"base caches of different agents have cosine similarity > {LRAGENT_BASE_COSINE}",
-                all(_mean(base[kv]) > LRAGENT_BASE_COSINE for kv in KV_NAMES),
-                f"K {_mean(base['K']):.4f}, V {_mean(base['V']):.4f}",
-                f"mean token cosine over layers; lowest: layer {lowest[1]} {lowest[0]} {lowest[2]:.4f}",
-                "the base parts X·W0 of two agents' caches on their shared span (the paper's quantity)",
-            ),
-            Claim(
-                "LRAgent",
-                f"adapter outputs of different agents are nearly orthogonal (|cosine| < {LRAGENT_ORTHOGONAL})",
-                all(abs(_mean(adapter[kv])) < LRAGENT_ORTHOGONAL for kv in KV_NAMES),
-                f"K {_mean(adapter['K']):+.4f}, V {_mean(adapter['V']):+.4f}",
-                f"mean token cosine over layers; largest |cosine|: layer {largest[1]} {largest[0]} {largest[2]:+.4f}",
-                "the adapter outputs s·X·A·B of two agents on their shared span (the paper's quantity)",
-            ),
-        ]
 
     def to_dict(self) -> dict:
         """JSON-ready results: settings, means, spectra, pairs, context-free records (None in lora mode), claims."""
@@ -588,58 +535,6 @@ class RankAnalysis:
 
 def _per_layer(result: PairResult | SegmentResult, layers: Sequence[int]) -> list[dict]:
     return [{"layer": layer, **{kv: _rounded(result.layers[layer][kv].values) for kv in KV_NAMES}} for layer in layers]
-
-
-def _over_layers(
-    means: dict[int, dict[str, dict[str, float]]], layers: Sequence[int], metric: str, kv: str
-) -> list[tuple[int, float]]:
-    return [(layer, means[layer][kv][metric]) for layer in layers if metric in means[layer][kv]]
-
-
-def _mean(values: list[tuple[int, float]]) -> float:
-    return sum(v for _, v in values) / len(values)
-
-
-def _kvcmas_claims(
-    means: dict[int, dict[str, dict[str, float]]],
-    layers: Sequence[int],
-    bound: int,
-    scope: str,
-    delta: str,
-    cache: str,
-    quantity: str,
-    label: str = "",
-) -> list[Claim]:
-    """KVCMAS's two claims on `means` ("delta_rank", "cache_rank") over `scope`'s records; `bound`, names, `label`."""
-    trivial = (
-        f"; no matrix here can have rank above {bound} (its tokens or columns), so the threshold says "
-        "little on this trace"
-        if bound <= KVCMAS_DELTA_RANK
-        else ""
-    )
-    deltas = {kv: _over_layers(means, layers, "delta_rank", kv) for kv in KV_NAMES}
-    highest = max(((kv, layer, v) for kv in KV_NAMES for layer, v in deltas[kv]), key=lambda item: item[2])
-    caches = {kv: _mean(_over_layers(means, layers, "cache_rank", kv)) for kv in KV_NAMES}
-    delta_means = {kv: _mean(deltas[kv]) for kv in KV_NAMES}
-    return [
-        Claim(
-            "KVCMAS",
-            f"{delta} have effective rank < {KVCMAS_DELTA_RANK:g}{label}",
-            highest[2] < KVCMAS_DELTA_RANK,
-            f"K {delta_means['K']:.2f}, V {delta_means['V']:.2f}",
-            f"mean over layers of {scope}; highest: layer {highest[1]} {highest[0]} {highest[2]:.2f} (every layer "
-            f"must be < {KVCMAS_DELTA_RANK:g}){trivial}",
-            quantity,
-        ),
-        Claim(
-            "KVCMAS",
-            f"{cache} have higher effective rank than their deltas{label}",
-            all(caches[kv] > delta_means[kv] for kv in KV_NAMES),
-            f"C: K {caches['K']:.2f}, V {caches['V']:.2f}; Δ: K {delta_means['K']:.2f}, V {delta_means['V']:.2f}",
-            f"means over layers of {scope}",
-            quantity,
-        ),
-    ]
 
 
 # ------------------------------------------------------------------------------------------------- driver

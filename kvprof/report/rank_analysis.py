@@ -6,13 +6,13 @@ from itertools import accumulate
 from pathlib import Path
 
 from kvprof.claims.papers import KVCMAS_DELTA_RANK, LRAGENT_BASE_COSINE, LRAGENT_ORTHOGONAL
+from kvprof.claims.rank import KV_NAMES
 from kvprof.report.figures import Reference, StyleOf, cycle_style, heatmap_figure, line_figure
 from kvprof.report.html import Section, write_html
 from kvprof.report.styles import PolicyStyle
 from kvprof.report.tables import TableData
 from kvprof.results.rank_analysis import RankAnalysisResult
 
-KV_NAMES = ("K", "V")
 VERDICTS = {True: "holds", False: "does not hold", None: "n/a"}
 QUANTITIES = {"cache": "C", "base": "base X·W0", "adapter": "adapter output", "delta": "Δ"}
 CONTEXT_FREE_DELTA = "Δ vs context-free"  # label of the prompt-mode delta against the context-free reference
