@@ -66,11 +66,10 @@ app.command("demo")(demo.command)
 
 
 def _quiet_libraries() -> None:
-    """Keep transformers' loading bars and deprecation chatter out of kvprof's own output: set through the
-    environment variables transformers and huggingface_hub read when they are imported (unless the user set them),
-    so that `--help` and usage errors import neither; directly when transformers is already imported.
-    bitsandbytes (imported by peft when installed) warns on CPUs with AVX512-BF16 that an optional kernel package
-    is missing; its fallback is exact, so only its errors are shown."""
+    """Keep transformers' loading bars and deprecation chatter out of kvprof's output: through the environment
+    variables transformers and huggingface_hub read on import (unless the user set them, so `--help` imports
+    neither), directly if transformers is already imported. bitsandbytes' missing-kernel warning on AVX512-BF16 CPUs
+    is silenced (its fallback is exact); its errors are shown."""
     import logging
     import warnings
 
@@ -87,8 +86,7 @@ def _quiet_libraries() -> None:
 
 
 def usage_line(err: typer.TyperException) -> str:
-    """A usage error (unknown command or option, bad or missing value) as one line: typer's own message, then
-    where the command's help is."""
+    """A usage error as one line: typer's message, then where the command's help is."""
     message = " ".join(err.format_message().split())
     ctx = getattr(err, "ctx", None)
     if ctx is None:

@@ -1,13 +1,6 @@
-"""What `--help` says that comes from modules that import torch: the registered policies with their options, and
-tune-tau's threshold grid.
-
-`kvprof --help`, `kvprof COMMAND --help` and usage errors must answer without importing torch, transformers, peft,
-triton, ray or plotly (they take seconds), so these texts are read from `cli_help.json`, generated from the policy
-registry and `kvprof.tuning.tau`. After adding a policy or changing an option, regenerate it:
-
-    python -m kvprof.cli_help
-
-`tests/test_cli_import.py` fails while the file differs from what the registry would generate.
+"""`--help` texts that come from torch-importing modules (the registered policies' options, tune-tau's τ grid), read
+from `cli_help.json` so help and usage errors import no torch, transformers, peft, triton, ray or plotly.
+Regenerate after changing a policy or option: `python -m kvprof.cli_help` (`tests/test_cli_import.py` checks it).
 """
 
 from __future__ import annotations
@@ -20,8 +13,7 @@ HELP_FILE = Path(__file__).with_name("cli_help.json")
 
 
 def generate() -> dict:
-    """The help data from the live registry (imports torch): policy name → option key → its `--help` text, and the
-    τ grid tune-tau sweeps by default."""
+    """The help data from the live registry (imports torch): policy → option → `--help` text, and the default τ grid."""
     from kvprof.policies import REGISTRY
     from kvprof.tuning.tau import GRID
 

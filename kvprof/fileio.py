@@ -1,10 +1,6 @@
-"""Atomic file writes (write to a temporary file beside the target, then rename over it), and reading the files users
-pass, refusing garbage in one sentence.
-
-A reader never sees a half-written result, and an interrupted command leaves the previous file intact. A file a user
-passes that is missing, a directory, empty, not UTF-8 or not JSON is refused with a `KvprofError` naming it and the
-fix (`read_text_file`, `read_json_file`, `jsonl_lines`); `read_result` also checks a result file's envelope and
-`check_fields` the fields a reader then uses.
+"""Atomic file writes (a temporary file beside the target, renamed over it: readers never see a half-written file,
+an interrupted command leaves the old one), and readers that refuse a missing, directory, empty, non-UTF-8 or
+non-JSON file in one sentence naming it and the fix; `read_result` and `check_fields` also check results' shapes.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ TYPE_NAMES = {
 
 
 def require_file(path: Path, kind: str, fix: str) -> None:
-    """Refuse a `path` that does not exist or is a directory; `kind` names the file ("trace file"), `fix` says what
-    to pass instead."""
+    """Refuse a missing or directory `path`; `kind` names the file ("trace file"), `fix` what to pass instead."""
     if path.is_dir():
         raise KvprofError(f"{kind} {path} is a directory, not a file; {fix}.")
     if not path.exists():
@@ -58,8 +53,7 @@ def _read_bytes(path: str | os.PathLike, kind: str, fix: str) -> bytes:
 
 
 def read_text_file(path: str | os.PathLike, kind: str, fix: str) -> str:
-    """The text of the UTF-8 file at `path`, refused when it is missing, a directory, unreadable, empty or not
-    UTF-8."""
+    """The text of the UTF-8 file at `path`, refused if missing, a directory, unreadable, empty or not UTF-8."""
     data = _read_bytes(path, kind, fix)
     try:
         return data.decode("utf-8")
@@ -80,9 +74,8 @@ def read_json_file(path: str | os.PathLike, kind: str, fix: str) -> object:
 
 
 def read_result(path: str | os.PathLike, fix: str, kind: str | None = None) -> tuple[str, dict]:
-    """(kind, payload) of a result file a kvprof command wrote (`kvprof.commands.common.result_envelope`): a JSON
-    object whose schema is `kvprof.result.<kind>` (`kind`, when given) of a version this kvprof reads (none: this
-    one)."""
+    """(kind, payload) of a kvprof result file: a JSON object whose schema is `kvprof.result.<kind>` (`kind` if
+    given) of a version this kvprof reads (none: this one)."""
     what = "result" if kind is None else f"{kind.replace('_', '-')} result"
     payload = read_json_file(path, f"{what} file", fix)
     schema = payload.get("schema") if isinstance(payload, dict) else None
@@ -117,8 +110,8 @@ def type_name(kind: JsonType) -> str:
 
 
 def check_fields(record: object, fields: dict[str, JsonType], where: str, fix: str) -> dict:
-    """`record` as a JSON object that has each of `fields` with a value of its type (a type tuple with None makes a
-    field optional: missing or null); else a `KvprofError` '{where}: ...; {fix}.'."""
+    """Check `record` is a JSON object with each of `fields` of its type (a tuple with None: optional); else a
+    `KvprofError` '{where}: ...; {fix}.'."""
     if not isinstance(record, dict):
         raise KvprofError(f"{where} is not a JSON object; {fix}.")
     for name, kind in fields.items():
@@ -135,8 +128,8 @@ def check_fields(record: object, fields: dict[str, JsonType], where: str, fix: s
 
 
 def jsonl_lines(path: str | os.PathLike, kind: str, fix: str) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value) for each non-blank line of a JSONL file, refused as `require_file`; a line that
-    is not UTF-8 or not JSON raises a `KvprofError` naming the file, the line and the parser's complaint."""
+    """(line number, value) per non-blank JSONL line, refused as `require_file`; a non-UTF-8 or non-JSON line is
+    refused naming file, line and the parser's complaint."""
     path = Path(path)
     require_file(path, kind, fix)
     try:

@@ -1,5 +1,5 @@
-"""The hardware a measurement ran on: the CPU (name and the matrix extensions that decide which dtype is fast on
-it), and GPU memory readings next to kvprof's analytic accounting (the allocator's peak, the device's own count)."""
+"""The hardware a measurement ran on: the CPU (name, matrix extensions) and GPU memory readings beside kvprof's
+analytic accounting."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ CPU_MATRIX_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx51
 
 
 def cpu_description() -> dict:
-    """The CPU's model name and which of `CPU_MATRIX_FLAGS` it has (bfloat16 is fast on CPU only with AMX or
-    AVX512-BF16; on AVX2-only CPUs it is far slower than float32), from /proc/cpuinfo where there is one."""
+    """The CPU's model name and its `CPU_MATRIX_FLAGS` from /proc/cpuinfo (bfloat16 is fast on CPU only with AMX or
+    AVX512-BF16; on AVX2-only CPUs far slower than float32)."""
     name, flags = platform.processor() or platform.machine(), set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -29,10 +29,8 @@ def cpu_description() -> dict:
 
 
 def gpu_memory(device: torch.device) -> dict | None:
-    """On CUDA: torch's allocator peak (bytes) and NVML's used/total bytes of the device; None elsewhere.
-
-    NVML sees every process on the GPU, the allocator only this one; both are reported as measured.
-    """
+    """On CUDA: torch's allocator peak and NVML's used/total device bytes (NVML sees every process, the allocator
+    only this one; both reported as measured); None elsewhere."""
     if device.type != "cuda":
         return None
     reading = {"allocator_peak_bytes": torch.cuda.max_memory_allocated(device)}
@@ -58,9 +56,8 @@ def clock(device: torch.device) -> float:
 
 
 class CudaPeak:
-    """The CUDA allocator's peak during a turn above what was allocated when it started, plus the policy's stored
-    bytes before the turn (`stored`, its analytic bytes, which equal its live tensors' bytes): the memory the
-    policy's own work needs at its worst. None off CUDA."""
+    """The CUDA allocator's peak during a turn above its start, plus the policy's stored bytes before it (analytic,
+    equal to its live tensors): the memory its own work needs at worst. None off CUDA."""
 
     def __init__(self, device: torch.device, stored: int):
         self.device, self.stored = device, stored

@@ -1,7 +1,5 @@
-"""`kvprof bench`: Flash-LoRA-Attention vs naive expansion vs plain SDPA, side by side.
-
-The cases, timers and FLOP/byte models live in `kvprof.kernels.benchmark`; this module parses options, shows
-progress and renders the table, the JSON result and the HTML plot.
+"""`kvprof bench`: Flash-LoRA-Attention vs naive expansion vs plain SDPA. Cases, timers and FLOP/byte models:
+`kvprof.kernels.benchmark`; here options, progress, the table, JSON result and HTML plot.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""`kvprof capture`: run the agents on tasks (or import a shape CSV) and write a trace.
-
-The capture itself lives in `kvprof.capture.runner`; this module parses options, shows progress and writes the result.
-"""
+"""`kvprof capture`: run the agents on tasks (or import a shape CSV) and write a trace (`kvprof.capture.runner`)."""
 
 from __future__ import annotations
 
@@ -118,8 +115,7 @@ def import_shapes(
     mode: str | None,
     seed: int,
 ) -> CaptureSummary:
-    """--shapes: a shape CSV imported as a trace (`kvprof.traces.shapes.import_shape_csv`), written to `trace_path`,
-    its table printed; returns its summary."""
+    """--shapes: import a shape CSV as the trace at `trace_path`, print its table; returns its summary."""
     from kvprof.capture.runner import trajectory_summary
     from kvprof.model.agents import load_tokenizer, tokenizer_identity
     from kvprof.report.capture import trace_table

@@ -1,7 +1,5 @@
-"""Options and helpers the commands share: --out, --device, --dtype, --seed, --min-span / --span-boundaries, a
-trace's overrides (--model, --agent, --role, --limit), the Ray options, the console (`kvprof.ui`, re-exported here),
-result files, dashboard sections on the terminal, and the progress displays of a capture and of a replay (in this
-process or on Ray) that several commands and the demo run."""
+"""What the commands share: common options (--out, --device, --dtype, --seed, span matching, trace overrides, Ray),
+the console, result files, terminal sections, and capture / replay progress displays."""
 
 from __future__ import annotations
 
@@ -129,8 +127,7 @@ RayWorkerCpusOption = Annotated[
 
 
 def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> dict:
-    """The schema-versioned wrapper of every JSON result file; `workers`: the Ray workers (host, device, CPU, ...)
-    a distributed run replayed on, listed in its environment."""
+    """The schema-versioned wrapper of every JSON result; `workers`: a distributed run's Ray workers."""
     import torch
 
     from kvprof.profiling import cpu_description
@@ -166,9 +163,8 @@ def write_result(
 
 
 def command_args(name: str, **given) -> dict:
-    """The `args` a result of `kvprof NAME` records when it runs with the options `given` and defaults for the rest:
-    what a stage of `kvprof demo` records for the command it stands for (read from the typer app, so that no command
-    imports another)."""
+    """The `args` a `kvprof NAME` result records with options `given`, defaults for the rest (read from the typer
+    app, so no command imports another): what a demo stage records."""
     from kvprof.cli import app
 
     (command,) = [entry.callback for entry in app.registered_commands if entry.name == name]
@@ -199,8 +195,7 @@ def print_layers(agents: AgentSet) -> None:
 
 
 def print_sections(sections: list[Section]) -> None:
-    """Dashboard sections on the terminal: a rule with the title, then the card, the text and the tables (not the
-    figures)."""
+    """Dashboard sections on the terminal: title rule, card, text, tables (no figures)."""
     for section in sections:
         console.rule(section.title)
         for line in section.card:
@@ -212,8 +207,7 @@ def print_sections(sections: list[Section]) -> None:
 
 
 def demo_trace(model: str | None) -> tuple[Path, str | None]:
-    """The demo world's short lora-mode sample trace (and its model, unless --model is given): the default when
-    no TRACE is passed."""
+    """The demo's short lora-mode trace (and its model unless --model): the default TRACE."""
     from kvprof.demo.assets import demo_world
 
     world = demo_world()
@@ -221,8 +215,7 @@ def demo_trace(model: str | None) -> tuple[Path, str | None]:
 
 
 def demo_prompt_trace(model: str | None) -> tuple[Path, str | None]:
-    """The demo world's prompt-mode tuning trace (and its model, unless --model is given): the default of
-    fit-anchors and tune-tau."""
+    """The demo's prompt-mode tuning trace (and its model unless --model): fit-anchors' and tune-tau's default."""
     from kvprof.demo.assets import demo_world
 
     world = demo_world()
@@ -244,8 +237,7 @@ def capture_with_progress(
     sampling: Sampling,
     resumed: Sequence[Trajectory] = (),
 ) -> tuple[list[Trajectory], CaptureSummary]:
-    """`capture_trajectories` under a progress bar, timed; prints the trace table. Returns the trajectories and
-    their `trajectory_summary`."""
+    """`capture_trajectories` under a progress bar, timed, trace table printed; the trajectories and summary."""
     from kvprof.capture.runner import capture_trajectories, trajectory_summary
     from kvprof.report.capture import trace_table
 
@@ -288,9 +280,8 @@ def replay_progress(
     state: ReplayProgress | None = None,
     checkpoint: Checkpoint | None = None,
 ) -> Iterator[ReplayHooks]:
-    """Progress bars of a replay in this process of `trajectories` under `variants` variants (teacher-forced turns;
-    online re-runs with `online`), counting those `state` holds as replayed; yields the hooks that advance them and
-    save every replayed trajectory to `checkpoint`."""
+    """Progress bars of an in-process replay (turns; online re-runs with `online`), counting `state`'s as done;
+    yields the hooks, which also save each trajectory to `checkpoint`."""
     from kvprof.replay.engine import ReplayHooks
 
     with progress() as bar:
@@ -315,9 +306,8 @@ def replay_on_ray(
     online: bool = False,
     **settings,
 ) -> dict:
-    """`kvprof.replay.sharded.replay_sharded` on `cluster` under one progress display over its workers (`what`: the
-    variants, as the bar names them; `settings`: its other arguments), saving every completed shard to `checkpoint`
-    and, with `resume`, continuing from the shards it holds."""
+    """`replay_sharded` on `cluster` under one progress display (`what`: the variants; `settings`: other arguments),
+    saving each completed shard to `checkpoint`, resuming from it with `resume`."""
     from kvprof.replay.sharded import ShardHooks, plan_shards, replay_sharded, shard_groups
 
     done, groups = None, None
@@ -362,8 +352,7 @@ def _print_groups(groups: list[list[str]]) -> None:
 
 
 def show_replay(result: ReplayResult) -> None:
-    """A replay's terminal output: a warning when the dense run does not reproduce a captured trace, then the
-    fidelity, reuse and cost tables."""
+    """A replay's terminal output: a warning if the dense run does not reproduce a captured trace, then the tables."""
     from kvprof.report.replay import (
         cost_table,
         delta_table,

@@ -1,10 +1,8 @@
 """`kvprof demo`: the kvprof pipeline on the embedded demo world, on CPU, in minutes.
 
-The demo is a list of stages: `QUICK_STAGES` (the decision for both families, the default) or `FULL_STAGES`
-(`--full`: every world and adapter set). A stage is one function `(DemoContext) -> StageResult` with its expected
-time; it runs the library functions of the command it stands for, prints what that command prints and writes its
-files under `ctx.out`. It reads what earlier stages left in the context (e.g. `ctx.traces["lora"]`) and adds the
-results it wrote to `ctx.results`, from which the report stage builds the dashboard.
+Stages (`QUICK_STAGES`, or `FULL_STAGES` with `--full`) are functions `(DemoContext) -> StageResult` that run the
+library functions of the command they stand for, print what it prints and write its files; their docstrings are
+printed as the stage's description. Results accumulate in `ctx.results` for the report stage.
 """
 
 from __future__ import annotations
@@ -66,8 +64,8 @@ class DemoContext:
     )  # adapter targets → replay of the plain LoRA agents
 
     def write_result(self, out: Path, kind: str, payload: dict | ResultFile, command: str, **options) -> Path:
-        """Write OUT/<kind>.json as `kvprof COMMAND` run with `options` (and this demo's device, dtype and seed)
-        writes it, and keep its path for the report."""
+        """Write OUT/<kind>.json as `kvprof COMMAND` with `options` would (this demo's device, dtype, seed); keep
+        its path for the report."""
         path = write_result(
             out,
             kind,
@@ -202,9 +200,8 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
 def _online_replay(
     ctx: DemoContext, out: Path, trace: Path, agents, trajectories, variants, skipped, lora_attention: bool, **options
 ) -> tuple[ReplayResult, dict[str, float], str]:
-    """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written to OUT as the command
-    writes it (`options`: its other arguments; without `policy`, the selection that replays `variants`,
-    `command_selection`); returns the record, online accuracy per run and that as text."""
+    """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written as the command does
+    (`options`: other arguments; no `policy`: `command_selection`); the record, online accuracy per run, as text."""
     from kvprof.policies import command_selection
     from kvprof.replay.engine import run_replay, with_trace
 
@@ -225,9 +222,8 @@ def _online_replay(
 def _replay_lora(
     ctx: DemoContext, trace_name: str, out: Path, families: tuple[str, ...] | None = None, sweep: bool = True, **options
 ) -> tuple[ReplayResult, dict[str, float], str]:
-    """`kvprof replay --online` of the lora capture `trace_name` under every runnable variant of `--policy all`
-    (`sweep`), or of every policy at its published defaults; only those of `families` when given. Returns what
-    `_online_replay` returns."""
+    """`kvprof replay --online` of lora capture `trace_name` under every runnable `--policy all` variant (`sweep`) or
+    every policy at its defaults, limited to `families` if given; as `_online_replay`."""
     from kvprof.model.agents import load_agents_for_trace
     from kvprof.model.runtime import Runtime
     from kvprof.policies import REGISTRY, enumerate_variants, runnable_variants
@@ -444,8 +440,8 @@ def report_all(ctx: DemoContext) -> StageResult:
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the demo: its title, what it runs, and its expected seconds on 2 CPU cores at the full demo's
-    task counts, growing with `per` ("tasks", "replay_tasks" or "" for a fixed cost)."""
+    """A demo step: title, function, expected seconds on 2 CPU cores at the full demo's task counts, scaled by `per`
+    ("tasks", "replay_tasks", "" for a fixed cost)."""
 
     name: str
     run: Callable[[DemoContext], StageResult]
@@ -493,8 +489,7 @@ def _duration(seconds: float) -> str:
 
 
 def _announce(index: int, stages: list[Stage], ctx: DemoContext, spent: float, done_expected: float) -> None:
-    """The stage about to run, its expected time and what is left in all: expected times scaled by how this
-    machine has kept to them so far."""
+    """Announce a stage, its expected time and what is left, scaled by how this machine has kept to them so far."""
     stage = stages[index]
     pace = spent / done_expected if done_expected > 0 else 1.0
     left = pace * sum(s.expected(ctx) for s in stages[index:])
@@ -569,8 +564,7 @@ def command(
 
 
 def _run_stages(stages: list[Stage], ctx: DemoContext) -> dict[str, dict]:
-    """Run the stages in order, each announced; what demo.json records of each (its summary, seconds, numbers and
-    outputs), by stage name."""
+    """Run the stages in order; per stage what demo.json records (summary, seconds, numbers, outputs)."""
     results: dict[str, dict] = {}
     started = time.perf_counter()
     done_expected = 0.0
@@ -590,8 +584,7 @@ def _run_stages(stages: list[Stage], ctx: DemoContext) -> dict[str, dict]:
 
 
 def _print_summary(title: str, results: dict[str, dict]) -> None:
-    """The table of stages (result, seconds, outputs), then the report's decision cards: the answer last, where the
-    terminal stops."""
+    """The stage table, then the report's decision cards (the answer last, where the terminal stops)."""
     table = Table(title=title)
     for column in ("stage", "result", "seconds", "outputs"):
         table.add_column(column, justify="right" if column == "seconds" else "left")

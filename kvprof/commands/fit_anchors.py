@@ -1,7 +1,5 @@
-"""`kvprof fit-anchors`: fit anchor pools from calibration trajectories, save them, report their error and size.
-
-The maths lives in `kvprof.tuning.anchor_fit` and `kvprof.policies.anchors`; this module parses options, shows
-progress, writes the pool (safetensors) and the JSON result, and prints the tables of `kvprof.report.anchors`.
+"""`kvprof fit-anchors`: fit anchor pools from calibration trajectories, save them (safetensors), report their error
+and size. Maths: `kvprof.tuning.anchor_fit`, `kvprof.policies.anchors`; tables: `kvprof.report.anchors`.
 """
 
 from __future__ import annotations

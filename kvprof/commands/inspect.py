@@ -132,10 +132,9 @@ def _trajectory_cells(traj: Trajectory) -> list[str]:
 
 
 def _policy_table(plan: ReplayPlanSummary, mode: str) -> Table:
-    """Per policy of the trace's mode, what replay lets it reuse of the shared input (`ReplayPlanSummary`): the
-    prefix, the moved spans when it moves them (else it recomputes them), and the tokens it prefills because no
-    cache it may use holds them (private prefixes included; a delta policy's gate may refuse some of what it reuses
-    and a selective one recomputes part of it besides: `kvprof replay` counts those)."""
+    """Per policy of the mode, what replay lets it reuse (`ReplayPlanSummary`): the prefix, moved spans if it moves
+    them, and what it prefills (private prefixes included; gate refusals and selective recompute are counted by
+    `kvprof replay`, not here)."""
     from kvprof.policies import REGISTRY
 
     table = Table(title=f"what replay lets each {mode}-mode policy reuse (input tokens after private prefixes)")

@@ -1,8 +1,5 @@
 """`kvprof rank-analysis`: effective rank and cross-agent similarity of caches, adapter outputs and deltas, per layer.
-
-The maths lives in `kvprof.rank.analysis`, the run over a trace file in `kvprof.rank.trace_analysis`, the rendering of
-the JSON result in `kvprof.report.rank_analysis` (which `kvprof report` shares); this module parses options, shows
-progress and writes the result and the HTML report.
+Maths: `kvprof.rank.analysis`, `kvprof.rank.trace_analysis`; rendering: `kvprof.report.rank_analysis`.
 """
 
 from __future__ import annotations

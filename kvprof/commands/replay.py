@@ -129,8 +129,8 @@ def command(
 
 @dataclass(frozen=True)
 class Replay:
-    """A replay to run here or on Ray: its trace and trajectories, `choose` (the variants among those a setup runs),
-    --lora-attention, the checkpoint file, --resume, and `run_replay`'s other `settings`."""
+    """A replay here or on Ray: trace, trajectories, `choose` (variants among a setup's), --lora-attention,
+    checkpoint, --resume, `run_replay`'s other `settings`."""
 
     trace: Path
     trajectories: list[Trajectory]
@@ -141,8 +141,7 @@ class Replay:
     settings: dict
 
     def in_process(self, source: AgentSource) -> ReplayResult:
-        """Replay in this process, the variants checked on the agents first (`kvprof.replay.self_check`),
-        checkpointed after every trajectory."""
+        """In this process: variants self-checked on the agents first, checkpointed per trajectory."""
         from kvprof.model.agents import agents_identity
         from kvprof.model.runtime import Runtime
         from kvprof.policies import runnable_variants
@@ -168,8 +167,8 @@ class Replay:
         return with_trace(result, self.trace, skipped, checked)
 
     def on_ray(self, cluster: RayCluster) -> ReplayResult:
-        """Replay in shards on `cluster`, checkpointed after every shard; the variants are chosen on a worker's
-        agents, and not checked (the driver loads no model)."""
+        """In shards on `cluster`, checkpointed per shard; variants chosen on a worker's agents, not self-checked
+        (the driver loads no model)."""
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
         from kvprof.replay.engine import uses_kernel, with_trace
         from kvprof.replay.sharded import absolute_files

@@ -1,5 +1,4 @@
-"""`kvprof simulate`: every sharing policy of a replay served by a modelled continuous-batching engine at the
-user's loads; the maths lives in kvprof/simulate/."""
+"""`kvprof simulate`: a replay's policies served by a modelled continuous-batching engine (`kvprof.simulate`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`kvprof tune-tau`: sweep a delta-correction policy's acceptance threshold on tuning trajectories, recommend one
-for a target, verify it on held-out trajectories, and write it where `kvprof replay --tuned` reads it.
-
-The maths lives in `kvprof.tuning.tau` (and the pool fit in `kvprof.tuning.anchor_fit`), the checkpoint in
-`kvprof.replay.checkpoint`, the tuned file in `kvprof.tuning.tuned`; this module parses options, shows progress and
-renders `kvprof.report.anchors`.
+"""`kvprof tune-tau`: sweep a delta policy's acceptance threshold on tuning trajectories, recommend one for a target,
+verify it on held-out ones, write it for `kvprof replay --tuned`. Maths: `kvprof.tuning.tau`; checkpoint:
+`kvprof.replay.checkpoint`; tuned file: `kvprof.tuning.tuned`.
 """
 
 from __future__ import annotations
@@ -136,8 +133,8 @@ def replayer_here(
     online: bool,
     matching: SpanMatching,
 ) -> Iterator[Replayer]:
-    """A `kvprof.tuning.tau.Replayer` in this process, under progress bars of the `thresholds` of option `key`: the
-    sweep checkpoints every tuning trajectory and, with `resume`, continues from those `checkpoint` holds."""
+    """An in-process `Replayer` under progress bars of option `key`'s `thresholds`, checkpointed per tuning
+    trajectory, resuming from `checkpoint` with `resume`."""
     from kvprof.tuning.tau import in_process
 
     state = common.resumed_progress(checkpoint, resume, tuning, "tuning trajectories")
@@ -149,10 +146,8 @@ def replayer_here(
 def replayer_on_ray(
     cluster: RayCluster, checkpoint: Checkpoint, resume: bool, repeats: int, online: bool, matching: SpanMatching
 ) -> Replayer:
-    """A `kvprof.tuning.tau.Replayer` that replays in shards on `cluster` (`common.replay_on_ray`: every threshold is
-    a stateful variant, so the values are grouped into sequential shards, as many as the cluster's workers make
-    fastest). The sweep checkpoints every completed shard and, with `resume`, continues from the shards
-    `checkpoint` holds; the held-out check is not checkpointed."""
+    """A `Replayer` in shards on `cluster`: each threshold is a stateful variant, grouped into sequential shards as
+    the cluster's size makes fastest; checkpointed per shard (held-out check not), resuming with `resume`."""
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         what, saved = f"{len(variants)} variants", checkpoint if sweep else None
@@ -183,8 +178,8 @@ def finish(
     checkpoint: Checkpoint,
     workers: list[dict] | None,
 ) -> None:
-    """Show the sweep and its recommendation, write tune_tau.json (with the Ray `workers` in its environment) /
-    .html and tuned.json, drop the checkpoint."""
+    """Show the sweep and recommendation, write tune_tau.json (Ray `workers` in its environment), .html and
+    tuned.json; drop the checkpoint."""
     from kvprof.report import write_html
     from kvprof.report.anchors import sweep_table, tune_sections, verification_lines
     from kvprof.tuning.tuned import write_tuned

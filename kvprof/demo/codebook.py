@@ -1,36 +1,9 @@
 """The codebook world: prompt-role agents whose private keys give the same shared tokens different meanings.
 
-The shipped demo world's role prompts are instructions the model reads query-side, so a shared segment's K/V hardly
-depend on which agent's prefix it follows and FullShared is exact there. Here each agent's private prefix holds
-*content* the shared tokens must absorb. Every task has a few ships; a ship's manifest (the search tool's document)
-lists which cargo symbol lies at which dock. Each agent holds its own random key, one colour per symbol, written as
-one token per entry (`kared` = symbol `ka` is red to this agent)::
-
-    prefix (act)      You are the clerk. ... Key: kared mogold riblue ... .
-    prefix (reflect)  You are the auditor. ... Key: kablue mored rigold ... .
-    question          Question: Which colour is at dock NORTH of ship Vora?
-    act               search[ Vora]
-    observation       Observation: Vora : east ri , north ka , west mo .
-    act               finish[ north red]     (ka at north, red in the clerk's key)
-    reflect           answer[ north blue]    (ka at north, blue in the auditor's key: the task's answer)
-
-Why the shared tokens must carry the agent's key: the demo model has two layers. Reading the answer from the query
-side takes three attention hops (the asked dock from the question; the symbol at that dock in the manifest; that
-symbol's entry in the key). Resolved at the shared tokens it takes two: in the first layer every manifest symbol
-looks itself up in the key (one hop, because an entry is one token) while the reader finds the asked dock (written
-in capitals in the question, so it is one hop too); in the second the reader attends to the symbol at that dock
-and copies the colour it already holds. So the manifest's K/V in the second layer hold colours of the agent's own
-key, and an agent that reads another agent's cached manifest (FullShared) answers in the other agent's key — right
-only where the two keys agree (one time in four, by chance).
-
-The reviewer's answer is the task's answer; the clerk's finish is its own reading (keys are independent, so it
-tells the reviewer nothing). The reviewer asked before the manifest is in the trajectory answers
-`answer[ north unknown]`.
-Tasks are reproducible from `(split, index)`; splits use different seeds.
-
-Shipped in `kvprof/demo/assets/codebook/` (`kvprof.demo.codebook_world`; trained by
-`python -m kvprof.demo.train_codebook`): on 100 held-out tasks NonShared answers 95 %, FullShared 20 %; on 100
-standing-key tasks 94 % and 15 %.
+Each agent's prefix holds its own key (one token per entry: `kared` = symbol `ka` is red to it); a ship's manifest
+(the shared observation) lists the symbol at each dock; the reviewer answers the asked dock's colour in its own key.
+With two layers the model can only resolve the key at the shared tokens, so FullShared answers in the other agent's
+key. Why, and the measured accuracies: docs/demo-worlds.md, docs/design.md ("The codebook world").
 """
 
 from __future__ import annotations
@@ -156,13 +129,9 @@ def manifest(ship: str, cargo: list[tuple[str, str]]) -> str:
 
 
 def make_task(split: str, index: int, asks: str = "colour") -> CodebookTask:
-    """Task `index` of `split` (deterministic; see module docstring). `asks="symbol"` is the training drill that
-    asks for the symbol at the dock instead of its colour: it teaches the second layer to find the asked dock's
-    symbol, after which the colour can only come from what the first layer wrote at that symbol.
-
-    `split="standing"`: held-out-like tasks whose keys (and their entry order) are the same in every task — an
-    agent's standing instructions rather than notes for one task, so each agent's prefix is one fixed text, the
-    setting anchor pools are built for (their deltas come from earlier tasks' segments)."""
+    """Task `index` of `split`, deterministic. `asks="symbol"`: the training drill asking for the symbol at the dock
+    (teaches the second layer to find it). `split="standing"`: every task gives each agent the same key (and entry
+    order): one fixed prefix, as anchor pools assume."""
     shape = SHAPES[split]
     rng = random.Random(f"kvprof-codebook/{SPLITS[split]}/{index}")
     ships = rng.sample(SHIPS, rng.randint(*shape.ships))

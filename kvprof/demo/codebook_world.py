@@ -2,27 +2,8 @@
 
     python -m kvprof.demo.codebook_world [--world DIR]    # after python -m kvprof.demo.train_codebook --out DIR
 
-The world's folder (default: the packaged `assets/codebook`) holds::
-
-    model/                                  two-layer model + tokenizer (written by train_codebook)
-    workflow_prompt.toml                    the clerk (act) and the auditor (reflect), prompt mode
-    workflow_group_chat.toml                the same as a group chat through a chat template (the other agent's
-                                            outputs read as user messages, as AutoGen / AG2 lay them out)
-    tasks/{heldout,long}.jsonl              held-out tasks (never trained on) and the long split (4 ships × 6 docks)
-    tasks/standing.jsonl                    held-out-like tasks whose keys are the same in every task
-    training.json                           what training measured, check by check
-    sample_traces/heldout.jsonl             the first HELDOUT_TASKS held-out tasks, captured (the agents generate)
-    sample_traces/short.jsonl               its first SHORT_TASKS trajectories (what `kvprof demo` replays)
-    sample_traces/long.jsonl                the long tasks, captured
-    sample_traces/standing.jsonl            the first HELDOUT_TASKS standing-key tasks, captured
-    sample_traces/group_chat.jsonl          the first HELDOUT_TASKS held-out tasks captured as a group chat
-    evaluation.json                         capture accuracy and the `kvprof replay --online` numbers below
-
-`evaluate` replays a sample trace teacher-forced and online under NonShared (the dense run) and other policies, as
-`kvprof replay TRACE --online --policy ...` does, and keeps each policy's summary (accuracy, diverged turns, K/V
-error, KL, top-1, ρ, moved spans served): the numbers the docs quote. `heldout` and `group_chat` (the same tasks in
-both renderings) run every prompt-mode policy at its defaults (`PROMPT_POLICIES`), `standing` FullShared and the
-delta-correction policies (`EVALUATED`); anchor pools start empty and grow, as published.
+The folder's files and what `evaluate` replays: docs/demo-worlds.md ("The codebook world"). Each policy's kept
+summary (accuracy, diverged turns, K/V error, KL, top-1, ρ, moved spans served) is what the docs quote.
 """
 
 from __future__ import annotations
@@ -109,8 +90,7 @@ class CodebookWorld(WorldFolder):
 
 
 def codebook_world(root: str | Path | None = None) -> CodebookWorld:
-    """The shipped codebook world (or one written by `python -m kvprof.demo.train_codebook --out ROOT`); refuses a
-    folder without the trained model."""
+    """The shipped codebook world (or `train_codebook --out ROOT`'s); refuses a folder without the trained model."""
     world = CodebookWorld(Path(root) if root is not None else CODEBOOK)
     world.require(
         "codebook world",
@@ -126,8 +106,7 @@ def _stats(trajectories) -> dict:
 
 
 def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
-    """Capture the sample traces (see module docstring); returns `name → statistics` (accuracy: NonShared exact
-    match, the agents generating greedily)."""
+    """Capture the sample traces; `name → statistics` (accuracy: NonShared, greedy)."""
     stats = {}
     with tempfile.TemporaryDirectory() as tmp:
         captures = (
@@ -150,8 +129,8 @@ def build_traces(world: CodebookWorld, device: str = "cpu") -> dict[str, dict]:
 def evaluate(
     world: CodebookWorld, name: str = "heldout", device: str = "cpu", policies: tuple[PolicyVariant, ...] = EVALUATED
 ) -> dict:
-    """Replay the sample trace `name` teacher-forced and online under NonShared and `policies`; returns
-    `label → {KEPT numbers}` with the dense run under "nonshared"."""
+    """Replay trace `name` teacher-forced and online under NonShared and `policies`; `label → {KEPT numbers}`
+    (dense under "nonshared")."""
     trace = world.sample_traces[name]
     agents = load_agents_for_trace(trace, device=device, dtype="float32")
     trajectories = read_trace(trace).trajectories

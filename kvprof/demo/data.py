@@ -1,16 +1,7 @@
-"""Training examples for the demo world, laid out by the real runner.
-
-Each task is run through `kvprof.capture.workflow.run_react` with a scripted oracle that answers every turn with the
-gold output, so a training input is token for token what an agent reads at inference time. One example teaches one role
-R on one trajectory prefix:
-
-    tokens  = [R's role prompt (prompt mode)] + shared history up to turn k's cue + R's gold output at turn k
-    targets = R's own earlier outputs in that history, and the final output
-
-Turn k is drawn at random among all turns, so R is asked both on its own turns and on other roles' turns
-("off-schedule"; every role has an output at every turn, the reviewer's being "answer[ unknown]" until the answer is
-in the trajectory): the position in the schedule never tells the model which role it plays — only the role prompt
-(prompt mode) or the adapter (lora mode) does.
+"""Training examples for the demo worlds, laid out by the real runner (`run_react` with a gold-output oracle), so an
+input is token for token what an agent reads at inference. One example: role R's prompt (prompt mode), the history
+up to turn k's cue, R's gold output; turn k drawn among all turns, so the schedule never tells R its role
+(docs/demo-worlds.md).
 """
 
 from __future__ import annotations
@@ -119,11 +110,8 @@ def batches(examples: list[Example], token_budget: int, rng: random.Random) -> l
 
 
 def collate(batch: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad a batch: `input_ids` [B, T], `labels` [B, T] (IGNORE except at target tokens) and `real` [B, T]
-    (True on real tokens, False on padding).
-
-    Right padding needs no attention mask under causal attention: real tokens never attend to later pads.
-    """
+    """Right-pad a batch: `input_ids`, `labels` (IGNORE except at targets), `real` (False on padding), each (B, T).
+    No attention mask needed: under causal attention real tokens never attend to later pads."""
     width = max(len(example) for example in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)

@@ -1,8 +1,5 @@
-"""The demo world's BPE tokenizer, trained with the `tokenizers` library and saved for transformers' AutoTokenizer.
-
-Byte-level BPE (any text encodes, `decode(encode(text)) == text`). The world writes every name after a space, so a
-name is one token sequence wherever it occurs ("ĠTev", "ren"). A small vocabulary (1024) keeps template words whole
-while every invented name splits into 2–4 tokens (mostly 2).
+"""The demo world's byte-level BPE tokenizer (`tokenizers`, saved for AutoTokenizer): any text encodes
+losslessly; every name follows a space, so it is one token sequence wherever it occurs (2–4 tokens, mostly 2).
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ VOCAB_SIZE = 1024
 
 
 def corpus(tasks: Iterable[DemoTask]) -> Iterator[str]:
-    """Every text segment the runner tokenizes for these tasks, in both modes (prompts, question, cues,
-    observations, every role's gold output at every turn), each on its own as the runner encodes it."""
+    """Every text the runner tokenizes for these tasks in both modes, each on its own as the runner encodes it."""
     for mode in ("prompt", "lora"):
         spec = workflow_spec(mode)
         if spec.system_prompt:
@@ -44,8 +40,7 @@ def build_tokenizer(tasks: Iterable[DemoTask], vocab_size: int = VOCAB_SIZE):
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, split: list | None = None, max_length: int = 32768):
-    """Byte-level BPE trained on `texts` (after the pre-tokenizers in `split`, if any), wrapped as a
-    `PreTrainedTokenizerFast` (EOS doubles as padding)."""
+    """Byte-level BPE on `texts` (after the `split` pre-tokenizers), as a `PreTrainedTokenizerFast` (EOS pads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

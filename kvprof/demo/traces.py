@@ -2,16 +2,12 @@
 
     python -m kvprof.demo.traces [--world DIR]
 
-`{prompt,lora}_short`: the first SHORT_TASKS held-out tasks, captured as `kvprof capture` captures them (the agents
-generate, greedy).
-`prompt_tune`: the next TUNE_TASKS held-out tasks in prompt mode, captured the same way: calibration and tuning
-trajectories for `kvprof fit-anchors` and `kvprof tune-tau` (disjoint from the `_short` tasks).
-`{prompt,lora}_long`: the first long task (3 hops, paragraphs of ~130 distractor sentences: several thousand tokens
-of shared context) with the gold outputs (source `demo-oracle` in the header): the demo model was trained on
-paragraphs of at most 10 distractors and loses the thread in paragraphs ten times longer, so a captured long
-trajectory stops after its first observation. Replay is teacher-forced, so the gold trace is what a long shared
-context looks like to every policy. Paths in the headers (model, adapters) are relative to the traces' folder (see
-`kvprof.model.agents.load_agents_for_trace`), so the committed files do not name this machine's folders.
+- `{prompt,lora}_short`: the first SHORT_TASKS held-out tasks, captured (greedy) as `kvprof capture` does.
+- `prompt_tune`: the next TUNE_TASKS, prompt mode: calibration and tuning for `fit-anchors` / `tune-tau`.
+- `{prompt,lora}_long`: the first long task with gold outputs (source `demo-oracle`: the model loses the thread in
+  paragraphs this long; replay is teacher-forced).
+
+Header paths are relative to the traces' folder (`load_agents_for_trace`).
 """
 
 from __future__ import annotations
@@ -69,8 +65,7 @@ def gold_trace(model: Path, workflow: Path, tasks: Sequence[GoldTask], path: Pat
 
 
 def captured_trace(model: Path, workflow: Path, tasks: list[Task], path: Path, device: str) -> list[Trajectory]:
-    """Capture `tasks` into the trace `path` as `kvprof capture --model MODEL --workflow WORKFLOW` does (greedy,
-    seed 0, float32); returns its trajectories."""
+    """Capture `tasks` into `path` as `kvprof capture --model MODEL --workflow WORKFLOW` does (greedy, seed 0, fp32)."""
     agents = load_agents(capture_spec(workflow), str(model.resolve()), device=device, dtype="float32")
     sampling = Sampling()
     with progress() as bar:
@@ -150,8 +145,7 @@ def write_sample_chat_log(world: DemoWorld) -> Path:
 
 
 def group_chat(calls: list[dict]) -> list[dict]:
-    """Chat-log calls as a group chat logs them (AutoGen / AG2): each agent reads its own replies as `assistant`
-    messages and every other agent's as `user` messages with the author's `name`."""
+    """Chat-log calls as AutoGen / AG2 log a group chat: own replies as `assistant`, others' as named `user`."""
     shaped = []
     for call in calls:
         messages = [

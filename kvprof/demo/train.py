@@ -1,32 +1,10 @@
-"""Train the demo world from scratch on CPU: tokenizer, base model, role adapters, shared-A adapters.
+"""Train the demo world from scratch on CPU: tokenizer, base model, role adapters, shared-A and aLoRA adapters.
 
     python -m kvprof.demo.train [--out DIR] [--seed N]
     python -m kvprof.demo.train --set alora --set alora_qv [--out DIR]   # only those sets, on the base in DIR
 
-Phases (each with a progress bar; timings, losses and per-call held-out accuracy go to OUT/training.json):
-
-1. tokenizer — byte-level BPE on the training tasks' texts (`kvprof.demo.tokenizer`).
-2. base — a Llama model (GQA, RoPE, tied embeddings) trained in prompt mode, in three stages: a warm-up on copy
-   and recall drills (`warmup_stream`), the task (short paragraphs first) with drills mixed in, then the task with
-   every other batch a recall drill (`recall_stream`) — copying a name out of the last observation is what a
-   model this small learns last.
-3. lora — adapters plan / act / reflect (r=8 on q/k/v/o) trained on the frozen base under the neutral system
-   prompt: the only thing that tells an agent its role in lora mode.
-4. shared-A — the same three roles with one common, frozen, seeded A per layer and projection; only B is trained
-   (adapters for the BaseLRShared policy).
-5. lora_qv, shared_a_qv — the papers' setting (PReCache's main results, LRAgent): r=8, α=16 on q_proj and v_proj
-   only (K carries no adapter, V = base + LR), and its shared-A twin whose roles share one frozen, seeded A on
-   v_proj only (q_proj's A is each role's own and trained).
-6. alora, alora_qv — Activated LoRA twins of lora and lora_qv (peft's aLoRA): each role's adapter acts only from
-   the last occurrence of the cue "Agent:" in its input on (`alora_invocation_tokens`), so everything an agent
-   reads before its own cue keeps the base model's K/V.
-7. world — workflow specs (one per adapter set), held-out and long tasks.
-
-`--set NAME` (repeatable) trains just those adapter sets on the base model already in OUT, exactly as the full run
-trains them (same seeds, same example streams, same base weights), and adds their phases to OUT/training.json.
-
-Deterministic for a fixed seed and thread count: tasks, example order and initialisation all derive from the seed.
-Training uses bf16 autocast (master weights stay fp32) and computes the loss on output tokens only.
+Phases, drills and settings: docs/demo-worlds.md ("Training phases"). Deterministic for a fixed seed and thread
+count; bf16 autocast (fp32 master weights); loss on output tokens only; records in OUT/training.json.
 """
 
 from __future__ import annotations
@@ -104,10 +82,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AdapterSet:
-    """One trained adapter set: its folder under OUT/adapters (and workflow_{workflow}.toml), the LoRA targets,
-    rank r and α, the projections on which every role shares one frozen, seeded A (the others' A is each role's
-    own), the offset of the seed its initialisation draws from (`TrainConfig.seed` + offset), and whether its
-    adapters are Activated LoRA invoked by the cue."""
+    """One adapter set: its folder under OUT/adapters (and workflow_{workflow}.toml), targets, r, α, the projections
+    whose frozen seeded A every role shares, its seed offset, and whether it is Activated LoRA invoked by the cue."""
 
     name: str
     workflow: str
@@ -120,9 +96,8 @@ class AdapterSet:
 
 
 def adapter_sets(cfg: TrainConfig) -> tuple[AdapterSet, ...]:
-    """The demo's adapter sets: q/k/v/o at `cfg.adapter_rank` (α = 2r) and its shared-A twin (A shared on every
-    target), the papers' q/v setting (r=8, α=16) and its twin with A shared on v_proj only, then the Activated LoRA
-    twins of the q/k/v/o and q/v sets."""
+    """q/k/v/o at `cfg.adapter_rank` (α = 2r) and its shared-A twin, the papers' q/v (r=8, α=16) and its twin (A
+    shared on v_proj), then the aLoRA twins of the q/k/v/o and q/v sets."""
     rank = cfg.adapter_rank
     return (
         AdapterSet("lora", "lora", LORA_TARGETS, rank, 2 * rank, (), 1),
@@ -176,9 +151,8 @@ def example_stream(
     salt: str,
     distractors: tuple[int, int] | None = None,
 ) -> Iterator[list[Example]]:
-    """Endless batches of training examples: pool p draws training tasks p·P … (p+1)·P − 1 (with `distractors`
-    sentences per paragraph; None: the split's own), one example per role each, grouped by length
-    (`token_budget` padded tokens per batch)."""
+    """Endless batches: pool p draws training tasks p·P … (p+1)·P − 1 (`distractors` per paragraph; None: the split's),
+    one example per role each, grouped into `token_budget`-token batches."""
     spec = workflow_spec(mode)
     pool = 0
     while True:
@@ -195,9 +169,8 @@ RELATION_VALUE = re.compile(rf"\b({'|'.join(RELATION_WORDS)}) (\w+)")
 
 
 def recall_example(tokenizer, paragraph: str, rng: random.Random) -> Example:
-    """Associative recall on one paragraph: the paragraph as an observation, then " Plan:" and its relations in
-    random order, each followed by its value (" Plan: mentor Yarias, rival Kaias"); loss on the values. This is the
-    plan's lookup (the value after the relation word in the last observation) without the rest of the task."""
+    """Associative recall on one paragraph: the paragraph, then " Plan:" and its relations in random order each
+    followed by its value (loss on the values): the plan's lookup alone."""
     pairs = RELATION_VALUE.findall(paragraph)
     rng.shuffle(pairs)
     tokens = tokenizer.encode(f"Observation: {paragraph}\n", add_special_tokens=False)
@@ -211,13 +184,8 @@ def recall_example(tokenizer, paragraph: str, rng: random.Random) -> Example:
 
 
 def warmup_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
-    """Endless batches of two generic skills every role needs, as short dense examples (half each):
-
-    - copy: a window w (16–48 tokens) of a training paragraph, some other text (0–120 tokens), then w again; loss
-      on the repeat. This grows induction heads (continue what followed the earlier occurrence of this token).
-    - recall: `recall_example` on a paragraph with 0–3 distractor sentences.
-
-    Without this warm-up the task sits on a long plateau before copying appears."""
+    """Endless batches of copy (a 16–48-token window, 0–120 tokens of other text, the window again; loss on the
+    repeat: grows induction heads) and recall (`recall_example`, 0–3 distractors) examples, half each."""
     rng = random.Random(f"{cfg.seed}/warmup")
     while True:
         batch = []
@@ -264,10 +232,9 @@ def interleave(main: Iterator[list[Example]], extra: Iterator[list[Example]], ev
 def output_loss(
     model, input_ids: torch.Tensor, labels: torch.Tensor, real: torch.Tensor, context_weight: float
 ) -> torch.Tensor:
-    """Mean cross-entropy over target (output) tokens, plus `context_weight` × the mean over every other real token
-    (plain language modelling of the trajectory, which teaches copying early). `input_ids`, `labels`, `real`:
-    [B, T]; the LM head runs only where a loss is taken, except on an Activated LoRA model, which runs its whole
-    forward: peft finds each row's invocation in its ids there (its decoder alone would run the base)."""
+    """Mean cross-entropy over output tokens + `context_weight` × the mean over other real tokens. `input_ids`,
+    `labels`, `real`: (B, T). The LM head runs only where a loss is taken, except on an aLoRA model (peft finds each
+    row's invocation in the whole forward)."""
     if activated_lora(model):
         logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]
         scores: Callable[[torch.Tensor], torch.Tensor] = lambda where: logits[where]  # noqa: E731
@@ -304,8 +271,8 @@ def train_loop(
     bf16: bool = True,
     stop: Callable[[int, list[float]], bool] | None = None,
 ) -> list[float]:
-    """AdamW with linear warm-up and cosine decay to lr/10 over `steps`; returns the loss of every step.
-    `bf16`: autocast the forward pass; `stop(step, losses)`, asked after every step, ends the loop early when true."""
+    """AdamW, linear warm-up, cosine decay to lr/10 over `steps`; returns each step's loss. `bf16`: autocast;
+    `stop(step, losses)` ends the loop early."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -333,8 +300,8 @@ def train_loop(
 def per_call_accuracy(
     model, tokenizer, mode: str, tasks, activate: Callable[[str], contextlib.AbstractContextManager[object]]
 ) -> dict[str, float]:
-    """Held-out per-call exact match: the fraction of canonical turns whose whole gold output is the greedy
-    argmax at every position, teacher-forced on gold inputs (= greedy decoding reproduces it exactly)."""
+    """Held-out per-call exact match: the share of canonical turns whose gold output is the greedy argmax at every
+    position, teacher-forced."""
     spec = workflow_spec(mode)
     by_role: dict[str, list[Example]] = {role: [] for role in ROLES}
     for task in tasks:
@@ -435,8 +402,7 @@ class Trainer:
         return model
 
     def recall(self, model, tokenizer, round_: int):
-        """Recall round `round_` (0-based): the task with every `recall_every`-th batch a recall drill, a fresh
-        optimizer and schedule; saves the base model."""
+        """Recall round `round_`: the task, every `recall_every`-th batch a drill, fresh optimizer; saves the base."""
         cfg = self.cfg
         salt = "" if round_ == 0 else f"/{round_}"
         step, done = self.phase(f"recall {round_ + 1}", cfg.recall_steps)
@@ -467,8 +433,7 @@ class Trainer:
         return model
 
     def adapters(self, model, tokenizer, adapters: AdapterSet):
-        """Train `adapters` (one adapter per role) on the frozen `model`; saves them under OUT/adapters and returns
-        the model without them."""
+        """Train `adapters` on the frozen `model`, save them under OUT/adapters; returns the model without them."""
         cfg, name = self.cfg, adapters.name
         peft_model = role_adapters(model, adapters, cfg.seed, tokenizer)
         metrics = {}
@@ -507,8 +472,7 @@ class Trainer:
         return peft_model.unload()
 
     def world(self, sets: tuple[AdapterSet, ...], tasks: bool = True):
-        """The workflow specs (prompt mode, and lora mode for each of `sets`) and, with `tasks`, the held-out and
-        long tasks."""
+        """Workflow specs (prompt mode, lora mode per set) and, with `tasks`, the held-out and long tasks."""
         step, done = self.phase("world", 1)
         out = self.out
         if tasks:
@@ -523,10 +487,9 @@ class Trainer:
 
 
 def role_adapters(model, adapters: AdapterSet, seed: int, tokenizer):
-    """`model` with one untrained LoRA adapter per role (`adapters`' targets, r and α; no dropout), initialised from
-    `seed` + the set's offset; on the set's `shared_a` projections every role's A is a copy of the first role's. An
-    activated set's adapters are invoked by the cue's ids (a causal-LM task type, without which peft never applies
-    them)."""
+    """`model` with one untrained LoRA adapter per role (`adapters`' targets, r, α; no dropout), seeded; on the
+    `shared_a` projections every role's A copies the first role's. An activated set is invoked by the cue's ids
+    (causal-LM task type, without which peft never applies them)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -547,8 +510,7 @@ def role_adapters(model, adapters: AdapterSet, seed: int, tokenizer):
 
 
 def trained(param_name: str, role: str, adapters: AdapterSet) -> bool:
-    """Whether parameter `param_name` trains while `role`'s adapter of `adapters` does: the role's own B, and its A
-    except on a projection whose A the roles share (frozen, so it stays shared)."""
+    """Whether `param_name` trains with `role`'s adapter: its B, and its A except where the roles share A."""
     if f".{role}." not in param_name:
         return False
     projection = param_name.split(".lora_", 1)[0].rsplit(".", 1)[-1]
@@ -574,9 +536,8 @@ def _adapter(peft_model, role: str) -> contextlib.nullcontext[None]:
 
 
 def run(out: Path, cfg: TrainConfig, only: tuple[str, ...] = ()) -> dict:
-    """All phases into `out`; returns the training record (also written to OUT/training.json). With `only`, just
-    those adapter sets on the tokenizer and base model already in OUT/model, their phases added to
-    OUT/training.json."""
+    """All phases into `out`; returns the record (also OUT/training.json). `only`: just those adapter sets on the
+    base in OUT/model."""
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,34 +2,9 @@
 
     python -m kvprof.demo.train_codebook [--out DIR] [--seed N]
 
-Phases (each with a progress bar; timings, losses and per-call held-out accuracy go to OUT/training.json):
-
-1. tokenizer — byte-level BPE on the training tasks' texts; every word the solution looks up in one hop (a key
-   entry, a symbol, a colour, a dock, a ship) must be one token, or training stops.
-2. recall — multi-query associative recall drills on the world's words (`dock symbol` pairs, then the docks again in
-   another order, each followed by its symbol), 256 short sequences a step, until the loss of the last 20 steps is
-   below 0.05. They grow the induction circuit the manifest lookup needs (a previous-token head in layer 1, a head
-   in layer 2 that attends to the token after an earlier occurrence of the current one); on the task alone it did
-   not appear in 2,000+ steps, and at hidden 128 not reliably in 4,000 drill steps.
-3. keys — half the recall drills, half key lookups (key entries, then their symbols each followed by its colour),
-   until the same loss: the one-hop symbol → entry lookup the first layer does at every manifest symbol.
-4. lookup — the workflow (every role on every turn, `kvprof.demo.data`) with a third of the tasks asking for the
-   symbol at the dock instead of its colour, and check drills (manifest, then its docks in shuffled order, each
-   followed by its symbol or its colour in the agent's key), until the reviewer names the symbol in 95 % of
-   held-out symbol tasks (per call, teacher-forced): the second layer learns to find the asked dock, and the two
-   drilled circuits compose into the colour.
-5. decode — the same plus decode drills (the key, then symbols each followed by their colour), until the clerk's
-   finish and the reviewer's answer are both right in 95 % of held-out colour tasks (per call).
-6. world — workflow file, held-out, long and standing-key tasks (`codebook.make_task`).
-
-Every phase checks every 250 steps (loss, per-call held-out accuracy on colour and symbol tasks, all recorded) and
-has a step budget it stops at if its target is never met. Measured with the defaults (seed 0, 2 threads, 31
-minutes on 2 cores): recall 1,500 steps (loss 1.37 → 0.024), keys 500 (0.036), lookup 1,750, decode 2,000; per
-call, held-out colour tasks: finish 98 %, reviewer 98 % (training.json). `python -m kvprof.demo.codebook_world`
-then captures the sample traces and measures the evaluation (95 % NonShared, 20 % FullShared online).
-
-Deterministic for a fixed seed and thread count. The loss is taken on output (and drill answer) tokens only: the
-rest of a trajectory is random keys and manifests, nothing to model.
+Phases (tokenizer, recall, keys, lookup, decode, world), their targets and measured steps: docs/demo-worlds.md
+("The codebook world"). Each checks every 250 steps and stops at its target or step budget; records in
+OUT/training.json. Deterministic for a fixed seed and thread count; loss on output and drill-answer tokens only.
 """
 
 from __future__ import annotations
@@ -93,8 +68,7 @@ class TrainConfig:
 
 
 def build_tokenizer(tasks: list[CodebookTask], vocab_size: int):
-    """Byte-level BPE on `codebook.corpus(tasks)` (`kvprof.demo.tokenizer.train_bpe`); refuses a vocabulary that
-    splits one of `codebook.vocabulary_words()`."""
+    """Byte-level BPE on `codebook.corpus(tasks)`; refuses one that splits a `codebook.vocabulary_words()` word."""
     tokenizer = train_bpe(codebook.corpus(tasks), vocab_size, max_length=4096)
     split = [word for word in codebook.vocabulary_words() if len(tokenizer.encode(" " + word)) != 1]
     if split:
@@ -110,8 +84,8 @@ def _word_ids(tokenizer, words) -> list[int]:
 
 
 def recall_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
-    """Endless batches of associative recall: 2–8 `key value` pairs (keys: docks and ships; values: symbols and
-    colours), then every key again in shuffled order followed by its value; loss on those values."""
+    """Endless recall batches: 2–8 `key value` pairs (docks/ships → symbols/colours), then the keys shuffled, each
+    followed by its value (the loss)."""
     keys = _word_ids(tokenizer, codebook.DOCKS + codebook.SHIPS)
     values = _word_ids(tokenizer, codebook.SYMBOLS + codebook.COLOURS)
     rng = random.Random(f"{cfg.seed}/recall")
@@ -129,9 +103,8 @@ def recall_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
 
 
 def key_stream(tokenizer, cfg: TrainConfig) -> Iterator[list[Example]]:
-    """Endless batches of key lookups, interleaved with `recall_stream`'s: 4–12 key entries (one token each,
-    `kared`), then their symbols in shuffled order each followed by its colour; loss on the colours. One hop from a
-    symbol to its entry: the first layer's job at every manifest symbol in the task."""
+    """Endless key-lookup batches (interleaved with `recall_stream`'s): 4–12 entries, then their symbols shuffled,
+    each followed by its colour (the loss)."""
     recall = recall_stream(tokenizer, cfg)
     rng = random.Random(f"{cfg.seed}/keys")
     while True:
@@ -158,8 +131,8 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def check_drill(tokenizer, task: CodebookTask, asks: str, rng: random.Random) -> Example:
-    """A role's prefix, the asked ship's manifest as an observation, then its docks in shuffled order each followed
-    by its symbol (`asks="symbol"`) or the role's colour for it; loss on the check line."""
+    """A role's prefix, the asked manifest, then its docks shuffled each followed by its symbol (`asks="symbol"`) or
+    the role's colour; loss on the check line."""
     role = rng.choice(ROLES)
     key = _key(task, role)
     prefix = _encode(tokenizer, ROLE_PROMPTS[role] + task.task.private[role])
@@ -183,9 +156,9 @@ def decode_drill(tokenizer, task: CodebookTask, rng: random.Random) -> Example:
 
 
 def task_stream(tokenizer, cfg: TrainConfig, salt: str, decode: bool) -> Iterator[list[Example]]:
-    """Endless batches: pool p holds `pool_tasks` colour tasks and `symbol_share` × as many symbol tasks (every
-    role on a random turn of each), a symbol and a colour check drill per task, and with `decode` a decode drill
-    per task; grouped by length into `token_budget`-token batches."""
+    """Endless batches: per pool, `pool_tasks` colour tasks and `symbol_share` × as many symbol tasks (every role on a
+    random turn), a symbol and a colour check drill per task (+ a decode drill with `decode`), in
+    `token_budget`-token batches."""
     spec = workflow_spec()
     symbol_tasks = int(cfg.pool_tasks * cfg.symbol_share)
     pool = 0
@@ -205,8 +178,7 @@ def task_stream(tokenizer, cfg: TrainConfig, salt: str, decode: bool) -> Iterato
 
 @torch.inference_mode()
 def per_call_accuracy(model, tokenizer, tasks: list[CodebookTask]) -> dict[str, float]:
-    """Held-out per-call exact match by canonical turn (`act:search`, `act:finish`, `reflect`): the fraction whose
-    whole gold output is the greedy argmax at every position, teacher-forced on gold inputs."""
+    """Held-out per-call exact match by canonical turn (`act:search`, `act:finish`, `reflect`), teacher-forced."""
     spec = workflow_spec()
     names = ("act:search", "act:finish", "reflect")
     by_turn: dict[str, list[Example]] = {name: [] for name in names}
@@ -238,8 +210,7 @@ class _Phases:
     eval_symbol_tasks: list[CodebookTask]
 
     def train(self, name: str, steps: int, stream: Iterator[list[Example]], lr: float, bf16: bool, done) -> None:
-        """Train up to `steps` steps, ending early once `done(check)` holds (asked every `check_every` steps, each
-        check recorded with the loss and per-call held-out accuracy)."""
+        """Up to `steps` steps, ending once `done(check)` holds (checked and recorded every `check_every` steps)."""
         job = self.bar.add_task(name, total=steps)
         began = time.perf_counter()
         checks: list[dict] = []

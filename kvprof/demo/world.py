@@ -1,44 +1,9 @@
 """The demo world's tasks: random knowledge bases of invented entities, multi-hop questions, a search tool.
 
-Every task draws its own small knowledge base: people and places with invented two-syllable names (two BPE tokens,
-initial and final syllable, so an answer is several tokens; the initial is distinct within a task, so the first
-token of a name identifies it there) and relations between them. A question follows a chain of 2 or 3
-relations from a start entity, written as a possessive chain in the order the hops are taken::
-
-    Question: What is Kalomir's rival's mentor's birthplace?
-
-`search[NAME]` returns NAME's paragraph: one fact sentence ("Kalomir is a painter with rival Tevren.") among
-distractor sentences that mention other entities of the task but use no relation word, as HotpotQA paragraphs mix
-the supporting fact with unrelated text. The fact sentence states the relation the question follows from NAME
-(`Shape.facts` relations in random order; 1 by default). The answer occurs only in that task's observations (never
-in the question, prompts or templates).
-
-Why one relation per fact: with all 4–5 relations listed, each hop is content-matched associative recall (find the
-relation word of the question among the listed ones, copy the name after it). The 4-layer model learned the format,
-the copies and the question lookups within minutes, but not that recall within the CPU budget: per-call plan
-accuracy stayed at 36 % after 3,300 steps; continued with 2 relations per fact it reached 63 %, with 1 relation 86 %
-after 600 more steps. Picking the fact's name out of a paragraph of distractor names is what remains.
-
-Agents and their outputs, as a function of how many observations `j` the trajectory holds (a task of `h` hops is
-solved by `h` searches and a finish)::
-
-    plan     j = 0: " Plan: find rival of Kalomir."
-             0 < j < h: " Plan: rival Tevren, find mentor of Tevren."
-             j = h: " Plan: birthplace Osmadal, finish."
-    act      " search[ Kalomir]" ... " finish[ Osmadal]"
-    reflect  j < h: " answer[ unknown]"   (asked before the answer is in the trajectory, the reviewer says so)
-             j = h: " answer[ Osmadal]"
-
-Every token of an output is one lookup: the relation just resolved is the one the last plan asked for, its value
-follows that relation word in the last observation (as it does in the plan), and the next relation follows the
-resolved one in the question (a chain never repeats a relation word, so that lookup is unambiguous).
-
-Each output starts with a space (it follows the cue "Agent:") and ends with the stop string "\n". A name is always
-preceded by a space — also inside brackets — so it is the same byte-level BPE tokens wherever it occurs, and
-copying a name is copying tokens.
-
-Tasks are reproducible from `(split, index)`; the splits use different seeds, and a question's hash decides which
-split may hold it, so no question text occurs in two splits.
+Each task has its own people and places (two-token names) and relations; a question follows 2–3 relations from a
+start entity; `search[NAME]` returns one fact sentence (the relation the question follows; `Shape.facts`) among
+distractor sentences without relation words. The answer occurs only in the observations. Splits never share a
+question. Outputs, and why one relation per fact: docs/demo-worlds.md.
 """
 
 from __future__ import annotations
@@ -164,8 +129,7 @@ HELDOUT_SHARE = 8  # 1 in 8 question texts may appear in held-out splits, the re
 
 @dataclass(frozen=True)
 class Shape:
-    """How a split's tasks look: hop counts with weights, distractor sentences per paragraph, and how many of the
-    entity's relations its fact sentence lists (the one the question follows and `facts - 1` others)."""
+    """A split's tasks: hop counts with weights, distractors per paragraph, relations per fact sentence."""
 
     hops: tuple[tuple[int, float], ...] = ((2, 0.7), (3, 0.3))
     distractors: tuple[int, int] = (1, 10)
@@ -266,8 +230,7 @@ def _knowledge_base(rng: random.Random) -> dict[str, _Entity]:
 def _paragraph(
     rng: random.Random, entity: _Entity, kb: dict[str, _Entity], asked: str, facts: int, distractors: tuple[int, int]
 ) -> str:
-    """One fact sentence (relation `asked` and `facts - 1` other relations, in random order) among distractor
-    sentences about other entities."""
+    """One fact sentence (`asked` and `facts - 1` other relations, shuffled) among distractor sentences."""
     others = [item for item in entity.fields.items() if item[0] != asked]
     fields = [(asked, entity.fields[asked])] + rng.sample(others, facts - 1)
     rng.shuffle(fields)
@@ -290,8 +253,7 @@ def _paragraph(
 
 
 def make_task(split: str, index: int, distractors: tuple[int, int] | None = None) -> DemoTask:
-    """Task `index` of `split` (deterministic; see module docstring); `distractors` overrides the split's range of
-    distractor sentences per paragraph."""
+    """Task `index` of `split`, deterministic; `distractors` overrides the split's range."""
     shape = SHAPES[split]
     distractors = distractors or shape.distractors
     rng = random.Random(f"kvprof-demo/{SPLITS[split]}/{index}")
@@ -326,8 +288,7 @@ def make_tasks(split: str, count: int, start: int = 0, distractors: tuple[int, i
 
 
 def write_tasks(path: str | Path, tasks: Sequence[JsonTask]) -> Path:
-    """JSONL readable by `kvprof.traces.tasks.load_tasks` (a world's extra fields — here `entities`, `relations`,
-    `split` — are ignored there and restore its task via its `read_tasks`)."""
+    """JSONL for `load_tasks`; the extra fields (`entities`, `relations`, `split`) restore the task via `read_tasks`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
@@ -345,9 +306,8 @@ def read_tasks(path: str | Path) -> list[DemoTask]:
 
 
 def workflow_spec(mode: str, adapters: dict[str, str] | None = None) -> WorkflowSpec:
-    """The demo workflow: `prompt` mode (role prompts of different lengths) or `lora` mode (one neutral system
-    prompt; `adapters` maps role → adapter directory). The cue is role-neutral in both modes, so only the role
-    prompt or the adapter tells an agent which role it plays."""
+    """The demo workflow, `prompt` mode (role prompts of different lengths) or `lora` (a neutral prompt; `adapters`:
+    role → directory). The cue is role-neutral: only the prompt or adapter tells an agent its role."""
     if mode == "prompt":
         agents = [AgentSpec(role, prompt=ROLE_PROMPTS[role], max_new_tokens=MAX_NEW_TOKENS[role]) for role in ROLES]
         system = ""

@@ -1,3 +1,2 @@
-"""Replaying a trace under sharing policies: the engine and its result (`engine`), how turns follow the shared
-context (`branches`), the metric definitions (`metrics`), each policy's exact setting checked on the user's model
-(`self_check`) and sharded replay on a Ray cluster (`sharded`)."""
+"""Replaying a trace under sharing policies: `engine`, `branches` (following the shared context), `metrics`,
+`self_check` (exact settings on the user's model), `sharded` (Ray)."""

@@ -1,34 +1,11 @@
-"""How replay follows a trajectory whose turns do not extend one shared context.
+"""How replay follows a trajectory whose turns do not extend one shared context (docs/commands/replay.md, "Traces
+that are not one growing context" and "Moved spans").
 
-The policies store caches of one shared timeline per trajectory (`kvprof.policies.base`): an agent's input is its
-private prefix followed by the timeline's first tokens. Real traces are not one growing timeline: a turn is its
-exact ids as the server rendered them, and its shared input (after the acting agent's private prefix) may leave the
-timeline the policies hold — the previous turn's input and outputs — at some position: a reply re-rendered by the
-template (Llama's `| trim`, a stop string cut), another role header (a group chat shows others' replies as `user`
-messages), a boundary tokenized as one merged id. Replay then does what a serving engine's prefix cache does:
-
-- the policies keep the tokens of their timeline the input starts with (`SharingPolicy.truncate`) and everything
-  after the divergence is new tokens for the turn, computed by the acting agent;
-- when an earlier turn's sequence (its input and outputs) shares more with the input than the current timeline does
-  — agents alternating in a group chat, each reading its own replies under `assistant` and the others' under
-  `user` — the policies first return to the state they had after that turn (`SharingPolicy.snapshot` /
-  `restore`), so a turn reuses its longest common prefix with any earlier turn, as a prefix tree over all turns
-  keeps it (vLLM's automatic prefix caching, SGLang's radix cache).
-
-After the kept prefix a turn is a sequence of spans: **moved spans** — runs of at least `min_span` ids equal to ids
-an earlier turn processed at other positions (`kvprof.traces.reuse.SpanIndex`: the question, a tool result, another
-agent's reply read after this agent's own role prompt and header), by default trimmed to message boundaries
-(`kvprof.traces.reuse.SpanMatching`) — and **new tokens** between them. A policy that
-moves caches (`SharingPolicy.moves_spans`) serves each moved span from the K/V the source turn held (kept by the
-replay for the turns that will read it: `SpanStore`), re-aligned to the reader's positions, and computes the new
-tokens span by span over the cache so far; any other policy computes moved spans as new tokens. The input's last id
-is always computed (its logits start the output).
-
-`plan_trajectory` derives each turn's start and spans from the ids alone, before any model runs; `BranchingTimeline`
-applies it to the policies turn by turn and keeps a snapshot only of the turns a later turn returns to.
-Memory: a policy's analytic bytes count the branch it is on; the snapshots of branches a later turn returns to are
-the replay's, as a radix cache would keep those blocks besides; the K/V kept for moved spans are the policy's
-("moved spans" in its memory).
+As a prefix cache does (vLLM, SGLang's radix cache): each turn keeps its longest common prefix with any earlier turn
+(`truncate`, after `snapshot` / `restore` of that turn's state); after it, moved spans (`kvprof.traces.reuse`) and
+new tokens; the input's last id is always computed. `plan_trajectory` plans from ids alone; `BranchingTimeline`
+applies the plan turn by turn. Memory: snapshots of branches a later turn returns to are the replay's; moved-span
+K/V are the policy's.
 """
 
 from __future__ import annotations
@@ -60,11 +37,10 @@ if TYPE_CHECKING:  # the policies import torch; planning a trace (kvprof inspect
 class TurnStart:
     """Where the policies start one turn from.
 
-    restore: the earlier turn whose state they return to first (None: the state the previous turn left); keep:
-    tokens of that state's timeline the turn's shared input starts with, which they keep; dropped: tokens of that
-    timeline after `keep`, which they forget; divergence: where the input leaves the timeline it continues, and why
-    (None when it extends it); moved: the moved spans after `keep` (shared-input coordinates; `source_begin` in the
-    source turn's shared sequence), none of them covering the input's last id; tokens: the shared input's length."""
+    restore: the earlier turn whose state they return to (None: the previous turn's); keep / dropped: tokens of that
+    timeline kept / forgotten; divergence: where and why the input leaves it (None: it extends it); moved: moved spans
+    after `keep` (shared-input coordinates; `source_begin` in the source's sequence), never the last id; tokens: the
+    shared input's length."""
 
     restore: int | None
     keep: int
@@ -99,10 +75,9 @@ def plan_trajectory(
     matching: SpanMatching = DEFAULT_MATCHING,
     boundaries: Sequence[frozenset[int]] | None = None,
 ) -> list[TurnStart]:
-    """Each turn's start, from its shared input ids and output ids (one list per turn, in order): the longest common
-    prefix with any earlier turn's sequence, restoring that turn's state when the previous turn's sequence shares
-    less, then the moved spans after it as `matching` finds them (`boundaries`: per turn, where the messages of its
-    shared sequence begin and end; None: runs of ids) (see the module docstring)."""
+    """Each turn's start from its shared input and output ids: the longest common prefix with any earlier turn's
+    sequence (restoring that turn when it shares more than the previous one), then moved spans per `matching`
+    (`boundaries`: per turn, its messages' bounds; None: runs of ids)."""
     tree, span_index = PrefixTree(), SpanIndex()
     starts: list[TurnStart] = []
     previous: list[int] = []
@@ -128,8 +103,7 @@ def plan_trajectory(
 
 
 def source_ranges(starts: Sequence[TurnStart]) -> dict[int, tuple[int, int]]:
-    """Per source turn, the range of its shared sequence later turns read as moved spans (the hull of them): what
-    a policy that moves spans keeps of that turn."""
+    """Per source turn, the hull of its sequence later turns read as moved spans: what a span-moving policy keeps."""
     ranges: dict[int, tuple[int, int]] = {}
     for start in starts:
         for span in start.moved:
@@ -141,9 +115,8 @@ def source_ranges(starts: Sequence[TurnStart]) -> dict[int, tuple[int, int]]:
 def plan_of(
     traj: Trajectory, prefixes: Mapping[str, list[int]], matching: SpanMatching = DEFAULT_MATCHING
 ) -> list[TurnStart]:
-    """`plan_trajectory` of `traj`, each turn's shared input being its input after the acting agent's private prefix
-    (`prefixes`: agent → ids; none for an agent not in it), moved spans aligned to its messages (its segments) as
-    `matching` says."""
+    """`plan_trajectory` of `traj`: shared input = input after the agent's private prefix (`prefixes`), spans
+    aligned to its segments per `matching`."""
     skips = [len(prefixes.get(turn.agent, [])) for turn in traj.turns]
     inputs = [traj.input_tokens(turn)[skip:] for turn, skip in zip(traj.turns, skips)]
     boundaries = [message_boundaries(traj, turn, skip) for turn, skip in zip(traj.turns, skips)]
@@ -151,10 +124,8 @@ def plan_of(
 
 
 def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
-    """`kvprof replay --strict`: refuse the trace if a turn of any trajectory leaves the shared context the turns
-    before it built (checked from the trace alone, before a model loads: in prompt mode each agent's private prefix
-    is the private segments its calls start with, `Trajectory.served_prefixes`, as replay serves them unless --role
-    overrides a role prompt; lora-mode agents have none)."""
+    """`kvprof replay --strict`: refuse a trace whose turn leaves the shared context, from the trace alone (prompt
+    mode: private prefixes as `Trajectory.served_prefixes`; lora mode: none)."""
     for traj in trajectories:
         prefixes = traj.served_prefixes({}) if mode == "prompt" else {}
         for index, start in enumerate(plan_of(traj, prefixes)):
@@ -172,11 +143,9 @@ def require_one_timeline(trajectories: Iterable[Trajectory], mode: str) -> None:
 
 @dataclass
 class ReplayPlanSummary:
-    """What replay will do with a trace's turns (`plan_of`), summed over trajectories (`add`): shared input tokens
-    (after private prefixes); of them those kept from stored caches (`kept`: the reusable prefix, the input's last id
-    always computed) and those in moved spans (`moved`); the tokens a policy that moves spans prefills (`new`: the
-    rest, and each agent's private prefix once per trajectory — what FullShared prefills); turns that leave the
-    context (by cause) and turns that return to an earlier turn's."""
+    """`plan_of` summed over trajectories: shared input tokens (after private prefixes), `kept` (reusable prefix),
+    `moved`, `new` (what a span-moving policy prefills, each private prefix once per trajectory, as FullShared),
+    turns leaving the context (by cause) and returning to an earlier turn."""
 
     turns: int = 0
     shared_tokens: int = 0
@@ -217,10 +186,8 @@ class ReplayPlanSummary:
 
 
 class BranchingTimeline:
-    """Applies a trajectory's `plan_trajectory` to `policies` turn by turn (`begin` before a turn, `end` after it):
-    restores and truncations, and the K/V each policy that moves spans keeps of a turn later turns read from
-    (`source_ranges`). Keeps who held each token of the current timeline first (`producers`, for the replay's reuse
-    count)."""
+    """Applies `plan_trajectory` to `policies` (`begin` / `end` per turn): restores, truncations, the K/V kept for
+    moved spans (`source_ranges`); `producers`: who held each timeline token first (for ρ)."""
 
     def __init__(self, starts: list[TurnStart], policies: Sequence[SharingPolicy]):
         self.starts = starts
@@ -233,8 +200,7 @@ class BranchingTimeline:
         self.snapshots: dict[int, tuple[list[dict[str, object]], list[str]]] = {}
 
     def begin(self, index: int) -> TurnStart:
-        """Bring every policy to turn `index`'s start: restore the turn it returns to, then forget what its input
-        does not share."""
+        """Bring every policy to turn `index`'s start: restore, then truncate."""
         start = self.starts[index]
         if start.restore is not None:
             states, producers = self.snapshots[start.restore]
@@ -251,8 +217,7 @@ class BranchingTimeline:
         return start
 
     def end(self, index: int, agent: str, sequence_len: int) -> None:
-        """After turn `index` of `agent` (its shared input and outputs: `sequence_len` tokens): record the tokens it
-        added and snapshot the policies if a later turn returns here."""
+        """After turn `index` (`sequence_len` tokens): record who added them; snapshot if a later turn returns."""
         self.producers += [agent] * (sequence_len - len(self.producers))
         if index in self.sources:
             for policy in self.policies:
@@ -262,12 +227,10 @@ class BranchingTimeline:
 
 
 class FollowedTimeline:
-    """The online counterpart (turns generated as they come, so no turn can be planned ahead): before each turn the
-    policy forgets what the input does not share with the timeline the previous turn left (no earlier state is
-    restored), and `begin` returns the input's moved spans after that, found among the earlier turns' sequences (as
-    runs of ids of `matching.min_span` or more: a generated turn reaches replay as ids, without its messages); a
-    policy that moves spans keeps of each turn what a later turn could read as a moved span (no later turn is known
-    yet): its sequence from its first run of ids nothing before it held."""
+    """Online counterpart (no turn planned ahead): before each turn the policy forgets what the input does not share
+    with the previous turn's timeline (nothing restored); `begin` returns the moved spans (runs of ids ≥
+    `matching.min_span`: generated turns have no messages). A span-moving policy keeps each turn's sequence from its
+    first run of ids nothing before held."""
 
     def __init__(self, policy: SharingPolicy, matching: SpanMatching = DEFAULT_MATCHING):
         self.policy = policy

@@ -1,7 +1,6 @@
-"""The checkpoint of a long replay (`kvprof replay`, `kvprof tune-tau`): the settings its records depend on (its
-identity), written with the progress after every trajectory (in this process) or shard (on Ray), and read back
-on `--resume` with a one-sentence refusal of a file that is not one, one made with other settings (naming them),
-one of trajectories this run does not include, and one of the other kind (in-process or sharded).
+"""The checkpoint of a long replay or τ sweep: identity (the settings records depend on) and progress, written after
+each trajectory (in process) or shard (Ray); `--resume` refuses, in one sentence, another file, other settings
+(named), trajectories outside this run, or the other kind.
 """
 
 from __future__ import annotations
@@ -58,10 +57,8 @@ def replay_identity(
     page_size: int = 16,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """The settings a replay's records depend on: the trace's content, the model and agents, dtype and device
-    (`loaded`: `kvprof.model.agents.agents_identity`), the policy variants with their options, repeats, timing, page
-    size, span matching and attention path; `sharded` for a replay on Ray, whose checkpoint holds shards, with their
-    online re-runs when `online`."""
+    """The settings a replay's records depend on: trace content, model and agents, dtype, device (`loaded`), variants
+    with options, repeats, timing, page size, span matching, attention path; `sharded` (+ `online`) on Ray."""
     identity = {
         "trace": trace_digest(trace),
         "model": loaded["model"],
@@ -80,8 +77,7 @@ def replay_identity(
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint file at `path` of a run with the settings `identity`; `settings`: how a refusal names each of
-    them (a flag, or what differs; a replay's by default)."""
+    """A checkpoint at `path` of a run with `identity`; `settings`: how a refusal names each (default: a replay's)."""
 
     path: Path
     identity: dict
@@ -96,8 +92,7 @@ class Checkpoint:
         write_json(self.path, {"identity": self.identity, "progress": shard_checkpoint(results, groups)})
 
     def read_progress(self, trajectory_ids: list[str]) -> ReplayProgress:
-        """The progress an interrupted replay in this process left, refused when it holds trajectories outside
-        `trajectory_ids`."""
+        """An in-process replay's progress, refused when it holds trajectories outside `trajectory_ids`."""
         state = ReplayProgress.of_checkpoint(self._saved_progress(), self.path)
         self._refuse_foreign([traj_id for traj_id in state.trajectories if traj_id not in trajectory_ids])
         return state
@@ -105,9 +100,8 @@ class Checkpoint:
     def read_shards(
         self, trajectories: list[Trajectory], variants: list[PolicyVariant]
     ) -> tuple[dict[str, ShardResult], list[list[str]]]:
-        """The shards an interrupted replay on Ray completed and its plan's grouping, as far as this replay can
-        resume them (`kvprof.replay.sharded.resumable`); a shard of other trajectories than `trajectories` is
-        refused."""
+        """A Ray replay's completed shards and grouping, as far as resumable (`sharded.resumable`); a shard of other
+        trajectories is refused."""
         progress = self._saved_progress()
         saved = saved_shards(progress, self.path)
         self._refuse_foreign(
@@ -154,8 +148,7 @@ class Checkpoint:
 
 
 def _shown(value) -> str:
-    """A setting's value in a refusal: a list's items; a dict's keys, with their values when those are plain (the
-    variants of a replay by label, span matching as key=value)."""
+    """A setting's value in a refusal: a list's items, a dict's keys (with plain values)."""
     if isinstance(value, list):
         return ", ".join(map(str, value))
     if isinstance(value, dict):

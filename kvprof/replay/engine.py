@@ -1,13 +1,8 @@
 """The replay engine: a trace turn by turn under sharing policies, measured against the dense (NonShared) run.
 
-Teacher-forced replay (`replay_trace`) advances the dense run and every policy in lockstep: per turn the dense
-result is computed once, compared with each policy's, then released, so memory stays bounded on long traces.
-Online replay (`replay_online`) re-runs the workflow under each policy: agents generate their own outputs and errors
-propagate to later agents, as the papers measure accuracy.
-
-Metrics (kvprof.replay.metrics, docs/design.md): per layer relative Frobenius error and mean token cosine of K and V on
-the reused span; KL(dense ‖ policy), top-1 agreement and first-token match on the outputs; reuse ratio ρ per token, per
-call and per call excluding source hops; tokens prefilled, analytic FLOPs, TTFT, latency, analytic memory.
+Teacher-forced (`replay_trace`): the dense run and every policy in lockstep, each dense turn computed once, compared,
+released. Online (`replay_online`): the workflow re-run under each policy, errors propagating. Metrics:
+`kvprof.replay.metrics`, docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -60,10 +55,9 @@ def compare_turn(
     trace_outputs: list[int],
     kinds: list[LayerKind] | None = None,
 ) -> dict:
-    """Metrics of one policy turn against the dense turn of the same agent call (teacher-forced on
-    `trace_outputs`). `from_others`: reused tokens another agent processed first (`reused_from_others`). With the
-    model's layer `kinds`, a window layer's K/V error counts the reused tokens the turn's computed tokens can attend
-    there only (`attended_from`)."""
+    """Metrics of one policy turn against the dense turn of the same call (teacher-forced on `trace_outputs`).
+    `from_others`: reused tokens another agent processed first. In a window layer (`kinds`) the K/V error counts
+    only the reused tokens the computed ones can attend (`attended_from`)."""
     record = {
         "agent": result.agent,
         "input_tokens": result.input_kv[0][0].shape[1],
@@ -126,9 +120,8 @@ def compare_turn(
 
 
 def attended_from(kind: LayerKind, first_computed: int) -> int:
-    """The first cache position a layer of `kind` lets the turn's computed tokens (positions `first_computed`..)
-    attend: 0 in a full-attention layer, W − 1 before the first in a sliding window, its chunk's start in a chunked
-    one. Reused tokens before it cannot change the turn's outputs through this layer."""
+    """First cache position a `kind` layer lets tokens `first_computed`.. attend: 0 (full), W − 1 before the first
+    (sliding window), the chunk's start (chunked)."""
     if kind.window is None:
         return 0
     if kind.attention == "chunked":
@@ -137,8 +130,8 @@ def attended_from(kind: LayerKind, first_computed: int) -> int:
 
 
 def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> dict:
-    """Relative Frobenius error of K and V on shared-timeline tokens [start, end), mean over layers 1.. (layer 0 is
-    uncorrected by the delta policies), against the dense turn."""
+    """Relative Frobenius error of K and V on timeline tokens [start, end) against the dense turn, mean over layers
+    1.. (the delta policies leave layer 0 uncorrected)."""
     begin, stop = result.prefix_len + start, result.prefix_len + end
     rows = [
         (
@@ -155,7 +148,7 @@ def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> d
 
 
 def error_by_hop(turns: list[dict]) -> dict[str, dict]:
-    """Mean K/V error of corrected segments by hop (1: the first reader after the producer, 2: the next, ...)."""
+    """Mean K/V error of corrected segments by hop (1: the producer's first reader, ...)."""
     spans: dict[int, list[dict]] = {}
     for turn in turns:
         for span in turn.get("corrected_spans", []):
@@ -171,10 +164,9 @@ def error_by_hop(turns: list[dict]) -> dict[str, dict]:
 
 
 def weights_bytes(model) -> int:
-    """Bytes of every parameter and buffer of `model` (the base model with every agent's adapter loaded) as stored:
-    what `torch.cuda.max_memory_allocated` counts besides caches and activations. A bitsandbytes 4-bit weight
-    counts its packed bytes and its quantization state (absmax per block, code book; nested for double
-    quantization), as it sits in memory."""
+    """Bytes of every parameter and buffer of `model` (base + all adapters) as stored: what
+    `torch.cuda.max_memory_allocated` counts besides caches. A bitsandbytes 4-bit weight counts its packed bytes
+    and its quantization state."""
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         total += tensor.numel() * tensor.element_size()
@@ -185,10 +177,9 @@ def weights_bytes(model) -> int:
 
 
 def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
-    """The bytes `tensors` (a policy's `live_tensors`) occupy in KV blocks of `page_size` tokens, as vLLM holds
-    caches: each tensor's token axis — −2 in every token-indexed cache kvprof stores: K/V (B, H_kv, T, D), LR caches
-    (1, T, r), hidden states (1, T, d_model) — rounded up to whole blocks; `UNPAGED` structures at their exact
-    bytes."""
+    """Bytes of `tensors` (a policy's `live_tensors`) in KV blocks of `page_size` tokens, as vLLM holds them: the
+    token axis (−2: K/V (B, H_kv, T, D), LR caches (1, T, r), hidden states (1, T, d_model)) rounded up to whole
+    blocks; `UNPAGED` structures at their exact bytes."""
     total = 0
     for name, group in tensors.items():
         for t in group:
@@ -199,12 +190,10 @@ def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
 
 
 def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_size: int) -> dict:
-    """Memory of one turn as the papers report it, besides kvprof's analytic bytes: `kv_block_bytes`, the stored
-    caches after the turn in KV blocks of `page_size` tokens (`paged_bytes`) and `kv_blocks`, those bytes in full
-    K/V blocks (`page_size` tokens × every layer's K and V: exactly vLLM's block count for full-dimension caches, a
-    fraction for rank-r ones); `allocator_peak_bytes`, the allocator's peak with the weights (`weights`): on CUDA the
-    weights + the allocator's peak above the turn's start + the policy's stored bytes (`TurnResult.cuda_peak_bytes`:
-    as if the policy ran alone), elsewhere the analytic equivalent, the weights + the turn's working peak."""
+    """One turn's memory as the papers report it: `kv_block_bytes` (stored caches in `page_size` blocks,
+    `paged_bytes`), `kv_blocks` (those bytes in full K/V blocks: vLLM's count for full-dimension caches, a fraction
+    for rank-r ones), `allocator_peak_bytes` (CUDA: weights + the peak above the turn's start + stored bytes, as if
+    the policy ran alone; else the analytic weights + working peak)."""
     paged = paged_bytes(policy.stored_tensors(), page_size)
     working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
     peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
@@ -216,9 +205,9 @@ def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_s
 
 
 def allocator_peak(turns: list[dict]) -> tuple[int | None, str | None]:
-    """The allocator's peak with the weights over a policy's turns, and how it was read: with trajectory timing on
-    CUDA, `torch.cuda.max_memory_allocated` over each timed run of a trajectory, the policy alone (PReCache's
-    reading); else the per-turn readings (`paper_memory`)."""
+    """A policy's allocator peak with the weights, and its source: with trajectory timing on CUDA,
+    `max_memory_allocated` over each timed run, the policy alone (PReCache's reading); else per turn
+    (`paper_memory`)."""
     if not turns or "allocator_peak_bytes" not in turns[0]:
         return None, None
     alone = [b for t in turns for b in t.get("runs", {}).get("cuda_allocated_bytes", []) if b is not None]
@@ -297,15 +286,14 @@ def summarise(turns: list[dict]) -> dict:
 
 
 def trajectory_timed(turns: list[dict]) -> list[dict[str, float]]:
-    """Each turn's TTFT, decode time and latency as the result reports them: with trajectory timing (a record has
-    `runs`), the mean over the timed runs of its trajectory (the warm-up run excluded); else the turn's own
-    measurement (the median of its timed repeats)."""
+    """Each turn's TTFT, decode time and latency: with trajectory timing (`runs`), the mean over the timed runs
+    (warm-up excluded); else the turn's own median."""
     keys = ("ttft_s", "decode_s", "latency_s")
     return [{key: statistics.fmean(t["runs"][key]) if "runs" in t else t[key] for key in keys} for t in turns]
 
 
 def trajectory_sums(turns: list[dict], values: list[float]) -> dict[str, float]:
-    """`values` (one per turn) summed per trajectory (trajectory id → sum), in replay order."""
+    """`values` (one per turn) summed per trajectory id, in replay order."""
     sums: dict[str, float] = {}
     for turn, value in zip(turns, values):
         key = str(turn.get("trajectory"))
@@ -314,8 +302,7 @@ def trajectory_sums(turns: list[dict], values: list[float]) -> dict[str, float]:
 
 
 def delta_reuse(turns: list[dict]) -> float | None:
-    """ρ of a delta-correction policy: of the tokens of other agents' segments its gate decided on, the share it
-    served corrected (None for a policy without a gate)."""
+    """ρ of a delta policy: the share of gated tokens from others' segments served corrected (None: no gate)."""
     corrected = sum(t.get("corrected", 0) for t in turns)
     decided = corrected + sum(t.get("fallback", 0) for t in turns)
     return corrected / decided if decided else None
@@ -345,8 +332,7 @@ def relative_to_dense(summary: dict, dense: dict) -> dict:
 
 
 def require_invocations(runtime: Runtime, trajectories: Iterable[Trajectory]) -> None:
-    """Refuse a trace in which an Activated LoRA agent's call lacks its invocation ids (peft would run that call on
-    the base model alone), naming the first such call."""
+    """Refuse a trace whose Activated LoRA call lacks its invocation ids (peft would run it on the base model)."""
     for traj in trajectories:
         for index, turn in enumerate(traj.turns):
             tokens = runtime.invocations.get(turn.agent)
@@ -363,7 +349,7 @@ def build_policies(runtime: Runtime, variants: Iterable[PolicyVariant]) -> list[
 
 
 def policy_entry(policy: SharingPolicy) -> dict:
-    """What a result records of a policy besides its numbers: identity, options and published figures."""
+    """A policy's identity, options and published figures, as a result records them."""
     return {
         "name": policy.name,
         "family": policy.family,
@@ -382,7 +368,7 @@ TurnHook = Callable[[Trajectory, int], None]
 
 @dataclass
 class ReplayProgress:
-    """Per-turn records of the trajectories replayed so far: a checkpoint a long sweep can resume from."""
+    """Per-turn records of the trajectories replayed so far: a resumable checkpoint."""
 
     trajectories: list[str] = field(default_factory=list)
     records: dict[str, list[dict]] = field(default_factory=dict)
@@ -390,8 +376,7 @@ class ReplayProgress:
 
     @classmethod
     def of_checkpoint(cls, progress: object, checkpoint: Path) -> ReplayProgress:
-        """The progress a checkpoint file records (`asdict` of one), refused in one sentence naming `checkpoint`
-        when it is not one."""
+        """The progress a checkpoint records, refused in one sentence naming `checkpoint` if it is not one."""
         kinds = {"trajectories": list, "records": dict, "memory_exact": dict}
         if (
             not isinstance(progress, dict)
@@ -408,10 +393,9 @@ class ReplayProgress:
 
 @dataclass
 class Lockstep:
-    """The dense run and every policy replaying the turns of a trajectory side by side, each turn's records kept in
-    `state` (`per_turn`: timed prefills per turn; memory as the papers report it with `weights` bytes of weights
-    and KV blocks of `page_size` tokens; `check_memory`: whether analytic memory equals the live tensors; `kinds`:
-    each layer's kind, whose window says what its K/V error counts)."""
+    """The dense run and every policy over a trajectory's turns side by side; `state` keeps each turn's records.
+    `per_turn`: timed prefills per turn; `check_memory`: analytic memory checked against live tensors; `kinds`:
+    each layer's kind (its window limits what the K/V error counts)."""
 
     runtime: Runtime
     dense: NonShared
@@ -485,24 +469,16 @@ def replay_trace(
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """Teacher-forced lockstep replay (see module docstring). Returns {"dense": ..., "policies": {label: ...}}.
+    """Teacher-forced lockstep replay. Returns {"dense": ..., "policies": {label: ...}}.
 
-    Each turn's record adds its memory as the papers report it (`paper_memory`: KV blocks of `page_size` tokens,
-    the allocator's peak with the weights).
-
-    `timing` "turn" (kvprof): each turn's TTFT is the median of `repeats` timed prefills after a warm-up of the same
-    turn on hot caches. "trajectory" (PReCache's `bench/single_stream.py`): the lockstep pass runs each turn once
-    (its records give fidelity and work), then each run (dense, every policy) replays every trajectory alone on a
-    timing instance of its own (`time_trajectory`): one untimed warm-up run, then `repeats` timed runs; a turn's
-    record keeps its per-run TTFT, decode time and latency (`runs`, the warm-up's under `warm_up`), and the
-    summaries take their mean over the runs.
-
-    Turns that leave the shared context reuse their longest common prefix with earlier turns and recompute the rest
-    (`kvprof.replay.branches`); the dense run's records say where and why (`TurnStart.to_json`).
-    With `progress` (a checkpoint from `on_trajectory`), trajectories already replayed are skipped; a variant that
-    keeps state across trajectories first replays them again, unrecorded, to rebuild that state (`rebuild_state`).
-    With `lora_attention`, low-rank policies attend through Flash-LoRA-Attention instead of expanded values.
-    `span_matching`: how turns find their moved spans (`kvprof.traces.reuse.SpanMatching`).
+    - `timing` "turn" (kvprof): TTFT the median of `repeats` timed prefills after a warm-up of the turn; "trajectory"
+      (PReCache's `bench/single_stream.py`): after the lockstep pass, each run replays each trajectory alone
+      (`time_trajectory`) and summaries take the mean over its runs.
+    - Memory as the papers report it per turn: `paper_memory`.
+    - Turns that leave the shared context: `kvprof.replay.branches`; the dense records say where and why.
+    - `progress`: trajectories already replayed are skipped; stateful variants replay them again unrecorded
+      (`rebuild_state`).
+    - `lora_attention`: Flash-LoRA-Attention instead of expanded values; `span_matching`: `SpanMatching`.
     """
     trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
@@ -549,7 +525,7 @@ def replay_trace(
 
 
 def moved_from_others(traj: Trajectory, start: TurnStart, result: TurnResult, agent: str) -> int:
-    """Moved tokens `result` served from the K/V of another agent's turn (the plan's source turn of each span)."""
+    """Moved tokens `result` served from another agent's turn's K/V."""
     served = set(result.moved_spans)
     return sum(
         len(span) for span in start.moved if (span.begin, span.end) in served and traj.turns[span.source].agent != agent
@@ -559,9 +535,8 @@ def moved_from_others(traj: Trajectory, start: TurnStart, result: TurnResult, ag
 def rebuild_state(
     runtime: Runtime, policies: list[SharingPolicy], trajectories: list[Trajectory], passes: int = 1
 ) -> None:
-    """Replay `trajectories` under `policies` (those that keep state across trajectories) without recording
-    anything, each trajectory `passes` times (a trajectory-timing instance ran each 1 + repeats times), so that a
-    resumed replay continues from the state an uninterrupted one would have reached."""
+    """Replay `trajectories` under stateful `policies` unrecorded, each `passes` times, so a resumed replay reaches
+    the state an uninterrupted one would."""
     for traj in trajectories if policies else []:
         runtime.serve_trajectory(traj)
         for _ in range(passes):
@@ -571,9 +546,8 @@ def rebuild_state(
 
 
 def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajectory) -> list[list[TurnResult]]:
-    """Every turn of `traj` (already served: `Runtime.serve_trajectory`) under `policies` in lockstep, each turn
-    once (no per-turn repeats), following the trajectory's timeline (`kvprof.replay.branches`); per turn, each policy's
-    result."""
+    """Every turn of a served `traj` under `policies` in lockstep, once each, following its timeline; per turn,
+    each policy's result."""
     timeline = BranchingTimeline(plan_of(traj, runtime.prefixes, runtime.span_matching), policies)
     results = []
     for index, turn in enumerate(traj.turns):
@@ -586,12 +560,10 @@ def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajec
 
 
 def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> list[dict]:
-    """Trajectory timing as PReCache's `bench/single_stream.py` times a method: `policy` alone replays `traj` once
-    untimed (warm-up), then `repeats` times, each run from an empty store (`reset`), every turn once; the store is
-    released after the last run. Per turn: `runs` (per timed run: TTFT — the synced prefill call, so a
-    double-batched policy's two rows are inside and a lazy prefill's adapter-free pass outside —, decode time,
-    latency and, on CUDA, the allocator's peak with the weights, `torch.cuda.max_memory_allocated` during the turn)
-    and the warm-up run's TTFT and latency (`warm_up`)."""
+    """Trajectory timing (PReCache's `bench/single_stream.py`): `policy` alone replays `traj` once untimed, then
+    `repeats` times, each from an empty store. Per turn: `runs` (TTFT — the synced prefill call: a double-batched
+    policy's two rows inside, a lazy prefill's adapter-free pass outside —, decode time, latency, CUDA allocator
+    peak with the weights) and `warm_up`."""
     runs = []
     for _ in range(repeats + 1):
         policy.reset()
@@ -613,11 +585,9 @@ def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> li
 
 
 def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:
-    """The teacher-forced part of a replay's result from its per-turn records (label → records, the dense run's
-    under `DENSE`) and each policy's `policy_entry` (in the order the result lists them): every summary is
-    recomputed from the records, each policy's against the dense run's; `memory_exact` adds whether each policy's
-    analytic memory matched its live tensors. The runs are built as `kvprof.results.replay` records (a summary field
-    they do not declare fails here) and returned as their JSON."""
+    """The teacher-forced result from per-turn records (label → records, dense under `DENSE`) and `policy_entry`s:
+    summaries recomputed, each policy's against the dense run; `memory_exact` per policy. Built as
+    `kvprof.results.replay` records (an undeclared summary field fails here), returned as JSON."""
     dense_summary = summarise(records[DENSE])
     dense = DenseRun(
         summary=DenseSummary(**dense_summary, timeline=timeline_summary(records[DENSE])), turns=records[DENSE]
@@ -635,8 +605,7 @@ def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memo
 
 
 def timeline_summary(dense_turns: list[dict]) -> dict:
-    """How the replayed turns followed the shared context (`kvprof.replay.branches`): turns that left it (by cause),
-    turns that returned to an earlier turn's state, and the stored tokens turns dropped."""
+    """Turns that left the shared context (by cause), turns that returned to an earlier state, tokens dropped."""
     starts = [turn["start"] for turn in dense_turns if "start" in turn]
     causes = Counter(start["divergence"]["cause"] for start in starts if start["divergence"])
     return {
@@ -650,8 +619,8 @@ def timeline_summary(dense_turns: list[dict]) -> dict:
 
 
 def policy_responder(policy: SharingPolicy):
-    """A workflow responder that serves each agent call of one task with `policy`, generating greedily; a call whose
-    input leaves the context the calls before it built keeps their common prefix (`FollowedTimeline`)."""
+    """A responder serving each call of one task with `policy`, greedily; a call leaving the context keeps the
+    common prefix (`FollowedTimeline`)."""
     timeline = FollowedTimeline(policy, policy.runtime.span_matching)
 
     def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
@@ -673,8 +642,7 @@ def run_online(
     lora_attention: bool = False,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict[str, list[Trajectory]]:
-    """Re-run the workflow on `tasks` under the dense run (label "dense") and each policy; returns trajectories.
-    Moved spans are runs of ids of `span_matching.min_span` or more (`kvprof.replay.branches.FollowedTimeline`)."""
+    """Re-run the workflow on `tasks` under the dense run ("dense") and each policy; returns trajectories."""
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
     runs.update({policy.label: policy for policy in build_policies(runtime, variants)})
@@ -691,7 +659,7 @@ def run_online(
 
 
 def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
-    """Exact-match accuracy per run, and the fraction of turns whose output differs from the dense run's."""
+    """Exact-match accuracy per run, and the share of turns whose output differs from the dense run's."""
     result = {}
     for label, trajectories in runs.items():
         diverged = total = correct = 0
@@ -715,7 +683,7 @@ def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
 
 @dataclass
 class ReplayHooks:
-    """Progress callbacks of `run_replay`: after each teacher-forced turn, each online task, each trajectory."""
+    """`run_replay`'s progress callbacks: per teacher-forced turn, online task, trajectory."""
 
     on_turn: TurnHook | None = None
     on_task: Callable[[str, Task], None] | None = None
@@ -735,9 +703,7 @@ def run_replay(
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """What `kvprof replay` measures, as the result payload: the teacher-forced lockstep replay (`timing` and
-    `span_matching` as `replay_trace`'s), the online re-runs when `online`, and the run's setting (model, mode,
-    repeats, timing, span matching, attention path, device, CPU, dtype, GPU memory)."""
+    """`kvprof replay`'s payload: the lockstep replay, the online re-runs when `online`, and the run's setting."""
     hooks = hooks or ReplayHooks()
     if online:
         require_react_agents(agents.spec.names)
@@ -770,7 +736,7 @@ def run_replay(
 
 
 def check_setting(timing: str, lora_attention: str) -> None:
-    """Refuse a --timing other than `TIMINGS` and a --lora-attention other than auto, kernel or expand."""
+    """Refuse a --timing outside `TIMINGS`, a --lora-attention other than auto, kernel, expand."""
     if timing not in TIMINGS:
         raise KvprofError(f"--timing {timing!r} is not {' or '.join(TIMINGS)}; pass one of them.")
     if lora_attention not in ("auto", "kernel", "expand"):
@@ -778,15 +744,13 @@ def check_setting(timing: str, lora_attention: str) -> None:
 
 
 def uses_kernel(lora_attention: str, device: str) -> bool:
-    """Whether low-rank policies attend through the Flash-LoRA-Attention kernel: --lora-attention kernel, or auto on
-    a GPU `device` (a device type, or a worker's device)."""
+    """Whether low-rank policies use the Flash-LoRA-Attention kernel: `kernel`, or `auto` on a GPU `device`."""
     return lora_attention == "kernel" or (lora_attention == "auto" and device != "cpu")
 
 
 def replayed_trajectories(trace: Path, skip: int, limit: int | None, online: bool, strict: bool) -> list[Trajectory]:
-    """The trace's trajectories after the first `skip`, at most `limit` of them, refusing none; with `online`, the
-    trace's agents must be a ReAct workflow's, and with `strict` every turn must keep the shared context
-    (`kvprof.replay.branches.require_one_timeline`). Read from the trace alone, before a model loads."""
+    """The trace's trajectories after `skip`, at most `limit`; `online` requires a ReAct workflow's agents, `strict`
+    one timeline per trajectory. Read from the trace alone, before a model loads."""
     trajectories = list(iter_trajectories(trace))[skip:][:limit]
     if not trajectories:
         raise KvprofError(f"--skip {skip} leaves none of the trace's trajectories to replay; skip fewer.")
@@ -798,17 +762,15 @@ def replayed_trajectories(trace: Path, skip: int, limit: int | None, online: boo
 
 
 def with_trace(result: dict, trace: Path, skipped: dict[str, str], self_check: dict[str, float] | None) -> ReplayResult:
-    """The `ReplayResult` `kvprof replay` writes from a replay's JSON (`run_replay`, or
-    `kvprof.replay.sharded.replay_sharded`), naming the trace it replayed, the trace's source, the variants `skipped`
-    (label → reason) and the self-check's errors (label → error; None: not checked)."""
+    """The `ReplayResult` from a replay's JSON, naming the trace and its source, `skipped` variants (label →
+    reason) and self-check errors (label → error; None: not checked)."""
     named = result | dict(trace=str(trace), trace_source=read_header(trace).source, skipped=skipped)
     return ReplayResult.from_json(named | {"self_check": self_check}, f"the replay of {trace}", "rerun kvprof replay")
 
 
 def timing_setting(timing: str, repeats: int) -> dict:
-    """How a replay timed TTFT, TPOT and latency (`replay_trace`'s `timing`): the mode, whose practice it follows
-    (`Option.origins`' labels), the timed runs (turn: repeats per turn; trajectory: runs per trajectory) and the
-    untimed warm-up runs before them."""
+    """How TTFT, TPOT and latency were timed: mode, whose practice (`Option.origins` labels), timed and warm-up
+    runs."""
     trajectory = timing == "trajectory"
     return {
         "mode": timing,
@@ -826,9 +788,8 @@ def run_setting(
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """What a replay's result records of how it ran: model, mode, repeats, timing (`timing_setting`), KV page size,
-    span matching, the weights' bytes, each layer's kind (`kvprof.model.layers.LayerKind`), attention path, device, CPU,
-    dtype and GPU memory (read now: the allocator's peak so far)."""
+    """How a replay ran: model, mode, repeats, timing, page size, span matching, weights' bytes, layer kinds,
+    attention path, device, CPU, dtype, GPU memory (the allocator's peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,

@@ -1,7 +1,5 @@
-"""Metric definitions shared by every command (docs/design.md, "Metrics"): one definition, used everywhere.
-
-Cache error compares a policy's K or V with the dense (NonShared) one on the same span; output fidelity compares the
-next-token distributions of the two runs, teacher-forced on the trace's outputs.
+"""Metric definitions shared by every command (docs/metrics.md). Cache error: a policy's K or V against the dense
+one on the same span; output fidelity: next-token distributions, teacher-forced on the trace's outputs.
 """
 
 from __future__ import annotations
@@ -19,18 +17,16 @@ def relative_frobenius(approx: torch.Tensor, dense: torch.Tensor) -> float:
 
 
 def mean_token_cosine(approx: torch.Tensor, dense: torch.Tensor) -> float:
-    """Mean cosine similarity of matching token vectors: inputs (..., L, D), cosine over D, mean over the rest. Equal
-    vectors count 1, zero ones included (an untrained model's padding embedding is zero)."""
+    """Mean cosine of token vectors (..., L, D): over D, mean over the rest; equal vectors (zero too) count 1."""
     approx, dense = approx.double(), dense.double()
     cos = torch.nn.functional.cosine_similarity(approx, dense, dim=-1, eps=1e-12)
     return float(torch.where((approx == dense).all(dim=-1), 1.0, cos).mean())
 
 
 def reused_from_others(producers: list[str], agent: str, reused: int) -> int:
-    """Reuse, one definition for every policy: of the first `reused` tokens of the shared timeline that a policy
-    served `agent` from stored caches, those another agent processed first (`producers[i]`: the agent whose turn
-    first held timeline token i). Tokens the agent processed itself count as its own, whatever cache serves them;
-    a policy whose agents only attend to caches they computed themselves (NonShared) reuses nothing from others."""
+    """Reuse, one definition for every policy: of the first `reused` timeline tokens served to `agent` from stored
+    caches, those another agent processed first (`producers[i]`: first holder of token i). An agent's own tokens
+    never count, whatever cache serves them."""
     return sum(producer != agent for producer in producers[:reused])
 
 
@@ -89,8 +85,7 @@ def flat_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def relative_norm(part: torch.Tensor, whole: torch.Tensor) -> float:
-    """‖part‖_F / ‖whole‖_F in fp64 (e.g. ‖Δ‖/‖C‖ or ‖adapter output‖/‖C‖); inf when only `whole` is zero, 0 when
-    both are (an untrained model's padding embedding is zero)."""
+    """‖part‖_F / ‖whole‖_F in fp64 (e.g. ‖Δ‖/‖C‖); inf when only `whole` is zero, 0 when both are."""
     numerator, denominator = part.double().norm(), whole.double().norm()
     if denominator > 0:
         return float(numerator / denominator)

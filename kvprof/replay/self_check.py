@@ -1,16 +1,9 @@
-"""kvprof checks its policies on the user's own model before a replay reports anything.
+"""kvprof checks its policies on the user's model before a replay reports anything (docs/models.md).
 
-Each policy that has a setting in which it must reproduce the dense run (`SharingPolicy.exact_setting`) replays the
-first turns of the user's first trajectory in it:
-
-- "recompute all": the selective-recompute policies at ratio 1 recompute every reused (token, layer) entry, layer by
-  layer through the model's own decoder layers (their RoPE, windows, chunks, norms): the dense run's caches;
-- "one agent": every turn acted by one agent (its adapter), spans not moved: the low-rank policies' cache split
-  (base + that agent's LR part, key norms, RoPE per layer) must give its own caches back.
-
-A policy whose worst relative K/V error there exceeds the dtype's tolerance is refused for this model with the
-measured error, so an architecture nobody tested fails loudly instead of silently (a window or a key norm the split
-did not see was 5–47 % off).
+A policy with an exact setting (`SharingPolicy.exact_setting`) replays the first turns of the first trajectory in it:
+"recompute all" (selective policies at ratio 1) or "one agent" (the low-rank cache split, one adapter acting). A
+worst K/V error above the dtype's tolerance refuses the policy for this model with that error (an unseen window or
+key norm was 5–47 % off).
 """
 
 from __future__ import annotations
@@ -52,9 +45,8 @@ def one_agent(trajectory: Trajectory, agent: str) -> Trajectory:
 
 
 def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[PolicyVariant]) -> dict[str, float]:
-    """The worst relative K/V error of each of `variants` (by label) in its exact setting on the first `TURNS` turns
-    of `trajectory`; variants without an exact setting are left out. Computed once per agents, trajectory and
-    variants in a process."""
+    """Worst relative K/V error of each of `variants` in its exact setting on the first `TURNS` turns of
+    `trajectory` (variants without one left out); cached per agents, trajectory and variants."""
     from kvprof.model.agents import agents_identity
     from kvprof.replay.engine import replay_trace
 
@@ -99,8 +91,7 @@ def refusals(agents: AgentSet, errors: dict[str, float]) -> dict[str, str]:
 def checked_variants(
     agents: AgentSet, trajectory: Trajectory, variants: list[PolicyVariant], skipped: dict[str, str]
 ) -> tuple[list[PolicyVariant], dict[str, str], dict[str, float]]:
-    """The check before a replay reports: the variants that pass `check_on_model` on `trajectory`, the `skipped`
-    ones with those it refuses added (`refusals`), and each checked variant's error in its exact setting."""
+    """The variants passing `check_on_model`, `skipped` plus `refusals`, and each checked variant's error."""
     if not any(variant.policy.exact_setting for variant in variants):
         return variants, skipped, {}
     errors = check_on_model(agents, trajectory, variants)

@@ -1,29 +1,14 @@
-"""Replay sharded over a Ray cluster, merged into exactly the result a single-process `run_replay` returns.
+"""Replay sharded over a Ray cluster, merged into exactly `run_replay`'s single-process result
+(docs/commands/replay-ray.md).
 
-Work is cut into shards (`plan_shards`), each replayed whole on one worker:
+- Trajectory shard: one trajectory under every trajectory-independent variant, with its dense run.
+- Sequential shard: stateful variants (`PolicyVariant.trajectory_independent` False) over every trajectory in order,
+  with a dense run of their own (its records are the result's only when no trajectory shard exists); never split.
+  `plan_shards` groups them for the least estimated wall time.
 
-- a *trajectory shard*: one trajectory under every trajectory-independent variant, in lockstep with the dense run
-  (the dense run is computed once per trajectory, inside the shard, as in one process);
-- a *sequential shard*: variants whose policies keep state across trajectories
-  (`PolicyVariant.trajectory_independent` False: an online anchor pool, one per τ of a sweep), over every
-  trajectory in order, in lockstep with a dense run of their own to compare against. Spreading a stateful
-  variant's trajectories over workers would change its results, so it is never split. `plan_shards` groups the
-  stateful variants so that the estimated wall time on the cluster's workers is least: one group per variant
-  when workers are plenty (most parallelism), fewer, larger groups when they are few (each group repeats the
-  trajectory shards' dense run once, so fewer groups do less work). A group's dense records equal the trajectory
-  shards' apart from timings: its variants' speed-ups are measured against it, and its records are the result's
-  only when no trajectory shard exists.
-
-One worker (a Ray actor) per device loads the model and adapters once (`num_gpus=1` on CUDA; otherwise one per CPU,
-or per `RayCluster.worker_cpus` CPUs) and replays many shards. What travels: the trace's header and each shard's
-trajectories (token ids) to the workers, per-turn records (numbers) and online re-runs (token ids) back; caches
-never leave a worker. A worker lost mid-run (its process or node died) has its shard retried on another worker,
-and a replacement is started.
-
-`merge` puts the shards' per-turn records back in trace order and recomputes every summary with the library's own
-`summarise` / `relative_to_dense` (`kvprof.replay.engine.replay_result`) and `summarise_online`: per-turn records equal
-a single-process run's apart from timings. `replay_sharded` is the entry point (`kvprof replay --ray`); a τ sweep
-passes one variant per τ value and gets one merged result back.
+One worker per device loads the model once; ids and records travel, caches never do; a lost worker's shard is
+retried elsewhere. `merge` recomputes every summary with the library's own functions: per-turn records equal a
+single process's apart from timings.
 """
 
 from __future__ import annotations
@@ -74,8 +59,8 @@ def require_ray():
 
 @dataclass
 class Shard:
-    """Trajectories replayed together on one worker under `variants` (see module docstring). `key` names it in
-    checkpoints: `trajectory:ID`, or `variant:LABEL + LABEL ...` for a sequential shard."""
+    """Trajectories replayed together on one worker under `variants`. `key` (checkpoints): `trajectory:ID` or
+    `variant:LABEL + LABEL ...`."""
 
     key: str
     trajectories: list[Trajectory]
@@ -107,10 +92,9 @@ def plan_shards(
     workers: int | None = None,
     groups: list[list[str]] | None = None,
 ) -> list[Shard]:
-    """One trajectory shard per trajectory under the trajectory-independent variants, then the variants that keep
-    state across trajectories in sequential shards (module docstring): `groups` (lists of labels: a checkpoint's
-    plan) if given, else the grouping whose `makespan` on `workers` is least, fewer groups on a tie; one group per
-    stateful variant when `workers` is not known."""
+    """Trajectory shards, then sequential shards of the stateful variants: `groups` (a checkpoint's plan) if given,
+    else the grouping of least `makespan` on `workers` (fewer groups on a tie; one per variant if `workers` is
+    unknown)."""
     independent = [v for v in variants if v.trajectory_independent]
     stateful = [v for v in variants if not v.trajectory_independent]
     shards = (
@@ -131,7 +115,7 @@ def plan_shards(
 
 
 def shard_groups(shards: list[Shard]) -> list[list[str]]:
-    """The labels of each sequential shard's variants: a plan's grouping, which a checkpoint records."""
+    """Labels of each sequential shard's variants (a checkpoint records them)."""
     return [[variant.label for variant in shard.variants] for shard in shards if shard.sequential]
 
 
@@ -143,8 +127,8 @@ def _split(items: list[PolicyVariant], count: int) -> list[list[PolicyVariant]]:
 
 
 def makespan(shards: list[Shard], workers: int) -> int:
-    """The estimated wall time of `shards` on `workers` in turn replays (`Shard.cost`), handed out largest first
-    to whichever worker is free first, as `RayCluster.replay` does."""
+    """Estimated wall time of `shards` on `workers` in turn replays, largest first to the first free worker (as
+    `RayCluster.replay`)."""
     loads = [0] * max(workers, 1)
     for cost in sorted((shard.cost for shard in shards), reverse=True):
         loads[loads.index(min(loads))] += cost
@@ -153,9 +137,8 @@ def makespan(shards: list[Shard], workers: int) -> int:
 
 @dataclass
 class ShardResult:
-    """What a worker sends back for a shard: per-turn records (label → records, the dense run's under `DENSE`),
-    each variant's `policy_entry`, the online re-runs (label → trajectories, task order) when asked, the run's
-    setting (`run_setting`) and the worker's id (`host:pid`)."""
+    """A worker's answer for a shard: per-turn records (label → records, dense under `DENSE`), `policy_entry`s,
+    online re-runs (label → trajectories) when asked, `run_setting`, worker id (`host:pid`)."""
 
     key: str
     progress: ReplayProgress
@@ -188,14 +171,12 @@ def _trajectory(saved: dict) -> Trajectory:
 
 
 def shard_checkpoint(results: dict[str, ShardResult], groups: list[list[str]]) -> dict:
-    """A sharded replay's progress record, as its checkpoint holds it: every completed shard's result and the
-    plan's grouping (`shard_groups`)."""
+    """A sharded replay's checkpoint record: completed shards' results and `shard_groups`."""
     return {"shards": {key: result.to_dict() for key, result in results.items()}, "groups": groups}
 
 
 def saved_shards(progress: dict, checkpoint: Path) -> dict[str, ShardResult]:
-    """The shard results of a progress record (`shard_checkpoint`) read from `checkpoint`; a record of another
-    shape is refused in one sentence."""
+    """The shard results of a `shard_checkpoint` record; another shape is refused in one sentence."""
     try:
         return {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
     except (KeyError, TypeError, AttributeError):
@@ -211,10 +192,8 @@ def resumable(
     trajectories: list[Trajectory],
     variants: list[PolicyVariant],
 ) -> tuple[dict[str, ShardResult], list[list[str]]]:
-    """What a replay of `trajectories` under `variants` resumes from a checkpoint: the saved results that are
-    exactly shards of its plan (their trajectories, in order, under their variants; a shard of another --limit is
-    replayed again) and the plan's grouping: the checkpoint's `groups` (so a cluster of another size resumes the
-    same shards) unless they do not cover the stateful variants (another kvprof version), then one per variant."""
+    """What a replay resumes from a checkpoint: results that are exactly shards of its plan (another --limit's are
+    replayed again) and the checkpoint's `groups` (one per variant if they miss a stateful variant)."""
     stateful = sorted(variant.label for variant in variants if not variant.trajectory_independent)
     if groups is not None and sorted(label for group in groups for label in group) != stateful:
         groups = None
@@ -224,7 +203,7 @@ def resumable(
 
 
 def _replayed_whole(result: ShardResult, shard: Shard | None) -> bool:
-    """Whether `result` is `shard` replayed: its trajectories, in order, under its variants and the dense run."""
+    """Whether `result` is `shard` replayed (its trajectories in order, its variants, the dense run)."""
     return (
         shard is not None
         and result.progress.trajectories == [traj.id for traj in shard.trajectories]
@@ -245,9 +224,8 @@ def run_shard(
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> ShardResult:
-    """Replay `shard` here (what a worker does): the teacher-forced lockstep replay of its trajectories, then their
-    online re-runs when `online`; `on_turn` / `on_task` after each turn / online task;
-    `timing`, `page_size` and `span_matching` as `replay_trace`'s."""
+    """Replay `shard` here (a worker's job): lockstep, then online re-runs when `online`; other arguments as
+    `replay_trace`'s."""
     state = ReplayProgress()
     replayed = replay_trace(
         agents,
@@ -282,9 +260,8 @@ def run_shard(
 def _merged_records(
     shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool
 ) -> tuple[dict[str, list[dict]], dict[str, list[Trajectory]], dict[str, dict]]:
-    """Per label, the per-turn records and online re-runs of every shard in trace order, and each policy's entry:
-    trajectory shards concatenated; a sequential shard's runs whole (with its dense run when no trajectory shard
-    ran one)."""
+    """Per label, every shard's records and online re-runs in trace order, and each policy's entry (a sequential
+    shard's dense run only when no trajectory shard ran one)."""
     trajectory_shards = [shard for shard in shards if not shard.sequential]
     records: dict[str, list[dict]] = {DENSE: [], **{variant.label: [] for variant in variants}}
     runs: dict[str, list[Trajectory]] = {label: [] for label in records}
@@ -311,9 +288,8 @@ def _merged_records(
 
 
 def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool) -> dict:
-    """The single-process result (`run_replay`'s payload) from every shard's result: records in trace order,
-    summaries recomputed from them. The run's setting is the first shard's, with every worker's device named and,
-    on CUDA, the highest allocator peak among them (each worker's own is in the `distributed` block)."""
+    """`run_replay`'s payload from every shard's result: records in trace order, summaries recomputed; setting as
+    `_merged_setting`."""
     records, runs, entries = _merged_records(shards, results, variants, online)
     merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants})
     for shard in shards:
@@ -330,7 +306,7 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
 
 
 def _sequential_entry(entry: dict, shard: Shard, label: str) -> dict:
-    """A policy entry of a sequential shard, its notes saying how it was replayed and beside which variants."""
+    """A sequential shard's policy entry, noting how it was replayed and beside which variants."""
     others = [variant.label for variant in shard.variants if variant.label != label]
     note = (
         f"keeps state across trajectories, so its {len(shard.trajectories)} trajectories were replayed in order in "
@@ -341,8 +317,7 @@ def _sequential_entry(entry: dict, shard: Shard, label: str) -> dict:
 
 
 def _merged_setting(settings: list[dict]) -> dict:
-    """The run's setting from every shard's: the first's, with every worker's device named and, on CUDA, the
-    highest allocator peak among them."""
+    """The first shard's setting, every worker's device named and, on CUDA, the highest allocator peak."""
     setting = dict(settings[0])
     setting["device"] = ", ".join(dict.fromkeys(s["device"] for s in settings))
     readings = [s["gpu_memory"] for s in settings if s["gpu_memory"]]
@@ -352,9 +327,8 @@ def _merged_setting(settings: list[dict]) -> dict:
 
 @dataclass(frozen=True)
 class AgentSource:
-    """What every worker loads: the trace's header (`kvprof.model.agents.trace_header`: model and adapter paths resolved
-    on the driver; they must be the same paths, or hub ids, on every node), the command's overrides, the device
-    kind (cpu or cuda: a GPU worker sees only its own GPU) and dtype, and the seed."""
+    """What every worker loads: the trace header (paths resolved on the driver, the same on every node), the
+    command's overrides, device kind (a GPU worker sees only its GPU), dtype, seed."""
 
     header: TraceHeader
     trace_name: str
@@ -382,9 +356,8 @@ def _absolute(path: str) -> str:
 
 
 def absolute_source(source: AgentSource) -> AgentSource:
-    """`source` with the model and the `--agent NAME=DIR` adapters that exist here made absolute: a worker resolves
-    a relative path against its own working directory, which is not the driver's (the files must then be at those
-    paths on every node: a shared filesystem)."""
+    """`source` with existing model and `--agent` paths made absolute (workers have other working directories; the
+    files must be at those paths on every node)."""
     agent_flags = None
     if source.agent_flags is not None:
         agent_flags = [
@@ -396,8 +369,7 @@ def absolute_source(source: AgentSource) -> AgentSource:
 
 
 def absolute_files(variants: list[PolicyVariant]) -> list[PolicyVariant]:
-    """`variants` with every file option (an option that never shows in labels: a pool, a profile) made absolute,
-    for workers with other working directories than the driver's (`absolute_source`)."""
+    """`variants` with every file option (pool, profile) made absolute (`absolute_source`)."""
     return [
         replace(
             variant,
@@ -413,8 +385,8 @@ def absolute_files(variants: list[PolicyVariant]) -> list[PolicyVariant]:
 
 
 class ReplayWorker:
-    """A Ray actor: loads the model and adapters once (`AgentSource`), then replays shards. A refusal while loading
-    (a `KvprofError`) is kept and raised by the first call, so the driver can tell it from a lost worker."""
+    """Ray actor: loads the agents once, then replays shards. A `KvprofError` while loading is raised by the first
+    call (not mistaken for a lost worker)."""
 
     def __init__(self, source: AgentSource, threads: int = 1):
         import torch
@@ -435,7 +407,7 @@ class ReplayWorker:
         return self.agents
 
     def describe(self) -> dict:
-        """This worker: host, process, device, CPU, threads, software and the loaded agents' `agents_identity`."""
+        """This worker: host, process, device, CPU, threads, software, `agents_identity`."""
         import platform
 
         import torch
@@ -496,8 +468,8 @@ class ReplayWorker:
 
 
 class ShardCounter:
-    """A Ray actor holding each running shard's progress (turns, online tasks) for the driver's display; a retried
-    shard starts again from zero under its new attempt, and reports of a lost attempt are ignored."""
+    """Ray actor holding each shard's progress for the driver; a retried shard restarts from zero under its new
+    attempt, a lost attempt's reports are ignored."""
 
     def __init__(self) -> None:
         self.counts: dict[str, list[int]] = {}
@@ -517,9 +489,8 @@ class ShardCounter:
 
 @dataclass
 class ShardHooks:
-    """Driver-side callbacks of `replay_sharded`: `on_progress(turns, tasks)` with the totals replayed so far (all
-    shards, resumed ones too), `on_shard(results)` after each shard completes (every result so far: a checkpoint),
-    `on_event(line)` when a worker is lost and its shard is retried."""
+    """`replay_sharded`'s callbacks: `on_progress(turns, tasks)` (totals, resumed included), `on_shard(results)`
+    (all results so far: a checkpoint), `on_event(line)` (a lost worker, a retry)."""
 
     on_progress: Callable[[int, int], object] | None = None
     on_shard: Callable[[dict[str, ShardResult]], object] | None = None
@@ -535,12 +506,9 @@ class _Running:
 
 @dataclass
 class RayCluster:
-    """Replay workers on a Ray cluster: connects on `__enter__` (to `address`, else to RAY_ADDRESS, else starts a
-    new local instance: never to a cluster `ray start` left behind here unless asked with "auto"), starts up to
-    `workers` workers (default: one per GPU on CUDA, one per `worker_cpus` CPUs otherwise; each worker holds
-    `worker_cpus` CPUs and runs that many threads) loading `source`, and on `__exit__` (Ctrl-C included) kills
-    them and, if it started Ray itself, shuts it down. Reusable across `replay_sharded` calls: the models stay
-    loaded."""
+    """Replay workers on Ray. `__enter__` connects to `address`, RAY_ADDRESS, or a new local instance (a leftover
+    `ray start` only with "auto"), and starts up to `workers` (default: one per GPU, else per `worker_cpus` CPUs,
+    each running that many threads); `__exit__` (Ctrl-C too) kills them and stops a Ray it started. Reusable."""
 
     source: AgentSource
     address: str | None = None
@@ -659,8 +627,7 @@ class RayCluster:
         return _get(ray, next(iter(self.handles.values())).runnable.remote(variants, skip))
 
     def _await_started(self, timeout: float | None) -> None:
-        """Move workers that finished loading to `handles`, waiting up to `timeout` seconds (None: until one has,
-        0: not at all) for at least one."""
+        """Move loaded workers to `handles`, waiting up to `timeout` s (None: until one, 0: not at all)."""
         ray = require_ray()
         if not self._starting:
             return
@@ -684,8 +651,8 @@ class RayCluster:
             self.described[info["id"]] = info
 
     def ready(self) -> dict[str, dict]:
-        """Start every worker (`size`) and wait until each has loaded the agents (as a benchmark that times replay
-        apart from start-up wants); their descriptions by id."""
+        """Start every worker and wait until each has loaded (to time replay apart from start-up); descriptions by
+        id."""
         self.first()
         while len(self.handles) + len(self._starting) < self.size:
             self._start()
@@ -694,8 +661,7 @@ class RayCluster:
         return dict(self.described)
 
     def workers_described(self) -> list[dict]:
-        """The started workers' descriptions (host, device, CPU, ...) without the agents they loaded: what a
-        result's environment lists."""
+        """Started workers' descriptions without their agents (a result's environment)."""
         return [{key: value for key, value in info.items() if key != "identity"} for info in self.described.values()]
 
     def replay(
@@ -710,8 +676,7 @@ class RayCluster:
         page_size: int = PAGE_SIZE,
         span_matching: SpanMatching = DEFAULT_MATCHING,
     ) -> dict[str, ShardResult]:
-        """Replay the shards without a result in `results` on the workers, largest first (`Shard.cost`: a long
-        sequential shard starts early rather than last); returns every shard's result."""
+        """Replay shards without a result in `results`, largest first; every shard's result."""
         ray = require_ray()
         results = dict(results)
         pending = deque(sorted((shard for shard in shards if shard.key not in results), key=lambda s: -s.cost))
@@ -783,8 +748,7 @@ class RayCluster:
 
 
 def _refuse_other_agents(first: dict, other: dict) -> None:
-    """Refuse a worker whose loaded agents (model, adapters, role prompts, dtype, device kind) differ from the first
-    worker's: its records would be merged with incomparable ones."""
+    """Refuse a worker whose agents (model, adapters, roles, dtype, device kind) differ from the first's."""
     kind = dict(other["identity"], device=other["identity"]["device"].split(":")[0])
     if kind != dict(first["identity"], device=first["identity"]["device"].split(":")[0]):
         raise KvprofError(
@@ -794,8 +758,7 @@ def _refuse_other_agents(first: dict, other: dict) -> None:
 
 
 def _lost_errors(ray) -> tuple[type[Exception], ...]:
-    """The errors of a call whose worker (process or node) died or was killed by Ray's memory monitor, as opposed to
-    an error the call raised."""
+    """Errors of a call whose worker died (or Ray's memory monitor killed it), not one the call raised."""
     return (
         ray.exceptions.RayActorError,
         ray.exceptions.WorkerCrashedError,
@@ -832,14 +795,10 @@ def replay_sharded(
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """What `run_replay` returns for the same arguments, replayed in shards on `cluster`'s workers and merged
-    (module docstring); `done`: results of shards already replayed (a checkpoint's), which are not replayed again;
-    `groups`: the stateful variants' sequential groups (`plan_shards`; a checkpoint's plan), else planned for the
-    cluster's size.
+    """`run_replay`'s result for the same arguments, replayed in shards on `cluster` and merged; `done`: results
+    already replayed (a checkpoint's); `groups`: sequential groups (`plan_shards`).
 
-    The result adds a `distributed` block: each shard's worker (`host:pid`), the groups of variants that ran
-    sequentially, the shards retried after a worker was lost, and every worker (host, device, CPU, threads,
-    software) that replayed a shard.
+    Adds a `distributed` block: each shard's worker, sequential groups, retried shards, every worker's description.
     """
     shards = plan_shards(trajectories, variants, cluster.size, groups)
     results = cluster.replay(

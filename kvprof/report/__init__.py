@@ -1,7 +1,5 @@
-"""The shared report layer: tables for the terminal and HTML, plotly figures, and a self-contained HTML dashboard.
-
-Commands describe what to show (`TableData`, plotly figures, `Section`s); this package renders it the same way
-everywhere. Nothing here knows about a particular command.
+"""The shared report layer: tables for the terminal and HTML, plotly figures, a self-contained HTML dashboard.
+Commands describe what to show (`TableData`, figures, `Section`s); nothing here knows a particular command.
 """
 
 from kvprof.report.figures import heatmap_figure, line_figure

@@ -1,7 +1,5 @@
-"""The question a team with LoRA agents faces: keep them and share caches approximately (the LoRA-family policies),
-or retrain them as Activated LoRA (peft's aLoRA) and share exactly. Two replays of the same tasks side by side:
-plain LoRA agents under each LoRA-family policy, and their aLoRA twins under ALoRAShared, FullShared and NonShared,
-each against its own dense run."""
+"""Plain LoRA agents under each LoRA-family policy beside their aLoRA twins under ALoRAShared, FullShared and
+NonShared, each against its own dense run: approximate sharing, or retraining as aLoRA and sharing exactly."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ LORA_FAMILIES = ("baseline", "LRAgent", "PReCache")
 
 
 def comparison_rows(lora: ReplayResult | dict, alora: ReplayResult | dict) -> list[dict]:
-    """One row per (agents, policy): online accuracy, KL and K error against that replay's dense run, TTFT speed-up
-    (measured and FLOP-implied) and the KV memory in blocks relative to the dense run. `lora`, `alora`: replay
-    results (`replay.json`) of the plain LoRA agents and of their aLoRA twins, on the same tasks."""
+    """One row per (agents, policy): online accuracy, KL, K error, TTFT × (measured and FLOP-implied), KV blocks ÷
+    dense. `lora`, `alora`: the two replays' results, same tasks."""
     rows = []
     for agents, record in (("LoRA", ReplayResult.of(lora)), ("aLoRA", ReplayResult.of(alora))):
         online = record.online or {}

@@ -13,8 +13,8 @@ def _bytes(count: int | None) -> str:
 
 
 def fit_error_table(report: dict) -> TableData:
-    """Per layer: relative Frobenius error of the rank-k truncation of the anchors' deltas (K / V) at each rank,
-    and the deltas' and bases' mean effective rank."""
+    """Per layer: relative Frobenius error of the anchors' deltas (K / V) truncated to each rank; mean effective rank
+    of deltas and bases."""
     ranks = report["ranks"]
     table = TableData(
         "anchor deltas, truncated SVD of each layer's (L × H_kv·D) matrix: relative error at rank k (K / V), "

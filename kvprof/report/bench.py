@@ -12,8 +12,7 @@ def _fraction(value: float | None) -> str:
 
 
 def results_table(result: dict) -> TableData:
-    """One row per (mode, L, r, method); ratios compare methods timed in the same case. % of peak columns appear
-    only for devices whose peaks are known."""
+    """One row per (mode, L, r, method); ratios within a case; % of peak only for devices with known peaks."""
     rows, peak_known = result["results"], result["peak"] is not None
     peak_columns = ["% peak FLOP", "% peak BW"] if peak_known else []
     table = TableData(

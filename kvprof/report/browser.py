@@ -1,9 +1,5 @@
-"""A dashboard opened in a real headless Chromium: console errors, figures drawn, screenshots (static PNG export).
-
-Drives a system Chromium (Debian's `chromium` package; `KVPROF_CHROMIUM` names another executable) through
-playwright (`pip install playwright`; its own browser download, `playwright install`, is not needed). plotly's own
-static export needs kaleido and a browser of its own; a screenshot of the figure's element in the page the user
-opens is the same picture.
+"""A dashboard opened in headless system Chromium (`KVPROF_CHROMIUM` overrides) through playwright: console errors,
+figures drawn, element screenshots as static PNG export (no kaleido; docs/commands/report.md).
 """
 
 from __future__ import annotations
@@ -64,8 +60,8 @@ def open_page(
     scale: float = 1.0,
     timeout_ms: int = 20_000,
 ) -> PageCheck:
-    """Open `page_path` in headless Chromium, wait (at most `timeout_ms`) until plotly has drawn every figure, and
-    check it; `screenshots` maps a CSS selector to the PNG file its first element is saved to."""
+    """Open `page_path`, wait up to `timeout_ms` until plotly drew every figure, check it; `screenshots`: CSS selector
+    → PNG of its first element."""
     executable = chromium_path()
     try:
         from playwright.sync_api import TimeoutError as PlaywrightTimeout

@@ -1,8 +1,5 @@
-"""`kvprof report`'s core: results (any command's JSON, from files or in memory) → dashboard sections, by result kind.
-
-Each command that writes a result registers one function `dict → list[Section]` under its kind (the `schema`
-field is `kvprof.result.<kind>`). Several results of one kind are shown one after another, each titled by the path
-of its file.
+"""`kvprof report`'s core: results (any command's JSON) → dashboard sections, via one function `dict →
+list[Section]` registered per kind (`schema` `kvprof.result.<kind>`); results of one kind are titled by file path.
 """
 
 from __future__ import annotations
@@ -86,8 +83,7 @@ another type or value than kvprof writes."""
 
 
 def load_result(path: Path) -> tuple[str, dict]:
-    """Read a result file and return (kind, payload); refuses files that are not kvprof results, or whose envelope
-    (`args`, `environment`: the environment panel's) is not as kvprof writes it."""
+    """(kind, payload) of a result file; refuses non-kvprof files and malformed envelopes (`args`, `environment`)."""
     kind, result = read_result(path, RESULT_FIX)
     check_fields(result, {"args": (dict, OPTIONAL), "environment": (dict, OPTIONAL)}, str(path), RESULT_FIX)
     check_fields(result.get("environment") or {}, {"cpu": (dict, OPTIONAL)}, f"{path}, environment", RESULT_FIX)
@@ -95,8 +91,8 @@ def load_result(path: Path) -> tuple[str, dict]:
 
 
 def result_sections(kind: str, result: dict, path: Path) -> list[Section]:
-    """The sections of one result of `kind` (a result file's JSON, or the payload written to it), each titled with
-    the `path` of its file; a result whose fields are not as kvprof writes them is refused naming the file."""
+    """The sections of one result of `kind` (file JSON or payload) titled with `path`; malformed fields are refused
+    naming the file."""
     builder = BUILDERS.get(kind)
     if builder is None:
         raise KvprofError(
@@ -138,8 +134,7 @@ def _device(result: dict) -> str:
 
 
 def environment_table(results: Sequence[tuple[Path, dict]]) -> TableData:
-    """The environment panel: per result file, what it was measured on and when (from the result's envelope;
-    '–' where a result does not record it)."""
+    """The environment panel: per result file, what and when it was measured on ('–' where not recorded)."""
     table = TableData(
         title="environment", columns=["result", "model", "device", "dtype", "software", "kvprof", "created"]
     )
@@ -160,8 +155,7 @@ def environment_table(results: Sequence[tuple[Path, dict]]) -> TableData:
 
 
 def dashboard_sections(paths: list[Path]) -> tuple[list[Section], TableData]:
-    """The sections of every result file in `paths`, decision first (`ordered`), and the environment panel of those
-    files."""
+    """Every result file's sections, decision first (`ordered`), and their environment panel."""
     loaded = [(path, *load_result(path)) for path in paths]
     sections = ordered([section for path, kind, result in loaded for section in result_sections(kind, result, path)])
     return sections, environment_table([(path, result) for path, _, result in loaded])

@@ -1,10 +1,7 @@
-"""The decision view of a replay result: which policy, at what cost, for what gain.
-
-Per policy label: online accuracy, KL, TTFT ×, TPOT, latency × and memory ÷ dense, each with its spread over tasks
-(`kvprof.report.uncertainty`); a recommendation for a stated target; a Pareto scatter, bars and per-turn TTFT boxes.
-
-The NonShared row is the dense run replayed a second time as the `nonshared` policy when the replay has it (its
-speed-ups against the dense run are then the timing noise of this replay), else the dense run itself at exactly 1×.
+"""The decision view of a replay result: per policy label accuracy, KL, TTFT ×, TPOT, latency × and memory ÷ dense
+with spreads over tasks, a recommendation for a stated target, Pareto scatter, bars and per-turn TTFT boxes. The
+NonShared row: the `nonshared` re-run of the dense run if replayed (its speed-ups are timing noise), else the dense
+run at 1× (docs/commands/report.md).
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def _by_task(turns: list[dict]) -> dict[str, list[dict]]:
 def _outcome(
     label: str, turns: list[dict], dense: list[dict], memory: float | None, kl: float, accuracy: Interval | None
 ) -> Outcome:
-    """The outcome of one run's per-turn records `turns` against the dense run's `dense`; `memory`: its peak
-    stored bytes ÷ the dense run's."""
+    """Outcome of a run's `turns` against the dense run's; `memory`: peak stored bytes ÷ dense."""
     mine, reference = _by_task(turns), _by_task(dense)
     tasks = [task for task in reference if task in mine]
     ratio = float("nan") if memory is None else memory  # None: a dense run that stores nothing has no ratio
@@ -122,8 +118,7 @@ def eligible(items: Sequence[Outcome]) -> list[Outcome]:
 
 @dataclass(frozen=True)
 class Decision:
-    """The fastest outcome meeting the target, the recommended one (the same unless a tie was broken), and the
-    lines that say why."""
+    """The fastest outcome meeting the target, the recommended one (differs only after a tie-break), and why."""
 
     fastest: Outcome
     recommended: Outcome
@@ -131,8 +126,8 @@ class Decision:
 
 
 def decide(items: Sequence[Outcome]) -> Decision:
-    """The decision: the target, the fastest policy meeting it, and — when others are tied with it (TTFT ×
-    intervals overlap) — how accuracy, then KL (within `KL_TIE`), then memory break the tie."""
+    """The target, the fastest policy meeting it, and on ties (overlapping TTFT × intervals) accuracy, then KL
+    (within `KL_TIE`), then memory."""
     tasks = items[0].accuracy.n if items[0].accuracy else None
     lines = [target_text(tasks)]
     candidates = eligible(items)
@@ -213,9 +208,8 @@ def _point_to(figure: go.Figure, o: Outcome, text: str, y: float, offset: tuple[
 
 
 def pareto_figure(items: Sequence[Outcome], chosen: Decision | None = None) -> go.Figure:
-    """Accuracy (left; when measured) and KL on a log axis (right) against measured TTFT ×, one marker per policy,
-    marker area ∝ memory ÷ dense; error bars: bootstrap intervals over tasks. With `chosen`, arrows name the fastest
-    policy meeting the target and the recommended one."""
+    """Accuracy (if measured) and log KL against TTFT ×, marker area ∝ memory ÷ dense, bootstrap error bars; with
+    `chosen`, arrows to the fastest and the recommended policy."""
     dense_accuracy = items[0].accuracy
     has_accuracy = dense_accuracy is not None
     titles = ([f"online accuracy (n = {dense_accuracy.n} tasks)"] if dense_accuracy is not None else []) + [
@@ -245,8 +239,7 @@ def pareto_figure(items: Sequence[Outcome], chosen: Decision | None = None) -> g
 
 
 def _add_outcome(figure: go.Figure, o: Outcome, floor: float, kl_col: int, legend_on_kl: bool) -> None:
-    """One policy's markers: accuracy (column 1, when measured) and KL (column `kl_col`, 0 drawn at `floor`; in the
-    legend when `legend_on_kl`)."""
+    """One policy's markers: accuracy (column 1, if measured) and KL (column `kl_col`, 0 drawn at `floor`)."""
     marker = policy_style(o.label).marker(_size(o.memory.value)) | {"opacity": 0.85}
     hover = f"{o.label}<br>TTFT {o.ttft.text(unit='×')}<br>KL {o.kl:.3g}<br>memory {o.memory.value:.2f}× dense" + (
         f"<br>accuracy {o.accuracy.text('.0%')}" if o.accuracy else ""
@@ -321,8 +314,8 @@ def _name_choices(figure: go.Figure, chosen: Decision, has_accuracy: bool, floor
 
 
 def bars_figure(items: Sequence[Outcome]) -> go.Figure:
-    """Per policy, sorted by TTFT × (fastest on top): accuracy, TTFT ×, TPOT, latency × and memory ÷ dense, with
-    their spread; policies that miss the accuracy target are hatched."""
+    """Per policy, fastest on top: accuracy, TTFT ×, TPOT, latency ×, memory ÷ dense with spreads; target misses
+    hatched."""
     order = sorted(items, key=lambda o: o.ttft.value)
     ok = {o.label for o in eligible(items)}
     n = items[0].ttft.n

@@ -1,9 +1,6 @@
-"""Small plotly figure builders every command shares: line charts, box plots and labelled heatmaps.
-
-Series are keyed by name; `style` maps a name to its `PolicyStyle` (for policies: `kvprof.report.styles.policy_style`,
-so a policy looks the same in every figure). A series drawn with a style carries its name as `legendgroup`, which is
-how the report tests find every trace of one policy across figures. Legends sit under the plot, so they do not eat
-its width.
+"""Shared plotly builders: line charts, box plots, labelled heatmaps. `style` maps a series name to its
+`PolicyStyle`; a styled series carries its name as `legendgroup` (how tests find a policy's traces). Legends sit
+under the plot.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ QUALITATIVE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9",
 
 @dataclass(frozen=True)
 class Reference:
-    """A reference line: `value` on the `axis` ("x" or "y"), with a short label (a claim's threshold, the dense
-    run)."""
+    """A labelled reference line at `value` on `axis` ("x" or "y"): a claim's threshold, the dense run."""
 
     value: float
     label: str
@@ -31,8 +27,7 @@ class Reference:
 
 
 def cycle_style(names: Sequence[str]) -> StyleOf:
-    """Styles for series that are not policies (quantities, layers): the colour-blind-safe colours in order, a new
-    dash each time the colours wrap around."""
+    """Styles for non-policy series: the colour-blind-safe colours in order, a new dash per wrap-around."""
     index = {name: i for i, name in enumerate(dict.fromkeys(names))}
 
     def style(name: str) -> PolicyStyle:
@@ -57,9 +52,8 @@ def base_layout(figure: go.Figure, title: str, height: int = 380) -> go.Figure:
 def add_references(
     figure: go.Figure, references: Sequence[Reference], log_x: bool = False, log_y: bool = False, **where
 ) -> None:
-    """Draw each reference as a grey dotted line with its label at the plot's edge; `log_x`/`log_y` say which axes
-    are logarithmic (a label's position on a log axis is in decades, the line's is not); `where` picks a subplot
-    (row=, col=)."""
+    """Grey dotted labelled reference lines; `log_x`/`log_y`: logarithmic axes (labels are placed in decades);
+    `where`: a subplot (row=, col=)."""
     for reference in references:
         line = dict(color="#777", dash="dot", width=1)
         horizontal = reference.axis == "y"
@@ -89,9 +83,8 @@ def line_figure(
     references: Sequence[Reference] = (),
     log_x: bool = False,
 ) -> go.Figure:
-    """One line per entry of `series`, all against `x` (with markers unless `markers` is False). With `log_y`,
-    values ≤ 0 cannot be drawn and are left as gaps. A log axis gets an explicit range: plotly's autorange reads a
-    reference line's value on a log axis as a power of ten and would stretch the axis to it."""
+    """One line per `series` against `x`. With `log_y`, values ≤ 0 are gaps and the range is explicit (plotly's
+    autorange reads a log-axis reference's value as a power of ten)."""
     style = style or cycle_style(list(series))
     figure = go.Figure()
     for name, values in series.items():
@@ -132,8 +125,8 @@ def box_figure(
     style: StyleOf | None = None,
     x_title: str = "",
 ) -> go.Figure:
-    """One box per entry of `groups` — (categories, values), one pair per sample — grouped side by side within
-    each category, every sample drawn as a point next to its box. With `log_y`, values ≤ 0 are left out."""
+    """Boxes per `groups` entry ((categories, values) pairs), side by side per category, with every sample as a
+    point; `log_y` drops values ≤ 0."""
     style = style or cycle_style(list(groups))
     figure = go.Figure()
     for name, (categories, values) in groups.items():
@@ -170,8 +163,8 @@ def heatmap_figure(
     colorbar_title: str = "",
     digits: int = 3,
 ) -> go.Figure:
-    """A heatmap of `z` (rows = `y_labels`, columns = `x_labels`) with each cell's value written on it; None cells
-    (not measured) stay blank. Without `zmin`/`zmax` the colour range is the measured cells' own range."""
+    """Heatmap of `z` (rows `y_labels`, columns `x_labels`), values written on cells, None blank; colour range the
+    measured cells' unless `zmin`/`zmax`."""
     measured = [value for row in z for value in row if value is not None and math.isfinite(value)]
     text = [["" if value is None else f"{value:.{digits}f}" for value in row] for row in z]
     figure = go.Figure(

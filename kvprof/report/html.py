@@ -1,8 +1,5 @@
-"""A self-contained HTML dashboard: titled sections of text, tables and plotly figures, written atomically.
-
-The page: title, an environment panel (what the results were measured on), a table of contents linking every
-section, then the sections in order of `Section.order` (decision, details, diagnostics, inputs). plotly.js is
-embedded inline once per file (with the first figure), so the page works offline; no CDN.
+"""A self-contained HTML dashboard, written atomically: title, environment panel, table of contents, then sections
+by `Section.order`; plotly.js inlined once per file (offline, no CDN).
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ ORDER = {"decision": 0, "details": 1, "diagnostics": 2, "inputs": 3}
 
 @dataclass
 class Section:
-    """One part of the page: a heading, a highlighted card (the conclusion, when there is one), paragraphs of plain
-    text, tables, then plotly figures. `order` (a key of `ORDER`) places it on a dashboard; `wide` is how many of
-    the first figures span the page's width."""
+    """A heading, a highlighted conclusion card, text, tables, figures. `order`: a key of `ORDER`; `wide`: how many
+    first figures span the page."""
 
     title: str
     text: list[str] = field(default_factory=list)
@@ -83,8 +79,8 @@ def _table_html(table: TableData) -> str:
 
 
 def render_html(title: str, sections: list[Section], subtitle: str = "", environment: TableData | None = None) -> str:
-    """The whole page as a string: `sections` in `ordered` order, under the `environment` panel and a table of
-    contents; figure i gets the element id `fig-i`, so the output is deterministic."""
+    """The page as a string, `sections` `ordered` under `environment` and a table of contents; figure i has id
+    `fig-i` (deterministic)."""
     sections = ordered(sections)
     ids = anchors(sections)
     parts = [

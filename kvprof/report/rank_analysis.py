@@ -24,11 +24,8 @@ def _rank(means: dict[str, float], name: str) -> str:
 
 
 def layer_tables(result: RankAnalysisResult | dict) -> list[TableData]:
-    """Per-layer means over (trajectory, agent pair) spans: ranks, then norms and cross-agent similarities.
-
-    lora mode adds the base part X·W0 and the adapter output; prompt mode has neither, and adds a third table: the
-    deltas against the context-free reference (results written before kvprof measured them have no such table).
-    """
+    """Per-layer means over (trajectory, agent pair) spans: ranks, then norms and similarities; lora mode adds X·W0
+    and the adapter output, prompt mode the context-free deltas (absent in older results)."""
     result = RankAnalysisResult.of(result)
     lora = result.mode == "lora"
     spans = f"means over {len(result.pairs)} (trajectory, agent pair) spans"
@@ -104,8 +101,8 @@ def verdict_lines(result: RankAnalysisResult | dict) -> list[str]:
 
 
 def _layer_grid(result: RankAnalysisResult, metric: str, kv: str) -> tuple[list[str], list[list[float | None]]]:
-    """Agent pairs × layers: the mean of `metric` over the trajectories of each (unordered) pair; a layer a pair was
-    not measured at stays None. Returns the row labels and the grid."""
+    """Agent pairs × layers: `metric`'s mean over each unordered pair's trajectories (None: not measured); labels,
+    grid."""
     layers = [entry["layer"] for entry in result.layer_means]
     sums: dict[tuple[str, str], dict[int, list[float]]] = {}
     order = {agent: i for i, agent in enumerate(result.agents)}
@@ -158,8 +155,7 @@ COSINE_LABELS = {"cache_cosine": "caches", "base_cosine": "base caches", "adapte
 
 
 def figures(result: RankAnalysisResult) -> tuple[list, list, list]:
-    """Per-layer curves (rank, norms, cosines, with the claims' thresholds), cumulative spectra, and agent-pair ×
-    layer heatmaps of the cosines."""
+    """Per-layer curves with the claims' thresholds, cumulative spectra, agent-pair × layer cosine heatmaps."""
     spectra = [_spectrum_figure(result, kv) for kv in KV_NAMES]
     return _layer_curves(result), spectra, _cosine_heatmaps(result)
 
@@ -271,8 +267,7 @@ def _cosine_heatmaps(result: RankAnalysisResult) -> list:
 
 
 def sections(result: RankAnalysisResult | dict) -> list[Section]:
-    """Dashboard sections: verdicts and tables, per-layer rank, norm and cosine curves, spectra, agent-pair ×
-    layer heatmaps."""
+    """Dashboard sections: verdicts and tables, per-layer curves, spectra, heatmaps."""
     result = RankAnalysisResult.of(result)
     verdicts = TableData(
         title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
@@ -316,8 +311,7 @@ def sections(result: RankAnalysisResult | dict) -> list[Section]:
 
 
 def write_report(path: Path, result: RankAnalysisResult | dict) -> Path:
-    """The HTML page of a rank-analysis result at `path`: its sections, under a line naming trace, model, mode,
-    spans and matrices."""
+    """The HTML page of a rank-analysis result, under a line naming trace, model, mode, spans and matrices."""
     result = RankAnalysisResult.of(result)
     return write_html(
         path,

@@ -56,8 +56,8 @@ def _rows(result: ReplayResult) -> list[tuple[str, RunSummary, dict | None]]:
 
 
 def dense_check(result: ReplayResult | dict) -> str:
-    """How much of the trace's outputs the dense run reproduces (greedy argmax, teacher-forced): the oracle's own
-    check. A trace captured from this model must give 100 %; less means other weights, dtype or library versions."""
+    """Share of the trace's outputs the dense run reproduces (greedy, teacher-forced); below 100 % on a trace of this
+    model means other weights, dtype or library versions."""
     result = ReplayResult.of(result)
     agreement = summary_of(DENSE, result.dense).trace_agreement
     text = f"dense run reproduces {agreement:.1%} of the trace's output tokens"
@@ -75,8 +75,8 @@ def dense_check(result: ReplayResult | dict) -> str:
 
 
 def timeline_note(result: ReplayResult | dict) -> str:
-    """How the replayed turns followed the shared context (`kvprof.replay.branches`), when any left it: how many, why,
-    how many returned to an earlier turn's state, and what that cost; empty when every turn extended it."""
+    """How many turns left the shared context, why, how many returned to an earlier state, at what cost; empty when
+    none did."""
     timeline = summary_of(DENSE, ReplayResult.of(result).dense).timeline
     moved = timeline.get("moved_tokens", 0) if timeline else 0
     if not timeline or not (timeline["left"] or timeline["restored"] or moved):
@@ -182,8 +182,7 @@ def reuse_table(result: ReplayResult | dict) -> TableData:
 
 
 def delta_table(result: ReplayResult | dict) -> TableData | None:
-    """The delta-correction policies' gate and accumulated error: ρ (the share of other agents' segment tokens the
-    gate served corrected) and the corrected segments' K/V error by hop; None when no policy has a gate."""
+    """Delta policies' gate ρ and corrected segments' K/V error by hop; None when no policy has a gate."""
     rows = [
         (label, summary)
         for label, summary, _ in _rows(ReplayResult.of(result))
@@ -261,8 +260,7 @@ def cost_table(result: ReplayResult | dict) -> TableData:
 
 
 def memory_claims_table(result: ReplayResult | dict) -> TableData | None:
-    """A verdict for each published memory claim of the replayed policies (`kvprof.claims.memory`), None without
-    any."""
+    """Verdicts on the replayed policies' published memory claims (`kvprof.claims.memory`); None without any."""
     claims = ReplayResult.of(result).memory_claims
     if not claims:
         return None
@@ -287,8 +285,7 @@ def memory_claims_table(result: ReplayResult | dict) -> TableData | None:
 
 
 def timing_text(timing: dict) -> str:
-    """A result's timing mode (`kvprof.replay.engine.timing_setting`) in words, labelled with whose practice it
-    follows."""
+    """The timing mode (`timing_setting`) in words, labelled with whose practice it follows."""
     runs = timing["runs"]
     if timing["mode"] == "trajectory":
         return (
@@ -319,8 +316,7 @@ def layer_table(result: ReplayResult) -> TableData:
 
 
 def policy_notes(result: ReplayResult | dict) -> list[str]:
-    """One line per note a policy recorded about how it ran (`SharingPolicy.notes`), and one for each policy that
-    recomputed moved spans (it does not move them)."""
+    """A line per policy note (`SharingPolicy.notes`) and per policy that recomputed moved spans."""
     lines = []
     for label, run in ReplayResult.of(result).policies.items():
         lines += [f"{label}: {note}" for note in run.notes or []]
@@ -334,8 +330,7 @@ def policy_notes(result: ReplayResult | dict) -> list[str]:
 
 
 def notes(result: ReplayResult) -> list[str]:
-    """One line per policy: its paper, whether it is exact, and the figures its paper publishes (recorded in the
-    result from the policy class), then the skipped policies."""
+    """Per policy: paper, exactness, published figures (from the policy class); then the skipped policies."""
     check = dense_check(result)
     lines = [check] if check else []
     for label, run in result.policies.items():
@@ -387,8 +382,7 @@ def _positive(values: list[float]) -> list[float | None]:
 
 
 def diagnostic_figures(result: ReplayResult) -> list:
-    """Per-layer error (log axis), KL per turn (boxes on a log axis) and cache memory per turn, one look per policy;
-    the nonshared policy is left out where it repeats the dense run."""
+    """Per-layer error, KL per turn (log boxes), cache memory per turn; `nonshared` left out where it repeats dense."""
     policies = {label: run for label, run in result.policies.items() if label != DENSE}
     figures = []
     per_layer = {label: summary_of(label, run).layers for label, run in policies.items()}

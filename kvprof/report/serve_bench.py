@@ -1,5 +1,4 @@
-"""Tables and figures of a `kvprof serve-bench` result (the JSON it writes), for the terminal and the dashboard:
-one row per (pattern, load) run, per-agent rows, the base-against-agents comparison, TTFT CDFs per load, and
+"""Tables and figures of a `kvprof serve-bench` result: runs, per-agent rows, base against agents, TTFT CDFs,
 throughput and TTFT p90 against load."""
 
 from __future__ import annotations

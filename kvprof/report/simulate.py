@@ -1,5 +1,4 @@
-"""Tables of a `kvprof simulate` result (the JSON it writes): the step-cost model, its errors on the runs it was
-calibrated on, one row per policy and load, and the highest load meeting the TTFT SLO."""
+"""Tables and figures of a `kvprof simulate` result: step model, calibration errors, policy × load, SLO loads."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def errors_table(result: SimulateResult | dict) -> TableData | None:
 
 
 def runs_table(result: SimulateResult | dict) -> TableData:
-    """One row per policy and load: TTFT p50/p90/p99 (ms), e2e p90, throughput, peak KV memory, preemptions,
-    OOM (why: `out_of_memory_lines`)."""
+    """Per policy and load: TTFT p50/p90/p99 (ms), e2e p90, throughput, peak KV, preemptions, OOM."""
     result = SimulateResult.of(result)
     scaled = bool(result.scale["shared_tokens"])
     table = TableData(
@@ -196,8 +194,8 @@ def claims_table(result: SimulateResult) -> TableData | None:
 
 
 def figures(result: SimulateResult) -> list:
-    """TTFT p90 against load, one line per policy (at the longest simulated context), and, where several
-    --shared-tokens lengths were swept, peak KV memory against the shared context (at the lowest load)."""
+    """TTFT p90 against load per policy (longest context); with several --shared-tokens, peak KV against context
+    (lowest load)."""
     from kvprof.report.figures import line_figure
 
     runs = [row for row in result.runs if row["requests"]]

@@ -1,14 +1,8 @@
-"""One look per policy label — colour, marker and dash — the same in every figure of every report.
+"""One look per policy label (colour, marker, dash), the same in every figure (docs/commands/report.md).
 
-A label is `policy[-variant…]` (`kvprof.policies.base.variant_label`, e.g. `rebaseshared-db`, `cacheblend-r=0.1`).
-The colour and the marker come from the policy name; the shade, the dash and the marker's fill from the variant
-suffix, so the variants of one policy read as one family and curves that coincide (two variants, or two policies
-that compute the same cache) stay visible: the later one is drawn dashed over the earlier one.
-
-Colours are Okabe & Ito's colour-blind-safe palette ("Color Universal Design", 2008), then Paul Tol's muted scheme
-(https://personal.sron.nl/~pault/) for the policy names kvprof's design lists beyond eight. The assignment is a fixed
-table keyed on the name, so adding a policy never recolours the others; a name the table does not know gets a
-colour, marker and dash from a hash (CRC-32) of its name — stable across reports, but it may repeat a colour.
+Colour and marker from the policy name, shade, dash and fill from the variant suffix (`variant_label`). Colours:
+Okabe & Ito ("Color Universal Design", 2008), then Paul Tol's muted scheme, in a fixed table; unknown names hash
+(CRC-32) to a style.
 """
 
 from __future__ import annotations

@@ -14,10 +14,8 @@ def cell(value: object, fmt: str) -> str:
 
 @dataclass
 class TableData:
-    """A titled table of already formatted cells: `rows` are lists of strings, one per column.
-
-    The first column is left-aligned (labels), the rest right-aligned (numbers). `caption` is a line shown under it.
-    """
+    """A titled table of formatted cells (`rows`: one string per column); first column left-aligned, the rest right;
+    `caption` under it."""
 
     title: str
     columns: list[str]
@@ -39,8 +37,8 @@ class TableData:
 
 
 def milliseconds(stats: dict | None, key: str) -> str:
-    """A table cell: the statistic `key` of a latency distribution (seconds) in milliseconds — whole from 10 ms, three
-    significant digits below (a roofline's microseconds stay readable) — "-" without one."""
+    """Statistic `key` of a latency distribution (s) in ms: whole from 10 ms, three significant digits below; "-"
+    without one."""
     if not stats:
         return "-"
     value = 1000 * stats[key]

@@ -1,10 +1,6 @@
-"""Bootstrap confidence intervals over tasks (Efron & Tibshirani, "An Introduction to the Bootstrap", 1993).
-
-A replay's numbers are sums over tasks (trajectories): TTFT × is Σ dense TTFT ÷ Σ policy TTFT, accuracy is
-Σ correct ÷ n. Resampling the tasks with replacement and recomputing the statistic gives its spread across tasks;
-the interval is the percentile interval of `RESAMPLES` resamples, seeded, so a report is deterministic. It is
-approximate: with few tasks (the demo has 10) percentile intervals are too narrow, and they say nothing about
-timing noise within a task (that is what the repeats' median is for).
+"""Bootstrap percentile intervals over tasks (Efron & Tibshirani, "An Introduction to the Bootstrap", 1993):
+statistics are ratios of per-task sums, `RESAMPLES` seeded resamples. Approximate: too narrow with few tasks, blind
+to timing noise within a task (docs/commands/report.md).
 """
 
 from __future__ import annotations
@@ -37,11 +33,8 @@ class Interval:
 
 
 def bootstrap(per_task: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray]) -> Interval:
-    """The interval of `statistic(column sums)` over tasks resampled with replacement.
-
-    per_task: (n_tasks, k) — one row of k summable quantities per task; statistic: (..., k) sums → (...) values,
-    vectorised over leading axes.
-    """
+    """Interval of `statistic(column sums)` over tasks resampled with replacement. per_task: (n_tasks, k);
+    statistic: (..., k) → (...), vectorised."""
     per_task = np.asarray(per_task, dtype=float)
     n = per_task.shape[0]
     value = float(statistic(per_task.sum(axis=0)))
@@ -63,8 +56,7 @@ def ratio_of_sums(per_task: np.ndarray) -> Interval:
 
 
 def proportion(successes: int, trials: int) -> Interval:
-    """successes ÷ trials (exact-match accuracy over tasks), with its interval: the tasks are resampled, which only
-    needs how many succeeded."""
+    """successes ÷ trials (accuracy over tasks) with its interval (resampling needs only the success count)."""
     if trials == 0:
         raise ValueError("a proportion needs at least one trial")
     outcomes = np.array([[1.0]] * successes + [[0.0]] * (trials - successes))

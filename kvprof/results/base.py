@@ -1,15 +1,10 @@
-"""What every typed result shares: JSON records declared as dataclasses, and the envelope of a result file.
+"""What every typed result shares: JSON records declared as dataclasses (`Record`, `json_field`) and the result
+file's envelope (`ResultFile`).
 
-A `Record` subclass is a dataclass whose fields are declared with `json_field` (the JSON type the field holds, how a
-nested record is read, whether files older than this kvprof may lack it). `from_json` checks every declared field
-(`kvprof.fileio.check_fields`) and refuses a record that is not as kvprof writes it in one sentence naming where it
-is; `to_json` writes the fields in their declared order, which is the order the commands write them.
-
-`ResultFile` adds the envelope of `kvprof.commands.common.result_envelope` (schema, version, kvprof, created,
-environment, args): `read(path)` refuses a file that is not a result of its kind, or of a newer format, through
-`kvprof.fileio.read_result`. A result a command builds in memory, before it writes the file, has no envelope
-(`envelope` is None). A file without a version (read as version 1, as `read_result` reads it) is written back
-with `"version": 1`.
+- `from_json` checks every declared field and refuses, in one sentence naming where, a record kvprof did not write;
+  `to_json` writes fields in declared order (the commands' order).
+- `ResultFile.read` refuses another kind or a newer format (`kvprof.fileio.read_result`); an in-memory result has
+  `envelope` None; a file without a version is read as version 1 and written back with `"version": 1`.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ OPTIONAL = type(None)
 
 
 def json_field(kind: JsonType, *, read: Reader | None = None, absent: bool = False) -> Any:
-    """A field of a `Record`: `kind` is the JSON type it holds (a tuple with None: it may be null, or missing, and
-    is None then); `read` turns the JSON value into the typed one (value, where, fix); `absent`: files older than
-    this kvprof may lack it (then it is None, and `to_json` leaves it out while it is None)."""
+    """A `Record` field: `kind`, the JSON type (a tuple with None: nullable or missing → None); `read`, JSON → typed
+    (value, where, fix); `absent`: older files may lack it (None, left out by `to_json` while None)."""
     metadata = {"kind": kind, "read": read, "absent": absent}
     if absent or (isinstance(kind, tuple) and OPTIONAL in kind):
         return dataclasses.field(default=None, metadata=metadata)
@@ -59,8 +53,7 @@ class Record:
 
     @classmethod
     def from_json(cls: type[R], record: object, where: str, fix: str) -> R:
-        """The record `record` (read at `where`, e.g. "runs/replay.json, policy 'x'"), refused with `fix` when a
-        declared field is missing or of another type."""
+        """`record` (read at `where`), refused with `fix` when a declared field is missing or mistyped."""
         fields = _json_fields(cls)
         kinds = {f.name: (f.metadata["kind"], OPTIONAL) if f.metadata["absent"] else f.metadata["kind"] for f in fields}
         checked = check_fields(record, kinds, where, fix)
@@ -101,8 +94,8 @@ def records_in_list(cls: type[Record]) -> Reader:
 
 @dataclasses.dataclass(kw_only=True)
 class Environment(Record):
-    """What a result was measured on: python, torch and CUDA device versions, the CPU (`kvprof.profiling`), torch's
-    CPU threads; `workers`: a distributed run's Ray workers (host, device, CPU, ...), where there were any."""
+    """What a result was measured on: python, torch, CUDA device, CPU, torch threads; `workers`: a distributed
+    run's Ray workers."""
 
     python: str = json_field(str)
     torch: str = json_field(str)
@@ -114,10 +107,9 @@ class Environment(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class Envelope(Record):
-    """The wrapper of every result file (`kvprof.commands.common.result_envelope`): `schema` is
-    `kvprof.result.<kind>`, `version` the format version, `kvprof` the version that wrote it, `created` an ISO
-    time, `args` the command's options (paths as text); all but the schema and version may be missing in a file
-    trimmed by hand (tests/data/simulate)."""
+    """A result file's wrapper: `schema` `kvprof.result.<kind>`, format `version`, writing `kvprof` version, ISO
+    `created`, `args` (paths as text); all but schema and version may be missing in hand-trimmed files
+    (tests/data/simulate)."""
 
     schema: str = json_field(str)
     version: int = json_field(int)
@@ -137,9 +129,8 @@ ENVELOPE_FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
 
 @dataclasses.dataclass(kw_only=True)
 class ResultFile(Record):
-    """A command's result: its payload's fields, declared by each subclass, and the file's `envelope` (None for a
-    payload a command holds in memory). Subclasses set `KIND` (the schema's suffix) and `FIX` (what a refusal
-    tells the user to do)."""
+    """A command's result: the payload's declared fields and the file's `envelope` (None in memory). Subclasses set
+    `KIND` (schema suffix) and `FIX` (what a refusal tells the user)."""
 
     KIND: ClassVar[str]
     FIX: ClassVar[str]
@@ -147,13 +138,12 @@ class ResultFile(Record):
 
     @classmethod
     def of(cls: type[F], result: F | dict) -> F:
-        """`result` itself, or the result in its JSON (as the library's replays, which return JSON, hand it on)."""
+        """`result` itself, or read from its JSON (the library's replays return JSON)."""
         return result if isinstance(result, cls) else cls.from_json(result, f"the {cls.KIND} result")
 
     @classmethod
     def read(cls: type[F], path: str | os.PathLike) -> F:
-        """The result in the file at `path`, refused in one sentence naming it when it is not a kvprof result of
-        this kind, is of a newer format, or lacks a field this kvprof reads."""
+        """The result at `path`, refused naming it if not this kind, newer, or lacking a field kvprof reads."""
         _, payload = read_result(path, cls.FIX, cls.KIND)
         return cls.from_json(payload, str(path), cls.FIX)
 

@@ -1,7 +1,5 @@
-"""`kvprof capture`'s result (capture.json): the trace it wrote and what that trace holds.
-
-Typed: the top level and the summary (`CaptureSummary`). Kept as JSON: the per-agent counts (`CaptureSummary.agents`:
-agent → turns, input_tokens, output_tokens).
+"""`kvprof capture`'s result (capture.json): the trace written and its summary. Kept as JSON:
+`CaptureSummary.agents` (agent → turns, input_tokens, output_tokens).
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ FIX = "pass the capture.json a `kvprof capture` run wrote, unchanged (or rerun `
 
 @dataclasses.dataclass(kw_only=True)
 class CaptureSummary(Record):
-    """A captured trace's numbers (`kvprof.capture.runner.trajectory_summary`): trajectories, agent calls, distinct
-    tokens and those in segments several agents read, tasks with an answer and the exact-match accuracy on them
-    (None without any), the seconds the capture took, and per-agent turn and token counts."""
+    """A captured trace's numbers (`trajectory_summary`): trajectories, calls, distinct tokens and those in segments
+    several agents read, answered tasks and exact-match accuracy (None: none), seconds, per-agent counts."""
 
     trajectories: int = json_field(int)
     turns: int = json_field(int)

@@ -1,10 +1,7 @@
-"""`kvprof inspect --out`'s result (inspect.json): what each turn of a trace could reuse, and how replay would follow
-it (`kvprof.traces.reuse`, `kvprof.replay.branches`).
+"""`kvprof inspect --out`'s result (inspect.json): what each turn could reuse and how replay would follow it.
 
-Typed: the top level and each trajectory's part (`InspectedTrajectory`). Kept as JSON: the reuse counts (`total`,
-each trajectory's `summary`: turns, input tokens, own and shared prefix, moved, new, what an engine's prefix cache
-would serve, divergences by cause), the replay plan's counts (`replay`), the per-turn records, the span-matching
-setting and the layer kinds.
+Kept as JSON: reuse counts (`total`, each trajectory's `summary`), the replay plan's counts (`replay`), per-turn
+records, the span-matching setting and layer kinds.
 """
 
 from __future__ import annotations
@@ -26,9 +23,8 @@ class InspectedTrajectory(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class InspectResult(ResultFile):
-    """An inspected trace: its path and mode, the prefix cache's block size, the span matching, the model's layer
-    kinds (None without --model), the reuse counts of the whole trace, the replay plan's counts and each
-    trajectory's part by id."""
+    """An inspected trace: path, mode, prefix-cache block, span matching, layer kinds (None without --model), whole
+    trace's reuse counts, replay plan counts, trajectories by id."""
 
     KIND = "inspect"
     FIX = FIX

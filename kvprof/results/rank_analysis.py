@@ -1,18 +1,12 @@
-"""`kvprof rank-analysis`'s result (rank_analysis.json): rank and cross-agent similarity of the caches agents build on
-shared context, and the published claims checked on them (`kvprof.rank.analysis`).
+"""`kvprof rank-analysis`'s result (rank_analysis.json): rank and cross-agent similarity of caches on shared context,
+and the claims checked on them.
 
-Typed: the top level and the claims' verdicts (`RankClaim`). Kept as JSON (per-layer and per-pair numbers, keyed by
-the metric names the result lists in `metrics`):
+Kept as JSON (keyed by the metric names in `metrics`): `layer_means` and `spectra` (per layer); `pairs` (per
+trajectory and agent pair); `context_free` (prompt mode's deltas against the context-free reference; None in lora
+mode); `layer_kinds`.
 
-- `layer_means` and `spectra` (per layer: "K" and "V" metric → value, or quantity → energy spectrum);
-- `pairs` (per trajectory and agent pair: tokens, bound, segments, per-layer metrics);
-- `context_free` (prompt mode: the same per-layer records of the deltas against the context-free reference; None in
-  lora mode), `layer_kinds` (`kvprof.model.layers.LayerKind.to_json`).
-
-Deviations from the file as written:
-
-- files older than the context-free records or the layer kinds read them as None; they are written back with
-  `"context_free": null` and without `layer_kinds`.
+Deviations from the file as written: older files' missing `context_free` / `layer_kinds` read as None and are
+written back as `"context_free": null` and without `layer_kinds`.
 """
 
 from __future__ import annotations
@@ -26,9 +20,8 @@ FIX = "pass the rank_analysis.json a `kvprof rank-analysis` run wrote, unchanged
 
 @dataclasses.dataclass(kw_only=True)
 class RankClaim(Record):
-    """A published claim checked on the measured caches: the paper, the claim, whether it holds (None: not decided
-    on this trace), what was measured
-    and how (detail), and which quantity kvprof measured for it (None in older files)."""
+    """A claim checked on the caches: paper, claim, holds (None: undecided on this trace), measured value, detail, and
+    the quantity kvprof measured for it (None in older files)."""
 
     paper: str = json_field(str)
     statement: str = json_field(str)
@@ -40,9 +33,8 @@ class RankClaim(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class RankAnalysisResult(ResultFile):
-    """A rank analysis: the trace, model and its layer kinds, the seconds it took, the mode, the agents and layers
-    analysed, whether per KV head, the matrix each cache was read as (in words), the metrics' descriptions by name,
-    the per-layer means and spectra, the per-pair values, the context-free records and the claims' verdicts."""
+    """A rank analysis: trace, model, layer kinds, seconds, mode, agents, layers, per-head flag, the matrix read (in
+    words), metric descriptions, per-layer means and spectra, per-pair values, context-free records, verdicts."""
 
     KIND = "rank_analysis"
     FIX = FIX

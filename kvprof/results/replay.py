@@ -1,22 +1,14 @@
-"""`kvprof replay`'s result (replay.json): the dense run and each policy's run, their summaries, and how the replay
-ran.
+"""`kvprof replay`'s result (replay.json): the dense run and each policy's run, their summaries, how the replay ran.
 
-Typed: the top level, each run (`DenseRun`, `PolicyRun`: a policy's identity, options and published figures) and
-each run's summary (`RunSummary`, with the dense run's timeline or a policy's ratios to the dense run). Kept as JSON
-(free-form, read by few and written by the engine record by record):
-
-- per-turn records (`turns`), per-layer means (`RunSummary.layers`), errors by hop, per-trajectory TTFT sums;
-- a policy's published figures (`PolicyRun.published`, `asdict` of `kvprof.policies.Published` plus its text);
-- the online runs (`online`: label → accuracy, correct, tasks, diverged_turns), the timing and span-matching
-  settings, the layer kinds, the CPU, GPU memory, memory verdicts (`kvprof.claims.memory`), self-check errors and a
-  sharded replay's `distributed` block.
+Kept as JSON: per-turn records, per-layer means, errors by hop, per-trajectory TTFT; a policy's `published` figures;
+`online` (label → accuracy, correct, tasks, diverged_turns); timing and span-matching settings, layer kinds, CPU, GPU
+memory, memory verdicts, self-check errors, `distributed`.
 
 Deviations from the file as written:
 
-- a run's summary may be missing (simulate reads the turns alone: tests/data/simulate/replay.json); the report
-  refuses such a file;
-- fields older files lack (moved spans, layer kinds, span matching, online runs, ...) read as None and are left out
-  when written again; nullable fields they lack (`gpu_memory`, `self_check`) read as None and are written as null.
+- a run's summary may be missing (simulate's fixture tests/data/simulate/replay.json); the report refuses it;
+- fields older files lack read as None and are left out when written again; nullable ones (`gpu_memory`,
+  `self_check`) are written as null.
 """
 
 from __future__ import annotations
@@ -41,9 +33,8 @@ MAYBE_NUMBER = (*NUMBER, OPTIONAL)
 
 @dataclasses.dataclass(kw_only=True)
 class RunSummary(Record):
-    """One run's aggregate over its turns (`kvprof.replay.engine.summarise`; docs/design.md defines the metrics):
-    token counts, fidelity (kl, top1, first-token match, agreement with the trace), reuse, recomputation, cost
-    (prefilled tokens, FLOPs, TTFT / decode / latency in seconds), memory peaks in bytes, per-layer K and V errors."""
+    """One run's aggregate over its turns (`summarise`; metrics: docs/metrics.md): tokens, fidelity, reuse,
+    recomputation, cost (seconds), memory peaks (bytes), per-layer K and V errors."""
 
     turns: int = json_field(int)
     input_tokens: int = json_field(int)
@@ -88,16 +79,15 @@ class RunSummary(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class DenseSummary(RunSummary):
-    """The dense run's summary; `timeline`: how its turns followed the shared context
-    (`kvprof.replay.engine.timeline_summary`: turns, left, causes, restored, dropped_tokens, moved_tokens)."""
+    """The dense run's summary; `timeline`: `timeline_summary` (turns, left, causes, restored, dropped_tokens,
+    moved_tokens)."""
 
     timeline: dict | None = json_field(dict, absent=True)
 
 
 @dataclasses.dataclass(kw_only=True)
 class PolicySummary(RunSummary):
-    """A policy's summary with its ratios to the dense run of the same replay
-    (`kvprof.replay.engine.relative_to_dense`; None where the dense run's measure is zero or missing)."""
+    """A policy's summary with `relative_to_dense` ratios (None where the dense measure is zero or missing)."""
 
     ttft_speedup: float | None = json_field(MAYBE_NUMBER)
     tpot_speedup: float | None = json_field(MAYBE_NUMBER)
@@ -122,10 +112,8 @@ class DenseRun(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class PolicyRun(Record):
-    """One policy variant's run (`kvprof.replay.engine.policy_entry` plus its numbers): registry name, family,
-    paper, whether it is approximate, the modes it replays, whether it keeps moved spans, its options, published
-    figures and notes; its summary and per-turn records; `memory_accounting_exact`: whether its analytic memory
-    matched its live tensors."""
+    """One policy variant's run (`policy_entry` + numbers): identity, options, published figures, notes, summary,
+    turns; `memory_accounting_exact`: analytic memory matched live tensors."""
 
     name: str | None = json_field(str, absent=True)
     family: str | None = json_field(str, absent=True)
@@ -143,10 +131,8 @@ class PolicyRun(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class ReplayResult(ResultFile):
-    """A replay: the dense run, each policy's run by label, the online runs, and the setting (model, mode, repeats,
-    timing, KV page size, span matching, weights' bytes, layer kinds, attention path, device, CPU, dtype, GPU
-    memory), the memory verdicts, the trace and its source, the skipped policies (label → reason), the self-check's
-    errors (label → error) and a sharded replay's `distributed` block."""
+    """A replay: dense run, policy runs by label, online runs, setting (`run_setting`), memory verdicts, trace and
+    source, skipped policies (label → reason), self-check errors (label → error), `distributed`."""
 
     KIND = "replay"
     FIX = FIX

@@ -1,18 +1,11 @@
-"""`kvprof serve-bench`'s result (serve_bench.json): a trace's calls replayed against an OpenAI-compatible server at
-each load, per sharing pattern, with every request's timings (`kvprof.serving`).
+"""`kvprof serve-bench`'s result (serve_bench.json): a trace's calls against an OpenAI-compatible server per load and
+sharing pattern, with every request's timings.
 
-Typed: the top level, each run (`ServeRun`), its summary (`ServeSummary`) and load (`ServeLoad`). Kept as JSON:
+Kept as JSON: `server` (url, version, started, pid, command, base, adapters); a summary's nested statistics;
+per-request records (`RequestRecord`), metric samples, comparison rows.
 
-- the server's description (`server`: url, version, started, pid, command, base, adapters);
-- a summary's nested statistics (`overall` and per agent: requests, prefix-cache hits, TTFT / TPOT / latency
-  distributions; throughput; cache use by turn; agreement with the trace; the server's gauges and prefix cache);
-- per-request records (`kvprof.serving.driver.RequestRecord` as a dict), the server's metric samples, the
-  pattern comparison rows.
-
-Deviations from the file as written:
-
-- fields a file trimmed to what simulate reads lacks (tests/data/simulate/serve_bench.json) read as None and are
-  left out when written again; the nullable ones (`model`, `prefix_hit_ratio`) are written as null.
+Deviations from the file as written: fields a file trimmed for simulate lacks (tests/data/simulate/serve_bench.json)
+read as None and are left out when written again; nullable `model`, `prefix_hit_ratio` are written as null.
 """
 
 from __future__ import annotations
@@ -43,10 +36,9 @@ class ServeLoad(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class ServeSummary(Record):
-    """One run's summary (`kvprof.serving.summary.summarize`): its pattern (agents: every agent's adapter; base:
-    the base model alone), load, requests, trajectories left unfinished, seconds, throughput (requests, output
-    tokens and tokens per second), prefix-cache hit ratio, cache use by turn, agreement with the trace, statistics
-    overall and per agent, and the server's gauges and prefix-cache counters."""
+    """One run's summary (`summarize`): pattern (agents: each agent's adapter; base: the base model), load, requests,
+    unfinished trajectories, seconds, throughput, prefix-hit ratio, cache use by turn, agreement with the trace,
+    statistics overall and per agent, server gauges and prefix-cache counters."""
 
     pattern: str = json_field(str)
     load: ServeLoad = json_field(dict, read=record_reader(ServeLoad))
@@ -73,8 +65,7 @@ class ServeRun(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class ServeBenchResult(ResultFile):
-    """A serve-bench: the trace, its mode and model, the server, the trajectories replayed, the runs and the
-    pattern comparison (agents against base at each load)."""
+    """A serve-bench: trace, mode, model, server, trajectories, runs, pattern comparison (agents vs base per load)."""
 
     KIND = "serve_bench"
     FIX = FIX

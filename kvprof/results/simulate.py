@@ -1,18 +1,10 @@
-"""`kvprof simulate`'s result (simulate.json): every policy of a replay served on a modelled engine at each load
-(`kvprof.simulate`).
+"""`kvprof simulate`'s result (simulate.json): every policy of a replay on a modelled engine at each load.
 
-Typed: the top level and the engine's settings (`SimulateSettings`). Kept as JSON (rows the sweep and the claims
-build, read by the report alone):
+Kept as JSON (read by the report alone): `cost_model` (`StepCost.as_dict`), calibration errors, `scale`
+(shared_tokens, factors, linear), model constants, runs, sustainable loads, serving-claim verdicts.
 
-- the step-cost model (`cost_model`: `kvprof.simulate.cost.StepCost.as_dict`, coefficients, source and fit);
-- the calibration's errors, the scaling (`scale`: shared_tokens, factors, linear), the model's constants;
-- the simulated runs (per policy, load and shared-context length: requests, TTFT / e2e distributions, throughput,
-  memory, out-of-memory), the sustainable loads and the serving claims' verdicts (`kvprof.claims.serving`).
-
-Deviations from the file as written:
-
-- older files' missing `calibration_errors`, `sustainable` and `serving_claims` read as None; `sustainable` is
-  written as null.
+Deviations from the file as written: older files' missing `calibration_errors`, `sustainable`, `serving_claims` read
+as None; `sustainable` is written as null.
 """
 
 from __future__ import annotations
@@ -27,9 +19,8 @@ MAYBE_NUMBER = (*NUMBER, OPTIONAL)
 
 @dataclasses.dataclass(kw_only=True)
 class SimulateSettings(Record):
-    """The modelled engine: memory in bytes, the token budget and the most sequences per step, the KV block size,
-    the prefix cache's block, what a trajectory's caches do between its turns (evict or hold), the simulated seconds
-    of arrivals per load, and the TTFT SLO in seconds (None: none)."""
+    """The modelled engine: memory (bytes), token budget, max sequences, KV block, prefix-cache block, kept state
+    (evict or hold), seconds of arrivals per load, TTFT SLO (s; None: none)."""
 
     memory_bytes: float = json_field(NUMBER)
     token_budget: int = json_field(int)
@@ -43,9 +34,8 @@ class SimulateSettings(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class SimulateResult(ResultFile):
-    """A simulation: the replay and calibration files it read, the step-cost model, the calibration's errors, the
-    scaling, the model's constants (params, weight_bytes, kv_bytes_per_token), the settings, the runs, the
-    sustainable loads (None without an SLO) and the serving claims' verdicts."""
+    """A simulation: replay and calibration files, step-cost model, calibration errors, scaling, model constants,
+    settings, runs, sustainable loads (None without an SLO), serving-claim verdicts."""
 
     KIND = "simulate"
     FIX = FIX

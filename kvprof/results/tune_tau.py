@@ -1,15 +1,9 @@
-"""`kvprof tune-tau`'s result (tune_tau.json): a delta-correction policy's gate threshold swept, the recommended
-value and its check on held-out trajectories (`kvprof.tuning.tau`).
+"""`kvprof tune-tau`'s result (tune_tau.json): a delta policy's gate threshold swept, the recommendation and its
+held-out check. Kept as JSON: `SweepRow.layers` and the dense run's online result.
 
-Typed: the top level, each sweep row (`SweepRow`, also the recommendation and the held-out check) and the dense
-run's part (`SweepDense`, its summary a `kvprof.results.replay.DenseSummary`). Kept as JSON: a row's per-layer errors
-(`SweepRow.layers`) and the dense run's online result (accuracy, correct, tasks, diverged_turns).
-
-Deviations from the file as written:
-
-- fields older files lack (`target`, the held-out trajectories, the dense run, the trace, model and pool) read as
-  None and are left out when written again; so are the trace, model and pool of the payload `tune` returns
-  (the command adds them).
+Deviations from the file as written: fields older files lack (`target`, held-out trajectories, dense run, trace,
+model, pool) read as None and are left out when written again, as are the trace, model and pool of `tune`'s payload
+(the command adds them).
 """
 
 from __future__ import annotations
@@ -25,10 +19,9 @@ MAYBE_NUMBER = (*NUMBER, OPTIONAL)
 
 @dataclasses.dataclass(kw_only=True)
 class SweepRow(Record):
-    """One threshold's measurements (`kvprof.tuning.tau.row_of`): the threshold and its variant's label, ρ (the
-    gate's reuse), KL, top-1, K / V error and per layer, tokens prefilled (and the dense run's), TTFT and latency
-    speed-ups and memory ratio to the dense run, peak stored bytes, online accuracy (and the dense run's, and the
-    drop in points; None without online re-runs), whether it meets the target (None until `tune` checks it)."""
+    """One threshold (`row_of`): threshold, label, ρ (the gate's reuse), KL, top-1, K / V error (per layer too),
+    prefilled tokens (and dense's), TTFT and latency speed-ups, memory ratio, peak stored bytes, online accuracy (and
+    dense's, the drop in points; None offline), `target_met` (None until `tune` checks)."""
 
     threshold: float = json_field(NUMBER)
     label: str = json_field(str)
@@ -60,10 +53,9 @@ class SweepDense(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class TuneTauResult(ResultFile):
-    """A threshold sweep: the policy (registry name), its threshold option and other options, the target in words,
-    the rows, the thresholds on the Pareto front (ρ against KL), the recommended row and its held-out check (None:
-    none met the target / nothing held out), the tuning and held-out trajectories' ids, the dense run, and the
-    trace, model and anchor pool the command swept with."""
+    """A threshold sweep: policy, threshold option, other options, target in words, rows, Pareto front (ρ vs KL),
+    recommendation and held-out check (None: none met / nothing held out), trajectory ids, dense run, trace, model,
+    pool."""
 
     KIND = "tune_tau"
     FIX = FIX

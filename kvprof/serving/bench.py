@@ -1,5 +1,5 @@
-"""One `kvprof serve-bench` run's steps: its options checked against the trace, the vLLM server it starts, the server
-checked and warmed up before the runs, and the result (`kvprof.results.serve_bench.ServeBenchResult`)."""
+"""One `kvprof serve-bench` run's steps: options checked, the vLLM server started, checked and warmed up, and the
+result (`ServeBenchResult`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ CPU_KV_CACHE_GIB = 1.0  # on a machine without an NVIDIA GPU, where vLLM would r
 
 
 def check_options(trace: Path, header: TraceHeader, patterns: list[str], url: str | None, start: bool) -> None:
-    """Refuse, in one sentence each, an unknown pattern, the base pattern on a prompt-mode trace, Activated LoRA
-    agents on the agents pattern, and anything but exactly one of a server's URL and starting one."""
+    """Refuse an unknown pattern, `base` on a prompt-mode trace, aLoRA agents on `agents`, and anything but exactly
+    one of --url and --start."""
     for name in patterns:
         if name not in PATTERNS:
             raise KvprofError(f"--pattern {name!r} is not one of {', '.join(PATTERNS)}; pass one of them.")
@@ -60,8 +60,8 @@ def server_launch(
     vllm_args: list[str],
     out: Path,
 ) -> ServerLaunch:
-    """vLLM for the trace's model (or `model`) and adapters, in the dtype the trace was captured in ("auto"), with
-    `CPU_KV_CACHE_GIB` of KV cache on a machine without an NVIDIA GPU unless `kv_cache_gib` says otherwise."""
+    """vLLM for the trace's model (or `model`) and adapters in the trace's dtype ("auto"), with `CPU_KV_CACHE_GIB` of
+    KV cache without an NVIDIA GPU unless `kv_cache_gib` says otherwise."""
     if not vllm_python.exists():
         raise KvprofError(
             f"--vllm-python {vllm_python} does not exist; pass the python of an environment with vLLM "
@@ -102,8 +102,8 @@ def prepare_server(
     runs_planned: int,
     note: Callable[[str], None],
 ) -> ServedModels:
-    """Check the server (models, tokenizer, context length), warm every model up and empty its prefix cache;
-    refuse a server that cannot empty it when more than one run is planned (`note` says what is not checked)."""
+    """Check the server (models, tokenizer, context), warm every model up, empty its prefix cache (refusing a server
+    that cannot when several runs are planned; `note`: what went unchecked)."""
     served = served_models(client, header, patterns, served_base)
     if not check_tokenizer(client, served.base, trajectories[0], str(trace)):
         note(f"{trace} holds no text to compare tokenizations with: the server's tokenizer is not checked.")
@@ -121,7 +121,7 @@ def prepare_server(
 
 
 def warm_up(client: ServerClient, served: ServedModels, first: Trajectory) -> None:
-    """One short request per served model (loads the adapters, first-call costs) on ids that are no prefix of the
+    """One short request per served model (adapter loading, first-call costs) on ids that prefix nothing in the
     trace: 16 copies of the first prompt's last id."""
     prompt = [first.input_tokens(first.turns[0])[-1]] * 16
     connection = client.connection()

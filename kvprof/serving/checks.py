@@ -1,5 +1,5 @@
-"""Checks that a server can serve a trace before any load runs: the served model names the traffic needs, the
-tokenizer (the server's tokenization of the trace's text must give the trace's ids), the context length."""
+"""Before any load: the server serves the model names the traffic needs, tokenizes the trace's text to its ids, and
+holds the longest turn."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ TOKENIZER_SEGMENTS = 6  # input segments of the first turn whose tokenization is
 
 
 def served_models(client: ServerClient, header: TraceHeader, patterns: list[str], base: str | None) -> ServedModels:
-    """The names the server serves the trace's base model and (for `--pattern agents` in lora mode) each agent's
-    adapter under: `base` if given, else the one model it lists that is not an adapter; adapters by agent name."""
+    """Served names of the base model (`base`, else the one listed model that is not an adapter) and, for `agents` in
+    lora mode, each agent's adapter."""
     listed = client.models()
     names = [str(entry.get("id")) for entry in listed]
     if base is None:
@@ -44,9 +44,8 @@ def served_models(client: ServerClient, header: TraceHeader, patterns: list[str]
 
 
 def refuse_activated_lora(header: TraceHeader, patterns: list[str], trace_name: str) -> None:
-    """Refuse `--pattern agents` for a trace whose agents are Activated LoRA adapters: vLLM (0.32 and earlier)
-    refuses to load them ("vLLM does not support Activated LoRA"). `--pattern base` serves every turn on the base
-    model, whose prefix cache is what an aLoRA-aware engine shares of each call's tokens before its invocation."""
+    """Refuse `--pattern agents` with aLoRA agents: vLLM ≤ 0.32 refuses to load them. `--pattern base` serves every
+    turn on the base model (what an aLoRA-aware engine shares before each invocation)."""
     if header.mode != "lora" or "agents" not in patterns:
         return
     activated = [
@@ -63,9 +62,8 @@ def refuse_activated_lora(header: TraceHeader, patterns: list[str], trace_name: 
 
 
 def check_tokenizer(client: ServerClient, model: str, trajectory: Trajectory, trace_name: str) -> bool:
-    """Refuse a server whose tokenizer is not the trace's: each of the first turn's input segments (up to
-    `TOKENIZER_SEGMENTS`, those with text) must tokenize on the server to the recorded ids, or the recorded ids
-    detokenize to the recorded text. Returns whether any segment could be checked (shape-only traces have no text)."""
+    """Refuse another tokenizer: each of the first turn's text segments (up to `TOKENIZER_SEGMENTS`) must tokenize to
+    the recorded ids, or the ids detokenize to the text. Returns whether any could be checked (shape-only: none)."""
     checked = 0
     for seg_id in dict.fromkeys(trajectory.turns[0].input):
         segment = trajectory.segments[seg_id]

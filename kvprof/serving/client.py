@@ -1,9 +1,7 @@
-"""The HTTP client of an OpenAI-compatible completions server (vLLM's), on the standard library alone.
-
-A completion is streamed (server-sent events) so the time of its first token is seen; it asks vLLM for the generated
-token ids (`return_token_ids`), the usage with cached prompt tokens (`prompt_tokens_details`, when the server runs
-with `--enable-prompt-tokens-details`) and its per-request timings (`metrics`, with `--enable-per-request-metrics`).
-One `http.client` connection serves one thread: `connection()` makes a new one.
+"""The HTTP client of an OpenAI-compatible completions server (vLLM's), standard library only. Completions are
+streamed (to see the first token) and ask for generated ids (`return_token_ids`), cached prompt tokens
+(`--enable-prompt-tokens-details`) and per-request timings (`--enable-per-request-metrics`). One `http.client`
+connection per thread (`connection()`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ class ServerError(KvprofError):
 
 @dataclass
 class Completion:
-    """What one streamed completion returned, with `perf_counter` times: `sent` before the request was written,
-    `first_token` when the first generated token arrived, `done` when the stream ended, `token_times` when each
-    generated token arrived (the tokens of one chunk share its time)."""
+    """One streamed completion, `perf_counter` times: `sent`, `first_token`, `done`, and `token_times` per generated
+    token (tokens of one chunk share its time)."""
 
     model: str
     sent: float
@@ -42,8 +39,7 @@ class Completion:
 
 
 class ServerClient:
-    """An OpenAI-compatible server at `url` (http://HOST:PORT); every call waits at most `timeout` seconds for the
-    server to answer."""
+    """An OpenAI-compatible server at `url` (http://HOST:PORT); every call waits at most `timeout` s."""
 
     def __init__(self, url: str, timeout: float):
         parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
@@ -148,8 +144,8 @@ class ServerClient:
         return status == 200
 
     def complete(self, connection: http.client.HTTPConnection, request: TurnRequest) -> Completion:
-        """Stream one greedy completion of `request` on `connection`: its prompt ids, exactly its recorded number of
-        output tokens (EOS ignored)."""
+        """Stream one greedy completion of `request`'s prompt ids, exactly its recorded output length (EOS
+        ignored)."""
         payload = {
             "model": request.model,
             "prompt": request.prompt,
@@ -246,8 +242,7 @@ def _parsed(body: bytes) -> object:
 
 
 def error_message(answer: object, body: bytes) -> str:
-    """The message of an OpenAI-style error answer ({"error": {"message": ...}} or FastAPI's {"detail": ...}), else
-    the start of the body."""
+    """An OpenAI-style error's message ({"error": {"message"}} or FastAPI's {"detail"}), else the body's start."""
     if isinstance(answer, dict):
         error = answer.get("error")
         if isinstance(error, dict) and error.get("message"):

@@ -1,10 +1,6 @@
-"""The load driver: sends a trace's traffic to a server at one load and records every request.
-
-One thread per trajectory in flight, each on its own keep-alive HTTP connection, sends the trajectory's turns in
-order (the next when the previous answered). Open loop (`qps`): trajectories start at Poisson arrival times
-whatever the server's state; closed loop (`concurrency`): N trajectories in flight, the next starting when one
-ends. A sampler thread reads the server's /metrics meanwhile. The run is bounded in time: after `max_seconds` no new
-turn is sent, and the trajectories it cut short are listed.
+"""The load driver: a trace's traffic at one load, every request recorded. One thread and keep-alive connection per
+trajectory in flight, turns in order; open loop (`qps`, Poisson starts) or closed loop (`concurrency`); a sampler
+reads /metrics. After `max_seconds` no new turn is sent and cut trajectories are listed.
 """
 
 from __future__ import annotations
@@ -22,11 +18,9 @@ from kvprof.serving.traffic import Load, TrajectoryTraffic, TurnRequest, poisson
 
 @dataclass
 class RequestRecord:
-    """One request as measured, times in seconds: `due` (since the run's start) when the driver should send it (the
-    trajectory's arrival, or its previous turn's answer), `send_delay` how late it actually went out, `ttft` and
-    `e2e` from sending to the first and the last token, `tpot` the mean time per output token after the first,
-    `server_queue` the time the server kept it waiting before scheduling it (vLLM's per-request metrics),
-    `token_times` when each output token arrived, from sending (tokens streamed in one chunk share a time)."""
+    """One request, seconds: `due` (since the run's start: the trajectory's arrival or the previous turn's answer),
+    `send_delay` (how late it went out), `ttft` and `e2e` from sending, `tpot` (mean after the first token),
+    `server_queue` (vLLM's per-request metrics), `token_times` from sending (one chunk shares a time)."""
 
     trajectory: str
     index: int
@@ -49,8 +43,8 @@ class RequestRecord:
 
 @dataclass
 class LoadRun:
-    """Everything one (pattern, load) run measured: its requests, wall time, the trajectories it left unfinished,
-    /metrics samples (seconds since the start, gauges) and the server's prefix-cache counters' growth."""
+    """One (pattern, load) run: requests, wall time, unfinished trajectories, /metrics samples (s since start,
+    gauges), prefix-cache counter growth."""
 
     pattern: str
     load: Load
@@ -173,8 +167,7 @@ def run_load(
     on_request: Callable[[RequestRecord], object] = lambda record: None,
     sample_interval: float = 0.5,
 ) -> LoadRun:
-    """Drive `traffic` at `load` and return what was measured; raises the first error a request hit (after telling
-    every thread to stop)."""
+    """Drive `traffic` at `load`; raises the first request error (after stopping every thread)."""
     counters_before = metric_values(client.metrics_text(), COUNTERS)
     run = _Run(client, max_seconds, on_request)
     samples: list[dict] = []

@@ -15,9 +15,8 @@ COUNTERS = {
 
 
 def metric_values(text: str, names: dict[str, str]) -> dict[str, float]:
-    """For each `key: metric name` of `names` the metric's value in the exposition `text` over its label sets
-    (engines): summed, except KV-cache usage (a fraction), whose largest is kept; metrics the text lacks are
-    absent."""
+    """Per `key: metric name` of `names`, its value in `text` over label sets (engines): summed, except KV-cache usage
+    (the largest); missing metrics absent."""
     wanted = {metric: key for key, metric in names.items()}
     values: dict[str, float] = {}
     for line in text.splitlines():

@@ -1,11 +1,8 @@
-"""A vLLM OpenAI-compatible server that kvprof starts for a trace and always stops.
+"""A vLLM OpenAI-compatible server kvprof starts for a trace and always stops.
 
-kvprof runs vLLM from another Python environment (`--vllm-python`: vLLM pins its own torch and transformers), as
-`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, with the trace's model and every agent's adapter
-(multi-LoRA), automatic prefix caching, prompt-token details (cached tokens in the usage) and per-request timings.
-The server runs in its own process group: `stop()` ends the whole group (API server, engine core, workers) by its
-id, on every exit path of the `with` block, Ctrl-C included; and the server is told to die with kvprof
-(PR_SET_PDEATHSIG) should kvprof itself be killed.
+Run from vLLM's own environment (`--vllm-python`) as `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1,
+with multi-LoRA, prefix caching, prompt-token details and per-request timings. `stop()` ends its process group on
+every exit path (Ctrl-C too); PR_SET_PDEATHSIG kills it should kvprof be killed.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ def server_command(
     kv_cache_bytes: int | None,
     extra: list[str],
 ) -> list[str]:
-    """The command line of the vLLM server: `adapters` maps served names to adapter folders; `extra` is passed last
-    (it may override anything before it)."""
+    """vLLM's command line; `adapters`: served name → folder; `extra` last (may override anything)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", dtype, "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     command += ["--enable-per-request-metrics", "--enforce-eager", "--uvicorn-log-level", "warning"]
@@ -89,9 +85,8 @@ def lora_rank_slot(ranks: list[int]) -> int:
 
 
 class VllmServer:
-    """`with VllmServer(command, port, log, startup_timeout) as server:` starts the server, waits until /health
-    answers (or refuses in one sentence when it exits or does not come up in `startup_timeout` seconds) and stops
-    it on leaving the block. Its output goes to the file `log`."""
+    """`with VllmServer(command, port, log, startup_timeout) as server:` starts it, waits for /health (refusing in one
+    sentence if it exits or times out) and stops it on leaving; output to `log`."""
 
     def __init__(self, command: list[str], port: int, log: Path, startup_timeout: float):
         self.command, self.log, self.startup_timeout = command, log, startup_timeout
@@ -150,8 +145,7 @@ class VllmServer:
         )
 
     def describe_exit(self, when: str) -> str:
-        """One sentence: the server exited (`when`), with its code (or the signal that killed it) and its log's
-        most telling line."""
+        """One sentence: the server exited (`when`) with its code or signal and its log's most telling line."""
         code = self.exit_code()
         how = (
             f"was killed by {signal.Signals(-code).name}"
@@ -163,8 +157,8 @@ class VllmServer:
         )
 
     def last_log_line(self) -> str:
-        """What the log says went wrong: its first exception message (`SomeError: ...`, outside warnings; a failed
-        start-up's root cause comes before the errors it causes), else its last line; shortened."""
+        """The log's first exception message outside warnings (a failed start's root cause), else its last line;
+        shortened."""
         try:
             lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:

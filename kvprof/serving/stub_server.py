@@ -1,16 +1,9 @@
-"""A small stand-in for vLLM's OpenAI-compatible server, for serve-bench's tests and its driver benchmark.
+"""A small stand-in for vLLM 0.32's OpenAI-compatible server (127.0.0.1 only), for serve-bench's tests and driver
+benchmark: the same endpoints and streamed completions, set by `StubConfig`; it stops after `max_requests` or
+`lifetime` s.
 
-It serves /health, /version, /v1/models, /tokenize, /detokenize, /metrics, /reset_prefix_cache and streamed
-/v1/completions the way vLLM 0.32 does (token ids per chunk, a final usage chunk with cached tokens and per-request
-timings), on 127.0.0.1 only. What it answers is set by `StubConfig`: the outputs (by prompt), a latency (TTFT and
-per token), a prefix cache of whole blocks keyed by model as vLLM keys it by adapter (or shared across models),
-another model's name in its answers, dying after N completions. It stops itself after `max_requests` requests or
-`lifetime` seconds, whichever comes first.
-
-Run as a program (`python -m kvprof.serving.stub_server --port P --model M --lora-modules a=DIR ...`, vLLM's own
-arguments, the others ignored) it stands in for `vllm.entrypoints.openai.api_server` behind `serve-bench --start`;
-the environment variable KVPROF_STUB (JSON fields of `StubConfig`) and KVPROF_STUB_TRACE (a trace whose outputs and
-texts it answers with) configure it.
+As a program (`python -m kvprof.serving.stub_server --port P --model M --lora-modules a=DIR ...`) it stands in for
+vLLM behind `serve-bench --start`, configured by KVPROF_STUB (`StubConfig` JSON) and KVPROF_STUB_TRACE.
 """
 
 from __future__ import annotations
@@ -31,11 +24,10 @@ STUB_VERSION = "stub"  # what it answers on /version
 
 @dataclass
 class StubConfig:
-    """What the stub answers. `answers`: prompt ids → output ids (other prompts get `filler` ids); `texts`: text →
-    ids for /tokenize (other texts tokenize to nothing); `ttft` and `per_token`: seconds before the first and each
-    later token; `shared_cache`: one prefix cache for all models (else one per model, as vLLM's per adapter);
-    `answer_model`: the model name its answers carry (None: the one asked); `die_after`: after this many completions
-    the stub breaks the next stream off and shuts down; `resettable`: whether /reset_prefix_cache exists."""
+    """What the stub answers. `answers`: prompt ids → output ids (else `filler`); `texts`: text → ids for /tokenize;
+    `ttft`, `per_token`: seconds; `shared_cache`: one prefix cache for all models (else per model, as vLLM per
+    adapter); `answer_model`: the name answers carry (None: the one asked); `die_after`: completions before it
+    breaks a stream and shuts down; `resettable`: /reset_prefix_cache exists."""
 
     base: str = "base"
     adapters: list[str] = field(default_factory=list)
@@ -55,8 +47,7 @@ class StubConfig:
 
 
 class StubServer:
-    """`with StubServer(config) as stub:` serves on `stub.url` in a background thread until the block ends (or the
-    stub stops itself)."""
+    """`with StubServer(config) as stub:` serves on `stub.url` in a thread until the block ends or it stops."""
 
     def __init__(self, config: StubConfig, port: int = 0):
         self.config = config
@@ -97,8 +88,7 @@ class StubServer:
         self.httpd.server_close()
 
     def cached_tokens(self, model: str, prompt: list[int]) -> int:
-        """Whole blocks of `prompt` found in the cache (at most all but the last token, as vLLM computes that one);
-        then every whole block of the prompt is cached."""
+        """Whole cached blocks of `prompt` (at most all but its last token, which vLLM computes); then cache it."""
         key = "*" if self.config.shared_cache else model
         size = self.config.block_size
         blocks = [tuple(prompt[: (i + 1) * size]) for i in range(len(prompt) // size)]
@@ -137,8 +127,7 @@ class StubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def setup(self) -> None:
-        """Send each chunk at once (TCP_NODELAY), as uvicorn does: Nagle's algorithm would hold a stream's small
-        chunks back until the client's delayed ACK."""
+        """TCP_NODELAY, as uvicorn: Nagle's algorithm would hold small stream chunks until the delayed ACK."""
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -267,8 +256,8 @@ def handler_for(stub: StubServer) -> type[StubHandler]:
 
 
 def trace_config(path: str, **overrides) -> StubConfig:
-    """A config answering every turn of the trace at `path` with its recorded output, and tokenizing its segments'
-    texts to their recorded ids; `overrides` set any field (answers and texts too)."""
+    """A config answering each turn of trace `path` with its output and tokenizing its texts to its ids; `overrides`
+    set any field."""
     from kvprof.traces.trace import read_trace
 
     trace = read_trace(path)

@@ -1,8 +1,6 @@
-"""What a serve-bench run measured, summarised: latency percentiles per agent and overall, throughput, prefix-hit
-ratio (cached prompt tokens over prompt tokens, as the server reports them), output agreement with the trace, the
-server's gauges over the run, and the difference between the two reuse patterns at each load.
-
-Percentiles interpolate linearly between order statistics (numpy's default); times are seconds.
+"""A serve-bench run summarised: latency percentiles per agent and overall (linear interpolation), throughput,
+prefix-hit ratio (cached ÷ prompt tokens, as the server reports), agreement with the trace, gauges, and the two
+patterns compared per load. Times in seconds.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ def group_stats(records: list[RequestRecord]) -> dict:
 
 
 def cache_by_turn(records: list[RequestRecord]) -> dict:
-    """Cached tokens of agents' first turns in a trajectory and of their later turns: how many requests of each
-    kind reported cached tokens, and their hit ratios."""
+    """Cached tokens of agents' first turns and of later turns: requests reporting cached tokens, hit ratios."""
     result = {}
     for kind, chosen in (
         ("first_turns", [r for r in records if r.agent_turn == 0]),
@@ -117,8 +114,7 @@ def _agents(records: list[RequestRecord]) -> list[str]:
 
 
 def run_result(run: LoadRun) -> dict:
-    """One run in the JSON result: its summary, every request and the /metrics samples (a
-    `kvprof.results.serve_bench.ServeRun`'s JSON)."""
+    """One run as JSON (a `ServeRun`'s): summary, every request, /metrics samples."""
     summary = summarize(run)
     return ServeRun(
         summary=ServeSummary(**summary | {"load": ServeLoad(**summary["load"])}),
@@ -128,8 +124,8 @@ def run_result(run: LoadRun) -> dict:
 
 
 def pattern_comparison(summaries: list[dict]) -> list[dict]:
-    """At each load run under both patterns: base against agents — how much lower base's TTFT p90 is, how much
-    higher its throughput and its prefix-hit ratio: what sharing caches across agents could win on this engine."""
+    """Per load run under both patterns: base's lower TTFT p90, higher throughput and prefix-hit ratio against
+    agents — what sharing could win on this engine."""
     by_load: dict[str, dict[str, dict]] = {}
     for summary in summaries:
         by_load.setdefault(summary["load"]["label"], {})[summary["pattern"]] = summary

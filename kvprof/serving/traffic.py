@@ -1,13 +1,7 @@
-"""A trace as serving traffic: one completion request per turn, trajectories arriving on a schedule.
-
-Each request sends the turn's exact input token ids as the prompt and asks for exactly the recorded number of
-output tokens (EOS ignored, greedy), so the engine does the trace's work and its output can be compared with the
-recorded one id for id. The reuse pattern decides which served model a turn names:
-
-- `agents`: each turn on its agent's adapter (lora mode), as the deployment runs today: vLLM's prefix cache keys
-  blocks by adapter, so an agent reuses only its own earlier prefixes (NonShared's compute pattern);
-- `base`: every turn on the base model: prefixes are shared across agents (FullShared's compute and memory
-  pattern; the outputs are then the base model's, not the agents').
+"""A trace as serving traffic: one completion per turn (exact input ids, exactly the recorded output length, EOS
+ignored, greedy), trajectories arriving on a schedule. Patterns: `agents` (each agent's adapter: vLLM keys blocks
+by adapter, NonShared's pattern) and `base` (the base model: FullShared's pattern, base-model outputs);
+docs/commands/serve-bench.md.
 """
 
 from __future__ import annotations
@@ -35,8 +29,8 @@ class ServedModels:
 
 @dataclass(frozen=True)
 class TurnRequest:
-    """One turn as a request: `prompt` the turn's input ids, `expected` the trace's output ids; `agent_turn` counts
-    the agent's earlier turns in its trajectory (0: its first), `index` is the turn's place in the trajectory."""
+    """One turn: `prompt` input ids, `expected` output ids, `agent_turn` the agent's earlier turns (0: first),
+    `index` its place in the trajectory."""
 
     trajectory: str
     index: int
@@ -57,8 +51,7 @@ class TrajectoryTraffic:
 
 @dataclass(frozen=True)
 class Load:
-    """How trajectories arrive: `qps` (a Poisson process of that many trajectories per second, open loop) or
-    `concurrency` (closed loop: that many trajectories in flight, the next starting when one finishes)."""
+    """Arrivals: `qps` (Poisson, open loop) or `concurrency` (closed loop, the next when one finishes)."""
 
     kind: str
     value: float
@@ -103,8 +96,7 @@ def trajectory_traffic(trajectories: list[Trajectory], pattern: str, models: Ser
 
 
 def poisson_arrivals(count: int, qps: float, seed: int) -> list[float]:
-    """Arrival times (seconds after the start) of `count` trajectories in a Poisson process of rate `qps`: the first
-    at 0, then exponential gaps of mean 1/qps, drawn from `seed`."""
+    """Arrival times of `count` trajectories at rate `qps`: 0, then exponential gaps (mean 1/qps) from `seed`."""
     rng = random.Random(seed)
     times, now = [], 0.0
     for index in range(count):

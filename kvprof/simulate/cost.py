@@ -1,30 +1,15 @@
-"""The time an engine step takes: t_step = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens +
-g·adapter_step, and e once per request on its TTFT.
+"""Step-time model t_step = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens + g·adapter_step, plus e
+once per request on its TTFT (docs/commands/simulate.md, "The step time").
 
-- a: seconds per step (reading the weights, launching the step, the scheduler's own work);
-- b: seconds per dense-equivalent prefill token (a scheduled prefill token × the policy's `prefill_weight`);
-- c: seconds per decoding sequence in the step (× the policy's `decode_weight`: a second batch row counts twice);
-- d: seconds per token of K/V the step reads (a prefill chunk's context, each decoding sequence's context);
-- e: seconds added once to each request's TTFT (HTTP, tokenisation, detokenising the first token);
-- f: the extra seconds per token (prefill or decode) of a request that runs a LoRA adapter; g: the extra seconds of a
-  step in which any request runs one (vLLM's multi-LoRA layers launch their shrink/expand kernels for the whole step
-  whenever one token has an adapter, and skip them when none does; on its CPU backend they gather each token's
-  adapter weights, a cost per token); identifiable only where the fit's timings mix adapter and adapter-free
-  requests (serve-bench's `agents` and `base` patterns), else fixed at 0 (folded into a, b and c).
+- a: per step; b: per dense-equivalent prefill token (× `prefill_weight`); c: per decoding sequence (×
+  `decode_weight`); d: per K/V token read; e: per request's TTFT (HTTP, tokenisation); f: per token of a request
+  running an adapter; g: per step with any adapter token (vLLM's multi-LoRA kernels run for the whole step). f and g
+  are identifiable only where timings mix adapter and adapter-free requests, else 0 (folded into a, b, c).
 
-Three sources, each named in `StepCost.source` wherever the model is shown:
-
-- a non-negative least-squares fit (`fit`) to serve-bench's request timings: each request gives a TTFT
-  observation (the steps from its send to its first token: the step then running, the others' work in between,
-  its own prefill step), and the decode side gives step observations — each engine step, read off the tokens'
-  arrival times where serve-bench recorded them, else each request's decode phase with the other requests' prefills
-  and decode tokens that fell in it, reconstructed from their send, first-token and finish times;
-- the same fit to a replay's dense per-turn timings (ttft_s against prefilled tokens and context, decode_s over
-  decode steps against context): single-sequence timings, which cannot tell a (per step) from c (per sequence) —
-  c is then folded into a and the fit says so;
-- a roofline from a device's peak FLOP/s and HBM bandwidth (`DEVICES`), uncalibrated: a = weight bytes ÷ bandwidth,
-  b = dense FLOPs per prefill token ÷ peak, c = dense FLOPs per decode step ÷ peak, d = KV bytes per token ÷
-  bandwidth, e = 0; compute and memory time are added, not overlapped.
+Sources (`StepCost.source`): an NNLS `fit` to serve-bench's request timings (TTFT and decode-step observations), the
+same fit to a replay's dense single-sequence timings (c folded into a), or an uncalibrated roofline (`DEVICES`:
+a = weight bytes ÷ bandwidth, b, c = dense FLOPs ÷ peak, d = KV bytes per token ÷ bandwidth, e = 0; compute and
+memory time added, not overlapped).
 """
 
 from __future__ import annotations
@@ -65,8 +50,7 @@ DEVICES = {
 
 @dataclass(frozen=True)
 class StepCost:
-    """The coefficients (seconds; see the module docstring), where they come from, and the fit's statistics
-    (observations, R² per kind) when fitted."""
+    """The coefficients (seconds), their source, and when fitted the observations and R² per kind."""
 
     a: float
     b: float
@@ -85,9 +69,8 @@ class StepCost:
         kv_read: float,
         adapter_tokens: float = 0.0,
     ) -> float:
-        """Seconds of a step that computes `prefill` dense-equivalent prefill tokens, `decode_seqs` weighted
-        decoding sequences and reads `kv_read` tokens of K/V, `adapter_tokens` of its tokens (prefill or decode)
-        with a LoRA adapter (g is charged when there is any)."""
+        """Seconds of a step with `prefill` dense-equivalent tokens, `decode_seqs` weighted sequences, `kv_read` K/V
+        tokens, `adapter_tokens` with an adapter (g charged if any)."""
         adapter_step = 1.0 if adapter_tokens > 0 else 0.0
         return (
             self.a
@@ -113,10 +96,8 @@ class StepCost:
 
 @dataclass(frozen=True)
 class Observation:
-    """A measured interval: `seconds` long, spanning `steps` engine steps that together computed `prefill`
-    prefill tokens, `decode` decoding sequences and read `kv_read` K/V tokens, `adapter_tokens` of its tokens
-    (prefill or decode) with a LoRA adapter in `adapter_steps` of its steps, summed over its steps; `requests` the
-    TTFTs it holds (1 for a TTFT observation, 0 for a decode one); `kind` "ttft" or "decode"."""
+    """A measured interval of `seconds` over `steps` steps, with the summed features (`prefill`, `decode`, `kv_read`,
+    `adapter_tokens`, `adapter_steps`); `requests`: TTFTs it holds (1 or 0); `kind`: "ttft" or "decode"."""
 
     kind: str
     seconds: float
@@ -136,13 +117,10 @@ class Observation:
 
 
 def fit(observations: list[Observation], source: str) -> StepCost:
-    """Non-negative least squares of the observations' seconds on their features. A TTFT observation weighs its
-    relative error (one per request, from a few to hundreds of milliseconds: the fit follows the median request); a
-    step observation its mean error per step, relative to the mean step (a single step and an interval of n steps
-    count alike: the fit follows the mean step, which sets throughput). Coefficients the observations cannot identify
-    are fixed at 0 (`OPTIONAL`, each when the other features already span its column): c when every step decoded
-    one sequence (single-sequence timings: it is folded into a), g and f when every request ran an adapter or none
-    did (folded into c and b)."""
+    """NNLS of the observations' seconds on their features. A TTFT observation weighs its relative error (the fit
+    follows the median request); a step observation its mean error per step relative to the mean step (the fit
+    follows the mean step, hence throughput). Unidentifiable coefficients (`OPTIONAL`) are fixed at 0: c with
+    single-sequence timings (into a), f and g when every request or none ran an adapter (into b and c)."""
     import numpy as np
     from scipy.optimize import nnls
 
@@ -195,10 +173,8 @@ def _r2(measured, predicted) -> float | None:
 
 
 def replay_observations(replay: ReplayResult | dict) -> list[Observation]:
-    """The dense run's per-turn timings of a `replay` (its JSON, as `kvprof simulate` passes it, is read as a
-    `ReplayResult` first): one TTFT observation (one step: the prefilled tokens, reading the turn's input as context)
-    and one decode observation (decode_steps steps of one sequence, its context growing by one token a step) per
-    turn."""
+    """The dense run's per-turn timings of a `replay` as observations: per turn one TTFT (one step, the prefilled
+    tokens reading the input) and one decode (decode_steps single-sequence steps, context growing)."""
     replay = ReplayResult.of(replay)
     adapter = 1.0 if replay.mode == "lora" else 0.0
     observations = []
@@ -215,16 +191,11 @@ def replay_observations(replay: ReplayResult | dict) -> list[Observation]:
 
 
 def serve_bench_observations(records: list[dict], adapter_run: bool = False) -> list[Observation]:
-    """One serve-bench run's request `records` as observations (see the module docstring): times from each
-    request's send time (due + send_delay), TTFT and end-to-end latency; a TTFT spans the steps from the send to the
-    first token (the step then running, the others' prefills and decodes in between, its own prefill step); prefill
-    tokens are the prompt tokens the server did not find cached. Every request of an `agents` pattern run
-    (`adapter_run`) runs its agent's adapter (every token of its steps), none of the `base` pattern's. A request
-    whose tokens after the first arrived in one burst (its mean inter-token time below `COALESCED` × the run's
-    median: the server's output process fell behind and sent them together, so its first-token time is late too)
-    gives one observation from its send to its last token instead. Where serve-bench recorded every token's arrival
-    (`token_times`), the decode side is the engine's single steps (`_step_observations`); else each request's decode
-    phase, the others' work in it reconstructed assuming even paces."""
+    """A serve-bench run's `records` as observations, timed from each request's send (due + send_delay). A TTFT spans
+    the steps from send to first token; prefill tokens are the uncached prompt. `adapter_run` (`agents` pattern):
+    every request runs an adapter. A request whose later tokens came in one burst (mean gap below `COALESCED` × the
+    run's median) gives one send-to-last-token observation. Decode side: single steps from `token_times`
+    (`_step_observations`), else each request's decode phase, others' work reconstructed at even paces."""
     adapter = 1.0 if adapter_run else 0.0
     requests = []
     for r in records:
@@ -291,13 +262,10 @@ def serve_bench_observations(records: list[dict], adapter_run: bool = False) -> 
 
 
 def _step_observations(requests: list[dict], adapter: float, burst: float) -> list[Observation]:
-    """The engine's steps read off the requests' token arrival times (absolute seconds, `times`): merged in time,
-    the tokens that arrive within `STEP_SPREAD` of a group's first, one per request, are one step's. A step is
-    timed from the previous group's first token to its own when the engine ran it right after that one (a request
-    in it had its previous token in the previous group); its work: the prefills that completed in it (their uncached
-    prompts), its decode tokens, the K/V they read. Steps with a token that came in a burst (less than `burst`
-    seconds after its request's previous one: the server sent them together, so the step's end is not seen), and the
-    step after, are left out."""
+    """Engine steps read off token arrival times (`times`): tokens within `STEP_SPREAD` of a group's first, one per
+    request, are one step, timed from the previous group's first token when run right after it. Its work: prefills
+    completed in it, its decode tokens, their K/V read. Steps with a burst token (within `burst` s of the request's
+    previous one), and the next step, are left out."""
     tokens = sorted(
         (moment, index, k, k > 0 and moment - r["times"][k - 1] < burst)
         for index, r in enumerate(requests)
@@ -326,11 +294,9 @@ def _step_observations(requests: list[dict], adapter: float, burst: float) -> li
 
 
 def _others_within(requests: list[dict], r: dict, start: float, end: float) -> tuple[float, float, float, int, float]:
-    """What the requests other than `r` computed in the steps of (start, end]: (prefill tokens of those whose first
-    token came in it — or within `STEP_SPREAD` after `end`, in the last step —, their decode tokens in it, the K/V
-    tokens both read, the steps those prefills completed in before the last one — first tokens within `STEP_SPREAD`
-    of each other are one step's —, the most decode tokens any one of them produced in it — a lower bound on the
-    steps)."""
+    """What requests other than `r` computed in (start, end]: (prefill tokens of those whose first token came in it,
+    or within `STEP_SPREAD` after `end`; their decode tokens; the K/V both read; the steps those prefills completed
+    in before the last; the most decode tokens any one produced: a lower bound on the steps)."""
     prefill = decode = read = paced = 0.0
     firsts = []
     for q in requests:
@@ -383,8 +349,7 @@ REQUEST_TYPES: dict[str, JsonType] = {
 
 
 def read_serve_bench(path: Path) -> ServeBenchResult:
-    """A `kvprof serve-bench` result with everything simulate reads from it checked (its runs' patterns, loads,
-    measured medians and requests); a file that is not one is refused with a sentence naming it."""
+    """A `kvprof serve-bench` result with every field simulate reads checked; otherwise refused naming the file."""
     result = ServeBenchResult.read(path)
     args = (result.envelope.args if result.envelope else None) or {}
     check_fields(args, {"kv_cache_gib": (int, float, type(None))}, f"{path}, args", SERVE_BENCH_FIX)
@@ -415,8 +380,7 @@ def read_serve_bench(path: Path) -> ServeBenchResult:
 
 
 def serve_bench_cost(result: ServeBenchResult, source: str, fit_load: float | None = None) -> StepCost:
-    """The step model fitted to the runs of a serve-bench `result` (read from `source`): every run, or only those
-    at load `fit_load` (a qps or concurrency value)."""
+    """The step model fitted to a serve-bench `result`'s runs (read from `source`), all or those at `fit_load`."""
     runs = result.runs
     if not runs:
         raise KvprofError(f"{source} holds no serve-bench runs; {SERVE_BENCH_FIX}.")

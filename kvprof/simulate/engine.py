@@ -1,33 +1,15 @@
-"""An iteration-level model of a continuous-batching server, in the manner of vLLM's V1 scheduler.
+"""An iteration-level model of a continuous-batching server, in the manner of vLLM's V1 scheduler
+(docs/commands/simulate.md, "The engine").
 
-Each step:
+Each step: running requests, oldest first, take tokens from the budget (a prefill chunk, or 1 decode token),
+evicting idle kept state (`evict_kept`) and then preempting the newest request (recompute) when blocks run out; if
+nothing was preempted, waiting requests are admitted FCFS; the step takes `StepCost.step_time`; finished requests send
+their trajectory's next turn (seen `e` later).
 
-1. the running requests, oldest first, get tokens from the step's token budget: a request still prefilling its
-   next chunk (chunked prefill: as many of its remaining prefill tokens as the budget has left), a decoding one 1
-   token. Each needs KV blocks for what it computes; when the free blocks do not suffice, idle trajectories' kept
-   state is evicted first (`evict_kept`, see Memory), then the newest running request is preempted (recompute: its
-   turn's blocks are freed, it goes back to the head of the waiting queue, and when rescheduled it prefills its
-   prompt and the tokens it had produced again);
-2. if nothing was preempted, waiting requests are admitted first come, first served, while fewer than
-   `max_num_seqs` run, budget is left and the head's first chunk finds blocks, evicting idle kept state if need be
-   (otherwise admission stops);
-3. the step takes `StepCost.step_time` of what it computed; a request whose prefill completes samples its first
-   token at the end of the step (its TTFT), a decoding one its next token; a request that has all its output tokens
-   finishes, and its trajectory sends its next turn at once (`e` later the engine sees it).
-
-Memory: the KV capacity is `memory − weights` in blocks of `block_size` tokens × the model's KV bytes per token.
-A trajectory holds the blocks of the bytes its policy keeps between turns (`kept_bytes` of its last turn) until
-it ends; a request allocates the rest of its turn's peak (`working_bytes − held`) in proportion to the tokens it
-has computed, and frees it when it finishes (keeping `kept_bytes`). With `evict_kept` (vLLM's way: cached blocks no
-running request holds are reclaimed before anything is preempted), a request that lacks blocks first evicts the kept
-state of idle trajectories (between turns, or waiting), least recently used first; such a trajectory's next turn
-prefills its whole input as a dense recompute (weight 1). Without it, kept state stays until the trajectory ends,
-and if nothing runs and the head of the queue cannot get its blocks, the kept caches of the trajectories in flight
-have filled the memory: the run is out of memory. Steps in which every running request only decodes and nothing
-can change are advanced together (their times summed in closed form), which is what makes an hour of traffic take
-seconds.
-
-Times are seconds from the start of the run.
+Memory: capacity = `memory − weights` in blocks. A trajectory holds its `kept_bytes` blocks until it ends; a request
+allocates the rest of its turn's `working_bytes` in proportion to the tokens computed. An evicted trajectory's next
+turn prefills densely. Without eviction, a stall with nothing running is out of memory. Pure-decode steps are
+advanced together in closed form. Times in seconds from the run's start.
 """
 
 from __future__ import annotations
@@ -50,9 +32,8 @@ CLOSED_LOOP_STAGGER = 1e-3  # s between a closed loop's first trajectories (a cl
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The server: tokens per step (`token_budget`), concurrent sequences (`max_num_seqs`), KV blocks of
-    `block_size` tokens, each `block_bytes` bytes, and `capacity_blocks` of them; `evict_kept`: idle trajectories'
-    kept state is reclaimed when blocks run out (else held until the trajectory ends)."""
+    """The server: `token_budget` per step, `max_num_seqs`, `capacity_blocks` KV blocks of `block_size` tokens
+    (`block_bytes` each); `evict_kept`: reclaim idle kept state when blocks run out (else hold it)."""
 
     capacity_blocks: int
     block_bytes: float
@@ -70,10 +51,9 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class Traffic:
-    """How trajectories arrive: `load` (Poisson `qps` or closed-loop `concurrency`), until `duration` seconds (no new
-    trajectory after it) or, for `count`, that many trajectories; trajectory k is the work's k mod n-th.
-    `arrivals`, if given, are the start times themselves (a measured run's): every trajectory's in an open loop, the
-    first `concurrency` trajectories' in a closed loop (else they start `CLOSED_LOOP_STAGGER` apart)."""
+    """Arrivals: `load` (Poisson `qps` or closed-loop `concurrency`) until `duration` s, or `count` trajectories;
+    trajectory k is the work's k mod n-th. `arrivals`: measured start times (open loop: all; closed loop: the first
+    `concurrency`, else `CLOSED_LOOP_STAGGER` apart)."""
 
     load: Load
     duration: float | None = None
@@ -94,9 +74,8 @@ class Traffic:
 
 @dataclass
 class RunResult:
-    """What one simulated run produced: per finished request its TTFT, end-to-end latency (s) and tokens (input +
-    output); the run's `duration` (s, start to the last finish), `peak_blocks` used, preemptions, steps, and
-    `out_of_memory` (a sentence) when the run could not go on."""
+    """One run: per finished request TTFT, latency (s) and tokens; `duration`, `peak_blocks`, preemptions, steps,
+    and `out_of_memory` (a sentence) if the run could not go on."""
 
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
@@ -111,8 +90,7 @@ class RunResult:
 
 
 class _Trajectory:
-    """A trajectory in flight: its work, the index of its next turn, the blocks it keeps between turns, and whether
-    they were evicted since its last turn."""
+    """A trajectory in flight: work, next turn, kept blocks, whether evicted since its last turn."""
 
     __slots__ = ("work", "next_turn", "held", "evicted")
 
@@ -124,9 +102,8 @@ class _Trajectory:
 
 
 class _Request:
-    """A turn in the engine: the tokens its prefill computes (`prompt`, at `weight` dense-equivalents each), prefill
-    progress (tokens), output tokens produced, tokens of KV computed (`units`), blocks of the turn's own memory, and
-    the blocks per computed token it allocates."""
+    """A turn in the engine: `prompt` tokens (at `weight` each), prefill progress, outputs produced, KV tokens
+    computed (`units`), its own blocks and blocks per computed token."""
 
     __slots__ = (
         "traj", "work", "sent", "first", "prompt", "weight", "prefill_total", "prefill_done", "decoded", "units",
@@ -176,8 +153,7 @@ def simulate(
 
 
 class _Engine:
-    """One run's state: the event queue of requests not yet seen by the engine, the waiting queue, the running
-    requests, free KV blocks, the clock."""
+    """One run's state: arrivals not yet seen, waiting and running requests, free blocks, clock."""
 
     def __init__(
         self, trajectories: tuple[TrajectoryWork, ...], cost: StepCost, config: EngineConfig, traffic: Traffic
@@ -256,8 +232,8 @@ class _Engine:
         request.blocks += need
 
     def _schedule(self) -> tuple[list[tuple[_Request, int]], bool]:
-        """This step's (request, tokens): running requests first (preempting the newest when blocks run out), then
-        waiting ones if nothing was preempted; and whether anything was."""
+        """This step's (request, tokens), running first (preempting the newest if blocks run out), then waiting ones
+        unless something was preempted; and whether it was."""
         scheduled: list[tuple[_Request, int]] = []
         budget, preempted, index = self.config.token_budget, False, 0
         running = self.running
@@ -304,8 +280,7 @@ class _Engine:
         return scheduled, preempted
 
     def _preempt(self, request: _Request) -> None:
-        """Recompute preemption: the turn's blocks are freed; its prompt and the tokens it produced are prefilled
-        again when it is rescheduled (from the head of the waiting queue)."""
+        """Recompute preemption: free the turn's blocks; it re-prefills prompt and outputs from the queue's head."""
         self.free += request.blocks
         self.used -= request.blocks
         request.prefill_total = request.prompt + request.decoded
@@ -331,8 +306,8 @@ class _Engine:
         return self.idle_blocks - (keep.held if keep in self.idle else 0)
 
     def _reclaim(self, need: int, keep: _Trajectory) -> None:
-        """Evict idle trajectories' kept state, least recently used first (not `keep`'s), until `need` blocks are
-        free; their waiting requests, and their next turns, then prefill their whole input."""
+        """Evict idle kept state, LRU first (not `keep`'s), until `need` blocks are free; their next turns prefill
+        densely."""
         evicted = 0
         for traj in list(self.idle):
             if self.free >= need:
@@ -363,10 +338,8 @@ class _Engine:
             self.result.ttft.append(self.now - request.sent)
 
     def _steady_steps(self, scheduled: list[tuple[_Request, int]]) -> int:
-        """How many steps, starting with this one, change nothing but decode progress: every running request
-        decodes, no admission can happen (none waits, the sequence limit is reached, or the head lacks blocks —
-        free blocks only shrink while decoding), no request finishes before the last of them, no new request arrives
-        before the last of them starts, and the blocks they need are free."""
+        """Steps from this one that change only decode progress: all running requests decode, no admission possible,
+        none finishes and no arrival starts before the last, and their blocks are free."""
         running = self.running
         if len(scheduled) != len(running) or any(r.prefilling() or r.first < 0 for r in running):
             return 1
@@ -387,8 +360,7 @@ class _Engine:
         return max(1, steps)
 
     def _decode_terms(self, scheduled: list[tuple[_Request, int]]) -> tuple[float, float, float]:
-        """(the per-step cost of the decoding sequences besides a and the K/V read: c × their weights, f × those
-        running an adapter, g if any does; their K/V read this step, the read's growth per step)."""
+        """(c × decoding weights + f × adapter ones + g if any; their K/V read this step; its growth per step)."""
         weight = sum(r.work.decode_weight for r, _ in scheduled)
         adapter_tokens = sum(1 for r, _ in scheduled if r.work.adapter)
         read = sum(r.work.decode_weight * (r.work.context_tokens + r.decoded) for r, _ in scheduled)
@@ -418,8 +390,8 @@ class _Engine:
             request.decoded += steps
 
     def _finish_done(self) -> None:
-        """Requests with all their output tokens finish: the turn's blocks go, the trajectory keeps its kept bytes'
-        blocks and sends its next turn now, or ends (freeing them; a closed loop then starts another trajectory)."""
+        """Finish requests with all outputs: free the turn's blocks, keep kept blocks and send the next turn, or end
+        the trajectory (freeing them; a closed loop starts another)."""
         config, result = self.config, self.result
         still = []
         for request in self.running:
@@ -453,8 +425,7 @@ class _Engine:
 
 
 def _step_time(scheduled: list[tuple[_Request, int]], cost: StepCost) -> float:
-    """Seconds of one step: prefill chunks in dense-equivalent tokens reading their context so far, decoding
-    sequences by their decode weight reading their context."""
+    """Seconds of a step: dense-equivalent prefill chunks and weighted decoding sequences, each reading its context."""
     prefill = decode = read = adapter_tokens = 0.0
     for request, tokens in scheduled:
         work = request.work

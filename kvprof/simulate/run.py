@@ -24,11 +24,10 @@ BLOCK_SIZE = 16  # tokens per KV block of the modelled engine
 
 @dataclasses.dataclass
 class SimulationRequest:
-    """What to simulate: the replay (and serve-bench calibration, optionally fitted at one load) or a device's
-    roofline, the policy labels (None: all), the loads (default: `DEFAULT_QPS`), the engine (memory in GiB, token
-    budget, sequences per step, prefix-cache block (None: the calibration's, else 16), what kept state does when
-    blocks run out), the seconds of arrivals, the TTFT SLO in seconds, and the context lengths to scale the
-    trajectories to (None: as replayed)."""
+    """What to simulate: replay (+ serve-bench calibration, optionally at one load) or a device roofline, policies
+    (None: all), loads (default `DEFAULT_QPS`), engine (memory GiB, token budget, max seqs, prefix block — None: the
+    calibration's, else 16 —, kept-state handling), seconds of arrivals, TTFT SLO (s), context lengths (None: as
+    replayed)."""
 
     replay: Path
     calibration: Path | None = None
@@ -65,8 +64,8 @@ class SimulationRequest:
 
 @dataclasses.dataclass
 class Simulation:
-    """A checked request with its inputs read: the replay's work, the step-cost model and the engine's settings,
-    the loads, policies and context lengths to sweep, and the calibration's errors."""
+    """A checked request with its inputs read: work, step-cost model, engine settings, sweep axes, calibration
+    errors."""
 
     request: SimulationRequest
     replay: ReplayResult
@@ -166,8 +165,7 @@ def _step_cost(
 
 
 def serving_claims(result: SimulateResult, replay: ReplayResult) -> list[dict]:
-    """Verdicts on the simulated policies' published serving figures (`kvprof.claims.serving`), the claims read
-    from the policy registry so that replays saved before a claim was recorded get its verdict too."""
+    """Serving-claim verdicts (`kvprof.claims.serving`), claims read from the policy registry (older replays too)."""
     from kvprof.claims.serving import serving_verdicts
     from kvprof.policies import REGISTRY  # imports torch: only when a simulation has run
 

@@ -1,11 +1,9 @@
 """Every policy at every load: latency percentiles, throughput, peak memory, out-of-memory verdicts, the highest
-load meeting a TTFT SLO (on TTFT p90), and how far the step model is from the runs it was calibrated on.
+load whose TTFT p90 meets the SLO, and the step model's errors on its calibration runs.
 
-Out of memory is declared before simulating when a single request's peak exceeds the KV memory; and, where kept
-state is held rather than evicted (`Settings.evict_kept` False), in a closed loop when the bytes a trajectory keeps
-between turns (its largest) × the concurrency exceed it, and during the run when the caches kept by the
-trajectories in flight leave no room for the next request (`engine`).
-Percentiles interpolate linearly (as serve-bench's); times are seconds, memory bytes.
+Out of memory: a request's peak above the KV memory (before simulating); with kept state held, also kept bytes ×
+concurrency above it (closed loop) or no room left during the run (`engine`). Percentiles interpolate linearly (as
+serve-bench's); seconds and bytes.
 """
 
 from __future__ import annotations
@@ -37,10 +35,8 @@ PATTERN_POLICY = {"agents": "nonshared", "base": "fullshared"}  # serve-bench's 
 
 @dataclass(frozen=True)
 class Settings:
-    """The server and the run: total device memory (bytes; the KV capacity is this minus the weights), token budget
-    and sequence limit per step, the tokens per block of its prefix cache, whether idle trajectories' kept state is
-    evicted when blocks run out (vLLM's way) or held, seconds of arrivals, the arrival seed, and the TTFT SLO (s) on
-    TTFT p90."""
+    """Server and run: device memory (bytes; KV capacity = this − weights), token budget, sequence limit, prefix-cache
+    block, evict or hold kept state, seconds of arrivals, arrival seed, TTFT SLO (s, on p90)."""
 
     memory_bytes: float
     duration: float
@@ -129,17 +125,16 @@ def sweep(work: ReplayWork, cost: StepCost, settings: Settings, loads: list[Load
 
 
 def cached_block(result: ServeBenchResult) -> int | None:
-    """The block size of the prefix cache that served a serve-bench `result`: the greatest common divisor of its
-    requests' cached token counts (an engine caches whole blocks), or None when fewer than two distinct non-zero
-    counts leave it undetermined (every hit the same shared prefix would read as one huge block)."""
+    """The prefix-cache block of a serve-bench `result`: the GCD of its requests' cached token counts, or None when
+    fewer than two distinct non-zero counts leave it undetermined."""
     counts = {r.get("cached_tokens") or 0 for run in result.runs for r in run.requests}
     counts.discard(0)
     return math.gcd(*counts) if len(counts) >= 2 else None
 
 
 def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
-    """Per policy (and shared context, where several were swept: "policy @ N tokens") and load kind: the highest
-    swept load whose TTFT p90 meets `slo` seconds without running out of memory (None when none does)."""
+    """Per policy (and "policy @ N tokens" when several contexts were swept) and load kind: the highest load whose TTFT
+    p90 meets `slo` without OOM (None: none)."""
     lengths = {row.get("shared_tokens") for row in rows}
     best: dict[str, dict] = {}
     for row in rows:
@@ -155,11 +150,9 @@ def sustainable_loads(rows: list[dict], slo: float) -> dict[str, dict]:
 def serve_bench_errors(
     result: ServeBenchResult, work: ReplayWork, cost: StepCost, settings: Settings, fit_load: float | None = None
 ) -> list[dict]:
-    """Each serve-bench run re-simulated: the pattern's policy (agents: nonshared, base: fullshared) on the run's
-    trajectories in the order they started, at its measured arrival times (open loop) or concurrency, on the run's
-    KV memory (`--kv-cache-gib`, else the settings') and its prefix cache's block (`cached_block`, else the
-    settings'); the simulated median TTFT and throughput against the measured,
-    as relative errors, each row marked `fitted` (the step model was fitted to it) or not (a validation run)."""
+    """Each serve-bench run re-simulated (agents → nonshared, base → fullshared) at its measured arrivals or
+    concurrency, KV memory and cached block; simulated vs measured median TTFT and throughput as relative errors,
+    each row `fitted` or a validation run."""
     kv_gib = ((result.envelope.args if result.envelope else None) or {}).get("kv_cache_gib")
     memory = settings.memory_bytes if kv_gib is None else kv_gib * GIB + work.weight_bytes()
     config = settings.engine(work, memory)
@@ -191,8 +184,7 @@ def serve_bench_errors(
 
 
 def _errors(label: str, ttft: float, rate: float, simulated: dict) -> dict:
-    """Measured median TTFT `ttft` (s) and request throughput `rate` (requests/s) against the simulated, with
-    relative errors."""
+    """Measured median TTFT `ttft` (s) and throughput `rate` (req/s) against the simulated, with relative errors."""
     sim_ttft = simulated["ttft"]["p50"] if simulated.get("ttft") else None
     sim_rate = simulated["throughput"]["requests_per_s"] if "throughput" in simulated else None
     return {
@@ -207,9 +199,8 @@ def _errors(label: str, ttft: float, rate: float, simulated: dict) -> dict:
 
 
 def replay_errors(replay: ReplayResult | dict, work: ReplayWork, cost: StepCost, settings: Settings) -> list[dict]:
-    """The `replay`'s dense run re-simulated as the replay ran it (one trajectory at a time, closed loop of 1, the
-    nonshared policy's work): simulated median TTFT and throughput against the replay's per-turn timings (its JSON,
-    as `kvprof simulate` passes it, is read as a `ReplayResult` first)."""
+    """The replay's dense run re-simulated as it ran (closed loop of 1, nonshared's work): simulated median TTFT and
+    throughput against its per-turn timings."""
     turns = ReplayResult.of(replay).dense.turns
     if "nonshared" not in work.policies:
         return []

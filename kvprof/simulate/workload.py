@@ -1,29 +1,18 @@
-"""A `kvprof replay` result as serving work: one request per replayed turn, per policy.
+"""A `kvprof replay` result as serving work: one request per replayed turn, per policy (docs/commands/simulate.md).
 
-What a request carries (all from the policy's per-turn record, `policies[label]["turns"][i]`):
+Fields (from the policy's per-turn record):
 
-- `prefill_tokens`: tokens the policy pushes through the backbone in the TTFT phase (`prefilled`: chunks, LR
-  prefills, recomputed (token, layer) entries ÷ layers), at least 1 (an engine always computes the last prompt token);
-- `prefill_weight`: the TTFT phase's analytic FLOPs over those of the dense run's same turn, per dense prefill token:
-  a policy whose correction, reference encoding or second batch row costs FLOPs beyond its prefilled tokens weighs
-  more per scheduled token (the step-cost model counts `prefill_tokens × prefill_weight` dense-token equivalents);
-- `context_tokens`: the turn's input tokens (the K/V its prefill attends to and decoding starts from);
-- `decode_steps`: output tokens (the prefill step samples the first, each decode step one more);
-- `decode_weight`: FLOPs per decode step ((flops − ttft_flops) / decode_steps: decode rows, DB's second row,
-  ReBaseShared-LP's adapter-free pass after decoding spread over the steps) over the dense run's same turn;
-- `working_bytes` / `kept_bytes`: the policy's peak analytic bytes during the turn and the bytes it keeps after it
-  (caches, LR caches, anchor pools, stored hidden states); a trajectory holds `kept_bytes` until its next turn and
-  frees it when it ends.
+- `prefill_tokens`: the TTFT phase's backbone tokens (`prefilled`: chunks, LR prefills, recomputed entries ÷
+  layers), at least 1;
+- `prefill_weight`: the TTFT phase's FLOPs over the dense turn's, per dense prefill token (corrections, reference
+  encodings, a second row weigh more);
+- `context_tokens`: the turn's input; `decode_steps`: output tokens;
+- `decode_weight`: FLOPs per decode step ((flops − ttft_flops) / decode_steps, e.g. DB's second row, LP's
+  adapter-free pass) over the dense turn's;
+- `working_bytes` / `kept_bytes`: peak during the turn / kept after it until the trajectory ends.
 
-An engine's prefix cache holds whole blocks (vLLM: 16 tokens on GPU, 128 on its CPU backend), so it recomputes the
-tail of a reused prefix that does not fill a block: `at_block_granularity` rounds every turn's reused tokens
-(input − prefilled) down to a multiple of the block, the rest prefilled densely — exact for a prefix (NonShared's
-own history, FullShared's and the LoRA policies' base cache), an approximation for reused segments (delta and
-selective policies), whose engines would page them too.
-
-`--shapes` scales every turn's input-side work linearly (prefilled tokens, context, FLOPs as weights per token stay,
-bytes) so that the trajectories' final contexts reach the papers' shared-context length; output lengths stay.
-Attention's quadratic growth and the papers' agent counts are not modelled by that scaling.
+`at_block_granularity`: reused tokens rounded down to whole blocks (exact for prefixes, an approximation for reused
+segments). `--shapes` scales input-side work linearly (not attention's quadratic growth, nor agent counts).
 """
 
 from __future__ import annotations
@@ -69,10 +58,9 @@ class TrajectoryWork:
 
 @dataclass(frozen=True)
 class ReplayWork:
-    """Every policy's trajectories from one replay and the constants of the replayed model: dense FLOPs per
-    prefill token and per decode step (means over the dense run), KV bytes per token (the dense run's first turns:
-    stored bytes ÷ tokens), bytes per weight (the replay's dtype), and `params` (≈ dense decode FLOPs per step ÷ 2,
-    the 2·N FLOPs a token costs), `scale` the linear factor applied by `--shapes` (1: none)."""
+    """Every policy's trajectories of one replay and the model's constants: dense FLOPs per prefill token and decode
+    step (dense-run means), KV bytes per token (first turns: stored ÷ tokens), bytes per weight, `params` (≈ decode
+    FLOPs ÷ 2), `scale` (the `--shapes` factor, 1: none)."""
 
     path: Path
     policies: dict[str, tuple[TrajectoryWork, ...]]
@@ -111,8 +99,7 @@ def load_replay(path: Path) -> ReplayWork:
 
 
 def read_replay_result(path: Path) -> ReplayResult:
-    """A `kvprof replay` result with everything simulate reads from it checked: the dense run's and every
-    policy's per-turn records; a file that is not one is refused with a sentence naming it."""
+    """A `kvprof replay` result with every per-turn field simulate reads checked; otherwise refused naming the file."""
     result = ReplayResult.read(path)
     if not result.dense.turns or not result.policies:
         raise KvprofError(
@@ -127,8 +114,7 @@ def read_replay_result(path: Path) -> ReplayResult:
 
 
 def read_replay(path: Path) -> dict:
-    """`read_replay_result` as the JSON `kvprof simulate` reads it (it passes that to `replay_work`,
-    `kvprof.simulate.cost.replay_observations` and `kvprof.simulate.sweep.replay_errors`)."""
+    """`read_replay_result` as JSON (passed to `replay_work`, `replay_observations`, `replay_errors`)."""
     return read_replay_result(path).to_json()
 
 
@@ -145,8 +131,7 @@ def _check_turns(path: Path, where: str, turns: list, types: dict[str, JsonType]
 
 
 def replay_work(result: ReplayResult | dict, path: Path) -> ReplayWork:
-    """The work of every policy of a replay `result` (read from `path`; its JSON, as `kvprof simulate` passes
-    it, is read as a `ReplayResult` first)."""
+    """The work of every policy of a replay `result` (read from `path`)."""
     if isinstance(result, dict):
         result = ReplayResult.from_json(result, str(path), REPLAY_FIX)
     dense_turns = result.dense.turns
@@ -182,8 +167,7 @@ def _steps(turn: dict) -> int:
 
 
 def _trajectories(turns: list[dict], dense: dict, label: str, path: Path, adapter: bool) -> tuple[TrajectoryWork, ...]:
-    """A policy's turns grouped by trajectory, in turn order, each compared with the dense run's same turn;
-    `adapter`: the turns run LoRA adapters."""
+    """A policy's turns by trajectory, each compared with the dense turn; `adapter`: the turns run adapters."""
     grouped: dict[str, list[RequestWork]] = {}
     for turn in sorted(turns, key=lambda t: (t["trajectory"], t["turn"])):
         reference = dense.get((turn["trajectory"], turn["turn"]))
@@ -227,9 +211,8 @@ def without_adapters(trajectories: tuple[TrajectoryWork, ...]) -> tuple[Trajecto
 
 
 def at_block_granularity(trajectories: tuple[TrajectoryWork, ...], block: int) -> tuple[TrajectoryWork, ...]:
-    """The same work on an engine whose prefix cache holds whole blocks of `block` tokens: each turn's reused
-    tokens (input − prefilled, when positive) rounded down to a multiple of `block`, the remainder prefilled as dense
-    tokens (weight 1, so the turn's `prefill_weight` becomes the mean over its old and added tokens)."""
+    """The work with reused tokens (input − prefilled, if positive) rounded down to whole `block`s, the rest prefilled
+    densely (weight 1; `prefill_weight` becomes the mean over old and added tokens)."""
     if block <= 1:
         return trajectories
 
@@ -246,15 +229,14 @@ def at_block_granularity(trajectories: tuple[TrajectoryWork, ...], block: int) -
 
 
 def shared_tokens(work: ReplayWork) -> float:
-    """The mean input length of the trajectories' last turns in the dense-equivalent sense: the shared context a
-    trajectory reaches (tokens), over the first policy's trajectories."""
+    """Mean input of the trajectories' last turns (dense-equivalent): the shared context reached (first policy)."""
     trajectories = next(iter(work.policies.values()))
     return statistics.mean(traj.requests[-1].input_tokens for traj in trajectories)
 
 
 def scale_to_shapes(work: ReplayWork, target_tokens: int) -> ReplayWork:
-    """`work` with every turn's input-side work multiplied by one factor (prefilled and context tokens, bytes kept
-    and at peak), so that the trajectories' last turns read `target_tokens` on average: scaled linearly."""
+    """`work` with input-side work (prefilled and context tokens, kept and peak bytes) scaled by one factor so the
+    last turns read `target_tokens` on average."""
     factor = target_tokens / shared_tokens(work)
 
     def scaled(request: RequestWork) -> RequestWork:

@@ -1,2 +1,1 @@
-"""Fitting what the correcting policies learn: anchor pools from calibration trajectories (`anchor_fit`) and the
-acceptance-threshold sweep behind tune-tau (`tau`)."""
+"""Fitting what the correcting policies learn: anchor pools (`anchor_fit`) and tune-tau's threshold sweep (`tau`)."""

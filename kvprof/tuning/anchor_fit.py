@@ -1,21 +1,11 @@
-"""Fitting anchor pools offline from calibration trajectories (`kvprof fit-anchors`), and what they cost.
+"""Fitting anchor pools offline from calibration trajectories (`kvprof fit-anchors`), and what they cost
+(docs/commands/fit-anchors.md).
 
-For each trajectory the shared timeline is cut into segments exactly as the delta policies cut it online
-(`kvprof.policies.delta.SegmentLog`), following the replay's plan on a trajectory whose turns leave the timeline
-(`kvprof.replay.branches`), and each turn's moved spans become the placeholder segments the policies read them as
-(`observed_segments`). Every agent of the workflow prefills its prefix and each branch's longest sequence once (its
-dense cache of every segment: causal attention makes the cache of a segment inside one long prefill the cache the
-agent computes when it reads the segment in its turn; `DenseCaches`). Each segment becomes an anchor of its slot,
-its base the cache the delta policies correct it from: an output's producer's cache (where it produced it), an
-input's context-free encoding (`kvprof.policies.delta.NeutralContext`; KVComm's reference, while KVCMAS reads an
-input anchor's base + Δ of the agent it corrects from), with a delta for every other agent; the pool keeps V + 1 per
-slot (the eviction of `kvprof.policies.anchors.AnchorPool`: with no activations yet, the oldest go first, so the last V
-+ 1 remain).
-
-The fit is full-dimensional; the low-rank pool is the truncated SVD of each layer's (L × H_kv·D) matrix at rank r.
-The report gives, per layer, the relative Frobenius error of that truncation at ranks 1, 2, 4, … (from the singular
-values: the energy beyond rank k), the entropy effective rank of bases and deltas, and the pool's bytes,
-full-dimensional and low-rank, measured on the tensors and by the formula (`kvprof.policies.anchors.stored_bytes`).
+Segments are cut as the delta policies cut them online (`SegmentLog`), following the replay's plan, moved spans as
+placeholder segments (`observed_segments`). Each segment is an anchor of its slot: its base the cache the policies
+correct from (an output's producer's cache, an input's context-free encoding), a delta per other agent, V + 1 kept
+per slot (`AnchorPool`'s eviction). The low-rank pool is the truncated SVD of each layer's (L × H_kv·D) matrix; the
+report gives truncation error per rank, effective ranks and bytes (measured and by formula).
 """
 
 from __future__ import annotations
@@ -42,9 +32,8 @@ PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
 @dataclass(frozen=True)
 class Observed:
-    """A segment as the delta policies log it, with the shared sequence it lies in (`sequence`) and where its
-    producer computed it: `produced_in` at offset `produced_at` (the same sequence and the segment's start, except
-    for a moved span: the turn it comes from)."""
+    """A logged segment, its shared `sequence`, and where its producer computed it (`produced_in` at `produced_at`:
+    the same sequence and start, except for a moved span)."""
 
     segment: SharedSegment
     sequence: list[int]
@@ -53,12 +42,10 @@ class Observed:
 
 
 def observed_segments(runtime: Runtime, traj: Trajectory) -> list[Observed]:
-    """The trajectory's segments as the delta policies log them while replaying it — following the replay's plan
-    (`kvprof.replay.branches.plan_of`): a turn that returns to an earlier turn's state takes that turn's log, one that
-    leaves the timeline cuts the log there — and, after them, each turn's moved spans as the placeholder segments
-    the policies read them as (`DeltaCorrection.moved_segment`, output or input of the turn they come from). Each
-    segment comes with the shared sequence it lies in: the input and outputs of the turn that added it (a moved
-    span: of the turn that reads it). Serves the trajectory's private prefixes on `runtime`."""
+    """The trajectory's segments as the delta policies log them, following `plan_of` (a return takes that turn's
+    log, a divergence cuts it), then each turn's moved spans as placeholders (`DeltaCorrection.moved_segment`). Each
+    with its shared sequence (the turn that added it; a moved span: the reader). Serves private prefixes on
+    `runtime`."""
     runtime.serve_trajectory(traj)
     log = SegmentLog(traj.id)
     logs: list[SegmentLog] = []
@@ -87,9 +74,8 @@ def observed_segments(runtime: Runtime, traj: Trajectory) -> list[Observed]:
 
 
 class DenseCaches:
-    """Each agent's dense cache of its prefix and a shared sequence, computed once for the longest of the given
-    sequences that starts with the one asked for (causal attention: a prefix's cache inside a longer prefill is
-    the prefix's own)."""
+    """Each agent's dense cache of its prefix + a shared sequence, computed once for the longest given sequence
+    starting with it (causal attention: a prefix's cache is the same inside it)."""
 
     def __init__(self, runtime: Runtime, sequences: list[list[int]]):
         self.runtime = runtime
@@ -98,8 +84,7 @@ class DenseCaches:
         self.caches: dict[tuple[str, int], list[KV]] = {}
 
     def view(self, agent: str, sequence: list[int], start: int, end: int) -> Stacked:
-        """`agent`'s K/V of tokens [start, end) of `sequence` (one of the given sequences) after its prefix, in
-        their frame."""
+        """`agent`'s K/V of [start, end) of `sequence` after its prefix, in their frame."""
         if id(sequence) not in self.longest:
             self.longest[id(sequence)] = max(
                 (index for index, other in enumerate(self.sequences) if other[: len(sequence)] == sequence),
@@ -254,9 +239,8 @@ def fit_anchors(
     on_trajectory: Callable[[Trajectory], None] | None = None,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> tuple[AnchorPool, dict]:
-    """Fit a pool on `trajectories` (their moved spans as `span_matching` finds them) and report it; returns the
-    pool to save (rank-`rank` factors, or full-dimensional when `rank` is None) and the report (its error and memory
-    figures are for rank `rank`, or 32 when the pool is full-dimensional)."""
+    """Fit a pool on `trajectories` (moved spans per `span_matching`) and report it; the pool to save (rank-`rank`
+    factors, full-dimensional if None) and the report (figures at `rank`, or 32 when full)."""
     started = time.perf_counter()
     runtime = Runtime(agents, span_matching=span_matching)
     full = fit_pool(runtime, trajectories, capacity, window, on_trajectory)

@@ -1,18 +1,11 @@
-"""Choosing a delta-correction policy's gate threshold (`kvprof tune-tau`): sweep it on tuning trajectories,
-recommend the value with the most reuse that meets a target, verify that value on held-out trajectories.
+"""Choosing a delta policy's gate threshold (`kvprof tune-tau`; docs/commands/tune-tau.md): sweep it on tuning
+trajectories, recommend the value with most reuse meeting a `Target`, verify it on held-out trajectories.
 
-One sweep row per threshold, all thresholds replayed in one lockstep replay (the dense run computed once in one
-process; once per sequential shard on Ray, `kvprof.replay.sharded`): the
-policy replayed teacher-forced on the tuning trajectories against the dense run
-(`kvprof.replay.engine.run_replay`: ρ — the share of other agents' segment tokens its gate served corrected — per-layer
-K/V error, KL, top-1, TTFT / latency speed-ups and memory, all measured side by side with the dense run), and with
-`online` the workflow re-run under it (exact-match accuracy, and its drop in points from the dense re-run). Every
-row starts from the same anchor pool (a fitted file, `anchors`), which then grows online as the policy does.
-
-Targets (`Target`): a maximum accuracy drop in points, a maximum KL, or a reuse ratio to match (`target_rho`: the
-paper's comparisons at matched reuse, ρ ≈ 0.8 for LLM tasks; the row with the smallest ρ at least R). With an
-accuracy or KL target the recommendation is the row meeting it with the highest ρ (ties: lower KL, then the
-stricter threshold); it is then replayed on the held-out trajectories, where the target is checked again.
+All thresholds are variants of one lockstep `run_replay` (the dense run once; once per sequential shard on Ray),
+from the same pool (`anchors`), which grows online. Row: ρ (share of others' segment tokens the gate served
+corrected), per-layer K/V error, KL, top-1, speed-ups, memory; with `online`, accuracy and its drop in points.
+Targets: accuracy drop, KL (the highest ρ meeting it; ties: lower KL, then stricter threshold), or `target_rho` (the
+smallest ρ ≥ R: the paper's matched reuse, ρ ≈ 0.8).
 """
 
 from __future__ import annotations
@@ -71,8 +64,8 @@ def parse_grid(text: str) -> list[str]:
 
 
 def parse_options(policy: str, flags: list[str]) -> dict[str, str]:
-    """KEY=VALUE flags → the policy's other options, checked against its declared ones; the sweep sets the threshold
-    and --anchors names the pool, so neither is one of them."""
+    """KEY=VALUE flags → the policy's other options, checked; the threshold (swept) and the pool (--anchors) are not
+    among them."""
     cls, key = policy_class(policy), threshold_key(policy)
     options = {}
     for flag in flags:
@@ -91,8 +84,7 @@ def parse_options(policy: str, flags: list[str]) -> dict[str, str]:
 def split_trajectories(
     agents: AgentSet, trace: Path, trajectories: list[Trajectory], tune_count: int | None
 ) -> tuple[list[Trajectory], list[Trajectory]]:
-    """The tuning trajectories (the first `tune_count`, default half) and the held-out rest of a prompt-mode trace;
-    refuses a trace of another mode and a count outside the trace."""
+    """Tuning trajectories (the first `tune_count`, default half) and the held-out rest of a prompt-mode trace."""
     if agents.spec.mode != "prompt":
         raise KvprofError(f"{trace} is a {agents.spec.mode}-mode trace; tune-tau tunes prompt-mode policies.")
     count = tune_count if tune_count is not None else max(1, len(trajectories) // 2)
@@ -110,9 +102,8 @@ def fit_pool(
     span_matching: SpanMatching,
     on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> Path:
-    """The anchor pool every row starts from when none is given: fitted on the tuning trajectories at the policy's
-    stored rank (KVComm: full-dimensional) and anchors per slot (its `options`, else their defaults), saved to
-    OUT/anchors.safetensors."""
+    """The default starting pool: fitted on the tuning trajectories at the policy's stored rank (KVComm: full) and
+    anchors per slot, saved to OUT/anchors.safetensors."""
     cls = policy_class(policy)
     rank = None if cls.name == "kvcomm" else int(options.get("rank", cls.options["rank"].default))
     capacity = int(options.get("anchors_per_slot", cls.options["anchors_per_slot"].default))
@@ -133,10 +124,8 @@ def sweep_identity(
     span_matching: SpanMatching,
     ray_worker: dict | None = None,
 ) -> dict:
-    """The settings a sweep's records depend on, which its checkpoint records: the trace's and the pool's content,
-    the policy, grid and other options, the tuning count, online re-runs, repeats, span matching, model, dtype and
-    device (`ray_worker`: a Ray worker's identity, whose device counts, for a sweep on Ray, whose checkpoint holds
-    shards)."""
+    """The settings a sweep's records (and checkpoint) depend on: trace and pool content, policy, grid, options,
+    tuning count, online, repeats, span matching, model, dtype, device (`ray_worker`: a worker's, on Ray)."""
     identity = {
         "trace": trace_digest(trace),
         "pool": pool_digest(pool),
@@ -272,8 +261,7 @@ def in_process(
     hooks: ReplayHooks | None = None,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> Replayer:
-    """A `Replayer` in this process: the sweep resumes from `progress` and reports to `hooks`; moved spans as
-    `span_matching` finds them."""
+    """An in-process `Replayer`, resuming from `progress`, reporting to `hooks`."""
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         return run_replay(
@@ -300,10 +288,8 @@ def tune(
     target: Target,
     online: bool,
 ) -> TuneTauResult:
-    """Sweep `grid` on `tuning`, recommend, verify on `heldout` (see module docstring). Every threshold is one
-    variant of one lockstep replay (`replay`: in this process, `in_process`, or sharded on a Ray cluster), so the
-    dense run is computed once for all of them (on Ray: once per sequential shard). `options`: the policy's other
-    options (its fitted pool); `online` must be what `replay` does."""
+    """Sweep `grid` on `tuning`, recommend, verify on `heldout`; every threshold a variant of one lockstep `replay`
+    (`in_process` or Ray). `options`: other options (the pool); `online` must match `replay`'s."""
     if target.needs_online and not online:
         raise KvprofError("an accuracy target needs the online re-runs; drop --no-online or pass --max-kl.")
     variants = variants_of(policy, options, grid)

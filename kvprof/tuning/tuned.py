@@ -15,8 +15,7 @@ TUNED_FILE = "tuned.json"
 
 
 def write_tuned(out: Path, result: TuneTauResult) -> Path | None:
-    """OUT/tuned.json of a tune-tau result (`kvprof.tuning.tau.tune`), written atomically; None when it recommends
-    no threshold."""
+    """OUT/tuned.json of a tune-tau result, atomically; None when no threshold is recommended."""
     if result.recommended is None:
         return None
     return write_json(
@@ -32,8 +31,8 @@ def write_tuned(out: Path, result: TuneTauResult) -> Path | None:
 
 
 def read_tuned(path: Path) -> tuple[str, list[str]]:
-    """The policy and its `--policy-option` values in a tuned.json written by `kvprof tune-tau`, refused in one sentence
-    naming the file when it is not one or names a policy or options this kvprof does not have."""
+    """The policy and `--policy-option` values of a tuned.json, refused in one sentence naming the file if it is not
+    one or names an unknown policy or option."""
     from kvprof.policies import enumerate_variants, parse_policy_options
 
     fix = "pass the tuned.json `kvprof tune-tau` wrote"
@@ -50,8 +49,8 @@ def read_tuned(path: Path) -> tuple[str, list[str]]:
 
 
 def with_tuned(policy: list[str], flags: list[str], tuned: Path | None) -> tuple[list[str], list[str]]:
-    """--policy and --policy-option with a `tuned` file's policy and options added (`read_tuned`): its policy alone
-    when --policy is left at all, else beside the named ones."""
+    """--policy / --policy-option with the `tuned` file's added: its policy alone if --policy is `all`, else beside
+    the named ones."""
     from kvprof.policies.variants import ALL
 
     if tuned is None:
