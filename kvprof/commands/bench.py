@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import DeviceOption, DtypeOption, OutOption, SeedOption, console, progress, write_result
+from kvprof.commands.common import console, progress, write_result
+from kvprof.commands.options import DeviceOption, DtypeOption, OutOption, SeedOption
 from kvprof.errors import KvprofError
 
 DEFAULT_SEQ_LENS = {"cuda": "1024,4096,16384,32768", "cpu": "128,512"}

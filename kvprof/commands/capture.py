@@ -7,17 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvprof.commands.common import (
-    DeviceOption,
-    DtypeOption,
-    OutOption,
-    SeedOption,
-    capture_with_progress,
-    console,
-    print_adapters,
-    print_layers,
-    write_result,
-)
+from kvprof.commands.common import console, print_adapters, print_layers, write_result
+from kvprof.commands.displays import capture_with_progress
+from kvprof.commands.options import DeviceOption, DtypeOption, OutOption, SeedOption
 from kvprof.errors import KvprofError
 from kvprof.results.capture import CaptureResult, CaptureSummary
 from kvprof.traces.chat import template_sha256

@@ -18,22 +18,18 @@ import typer
 from rich.table import Table
 
 from kvprof.commands.common import (
-    DeviceOption,
-    DtypeOption,
-    OutOption,
-    SeedOption,
-    capture_with_progress,
     command_args,
     console,
     print_adapters,
     print_sections,
     print_skipped,
     progress,
-    replay_progress,
     show_replay,
     write_replay_page,
     write_result,
 )
+from kvprof.commands.displays import capture_with_progress, replay_progress
+from kvprof.commands.options import DeviceOption, DtypeOption, OutOption, SeedOption
 from kvprof.errors import KvprofError
 from kvprof.results.base import ResultFile
 from kvprof.results.capture import CaptureResult

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import (
+from kvprof.commands.common import console, demo_prompt_trace, progress, write_result
+from kvprof.commands.options import (
     DeviceOption,
     DtypeOption,
     LimitOption,
@@ -19,10 +20,6 @@ from kvprof.commands.common import (
     RoleOverrideOption,
     SeedOption,
     SpanBoundariesOption,
-    console,
-    demo_prompt_trace,
-    progress,
-    write_result,
 )
 from kvprof.errors import KvprofError
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import OutOption, console, write_result
+from kvprof.commands.common import console, write_result
+from kvprof.commands.options import OutOption
 from kvprof.errors import KvprofError
 from kvprof.traces.chat import PLAIN_TEMPLATE, resolve_chat_template, template_sha256
 from kvprof.traces.chat_log import import_log

@@ -10,14 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from kvprof.commands.common import (
-    DeviceOption,
-    DtypeOption,
-    MinSpanOption,
-    SpanBoundariesOption,
-    console,
-    write_result,
-)
+from kvprof.commands.common import console, write_result
+from kvprof.commands.options import DeviceOption, DtypeOption, MinSpanOption, SpanBoundariesOption
 from kvprof.replay.branches import ReplayPlanSummary
 from kvprof.results.inspect import InspectedTrajectory, InspectResult
 from kvprof.traces.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import (
+from kvprof.commands.common import console, demo_trace, progress, write_result
+from kvprof.commands.options import (
     AgentOverrideOption,
     DeviceOption,
     DtypeOption,
@@ -18,10 +19,6 @@ from kvprof.commands.common import (
     OutOption,
     SeedOption,
     TraceArgument,
-    console,
-    demo_trace,
-    progress,
-    write_result,
 )
 from kvprof.errors import KvprofError
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvprof.cli_help import policy_names, policy_option_list
-from kvprof.commands import common
+from kvprof.commands import common, displays, options
 from kvprof.errors import KvprofError
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
 
@@ -62,7 +62,7 @@ HELP = {
 
 
 def command(
-    trace: common.TraceArgument = None,
+    trace: options.TraceArgument = None,
     policy: Annotated[list[str], typer.Option("--policy", help=HELP["policy"])] = ["all"],
     policy_option: Annotated[list[str] | None, typer.Option("--policy-option", help=HELP["policy_option"])] = None,
     schedule: Annotated[str | None, typer.Option("--schedule", help=HELP["schedule"])] = None,
@@ -73,23 +73,23 @@ def command(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help=HELP["repeats"])] = 3,
     timing: Annotated[str, typer.Option("--timing", help=HELP["timing"])] = "turn",
     page_size: Annotated[int, typer.Option("--page-size", min=1, help=HELP["page_size"])] = 16,
-    min_span: common.MinSpanOption = MIN_SPAN,
-    span_boundaries: common.SpanBoundariesOption = "messages",
-    limit: common.LimitOption = None,
+    min_span: options.MinSpanOption = MIN_SPAN,
+    span_boundaries: options.SpanBoundariesOption = "messages",
+    limit: options.LimitOption = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help=HELP["skip"])] = 0,
     strict: Annotated[bool, typer.Option("--strict", help=HELP["strict"])] = False,
     resume: Annotated[bool, typer.Option("--resume", help=HELP["resume"])] = False,
-    model: common.ModelOverrideOption = None,
-    agent: common.AgentOverrideOption = None,
-    role: common.RoleOverrideOption = None,
+    model: options.ModelOverrideOption = None,
+    agent: options.AgentOverrideOption = None,
+    role: options.RoleOverrideOption = None,
     ray: Annotated[bool, typer.Option("--ray", help=HELP["ray"])] = False,
-    ray_address: common.RayAddressOption = None,
-    ray_workers: common.RayWorkersOption = None,
-    ray_worker_cpus: common.RayWorkerCpusOption = 1,
-    out: common.OutOption = Path("runs/replay"),
-    device: common.DeviceOption = "auto",
-    dtype: common.DtypeOption = "auto",
-    seed: common.SeedOption = 0,
+    ray_address: options.RayAddressOption = None,
+    ray_workers: options.RayWorkersOption = None,
+    ray_worker_cpus: options.RayWorkerCpusOption = 1,
+    out: options.OutOption = Path("runs/replay"),
+    device: options.DeviceOption = "auto",
+    dtype: options.DtypeOption = "auto",
+    seed: options.SeedOption = 0,
 ) -> None:
     """Replay a trace under sharing policies with real model execution; per-layer error, fidelity, reuse,
     prefill, TTFT, latency and memory against the dense (NonShared) run."""
@@ -158,9 +158,9 @@ class Replay:
         require_variants(variants, skipped)
         identity = replay_identity(self.trace, agents_identity(agents), variants, use_kernel, **self.settings)
         checkpoint = Checkpoint(self.checkpoint_path, identity)
-        state = common.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
+        state = displays.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
         label, settings = f"replaying {len(variants)} policies", self.settings | {"lora_attention": use_kernel}
-        with common.replay_progress(
+        with displays.replay_progress(
             label, self.trajectories, len(variants), settings["online"], state, checkpoint
         ) as hooks:
             result = run_replay(agents, self.trajectories, variants, progress=state, hooks=hooks, **settings)
@@ -181,7 +181,7 @@ class Replay:
             identity = replay_identity(self.trace, loaded, variants, use_kernel, sharded=True, **self.settings)
             checkpoint = Checkpoint(self.checkpoint_path, identity)
             what, settings = f"{len(variants)} policies", self.settings | {"lora_attention": use_kernel}
-            result = common.replay_on_ray(
+            result = displays.replay_on_ray(
                 cluster, self.trajectories, variants, what, checkpoint, self.resume, **settings
             )
         return with_trace(result, self.trace, skipped, None)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.progress import Progress, TaskID
 
-from kvprof.commands.common import OutOption, SeedOption, console, demo_trace, note, progress, write_result
+from kvprof.commands.common import console, demo_trace, note, progress, write_result
+from kvprof.commands.options import OutOption, SeedOption
 from kvprof.serving.bench import (
     CPU_KV_CACHE_GIB,
     ServerLaunch,

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvprof.commands.common import OutOption, SeedOption, console, write_result
+from kvprof.commands.common import console, write_result
+from kvprof.commands.options import OutOption, SeedOption
 from kvprof.simulate import DEFAULT_QPS
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvprof.cli_help import tune_grid
-from kvprof.commands import common
+from kvprof.commands import common, displays, options
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
 from kvprof.traces.trace import Trajectory, read_trace
 
@@ -57,18 +57,18 @@ def command(
     resume: Annotated[
         bool, typer.Option("--resume", help=f"Continue an interrupted sweep from OUT/{CHECKPOINT}.")
     ] = False,
-    model: common.ModelOverrideOption = None,
-    role: common.RoleOverrideOption = None,
+    model: options.ModelOverrideOption = None,
+    role: options.RoleOverrideOption = None,
     ray: Annotated[bool, typer.Option("--ray", help=HELP["ray"])] = False,
-    ray_address: common.RayAddressOption = None,
-    ray_workers: common.RayWorkersOption = None,
-    ray_worker_cpus: common.RayWorkerCpusOption = 1,
-    min_span: common.MinSpanOption = MIN_SPAN,
-    span_boundaries: common.SpanBoundariesOption = "messages",
-    out: common.OutOption = Path("runs/tune-tau"),
-    device: common.DeviceOption = "auto",
-    dtype: common.DtypeOption = "auto",
-    seed: common.SeedOption = 0,
+    ray_address: options.RayAddressOption = None,
+    ray_workers: options.RayWorkersOption = None,
+    ray_worker_cpus: options.RayWorkerCpusOption = 1,
+    min_span: options.MinSpanOption = MIN_SPAN,
+    span_boundaries: options.SpanBoundariesOption = "messages",
+    out: options.OutOption = Path("runs/tune-tau"),
+    device: options.DeviceOption = "auto",
+    dtype: options.DtypeOption = "auto",
+    seed: options.SeedOption = 0,
 ) -> None:
     """Sweep the acceptance threshold (τ of KVCMAS, γ of KVComm): reuse ρ, per-layer error, KL, accuracy, TTFT,
     latency and memory per value; recommend the value with the most reuse that meets the target, verify it on the
@@ -137,9 +137,9 @@ def replayer_here(
     trajectory, resuming from `checkpoint` with `resume`."""
     from kvprof.tuning.tau import in_process
 
-    state = common.resumed_progress(checkpoint, resume, tuning, "tuning trajectories")
+    state = displays.resumed_progress(checkpoint, resume, tuning, "tuning trajectories")
     label = f"replaying {len(thresholds)} values of {key} in lockstep"
-    with common.replay_progress(label, tuning, len(thresholds), online, state, checkpoint) as hooks:
+    with displays.replay_progress(label, tuning, len(thresholds), online, state, checkpoint) as hooks:
         yield in_process(agents, repeats, online, state, hooks, matching)
 
 
@@ -151,7 +151,7 @@ def replayer_on_ray(
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         what, saved = f"{len(variants)} variants", checkpoint if sweep else None
-        result = common.replay_on_ray(
+        result = displays.replay_on_ray(
             cluster,
             list(trajectories),
             variants,

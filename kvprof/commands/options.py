@@ -1,0 +1,67 @@
+"""The options several commands declare alike, as typer `Annotated` types: --out, --device, --dtype, --seed, span
+matching, the trace argument and its overrides, Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+OutOption = Annotated[Path, typer.Option("--out", help="Directory for results (created if missing).")]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N.")]
+DtypeOption = Annotated[
+    str,
+    typer.Option("--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."),
+]
+SeedOption = Annotated[int, typer.Option("--seed", help="Random seed; a fixed seed gives identical results.")]
+MinSpanOption = Annotated[
+    int,
+    typer.Option(
+        "--min-span",
+        help="The shortest run of ids, read again at other positions than a turn computed them, counted as a moved "
+        "span (at least 8).",
+    ),
+]
+SpanBoundariesOption = Annotated[
+    str,
+    typer.Option(
+        "--span-boundaries",
+        help="messages: a moved span begins and ends where a message (a segment of the trace) begins or ends, in the "
+        "reading turn or in the turn it comes from, as chunk caches reuse whole messages; ids: any run of equal ids. "
+        "Turns generated online (--online) are matched by ids.",
+    ),
+]
+
+TraceArgument = Annotated[
+    Path | None,
+    typer.Argument(help="Trace (JSONL) from `kvprof capture` [default: the demo world's sample trace]."),
+]
+ModelOverrideOption = Annotated[str | None, typer.Option("--model", help="Override the trace's base model.")]
+AgentOverrideOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--agent",
+        help="NAME=ADAPTER_DIR: override an agent's adapter (lora mode, e.g. a shared-A set). Repeat per agent.",
+    ),
+]
+RoleOverrideOption = Annotated[list[str] | None, typer.Option("--role", help="NAME=PROMPT: override a role prompt.")]
+LimitOption = Annotated[int | None, typer.Option("--limit", help="Use only the first N trajectories.")]
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        help="With --ray: the cluster's address (HOST:PORT, ray://HOST:PORT, auto: the cluster `ray start` "
+        "started on this machine, local: a new instance here) [default: RAY_ADDRESS, else local].",
+    ),
+]
+RayWorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--ray-workers", help="With --ray: how many workers [default: one per GPU, else per --ray-worker-cpus]."
+    ),
+]
+RayWorkerCpusOption = Annotated[
+    int,
+    typer.Option("--ray-worker-cpus", min=1, help="With --ray: CPUs (and threads) each worker holds [default: 1]."),
+]
