@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.results.serve_bench import ServeBenchResult, ServeRun
+from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.serving.checks import check_context, check_tokenizer, refuse_activated_lora, served_models
 from kvprof.serving.client import ServerClient, ServerError
 from kvprof.serving.driver import LoadRun
@@ -148,6 +148,6 @@ def serve_bench_result(
         model=header.model.get("path"),
         server=server | {"base": served.base, "adapters": served.adapters},
         trajectories=[traj.id for traj in trajectories],
-        runs=[ServeRun.from_json(run, "a serve-bench run", "rerun kvprof serve-bench") for run in results],
-        comparison=pattern_comparison([run["summary"] for run in results]),
+        runs=results,
+        comparison=pattern_comparison([run.summary for run in results]),
     )

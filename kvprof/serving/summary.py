@@ -113,22 +113,22 @@ def _agents(records: list[RequestRecord]) -> list[str]:
     return list(dict.fromkeys(r.agent for r in records))
 
 
-def run_result(run: LoadRun) -> dict:
-    """One run as JSON (a `ServeRun`'s): summary, every request, /metrics samples."""
+def run_result(run: LoadRun) -> ServeRun:
+    """One run of a result: summary, every request, /metrics samples."""
     summary = summarize(run)
     return ServeRun(
         summary=ServeSummary(**summary | {"load": ServeLoad(**summary["load"])}),
         requests=[asdict(r) for r in run.requests],
         samples=run.samples,
-    ).to_json()
+    )
 
 
-def pattern_comparison(summaries: list[dict]) -> list[dict]:
+def pattern_comparison(summaries: list[ServeSummary]) -> list[dict]:
     """Per load run under both patterns: base's lower TTFT p90, higher throughput and prefix-hit ratio against
     agents — what sharing could win on this engine."""
-    by_load: dict[str, dict[str, dict]] = {}
+    by_load: dict[str | None, dict[str, ServeSummary]] = {}
     for summary in summaries:
-        by_load.setdefault(summary["load"]["label"], {})[summary["pattern"]] = summary
+        by_load.setdefault(summary.load.label, {})[summary.pattern] = summary
     rows = []
     for label, patterns in by_load.items():
         agents, base = patterns.get("agents"), patterns.get("base")
@@ -141,16 +141,18 @@ def pattern_comparison(summaries: list[dict]) -> list[dict]:
                 "ttft_p90_agents": agents_p90,
                 "ttft_p90_base": base_p90,
                 "ttft_p90_ratio": agents_p90 / base_p90 if agents_p90 and base_p90 else None,
-                "throughput_ratio": base["throughput"]["tokens_per_s"] / agents["throughput"]["tokens_per_s"]
-                if agents["throughput"]["tokens_per_s"]
-                else None,
-                "prefix_hit_ratio_agents": agents["prefix_hit_ratio"],
-                "prefix_hit_ratio_base": base["prefix_hit_ratio"],
+                "throughput_ratio": _tokens_per_s(base) / _tokens_per_s(agents) if _tokens_per_s(agents) else None,
+                "prefix_hit_ratio_agents": agents.prefix_hit_ratio,
+                "prefix_hit_ratio_base": base.prefix_hit_ratio,
             }
         )
     return rows
 
 
-def _p90(summary: dict, metric: str) -> float | None:
-    stats = summary["overall"][metric]
+def _p90(summary: ServeSummary, metric: str) -> float | None:
+    stats = summary.overall[metric]
     return stats["p90"] if stats else None
+
+
+def _tokens_per_s(summary: ServeSummary) -> float:
+    return (summary.throughput or {})["tokens_per_s"]
