@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import kvprof
 from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
-from kvprof.results.base import ResultFile
+from kvprof.results.base import Envelope, Environment, ResultFile
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
@@ -39,29 +39,28 @@ __all__ = [
 
 
 def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> dict:
-    """The schema-versioned wrapper of every JSON result; `workers`: a distributed run's Ray workers."""
+    """`payload` in the schema-versioned envelope of every JSON result (`kvprof.results.base.Envelope`); `workers`:
+    a distributed run's Ray workers."""
     import torch
 
     from kvprof.profiling import cpu_description
 
-    envelope = {
-        "schema": f"{RESULT_SCHEMA}{kind}",
-        "version": RESULT_VERSION,
-        "kvprof": kvprof.__version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "cpu": cpu_description(),
-            "cpu_threads": torch.get_num_threads(),
-        },
-        "args": {key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
-        **payload,
-    }
-    if workers is not None:
-        envelope["environment"]["workers"] = workers
-    return envelope
+    envelope = Envelope(
+        schema=f"{RESULT_SCHEMA}{kind}",
+        version=RESULT_VERSION,
+        kvprof=kvprof.__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        environment=Environment(
+            python=platform.python_version(),
+            torch=torch.__version__,
+            cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            cpu=cpu_description(),
+            cpu_threads=torch.get_num_threads(),
+            workers=workers,
+        ),
+        args={key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
+    )
+    return envelope.to_json() | payload
 
 
 def write_result(
