@@ -82,9 +82,8 @@ def _row_cells(row: SweepRow) -> list[str]:
 COLUMNS = ["ρ", "KL", "top-1", "K / V err", "accuracy (drop, pts)", "TTFT ×", "latency ×", "memory ×"]
 
 
-def sweep_table(result: TuneTauResult | dict) -> TableData:
+def sweep_table(result: TuneTauResult) -> TableData:
     """One row per swept threshold on the tuning trajectories; the recommended one marked."""
-    result = TuneTauResult.of(result)
     key = result.threshold_option
     best = result.recommended
     table = TableData(
@@ -103,9 +102,8 @@ def sweep_table(result: TuneTauResult | dict) -> TableData:
     return table
 
 
-def verification_lines(result: TuneTauResult | dict) -> list[str]:
+def verification_lines(result: TuneTauResult) -> list[str]:
     """The recommendation and how it fared on the held-out trajectories, as sentences."""
-    result = TuneTauResult.of(result)
     best = result.recommended
     key = result.threshold_option
     if best is None:
@@ -237,9 +235,8 @@ def fit_sections(report: dict) -> list[Section]:
     ]
 
 
-def tune_sections(result: TuneTauResult | dict) -> list[Section]:
+def tune_sections(result: TuneTauResult) -> list[Section]:
     """Dashboard sections of a tune-tau result: the recommendation first."""
-    result = TuneTauResult.of(result)
     return [
         Section(
             f"{result.policy}: {result.threshold_option} sweep",

@@ -23,10 +23,9 @@ def _rank(means: dict[str, float], name: str) -> str:
     return f"{means[f'{name}_rank']:.1f} ({means[f'{name}_energy90']:.0f}/{means[f'{name}_energy99']:.0f})"
 
 
-def layer_tables(result: RankAnalysisResult | dict) -> list[TableData]:
+def layer_tables(result: RankAnalysisResult) -> list[TableData]:
     """Per-layer means over (trajectory, agent pair) spans: ranks, then norms and similarities; lora mode adds X·W0
     and the adapter output, prompt mode the context-free deltas (absent in older results)."""
-    result = RankAnalysisResult.of(result)
     lora = result.mode == "lora"
     spans = f"means over {len(result.pairs)} (trajectory, agent pair) spans"
     ranks = TableData(
@@ -92,9 +91,8 @@ def context_free_table(context_free: dict) -> TableData:
     return table
 
 
-def verdict_lines(result: RankAnalysisResult | dict) -> list[str]:
+def verdict_lines(result: RankAnalysisResult) -> list[str]:
     """One line per published claim: paper, claim, verdict, measured value and detail."""
-    result = RankAnalysisResult.of(result)
     return [
         f"{c.paper}: {c.statement} — {VERDICTS[c.holds]} (measured {c.measured}; {c.detail})" for c in result.claims
     ]
@@ -266,9 +264,8 @@ def _cosine_heatmaps(result: RankAnalysisResult) -> list:
     return heatmaps
 
 
-def sections(result: RankAnalysisResult | dict) -> list[Section]:
+def sections(result: RankAnalysisResult) -> list[Section]:
     """Dashboard sections: verdicts and tables, per-layer curves, spectra, heatmaps."""
-    result = RankAnalysisResult.of(result)
     verdicts = TableData(
         title="published claims", columns=["paper", "claim", "verdict", "measured", "detail", "quantity measured"]
     )
@@ -310,9 +307,8 @@ def sections(result: RankAnalysisResult | dict) -> list[Section]:
     ]
 
 
-def write_report(path: Path, result: RankAnalysisResult | dict) -> Path:
+def write_report(path: Path, result: RankAnalysisResult) -> Path:
     """The HTML page of a rank-analysis result, under a line naming trace, model, mode, spans and matrices."""
-    result = RankAnalysisResult.of(result)
     return write_html(
         path,
         "kvprof rank-analysis",

@@ -20,7 +20,7 @@ def _gauge(summary: ServeSummary, name: str, scale: float = 1.0, unit: str = "")
     return "-" if stats is None else f"{scale * stats['max']:.{1 if scale != 1 else 0}f}{unit}"
 
 
-def runs_table(result: ServeBenchResult | dict) -> TableData:
+def runs_table(result: ServeBenchResult) -> TableData:
     """One row per run: requests, output agreement, prefix-hit ratio, latencies (ms), throughput, server gauges."""
     table = TableData(
         title="serve-bench: one row per reuse pattern and load",
@@ -45,7 +45,7 @@ def runs_table(result: ServeBenchResult | dict) -> TableData:
         "scheduling) in ms; tok/s counts prompt and output tokens; max wait / peak KV: the largest waiting "
         "request count and KV-cache use /metrics showed.",
     )
-    for run in ServeBenchResult.of(result).runs:
+    for run in result.runs:
         summary = run.summary
         overall, agreement, throughput = summary.overall, summary.agreement or {}, summary.throughput or {}
         table.add_row(
@@ -67,14 +67,14 @@ def runs_table(result: ServeBenchResult | dict) -> TableData:
     return table
 
 
-def agents_table(result: ServeBenchResult | dict) -> TableData:
+def agents_table(result: ServeBenchResult) -> TableData:
     """One row per run and agent: requests, prefix-hit ratio, TTFT p50/p90/p99 and e2e p90."""
     table = TableData(
         title="serve-bench per agent",
         columns=["pattern", "load", "agent", "requests", "cached", "TTFT p50", "TTFT p90", "TTFT p99", "e2e p90"],
         caption="times in ms; cached: the agent's prompt tokens served from the prefix cache.",
     )
-    for run in ServeBenchResult.of(result).runs:
+    for run in result.runs:
         summary = run.summary
         for agent, stats in (summary.agents or {}).items():
             table.add_row(
@@ -91,9 +91,9 @@ def agents_table(result: ServeBenchResult | dict) -> TableData:
     return table
 
 
-def comparison_table(result: ServeBenchResult | dict) -> TableData | None:
+def comparison_table(result: ServeBenchResult) -> TableData | None:
     """Base against agents at each load run under both patterns; None when no load was."""
-    rows = ServeBenchResult.of(result).comparison or []
+    rows = result.comparison or []
     if not rows:
         return None
     table = TableData(

@@ -12,9 +12,8 @@ def _error(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.0f} %"
 
 
-def cost_lines(result: SimulateResult | dict) -> list[str]:
+def cost_lines(result: SimulateResult) -> list[str]:
     """The step model (its source, coefficients and fit statistics) and the scaling, as lines of text."""
-    result = SimulateResult.of(result)
     model = result.cost_model
     lines = [
         "step time t = a + b·prefill + c·decode_seqs + d·kv_read + f·adapter_tokens + g·adapter_step (+ e per "
@@ -48,9 +47,8 @@ def cost_lines(result: SimulateResult | dict) -> list[str]:
     return lines
 
 
-def errors_table(result: SimulateResult | dict) -> TableData | None:
+def errors_table(result: SimulateResult) -> TableData | None:
     """The calibration runs re-simulated: measured against simulated median TTFT and throughput; None without."""
-    result = SimulateResult.of(result)
     rows = result.calibration_errors or []
     if not rows:
         return None
@@ -74,9 +72,8 @@ def errors_table(result: SimulateResult | dict) -> TableData | None:
     return table
 
 
-def runs_table(result: SimulateResult | dict) -> TableData:
+def runs_table(result: SimulateResult) -> TableData:
     """Per policy and load: TTFT p50/p90/p99 (ms), e2e p90, throughput, peak KV, preemptions, OOM."""
-    result = SimulateResult.of(result)
     scaled = bool(result.scale["shared_tokens"])
     table = TableData(
         title=f"simulated serving ({result.cost_model['source']})",
@@ -125,9 +122,8 @@ def runs_table(result: SimulateResult | dict) -> TableData:
     return table
 
 
-def out_of_memory_lines(result: SimulateResult | dict) -> list[str]:
+def out_of_memory_lines(result: SimulateResult) -> list[str]:
     """Why each policy and load that ran out of memory did (one line each)."""
-    result = SimulateResult.of(result)
     return [
         f"{row['policy']} @ {row['load']['label']}{_context(row)}: out of memory: {row['out_of_memory']}"
         for row in result.runs
@@ -139,9 +135,8 @@ def _context(row: dict) -> str:
     return f", {row['shared_tokens']} tokens" if row.get("shared_tokens") else ""
 
 
-def sustainable_table(result: SimulateResult | dict) -> TableData | None:
+def sustainable_table(result: SimulateResult) -> TableData | None:
     """Per policy, the highest swept load whose TTFT p90 met the SLO; None without an SLO."""
-    result = SimulateResult.of(result)
     best, slo = result.sustainable, result.settings.ttft_slo_s
     if best is None or slo is None:
         return None
@@ -156,9 +151,8 @@ def sustainable_table(result: SimulateResult | dict) -> TableData | None:
     return table
 
 
-def claim_lines(result: SimulateResult | dict) -> list[str]:
+def claim_lines(result: SimulateResult) -> list[str]:
     """The published serving figures' verdicts, stated as simulated, with the cost model they used."""
-    result = SimulateResult.of(result)
     verdicts = result.serving_claims or []
     if not verdicts:
         return []

@@ -317,9 +317,8 @@ def tune(
     )
 
 
-def replay_flags(result: TuneTauResult | dict) -> list[str]:
+def replay_flags(result: TuneTauResult) -> list[str]:
     """The recommendation as `kvprof replay --policy-option` values."""
-    result = TuneTauResult.of(result)
     best = result.recommended
     if best is None:
         return []
