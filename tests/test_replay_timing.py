@@ -13,6 +13,7 @@ from test_policies import shared_a_agents  # noqa: F401  (fixture)
 from kvprof.policies import PolicyVariant
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
+from kvprof.profiling import keep_freed_memory
 from kvprof.replay.engine import DENSE, replay_trace, run_replay
 from kvprof.report.replay import cost_table
 from kvprof.traces.trace import read_trace
@@ -36,11 +37,15 @@ def timed(shared_a_agents, trajectories):  # noqa: F811
 
 
 def test_the_timing_mode_is_recorded(timed, shared_a_agents, trajectories):  # noqa: F811
-    assert timed["timing"] == {"mode": "trajectory", "origin": "code", "runs": 2, "warm_up_runs": 1}
+    kept = keep_freed_memory()  # on CPU, before timing (glibc)
+    assert timed["timing"] == {"mode": "trajectory", "origin": "code", "runs": 2, "warm_up_runs": 1, "heap_kept": kept}
     assert "trajectory timing (code: PReCache's bench/single_stream.py)" in cost_table(timed).title
     per_turn = run_replay(shared_a_agents, trajectories[:1], VARIANTS[:1], repeats=1)
-    assert per_turn["timing"] == {"mode": "turn", "origin": "kvprof", "runs": 1, "warm_up_runs": 0}
-    assert "turn timing (kvprof): TTFT = median of 1 repeats per turn (no warm-up)" in cost_table(per_turn).title
+    assert per_turn["timing"] == {"mode": "turn", "origin": "kvprof", "runs": 1, "warm_up_runs": 0, "heap_kept": kept}
+    title = "turn timing (kvprof): TTFT = median of 1 repeats per turn (no warm-up)" + (
+        "; the CPU allocator kept freed memory" if kept else ""
+    )
+    assert title in cost_table(per_turn).title
     assert per_turn["dense"]["summary"]["timing"] == "turn"
     assert "runs" not in per_turn["dense"]["turns"][0]
 

@@ -26,7 +26,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest, TurnResult
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
-from kvprof.profiling import cpu_description, gpu_memory
+from kvprof.profiling import cpu_description, gpu_memory, keep_freed_memory
 from kvprof.replay.branches import BranchingTimeline, FollowedTimeline, TurnStart, plan_of, require_one_timeline
 from kvprof.replay.metrics import (
     kl_divergence,
@@ -483,6 +483,8 @@ def replay_trace(
     trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
     require_invocations(runtime, trajectories)
+    if runtime.device.type == "cpu":
+        keep_freed_memory()
     dense = NonShared(runtime)
     policies = build_policies(runtime, variants)
     state = progress or ReplayProgress()
@@ -768,15 +770,16 @@ def with_trace(result: dict, trace: Path, skipped: dict[str, str], self_check: d
     return ReplayResult.from_json(named | {"self_check": self_check}, f"the replay of {trace}", "rerun kvprof replay")
 
 
-def timing_setting(timing: str, repeats: int) -> dict:
+def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
     """How TTFT, TPOT and latency were timed: mode, whose practice (`Option.origins` labels), timed and warm-up
-    runs."""
+    runs, whether the CPU allocator kept freed memory (`keep_freed_memory`)."""
     trajectory = timing == "trajectory"
     return {
         "mode": timing,
         "origin": "code" if trajectory else "kvprof",
         "runs": repeats,
         "warm_up_runs": 1 if trajectory or repeats > 1 else 0,
+        "heap_kept": heap_kept,
     }
 
 
@@ -794,7 +797,7 @@ def run_setting(
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
-        timing=timing_setting(timing, repeats),
+        timing=timing_setting(timing, repeats, agents.device.type == "cpu" and keep_freed_memory()),
         page_size=page_size,
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),

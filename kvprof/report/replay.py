@@ -287,15 +287,15 @@ def memory_claims_table(result: ReplayResult | dict) -> TableData | None:
 def timing_text(timing: dict) -> str:
     """The timing mode (`timing_setting`) in words, labelled with whose practice it follows."""
     runs = timing["runs"]
+    kept = "; the CPU allocator kept freed memory" if timing.get("heap_kept") else ""
     if timing["mode"] == "trajectory":
         return (
             f"trajectory timing ({timing['origin']}: PReCache's bench/single_stream.py): each run alone, one untimed "
             f"warm-up run of each trajectory, then the mean of {runs} timed runs; TTFT = the sum of its synced "
-            "prefill calls"
+            f"prefill calls{kept}"
         )
-    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn" + (
-        " after a warm-up" if runs > 1 else " (no warm-up)"
-    )
+    warm_up = " after a warm-up" if runs > 1 else " (no warm-up)"
+    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn{warm_up}{kept}"
 
 
 def layer_table(result: ReplayResult) -> TableData:
