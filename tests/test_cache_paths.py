@@ -12,13 +12,14 @@ from test_policies import CASES, shared_a_agents  # noqa: F401  (fixture)
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.model.agents import load_agents_for_trace
-from kvprof.model.buffers import BufferCache, GrowingTensor, KVBuffer
+from kvprof.model.buffers import BufferCache, GrowingTensor, KVBuffer, Workspace
 from kvprof.model.lora import decoder_layers
 from kvprof.model.rope import apply_rope, rotate_half
 from kvprof.model.runtime import Runtime
-from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
+from kvprof.policies import PolicyVariant, TurnRequest, lowrank, runnable_variants
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
+from kvprof.profiling import keep_freed_memory
 from kvprof.replay.engine import compare_turn
 from kvprof.traces.trace import read_trace
 
@@ -96,6 +97,42 @@ def test_buffer_cache_appends_in_place_after_the_context():
     assert torch.equal(out_values[:, :, 3:], new_values)
 
 
+def test_workspace_reuses_its_storage_and_grows():
+    """A workspace buffer is the same storage turn after turn while it fits, grows by GROWTH past it, and is
+    reallocated for another shape; `copy` holds what `KVBuffer.of` does, `rows` the rows stacked."""
+    workspace = Workspace()
+    keys, values = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    first = workspace.copy("view", 0, keys, values, spare=5)
+    storage = first.keys.storage.data_ptr()
+    assert torch.equal(first.view(40)[0], keys) and torch.equal(first.view(40)[1], values)
+    again = workspace.copy("view", 0, keys[:, :, :30], values[:, :, :30])
+    assert again is first and again.keys.storage.data_ptr() == storage
+    assert workspace.buffer("view", 1, keys, values, 10) is not first  # per layer
+    assert workspace.buffer("other", 0, keys, values, 10) is not first  # per name
+    capacity = first.keys.capacity
+    grown = workspace.buffer("view", 0, keys, values, capacity + 1)
+    assert grown.keys.capacity >= int(capacity * 1.5)
+    halves = workspace.copy("view", 0, keys.half(), values.half())
+    assert halves.keys.storage.dtype == torch.float16 and torch.equal(halves.view(40)[0], keys.half())
+    other = (torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8))
+    stacked = workspace.rows("rows", 0, [(keys, values), other], spare=3)
+    assert torch.equal(stacked.view(40)[0], torch.cat([keys, other[0]]))
+    assert torch.equal(stacked.view(40)[1], torch.cat([values, other[1]]))
+
+
+def test_freed_memory_is_reused_without_new_pages():
+    """After `keep_freed_memory` a large block freed and allocated again touches pages the process already has
+    (glibc otherwise maps it afresh: one fault per 4 KiB page)."""
+    resource = pytest.importorskip("resource")
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    size = 64 * 2**20 // 4
+    torch.ones(size)  # allocated, touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(size)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000  # 16,384 pages if mapped afresh
+
+
 def test_rope_tables_equal_the_rotation(shared_a_agents):  # noqa: F811
     runtime = Runtime(shared_a_agents)
     states = torch.randn(1, runtime.kv_heads, 300, runtime.head_dim)
@@ -107,9 +144,11 @@ def test_rope_tables_equal_the_rotation(shared_a_agents):  # noqa: F811
     assert runtime.rope_tables(10, 1)[0].shape == (10, runtime.head_dim)
 
 
-def test_kept_views_equal_per_turn_expansion(lora_trace, shared_a_agents):  # noqa: F811
+def test_kept_views_equal_per_turn_expansion(lora_trace, shared_a_agents, monkeypatch):  # noqa: F811
     """views=kept expands each token once per agent and extends the view; it attends to exactly what the per-turn
-    expansion builds, and stores one more cache per agent that has acted (counted, and equal to the live bytes)."""
+    expansion builds, and stores one more cache per agent that has acted (counted, and equal to the live bytes).
+    Views are expanded 7 tokens at a time, so a kept view's blocks start elsewhere than a per-turn view's."""
+    monkeypatch.setattr(lowrank, "EXPANSION_BLOCK", 7)
     runtime = Runtime(shared_a_agents)
     trajectory = read_trace(lora_trace).trajectories[0]
     for name, extra in (("prelrshared", {}), ("baselrshared", {}), ("rebaseshared", {"schedule": "db"})):

@@ -97,22 +97,6 @@ class KVBuffer:
             start += int(keys.shape[2])
         return buffer
 
-    @classmethod
-    def of_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], spare: int = 0) -> KVBuffer:
-        """A buffer of batch `rows` ((K, V) each (b, H_kv, L, D)) stacked on the batch axis, `spare` room."""
-        length = int(rows[0][0].shape[2])
-        batch = sum(int(keys.shape[0]) for keys, _ in rows)
-        grown = []
-        for side in (0, 1):
-            first = rows[0][side]
-            target = GrowingTensor(first.new_empty((batch, first.shape[1], 0, first.shape[3])), 2, length + spare)
-            offset = 0
-            for row in rows:
-                target.slot(0, length).narrow(0, offset, row[side].shape[0]).copy_(row[side])
-                offset += int(row[side].shape[0])
-            grown.append(target)
-        return cls(grown[0], grown[1])
-
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys.write(start, keys)
         self.values.write(start, values)
@@ -120,9 +104,60 @@ class KVBuffer:
     def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.view(end), self.values.view(end)
 
+    def fits(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether this buffer holds tensors like `keys`, `values` (batch, heads, head size, dtype, device)."""
+        return all(
+            held.storage.shape[:2] == side.shape[:2]
+            and held.storage.shape[3:] == side.shape[3:]
+            and held.storage.dtype == side.dtype
+            and held.storage.device == side.device
+            for held, side in ((self.keys, keys), (self.values, values))
+        )
+
     def cache_layer(self, length: int, index: int, rewrite: Rewrite | None, latent: bool) -> CacheLayerMixin:
         """The cache layer the model updates for decoder layer `index`, over this buffer's first `length` tokens."""
         return BufferLayer(self, length, index, rewrite, latent)
+
+
+class Workspace:
+    """Buffers a policy writes a turn's context into, reused turn after turn (per name and layer, grown by `GROWTH`).
+
+    A per-turn view or copy of a long context is as large as the context and larger each turn. Freshly allocated,
+    the CPU allocator hands it new pages that fault on first touch, which on a long trajectory costs more than the
+    expansion itself (docs/benchmarks.md); written into held storage, it costs the writes. The CUDA caching allocator
+    already reuses freed blocks this way. Contents are scratch: valid for the turn that wrote them."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, int], KVBuffer] = {}
+
+    def buffer(self, name: str, layer: int, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> KVBuffer:
+        """Buffer `name` of `layer`, shaped like `keys`, `values` (B, H_kv, ·, D), with room for `capacity` tokens."""
+        held = self.held.get((name, layer))
+        if held is None or not (held.fits(keys, values) and capacity <= held.keys.capacity):
+            size = capacity if held is None else max(capacity, int(held.keys.capacity * GROWTH))
+            held = self.held[(name, layer)] = KVBuffer.like(keys, values, size)
+        return held
+
+    def copy(self, name: str, layer: int, keys: torch.Tensor, values: torch.Tensor, spare: int = 0) -> KVBuffer:
+        """`KVBuffer.of` into buffer `name` of `layer`: copies of `keys`, `values` (B, H_kv, L, D), `spare` room."""
+        buffer = self.buffer(name, layer, keys, values, int(keys.shape[2]) + spare)
+        buffer.write(0, keys, values)
+        return buffer
+
+    def rows(self, name: str, layer: int, rows: list[tuple[torch.Tensor, torch.Tensor]], spare: int = 0) -> KVBuffer:
+        """Batch `rows` ((K, V) each (b, H_kv, L, D)) stacked on the batch axis in buffer `name` of `layer`, `spare`
+        room."""
+        keys, values = rows[0]
+        batch = sum(int(row_keys.shape[0]) for row_keys, _ in rows)
+        like = [side.new_empty((batch, *side.shape[1:2], 0, side.shape[3])) for side in (keys, values)]
+        buffer = self.buffer(name, layer, like[0], like[1], int(keys.shape[2]) + spare)
+        with torch.inference_mode():
+            for side, grown in enumerate((buffer.keys, buffer.values)):
+                offset = 0
+                for row in rows:
+                    grown.slot(0, int(row[side].shape[2])).narrow(0, offset, row[side].shape[0]).copy_(row[side])
+                    offset += int(row[side].shape[0])
+        return buffer
 
 
 Rewrite = Callable[[int, "KVBuffer", int, int], None]

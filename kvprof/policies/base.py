@@ -24,7 +24,7 @@ import torch
 from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import use_lora_attention
-from kvprof.model.buffers import KVBuffer
+from kvprof.model.buffers import KVBuffer, Workspace
 from kvprof.model.runtime import KV, ChunkForward, Runtime
 from kvprof.policies.moved import PieceForward, SpanKV, SpanStore, extend_over_moved
 from kvprof.policies.options import Option, variant_label
@@ -76,6 +76,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
         self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
+        self.workspace = Workspace()  # turn-scoped views and copies, reused across turns and resets
         self.forget_spans()
         unknown = set(options) - set(self.options)
         if unknown:

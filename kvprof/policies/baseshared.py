@@ -100,7 +100,7 @@ class BaseShared(LowRankPolicy[BaseSharedContext]):
         have = 0 if self.settings["lr_prefill"] == "full" else min(store.lr_length(agent), reused)
         low_rank, flops, working = own, 0.0, 0
         if reused > have:
-            own_view = store.assemble(agent, own, have, spare=reused - have)
+            own_view = store.assemble(agent, own, have, spare=reused - have, slot="own")
             cache = runtime.cache_over(own_view.kv, own_view.buffers, reused - have)
             out = runtime.forward(agent, shared[have:reused], cache, have, capture=True, last_logits_only=True)
             gap = LowRankStore.forward_down_projections(runtime, out, agent)

@@ -23,7 +23,7 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import lora_b_per_head
 from kvprof.kernels.transformers_attention import LoraValues
-from kvprof.model.buffers import GrowingTensor, KVBuffer
+from kvprof.model.buffers import GrowingTensor, KVBuffer, Workspace
 from kvprof.model.lora import SPLIT_SIDES, heads
 from kvprof.model.runtime import KV, ChunkForward, Runtime
 from kvprof.policies.base import SharingPolicy
@@ -32,6 +32,7 @@ from kvprof.policies.turns import Chunk, Context
 from kvprof.traces.reuse import MovedSpan
 
 KEY_FINISH_FLOPS = 10.0  # per key entry, k_norm (≈ 4) and RoPE (6) of a view's keys, for models with a key norm
+EXPANSION_BLOCK = 2048  # tokens of a view expanded at a time: its float32 intermediates stay in cache
 
 
 @dataclass
@@ -65,8 +66,9 @@ class LowRankStore:
     """Base cache (per layer a `KVBuffer`) and named LR caches (per layer {"key"|"value": `GrowingTensor`
     (1, ≥ n, r)}), growing in place."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, workspace: Workspace):
         self.runtime = runtime
+        self.workspace = workspace
         self.base: list[KVBuffer] = []
         self.low_rank: dict[str, list[dict[str, GrowingTensor]]] = {}
         self.lr_lengths: dict[str, int] = {}
@@ -228,13 +230,34 @@ class LowRankStore:
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
         """One layer's (K, V) (1, H_kv, n, D) from timeline index `begin` as `agent` sees them: `base` plus B over
         `sides` ("key"|"value" → (1, n, r)), in float32, and the FLOPs."""
+        keys, values = (torch.empty(side.shape, dtype=torch.float32, device=side.device) for side in base)
+        return (keys, values), self.expand_into(layer, agent, sides, base, begin, (keys, values))
+
+    def expand_into(
+        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int, out: KV
+    ) -> float:
+        """`expand` written into `out` ((K, V) (1, H_kv, n, D), any dtype) `EXPANSION_BLOCK` tokens at a time; the
+        FLOPs."""
+        length = int(base[0].shape[2])
+        flops = 0.0
+        for lo in range(0, length, EXPANSION_BLOCK):
+            hi = min(lo + EXPANSION_BLOCK, length)
+            block_sides = {side: t[:, lo:hi] for side, t in sides.items()}
+            block_base = (base[0][:, :, lo:hi], base[1][:, :, lo:hi])
+            block_out = (out[0][:, :, lo:hi], out[1][:, :, lo:hi])
+            flops += self._expand_block(layer, agent, block_sides, block_base, begin + lo, block_out)
+        return flops
+
+    def _expand_block(
+        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int, out: KV
+    ) -> float:
+        """`expand_into` a block of tokens (the sums in float32, cast once into `out`); the FLOPs."""
         runtime = self.runtime
         split = runtime.splits[layer]
         key_norm = None if runtime.key_norms is None else runtime.key_norms[layer]
         end = begin + int(base[0].shape[2])
         flops = 0.0
-        finished: list[torch.Tensor] = []
-        for projection, source in zip(("key", "value"), base):
+        for projection, source, target in zip(("key", "value"), base, out):
             norm = key_norm if projection == "key" else None
             summed = source
             if projection in sides:
@@ -246,13 +269,18 @@ class LowRankStore:
                 if projection == "key" and norm is None:
                     cos, sin = runtime.rope_tables(end, layer)
                     expanded = runtime.ropes[layer].rotate(expanded, cos[begin:], sin[begin:])
+                if norm is None:
+                    torch.add(expanded, source, out=target)
+                    continue
                 summed = expanded.add_(source)
-            if norm is not None:  # k_norm of the sum in the model's dtype, as the layer applies it, then RoPE
-                cos, sin = runtime.rope_tables(end, layer)
-                summed = runtime.ropes[layer].rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:])
-                flops += KEY_FINISH_FLOPS * summed.numel()
-            finished.append(summed)
-        return (finished[0], finished[1]), flops
+            if norm is None:
+                target.copy_(source)
+                continue
+            # k_norm of the sum in the model's dtype, as the layer applies it, then RoPE
+            cos, sin = runtime.rope_tables(end, layer)
+            target.copy_(runtime.ropes[layer].rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:]))
+            flops += KEY_FINISH_FLOPS * source.numel()
+        return flops
 
     def write_expanded(
         self,
@@ -267,12 +295,10 @@ class LowRankStore:
         """Write `expand` of tokens begin..end into the same slots of `target` (`sides` start at `offset`); FLOPs."""
         base_keys, base_values = self.base[layer].view(end)
         sliced = {side: t[:, begin - offset : end - offset] for side, t in sides.items()}
-        (keys, values), flops = self.expand(
-            layer, agent, sliced, (base_keys[:, :, begin:end], base_values[:, :, begin:end]), begin
+        slots = (target.keys.slot(begin, end - begin), target.values.slot(begin, end - begin))
+        return self.expand_into(
+            layer, agent, sliced, (base_keys[:, :, begin:end], base_values[:, :, begin:end]), begin, slots
         )
-        target.keys.slot(begin, end - begin).copy_(keys)
-        target.values.slot(begin, end - begin).copy_(values)
-        return flops
 
     def assemble(
         self,
@@ -281,9 +307,11 @@ class LowRankStore:
         length: int,
         expand_values: bool = True,
         spare: int = 0,
+        slot: str = "view",
     ) -> StoreView:
         """Per layer (K, V) of the first `length` tokens as `agent` sees them: base + B over `low_rank` (per layer
-        {"key"|"value": (1, ≥ length, r)}; None: the base alone), with room for `spare` more.
+        {"key"|"value": (1, ≥ length, r)}; None: the base alone), with room for `spare` more, written into the
+        workspace's buffers `slot` (views alive at once need different slots).
 
         `expand_values=False`: values stay V_base, the rank-r side returned as `LoraValues(v_lr (1, length, r),
         lora_b (H_kv, r, D))`."""
@@ -305,9 +333,11 @@ class LowRankStore:
             lora_values.append(layer_lora)
             if not sides and runtime.key_norms is None:
                 kv.append((base_keys, base_values))
-                buffers.append(base if length == len(self) else KVBuffer.of(base_keys, base_values, spare))
+                buffers.append(
+                    base if length == len(self) else self.workspace.copy(slot, layer, base_keys, base_values, spare)
+                )
                 continue
-            turn = KVBuffer.like(base_keys, base_values, length + spare)
+            turn = self.workspace.buffer(slot, layer, base_keys, base_values, length + spare)
             flops += self.write_expanded(layer, agent, sides, turn, 0, length)
             kv.append(turn.view(length))
             buffers.append(turn)
@@ -412,7 +442,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
             )
 
     def reset(self) -> None:
-        self.store = LowRankStore(self.runtime)
+        self.store = LowRankStore(self.runtime, self.workspace)
         self.views: dict[str, list[KVBuffer]] = {}
         self.view_lengths: dict[str, int] = {}
 

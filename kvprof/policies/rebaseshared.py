@@ -22,7 +22,6 @@ import torch
 
 from kvprof.claims.papers import PRECACHE, PRECACHE_SETTING
 from kvprof.claims.types import Published, ServingClaim
-from kvprof.model.buffers import KVBuffer
 from kvprof.model.runtime import ChunkForward
 from kvprof.policies.lowrank import VIEWS, LowRankContext, LowRankPolicy, LowRankStore, StoreUpdate
 from kvprof.policies.options import Option
@@ -94,9 +93,12 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         view = self.store_view(agent, self.store.lr(agent), reused, len(shared) - reused)
         kv, buffers = view.kv, view.buffers
         if self.settings["schedule"] == "db":
-            neutral = self.store.assemble(None, None, reused).kv
+            neutral = self.store.assemble(None, None, reused, slot="neutral").kv
             spare = len(shared) - reused
-            buffers = [KVBuffer.of_rows([row, neutral_row], spare) for row, neutral_row in zip(kv, neutral)]
+            buffers = [
+                self.workspace.rows("rows", layer, [row, neutral_row], spare)
+                for layer, (row, neutral_row) in enumerate(zip(kv, neutral))
+            ]
             kv = [buffer.view(reused) for buffer in buffers]
         context = ReBaseSharedContext(
             kv=kv,
@@ -188,7 +190,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         """The after-turn adapter-free pass over the new tokens, storing their neutral caches; its FLOPs."""
         runtime, store = self.runtime, self.store
         context_len = len(store)
-        base = store.assemble(None, None, context_len, spare=len(new_ids))
+        base = store.assemble(None, None, context_len, spare=len(new_ids), slot="neutral")
         cache = runtime.cache_over(base.kv, base.buffers, len(new_ids))
         out = runtime.forward(None, new_ids, cache, context_len, capture=True, last_logits_only=True)
         update, flops = self._neutral_update(out, 0, 0, context_len, agent, own)

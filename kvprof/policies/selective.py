@@ -403,7 +403,11 @@ class SelectiveRecompute(FullShared):
             return context
         stored = self.shared is not None and context.buffers is not None and context.buffers[0] is self.shared[0]
         if stored or context.buffers is None:  # the store's own buffers: the blend writes into a copy
-            context.buffers = [KVBuffer.of(keys, values, len(shared) - context.covered) for keys, values in context.kv]
+            spare = len(shared) - context.covered
+            copy = self.workspace.copy
+            context.buffers = [
+                copy("blend", layer, keys, values, spare) for layer, (keys, values) in enumerate(context.kv)
+            ]
             context.kv = [buffer.view(int(keys.shape[2])) for buffer, (keys, _) in zip(context.buffers, context.kv)]
         blend = Blend(self.stack, context.kv, context.buffers, len(self.runtime.prefix(agent)))
         with self.runtime.agents.activate(agent):
