@@ -102,3 +102,19 @@ def test_a_model_with_absolute_positions_is_refused_in_one_sentence():
         KvprofError, match=r"^model .*: layer 0's cached keys do not move .* cannot profile this model\.$"
     ):
         model_ropes(model)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_quarters", [4, 2])
+def test_the_swap_folds_into_a_low_rank_factor(interleaved, rotary_quarters):
+    """RoPE of x·W equals (x·W)·cos + (x·swap(W))·sin on the rotary channels, the rest passing through: how the
+    low-rank store rotates the rank-r key term without a context-sized swapped copy (`Rope.swap`)."""
+    rotary = 4 * rotary_quarters  # of 16 channels
+    rope = Rope(inv_freq=1.0 / 100 ** (torch.arange(rotary // 2) / (rotary // 2)), interleaved=interleaved)
+    x, weights = torch.randn(1, 1, 30, 8, dtype=torch.float64), torch.randn(2, 8, 16, dtype=torch.float64)
+    cos, sin = (table.double() for table in rope.tables(torch.arange(5, 35)))
+    expected = rope.rotate(x @ weights, cos, sin)
+    folded = x @ weights
+    folded[..., :rotary].mul_(cos).addcmul_(x @ rope.swap(weights), sin)
+    torch.testing.assert_close(folded, expected, rtol=1e-12, atol=1e-12)
+    assert rope.swap(weights).shape == (2, 8, rotary)

@@ -38,9 +38,10 @@ class ProjectionWeights:
         """X·W0ᵀ (+ bias): (..., L, d_model) → (..., L, H_kv·D)."""
         return torch.nn.functional.linear(hidden, self.base_weight, self.base_bias)
 
-    def expand(self, low_rank: torch.Tensor, agent: str) -> torch.Tensor:
-        """(X·Aᵀ)·s·Bᵀ: (..., L, r) → (..., L, H_kv·D)."""
-        return low_rank @ self.up[agent].T
+    def up_per_head(self, agent: str, head_dim: int) -> torch.Tensor:
+        """`agent`'s s·B per KV head, (H_kv, r, D): (X·Aᵀ)·s·Bᵀ of head h is (X·Aᵀ) @ result[h]."""
+        up = self.up[agent]
+        return up.T.reshape(up.shape[1], -1, head_dim).transpose(0, 1).contiguous()
 
 
 @dataclass

@@ -82,6 +82,12 @@ class Rope:
         scale = self.attention_scaling if scaled else 1.0
         return angles.cos() * scale, angles.sin() * scale
 
+    def swap(self, states: torch.Tensor) -> torch.Tensor:
+        """The channel swap `rotate` multiplies by sin, of `states`' rotary channels: (..., D) → (..., R). Linear
+        (a permutation and signs), so swap(x·W) = x·swap(W) exactly."""
+        swap = rotate_pairs if self.interleaved else rotate_half
+        return swap(states[..., : self.rotary_dim])
+
     def rotate(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`states` (..., L, D) rotated by `tables` (L, R), in their dtype; channels past R pass through."""
         rotary = self.rotary_dim

@@ -69,6 +69,7 @@ class LowRankStore:
     def __init__(self, runtime: Runtime, workspace: Workspace):
         self.runtime = runtime
         self.workspace = workspace
+        self.up_heads: dict[tuple[int, str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.base: list[KVBuffer] = []
         self.low_rank: dict[str, list[dict[str, GrowingTensor]]] = {}
         self.lr_lengths: dict[str, int] = {}
@@ -253,7 +254,6 @@ class LowRankStore:
     ) -> float:
         """`expand_into` a block of tokens (the sums in float32, cast once into `out`); the FLOPs."""
         runtime = self.runtime
-        split = runtime.splits[layer]
         key_norm = None if runtime.key_norms is None else runtime.key_norms[layer]
         end = begin + int(base[0].shape[2])
         flops = 0.0
@@ -262,13 +262,15 @@ class LowRankStore:
             summed = source
             if projection in sides:
                 assert agent is not None  # sides is empty without an agent
-                proj = getattr(split, projection)
-                factors = sides[projection]
-                expanded = heads(proj.expand(factors.to(proj.up[agent].dtype), agent), runtime.head_dim).float()
+                per_head, swapped = self._up_heads(layer, projection, agent)
+                factors = sides[projection].to(per_head.dtype)[:, None]  # (1, 1, n, r)
+                expanded = (factors @ per_head).float()  # (1, H_kv, n, D)
                 flops += 2.0 * expanded.numel() * factors.shape[-1]
-                if projection == "key" and norm is None:
+                if swapped is not None:  # RoPE of the rank-r term: B·cos + swap(B)·sin, the swap folded into B
                     cos, sin = runtime.rope_tables(end, layer)
-                    expanded = runtime.ropes[layer].rotate(expanded, cos[begin:], sin[begin:])
+                    turned = expanded[..., : swapped.shape[-1]]
+                    turned.mul_(cos[begin:]).addcmul_((factors @ swapped).float(), sin[begin:])
+                    flops += 2.0 * turned.numel() * factors.shape[-1] + 3.0 * turned.numel()
                 if norm is None:
                     torch.add(expanded, source, out=target)
                     continue
@@ -281,6 +283,18 @@ class LowRankStore:
             target.copy_(runtime.ropes[layer].rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:]))
             flops += KEY_FINISH_FLOPS * source.numel()
         return flops
+
+    def _up_heads(self, layer: int, projection: str, agent: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`agent`'s s·B of `projection` at `layer` per head (H_kv, r, D) and, for keys RoPE applies to without a key
+        norm, its rotary channels swapped (H_kv, r, R) (`Rope.swap`); cached."""
+        cached = self.up_heads.get((layer, projection, agent))
+        if cached is None:
+            runtime = self.runtime
+            per_head = getattr(runtime.splits[layer], projection).up_per_head(agent, runtime.head_dim)
+            rotated = projection == "key" and runtime.key_norms is None
+            cached = (per_head, runtime.ropes[layer].swap(per_head) if rotated else None)
+            self.up_heads[(layer, projection, agent)] = cached
+        return cached
 
     def write_expanded(
         self,
