@@ -7,6 +7,9 @@
 #
 #   scripts/react_bench.sh OUT_DIR [SCALE] [extra kvprof replay options...]
 #
+# Extra options with a --policy replace the default selection (every policy, the low-rank ones with both views), e.g.
+# every policy at its defaults: --policy nonshared --policy fullshared ... --policy rebaseshared
+# --policy-option rebaseshared.schedule=lp --policy-option rebaseshared.schedule=db --policy cacheblend ...
 # SCALE (default 1) divides the long prefills (512 and 4096) so a CPU run stays short (SCALE 8: ~2.3k tokens).
 # Tokens are synthesised deterministically (kvprof capture --shapes); the demo world's shared-A adapters are used,
 # so BaseLRShared runs too. On CUDA pass e.g. `--device cuda` (bfloat16 and the Triton kernel are its defaults;
@@ -41,8 +44,13 @@ world="kvprof/demo/assets"
 agents=(--agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act"
         --agent "reflect=$world/adapters/shared_a/reflect")
 kvprof capture --model "$world/model" --shapes "$out/react_shape.csv" "${agents[@]}" --out "$out/capture"
-views=()  # both views of the low-rank policies: re-expanded every turn (default) and kept per agent
+selection=(--policy all)  # both views of the low-rank policies: re-expanded every turn (default) and kept per agent
 for policy in prelrshared baselrshared rebaseshared; do
-    views+=(--policy-option "$policy.views=per-turn" --policy-option "$policy.views=kept")
+    selection+=(--policy-option "$policy.views=per-turn" --policy-option "$policy.views=kept")
 done
-kvprof replay "$out/capture/trace.jsonl" --policy all "${views[@]}" --repeats 3 --out "$out/replay" "$@"
+for option in "$@"; do
+    if [ "$option" = "--policy" ]; then
+        selection=()
+    fi
+done
+kvprof replay "$out/capture/trace.jsonl" "${selection[@]}" --repeats 3 --out "$out/replay" "$@"
