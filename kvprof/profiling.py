@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 import time
 from pathlib import Path
@@ -55,9 +56,11 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
 TRIM_ABOVE_BYTES = 2**31 - 1  # mallopt takes a C int: free memory at the heap's top is handed back past 2 GiB
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc's allocator serve every allocation from its heap and keep freed memory for the next one, as the
-    CUDA caching allocator does on a GPU; whether it took effect (False without glibc). The process keeps its peak.
+    CUDA caching allocator does on a GPU, once per process; whether it took effect (False without glibc). The
+    process keeps its peak.
 
     By default glibc maps a large block (over 128 KiB, up to 32 MiB as it adapts) afresh and unmaps it when freed, so
     a turn's large tensors land on new pages. Where a page fault is slow (on this project's VMs about 20 µs per 4 KiB

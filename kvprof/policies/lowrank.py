@@ -230,8 +230,8 @@ class LowRankStore:
         self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
         """One layer's (K, V) (1, H_kv, n, D) from timeline index `begin` as `agent` sees them: `base` plus B over
-        `sides` ("key"|"value" → (1, n, r)), in float32, and the FLOPs."""
-        keys, values = (torch.empty(side.shape, dtype=torch.float32, device=side.device) for side in base)
+        `sides` ("key"|"value" → (1, n, r)), summed in float32, in `base`'s dtype; and the FLOPs."""
+        keys, values = (torch.empty_like(side) for side in base)
         return (keys, values), self.expand_into(layer, agent, sides, base, begin, (keys, values))
 
     def expand_into(
@@ -527,7 +527,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
                     reader = None if row == "__base__" else row
                     sides = self.store.sides(layer, reader, low_rank)
                     (keys, values), expansion = self.store.expand(layer, reader, sides, base, span.begin)
-                    parts.append((keys.to(base[0].dtype), values.to(base[1].dtype)))
+                    parts.append((keys, values))
                     flops += expansion
                 kv.append((torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])))
             return kv, flops
