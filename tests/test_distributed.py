@@ -68,8 +68,8 @@ class OrderedFullShared(FullShared):
         super().reset()
         self.started += 1
 
-    def run_turn(self, request, repeats=1):
-        result = super().run_turn(request, repeats)
+    def run_turn(self, request, repeats=1, timed=None):
+        result = super().run_turn(request, repeats, timed)
         result.recomputed = self.started * int(self.values["step"])
         return result
 
@@ -81,17 +81,17 @@ class KilledFullShared(FullShared):
     name = "killedfullshared"
     options: ClassVar[dict[str, Option]] = {"marker": Option(default="", labelled=False)}
 
-    def run_turn(self, request, repeats=1):
+    def run_turn(self, request, repeats=1, timed=None):
         self.turns = getattr(self, "turns", 0) + 1
         if self.turns == 2:
             try:  # the first process to get here creates the marker (atomically) and is killed
                 handle = os.open(self.values["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
-                return super().run_turn(request, repeats)
+                return super().run_turn(request, repeats, timed)
             os.write(handle, str(os.getpid()).encode())
             os.close(handle)
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().run_turn(request, repeats)
+        return super().run_turn(request, repeats, timed)
 
 
 TEST_POLICIES = {cls.name: cls for cls in (OrderedFullShared, KilledFullShared)}

@@ -10,7 +10,7 @@ import time
 import pytest
 from test_policies import shared_a_agents  # noqa: F401  (fixture)
 
-from kvprof.policies import PolicyVariant
+from kvprof.policies import PolicyVariant, SharingPolicy
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.profiling import keep_freed_memory
@@ -38,10 +38,24 @@ def timed(shared_a_agents, trajectories):  # noqa: F811
 
 def test_the_timing_mode_is_recorded(timed, shared_a_agents, trajectories):  # noqa: F811
     kept = keep_freed_memory()  # on CPU, before timing (glibc)
-    assert timed["timing"] == {"mode": "trajectory", "origin": "code", "runs": 2, "warm_up_runs": 1, "heap_kept": kept}
+    assert timed["timing"] == {
+        "mode": "trajectory",
+        "origin": "code",
+        "runs": 2,
+        "warm_up_runs": 1,
+        "interleaved": False,
+        "heap_kept": kept,
+    }
     assert "trajectory timing (code: PReCache's bench/single_stream.py)" in cost_table(timed).title
     per_turn = run_replay(shared_a_agents, trajectories[:1], VARIANTS[:1], repeats=1)
-    assert per_turn["timing"] == {"mode": "turn", "origin": "kvprof", "runs": 1, "warm_up_runs": 0, "heap_kept": kept}
+    assert per_turn["timing"] == {
+        "mode": "turn",
+        "origin": "kvprof",
+        "runs": 1,
+        "warm_up_runs": 0,
+        "interleaved": False,
+        "heap_kept": kept,
+    }
     title = "turn timing (kvprof): TTFT = median of 1 repeats per turn (no warm-up)" + (
         "; the CPU allocator kept freed memory" if kept else ""
     )
@@ -81,6 +95,43 @@ def test_the_timed_runs_leave_the_lockstep_records_as_they_are(timed, shared_a_a
     per_turn = replay_trace(shared_a_agents, trajectories, VARIANTS, repeats=1)
     for label in ("prelrshared", "rebaseshared-db"):
         for a, b in zip(timed["policies"][label]["turns"], per_turn["policies"][label]["turns"], strict=True):
+            for key in ("kl_sum", "top1_sum", "layers", "reused", "prefilled", "ttft_flops", "memory_bytes"):
+                assert a[key] == b[key], (label, key)
+
+
+def test_per_turn_prefills_are_timed_round_robin(shared_a_agents, trajectories, monkeypatch):  # noqa: F811
+    """With --repeats > 1 a turn's prefills run round-robin across the dense run and the policies, one untimed
+    round first, the last round inside each run's turn (so no extra prefill), and a drift of the machine's speed
+    reaches every run alike; each TTFT is the median of its run's timed prefills, and what the runs compute equals
+    a replay timed once."""
+    calls: list[tuple[int, float]] = []
+    prefill = SharingPolicy.prefill
+
+    def logged(self, *args, **kwargs):
+        result = prefill(self, *args, **kwargs)
+        calls.append((id(self), result.seconds))
+        return result
+
+    monkeypatch.setattr(SharingPolicy, "prefill", logged)
+    traj = trajectories[0]
+    repeats, runs = 3, 3  # the dense run and two policies
+    result = run_replay(shared_a_agents, [traj], VARIANTS[:2], repeats=repeats)
+    assert result["timing"]["interleaved"] and "timed round-robin across the runs" in cost_table(result).title
+    per_turn = (repeats + 1) * runs  # an untimed round, then `repeats` timed ones
+    assert len(calls) == len(traj.turns) * per_turn
+    for index in range(len(traj.turns)):
+        turn = calls[index * per_turn : (index + 1) * per_turn]
+        order = [run for run, _ in turn]
+        assert order == order[:runs] * (repeats + 1) and len(set(order[:runs])) == runs
+        for position, label in enumerate([DENSE, "fullshared", "prelrshared"]):
+            record = (result["dense"] if label == DENSE else result["policies"][label])["turns"][index]
+            timed_rounds = [turn[runs * round_ + position][1] for round_ in range(1, repeats + 1)]
+            assert record["ttft_s"] == pytest.approx(statistics.median(timed_rounds)), (index, label)
+    monkeypatch.undo()
+    once = run_replay(shared_a_agents, [traj], VARIANTS[:2], repeats=1)
+    assert not once["timing"]["interleaved"]
+    for label in ("fullshared", "prelrshared"):
+        for a, b in zip(result["policies"][label]["turns"], once["policies"][label]["turns"], strict=True):
             for key in ("kl_sum", "top1_sum", "layers", "reused", "prefilled", "ttft_flops", "memory_bytes"):
                 assert a[key] == b[key], (label, key)
 

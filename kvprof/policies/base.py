@@ -269,22 +269,37 @@ class SharingPolicy(ABC, Generic[ContextT]):
 
     # ---------------------------------------------------------------------------------------------- the turn
 
-    def run_turn(self, request: TurnRequest, repeats: int = 1) -> TurnResult:
+    def run_turn(self, request: TurnRequest, repeats: int = 1, timed: list[float] | None = None) -> TurnResult:
         """Serve one agent call: `prefill` (TTFT, median of `repeats` after a warm-up), `decode`, `commit`.
 
-        Teacher-forced on `request.output_ids` (greedy when None); in inference mode, with kvprof's attention
+        `timed`: this turn's prefills timed beforehand (`time_prefill`, interleaved with other runs, warmed up); the
+        call then times its own prefill once and the TTFT is the median of all. Teacher-forced on
+        `request.output_ids` (greedy when None); in inference mode, with kvprof's attention
         (`Runtime.kvprof_attention`)."""
         with torch.inference_mode(), self.runtime.kvprof_attention():
             with self.runtime.serving_call(request.agent, request.input_ids):
-                return self._run_turn(request, repeats)
+                return self._run_turn(request, repeats, timed)
 
-    def _run_turn(self, request: TurnRequest, repeats: int) -> TurnResult:
-        runtime = self.runtime
+    def time_prefill(self, request: TurnRequest) -> float:
+        """One timed prefill of `request` as `run_turn` serves it, nothing decoded or stored: seconds."""
+        with torch.inference_mode(), self.runtime.kvprof_attention():
+            with self.runtime.serving_call(request.agent, request.input_ids):
+                return self.prefill(request.agent, self._turn_input(request)).seconds
+
+    def _turn_input(self, request: TurnRequest) -> list[int]:
+        """The request's input after the agent's prefix; the turn's moved spans made current."""
         shared = self._shared_input(request)
         self.moved_now = request.moved if self.moves_spans else ()
+        return shared
+
+    def _run_turn(self, request: TurnRequest, repeats: int, timed: list[float] | None) -> TurnResult:
+        runtime = self.runtime
+        shared = self._turn_input(request)
         stored_before = sum(self.analytic_bytes().values()) + sum(self.span_store_bytes().values())
         meter = CudaPeak(runtime.device, stored_before)
-        first = self.prefill(request.agent, shared, repeats)
+        first = self.prefill(request.agent, shared, repeats if timed is None else 1)
+        if timed is not None:
+            first.seconds = statistics.median([*timed, first.seconds])
         decoded = self.decode(request, first, warm_up=repeats > 1)
         commit_started = clock(runtime.device)
         context = first.context

@@ -425,7 +425,8 @@ class Lockstep:
         outputs = traj.output_tokens(turn)
         start = timeline.begin(index)
         request = TurnRequest(turn.agent, traj.input_tokens(turn), outputs, moved=start.moved)
-        dense_result = self.dense.run_turn(request, self.per_turn)
+        timed = interleaved_prefills([self.dense, *self.policies], request, self.per_turn)
+        dense_result = self.dense.run_turn(request, self.per_turn, timed[0])
         where = {"trajectory": traj.id, "turn": index}
         self.state.records[DENSE].append(
             compare_turn(dense_result, dense_result, 0, outputs, self.kinds)
@@ -433,8 +434,8 @@ class Lockstep:
             | where
             | {"start": start.to_json()}
         )
-        for policy in self.policies:
-            turn_result = policy.run_turn(request, self.per_turn)
+        for policy, earlier in zip(self.policies, timed[1:]):
+            turn_result = policy.run_turn(request, self.per_turn, earlier)
             from_others = turn_result.from_others
             if from_others is None:
                 from_others = (
@@ -455,6 +456,21 @@ class Lockstep:
         timeline.end(index, turn.agent, shared_len + len(outputs))
 
 
+def interleaved_prefills(runs: list[SharingPolicy], request: TurnRequest, repeats: int) -> list[list[float] | None]:
+    """With `repeats` > 1, each run's first `repeats` − 1 timed prefills of `request`, timed round-robin across
+    `runs` after one untimed round; each run's `run_turn` times the last, in the same order. So a drift of the
+    machine's speed during the turn reaches every run alike. Else None per run (each times its own)."""
+    if repeats <= 1:
+        return [None] * len(runs)
+    timings: list[list[float]] = [[] for _ in runs]
+    for round_index in range(repeats):
+        for run, seconds in zip(runs, timings):
+            measured = run.time_prefill(request)
+            if round_index:
+                seconds.append(measured)
+    return list(timings)
+
+
 def replay_trace(
     agents: AgentSet,
     trajectories: Iterable[Trajectory],
@@ -471,7 +487,8 @@ def replay_trace(
 ) -> dict:
     """Teacher-forced lockstep replay. Returns {"dense": ..., "policies": {label: ...}}.
 
-    - `timing` "turn" (kvprof): TTFT the median of `repeats` timed prefills after a warm-up of the turn; "trajectory"
+    - `timing` "turn" (kvprof): TTFT the median of `repeats` prefills timed round-robin across the dense run and the
+      policies after a warm-up round (`interleaved_prefills`); "trajectory"
       (PReCache's `bench/single_stream.py`): after the lockstep pass, each run replays each trajectory alone
       (`time_trajectory`) and summaries take the mean over its runs.
     - Memory as the papers report it per turn: `paper_memory`.
@@ -772,13 +789,15 @@ def with_trace(result: dict, trace: Path, skipped: dict[str, str], self_check: d
 
 def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
     """How TTFT, TPOT and latency were timed: mode, whose practice (`Option.origins` labels), timed and warm-up
-    runs, whether the CPU allocator kept freed memory (`keep_freed_memory`)."""
+    runs, whether a turn's prefills were timed round-robin across the runs (`interleaved_prefills`), whether the CPU
+    allocator kept freed memory (`keep_freed_memory`)."""
     trajectory = timing == "trajectory"
     return {
         "mode": timing,
         "origin": "code" if trajectory else "kvprof",
         "runs": repeats,
         "warm_up_runs": 1 if trajectory or repeats > 1 else 0,
+        "interleaved": not trajectory and repeats > 1,
         "heap_kept": heap_kept,
     }
 

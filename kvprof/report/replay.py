@@ -295,7 +295,8 @@ def timing_text(timing: dict) -> str:
             f"prefill calls{kept}"
         )
     warm_up = " after a warm-up" if runs > 1 else " (no warm-up)"
-    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn{warm_up}{kept}"
+    interleaved = ", timed round-robin across the runs" if timing.get("interleaved") else ""
+    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn{warm_up}{interleaved}{kept}"
 
 
 def layer_table(result: ReplayResult) -> TableData:
