@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
-from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask, scattered_attention
+from kvprof.kernels.chunk_attention import chunk_attention, chunk_mask, query_blocks, scattered_attention
 
 
 def masked_reference(query, key, value, scale=None):
@@ -38,12 +38,13 @@ def test_chunk_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, q_len, kv_
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (4, 2)])
 @pytest.mark.parametrize(
     "positions",
-    [[0, 1, 2], [3, 9, 10, 30, 47], list(range(5, 45, 3)), [0, *range(20, 50)]],
-    ids=["from 0", "sparse", "strided", "run"],
+    [[0, 1, 2], [3, 9, 10, 30, 47], list(range(5, 45, 3)), [0, *range(20, 50)], [2, 5, *range(10, 40), 44, 45]],
+    ids=["from 0", "sparse", "strided", "run", "run between"],
 )
 @pytest.mark.parametrize("block", [2, 256])
 def test_scattered_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, positions, block):
-    """Each query sees the keys up to its own position, across blocks that start at 0 or after it."""
+    """Each query sees the keys up to its own position, across blocks that start at 0 or after it, scattered or a
+    run of consecutive positions (block 2: every run of two or more is attended as a causal prefill)."""
     generator = torch.Generator().manual_seed(len(positions) + q_heads)
     kv_len = 50
     query = torch.randn(2, q_heads, len(positions), 32, generator=generator).to(dtype)
@@ -63,6 +64,16 @@ def test_scattered_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, positi
     )
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=0)
+
+
+def test_query_blocks_keep_runs_whole():
+    """Runs of at least `block` consecutive positions are blocks of their own; the queries between them go in blocks
+    of up to `block`."""
+    positions = torch.tensor([1, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31])
+    assert query_blocks(positions, 3) == [(0, 4, True), (4, 9, True), (9, 12, False)]
+    assert query_blocks(positions, 5) == [(0, 4, False), (4, 9, True), (9, 12, False)]
+    assert query_blocks(positions, 256) == [(0, 12, False)]
+    assert query_blocks(torch.arange(7), 2) == [(0, 7, True)]
 
 
 def test_chunk_attention_reads_strided_cache_views():

@@ -93,6 +93,23 @@ def merge_by_lse(
 SCATTER_BLOCK = 256  # queries per block of `scattered_attention`
 
 
+def query_blocks(positions: torch.Tensor, block: int = SCATTER_BLOCK) -> list[tuple[int, int, bool]]:
+    """`scattered_attention`'s blocks of queries at increasing `positions` (Lq,): (start, end, run). A run of at least
+    `block` consecutive positions is one block (run: True, attended as a causal prefill); the other queries go in
+    blocks of up to `block` (run: False)."""
+    count = int(positions.numel())
+    steps = (positions[1:] - positions[:-1]).ne(1).nonzero().flatten().add(1).tolist()
+    blocks: list[tuple[int, int, bool]] = []
+    pending = 0  # the first query not yet in a block
+    for begin, end in zip([0, *steps], [*steps, count]):
+        if end - begin < block:
+            continue
+        blocks += [(lo, min(lo + block, begin), False) for lo in range(pending, begin, block)]
+        blocks.append((begin, end, True))
+        pending = end
+    return blocks + [(lo, min(lo + block, count), False) for lo in range(pending, count, block)]
+
+
 def scattered_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -102,7 +119,8 @@ def scattered_attention(
     block: int = SCATTER_BLOCK,
 ) -> torch.Tensor:
     """Causal attention of queries at increasing `positions` (Lq,): query (B, H_q, Lq, D), key, value
-    (B, H_kv, Lk, D) → (B, H_q, Lq, D). Per `block` (lo..hi): keys [0, lo) unmasked, [lo, hi] masked, LSE-merged."""
+    (B, H_kv, Lk, D) → (B, H_q, Lq, D). Per block of queries (`query_blocks`), first position lo, last hi: keys
+    [0, lo) unmasked, [lo, hi] causal (a run of consecutive positions) or under a small mask, LSE-merged."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     groups = q_heads // kv_heads
@@ -114,21 +132,30 @@ def scattered_attention(
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out = torch.empty_like(query)
-    for start in range(0, q_len, block):
-        end = min(start + block, q_len)
+    for start, end, run in query_blocks(positions, block):
         count = end - start
         lo, hi = int(positions[start]), int(positions[end - 1])
-        stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
-        near_keys = torch.arange(lo, hi + 1, device=query.device)
-        hidden = (near_keys[None, :] > positions[start:end, None]).repeat(groups, 1)
-        near_mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, -math.inf)
-        near, near_lse = flash(
-            stacked, key[:, :, lo : hi + 1], value[:, :, lo : hi + 1], attn_mask=near_mask, scale=scale
-        )[:2]
+        near_keys, near_values = key[:, :, lo : hi + 1], value[:, :, lo : hi + 1]
+        if run:  # queries at lo..hi: a causal prefill over their own keys, K/V heads repeated per query head
+            if groups > 1:
+                near_keys = near_keys.repeat_interleave(groups, dim=1)
+                near_values = near_values.repeat_interleave(groups, dim=1)
+            near, near_lse = flash(query[:, :, start:end], near_keys, near_values, is_causal=True, scale=scale)[:2]
+        else:
+            stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
+            shown = torch.arange(lo, hi + 1, device=query.device)
+            hidden = (shown[None, :] > positions[start:end, None]).repeat(groups, 1)
+            near_mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device)
+            near_mask.masked_fill_(hidden, -math.inf)
+            near, near_lse = flash(stacked, near_keys, near_values, attn_mask=near_mask, scale=scale)[:2]
+            near = near.reshape(batch, q_heads, count, head_dim)
+            near_lse = near_lse.reshape(batch, q_heads, count)
         if lo == 0:
-            out[:, :, start:end] = near.reshape(batch, q_heads, count, head_dim)
+            out[:, :, start:end] = near
             continue
+        stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
         far, far_lse = flash(stacked, key[:, :, :lo], value[:, :, :lo], scale=scale)[:2]
-        merged = merge_by_lse(far, far_lse, near, near_lse)
-        out[:, :, start:end] = merged.reshape(batch, q_heads, count, head_dim).to(query.dtype)
+        far = far.reshape(batch, q_heads, count, head_dim)
+        merged = merge_by_lse(far, far_lse.reshape(batch, q_heads, count), near, near_lse)
+        out[:, :, start:end] = merged.to(query.dtype)
     return out
