@@ -42,13 +42,14 @@ HELP = {
     "and output divergence.",
     "lora_attention": "How low-rank policies attend: kernel (Flash-LoRA-Attention: Triton on CUDA, its torch "
     "reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on CUDA, expand on CPU).",
-    "repeats": "Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the first "
-    "decode step also runs once untimed before the timed ones. With --timing trajectory: timed runs of each "
-    "trajectory after its warm-up run.",
-    "timing": "turn (kvprof): TTFT, TPOT and latency per turn, the median of --repeats after a warm-up of the same "
-    "turn on hot caches; trajectory (code: PReCache's bench/single_stream.py): each policy replays each trajectory "
-    "alone, once untimed, then --repeats timed runs; TTFT = the sum of the trajectory's synced prefill calls, mean "
-    "over the runs.",
+    "repeats": "Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the "
+    "prefills of a turn are timed round-robin across the dense run and the policies, and the first decode step "
+    "also runs once untimed before the timed ones. With --timing trajectory: timed runs of each trajectory after "
+    "its warm-up run.",
+    "timing": "turn (kvprof): TTFT, TPOT and latency per turn, the median of --repeats after a warm-up round, a "
+    "turn's prefills timed round-robin across the runs; trajectory (code: PReCache's bench/single_stream.py): each "
+    "policy replays each trajectory alone, once untimed, then --repeats timed runs; TTFT = the sum of the "
+    "trajectory's synced prefill calls, mean over the runs.",
     "page_size": "Tokens per KV block (vLLM's block size) for the memory the papers report: the policy's stored "
     "caches in whole blocks, peak over the replay.",
     "skip": "Skip the first N trajectories (e.g. those a pool was fitted on).",
