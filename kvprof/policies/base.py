@@ -16,7 +16,7 @@ import contextlib
 import copy
 import statistics
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar, Generic
 
 import torch
@@ -276,15 +276,20 @@ class SharingPolicy(ABC, Generic[ContextT]):
         call then times its own prefill once and the TTFT is the median of all. Teacher-forced on
         `request.output_ids` (greedy when None); in inference mode, with kvprof's attention
         (`Runtime.kvprof_attention`)."""
-        with torch.inference_mode(), self.runtime.kvprof_attention():
-            with self.runtime.serving_call(request.agent, request.input_ids):
-                return self._run_turn(request, repeats, timed)
+        with self._serving(request):
+            return self._run_turn(request, repeats, timed)
 
     def time_prefill(self, request: TurnRequest) -> float:
         """One timed prefill of `request` as `run_turn` serves it, nothing decoded or stored: seconds."""
+        with self._serving(request):
+            return self.prefill(request.agent, self._turn_input(request)).seconds
+
+    @contextlib.contextmanager
+    def _serving(self, request: TurnRequest) -> Iterator[None]:
+        """Inside: inference mode, kvprof's attention (`Runtime.kvprof_attention`), `request`'s serving call."""
         with torch.inference_mode(), self.runtime.kvprof_attention():
             with self.runtime.serving_call(request.agent, request.input_ids):
-                return self.prefill(request.agent, self._turn_input(request)).seconds
+                yield
 
     def _turn_input(self, request: TurnRequest) -> list[int]:
         """The request's input after the agent's prefix; the turn's moved spans made current."""
