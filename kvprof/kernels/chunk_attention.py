@@ -136,13 +136,13 @@ def scattered_attention(
         count = end - start
         lo, hi = int(positions[start]), int(positions[end - 1])
         near_keys, near_values = key[:, :, lo : hi + 1], value[:, :, lo : hi + 1]
+        stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
         if run:  # queries at lo..hi: a causal prefill over their own keys, K/V heads repeated per query head
             if groups > 1:
                 near_keys = near_keys.repeat_interleave(groups, dim=1)
                 near_values = near_values.repeat_interleave(groups, dim=1)
             near, near_lse = flash(query[:, :, start:end], near_keys, near_values, is_causal=True, scale=scale)[:2]
         else:
-            stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
             shown = torch.arange(lo, hi + 1, device=query.device)
             hidden = (shown[None, :] > positions[start:end, None]).repeat(groups, 1)
             near_mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device)
@@ -153,7 +153,6 @@ def scattered_attention(
         if lo == 0:
             out[:, :, start:end] = near
             continue
-        stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
         far, far_lse = flash(stacked, key[:, :, :lo], value[:, :, :lo], scale=scale)[:2]
         far = far.reshape(batch, q_heads, count, head_dim)
         merged = merge_by_lse(far, far_lse.reshape(batch, q_heads, count), near, near_lse)
