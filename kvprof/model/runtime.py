@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from kvprof.errors import KvprofError
@@ -37,6 +38,21 @@ from kvprof.traces.tasks import Task, private_prompt
 from kvprof.traces.trace import Trajectory
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+
+# SDPA's backends with no per-shape set-up. cuDNN's builds an execution plan for each new sequence length: on an H200
+# (torch 2.11, cuDNN 9.19) a decode step over 4k keys took 35 ms the first time a length was seen and 0.07 ms after,
+# against 0.05 ms for FlashAttention's kernel, which needs no plan. A replay's decode meets a new length every step,
+# and whichever run met a length first would pay its plan.
+PER_SHAPE_FREE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def per_shape_free_sdpa(device: torch.device) -> contextlib.AbstractContextManager:
+    """On CUDA, SDPA without cuDNN's backend (`PER_SHAPE_FREE_BACKENDS`), so timings measure attention, not plan
+    building; elsewhere nothing (the CPU kernels have no per-shape set-up)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(PER_SHAPE_FREE_BACKENDS)
 
 
 @dataclass
@@ -349,6 +365,7 @@ class Runtime:
         try:
             with contextlib.ExitStack() as scope:
                 scope.enter_context(torch.inference_mode())
+                scope.enter_context(per_shape_free_sdpa(self.device))
                 scope.enter_context(self.kvprof_attention())
                 if capture:
                     scope.enter_context(self.tap.capture())
