@@ -44,9 +44,21 @@ world="kvprof/demo/assets"
 agents=(--agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act"
         --agent "reflect=$world/adapters/shared_a/reflect")
 kvprof capture --model "$world/model" --shapes "$out/react_shape.csv" "${agents[@]}" --out "$out/capture"
-selection=(--policy all)  # both views of the low-rank policies: re-expanded every turn (default) and kept per agent
+# Both views of the low-rank policies (re-expanded every turn, the default, and kept per agent); on CUDA only the
+# per-turn one, as Flash-LoRA-Attention keeps no expanded values.
+views=(per-turn kept)
+previous=""
+for option in "$@"; do
+    if [[ "$option" == --device=cuda* || ( "$previous" == --device && "$option" == cuda* ) ]]; then
+        views=(per-turn)
+    fi
+    previous="$option"
+done
+selection=(--policy all)
 for policy in prelrshared baselrshared rebaseshared; do
-    selection+=(--policy-option "$policy.views=per-turn" --policy-option "$policy.views=kept")
+    for view in "${views[@]}"; do
+        selection+=(--policy-option "$policy.views=$view")
+    done
 done
 for option in "$@"; do
     if [ "$option" = "--policy" ]; then
