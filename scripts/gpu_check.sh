@@ -6,12 +6,12 @@
 #
 # 1. environment: versions, device, SDPA backends enabled, compute-sanitizer found or not;
 # 2. the GPU tests (`pytest -m gpu`, in GPU_TEST_WORKERS processes, default 8, so Triton compiles on several cores):
-#    every shipped kernel configuration against the torch reference; registers and
-#    spills of the launched kernels (printed; mask-free prefill and decode must not spill); a bfloat16 tiny Llama
-#    with peft adapters through the registered attention at head dims 64 and 128; a 2k chunk over 32k keys with
-#    transformers' mask against the reference and against the mask-free path; 32k prefill and decode at ragged
-#    lengths (32767, 32769) against a per-row float32 reference; masks with split-KV and fully masked rows; offsets
-#    past 2³¹ elements; a decode step captured in a CUDA graph; the do_bench timer;
+#    every shipped kernel configuration against the torch reference; registers and spills of the launched kernels
+#    (printed; mask-free prefill and decode must not spill); a bfloat16 tiny Llama with peft adapters through the
+#    registered attention at head dims 64 and 128; a 2k chunk over 32k keys with transformers' mask against the
+#    reference and against the mask-free path; 32k prefill and decode at ragged lengths (32767, 32769) against a
+#    per-row float32 reference; masks with split-KV and fully masked rows; offsets past 2³¹ elements; a decode step
+#    captured in a CUDA graph; the do_bench timer;
 # 3. kernel timings at Llama-3.1-8B attention shapes (H_q 32, H_kv 8, D 128, r 16, bfloat16): prefill 32k, a 2k
 #    chunk over 32k (mask-free and masked), decode over 32k with the main kernel and the split-KV combine timed
 #    apart; host µs per call (launch planning, enqueue, CUDA-graph replay); the SDPA kernels that actually ran, and

@@ -448,12 +448,12 @@ def _shipped_config(dtype: str, head_dim: int, padded_rank: int, masked: bool, b
 # fastest timed tile, 128×128 with 2 stages, was 5 % faster in one run, within its noise); masked prefill at D = 128
 # 128×32, 8 warps, 2 stages: 1.7× faster than the 64×64 tile the compile chose (12.6 against 21.7 ms for a 2k chunk
 # over 32k keys; no spills at r = 16, 8 and 60 bytes at r_pad 32 and 64, where the 64×64 tile had none in this
-# compile but spilled 14 bytes at r = 16 under the GPU's Triton 3.6); other head dims'
-# masked tiles are untimed (smaller key blocks at D = 32, as the mask tile costs registers); decode (Lq·g ≤ 16 packed
-# query rows) 16×64, 4 warps, 2 stages and the rank padded to ≥ 32 (2 warps, 3 stages or r_pad = 16 spill at
-# D = 128; timed candidates differed within the run's noise). Keyed on (dtype, head_dim, padded rank, user mask, row
-# bucket; no shipped tile depends on the padded rank yet, the AOT table shows it need not); float32 (3xTF32 dots, a
-# correctness path: it spills, see the table) has one bucket, "any".
+# compile but spilled 14 bytes at r = 16 under the GPU's Triton 3.6); other head dims' masked tiles are untimed
+# (smaller key blocks at D = 32, as the mask tile costs registers); decode (Lq·g ≤ 16 packed query rows) 16×64,
+# 4 warps, 2 stages and the rank padded to ≥ 32 (2 warps, 3 stages or r_pad = 16 spill at D = 128; timed candidates
+# differed within the run's noise). Keyed on (dtype, head_dim, padded rank, user mask, row bucket; no shipped tile
+# depends on the padded rank yet, the AOT table shows it need not); float32 (3xTF32 dots, a correctness path: it
+# spills, see the table) has one bucket, "any".
 ATTENTION_CONFIGS: dict[tuple[str, int, int, bool, str], AttentionConfig] = {
     (dtype, head_dim, padded_rank, masked, bucket): _shipped_config(dtype, head_dim, padded_rank, masked, bucket)
     for dtype in ("float16", "bfloat16", "float32")
