@@ -65,7 +65,10 @@ def keep_freed_memory() -> bool:
     By default glibc maps a large block (over 128 KiB, up to 32 MiB as it adapts) afresh and unmaps it when freed, so
     a turn's large tensors land on new pages. Where a page fault is slow (on this project's VMs about 20 µs per 4 KiB
     page) that cost is not the policy's: a 17k-token prefill took 2.7 s or 5.7 s from one run to the next, and a
-    per-turn view of a long context spent most of its time faulting (docs/benchmarks.md)."""
+    per-turn view of a long context spent most of its time faulting (docs/benchmarks.md). Not every reuse is
+    guaranteed: glibc may extend the heap rather than reuse a freed block (an identical 64 MiB tensor was placed
+    just above the one freed before it; a 64-byte-aligned request needs a little more than the freed block, or small
+    allocations split it), though a replay's turns, once warm, faulted 0–730 pages a prefill."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
