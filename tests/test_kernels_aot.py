@@ -31,7 +31,7 @@ SM90_MAX_SHARED_BYTES = 227 * 1024
 # column masks in decode tiles and on the host (then EVEN_R) for prefill tiles.
 RANK_FOR_PAD = {16: 16, 32: 24, 64: 64}
 CORRECTION_RANK = 40  # two full chunks of 16 and a masked one of 8
-DECODE_SPLITS = (8, 64)
+DECODE_SPLITS = 8  # the combine compiles the same for every split count the heuristic picks
 
 
 def shipped_configurations() -> list[dict]:
@@ -52,10 +52,9 @@ def shipped_configurations() -> list[dict]:
         for dtype, head_dim, padded_rank, masked, bucket in ATTENTION_CONFIGS
     ]
     configurations += [
-        dict(kernel="combine_splits", dtype=dtype, head_dim=head_dim, splits=splits)
+        dict(kernel="combine_splits", dtype=dtype, head_dim=head_dim, splits=DECODE_SPLITS)
         for dtype in ("float16", "bfloat16", "float32")
         for head_dim in sorted({key[1] for key in ATTENTION_CONFIGS})
-        for splits in DECODE_SPLITS[: 2 if (dtype, head_dim) == ("bfloat16", 128) else 1]
     ]
     configurations += [
         dict(kernel="low_rank_correction_fwd", dtype=dtype, head_dim=head_dim, rank=CORRECTION_RANK)
@@ -89,7 +88,7 @@ def _launch_of(configuration: dict):
 
     if configuration["kernel"] == "flash_lora_attention_fwd":
         regime = configuration["regime"]
-        return _attention_launches(configuration, DECODE_SPLITS[0] if regime == "decode" else 1)[0]
+        return _attention_launches(configuration, DECODE_SPLITS if regime == "decode" else 1)[0]
     if configuration["kernel"] == "combine_splits":
         return _attention_launches(configuration, configuration["splits"])[1]
     from kvprof.kernels.correction_triton import correction_launch

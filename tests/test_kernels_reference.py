@@ -146,6 +146,21 @@ def test_triton_launcher_refuses_unsupported_head_dim():
         flash_lora_attention_triton(*_inputs(head_dim=16))
 
 
+def test_one_combine_compile_serves_every_split_count_the_heuristic_picks():
+    """The split-KV combine's constants are the same for 2 to 64 splits (a decode whose context grows past a power
+    of two must not recompile it mid-turn); only an override past 64 pads further."""
+    pytest.importorskip("triton")
+    from kvprof.kernels.attention_triton import MAX_SPLITS, attention_plan
+
+    def plan(splits: int):
+        return attention_plan(torch.bfloat16, torch.device("cpu"), 8, 4, 65536, 128, 16, True, False, None, splits)
+
+    plans = [plan(splits) for splits in (2, 3, 5, 9, 17, 40, MAX_SPLITS)]
+    assert [p.num_splits for p in plans] == [2, 3, 5, 9, 17, 40, 64]  # across every power of two up to 64
+    assert all(p.combine_kwargs == plans[0].combine_kwargs for p in plans)
+    assert plan(100).combine_kwargs["SPLITS_PAD"] == 128
+
+
 def _correction_inputs(heads=2, length=9, head_dim=8, anchors=3, rank=4, dtype=torch.float32):
     generator = torch.Generator().manual_seed(2)
     return (

@@ -33,6 +33,11 @@ COMBINE_SPLIT_CHUNK = 4
 COMBINE_NUM_WARPS = 4
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+# The combine's statistics tile holds MAX_SPLITS rows for any count the heuristic picks (masked past it), so one
+# compile serves them all: a tile padded to the count's power of two recompiled when a decode's growing context
+# crossed one (e.g. 9 splits at 4608 keys), a compile that landed in that step's timing. Only a larger `num_splits`
+# override pads further.
+COMBINE_SPLITS_PAD = triton.next_power_of_2(MAX_SPLITS)
 
 
 @triton.jit
@@ -582,7 +587,7 @@ def attention_plan(
     )
     combine_kwargs = dict(
         HEAD_DIM=head_dim,
-        SPLITS_PAD=max(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(num_splits)),
+        SPLITS_PAD=max(COMBINE_SPLITS_PAD, triton.next_power_of_2(num_splits)),
         SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
         BLOCK_M=COMBINE_BLOCK_M,
         INTERPRETING=kernel_kwargs["INTERPRETING"],
