@@ -136,7 +136,8 @@ def scattered_attention(
         count = end - start
         lo, hi = int(positions[start]), int(positions[end - 1])
         near_keys, near_values = key[:, :, lo : hi + 1], value[:, :, lo : hi + 1]
-        stacked = query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
+        # the block's queries stacked per KV head (a copy under GQA): for the masked band and the keys before lo
+        stacked = None if run and lo == 0 else query[:, :, start:end].reshape(batch, kv_heads, groups * count, head_dim)
         if run:  # queries at lo..hi: a causal prefill over their own keys, K/V heads repeated per query head
             if groups > 1:
                 near_keys = near_keys.repeat_interleave(groups, dim=1)
