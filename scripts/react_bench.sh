@@ -44,25 +44,26 @@ world="kvprof/demo/assets"
 agents=(--agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act"
         --agent "reflect=$world/adapters/shared_a/reflect")
 kvprof capture --model "$world/model" --shapes "$out/react_shape.csv" "${agents[@]}" --out "$out/capture"
-# Both views of the low-rank policies (re-expanded every turn, the default, and kept per agent); on CUDA only the
-# per-turn one, as Flash-LoRA-Attention keeps no expanded values.
+# Unless the options pick policies: every policy, the low-rank ones with both views (re-expanded every turn, the
+# default, and kept per agent); on CUDA only the per-turn one, as Flash-LoRA-Attention keeps no expanded values.
 views=(per-turn kept)
+chosen=false
 previous=""
 for option in "$@"; do
-    if [[ "$option" == --device=cuda* || ( "$previous" == --device && "$option" == cuda* ) ]]; then
+    if [ "$option" = "--policy" ]; then
+        chosen=true
+    elif [[ "$option" == --device=cuda* || ( "$previous" == --device && "$option" == cuda* ) ]]; then
         views=(per-turn)
     fi
     previous="$option"
 done
-selection=(--policy all)
-for policy in prelrshared baselrshared rebaseshared; do
-    for view in "${views[@]}"; do
-        selection+=(--policy-option "$policy.views=$view")
+selection=()
+if ! $chosen; then
+    selection=(--policy all)
+    for policy in prelrshared baselrshared rebaseshared; do
+        for view in "${views[@]}"; do
+            selection+=(--policy-option "$policy.views=$view")
+        done
     done
-done
-for option in "$@"; do
-    if [ "$option" = "--policy" ]; then
-        selection=()
-    fi
-done
+fi
 kvprof replay "$out/capture/trace.jsonl" "${selection[@]}" --repeats 3 --out "$out/replay" "$@"
