@@ -26,7 +26,9 @@ from kvprof.policies.nonshared import NonShared
 from kvprof.replay.engine import compare_turn
 from kvprof.traces.trace import read_trace
 
-TOLERANCE = 1e-5
+# The two runtimes attend through different kernels (chunked LSE merge against masked SDPA); at the demo trace's 3.2k
+# tokens their keys and logits differ by up to ~1.6e-5 in float32, a wrong fast path by orders of magnitude more.
+TOLERANCE = 2e-5
 METRICS = ("kl", "kl_sum", "top1_sum", "trace_agreement_sum", "reused", "prefilled", "flops", "ttft_flops")
 
 

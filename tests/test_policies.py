@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.expansion import expand_into as native_expand_into
+from kvprof.kernels.expansion import native_library
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.lora import decoder_layers
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import build_tiny_world, tiny_config
-from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, runnable_variants
+from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, lowrank, runnable_variants
 from kvprof.replay.engine import DENSE, replay_trace, run_online, summarise_online
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import read_trace
@@ -377,3 +379,32 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
                 for key in ("k_error", "v_error", "k_cosine", "v_cosine"):
                     assert layer_b[key] == pytest.approx(layer_a[key], rel=0, abs=1e-5), key
     assert kernel["dense"]["summary"]["kl"] == 0.0
+
+
+@pytest.mark.parametrize("policy", ["prelrshared", "baseshared", "rebaseshared"])
+def test_low_rank_views_by_the_native_kernel_equal_torchs(lora_trace, shared_a_agents, monkeypatch, policy):
+    """Each turn's view expanded by the fused CPU kernel (`kvprof.kernels.expansion`) and by the torch blocks gives
+    the same logits and attention inputs; the kernel ran on every expansion where it is built."""
+    if native_library() is None:
+        pytest.skip("no C compiler to build the kernel")
+    calls = []
+
+    def counted(*args):
+        calls.append(native_expand_into(*args))
+        return calls[-1]
+
+    traj = read_trace(lora_trace).trajectories[0]
+    runs = {}
+    for native in (True, False):
+        monkeypatch.setattr(lowrank, "native_expand_into", counted if native else lambda *args: False)
+        built = PolicyVariant(policy, {}).build(Runtime(shared_a_agents))
+        runs[native] = [
+            built.run_turn(TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn)))
+            for turn in traj.turns
+        ]
+    assert calls and all(calls)
+    for fused, plain in zip(runs[True], runs[False]):
+        torch.testing.assert_close(fused.logits, plain.logits, atol=1e-5, rtol=1e-5)
+        for (keys, values), (plain_keys, plain_values) in zip(fused.input_kv, plain.input_kv):
+            torch.testing.assert_close(keys, plain_keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(values, plain_values, atol=1e-5, rtol=1e-5)

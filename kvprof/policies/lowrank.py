@@ -22,6 +22,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import lora_b_per_head
+from kvprof.kernels.expansion import expand_into as native_expand_into
 from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.model.buffers import GrowingTensor, KVBuffer, Workspace
 from kvprof.model.lora import SPLIT_SIDES, heads
@@ -237,26 +238,63 @@ class LowRankStore:
     def expand_into(
         self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int, out: KV
     ) -> float:
-        """`expand` written into `out` ((K, V) (1, H_kv, n, D), any dtype) `EXPANSION_BLOCK` tokens at a time; the
-        FLOPs."""
-        length = int(base[0].shape[2])
-        flops = 0.0
-        for lo in range(0, length, EXPANSION_BLOCK):
-            hi = min(lo + EXPANSION_BLOCK, length)
-            block_sides = {side: t[:, lo:hi] for side, t in sides.items()}
-            block_base = (base[0][:, :, lo:hi], base[1][:, :, lo:hi])
-            block_out = (out[0][:, :, lo:hi], out[1][:, :, lo:hi])
-            flops += self._expand_block(layer, agent, block_sides, block_base, begin + lo, block_out)
+        """`expand` written into `out` ((K, V) (1, H_kv, n, D), any dtype): by the fused CPU kernel where it runs
+        (`kvprof.kernels.expansion`), else in torch `EXPANSION_BLOCK` tokens at a time; the FLOPs."""
+        if not self._expand_native(layer, agent, sides, base, begin, out):
+            length = int(base[0].shape[2])
+            for lo in range(0, length, EXPANSION_BLOCK):
+                hi = min(lo + EXPANSION_BLOCK, length)
+                block_sides = {side: t[:, lo:hi] for side, t in sides.items()}
+                block_base = (base[0][:, :, lo:hi], base[1][:, :, lo:hi])
+                block_out = (out[0][:, :, lo:hi], out[1][:, :, lo:hi])
+                self._expand_block(layer, agent, block_sides, block_base, begin + lo, block_out)
+        return self._expansion_flops(layer, agent, sides, base)
+
+    def _expansion_flops(self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV) -> float:
+        """FLOPs of `expand_into`: 2·r per expanded entry, RoPE of the rank-r key term (2·r + 3 per rotary entry), and
+        for a key-norm model k_norm and RoPE of every key (`KEY_FINISH_FLOPS`)."""
+        entries = base[0].numel()
+        rows = entries // base[0].shape[-1]
+        flops = KEY_FINISH_FLOPS * entries if self.runtime.key_norms is not None else 0.0
+        for projection, factors in sides.items():
+            assert agent is not None  # sides is empty without an agent
+            rank = factors.shape[-1]
+            flops += 2.0 * entries * rank
+            swapped = self._up_heads(layer, projection, agent)[1]
+            if swapped is not None:
+                flops += (2.0 * rank + 3.0) * rows * swapped.shape[-1]
         return flops
+
+    def _expand_native(
+        self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int, out: KV
+    ) -> bool:
+        """`expand_into` by the fused kernel; False where it cannot run (then the torch path writes all of `out`):
+        a key-norm model, inputs other than float32 on CPU, no C compiler."""
+        runtime = self.runtime
+        if runtime.key_norms is not None:
+            return False
+        end = begin + int(base[0].shape[2])
+        for projection, source, target in zip(("key", "value"), base, out):
+            if projection not in sides:
+                target.copy_(source)
+                continue
+            assert agent is not None  # sides is empty without an agent
+            per_head, swapped = self._up_heads(layer, projection, agent)
+            cos = sin = None
+            if swapped is not None:
+                cos, sin = runtime.rope_tables(end, layer)
+                cos, sin = cos[begin:], sin[begin:]
+            if not native_expand_into(source, sides[projection], per_head, swapped, cos, sin, target):
+                return False
+        return True
 
     def _expand_block(
         self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV, begin: int, out: KV
-    ) -> float:
-        """`expand_into` a block of tokens (the sums in float32, cast once into `out`); the FLOPs."""
+    ) -> None:
+        """`expand_into` a block of tokens in torch (the sums in float32, cast once into `out`)."""
         runtime = self.runtime
         key_norm = None if runtime.key_norms is None else runtime.key_norms[layer]
         end = begin + int(base[0].shape[2])
-        flops = 0.0
         for projection, source, target in zip(("key", "value"), base, out):
             norm = key_norm if projection == "key" else None
             summed = source
@@ -265,12 +303,10 @@ class LowRankStore:
                 per_head, swapped = self._up_heads(layer, projection, agent)
                 factors = sides[projection].to(per_head.dtype)[:, None]  # (1, 1, n, r)
                 expanded = (factors @ per_head).float()  # (1, H_kv, n, D)
-                flops += 2.0 * expanded.numel() * factors.shape[-1]
                 if swapped is not None:  # RoPE of the rank-r term: B·cos + swap(B)·sin, the swap folded into B
                     cos, sin = runtime.rope_tables(end, layer)
                     turned = expanded[..., : swapped.shape[-1]]
                     turned.mul_(cos[begin:]).addcmul_((factors @ swapped).float(), sin[begin:])
-                    flops += 2.0 * turned.numel() * factors.shape[-1] + 3.0 * turned.numel()
                 if norm is None:
                     torch.add(expanded, source, out=target)
                     continue
@@ -281,8 +317,6 @@ class LowRankStore:
             # k_norm of the sum in the model's dtype, as the layer applies it, then RoPE
             cos, sin = runtime.rope_tables(end, layer)
             target.copy_(runtime.ropes[layer].rotate(norm(summed.to(source.dtype)).float(), cos[begin:], sin[begin:]))
-            flops += KEY_FINISH_FLOPS * source.numel()
-        return flops
 
     def _up_heads(self, layer: int, projection: str, agent: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`agent`'s s·B of `projection` at `layer` per head (H_kv, r, D) and, for keys RoPE applies to without a key

@@ -19,6 +19,7 @@ import torch
 from kvprof.capture.workflow import SearchTool, exact_match, require_react_agents, run_react
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
+from kvprof.kernels.expansion import FUSED_EXPANSION, native_library
 from kvprof.model.agents import AgentSet, trace_header
 from kvprof.model.layers import LayerKind
 from kvprof.model.recurrent import RECURRENT_STATES
@@ -802,6 +803,16 @@ def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
     }
 
 
+def attention_path(device: torch.device, lora_attention: bool) -> str:
+    """How the low-rank policies attend: Flash-LoRA-Attention, or views expanded (on CPU by kvprof's fused kernel
+    where it builds, `kvprof.kernels.expansion`) and SDPA."""
+    if lora_attention:
+        return "flash-lora-attention"
+    if device.type == "cpu" and native_library() is not None:
+        return f"expanded values ({FUSED_EXPANSION}) + sdpa"
+    return "expanded values + sdpa"
+
+
 def run_setting(
     agents: AgentSet,
     repeats: int,
@@ -821,7 +832,7 @@ def run_setting(
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
         layers=[kind.to_json() for kind in agents.layer_kinds],
-        lora_attention="flash-lora-attention" if lora_attention else "expanded values + sdpa",
+        lora_attention=attention_path(agents.device, lora_attention),
         device=str(agents.device),
         cpu=cpu_description(),
         dtype=str(agents.base_model.dtype).removeprefix("torch."),

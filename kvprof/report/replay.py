@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvprof.kernels.expansion import FUSED_EXPANSION
 from kvprof.report import decision
 from kvprof.report.figures import box_figure, line_figure
 from kvprof.report.html import Section
@@ -22,6 +23,13 @@ def _device(result: ReplayResult) -> str:
     if device != "cpu" or not cpu:
         return device
     return f"cpu ({cpu['name']}; {', '.join(cpu['matrix_flags']) or 'no AVX2'})"
+
+
+def _expansion(result: ReplayResult) -> str:
+    """Where the low-rank policies' views were expanded by the fused CPU kernel, a clause saying so."""
+    if FUSED_EXPANSION not in (result.lora_attention or ""):
+        return ""
+    return f"; low-rank views expanded by {FUSED_EXPANSION}"
 
 
 DENSE_RATIOS = dict.fromkeys(
@@ -218,7 +226,7 @@ def cost_table(result: ReplayResult | dict) -> TableData:
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
     columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else []) + ["alloc. MiB", "blocks MiB", "blocks ×"]
     table = TableData(
-        title=f"cost: {_device(result)} {result.dtype or ''}, {timing_text(timing)}",
+        title=f"cost: {_device(result)} {result.dtype or ''}, {timing_text(timing)}{_expansion(result)}",
         columns=columns,
         caption="TTFT s / latency s: summed over turns"
         + (" (each turn's mean over the timed runs of its trajectory)" if timing["mode"] == "trajectory" else "")
