@@ -133,37 +133,39 @@ def expand_into(
     rotary = tables[0].shape[-1] if tables else 0
     if library is None or not _eligible([base, factors, up, out, *tables], head_dim, rotary):
         return False
-    table_stride = tables[1].stride(0) if tables else 0
+    size = base.element_size()  # float32 throughout: element offsets in bytes
 
-    def run(lo: int, hi: int) -> None:
-        library.kvprof_expand_f32(
+    def arguments(lo: int, hi: int) -> tuple:
+        """The kernel's arguments for tokens lo..hi, as plain numbers (computed here, called from any thread)."""
+        table_stride = tables[1].stride(0) if tables else 0
+        return (
             heads,
             hi - lo,
             head_dim,
             rank,
             rotary,
-            base[0, :, lo:].data_ptr(),
+            base.data_ptr() + lo * base.stride(2) * size,
             base.stride(1),
             base.stride(2),
-            factors[0, lo:].data_ptr(),
+            factors.data_ptr() + lo * factors.stride(1) * size,
             factors.stride(1),
             up.data_ptr(),
             tables[0].data_ptr() if tables else None,
-            tables[1][lo:].data_ptr() if tables else None,
-            tables[2][lo:].data_ptr() if tables else None,
+            tables[1].data_ptr() + lo * table_stride * size if tables else None,
+            tables[2].data_ptr() + lo * table_stride * size if tables else None,
             table_stride,
-            out[0, :, lo:].data_ptr(),
+            out.data_ptr() + lo * out.stride(2) * size,
             out.stride(1),
             out.stride(2),
         )
 
     threads = min(torch.get_num_threads(), length // MIN_TOKENS_PER_THREAD)
     if threads <= 1:
-        run(0, length)
+        library.kvprof_expand_f32(*arguments(0, length))
         return True
     share = -(-length // threads)
     share += -share % 4
-    pieces = [(lo, min(lo + share, length)) for lo in range(0, length, share)]
-    for done in [_pool(threads).submit(run, lo, hi) for lo, hi in pieces]:
+    calls = [arguments(lo, min(lo + share, length)) for lo in range(0, length, share)]
+    for done in [_pool(threads).submit(library.kvprof_expand_f32, *call) for call in calls]:
         done.result()
     return True

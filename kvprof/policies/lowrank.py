@@ -253,16 +253,15 @@ class LowRankStore:
     def _expansion_flops(self, layer: int, agent: str | None, sides: dict[str, torch.Tensor], base: KV) -> float:
         """FLOPs of `expand_into`: 2·r per expanded entry, RoPE of the rank-r key term (2·r + 3 per rotary entry), and
         for a key-norm model k_norm and RoPE of every key (`KEY_FINISH_FLOPS`)."""
-        entries = base[0].numel()
-        rows = entries // base[0].shape[-1]
-        flops = KEY_FINISH_FLOPS * entries if self.runtime.key_norms is not None else 0.0
+        keys = base[0]
+        flops = KEY_FINISH_FLOPS * keys.numel() if self.runtime.key_norms is not None else 0.0
         for projection, factors in sides.items():
             assert agent is not None  # sides is empty without an agent
             rank = factors.shape[-1]
-            flops += 2.0 * entries * rank
+            flops += 2.0 * base[SPLIT_SIDES.index(projection)].numel() * rank
             swapped = self._up_heads(layer, projection, agent)[1]
             if swapped is not None:
-                flops += (2.0 * rank + 3.0) * rows * swapped.shape[-1]
+                flops += (2.0 * rank + 3.0) * (keys.numel() // keys.shape[-1]) * swapped.shape[-1]
         return flops
 
     def _expand_native(
