@@ -88,16 +88,18 @@ def test_inputs_the_kernel_cannot_take_are_left_to_torch(case):
 
 
 def test_without_a_compiler_or_when_disabled_there_is_no_library(monkeypatch, tmp_path):
+    """No compiler, one that fails every build (`false`: no partial file left), or KVPROF_NATIVE=0: no library."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    failing = ("CC", "false")
     try:
-        for variable, value in (("CC", str(tmp_path / "no-such-compiler")), ("KVPROF_NATIVE", "0")):
+        for variable, value in (("CC", str(tmp_path / "no-such-compiler")), failing, ("KVPROF_NATIVE", "0")):
             with monkeypatch.context() as patched:
                 patched.setenv(variable, value)
                 native_library.cache_clear()
                 assert native_library() is None
                 base, factors, up, out = inputs(2, 8, 64, 8, 8)
                 assert not expand_into(base, factors, up, None, None, None, out)
-        assert not any(tmp_path.rglob("*.so"))
+        assert not any(path.is_file() for path in tmp_path.rglob("*"))
     finally:
         native_library.cache_clear()
 

@@ -63,6 +63,7 @@ def _build(compiler: str) -> Path | None:
         target = cache_dir() / f"expansion-{key[:20]}.so"
         if target.exists():
             return target
+        partial = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -71,9 +72,11 @@ def _build(compiler: str) -> Path | None:
             if built.returncode == 0:
                 os.replace(partial, target)
                 return target
-            os.unlink(partial)
         except (OSError, subprocess.SubprocessError):
             return None
+        finally:
+            if partial is not None and os.path.exists(partial):
+                os.unlink(partial)
     return None
 
 
@@ -96,6 +99,7 @@ def native_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
+    """The threads the kernel's calls are split over (one pool per thread count, kept for the process)."""
     return ThreadPoolExecutor(threads, thread_name_prefix="kvprof-expand")
 
 
