@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from kvprof.kernels import expansion
-from kvprof.kernels.expansion import FUSED_EXPANSION, expand_into, native_library
+from kvprof.kernels.expansion import expand_into, native_library
 from kvprof.model.rope import Rope
 from kvprof.replay.engine import attention_path
 from kvprof.report.replay import cost_table
+from kvprof.results.replay import FUSED_EXPANSION
 
 RECORDED_REPLAY = Path(__file__).parent / "data" / "results" / "replay.json"
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("expansion.c")
-FUSED_EXPANSION = "kvprof's fused CPU kernel"  # how replays name this path (`lora_attention`, the cost table)
 FLAG_CHOICES = (("-march=native",), ("-mcpu=native",), ())  # the first the compiler accepts
 LANES = 16  # floats per vector in the kernel
 MIN_TOKENS_PER_THREAD = 256  # fewer: one call, no thread hand-off

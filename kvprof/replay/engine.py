@@ -19,7 +19,7 @@ import torch
 from kvprof.capture.workflow import SearchTool, exact_match, require_react_agents, run_react
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
-from kvprof.kernels.expansion import FUSED_EXPANSION, native_library
+from kvprof.kernels.expansion import native_library
 from kvprof.model.agents import AgentSet, trace_header
 from kvprof.model.layers import LayerKind
 from kvprof.model.recurrent import RECURRENT_STATES
@@ -36,7 +36,7 @@ from kvprof.replay.metrics import (
     reused_from_others,
     top1_agreement,
 )
-from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary, ReplayResult
+from kvprof.results.replay import FUSED_EXPANSION, DenseRun, DenseSummary, PolicyRun, PolicySummary, ReplayResult
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory, Turn, iter_trajectories, read_header

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from kvprof.kernels.expansion import FUSED_EXPANSION
 from kvprof.report import decision
 from kvprof.report.figures import box_figure, line_figure
 from kvprof.report.html import Section
 from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.tables import TableData, cell
 from kvprof.report.uncertainty import LEVEL, RESAMPLES
-from kvprof.results.replay import PolicySummary, ReplayResult, RunSummary, summary_of
+from kvprof.results.replay import FUSED_EXPANSION, PolicySummary, ReplayResult, RunSummary, summary_of
 
 
 def _mib(value: float) -> str:
