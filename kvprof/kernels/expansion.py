@@ -97,8 +97,9 @@ def native_library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """The threads the kernel's calls are split over (one pool per thread count, kept for the process)."""
+def _pool(process: int, threads: int) -> ThreadPoolExecutor:
+    """The threads the kernel's calls are split over: one pool per process (a forked child inherits the pool but not
+    its threads) and thread count."""
     return ThreadPoolExecutor(threads, thread_name_prefix="kvprof-expand")
 
 
@@ -169,6 +170,6 @@ def expand_into(
     share = -(-length // threads)
     share += -share % 4
     calls = [arguments(lo, min(lo + share, length)) for lo in range(0, length, share)]
-    for done in [_pool(threads).submit(library.kvprof_expand_f32, *call) for call in calls]:
+    for done in [_pool(os.getpid(), threads).submit(library.kvprof_expand_f32, *call) for call in calls]:
         done.result()
     return True
