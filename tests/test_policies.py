@@ -16,7 +16,8 @@ from kvprof.model.lora import decoder_layers
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import build_tiny_world, tiny_config
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, lowrank, runnable_variants
-from kvprof.replay.engine import DENSE, replay_trace, run_online, summarise_online
+from kvprof.replay.engine import DENSE, replay_trace, run_online, run_replay, summarise_online
+from kvprof.results.replay import FUSED_EXPANSION
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import read_trace
 
@@ -408,3 +409,13 @@ def test_low_rank_views_by_the_native_kernel_equal_torchs(lora_trace, shared_a_a
         for (keys, values), (plain_keys, plain_values) in zip(fused.input_kv, plain.input_kv):
             torch.testing.assert_close(keys, plain_keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(values, plain_values, atol=1e-5, rtol=1e-5)
+
+
+def test_a_replay_records_whether_the_kernel_expanded_its_views(lora_trace, shared_a_agents):
+    """`lora_attention` names the fused expansion only for a replay whose low-rank views it expanded."""
+    if native_library() is None:
+        pytest.skip("no C compiler to build the kernel")
+    trajectories = read_trace(lora_trace).trajectories[:1]
+    for name, fused in (("fullshared", False), ("prelrshared", True)):
+        result = run_replay(shared_a_agents, trajectories, [PolicyVariant(name, {})])
+        assert (FUSED_EXPANSION in result["lora_attention"]) is fused, name

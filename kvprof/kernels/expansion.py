@@ -30,6 +30,7 @@ FLAG_CHOICES = (("-march=native",), ("-mcpu=native",), ())  # the first the comp
 LANES = 16  # floats per vector in the kernel
 MIN_TOKENS_PER_THREAD = 256  # fewer: one call, no thread hand-off
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+_runs = 0  # expansions the kernel ran in this process
 _ARGUMENTS: list[type] = [_I, _I, _I, _I, _I, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L]
 
 
@@ -96,6 +97,11 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
+def kernel_runs() -> int:
+    """How many expansions the kernel has run in this process (a replay compares the count before and after)."""
+    return _runs
+
+
 @functools.cache
 def _pool(process: int, threads: int) -> ThreadPoolExecutor:
     """The threads the kernel's calls are split over: one pool per process (a forked child inherits the pool but not
@@ -137,6 +143,8 @@ def expand_into(
     rotary = tables[0].shape[-1] if tables else 0
     if library is None or not _eligible([base, factors, up, out, *tables], head_dim, rotary):
         return False
+    global _runs
+    _runs += 1
     size = base.element_size()  # float32 throughout: element offsets in bytes
 
     def arguments(lo: int, hi: int) -> tuple:

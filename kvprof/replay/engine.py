@@ -19,7 +19,7 @@ import torch
 from kvprof.capture.workflow import SearchTool, exact_match, require_react_agents, run_react
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
-from kvprof.kernels.expansion import native_library
+from kvprof.kernels.expansion import kernel_runs
 from kvprof.model.agents import AgentSet, trace_header
 from kvprof.model.layers import LayerKind
 from kvprof.model.recurrent import RECURRENT_STATES
@@ -727,6 +727,7 @@ def run_replay(
     hooks = hooks or ReplayHooks()
     if online:
         require_react_agents(agents.spec.names)
+    expansions = kernel_runs()
     result = replay_trace(
         agents,
         trajectories,
@@ -750,7 +751,8 @@ def run_replay(
             span_matching=span_matching,
         )
         result["online"] = summarise_online(runs)
-    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching))
+    fused = kernel_runs() > expansions
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused))
     result["memory_claims"] = memory_verdicts(result)
     return result
 
@@ -803,14 +805,12 @@ def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
     }
 
 
-def attention_path(device: torch.device, lora_attention: bool) -> str:
-    """How the low-rank policies attend: Flash-LoRA-Attention, or views expanded (on CPU by kvprof's fused kernel
-    where it builds, `kvprof.kernels.expansion`) and SDPA."""
+def attention_path(lora_attention: bool, fused_expansion: bool) -> str:
+    """How the low-rank policies attended: Flash-LoRA-Attention, or expanded views (by kvprof's fused CPU kernel
+    when `fused_expansion`: it ran in the replay, `kvprof.kernels.expansion`) and SDPA."""
     if lora_attention:
         return "flash-lora-attention"
-    if device.type == "cpu" and native_library() is not None:
-        return f"expanded values ({FUSED_EXPANSION}) + sdpa"
-    return "expanded values + sdpa"
+    return f"expanded values ({FUSED_EXPANSION}) + sdpa" if fused_expansion else "expanded values + sdpa"
 
 
 def run_setting(
@@ -820,9 +820,10 @@ def run_setting(
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
+    fused_expansion: bool = False,
 ) -> dict:
     """How a replay ran: model, mode, repeats, timing, page size, span matching, weights' bytes, layer kinds,
-    attention path, device, CPU, dtype, GPU memory (the allocator's peak so far)."""
+    attention path (`attention_path`), device, CPU, dtype, GPU memory (the allocator's peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
@@ -832,7 +833,7 @@ def run_setting(
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
         layers=[kind.to_json() for kind in agents.layer_kinds],
-        lora_attention=attention_path(agents.device, lora_attention),
+        lora_attention=attention_path(lora_attention, fused_expansion),
         device=str(agents.device),
         cpu=cpu_description(),
         dtype=str(agents.base_model.dtype).removeprefix("torch."),

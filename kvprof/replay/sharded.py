@@ -24,6 +24,7 @@ from typing import Any
 
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
+from kvprof.kernels.expansion import kernel_runs
 from kvprof.model.agents import AgentSet, agents_identity, load_agents_for_header
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import (
@@ -38,6 +39,7 @@ from kvprof.replay.engine import (
     summarise,
     summarise_online,
 )
+from kvprof.results.replay import FUSED_EXPANSION
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.tasks import task_of
 from kvprof.traces.trace import Segment, TraceHeader, Trajectory, Turn
@@ -227,6 +229,7 @@ def run_shard(
     """Replay `shard` here (a worker's job): lockstep, then online re-runs when `online`; other arguments as
     `replay_trace`'s."""
     state = ReplayProgress()
+    expansions = kernel_runs()
     replayed = replay_trace(
         agents,
         shard.trajectories,
@@ -253,7 +256,8 @@ def run_shard(
             lora_attention=lora_attention,
             span_matching=span_matching,
         )
-    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching)
+    fused = kernel_runs() > expansions
+    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused)
     return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
@@ -317,8 +321,11 @@ def _sequential_entry(entry: dict, shard: Shard, label: str) -> dict:
 
 
 def _merged_setting(settings: list[dict]) -> dict:
-    """The first shard's setting, every worker's device named and, on CUDA, the highest allocator peak."""
+    """The first shard's setting, every worker's device named, the fused expansion's attention path if any shard's
+    views were expanded by it and, on CUDA, the highest allocator peak."""
     setting = dict(settings[0])
+    fused = [s["lora_attention"] for s in settings if FUSED_EXPANSION in s["lora_attention"]]
+    setting["lora_attention"] = fused[0] if fused else setting["lora_attention"]
     setting["device"] = ", ".join(dict.fromkeys(s["device"] for s in settings))
     readings = [s["gpu_memory"] for s in settings if s["gpu_memory"]]
     setting["gpu_memory"] = max(readings, key=lambda r: r["allocator_peak_bytes"]) if readings else None
