@@ -57,9 +57,10 @@ def _build(compiler: str) -> Path | None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+    built_for = [SOURCE.read_text(), version, _cpu_flags()]
     for flags in FLAG_CHOICES:
         command = [compiler, "-O3", *flags, "-shared", "-fPIC", "-std=gnu11"]
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *command, _cpu_flags()]).encode()).hexdigest()
+        key = hashlib.sha256("\0".join([*built_for, *command]).encode()).hexdigest()
         target = cache_dir() / f"expansion-{key[:20]}.so"
         if target.exists():
             return target
