@@ -8,6 +8,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from kvprof.kernels.expansion import native_library
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant, enumerate_variants
 from kvprof.replay.engine import ReplayProgress, replay_trace
@@ -192,6 +193,13 @@ def test_resume_refuses_a_checkpoint_of_other_settings(run_cli, lora_trace, tmp_
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and "Traceback" not in out + err and len(lines) == 1, err
         assert f"replay.partial.json was made with other settings {difference}" in lines[0]
+    if native_library() is not None:  # views expanded by the fused kernel: resumed where they would be by torch
+        with monkeypatch.context() as patched:
+            patched.setenv("KVPROF_NATIVE", "0")
+            native_library.cache_clear()
+            code, out, err = run_cli(*args, "--policy", "fullshared", "--repeats", "1", "--resume")
+        native_library.cache_clear()
+        assert code == 2 and "kvprof's fused CPU kernel, not torch" in err, err
     code, out, err = run_cli(*args, "--policy", "fullshared", "--repeats", "1", "--resume")
     assert code == 0, err
     assert "resuming after 1 replayed trajectories" in out and not checkpoint.exists()

@@ -143,6 +143,7 @@ class Replay:
 
     def in_process(self, source: AgentSource) -> ReplayResult:
         """In this process: variants self-checked on the agents first, checkpointed per trajectory."""
+        from kvprof.kernels.expansion import expansion_path
         from kvprof.model.agents import agents_identity
         from kvprof.model.runtime import Runtime
         from kvprof.policies import runnable_variants
@@ -157,7 +158,14 @@ class Replay:
         with common.console.status(SELF_CHECK) if any(v.policy.exact_setting for v in variants) else nullcontext():
             variants, skipped, checked = checked_variants(agents, self.trajectories[0], variants, skipped)
         require_variants(variants, skipped)
-        identity = replay_identity(self.trace, agents_identity(agents), variants, use_kernel, **self.settings)
+        identity = replay_identity(
+            self.trace,
+            agents_identity(agents),
+            variants,
+            use_kernel,
+            expansion=expansion_path(agents.device.type),
+            **self.settings,
+        )
         checkpoint = Checkpoint(self.checkpoint_path, identity)
         state = displays.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
         label, settings = f"replaying {len(variants)} policies", self.settings | {"lora_attention": use_kernel}

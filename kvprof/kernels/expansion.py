@@ -98,6 +98,11 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
+def expansion_path(device: str) -> str:
+    """How low-rank views are expanded on `device` in this process: by kvprof's fused CPU kernel, or by torch."""
+    return "kvprof's fused CPU kernel" if device == "cpu" and native_library() is not None else "torch"
+
+
 def kernel_runs() -> int:
     """How many expansions the kernel has run in this process (a replay compares the count before and after)."""
     return _runs

@@ -33,6 +33,7 @@ REPLAY_SETTINGS = {
     "dtype": "--dtype",
     "device": "--device",
     "lora_attention": "--lora-attention",
+    "expansion": "the low-rank views expanded by",  # kvprof's fused CPU kernel needs a C compiler, KVPROF_NATIVE unset
     "sharding": "--ray (a sharded replay checkpoints shards)",
     "online": "--online (a sharded replay checkpoints its shards' online re-runs)",
 }
@@ -56,9 +57,11 @@ def replay_identity(
     timing: str = "turn",
     page_size: int = 16,
     span_matching: SpanMatching = DEFAULT_MATCHING,
+    expansion: str | None = None,
 ) -> dict:
     """The settings a replay's records depend on: trace content, model and agents, dtype, device (`loaded`), variants
-    with options, repeats, timing, page size, span matching, attention path; `sharded` (+ `online`) on Ray."""
+    with options, repeats, timing, page size, span matching, attention path, the views' `expansion` path
+    (`kvprof.kernels.expansion.expansion_path`: timings of both paths must not mix); `sharded` (+ `online`) on Ray."""
     identity = {
         "trace": trace_digest(trace),
         "model": loaded["model"],
@@ -72,6 +75,8 @@ def replay_identity(
         "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
     }
+    if expansion is not None:
+        identity["expansion"] = expansion
     return identity | ({"sharding": "ray", "online": online} if sharded else {})
 
 
@@ -120,9 +125,12 @@ class Checkpoint:
         saved = read_json_file(self.path, "checkpoint", "delete it to start again")
         if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict) or "progress" not in saved:
             raise KvprofError(f"{self.path} is not a checkpoint of this kvprof; delete it to start again.")
+        keys = list(dict.fromkeys([*self.identity, *saved["identity"]]))
+        if saved["identity"].get("sharding") != self.identity.get("sharding"):
+            keys = ["sharding", "online"]  # the other kind of checkpoint: settings recorded by one kind only aside
         differences = [
             self._difference(key, saved["identity"].get(key), self.identity.get(key))
-            for key in dict.fromkeys([*self.identity, *saved["identity"]])
+            for key in keys
             if saved["identity"].get(key) != self.identity.get(key)
         ]
         if differences:
