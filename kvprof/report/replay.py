@@ -229,12 +229,12 @@ def cost_table(result: ReplayResult | dict) -> TableData:
         columns=columns,
         caption="TTFT s / latency s: summed over turns"
         + (" (each turn's mean over the timed runs of its trajectory)" if timing["mode"] == "trajectory" else "")
-        + "; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up "
-        "the work allows that the replay realises; below 1, the harness or fixed per-turn costs eat it); TPOT: "
-        "decode time per output token (one forward per token over the cache); × = dense ÷ policy, measured side by "
-        "side in this run (working ×: policy ÷ dense); stored: peak analytic bytes of what the policy keeps between "
-        "turns; working: peak during a turn, adding its transients (the turn's cache, captured hidden states, an LR "
-        "prefill's working set)"
+        + "; eff.: measured TTFT × ÷ FLOP × (the share of the speed-up the work allows that the replay realises; "
+        "below 1, work the FLOPs leave out — a short turn's reads of a long cache, element-wise passes — or the "
+        "harness's own cost); TPOT: decode time per output token (one forward per token over the cache); × = dense "
+        "÷ policy, measured side by side in this run (working ×: policy ÷ dense); stored: peak analytic bytes of what "
+        "the policy keeps between turns; working: peak during a turn, adding its transients (the turn's cache, "
+        "captured hidden states, an LR prefill's working set)"
         + ("; CUDA: allocator peak of the policy's own turns plus its stored bytes" if cuda else "")
         + "; as the papers report memory: alloc., the allocator's peak with the weights ("
         + (summary_of(DENSE, result.dense).allocator_peak_source or "not recorded")
