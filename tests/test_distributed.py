@@ -35,6 +35,7 @@ from kvprof.replay.sharded import (
     makespan,
     merge,
     plan_shards,
+    refuse_unlike_worker,
     replay_sharded,
     run_shard,
     shard_checkpoint,
@@ -138,6 +139,18 @@ def same_records(merged: dict, single: dict) -> None:
 @pytest.fixture(scope="module")
 def agents(lora_trace):
     return load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
+
+
+def test_a_worker_expanding_views_another_way_is_refused():
+    """Workers whose low-rank views are expanded by the fused CPU kernel and by torch would mix their shards' timings:
+    the second is refused in one sentence; other agents are refused first."""
+    identity = {"model": "m", "agents": [], "dtype": "float32", "device": "cpu"}
+    first = {"id": "a:1", "identity": identity, "expansion": "kvprof's fused CPU kernel"}
+    refuse_unlike_worker(first, dict(first, id="b:2"))
+    with pytest.raises(KvprofError, match=r"^Ray worker b:2 expands low-rank views with torch and worker a:1 with"):
+        refuse_unlike_worker(first, dict(first, id="b:2", expansion="torch"))
+    with pytest.raises(KvprofError, match="loaded other agents"):
+        refuse_unlike_worker(first, dict(first, id="b:2", identity=dict(identity, dtype="bfloat16"), expansion="torch"))
 
 
 def test_plan_keeps_stateful_variants_whole(lora_trace):

@@ -183,11 +183,14 @@ class Replay:
         from kvprof.replay.sharded import absolute_files
 
         with cluster:
-            loaded = cluster.first()["identity"]
+            first = cluster.first()
+            loaded = first["identity"]
             use_kernel = uses_kernel(self.lora_attention, loaded["device"])
             variants, skipped = self.choose(lambda chosen, skip: cluster.runnable(absolute_files(chosen), skip))
             require_variants(variants, skipped)
-            identity = replay_identity(self.trace, loaded, variants, use_kernel, sharded=True, **self.settings)
+            identity = replay_identity(
+                self.trace, loaded, variants, use_kernel, sharded=True, expansion=first["expansion"], **self.settings
+            )
             checkpoint = Checkpoint(self.checkpoint_path, identity)
             what, settings = f"{len(variants)} policies", self.settings | {"lora_attention": use_kernel}
             result = displays.replay_on_ray(

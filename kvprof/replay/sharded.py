@@ -24,7 +24,7 @@ from typing import Any
 
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
-from kvprof.kernels.expansion import kernel_runs
+from kvprof.kernels.expansion import expansion_path, kernel_runs
 from kvprof.model.agents import AgentSet, agents_identity, load_agents_for_header
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import (
@@ -433,6 +433,7 @@ class ReplayWorker:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "identity": agents_identity(agents),
+            "expansion": expansion_path(agents.device.type),
         }
 
     def runnable(self, variants: list[PolicyVariant], skip: bool) -> tuple[list[PolicyVariant], dict[str, str]]:
@@ -653,7 +654,7 @@ class RayCluster:
                 self._start()
                 continue
             if self.described:
-                _refuse_other_agents(next(iter(self.described.values())), info)
+                refuse_unlike_worker(next(iter(self.described.values())), info)
             self.handles[info["id"]] = handle
             self.described[info["id"]] = info
 
@@ -754,13 +755,20 @@ class RayCluster:
             hooks.on_event(f"worker {run.worker} was lost ({_first_line(err)}); retrying shard {run.shard.key}")
 
 
-def _refuse_other_agents(first: dict, other: dict) -> None:
-    """Refuse a worker whose agents (model, adapters, roles, dtype, device kind) differ from the first's."""
+def refuse_unlike_worker(first: dict, other: dict) -> None:
+    """Refuse a worker whose agents (model, adapters, roles, dtype, device kind) differ from the first's, or that
+    expands low-rank views another way (`expansion_path`: the shards' timings would mix)."""
     kind = dict(other["identity"], device=other["identity"]["device"].split(":")[0])
     if kind != dict(first["identity"], device=first["identity"]["device"].split(":")[0]):
         raise KvprofError(
             f"Ray worker {other['id']} loaded other agents than worker {first['id']} (model, adapters, role prompts, "
             "dtype or device kind differ); give every node the same model and adapter files at the same paths."
+        )
+    if other["expansion"] != first["expansion"]:
+        raise KvprofError(
+            f"Ray worker {other['id']} expands low-rank views with {other['expansion']} and worker {first['id']} with "
+            f"{first['expansion']}, so their shards' timings would mix; give every node a C compiler (or set "
+            "KVPROF_NATIVE=0 on all of them)."
         )
 
 
