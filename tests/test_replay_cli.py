@@ -193,6 +193,12 @@ def test_resume_refuses_a_checkpoint_of_other_settings(run_cli, lora_trace, tmp_
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and "Traceback" not in out + err and len(lines) == 1, err
         assert f"replay.partial.json was made with other settings {difference}" in lines[0]
+    made = json.loads(checkpoint.read_text())
+    earlier = dict(made, identity={k: v for k, v in made["identity"].items() if k != "expansion"})
+    checkpoint.write_text(json.dumps(earlier))  # as a kvprof before the expansion path was recorded wrote it
+    code, out, err = run_cli(*args, "--policy", "fullshared", "--repeats", "1", "--resume")
+    assert code == 2 and "views expanded by: not recorded (a checkpoint of an earlier kvprof)" in err, err
+    checkpoint.write_text(json.dumps(made))
     if native_library() is not None:  # views expanded by the fused kernel: resumed where they would be by torch
         with monkeypatch.context() as patched:
             patched.setenv("KVPROF_NATIVE", "0")

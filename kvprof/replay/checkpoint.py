@@ -126,10 +126,11 @@ class Checkpoint:
         if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict) or "progress" not in saved:
             raise KvprofError(f"{self.path} is not a checkpoint of this kvprof; delete it to start again.")
         keys = list(dict.fromkeys([*self.identity, *saved["identity"]]))
-        if saved["identity"].get("sharding") != self.identity.get("sharding"):
+        other_kind = saved["identity"].get("sharding") != self.identity.get("sharding")
+        if other_kind:
             keys = ["sharding", "online"]  # the other kind of checkpoint: settings recorded by one kind only aside
         differences = [
-            self._difference(key, saved["identity"].get(key), self.identity.get(key))
+            self._difference(key, saved["identity"].get(key), self.identity.get(key), other_kind)
             for key in keys
             if saved["identity"].get(key) != self.identity.get(key)
         ]
@@ -140,11 +141,14 @@ class Checkpoint:
             )
         return saved["progress"]
 
-    def _difference(self, key: str, saved, current) -> str:
-        """A setting that differs from this run's, for the refusal: its value there and here."""
+    def _difference(self, key: str, saved, current, other_kind: bool = False) -> str:
+        """A setting that differs from this run's, for the refusal: its value there and here (a setting a checkpoint
+        of the same kind lacks: one an earlier kvprof did not record)."""
         name = self.settings.get(key, key)
         if key in UNSHOWN:
             return name
+        if saved is None and not other_kind:
+            return f"{name}: not recorded (a checkpoint of an earlier kvprof)"
         return f"{name} {_shown(saved)}, not {_shown(current)}"
 
     def _refuse_foreign(self, foreign: list[str]) -> None:
