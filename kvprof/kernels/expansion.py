@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kvprof.results.replay import FUSED_EXPANSION
+
 SOURCE = Path(__file__).with_name("expansion.c")
 FLAG_CHOICES = (("-march=native",), ("-mcpu=native",), ())  # the first the compiler accepts
 LANES = 16  # floats per vector in the kernel
@@ -100,7 +102,7 @@ def native_library() -> ctypes.CDLL | None:
 
 def expansion_path(device: str) -> str:
     """How low-rank views are expanded on `device` in this process: by kvprof's fused CPU kernel, or by torch."""
-    return "kvprof's fused CPU kernel" if device == "cpu" and native_library() is not None else "torch"
+    return FUSED_EXPANSION if device == "cpu" and native_library() is not None else "torch"
 
 
 def kernel_runs() -> int:

@@ -27,7 +27,8 @@ from kvprof.results.base import (
     records_by_label,
 )
 
-# In `ReplayResult.lora_attention` when the low-rank views were expanded by `kvprof.kernels.expansion`'s C kernel.
+# In `ReplayResult.lora_attention` when the low-rank views were expanded by `kvprof.kernels.expansion`'s C kernel,
+# and a replay checkpoint's expansion path (`kvprof.kernels.expansion.expansion_path`).
 FUSED_EXPANSION = "kvprof's fused CPU kernel"
 FIX = "pass the replay.json a `kvprof replay` run wrote, unchanged (or rerun `kvprof replay`)"
 MAYBE_NUMBER = (*NUMBER, OPTIONAL)
