@@ -53,11 +53,11 @@ def replay_identity(
     sharded: bool = False,
     *,
     repeats: int,
+    expansion: str,
     online: bool = False,
     timing: str = "turn",
     page_size: int = 16,
     span_matching: SpanMatching = DEFAULT_MATCHING,
-    expansion: str | None = None,
 ) -> dict:
     """The settings a replay's records depend on: trace content, model and agents, dtype, device (`loaded`), variants
     with options, repeats, timing, page size, span matching, attention path, the views' `expansion` path
@@ -74,9 +74,8 @@ def replay_identity(
         "dtype": loaded["dtype"],
         "device": loaded["device"],
         "lora_attention": "kernel" if use_kernel else "expand",
+        "expansion": expansion,
     }
-    if expansion is not None:
-        identity["expansion"] = expansion
     return identity | ({"sharding": "ray", "online": online} if sharded else {})
 
 
