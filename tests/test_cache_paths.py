@@ -15,6 +15,7 @@ from test_policies import CASES, shared_a_agents  # noqa: F401  (fixture)
 
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
+from kvprof.kernels.attention import KERNEL
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.buffers import BufferCache, GrowingTensor, KVBuffer, Workspace
 from kvprof.model.lora import decoder_layers
@@ -204,7 +205,7 @@ def test_kept_views_equal_per_turn_expansion(lora_trace, shared_a_agents, monkey
 
 def test_kept_views_refuse_flash_lora_attention(shared_a_agents):  # noqa: F811
     with pytest.raises(KvprofError, match="views=kept"):
-        PolicyVariant("prelrshared", {"views": "kept"}).build(Runtime(shared_a_agents, lora_attention=True))
+        PolicyVariant("prelrshared", {"views": "kept"}).build(Runtime(shared_a_agents, lora_attention=KERNEL))
 
 
 def test_a_model_loaded_with_another_attention_keeps_it(prompt_trace):

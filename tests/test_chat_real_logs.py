@@ -32,6 +32,9 @@ from transformers import AutoTokenizer
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
+from kvprof.kernels.attention import EXPAND, SHORT
+from kvprof.kernels.transformers_attention import stored_value_calls
+from kvprof.model import runtime as runtime_module
 from kvprof.model.agents import load_agents_for_trace, tokenizer_identity
 from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, runnable_variants
@@ -434,6 +437,44 @@ def test_low_rank_policies_moving_spans_equal_fullshared_when_every_agent_has_th
             for layer, reference_layer in zip(turn["layers"], reference["layers"], strict=True):
                 assert layer["k_error"] == pytest.approx(reference_layer["k_error"], rel=1e-3, abs=1e-6), label
                 assert layer["v_error"] == pytest.approx(reference_layer["v_error"], rel=1e-3, abs=1e-6), label
+
+
+def test_low_rank_policies_over_stored_values_move_spans_as_over_expanded_views(
+    tiny_world, family_models, tokenizers, tmp_path, monkeypatch
+):
+    """Lora mode with per-agent system prompts, each agent its own adapter (shared A), through the moved spans of the
+    Llama group chat: attending the rank-r values as stored (`--lora-attention auto`'s path for short forwards on CPU,
+    here taken by every forward) gives each low-rank policy the expanded views' turns: KL and the reused and moved
+    spans' K/V errors."""
+    family = "llama3.1"
+    tokenizer = tokenizers[family]
+    records, _ = renderable(tokenizer, log_cases("lora_agent_prompts", trajectories=2)["group_chat"])
+    imported = import_records(tiny_world, tokenizer, family, "lora_agent_prompts", records, tmp_path / "log.jsonl")
+    path = write_trace(tmp_path / "trace.jsonl", imported.trace)
+    flags = [f"{agent}={tiny_world.shared_a_adapter(ADAPTERS[agent])}" for agent in AGENTS]
+    agents = load_agents_for_trace(path, model=str(family_models[family]), agent_flags=flags, device="cpu")
+    variants = [
+        PolicyVariant("prelrshared"),
+        PolicyVariant("baselrshared"),
+        PolicyVariant("rebaseshared"),
+        PolicyVariant("rebaseshared", {"schedule": "db"}),
+        PolicyVariant("baseshared"),
+    ]
+    trajectories = read_trace(path).trajectories
+    expanded = replay_trace(agents, trajectories, variants, lora_attention=EXPAND)
+    monkeypatch.setattr(runtime_module, "values_as_stored_pay", lambda group, tokens, head_dim: True)
+    calls = stored_value_calls()
+    stored = replay_trace(agents, trajectories, variants, lora_attention=SHORT)
+    assert stored_value_calls() > calls
+    for label, entry in stored["policies"].items():
+        reference = expanded["policies"][label]
+        assert entry["summary"]["moved"] == reference["summary"]["moved"], label
+        assert label.startswith("baseshared") or entry["summary"]["moved"] > 0, label
+        for turn, expected in zip(entry["turns"], reference["turns"], strict=True):
+            assert turn["kl_sum"] == pytest.approx(expected["kl_sum"], rel=1e-3, abs=1e-6), label
+            for layer, expected_layer in zip(turn["layers"], expected["layers"], strict=True):
+                for key in ("k_error", "v_error"):
+                    assert layer[key] == pytest.approx(expected_layer[key], rel=1e-3, abs=1e-6), (label, key)
 
 
 def test_delta_policies_fitted_on_half_a_group_chat_correct_its_moved_spans(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvprof.kernels import expansion
+from kvprof.kernels.attention import EXPAND, SHORT
 from kvprof.kernels.expansion import expand_into, native_library
 from kvprof.model.rope import Rope
 from kvprof.replay.engine import attention_path
@@ -122,11 +123,15 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(monkeypatch, tmp_path):
         native_library.cache_clear()
 
 
+@pytest.mark.parametrize("stored", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
-def test_the_cost_table_says_when_views_were_expanded_by_the_kernel(fused):
-    """A replay records how its low-rank views were expanded (`lora_attention`); the cost table's title names the
-    kernel only when it ran."""
+def test_the_cost_table_says_when_views_were_expanded_by_the_kernel(fused, stored):
+    """A replay records how its low-rank views were expanded and whether short forwards attended stored values
+    (`lora_attention`); the cost table's title names each only when it ran."""
     result = json.loads(RECORDED_REPLAY.read_text())
-    result["lora_attention"] = attention_path(False, fused)
+    result["lora_attention"] = attention_path(SHORT, fused, stored)
     title = cost_table(result).title
     assert (FUSED_EXPANSION in title) is fused
+    assert ("short forwards attend the rank-r values as stored" in title) is stored
+    result["lora_attention"] = attention_path(EXPAND, fused, stored)
+    assert "short forwards" not in cost_table(result).title

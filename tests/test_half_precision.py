@@ -25,6 +25,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvprof.kernels.attention import EXPAND, KERNEL
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.runtime import Runtime
 from kvprof.policies import enumerate_variants, runnable_variants
@@ -58,7 +59,7 @@ def _agents(trace, world, dtype):
     return load_agents_for_trace(trace, agent_flags=flags, device="cpu", dtype=dtype)
 
 
-def _replay(trace, world, dtype, lora_attention=False):
+def _replay(trace, world, dtype, lora_attention=EXPAND):
     agents = _agents(trace, world, dtype)
     mode = agents.spec.mode
     variants = [variant for variant in enumerate_variants() if mode in variant.policy.modes]
@@ -71,11 +72,13 @@ def _replay(trace, world, dtype, lora_attention=False):
 
 @pytest.fixture(scope="module")
 def float32_run(lora_trace, prompt_trace, tiny_world):
-    runs = {attention: _replay(lora_trace, tiny_world, "float32", attention) for attention in (False, True)}
+    runs = {attention: _replay(lora_trace, tiny_world, "float32", attention) for attention in (EXPAND, KERNEL)}
     return runs | {"prompt": _replay(prompt_trace, tiny_world, "float32")}
 
 
-@pytest.mark.parametrize("setting", [False, True, "prompt"], ids=["expanded-values", "flash-lora-attention", "prompt"])
+@pytest.mark.parametrize(
+    "setting", [EXPAND, KERNEL, "prompt"], ids=["expanded-values", "flash-lora-attention", "prompt"]
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_every_policy_runs_in_half_precision_and_matches_float32(
     lora_trace, prompt_trace, tiny_world, float32_run, dtype, setting

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.attention import EXPAND, KERNEL, SHORT
 from kvprof.kernels.expansion import expand_into as native_expand_into
 from kvprof.kernels.expansion import native_library
+from kvprof.kernels.transformers_attention import stored_value_calls
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.lora import decoder_layers
 from kvprof.model.runtime import Runtime
-from kvprof.model.tiny import build_tiny_world, tiny_config
+from kvprof.model.tiny import build_adapter, build_tiny_world, tiny_config
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, lowrank, runnable_variants
 from kvprof.replay.engine import DENSE, replay_trace, run_online, run_replay, summarise_online
 from kvprof.results.replay import FUSED_EXPANSION
@@ -371,7 +373,7 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
         PolicyVariant("rebaseshared", {"schedule": "db"}),
     ]
     expanded = replay_trace(shared_a_agents, trajectories, choices)
-    kernel = replay_trace(shared_a_agents, trajectories, choices, lora_attention=True)
+    kernel = replay_trace(shared_a_agents, trajectories, choices, lora_attention=KERNEL)
     for label in expanded["policies"]:
         for a, b in zip(expanded["policies"][label]["turns"], kernel["policies"][label]["turns"]):
             assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
@@ -380,6 +382,93 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
                 for key in ("k_error", "v_error", "k_cosine", "v_cosine"):
                     assert layer_b[key] == pytest.approx(layer_a[key], rel=0, abs=1e-5), key
     assert kernel["dense"]["summary"]["kl"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def shared_a_qv_agents(lora_trace, tiny_world, tmp_path_factory):
+    """The tiny world's agents with shared-A adapters on q_proj and v_proj only (PReCache's setting: keys shared)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("shared_a_qv")
+    model = AutoModelForCausalLM.from_pretrained(tiny_world.model)
+    flags = []
+    for index, name in enumerate(("plan", "act", "reflect")):
+        model = build_adapter(model, root / name, 40 + index, targets=("q_proj", "v_proj"), shared_a_seed=39)
+        flags.append(f"{name}={root / name}")
+    return load_agents_for_trace(lora_trace, agent_flags=flags, device="cpu", dtype="float32")
+
+
+def _short_requests(traj, new: int) -> list[TurnRequest]:
+    """Five calls of the trajectory's first two agents (a, a, b, b, a), each input the previous call's input and
+    outputs plus `new` tokens (the first as the trace has it, four outputs a call): every call after the first is
+    short, and an agent's second call in a row has no other agent's tokens to catch up on."""
+    first, second = list(dict.fromkeys(turn.agent for turn in traj.turns))[:2]
+    ids = traj.input_tokens(traj.turns[0])
+    outputs = traj.output_tokens(traj.turns[0])[:4]
+    requests = []
+    for index, agent in enumerate((first, first, second, second, first)):
+        if index:
+            ids = ids + ids[-new - 7 : -7]  # tokens of the input itself: ordinary ids
+        requests.append(TurnRequest(agent, ids, outputs))
+        ids = ids + outputs
+    return requests
+
+
+LOW_RANK_SETTINGS = [
+    ("prelrshared", {}),
+    ("baselrshared", {}),
+    ("rebaseshared", {"schedule": "lp"}),
+    ("rebaseshared", {"schedule": "db"}),
+    ("baseshared", {}),
+    ("baseshared", {"lr_prefill": "full"}),
+]
+
+
+@pytest.mark.parametrize("adapters", ["shared_a_agents", "shared_a_qv_agents"], ids=["qkvo", "qv"])
+@pytest.mark.parametrize("variant", LOW_RANK_SETTINGS, ids=lambda v: "-".join([v[0], *v[1].values()]))
+def test_short_forwards_over_stored_values_equal_expanded_views(request, lora_trace, adapters, variant):
+    """`--lora-attention auto` on CPU ("short"): a turn of few new tokens attends V_base and the rank-r values as
+    stored (the store's own values, its new tokens written after the store's) instead of an expanded view. Each
+    turn's logits and reused K/V as attention sees them equal the expanded path's, and the store after every turn
+    holds the same base and LR caches (the turn's scratch past the store's length never leaks into it)."""
+    agents = request.getfixturevalue(adapters)
+    traj = read_trace(lora_trace).trajectories[0]
+    group = agents.base_model.config.num_attention_heads // agents.base_model.config.num_key_value_heads
+    head_dim = agents.base_model.config.hidden_size // agents.base_model.config.num_attention_heads
+    requests = _short_requests(traj, new=head_dim // group - 2)  # with the last output: one fewer than pays
+    runs, stores = {}, {}
+    for mode in (EXPAND, SHORT):
+        policy = PolicyVariant(*variant).build(Runtime(agents, mode))
+        calls = stored_value_calls()
+        runs[mode], stores[mode] = [], []
+        for turn in requests:
+            result = policy.run_turn(turn)
+            # the reused span's K/V as the metrics read them (views of buffers the next turn rewrites: copied)
+            end = result.prefix_len + result.reused
+            reused_kv = [(keys[:, :end].clone(), values[:, :end].clone()) for keys, values in result.input_kv]
+            runs[mode].append((result.logits, reused_kv))
+            store = policy.store
+            base = [tuple(side.clone() for side in buffer.view(len(store))) for buffer in store.base]
+            low_rank = {name: [{p: t.clone() for p, t in layer.items()} for layer in store.lr(name) or []]
+                        for name in store.low_rank}  # fmt: skip
+            stores[mode].append((base, low_rank))
+        assert (stored_value_calls() > calls) is (mode == SHORT)
+    for (logits, kv), (plain_logits, plain_kv) in zip(runs[SHORT], runs[EXPAND], strict=True):
+        torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv, plain_kv, atol=1e-5, rtol=1e-5)
+    for (base, low_rank), (plain_base, plain_low_rank) in zip(stores[SHORT], stores[EXPAND], strict=True):
+        torch.testing.assert_close(base, plain_base, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(low_rank, plain_low_rank, atol=1e-5, rtol=1e-5)
+
+
+def test_which_forwards_attend_stored_values(shared_a_agents):
+    """ "short" keeps the values as stored in forwards of few tokens through kvprof's attention only; "kernel" in
+    every forward, "expand" in none."""
+    runtime = Runtime(shared_a_agents, SHORT)
+    assert runtime.values_as_stored(1) and not runtime.values_as_stored(10_000)
+    assert not Runtime(shared_a_agents, SHORT, fast_paths=False).values_as_stored(1)  # the model's own attention
+    assert Runtime(shared_a_agents, KERNEL).values_as_stored(10_000)
+    assert not Runtime(shared_a_agents, EXPAND).values_as_stored(1)
 
 
 @pytest.mark.parametrize("policy", ["prelrshared", "baseshared", "rebaseshared"])

@@ -194,18 +194,33 @@ def rank_analysis_lora(ctx: DemoContext) -> StageResult:
 
 
 def _online_replay(
-    ctx: DemoContext, out: Path, trace: Path, agents, trajectories, variants, skipped, lora_attention: bool, **options
+    ctx: DemoContext,
+    out: Path,
+    trace: Path,
+    agents,
+    trajectories,
+    variants,
+    skipped,
+    lora_attention: str,
+    **options,
 ) -> tuple[ReplayResult, dict[str, float], str]:
     """`kvprof replay TRACE --online` of `trajectories` under `variants`, printed and written as the command does
-    (`options`: other arguments; no `policy`: `command_selection`); the record, online accuracy per run, as text."""
+    (`lora_attention`: as --lora-attention; `options`: other arguments; no `policy`: `command_selection`); the record,
+    online accuracy per run, as text."""
     from kvprof.policies import command_selection
-    from kvprof.replay.engine import run_replay, with_trace
+    from kvprof.replay.engine import lora_attention_mode, run_replay, with_trace
 
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)
     with replay_progress(f"replaying {len(variants)} policies", trajectories, len(variants), True) as hooks:
         payload = run_replay(
-            agents, trajectories, variants, ctx.repeats, online=True, lora_attention=lora_attention, hooks=hooks
+            agents,
+            trajectories,
+            variants,
+            ctx.repeats,
+            online=True,
+            lora_attention=lora_attention_mode(lora_attention, agents.device.type),
+            hooks=hooks,
         )
     record = with_trace(payload, trace, skipped, None)
     show_replay(record)
@@ -233,7 +248,7 @@ def _replay_lora(
     print_skipped(skipped)
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     return _online_replay(
-        ctx, out, trace, agents, trajectories, variants, skipped, agents.device.type == "cuda",
+        ctx, out, trace, agents, trajectories, variants, skipped, "auto",
         limit=ctx.replay_tasks, **options,
     )  # fmt: skip
 
@@ -325,7 +340,7 @@ def alora_sharing(ctx: DemoContext) -> StageResult:
         agents = load_agents_for_trace(trace, device=ctx.device, dtype=ctx.dtype)
         trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
         record, online, _ = _online_replay(
-            ctx, out, trace, agents, trajectories, variants, {}, agents.device.type == "cuda", limit=ctx.replay_tasks
+            ctx, out, trace, agents, trajectories, variants, {}, "auto", limit=ctx.replay_tasks
         )
         rows = comparison_rows(ctx.lora_replays[targets], record)
         title = f"LoRA agents (the shared-A set) or aLoRA agents ({targets}, r=8)"
@@ -385,7 +400,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
         PolicyVariant("kvcmas", {"chain": "star", "anchors": str(pools["rank32"])}),
     ]
     record, online, accuracy = _online_replay(
-        ctx, out, trace, agents, replayed, variants, {}, False, skip=half, limit=len(replayed),
+        ctx, out, trace, agents, replayed, variants, {}, "expand", skip=half, limit=len(replayed),
     )  # fmt: skip
     kl = {label: summary_of(label, run).kl for label, run in record.policies.items()}
     return StageResult(
@@ -411,7 +426,7 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     trajectories = read_trace(trace).trajectories[: ctx.replay_tasks]
     variants = list(CODEBOOK_EVALUATED)
     record, online, accuracy = _online_replay(
-        ctx, out, trace, agents, trajectories, variants, {}, False, limit=len(trajectories)
+        ctx, out, trace, agents, trajectories, variants, {}, "expand", limit=len(trajectories)
     )
     kl = {label: summary_of(label, run).kl for label, run in record.policies.items()}
     return StageResult(

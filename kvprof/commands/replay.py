@@ -41,7 +41,8 @@ HELP = {
     "online": "Also re-run the workflow under each policy (agents generate; errors propagate): exact-match accuracy "
     "and output divergence.",
     "lora_attention": "How low-rank policies attend: kernel (Flash-LoRA-Attention: Triton on CUDA, its torch "
-    "reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on CUDA, expand on CPU).",
+    "reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on CUDA; on CPU, the kernel in forwards "
+    "of few tokens, where its probabilities take no more room than the values, expand in the others).",
     "repeats": "Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the "
     "prefills of a turn are timed round-robin across the dense run and the policies, and the first decode step "
     "also runs once untimed before the timed ones. With --timing trajectory: timed runs of each trajectory after "
@@ -148,12 +149,12 @@ class Replay:
         from kvprof.model.runtime import Runtime
         from kvprof.policies import runnable_variants
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
-        from kvprof.replay.engine import run_replay, uses_kernel, with_trace
+        from kvprof.replay.engine import lora_attention_mode, run_replay, with_trace
         from kvprof.replay.self_check import checked_variants
 
         agents = source.load()
         common.print_layers(agents)
-        use_kernel, runtime = uses_kernel(self.lora_attention, agents.device.type), Runtime(agents)
+        mode, runtime = lora_attention_mode(self.lora_attention, agents.device.type), Runtime(agents)
         variants, skipped = self.choose(lambda chosen, skip: runnable_variants(chosen, runtime, skip))
         with common.console.status(SELF_CHECK) if any(v.policy.exact_setting for v in variants) else nullcontext():
             variants, skipped, checked = checked_variants(agents, self.trajectories[0], variants, skipped)
@@ -162,13 +163,13 @@ class Replay:
             self.trace,
             agents_identity(agents),
             variants,
-            use_kernel,
+            mode,
             expansion=expansion_path(agents.device.type),
             **self.settings,
         )
         checkpoint = Checkpoint(self.checkpoint_path, identity)
         state = displays.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
-        label, settings = f"replaying {len(variants)} policies", self.settings | {"lora_attention": use_kernel}
+        label, settings = f"replaying {len(variants)} policies", self.settings | {"lora_attention": mode}
         with displays.replay_progress(
             label, self.trajectories, len(variants), settings["online"], state, checkpoint
         ) as hooks:
@@ -179,20 +180,20 @@ class Replay:
         """In shards on `cluster`, checkpointed per shard; variants chosen on a worker's agents, not self-checked
         (the driver loads no model)."""
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
-        from kvprof.replay.engine import uses_kernel, with_trace
+        from kvprof.replay.engine import lora_attention_mode, with_trace
         from kvprof.replay.sharded import absolute_files
 
         with cluster:
             first = cluster.first()
             loaded = first["identity"]
-            use_kernel = uses_kernel(self.lora_attention, loaded["device"])
+            mode = lora_attention_mode(self.lora_attention, loaded["device"])
             variants, skipped = self.choose(lambda chosen, skip: cluster.runnable(absolute_files(chosen), skip))
             require_variants(variants, skipped)
             identity = replay_identity(
-                self.trace, loaded, variants, use_kernel, sharded=True, expansion=first["expansion"], **self.settings
+                self.trace, loaded, variants, mode, sharded=True, expansion=first["expansion"], **self.settings
             )
             checkpoint = Checkpoint(self.checkpoint_path, identity)
-            what, settings = f"{len(variants)} policies", self.settings | {"lora_attention": use_kernel}
+            what, settings = f"{len(variants)} policies", self.settings | {"lora_attention": mode}
             result = displays.replay_on_ray(
                 cluster, self.trajectories, variants, what, checkpoint, self.resume, **settings
             )

@@ -12,6 +12,7 @@ lora_b (H_kv, r, D), scaling folded in; out (B, H_q, Lq, D).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,21 @@ from kvprof.errors import KvprofError
 MAX_RANK = 64
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# How the low-rank policies attend their rank-r values (`kvprof replay --lora-attention`, resolved for a device):
+# Flash-LoRA-Attention in every forward; expanded views and SDPA; or as stored in the forwards where that pays
+# (`values_as_stored_pay`) and expanded in the others (auto on CPU).
+LoraAttention = Literal["kernel", "expand", "short"]
+KERNEL: LoraAttention = "kernel"
+EXPAND: LoraAttention = "expand"
+SHORT: LoraAttention = "short"
+
+
+def values_as_stored_pay(group: int, tokens: int, head_dim: int) -> bool:
+    """Whether a forward of `tokens` queries (`group` query heads per KV head) moves fewer bytes attending the
+    rank-r values as stored than expanding them: the probabilities it materialises per KV head (group·tokens rows per
+    key, `flash_lora_attention_ref`) are no more than the D channels per key the expanded values write and read back."""
+    return group * tokens <= head_dim
 
 
 def check_lora_attention_inputs(
@@ -134,19 +150,22 @@ def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> t
 def _attention_probabilities(
     q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, attn_mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """Softmax probabilities P (B, H_q, Lq, Lk) in q's dtype; rows with no visible key are all zero."""
-    group = q.shape[1] // k.shape[1]
-    keys = k.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    visible = None
+    """Softmax probabilities P (B, H_kv, g·Lq, Lk) in q's dtype, the g query heads of a KV head stacked as rows (no
+    copy of the keys per query head); rows with no visible key are all zero."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, head_dim), k.transpose(-1, -2)).mul_(scale)
     if attn_mask is not None:
-        visible = attn_mask
-    elif causal:
-        visible = bottom_right_causal_mask(q.shape[2], k.shape[2], q.device)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1)
-    return torch.nan_to_num(probs, nan=0.0).to(q.dtype)
+        visible = attn_mask.expand(batch, q_heads, q_len, kv_len).reshape(batch, kv_heads, group * q_len, kv_len)
+        scores.masked_fill_(~visible, float("-inf"))
+        probs = torch.nan_to_num(torch.softmax(scores.float(), dim=-1), nan=0.0)
+    else:
+        if causal and q_len > 1:  # bottom-right: only the last Lq keys are hidden from some rows, none from all
+            own = bottom_right_causal_mask(q_len, q_len, q.device).repeat(group, 1)
+            scores[..., kv_len - q_len :].masked_fill_(~own, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1)
+    return probs.to(q.dtype)
 
 
 def flash_lora_attention_ref(
@@ -160,16 +179,15 @@ def flash_lora_attention_ref(
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference (and CPU path): O = P·V_base + (P·V_lr)·B (B, H_q, Lq, D) in q's dtype, softmax in float32
-    as transformers' eager. Materialises P: short sequences. Shapes: module docstring."""
+    as transformers' eager. Materialises P (`values_as_stored_pay`: short forwards). Shapes: module docstring."""
     v_lr, lora_b = lora_factors_like(q, v_lr, lora_b)
     check_lora_attention_inputs(q, k, v_base, v_lr, lora_b, attn_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    probs = _attention_probabilities(q, k, scale, causal, attn_mask)
-    out_base = torch.matmul(probs, v_base.repeat_interleave(group, dim=1))
-    per_head_lr = v_lr if v_lr.dim() == 4 else v_lr[:, None].expand(-1, k.shape[1], -1, -1)
-    out_lr = torch.matmul(probs, per_head_lr.repeat_interleave(group, dim=1))
-    return out_base + torch.matmul(out_lr, lora_b.repeat_interleave(group, dim=0))
+    probs = _attention_probabilities(q, k, scale, causal, attn_mask)  # (B, H_kv, g·Lq, Lk)
+    per_head_lr = v_lr if v_lr.dim() == 4 else v_lr[:, None]
+    out = torch.matmul(probs, v_base)
+    out += torch.matmul(torch.matmul(probs, per_head_lr), lora_b)
+    return out.reshape(q.shape[0], q.shape[1], q.shape[2], v_base.shape[-1])
 
 
 def expand_lora_values(v_base: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,14 @@ class LoraAttentionContext:
         return self.layers.get(layer_idx)
 
 
+_stored_value_calls = 0  # layer calls that attended rank-r values as stored, in this process
+
+
+def stored_value_calls() -> int:
+    """How many "kvprof_lora" layer calls attended rank-r values as stored (a replay compares before and after)."""
+    return _stored_value_calls
+
+
 _active_context: contextvars.ContextVar[LoraAttentionContext | None] = contextvars.ContextVar(
     "kvprof_lora_attention_context", default=None
 )
@@ -125,6 +133,8 @@ def lora_attention_forward(
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
+    global _stored_value_calls
+    _stored_value_calls += 1
     out = flash_lora_attention(query, key, value, v_lr, lora_b, scale=scaling, causal=causal, attn_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 

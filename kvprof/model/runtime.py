@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from kvprof.errors import KvprofError
+from kvprof.kernels.attention import EXPAND, KERNEL, SHORT, LoraAttention, values_as_stored_pay
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.model.agents import AgentSet
 from kvprof.model.buffers import BufferCache, BufferLayer, KVBuffer, Rewrite
@@ -75,8 +76,9 @@ def _captured(state: torch.Tensor | None) -> torch.Tensor:
 
 
 class Runtime:
-    """Forwards attend through kvprof's "kvprof_lora" attention (sdpa, unmasked chunks after a cache); with
-    `lora_attention` low-rank policies pass V_base and V_lr (Flash-LoRA-Attention).
+    """Forwards attend through kvprof's "kvprof_lora" attention (sdpa, unmasked chunks after a cache). How low-rank
+    policies attend their rank-r values, `lora_attention`: "kernel" passes V_base and V_lr to every forward
+    (Flash-LoRA-Attention), "expand" expanded views, "short" V_base and V_lr where that pays (`values_as_stored`).
 
     `fast_paths=False`: the plain path the tests hold the fast one to (fresh copied caches, the model's own
     attention); `span_matching`: how moved spans are found (`kvprof.traces.reuse.SpanMatching`)."""
@@ -84,7 +86,7 @@ class Runtime:
     def __init__(
         self,
         agents: AgentSet,
-        lora_attention: bool = False,
+        lora_attention: LoraAttention = EXPAND,
         fast_paths: bool = True,
         span_matching: SpanMatching = DEFAULT_MATCHING,
     ):
@@ -390,13 +392,24 @@ class Runtime:
             down=tap.down,
         )
 
+    def values_as_stored(self, tokens: int) -> bool:
+        """Whether a low-rank view for a forward of `tokens` new tokens keeps V_base and hands V_lr to the attention
+        (Flash-LoRA-Attention) instead of expanding the values: always with "kernel"; with "short", where kvprof's
+        attention runs (`kvprof_attention`) and the forward is short enough to pay (`values_as_stored_pay`)."""
+        if self.lora_attention != SHORT:
+            return self.lora_attention == KERNEL
+        previous = self.agents.base_model.config._attn_implementation
+        kvprof_attends = previous == self.attention or (self.fast_paths and previous == "sdpa")
+        return kvprof_attends and values_as_stored_pay(self.query_heads // self.kv_heads, tokens, self.value_dim)
+
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:
         """Attend through kvprof's implementation inside the block (sdpa models, or with Flash-LoRA-Attention;
         eager models and the plain path keep theirs); nested, a no-op."""
         model = self.agents.base_model
         previous = model.config._attn_implementation
-        if previous == self.attention or not self.lora_attention and (not self.fast_paths or previous != "sdpa"):
+        flash = self.lora_attention == KERNEL
+        if previous == self.attention or not flash and (not self.fast_paths or previous != "sdpa"):
             yield
             return
         model.set_attn_implementation(self.attention)

@@ -21,7 +21,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import lora_b_per_head
+from kvprof.kernels.attention import KERNEL, lora_b_per_head
 from kvprof.kernels.expansion import expand_into as native_expand_into
 from kvprof.kernels.transformers_attention import LoraValues
 from kvprof.model.buffers import GrowingTensor, KVBuffer, Workspace
@@ -61,6 +61,12 @@ class StoreView:
     flops: float
     lora_values: list[LoraValues | None] | None
     buffers: list[KVBuffer] | None
+
+
+def copy_unless_same(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target ← source, unless target is source's own memory (the store's values a view keeps, `assemble`)."""
+    if target.data_ptr() != source.data_ptr():
+        target.copy_(source)
 
 
 class LowRankStore:
@@ -275,7 +281,7 @@ class LowRankStore:
         end = begin + int(base[0].shape[2])
         for projection, source, target in zip(("key", "value"), base, out):
             if projection not in sides:
-                target.copy_(source)
+                copy_unless_same(target, source)
                 continue
             assert agent is not None  # sides is empty without an agent
             per_head, swapped = self._up_heads(layer, projection, agent)
@@ -311,7 +317,7 @@ class LowRankStore:
                     continue
                 summed = expanded.add_(source)
             if norm is None:
-                target.copy_(source)
+                copy_unless_same(target, source)
                 continue
             # k_norm of the sum in the model's dtype, as the layer applies it, then RoPE
             cos, sin = runtime.rope_tables(end, layer)
@@ -385,6 +391,10 @@ class LowRankStore:
                 )
                 continue
             turn = self.workspace.buffer(slot, layer, base_keys, base_values, length + spare)
+            if layer_lora is not None and length == len(self):
+                # V_base is the store's own: the turn appends after the store's tokens (scratch until `commit`
+                # writes their base values there), as the no-side views above do
+                turn = KVBuffer(turn.keys, base.values)
             flops += self.write_expanded(layer, agent, sides, turn, 0, length)
             kv.append(turn.view(length))
             buffers.append(turn)
@@ -482,7 +492,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     def check(self, runtime: Runtime) -> None:
         super().check(runtime)
         runtime.require_split()
-        if self.settings.get("views") == "kept" and runtime.lora_attention:
+        if self.settings.get("views") == "kept" and runtime.lora_attention == KERNEL:
             raise KvprofError(
                 f"policy {self.name} option views=kept keeps each agent's expanded values, which "
                 "Flash-LoRA-Attention never materialises; use views=per-turn with --lora-attention."
@@ -515,7 +525,8 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
             return LowRankContext(
                 kv=[buffer.view(reused) for buffer in view], reused=reused, extra_flops=flops, buffers=view, view=view
             )
-        view_of_store = self.store.assemble(agent, low_rank, reused, not self.runtime.lora_attention, spare)
+        expand_values = not self.runtime.values_as_stored(spare)
+        view_of_store = self.store.assemble(agent, low_rank, reused, expand_values, spare)
         return LowRankContext(
             kv=view_of_store.kv,
             reused=reused,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import read_json_file, write_json
+from kvprof.kernels.attention import LoraAttention
 from kvprof.replay.engine import ReplayProgress
 from kvprof.replay.sharded import ShardResult, resumable, saved_shards, shard_checkpoint
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
@@ -49,7 +50,7 @@ def replay_identity(
     trace: Path,
     loaded: dict,
     variants: list[PolicyVariant],
-    use_kernel: bool,
+    lora_attention: LoraAttention,
     sharded: bool = False,
     *,
     repeats: int,
@@ -73,7 +74,7 @@ def replay_identity(
         "span_matching": span_matching.to_json(),
         "dtype": loaded["dtype"],
         "device": loaded["device"],
-        "lora_attention": "kernel" if use_kernel else "expand",
+        "lora_attention": lora_attention,
         "expansion": expansion,
     }
     return identity | ({"sharding": "ray", "online": online} if sharded else {})

@@ -19,7 +19,9 @@ import torch
 from kvprof.capture.workflow import SearchTool, exact_match, require_react_agents, run_react
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
+from kvprof.kernels.attention import EXPAND, KERNEL, SHORT, LoraAttention
 from kvprof.kernels.expansion import kernel_runs
+from kvprof.kernels.transformers_attention import stored_value_calls
 from kvprof.model.agents import AgentSet, trace_header
 from kvprof.model.layers import LayerKind
 from kvprof.model.recurrent import RECURRENT_STATES
@@ -36,7 +38,15 @@ from kvprof.replay.metrics import (
     reused_from_others,
     top1_agreement,
 )
-from kvprof.results.replay import FUSED_EXPANSION, DenseRun, DenseSummary, PolicyRun, PolicySummary, ReplayResult
+from kvprof.results.replay import (
+    FUSED_EXPANSION,
+    STORED_IN_SHORT_FORWARDS,
+    DenseRun,
+    DenseSummary,
+    PolicyRun,
+    PolicySummary,
+    ReplayResult,
+)
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory, Turn, iter_trajectories, read_header
@@ -481,7 +491,7 @@ def replay_trace(
     check_memory: bool = False,
     progress: ReplayProgress | None = None,
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
-    lora_attention: bool = False,
+    lora_attention: LoraAttention = EXPAND,
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
@@ -496,7 +506,8 @@ def replay_trace(
     - Turns that leave the shared context: `kvprof.replay.branches`; the dense records say where and why.
     - `progress`: trajectories already replayed are skipped; stateful variants replay them again unrecorded
       (`rebuild_state`).
-    - `lora_attention`: Flash-LoRA-Attention instead of expanded values; `span_matching`: `SpanMatching`.
+    - `lora_attention`: how low-rank policies attend their rank-r values (`Runtime`); `span_matching`:
+      `SpanMatching`.
     """
     trajectories = list(trajectories)
     runtime = Runtime(agents, lora_attention, span_matching=span_matching)
@@ -659,7 +670,7 @@ def run_online(
     tasks: list[Task],
     variants: list[PolicyVariant],
     on_task: Callable[[str, Task], None] | None = None,
-    lora_attention: bool = False,
+    lora_attention: LoraAttention = EXPAND,
     span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict[str, list[Trajectory]]:
     """Re-run the workflow on `tasks` under the dense run ("dense") and each policy; returns trajectories."""
@@ -716,7 +727,7 @@ def run_replay(
     variants: list[PolicyVariant],
     repeats: int = 1,
     online: bool = False,
-    lora_attention: bool = False,
+    lora_attention: LoraAttention = EXPAND,
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
     timing: str = "turn",
@@ -727,7 +738,7 @@ def run_replay(
     hooks = hooks or ReplayHooks()
     if online:
         require_react_agents(agents.spec.names)
-    expansions = kernel_runs()
+    expansions, stored = kernel_runs(), stored_value_calls()
     result = replay_trace(
         agents,
         trajectories,
@@ -751,8 +762,8 @@ def run_replay(
             span_matching=span_matching,
         )
         result["online"] = summarise_online(runs)
-    fused = kernel_runs() > expansions
-    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused))
+    fused, stored_values = kernel_runs() > expansions, stored_value_calls() > stored
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused, stored_values))
     result["memory_claims"] = memory_verdicts(result)
     return result
 
@@ -765,9 +776,12 @@ def check_setting(timing: str, lora_attention: str) -> None:
         raise KvprofError(f"--lora-attention {lora_attention!r} is not auto, kernel or expand; pass one of them.")
 
 
-def uses_kernel(lora_attention: str, device: str) -> bool:
-    """Whether low-rank policies use the Flash-LoRA-Attention kernel: `kernel`, or `auto` on a GPU `device`."""
-    return lora_attention == "kernel" or (lora_attention == "auto" and device != "cpu")
+def lora_attention_mode(option: str, device: str) -> LoraAttention:
+    """`--lora-attention` on `device`: kernel and expand as named; auto the kernel on a GPU and, on CPU, the values
+    as stored in the forwards where that pays, expanded in the others (`Runtime.values_as_stored`)."""
+    if option == "auto":
+        return KERNEL if device != "cpu" else SHORT
+    return KERNEL if option == "kernel" else EXPAND
 
 
 def replayed_trajectories(trace: Path, skip: int, limit: int | None, online: bool, strict: bool) -> list[Trajectory]:
@@ -805,22 +819,25 @@ def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
     }
 
 
-def attention_path(lora_attention: bool, fused_expansion: bool) -> str:
+def attention_path(lora_attention: LoraAttention, fused_expansion: bool, stored_values: bool = False) -> str:
     """How the low-rank policies attended: Flash-LoRA-Attention, or expanded views (by kvprof's fused CPU kernel
-    when `fused_expansion`: it ran in the replay, `kvprof.kernels.expansion`) and SDPA."""
-    if lora_attention:
+    when `fused_expansion`: it ran in the replay, `kvprof.kernels.expansion`) and SDPA, and with "short" where
+    `stored_values` (some forwards attended the rank-r values as stored), a clause saying so."""
+    if lora_attention == KERNEL:
         return "flash-lora-attention"
-    return f"expanded values ({FUSED_EXPANSION}) + sdpa" if fused_expansion else "expanded values + sdpa"
+    expanded = f"expanded values ({FUSED_EXPANSION}) + sdpa" if fused_expansion else "expanded values + sdpa"
+    return f"{expanded}; {STORED_IN_SHORT_FORWARDS}" if lora_attention == SHORT and stored_values else expanded
 
 
 def run_setting(
     agents: AgentSet,
     repeats: int,
-    lora_attention: bool,
+    lora_attention: LoraAttention,
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
     fused_expansion: bool = False,
+    stored_values: bool = False,
 ) -> dict:
     """How a replay ran: model, mode, repeats, timing, page size, span matching, weights' bytes, layer kinds,
     attention path (`attention_path`), device, CPU, dtype, GPU memory (the allocator's peak so far)."""
@@ -833,7 +850,7 @@ def run_setting(
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
         layers=[kind.to_json() for kind in agents.layer_kinds],
-        lora_attention=attention_path(lora_attention, fused_expansion),
+        lora_attention=attention_path(lora_attention, fused_expansion, stored_values),
         device=str(agents.device),
         cpu=cpu_description(),
         dtype=str(agents.base_model.dtype).removeprefix("torch."),

@@ -24,7 +24,9 @@ from typing import Any
 
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
+from kvprof.kernels.attention import EXPAND, LoraAttention
 from kvprof.kernels.expansion import expansion_path, kernel_runs
+from kvprof.kernels.transformers_attention import stored_value_calls
 from kvprof.model.agents import AgentSet, agents_identity, load_agents_for_header
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import (
@@ -39,7 +41,7 @@ from kvprof.replay.engine import (
     summarise,
     summarise_online,
 )
-from kvprof.results.replay import FUSED_EXPANSION
+from kvprof.results.replay import FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.tasks import task_of
 from kvprof.traces.trace import Segment, TraceHeader, Trajectory, Turn
@@ -218,7 +220,7 @@ def run_shard(
     shard: Shard,
     repeats: int,
     online: bool,
-    lora_attention: bool,
+    lora_attention: LoraAttention,
     on_turn: Callable[[], None] | None = None,
     on_task: Callable[[], None] | None = None,
     worker: str = "",
@@ -229,7 +231,7 @@ def run_shard(
     """Replay `shard` here (a worker's job): lockstep, then online re-runs when `online`; other arguments as
     `replay_trace`'s."""
     state = ReplayProgress()
-    expansions = kernel_runs()
+    expansions, stored = kernel_runs(), stored_value_calls()
     replayed = replay_trace(
         agents,
         shard.trajectories,
@@ -256,8 +258,8 @@ def run_shard(
             lora_attention=lora_attention,
             span_matching=span_matching,
         )
-    fused = kernel_runs() > expansions
-    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused)
+    fused, stored_values = kernel_runs() > expansions, stored_value_calls() > stored
+    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused, stored_values)
     return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
@@ -321,11 +323,13 @@ def _sequential_entry(entry: dict, shard: Shard, label: str) -> dict:
 
 
 def _merged_setting(settings: list[dict]) -> dict:
-    """The first shard's setting, every worker's device named, the fused expansion's attention path if any shard's
-    views were expanded by it and, on CUDA, the highest allocator peak."""
+    """The first shard's setting, every worker's device named, the attention path naming the most of what ran in
+    any shard (the fused expansion, short forwards over stored values) and, on CUDA, the highest allocator peak."""
     setting = dict(settings[0])
-    fused = [s["lora_attention"] for s in settings if FUSED_EXPANSION in s["lora_attention"]]
-    setting["lora_attention"] = fused[0] if fused else setting["lora_attention"]
+    setting["lora_attention"] = max(
+        (s["lora_attention"] for s in settings),
+        key=lambda path: (FUSED_EXPANSION in path) + (STORED_IN_SHORT_FORWARDS in path),
+    )
     setting["device"] = ", ".join(dict.fromkeys(s["device"] for s in settings))
     readings = [s["gpu_memory"] for s in settings if s["gpu_memory"]]
     setting["gpu_memory"] = max(readings, key=lambda r: r["allocator_peak_bytes"]) if readings else None
@@ -450,7 +454,7 @@ class ReplayWorker:
         counter,
         repeats: int,
         online: bool,
-        lora_attention: bool,
+        lora_attention: LoraAttention,
         timing: str,
         page_size: int,
         span_matching: SpanMatching,
@@ -678,7 +682,7 @@ class RayCluster:
         results: dict[str, ShardResult],
         repeats: int,
         online: bool,
-        lora_attention: bool,
+        lora_attention: LoraAttention,
         hooks: ShardHooks,
         timing: str = "turn",
         page_size: int = PAGE_SIZE,
@@ -802,7 +806,7 @@ def replay_sharded(
     variants: list[PolicyVariant],
     repeats: int = 1,
     online: bool = False,
-    lora_attention: bool = False,
+    lora_attention: LoraAttention = EXPAND,
     done: dict[str, ShardResult] | None = None,
     hooks: ShardHooks | None = None,
     groups: list[list[str]] | None = None,

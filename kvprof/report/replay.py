@@ -8,7 +8,14 @@ from kvprof.report.html import Section
 from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.tables import TableData, cell
 from kvprof.report.uncertainty import LEVEL, RESAMPLES
-from kvprof.results.replay import FUSED_EXPANSION, PolicySummary, ReplayResult, RunSummary, summary_of
+from kvprof.results.replay import (
+    FUSED_EXPANSION,
+    STORED_IN_SHORT_FORWARDS,
+    PolicySummary,
+    ReplayResult,
+    RunSummary,
+    summary_of,
+)
 
 
 def _mib(value: float) -> str:
@@ -24,11 +31,14 @@ def _device(result: ReplayResult) -> str:
     return f"cpu ({cpu['name']}; {', '.join(cpu['matrix_flags']) or 'no AVX2'})"
 
 
-def _expansion(result: ReplayResult) -> str:
-    """Where the low-rank policies' views were expanded by the fused CPU kernel, a clause saying so."""
-    if FUSED_EXPANSION not in (result.lora_attention or ""):
-        return ""
-    return f"; low-rank views expanded by {FUSED_EXPANSION}"
+def _low_rank_attention(result: ReplayResult) -> str:
+    """Clauses on how the low-rank policies attended where it is not the plain path: views expanded by the fused
+    CPU kernel, short forwards over the rank-r values as stored."""
+    path = result.lora_attention or ""
+    clauses = [f"low-rank views expanded by {FUSED_EXPANSION}"] if FUSED_EXPANSION in path else []
+    if STORED_IN_SHORT_FORWARDS in path:
+        clauses.append("short forwards attend the rank-r values as stored (Flash-LoRA-Attention)")
+    return "".join(f"; {clause}" for clause in clauses)
 
 
 DENSE_RATIOS = dict.fromkeys(
@@ -225,7 +235,7 @@ def cost_table(result: ReplayResult | dict) -> TableData:
     columns = ["policy", "TTFT s", "TTFT ×", "eff.", "TPOT ms", "TPOT ×", "latency s", "latency ×", "stored MiB"]
     columns += ["working MiB", "working ×"] + (["CUDA MiB"] if cuda else []) + ["alloc. MiB", "blocks MiB", "blocks ×"]
     table = TableData(
-        title=f"cost: {_device(result)} {result.dtype or ''}, {timing_text(timing)}{_expansion(result)}",
+        title=f"cost: {_device(result)} {result.dtype or ''}, {timing_text(timing)}{_low_rank_attention(result)}",
         columns=columns,
         caption="TTFT s / latency s: summed over turns"
         + (" (each turn's mean over the timed runs of its trajectory)" if timing["mode"] == "trajectory" else "")

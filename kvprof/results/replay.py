@@ -30,6 +30,9 @@ from kvprof.results.base import (
 # In `ReplayResult.lora_attention` when the low-rank views were expanded by `kvprof.kernels.expansion`'s C kernel,
 # and a replay checkpoint's expansion path (`kvprof.kernels.expansion.expansion_path`).
 FUSED_EXPANSION = "kvprof's fused CPU kernel"
+# In `ReplayResult.lora_attention` when forwards where it pays attended the rank-r values as stored (`--lora-attention
+# auto` on CPU: `kvprof.kernels.attention.values_as_stored_pay`).
+STORED_IN_SHORT_FORWARDS = "short forwards: rank-r values as stored (flash-lora-attention, torch)"
 FIX = "pass the replay.json a `kvprof replay` run wrote, unchanged (or rerun `kvprof replay`)"
 MAYBE_NUMBER = (*NUMBER, OPTIONAL)
 
