@@ -12,7 +12,8 @@
 # --policy-option rebaseshared.schedule=lp --policy-option rebaseshared.schedule=db --policy cacheblend ...
 # SCALE (default 1) divides the long prefills (512 and 4096) so a CPU run stays short (SCALE 8: ~2.3k tokens).
 # Tokens are synthesised deterministically (kvprof capture --shapes); the demo world's shared-A adapters are used,
-# so BaseLRShared runs too. On CUDA pass e.g. `--device cuda` (bfloat16 and the Triton kernel are its defaults;
+# so BaseLRShared runs too: ADAPTERS=shared_a (default: LoRA on q, k, v and o) or ADAPTERS=shared_a_qv (on q and v
+# only, PReCache's setting). On CUDA pass e.g. `--device cuda` (bfloat16 and the Triton kernel are its defaults;
 # views=kept is then skipped: Flash-LoRA-Attention never materialises the values it would keep). PYTHON picks the
 # interpreter (default: python).
 set -euo pipefail
@@ -41,8 +42,12 @@ world="kvprof/demo/assets"
     echo "reflect,8,8"
 } > "$out/react_shape.csv"
 
-agents=(--agent "plan=$world/adapters/shared_a/plan" --agent "act=$world/adapters/shared_a/act"
-        --agent "reflect=$world/adapters/shared_a/reflect")
+adapters="$world/adapters/${ADAPTERS:-shared_a}"
+if [ ! -d "$adapters" ]; then
+    echo "ADAPTERS=${ADAPTERS} is not a shared-A adapter set of the demo world; use shared_a or shared_a_qv." >&2
+    exit 2
+fi
+agents=(--agent "plan=$adapters/plan" --agent "act=$adapters/act" --agent "reflect=$adapters/reflect")
 kvprof capture --model "$world/model" --shapes "$out/react_shape.csv" "${agents[@]}" --out "$out/capture"
 # Unless the options pick policies: every policy, the low-rank ones with both views (re-expanded every turn, the
 # default, and kept per agent); on CUDA only the per-turn one, as Flash-LoRA-Attention keeps no expanded values.
