@@ -462,7 +462,7 @@ def test_low_rank_policies_over_stored_values_move_spans_as_over_expanded_views(
     ]
     trajectories = read_trace(path).trajectories
     expanded = replay_trace(agents, trajectories, variants, lora_attention=EXPAND)
-    monkeypatch.setattr(runtime_module, "values_as_stored_pay", lambda group, tokens, head_dim: True)
+    monkeypatch.setattr(runtime_module, "values_as_stored_pay", lambda group, tokens, head_dim, keys: True)
     calls = stored_value_calls()
     stored = replay_trace(agents, trajectories, variants, lora_attention=SHORT)
     assert stored_value_calls() > calls

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import EXPAND, KERNEL, SHORT
+from kvprof.kernels import attention
+from kvprof.kernels.attention import EXPAND, KERNEL, MIN_STORED_KEYS, SHORT
 from kvprof.kernels.expansion import expand_into as native_expand_into
 from kvprof.kernels.expansion import native_library
 from kvprof.kernels.transformers_attention import stored_value_calls
@@ -426,7 +427,7 @@ LOW_RANK_SETTINGS = [
 
 @pytest.mark.parametrize("adapters", ["shared_a_agents", "shared_a_qv_agents"], ids=["qkvo", "qv"])
 @pytest.mark.parametrize("variant", LOW_RANK_SETTINGS, ids=lambda v: "-".join([v[0], *v[1].values()]))
-def test_short_forwards_over_stored_values_equal_expanded_views(request, lora_trace, adapters, variant):
+def test_short_forwards_over_stored_values_equal_expanded_views(request, lora_trace, adapters, variant, monkeypatch):
     """`--lora-attention auto` on CPU ("short"): a turn of few new tokens attends V_base and the rank-r values as
     stored (the store's own values, its new tokens written after the store's) instead of an expanded view. Each
     turn's logits and reused K/V as attention sees them equal the expanded path's, and the store after every turn
@@ -436,6 +437,7 @@ def test_short_forwards_over_stored_values_equal_expanded_views(request, lora_tr
     group = agents.base_model.config.num_attention_heads // agents.base_model.config.num_key_value_heads
     head_dim = agents.base_model.config.hidden_size // agents.base_model.config.num_attention_heads
     requests = _short_requests(traj, new=head_dim // group - 2)  # with the last output: one fewer than pays
+    monkeypatch.setattr(attention, "MIN_STORED_KEYS", 1)  # the tiny trace's contexts are short
     runs, stores = {}, {}
     for mode in (EXPAND, SHORT):
         policy = PolicyVariant(*variant).build(Runtime(agents, mode))
@@ -465,10 +467,11 @@ def test_which_forwards_attend_stored_values(shared_a_agents):
     """ "short" keeps the values as stored in forwards of few tokens through kvprof's attention only; "kernel" in
     every forward, "expand" in none."""
     runtime = Runtime(shared_a_agents, SHORT)
-    assert runtime.values_as_stored(1) and not runtime.values_as_stored(10_000)
-    assert not Runtime(shared_a_agents, SHORT, fast_paths=False).values_as_stored(1)  # the model's own attention
-    assert Runtime(shared_a_agents, KERNEL).values_as_stored(10_000)
-    assert not Runtime(shared_a_agents, EXPAND).values_as_stored(1)
+    assert runtime.values_as_stored(1, MIN_STORED_KEYS) and not runtime.values_as_stored(10_000, MIN_STORED_KEYS)
+    assert not runtime.values_as_stored(1, MIN_STORED_KEYS - 1)  # a short context: its view is cheap
+    assert not Runtime(shared_a_agents, SHORT, fast_paths=False).values_as_stored(1, MIN_STORED_KEYS)
+    assert Runtime(shared_a_agents, KERNEL).values_as_stored(10_000, 1)
+    assert not Runtime(shared_a_agents, EXPAND).values_as_stored(1, MIN_STORED_KEYS)
 
 
 @pytest.mark.parametrize("policy", ["prelrshared", "baseshared", "rebaseshared"])

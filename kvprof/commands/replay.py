@@ -42,7 +42,7 @@ HELP = {
     "and output divergence.",
     "lora_attention": "How low-rank policies attend: kernel (Flash-LoRA-Attention: Triton on CUDA, its torch "
     "reference on CPU), expand (V_base + V_lr·B, then sdpa) or auto (kernel on CUDA; on CPU, the kernel in forwards "
-    "of few tokens, where its probabilities take no more room than the values, expand in the others).",
+    "of few tokens over at least 4096 cached ones, where it moves fewer bytes, expand in the others).",
     "repeats": "Timed repeats of each turn's prefill (after one warm-up); TTFT is the median. Above 1, the "
     "prefills of a turn are timed round-robin across the dense run and the policies, and the first decode step "
     "also runs once untimed before the timed ones. With --timing trajectory: timed runs of each trajectory after "

@@ -392,15 +392,16 @@ class Runtime:
             down=tap.down,
         )
 
-    def values_as_stored(self, tokens: int) -> bool:
-        """Whether a low-rank view for a forward of `tokens` new tokens keeps V_base and hands V_lr to the attention
-        (Flash-LoRA-Attention) instead of expanding the values: always with "kernel"; with "short", where kvprof's
-        attention runs (`kvprof_attention`) and the forward is short enough to pay (`values_as_stored_pay`)."""
+    def values_as_stored(self, tokens: int, keys: int) -> bool:
+        """Whether a low-rank view of `keys` cached tokens, for a forward of `tokens` new tokens, keeps V_base and
+        hands V_lr to the attention (Flash-LoRA-Attention) instead of expanding the values: always with "kernel";
+        with "short", where kvprof's attention runs (`kvprof_attention`) and it pays (`values_as_stored_pay`)."""
         if self.lora_attention != SHORT:
             return self.lora_attention == KERNEL
         previous = self.agents.base_model.config._attn_implementation
         kvprof_attends = previous == self.attention or (self.fast_paths and previous == "sdpa")
-        return kvprof_attends and values_as_stored_pay(self.query_heads // self.kv_heads, tokens, self.value_dim)
+        group = self.query_heads // self.kv_heads
+        return kvprof_attends and values_as_stored_pay(group, tokens, self.value_dim, keys)
 
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:

@@ -525,7 +525,7 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
             return LowRankContext(
                 kv=[buffer.view(reused) for buffer in view], reused=reused, extra_flops=flops, buffers=view, view=view
             )
-        expand_values = not self.runtime.values_as_stored(spare)
+        expand_values = not self.runtime.values_as_stored(spare, reused)
         view_of_store = self.store.assemble(agent, low_rank, reused, expand_values, spare)
         return LowRankContext(
             kv=view_of_store.kv,
