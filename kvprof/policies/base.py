@@ -428,9 +428,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         tokens = torch.tensor([ids] * (len(rows) if rows else 1), device=self.runtime.device)
         attention: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if context.lora_values is not None:
-            attention = use_lora_attention(
-                lora_context(context.lora_values, tokens.shape[0], cache.get_seq_length() + len(ids))
-            )
+            attention = use_lora_attention(lora_context(context, tokens.shape[0], cache.get_seq_length() + len(ids)))
         with attention:
             return self.runtime.forward(
                 agent, tokens, cache, start, capture=self.needs_hidden, adapter_names=rows, last_logits_only=prefill

@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues
-from kvprof.model.buffers import KVBuffer, Rewrite
+from kvprof.model.buffers import HEADROOM, KVBuffer, Rewrite
 from kvprof.model.runtime import KV, ChunkForward
 from kvprof.traces.reuse import MovedSpan
 
@@ -66,7 +66,8 @@ class Context(ReuseCounts):
     adapter_free: those from an adapter-free cache. extra_prefill / extra_flops: tokens through the backbone besides the
     chunk, and the analytic FLOPs of `assemble`'s own work; working_bytes: its transients beyond the turn's cache.
     lora_values: per layer (v_lr (1, reused − refreshed, r), B (H_kv, r, D)) when `kv` holds V_base only
-    (Flash-LoRA-Attention adds (P·V_lr)·B); None when `kv` is complete.
+    (Flash-LoRA-Attention adds (P·V_lr)·B); None when `kv` is complete. padded_lora: `lora_context`'s zero-padded
+    v_lr per layer, kept across the turn's forwards.
     buffers: the `KVBuffer`s `kv` views, when the turn may append in place (past `kv`'s length: scratch); None: copied.
     placeholders: tokens past the reused span neither moved nor computed in `assemble` (`extra_prefill`).
     The `ReuseCounts` say how the context was made.
@@ -87,6 +88,7 @@ class Context(ReuseCounts):
     refreshed: int = 0
     rewrite: Rewrite | None = None
     placeholders: list[tuple[int, int]] = field(default_factory=list)
+    padded_lora: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def covered(self) -> int:
@@ -195,14 +197,20 @@ def attended_kv(kv: list[KV], context: Context, prefix_len: int) -> list[KV]:
     return rows
 
 
-def lora_context(values: list[LoraValues | None], rows: int, keys: int) -> LoraAttentionContext:
-    """Flash-LoRA-Attention inputs attending `keys` keys: v_lr over the reused context, zero after
-    it and for rows after the first."""
-    context = LoraAttentionContext()
-    for layer, entry in enumerate(values):
+def lora_context(context: Context, rows: int, keys: int) -> LoraAttentionContext:
+    """Flash-LoRA-Attention inputs attending `keys` keys: `context`'s v_lr over the reused context, zero after it
+    and for rows after the first ((rows, keys, r) views of `context.padded_lora`, written on the turn's first forward
+    with `HEADROOM` slots for its decode steps, and again only if a forward attends more keys)."""
+    assert context.lora_values is not None
+    attention = LoraAttentionContext()
+    for layer, entry in enumerate(context.lora_values):
         if entry is None:
             continue
-        v_lr = torch.zeros(rows, keys, entry.v_lr.shape[-1], dtype=entry.v_lr.dtype, device=entry.v_lr.device)
-        v_lr[:1, : entry.v_lr.shape[1]] = entry.v_lr
-        context.set(layer, v_lr, entry.lora_b)
-    return context
+        padded = context.padded_lora.get(layer)
+        if padded is None or padded.shape[0] != rows or padded.shape[1] < keys:
+            shape = (rows, keys + HEADROOM, entry.v_lr.shape[-1])
+            padded = torch.zeros(shape, dtype=entry.v_lr.dtype, device=entry.v_lr.device)
+            padded[:1, : entry.v_lr.shape[1]] = entry.v_lr
+            context.padded_lora[layer] = padded
+        attention.set(layer, padded[:, :keys], entry.lora_b)
+    return attention
