@@ -399,9 +399,14 @@ class Runtime:
         if self.lora_attention != SHORT:
             return self.lora_attention == KERNEL
         previous = self.agents.base_model.config._attn_implementation
-        kvprof_attends = previous == self.attention or (self.fast_paths and previous == "sdpa")
+        kvprof_attends = previous == self.attention or self._switches_to_kvprof(previous)
         group = self.query_heads // self.kv_heads
         return kvprof_attends and values_as_stored_pay(group, tokens, self.value_dim, keys)
+
+    def _switches_to_kvprof(self, previous: str) -> bool:
+        """Whether `kvprof_attention` switches a model attending with `previous` to kvprof's attention:
+        Flash-LoRA-Attention in every forward, or an sdpa model on the fast paths."""
+        return self.lora_attention == KERNEL or (self.fast_paths and previous == "sdpa")
 
     @contextlib.contextmanager
     def kvprof_attention(self) -> Iterator[None]:
@@ -409,8 +414,7 @@ class Runtime:
         eager models and the plain path keep theirs); nested, a no-op."""
         model = self.agents.base_model
         previous = model.config._attn_implementation
-        flash = self.lora_attention == KERNEL
-        if previous == self.attention or not flash and (not self.fast_paths or previous != "sdpa"):
+        if previous == self.attention or not self._switches_to_kvprof(previous):
             yield
             return
         model.set_attn_implementation(self.attention)

@@ -738,7 +738,7 @@ def run_replay(
     hooks = hooks or ReplayHooks()
     if online:
         require_react_agents(agents.spec.names)
-    expansions, stored = kernel_runs(), stored_value_calls()
+    started = KernelCounts.now()
     result = replay_trace(
         agents,
         trajectories,
@@ -762,8 +762,7 @@ def run_replay(
             span_matching=span_matching,
         )
         result["online"] = summarise_online(runs)
-    fused, stored_values = kernel_runs() > expansions, stored_value_calls() > stored
-    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused, stored_values))
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, started))
     result["memory_claims"] = memory_verdicts(result)
     return result
 
@@ -819,6 +818,19 @@ def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class KernelCounts:
+    """How often this process ran the fused CPU expansion (`kvprof.kernels.expansion.kernel_runs`) and attended
+    rank-r values as stored (`stored_value_calls`): taken when a replay starts, compared when it ends."""
+
+    expansions: int
+    stored_values: int
+
+    @classmethod
+    def now(cls) -> KernelCounts:
+        return cls(kernel_runs(), stored_value_calls())
+
+
 def attention_path(lora_attention: LoraAttention, fused_expansion: bool, stored_values: bool = False) -> str:
     """How the low-rank policies attended: Flash-LoRA-Attention, or expanded views (by kvprof's fused CPU kernel
     when `fused_expansion`: it ran in the replay, `kvprof.kernels.expansion`) and SDPA, and with "short" where
@@ -836,11 +848,11 @@ def run_setting(
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
-    fused_expansion: bool = False,
-    stored_values: bool = False,
+    started: KernelCounts | None = None,
 ) -> dict:
     """How a replay ran: model, mode, repeats, timing, page size, span matching, weights' bytes, layer kinds,
-    attention path (`attention_path`), device, CPU, dtype, GPU memory (the allocator's peak so far)."""
+    attention path (`attention_path`: what ran since the `started` counts), device, CPU, dtype, GPU memory (the
+    allocator's peak so far)."""
     return dict(
         model=agents.model_name,
         mode=agents.spec.mode,
@@ -850,7 +862,11 @@ def run_setting(
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
         layers=[kind.to_json() for kind in agents.layer_kinds],
-        lora_attention=attention_path(lora_attention, fused_expansion, stored_values),
+        lora_attention=attention_path(
+            lora_attention,
+            started is not None and kernel_runs() > started.expansions,
+            started is not None and stored_value_calls() > started.stored_values,
+        ),
         device=str(agents.device),
         cpu=cpu_description(),
         dtype=str(agents.base_model.dtype).removeprefix("torch."),

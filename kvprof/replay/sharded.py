@@ -25,13 +25,13 @@ from typing import Any
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import EXPAND, LoraAttention
-from kvprof.kernels.expansion import expansion_path, kernel_runs
-from kvprof.kernels.transformers_attention import stored_value_calls
+from kvprof.kernels.expansion import expansion_path
 from kvprof.model.agents import AgentSet, agents_identity, load_agents_for_header
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import (
     DENSE,
     PAGE_SIZE,
+    KernelCounts,
     ReplayProgress,
     relative_to_dense,
     replay_result,
@@ -231,7 +231,7 @@ def run_shard(
     """Replay `shard` here (a worker's job): lockstep, then online re-runs when `online`; other arguments as
     `replay_trace`'s."""
     state = ReplayProgress()
-    expansions, stored = kernel_runs(), stored_value_calls()
+    started = KernelCounts.now()
     replayed = replay_trace(
         agents,
         shard.trajectories,
@@ -258,8 +258,7 @@ def run_shard(
             lora_attention=lora_attention,
             span_matching=span_matching,
         )
-    fused, stored_values = kernel_runs() > expansions, stored_value_calls() > stored
-    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, fused, stored_values)
+    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, started)
     return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
