@@ -66,6 +66,26 @@ def test_scattered_attention_equals_masked_sdpa(dtype, q_heads, kv_heads, positi
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("from_zero", [True, False], ids=["first at 0", "first later"])
+def test_scattered_attention_over_many_blocks_equals_masked_sdpa(from_zero):
+    """Many blocks of scattered queries, each row LSE-merging its band and every earlier block's keys (a
+    selective recompute's top tokens), with a run among them."""
+    generator = torch.Generator().manual_seed(7)
+    kv_len, q_heads, kv_heads = 600, 4, 2
+    chosen = torch.randperm(kv_len - 1, generator=generator)[:150] + 1
+    at = torch.cat([chosen, torch.arange(300, 340), torch.tensor([0] if from_zero else [])]).long().unique()
+    query = torch.randn(1, q_heads, len(at), 32, generator=generator)
+    key = torch.randn(1, kv_heads, kv_len, 32, generator=generator)
+    value = torch.randn(1, kv_heads, kv_len, 32, generator=generator)
+    actual = scattered_attention(query, key, value, at, scale=0.2, block=16)
+    assert any(run for _, _, run in query_blocks(at, 16)) and len(query_blocks(at, 16)) > 8
+    mask = torch.arange(kv_len)[None, :] <= at[:, None]
+    expected = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask, scale=0.2
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
 def test_query_blocks_keep_runs_whole():
     """Runs of at least `block` consecutive positions are blocks of their own; the queries between them go in blocks
     of up to `block`."""

@@ -131,11 +131,14 @@ class LayerStack:
         with torch.inference_mode():
             return self.embeddings(torch.tensor([ids], device=self.runtime.device))
 
+    def layer_type(self, layer: int) -> str | None:
+        """The config's type of `layer` (Gemma 3 / 4 rotate sliding and full layers differently), else None."""
+        layer_types = getattr(self.runtime.agents.config, "layer_types", None)
+        return layer_types[layer] if layer_types else None
+
     def position_embeddings(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
         """The layer's `position_embeddings` (cos, sin) at `positions` (n,), per layer type (Gemma 3 / 4)."""
-        layer_types = getattr(self.runtime.agents.config, "layer_types", None)
-        layer_type = layer_types[layer] if layer_types else None
-        return layer_position_embeddings(self.rotary, hidden, positions[None], layer_type)
+        return layer_position_embeddings(self.rotary, hidden, positions[None], self.layer_type(layer))
 
     def layer_flops(self, layer: int, positions: torch.Tensor) -> float:
         """Analytic FLOPs of one layer for `positions` (m,): 2·params per token + `layer_pair_flops` per pair."""
@@ -250,6 +253,7 @@ class Blend:
         self.recomputed = 0
         self.flops = 0.0
         self.hidden_bytes = 0
+        self._rotations: dict[str | None, tuple[torch.Tensor, tuple]] = {}  # per layer type: positions, (cos, sin)
 
     def positions(self, count: int) -> torch.Tensor:
         """Cache positions of the first `count` reused tokens, (count,)."""
@@ -258,6 +262,16 @@ class Blend:
     def reused(self, layer: int, side: int, count: int) -> torch.Tensor:
         """The reused span's keys (side 0) or values (side 1) at `layer` as they stand, (1, H_kv, count, D)."""
         return self.kv[layer][side][:, :, self.prefix_len : self.prefix_len + count]
+
+    def position_embeddings(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Layer `index`'s (cos, sin) at `positions`, computed once per layer type for the same positions tensor
+        (the layers of one pass share it, as a model's forward does)."""
+        layer_type = self.stack.layer_type(index)
+        kept = self._rotations.get(layer_type)
+        if kept is None or kept[0] is not positions:
+            kept = (positions, self.stack.position_embeddings(index, hidden, positions))
+            self._rotations[layer_type] = kept
+        return kept[1]
 
     def layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Recompute decoder layer `index` for the tokens at `positions` (hidden states entering it (1, m, d));
@@ -281,7 +295,7 @@ class Blend:
                 position_ids=positions[None],
                 **{self.stack.cache_argument: ScatterCache(keys, values, positions, index in self.stack.latent)},
                 use_cache=True,
-                position_embeddings=self.stack.position_embeddings(index, hidden, positions),
+                position_embeddings=self.position_embeddings(index, hidden, positions),
             )
         out = out[0] if isinstance(out, tuple) else out
         self.recomputed += len(positions)
@@ -331,7 +345,7 @@ class Blend:
                 position_ids=positions[None],
                 **{self.stack.cache_argument: cache},
                 use_cache=True,
-                position_embeddings=self.stack.position_embeddings(index, hidden, positions),
+                position_embeddings=self.position_embeddings(index, hidden, positions),
             )
         except _Projected:
             pass
