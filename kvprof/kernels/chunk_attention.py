@@ -94,7 +94,7 @@ def scatter_block(count: int, keys: int) -> int:
     512. Fewer blocks make fewer passes and merges, smaller ones compute less of each band under its mask; the best
     block grows as √(count / keys) (on 2 cores, 3k and 17k keys, 2 % to 50 % of them queried: within 10 % of the
     best of 32 to 512 there)."""
-    return min(512, max(32, round(320 * math.sqrt(count / max(keys, 1)))))
+    return min(512, max(32, round(320 * math.sqrt(count / keys))))
 
 
 def query_blocks(positions: torch.Tensor, block: int) -> list[tuple[int, int, bool]]:
@@ -152,9 +152,17 @@ def scattered_attention(
     out = torch.empty(rows.shape, dtype=torch.float32, device=query.device)
     lse = torch.empty(rows.shape[:3], dtype=torch.float32, device=query.device)
     row_positions = positions.repeat_interleave(groups)
+
+    def attend(taken: slice, keys_from: int, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+        """Rows `taken` attended keys from `keys_from` on in `part`: their first keys at 0, else LSE-merged."""
+        if keys_from == 0:
+            out[:, :, taken], lse[:, :, taken] = part, part_lse
+        else:
+            merge_into(out[:, :, taken], lse[:, :, taken], part, part_lse)
+
     first = int(positions[0])
     if first:
-        out[:], lse[:] = flash(rows, key[:, :, :first], value[:, :, :first], scale=scale)[:2]
+        attend(slice(None), 0, *flash(rows, key[:, :, :first], value[:, :, :first], scale=scale)[:2])
     for start, end, run in query_blocks(positions, block or scatter_block(q_len, key.shape[2])):
         lo, hi = int(positions[start]), int(positions[end - 1])
         band_keys, band_values = key[:, :, lo : hi + 1], value[:, :, lo : hi + 1]
@@ -170,16 +178,9 @@ def scattered_attention(
             band_mask = torch.zeros(own.stop - own.start, hi + 1 - lo, dtype=query.dtype, device=query.device)
             band_mask.masked_fill_(shown[None, :] > row_positions[own, None], -math.inf)
             part, part_lse = flash(rows[:, :, own], band_keys, band_values, attn_mask=band_mask, scale=scale)[:2]
-        if lo == 0:  # the first block of queries from position 0: nothing before its band
-            out[:, :, own], lse[:, :, own] = part, part_lse
-        else:
-            merge_into(out[:, :, own], lse[:, :, own], part, part_lse)
+        attend(own, lo, part, part_lse)
         if end < q_len:  # the keys up to the next block, for every later query
             later, reach = slice(end * groups, None), int(positions[end])
-            part, part_lse = flash(rows[:, :, later], key[:, :, lo:reach], value[:, :, lo:reach], scale=scale)[:2]
-            if lo == 0:  # their first keys
-                out[:, :, later], lse[:, :, later] = part, part_lse
-            else:
-                merge_into(out[:, :, later], lse[:, :, later], part, part_lse)
+            attend(later, lo, *flash(rows[:, :, later], key[:, :, lo:reach], value[:, :, lo:reach], scale=scale)[:2])
     grouped = out.view(batch, kv_heads, q_len, groups, head_dim).transpose(2, 3)
     return grouped.reshape(batch, q_heads, q_len, head_dim).to(query.dtype)
