@@ -5,6 +5,7 @@ modes and on the shipped demo trace."""
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,42 @@ def test_freed_memory_stays_in_the_process():
     is whatever earlier tests left."""
     assert returned_on_free("kept") < 4 * 1024  # first: skips where keep_freed_memory has no effect (not glibc)
     assert returned_on_free("default") >= 60 * 1024
+
+
+TOUCHED_HEAP_REPEAT = """
+import contextlib, sys, torch
+from kvprof.profiling import TouchedHeap, keep_freed_memory, minor_faults
+if not keep_freed_memory():
+    sys.exit(3)
+heap, pins = TouchedHeap(), []
+def section(extra):
+    with heap.section() if sys.argv[1] == "reserve" else contextlib.nullcontext():
+        start = minor_faults()
+        block = torch.ones((64 * 2**20 + extra) // 4)  # touched
+        pins.append(torch.ones(2**18))  # allocated after it: the block, freed, leaves a hole below
+        del block
+        return minor_faults() - start
+section(0)
+print(section(64 * 1024))  # does not fit the hole: the heap grows
+"""
+
+
+def repeat_faults(mode: str) -> int:
+    """Pages a fresh process faults in a section whose 64 MiB tensor is a little larger than the hole the same
+    section left the first time (`mode` "reserve": inside `TouchedHeap.section`)."""
+    command = [sys.executable, "-c", TOUCHED_HEAP_REPEAT, mode]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode == 3:
+        pytest.skip("not glibc")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+def test_touched_heap_serves_a_grown_repeat_from_touched_pages():
+    """Kept memory alone: a repeat that no freed block fits grows the heap onto fresh pages; after a `TouchedHeap`
+    reserve it lands on touched ones."""
+    assert repeat_faults("none") >= 60 * 2**20 // resource.getpagesize()
+    assert repeat_faults("reserve") < 2**20 // resource.getpagesize()
 
 
 def test_rope_tables_equal_the_rotation(shared_a_agents):  # noqa: F811

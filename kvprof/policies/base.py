@@ -40,7 +40,7 @@ from kvprof.policies.turns import (
     lora_context,
     reuse_counts,
 )
-from kvprof.profiling import CudaPeak, clock
+from kvprof.profiling import CudaPeak, TouchedHeap, clock
 from kvprof.traces.reuse import MovedSpan
 
 
@@ -77,6 +77,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         self.runtime = runtime
         self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
         self.workspace = Workspace()  # turn-scoped views and copies, reused across turns and resets
+        self.touched_heap = TouchedHeap()  # the CPU heap kept ready for the timed prefills (as large as they fault)
         self.forget_spans()
         unknown = set(options) - set(self.options)
         if unknown:
@@ -371,17 +372,18 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """Assemble the context and run the chunk (after `Context.refreshed` tokens) over it; timed."""
         timings, context, forward, start, flops = [], None, None, 0, 0.0
         for _ in range(repeats + 1 if repeats > 1 else 1):
-            started = clock(self.runtime.device)
-            context = self.assemble(agent, shared)
-            if context.covered >= len(shared):
-                raise RuntimeError(f"{self.name} left no token of the input to compute")
-            begin = context.covered - context.refreshed
-            start = len(self.runtime.prefix(agent)) + context.covered
-            ids = shared[begin:]
-            cache = self.runtime.cache_over(context.kv, context.buffers, len(ids), context.rewrite)
-            forward = self._forward(agent, ids, cache, start - context.refreshed, context, prefill=True)
-            flops = self.on_prefill(agent, context, forward, begin)
-            timings.append(clock(self.runtime.device) - started)
+            with self.touched_heap.section():
+                started = clock(self.runtime.device)
+                context = self.assemble(agent, shared)
+                if context.covered >= len(shared):
+                    raise RuntimeError(f"{self.name} left no token of the input to compute")
+                begin = context.covered - context.refreshed
+                start = len(self.runtime.prefix(agent)) + context.covered
+                ids = shared[begin:]
+                cache = self.runtime.cache_over(context.kv, context.buffers, len(ids), context.rewrite)
+                forward = self._forward(agent, ids, cache, start - context.refreshed, context, prefill=True)
+                flops = self.on_prefill(agent, context, forward, begin)
+                timings.append(clock(self.runtime.device) - started)
         assert context is not None and forward is not None
         return Prefill(
             context=context,
