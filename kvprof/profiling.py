@@ -71,7 +71,7 @@ def keep_freed_memory() -> bool:
     per-turn view of a long context spent most of its time faulting (docs/benchmarks.md). Not every reuse is
     guaranteed: glibc may extend the heap rather than reuse a freed block (an identical 64 MiB tensor was placed
     just above the one freed before it; a 64-byte-aligned request needs a little more than the freed block, or small
-    allocations split it), though a replay's turns, once warm, faulted 0–730 pages a prefill."""
+    allocations split it): `TouchedHeap` keeps the heap's top touched for what a timed section may grow into."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
