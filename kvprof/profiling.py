@@ -88,10 +88,12 @@ def heap_kept() -> bool:
 
 
 class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2`: ten size_t fields, `keepcost` (the heap top's free bytes) the last."""
+
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-    ] + [("keepcost", ctypes.c_size_t)]
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
 
 
 @functools.cache
