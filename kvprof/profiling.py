@@ -60,6 +60,16 @@ TRIM_ABOVE_BYTES = 2**31 - 1  # mallopt takes a C int: free memory at the heap's
 
 
 @functools.cache
+def _libc_function(name: str):
+    """The C library's function `name` (ctypes), or None where there is no such library or function."""
+    library = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(library), name) if library else None
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc's allocator serve every allocation from its heap and keep freed memory for the next one, as the
     CUDA caching allocator does on a GPU, once per process; whether it took effect (False without glibc). The
@@ -72,14 +82,8 @@ def keep_freed_memory() -> bool:
     guaranteed: glibc may extend the heap rather than reuse a freed block (an identical 64 MiB tensor was placed
     just above the one freed before it; a 64-byte-aligned request needs a little more than the freed block, or small
     allocations split it): `TouchedHeap` keeps the heap's top touched for what a timed section may grow into."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE_BYTES))
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE_BYTES))
 
 
 def heap_kept() -> bool:
@@ -96,24 +100,14 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-@functools.cache
-def _mallinfo2():
-    """glibc's `mallinfo2` (2.33 on), or None."""
-    name = ctypes.util.find_library("c")
-    try:
-        function = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):
-        return None
-    if function is not None:
-        function.restype = _MallInfo2
-    return function
-
-
 def heap_top_bytes() -> int | None:
     """Free bytes at the top of glibc's main heap (`mallinfo2().keepcost`): what it carves before growing the heap
     onto fresh pages; None without glibc 2.33."""
-    function = _mallinfo2()
-    return None if function is None else int(function().keepcost)
+    mallinfo2 = _libc_function("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().keepcost)
 
 
 def minor_faults() -> int:

@@ -143,18 +143,22 @@ print(held - rss_kib())
 """
 
 
+def fresh_process_count(script: str, mode: str) -> int:
+    """The number a fresh process running `script` with argument `mode` prints last; skips where the script exits
+    3 (not glibc)."""
+    done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=300)
+    if done.returncode == 3:
+        pytest.skip("not glibc")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
 def returned_on_free(mode: str) -> int:
     """KiB a fresh process hands back to the OS when it frees a 64 MiB tensor (`mode` "kept": after
     `keep_freed_memory`); skips where that cannot be measured."""
     if not Path("/proc/self/status").exists():
         pytest.skip("no /proc")
-    done = subprocess.run(
-        [sys.executable, "-c", RSS_RETURNED_ON_FREE, mode], capture_output=True, text=True, timeout=300
-    )
-    if done.returncode == 3:
-        pytest.skip("not glibc")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return int(done.stdout.split()[-1])
+    return fresh_process_count(RSS_RETURNED_ON_FREE, mode)
 
 
 def test_freed_memory_stays_in_the_process():
@@ -186,12 +190,7 @@ print(section(64 * 1024))  # does not fit the hole: the heap grows
 def repeat_faults(mode: str) -> int:
     """Pages a fresh process faults in a section whose 64 MiB tensor is a little larger than the hole the same
     section left the first time (`mode` "reserve": inside `TouchedHeap.section`)."""
-    command = [sys.executable, "-c", TOUCHED_HEAP_REPEAT, mode]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if done.returncode == 3:
-        pytest.skip("not glibc")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return int(done.stdout.split()[-1])
+    return fresh_process_count(TOUCHED_HEAP_REPEAT, mode)
 
 
 def test_touched_heap_serves_a_grown_repeat_from_touched_pages():
