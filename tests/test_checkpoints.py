@@ -358,3 +358,101 @@ def test_bad_rule_names_and_settings_are_refused_in_one_sentence():
     with pytest.raises(KvprofError, match="--track-interval 0"):
         checkpoint_rule("sglang", interval=0)
     assert checkpoint_rule("boundaries", 528).interval == 0
+
+
+# --- kvprof inspect on a tiny Qwen 3.5 world -------------------------------------------------------------------------
+
+DEVICE = ("--device", "cpu", "--dtype", "float32")
+
+
+def qwen3_5(vocab: int, eos: int):
+    """The tiny Qwen 3.5 of tests/test_hybrid.py: three Gated DeltaNet layers, then an attention layer."""
+    from transformers import Qwen3_5TextConfig
+
+    from kvprof.model.tiny import tiny_sizes
+
+    linear = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2}
+    return Qwen3_5TextConfig(**tiny_sizes(vocab, eos, layers=4), head_dim=16, linear_num_value_heads=4, **linear)
+
+
+def capture(world, out) -> str:
+    from typer.testing import CliRunner
+
+    from kvprof.cli import app
+
+    done = CliRunner().invoke(
+        app,
+        [
+            "capture", "--model", str(world.model), "--workflow", str(world.lora_workflow), "--tasks",
+            str(world.tasks), "--limit", "2", "--out", str(out), *DEVICE,
+        ],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    return str(out / "trace.jsonl")
+
+
+@pytest.fixture(scope="module")
+def hybrid_world(tmp_path_factory):
+    from kvprof.model.tiny import build_tiny_world
+
+    world = build_tiny_world(tmp_path_factory.mktemp("qwen3_5"), configure=qwen3_5)
+    return world, capture(world, tmp_path_factory.mktemp("capture"))
+
+
+def test_inspect_prints_and_writes_checkpointed_reuse_on_a_hybrid(hybrid_world, run_cli, tmp_path):
+    import json
+
+    world, trace = hybrid_world
+    code, out, err = run_cli("inspect", trace, "--model", world.model, "--out", tmp_path, *DEVICE)
+    assert code == 0, err
+    text = " ".join(out.split())
+    result = json.loads((tmp_path / "inspect.json").read_text())
+    checkpoints = result["checkpoints"]
+    block = checkpoints["block_size"]
+    assert block == vllm_hybrid_block_size(checkpoints["state_bytes"], checkpoints["token_bytes"])
+    assert f"vLLM's hybrid block B = {block} ids" in text and "checkpointed prefix reuse on this hybrid" in text
+    assert list(checkpoints["rules"]) == list(CHECKPOINT_RULES)
+    assert checkpoints["rules"]["vllm"]["interval"] == block and checkpoints["prefill_chunk"] == 8192
+    for label in (f"vllm (B = {block})", "sglang (every 256)", "boundaries (kvprof)", "attention-only model"):
+        assert label in text
+    total = result["total"]
+    for name, rule in checkpoints["rules"].items():
+        turns = [turn for traj in result["trajectories"].values() for turn in traj["turns"]]
+        assert sum(turn["checkpoints"][name][0] for turn in turns) == rule["engine_own"]
+        assert sum(turn["checkpoints"][name][1] for turn in turns) == rule["engine_shared"]
+        assert rule["engine_own"] <= rule["engine_shared"] <= total["shared_prefix"]
+        assert f"{rule['engine_shared']} ({rule['engine_shared'] / total['input_tokens']:.1%})" in text
+    assert checkpoints["rules"]["boundaries"]["engine_shared"] > 0  # each call resumes from the last one's end
+
+    from kvprof.results.inspect import InspectResult
+
+    read = InspectResult.read(tmp_path / "inspect.json")
+    assert read.checkpoints is not None and read.checkpoints.rules["vllm"].interval == block
+    assert read.to_json() == json.loads((tmp_path / "inspect.json").read_text())  # written back unchanged
+    code, out, err = run_cli(
+        "inspect", trace, "--model", world.model, "--checkpoints", "sglang", "--track-interval", "32",
+        "--prefill-chunk", "0", "--state-capacity", "2", "--out", tmp_path / "one", *DEVICE,
+    )  # fmt: skip
+    assert code == 0, err
+    one = json.loads((tmp_path / "one" / "inspect.json").read_text())["checkpoints"]
+    assert list(one["rules"]) == ["sglang"] and one["rules"]["sglang"]["interval"] == 32
+    assert "whole-prompt prefills; at most 2 states" in " ".join(out.split())
+    code, _, err = run_cli("inspect", trace, "--model", world.model, "--checkpoints", "mamba", *DEVICE)
+    assert code == 2 and "--checkpoints 'mamba' is not one of vllm, sglang, boundaries" in err
+
+
+def test_inspect_on_a_model_without_recurrent_layers_is_unchanged(tiny_world, lora_trace, run_cli, tmp_path):
+    import json
+
+    code, out, err = run_cli("inspect", lora_trace, "--model", tiny_world.model, "--out", tmp_path, *DEVICE)
+    assert code == 0, err
+    assert "checkpoint" not in out and "hybrid block" not in out
+    result = json.loads((tmp_path / "inspect.json").read_text())
+    assert "checkpoints" not in result
+    assert all(
+        "checkpoints" not in traj and "checkpoints" not in traj["turns"][0] for traj in result["trajectories"].values()
+    )
+    code, _, err = run_cli("inspect", lora_trace, "--model", tiny_world.model, "--checkpoints", "vllm", *DEVICE)
+    assert code == 2 and "applies to hybrid models" in " ".join(err.split())
+    code, _, err = run_cli("inspect", lora_trace, "--checkpoints", "vllm")
+    assert code == 2 and "--checkpoints needs --model" in " ".join(err.split())

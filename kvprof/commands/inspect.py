@@ -1,9 +1,10 @@
 """`kvprof inspect`: validate a trace (and optionally its tokenizer against a model), summarise it, and show what its
-turns could reuse (`kvprof.traces.reuse`), before any model runs."""
+turns could reuse (`kvprof.traces.reuse`), before any model runs; on a hybrid `--model`, what a prefix cache that
+resumes the recurrent layers only from kept states serves under each engine's rule (`kvprof.traces.checkpoints`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,8 +13,18 @@ from rich.table import Table
 
 from kvprof.commands.common import console, write_result
 from kvprof.commands.options import DeviceOption, DtypeOption, MinSpanOption, SpanBoundariesOption
+from kvprof.errors import KvprofError
 from kvprof.replay.branches import ReplayPlanSummary
-from kvprof.results.inspect import InspectedTrajectory, InspectResult
+from kvprof.results.inspect import CheckpointTotals, InspectCheckpoints, InspectedTrajectory, InspectResult
+from kvprof.traces.checkpoints import (
+    PREFILL_CHUNK,
+    SGLANG_TRACK_INTERVAL,
+    CheckpointRule,
+    checkpoint_rule,
+    checkpoint_rule_names,
+    trajectory_checkpoint_hits,
+    vllm_hybrid_block_size,
+)
 from kvprof.traces.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
 from kvprof.traces.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
 
@@ -28,6 +39,15 @@ HELP = {
     "divergences": "List up to N turns whose input leaves the cached sequence it extends.",
     "block_size": "Prefix-cache block size of the serving engine whose cache hits are shown (vLLM: 16 on GPUs, 128 on "
     "its CPU backend).",
+    "checkpoints": "On a hybrid --model, the engine rule whose kept recurrent states a prefix-cache hit resumes from: "
+    "vllm (--mamba-cache-mode align, its hybrid block size derived from the model), sglang (extra_buffer: a state per "
+    "prefill step and every --track-interval ids of decode), boundaries (kvprof's own: every message boundary and "
+    "each call's end). Repeat for several [default: all three on a hybrid model].",
+    "track_interval": "SGLang's --mamba-track-interval: decode keeps the state at its last multiple of this many ids.",
+    "prefill_chunk": "The most ids one prefill step computes (vLLM's --max-num-batched-tokens, SGLang's "
+    "--chunked-prefill-size); the engines keep a state where a step ends. 0: a whole prompt in one step.",
+    "state_capacity": "The most recurrent-state checkpoints the engine keeps at once, least recently used evicted "
+    "first [default: no limit].",
 }
 
 
@@ -44,12 +64,28 @@ def command(
     ] = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    checkpoints: Annotated[list[str] | None, typer.Option("--checkpoints", help=HELP["checkpoints"])] = None,
+    track_interval: Annotated[
+        int, typer.Option("--track-interval", min=1, help=HELP["track_interval"])
+    ] = SGLANG_TRACK_INTERVAL,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=0, help=HELP["prefill_chunk"])] = PREFILL_CHUNK,
+    state_capacity: Annotated[int | None, typer.Option("--state-capacity", min=1, help=HELP["state_capacity"])] = None,
 ) -> None:
     """Validate a trace line by line, print what it holds and what its turns could reuse."""
     args = dict(locals())
     matching = SpanMatching(min_span, span_boundaries)
+    names = checkpoint_rule_names(checkpoints)
+    if checkpoints and model is None:
+        raise KvprofError(
+            "--checkpoints needs --model naming a hybrid model (vLLM's block size comes from its layers); pass --model."
+        )
     header = read_header(trace)
     kinds = None if model is None else _model_layers(header, trace, model, device, dtype)
+    hybrid = None
+    if model is not None and kinds is not None:
+        hybrid = _hybrid(trace, model, kinds, names, track_interval, prefill_chunk, state_capacity, checkpoints)
+    if hybrid is not None:
+        hybrid.load(device, dtype)
     table = _trajectory_table(f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
     count = 0
     reuse_table, total, diverged, records = _reuse_table(block_size), ReuseSummary(), [], {}
@@ -64,11 +100,15 @@ def command(
         reuse_table.add_row(traj.id, *_reuse_cells(summary))
         diverged += [(traj.id, row) for row in rows if row.divergence is not None]
         records[traj.id] = InspectedTrajectory(summary=asdict(summary), turns=[row.to_json() for row in rows])
+        if hybrid is not None:
+            hybrid.add(traj, records[traj.id])
         table.add_row(*_trajectory_cells(traj))
     console.print(table)
     reuse_table.add_section()
     reuse_table.add_row("all", *_reuse_cells(total), style="bold")
     console.print(reuse_table)
+    if hybrid is not None:
+        console.print(hybrid.table(total, block_size))
     _print_divergences(diverged, divergences)
     console.print(replay.describe(), markup=False)
     console.print(_policy_table(replay, header.mode))
@@ -82,6 +122,7 @@ def command(
             total=asdict(total),
             replay=asdict(replay),
             trajectories=records,
+            checkpoints=None if hybrid is None else hybrid.result(),
         )
         console.print(f"wrote {write_result(out, 'inspect', result, args)}")
     console.print(
@@ -100,6 +141,122 @@ def _model_layers(header: TraceHeader, trace: Path, model: str, device: str, dty
     kinds = model_layer_kinds(model, device, dtype)
     console.print(f"model {model}: {describe_layers(kinds)}", markup=False)
     return kinds
+
+
+@dataclass
+class _Hybrid:
+    """Checkpointed prefix reuse on a hybrid model: the rules (vllm's B from the model's sizes) and their totals."""
+
+    trace: Path
+    model: str
+    names: tuple[str, ...]
+    track_interval: int
+    prefill_chunk: int
+    state_capacity: int | None
+    state_bytes: int = 0
+    token_bytes: int = 0
+    block: int = 0
+    rules: tuple[CheckpointRule, ...] = ()
+    totals: dict[str, list[int]] | None = None
+
+    def load(self, device: str, dtype: str) -> None:
+        """The sizes vLLM's block comes from, measured on the model (one recurrent layer's state: the states of a
+        sequence over the recurrent layers; one attention layer's K/V per token), and the rules."""
+        from kvprof.model.agents import load_agents_for_trace
+        from kvprof.model.runtime import Runtime
+
+        runtime = Runtime(load_agents_for_trace(self.trace, self.model, device=device, dtype=dtype))
+        self.state_bytes = runtime.state_bytes // len(runtime.recurrent)
+        attention = next(layer for layer in range(runtime.num_layers) if layer not in runtime.recurrent)
+        self.token_bytes = runtime.layer_token_bytes(attention)
+        self.block = vllm_hybrid_block_size(self.state_bytes, self.token_bytes)
+        chunk, interval = self.prefill_chunk, self.track_interval
+        self.rules = tuple(checkpoint_rule(name, self.block, interval, budget=chunk) for name in self.names)
+        self.totals = {rule.name: [0, 0] for rule in self.rules}
+        console.print(
+            f"vLLM's hybrid block B = {self.block} ids: one recurrent layer's state ({self.state_bytes} bytes) over "
+            f"one attention layer's K/V per token ({self.token_bytes} bytes), in multiples of 16",
+            markup=False,
+        )
+
+    def add(self, traj: Trajectory, record: InspectedTrajectory) -> None:
+        """`traj`'s hits under every rule, into its record (per turn and in all) and the totals."""
+        assert self.totals is not None
+        per_turn: list[dict[str, list[int]]] = [{} for _ in traj.turns]
+        record.checkpoints = {}
+        for rule in self.rules:
+            hits = trajectory_checkpoint_hits(traj, rule, self.state_capacity)
+            for turn, (own, shared) in zip(per_turn, hits, strict=True):
+                turn[rule.name] = [own, shared]
+            own_total, shared_total = sum(own for own, _ in hits), sum(shared for _, shared in hits)
+            record.checkpoints[rule.name] = {"engine_own": own_total, "engine_shared": shared_total}
+            self.totals[rule.name][0] += own_total
+            self.totals[rule.name][1] += shared_total
+        for row, turn in zip(record.turns, per_turn, strict=True):
+            row["checkpoints"] = turn
+
+    def table(self, total: ReuseSummary, block_size: int) -> Table:
+        """Per rule, the input tokens served per agent and shared, beside an attention-only model's engine columns."""
+        assert self.totals is not None
+        chunk = f"prefill steps of at most {self.prefill_chunk} ids" if self.prefill_chunk else "whole-prompt prefills"
+        kept = "no limit on states" if self.state_capacity is None else f"at most {self.state_capacity} states"
+        table = Table(
+            title="checkpointed prefix reuse on this hybrid: input tokens a prefix cache serves when it resumes the "
+            f"recurrent layers only from states it kept ({chunk}; {kept})"
+        )
+        for column in ("engine", "states kept at", "per agent", "shared"):
+            table.add_column(column, justify="left" if column in ("engine", "states kept at") else "right")
+
+        def cell(tokens: int) -> str:
+            return f"{tokens} ({total.share(tokens):.1%})"
+
+        table.add_row(
+            f"attention-only model (blocks of {block_size})",
+            "every id (no recurrent layer)",
+            cell(total.engine_own),
+            cell(total.engine_shared),
+        )
+        for rule in self.rules:
+            own, shared = self.totals[rule.name]
+            table.add_row(rule.label, rule.describe(), cell(own), cell(shared))
+        return table
+
+    def result(self) -> InspectCheckpoints:
+        assert self.totals is not None
+        return InspectCheckpoints(
+            state_bytes=self.state_bytes,
+            token_bytes=self.token_bytes,
+            block_size=self.block,
+            prefill_chunk=self.prefill_chunk,
+            state_capacity=self.state_capacity,
+            rules={
+                rule.name: CheckpointTotals(
+                    rule=rule.name, interval=rule.interval, engine_own=own, engine_shared=shared
+                )
+                for rule in self.rules
+                for own, shared in [self.totals[rule.name]]
+            },
+        )
+
+
+def _hybrid(
+    trace: Path,
+    model: str,
+    kinds: list[LayerKind],
+    names: tuple[str, ...],
+    track_interval: int,
+    prefill_chunk: int,
+    state_capacity: int | None,
+    asked: list[str] | None,
+) -> _Hybrid | None:
+    """Checkpointed reuse for a model with recurrent layers (None otherwise; --checkpoints then refused)."""
+    if not any(kind.attention == "recurrent" for kind in kinds):
+        if asked:
+            raise KvprofError(
+                f"--checkpoints applies to hybrid models, and {model} has no recurrent layer; leave it out."
+            )
+        return None
+    return _Hybrid(trace, model, names, track_interval, prefill_chunk, state_capacity)
 
 
 def _trajectory_table(title: str) -> Table:

@@ -37,6 +37,8 @@ CHECKPOINT_RULES = ("vllm", "sglang", "boundaries")
 SGLANG_TRACK_INTERVAL = 256  # SGLang's --mamba-track-interval default
 SGLANG_CACHE_CHUNK = 64  # SGLang's mamba_cache_chunk_size: max(the FLA chunk 64, or the config's mamba_chunk_size,
 # and the page size)
+PREFILL_CHUNK = 8192  # ids one prefill step computes at most: vLLM's --max-num-batched-tokens for its OpenAI server
+# on a large GPU (vllm-project/vllm#42317 runs with it); SGLang's --chunked-prefill-size is of that order
 VLLM_KERNEL_BLOCK = 16  # the attention kernel's block alignment vLLM rounds the hybrid block to (FlashAttention,
 # FlashInfer; 32 for FlashInfer with 256-channel heads on Blackwell, 64 or 128 for MLA backends)
 
@@ -105,15 +107,15 @@ class CheckpointRule:
         """Where the rule keeps states, in words."""
         if self.name == "vllm":
             return (
-                f"the end of each prefill step that lands on a multiple of B = {self.interval} ids (the last "
-                "block boundary before each prompt's end, or its end if aligned), each multiple of B decode reaches"
+                "each prefill step's end on a multiple of B (the last one before the prompt's end), each multiple "
+                "of B decode reaches"
             )
         if self.name == "sglang":
             return (
-                f"one per prefill step on a {self.chunk}-id grid from its start (or at the branch point), the "
-                f"last multiple of {self.interval} decode reaches"
+                f"one per prefill step on a {self.chunk}-id grid (or at the branch point), the last multiple of "
+                f"{self.interval} decode reaches"
             )
-        return "every message boundary and each call's end"
+        return "every message boundary, each call's end"
 
     def kept(
         self, prompt: int, length: int, resumed: int, boundaries: Collection[int] = (), *, matched: int = 0
@@ -207,6 +209,14 @@ class CheckpointRule:
         return tuple(sorted(kept))
 
 
+def checkpoint_rule_names(names: Sequence[str] | None) -> tuple[str, ...]:
+    """`names` (each once, in the order `CHECKPOINT_RULES` lists them), every rule for None; a bad name refused."""
+    for name in names or ():
+        if name not in CHECKPOINT_RULES:
+            raise KvprofError(f"--checkpoints {name!r} is not one of {', '.join(CHECKPOINT_RULES)}; pass one of them.")
+    return tuple(name for name in CHECKPOINT_RULES if names is None or name in names)
+
+
 def checkpoint_rule(
     name: str,
     block_size: int | None = None,
@@ -218,8 +228,7 @@ def checkpoint_rule(
     """The rule `name` (`CHECKPOINT_RULES`), validated: vllm needs the hybrid block size `block_size` (B,
     `vllm_hybrid_block_size`); sglang keeps decode states every `interval` ids; `chunk` and `budget` as
     `CheckpointRule` says."""
-    if name not in CHECKPOINT_RULES:
-        raise KvprofError(f"--checkpoints {name!r} is not one of {', '.join(CHECKPOINT_RULES)}; pass one of them.")
+    checkpoint_rule_names([name])
     if budget < 0:
         raise KvprofError(f"--prefill-chunk {budget} is negative; pass 0 (no limit) or a number of ids.")
     if name == "vllm":
