@@ -40,6 +40,8 @@ class Example:
     setup: tuple[str, ...] = ()
     # keep the output from the first line that starts with this text (a long command's summary at its end)
     keep_from: str = ""
+    # environment variables the commands run with (e.g. quieting a library's warnings)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 FIT_PROMPT_POOLS = (
@@ -100,6 +102,19 @@ EXAMPLES: dict[str, Example] = {
             "kvprof capture --model world/model --workflow world/workflow_lora.toml"
             " --tasks world/tasks/heldout.jsonl --limit 20 --out runs/capture",
         ),
+    ),
+    "inspect-hybrid": Example(
+        (
+            "kvprof inspect runs/qwen3_5/capture/trace.jsonl --model runs/qwen3_5/world/model --device cpu"
+            " --dtype float32",
+        ),
+        needs=("runs/qwen3_5/capture/trace.jsonl",),
+        setup=(
+            "python scripts/tiny_hybrid_world.py runs/qwen3_5/world",
+            "kvprof capture --model runs/qwen3_5/world/model --workflow runs/qwen3_5/world/workflow_lora.toml"
+            " --tasks runs/qwen3_5/world/tasks.jsonl --out runs/qwen3_5/capture --device cpu --dtype float32",
+        ),
+        env=(("TRANSFORMERS_VERBOSITY", "error"),),  # transformers' notes on its reference kernels
     ),
     "rank-analysis": Example(("kvprof rank-analysis --out runs/rank",)),
     "replay-lp": Example(("kvprof replay --policy rebaseshared --schedule lp --out runs/replay-lp",)),
@@ -223,9 +238,10 @@ def argv(command: str) -> list[str]:
     return words
 
 
-def execute(command: str) -> str:
-    """Run one command line from the repository root; its stdout and stderr, as the terminal shows them."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(WIDTH)}
+def execute(command: str, extra: tuple[tuple[str, str], ...] = ()) -> str:
+    """Run one command line from the repository root (with the `extra` environment variables); its stdout and stderr,
+    as the terminal shows them."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(WIDTH), **dict(extra)}
     done = subprocess.run(argv(command), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         sys.exit(f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}")
@@ -240,10 +256,10 @@ def run(name: str) -> Path:
         world.symlink_to(Path("kvprof") / "demo" / "assets")
     if any(not (REPO / need).exists() for need in example.needs):
         for command in example.setup:
-            execute(command)
+            execute(command, example.env)
     shown = []
     for command in example.commands:
-        output = execute(command)
+        output = execute(command, example.env)
         if example.keep_from:
             lines = output.splitlines(keepends=True)
             start = next((i for i, line in enumerate(lines) if line.startswith(example.keep_from)), 0)
