@@ -14,6 +14,7 @@ from kvprof.errors import KvprofError
 from kvprof.traces.checkpoints import (
     CHECKPOINT_RULES,
     CheckpointedCache,
+    CheckpointRule,
     EngineRequest,
     checkpoint_rule,
     checkpointed_hits,
@@ -358,6 +359,8 @@ def test_bad_rule_names_and_settings_are_refused_in_one_sentence():
     with pytest.raises(KvprofError, match="--track-interval 0"):
         checkpoint_rule("sglang", interval=0)
     assert checkpoint_rule("boundaries", 528).interval == 0
+    with pytest.raises(KvprofError, match="needs an interval"):
+        CheckpointRule("vllm", 0)
 
 
 # --- kvprof inspect on a tiny Qwen 3.5 world -------------------------------------------------------------------------

@@ -94,6 +94,15 @@ class CheckpointRule:
     chunk: int = SGLANG_CACHE_CHUNK
     budget: int = 0
 
+    def __post_init__(self) -> None:
+        if self.name not in CHECKPOINT_RULES:
+            raise KvprofError(f"checkpoint rule {self.name!r} is not one of {', '.join(CHECKPOINT_RULES)}; pass one.")
+        if (self.name != "boundaries" and self.interval < 1) or self.chunk < 1 or self.budget < 0:
+            raise KvprofError(
+                f"the {self.name} checkpoint rule needs an interval and a chunk of 1 or more and a budget of 0 or more "
+                f"(got {self.interval}, {self.chunk}, {self.budget}); use checkpoint_rule to make one."
+            )
+
     @property
     def label(self) -> str:
         """The rule as tables name it."""
