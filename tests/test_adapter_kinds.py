@@ -207,7 +207,7 @@ def test_an_activated_lora_that_acts_before_its_invocation_is_refused_at_load(ti
         return result + lora_B(lora_A(x.to(lora_A.weight.dtype))) * module.scaling[active_adapter]
 
     monkeypatch.setattr(ALoraLinearVariant, "forward", staticmethod(everywhere))
-    with pytest.raises(KvprofError, match="changes the K/V before its invocation"):
+    with pytest.raises(KvprofError, match="changes the K/V or states before its invocation"):
         load_agents(spec, str(tiny_world.model), device="cpu", dtype="float32")
 
 

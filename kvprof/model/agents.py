@@ -299,8 +299,8 @@ class AgentSet:
                 self.check_activated_lora(agent.name)
 
     def check_activated_lora(self, agent: str) -> None:
-        """Refuse an aLoRA agent whose K/V before its invocation are not the base model's (≤ 1e-6 relative in
-        float32, the dtype's rounding else): exact sharing rests on it."""
+        """Refuse an aLoRA agent whose layer outputs, K or V before its invocation are not the base model's (≤ 1e-6
+        relative in float32, the dtype's rounding else): exact sharing rests on it (a hybrid's states too)."""
         from kvprof.model.lora import invocation_tokens
 
         tokens = invocation_tokens(self.model, agent)
@@ -308,21 +308,28 @@ class AgentSet:
             return
         context = self.tokenizer.encode("Context read before the call.", add_special_tokens=False)
         ids = torch.tensor([context + tokens + context], device=self.device)
-        caches = []
+        runs = []
         for adapter in (agent, None):
             with self.activate(adapter), torch.inference_mode():
-                caches.append(self.model(input_ids=ids, use_cache=True).cache)
+                runs.append(self.model(input_ids=ids, use_cache=True, output_hidden_states=True))
         tolerance = 1e-6 if self.base_model.dtype == torch.float32 else 1e-2
-        for adapted, base in zip(caches[0].layers, caches[1].layers):
-            for ours, theirs in ((adapted.keys, base.keys), (adapted.values, base.values)):
-                before, reference = ours[:, :, : len(context)].float(), theirs[:, :, : len(context)].float()
-                error = float((before - reference).norm() / reference.norm().clamp_min(1e-12))
-                if error > tolerance:
-                    raise KvprofError(
-                        f"agent {agent}'s Activated LoRA changes the K/V before its invocation (relative error "
-                        f"{error:.2e}), so no cache of it is the base model's; check the adapter's "
-                        "alora_invocation_tokens and the peft version (aLoRA needs peft ≥ 0.17)."
-                    )
+        pairs = [  # every layer's output (a hybrid's recurrent layers keep no K/V per token), then each K and V
+            (ours[:, : len(context)], theirs[:, : len(context)])
+            for ours, theirs in zip(runs[0].hidden_states, runs[1].hidden_states)
+        ]
+        for adapted, base in zip(runs[0].cache.layers, runs[1].cache.layers):
+            if hasattr(adapted, "keys"):
+                pairs += [(adapted.keys[:, :, : len(context)], base.keys[:, :, : len(context)])]
+                pairs += [(adapted.values[:, :, : len(context)], base.values[:, :, : len(context)])]
+        for ours, theirs in pairs:
+            before, reference = ours.float(), theirs.float()
+            error = float((before - reference).norm() / reference.norm().clamp_min(1e-12))
+            if error > tolerance:
+                raise KvprofError(
+                    f"agent {agent}'s Activated LoRA changes the K/V or states before its invocation (relative "
+                    f"error {error:.2e}), so no cache of it is the base model's; check the adapter's "
+                    "alora_invocation_tokens and the peft version (aLoRA needs peft ≥ 0.17)."
+                )
 
     @property
     def device(self) -> torch.device:
