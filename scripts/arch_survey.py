@@ -11,6 +11,9 @@ built from the architecture's own config class, and in lora and prompt mode:
 - the selective-recompute policies at ratio 1 reproduce the dense run (their layer-by-layer path);
 - lora mode: with one adapter for every agent, BaseShared reproduces the dense run and PreLRShared FullShared's, turn
   by turn (the cache split; both move the same spans).
+- hybrids (recurrent layers): prompt-mode FullShared under each checkpoint rule (vllm and sglang every 16 tokens,
+  message boundaries) reproduces the dense run while its calls resume from kept states, and with Activated LoRA
+  agents (invoked by "NAME:") ALoRAShared reproduces NonShared (KL ≤ 1e-6), prefilling less.
 
 A step ends "ok", "refused" (exit 2 and one `error:` sentence: kvprof declines the model, and says why) or "FAILED"
 (a traceback, or an oracle that does not hold). Exits 1 if any step failed.
@@ -202,7 +205,68 @@ def survey(arch: str, root: Path, window: int = LONG_WINDOW) -> list[tuple[str, 
                 worst = one_adapter_error(out / "same" / "replay.json")
                 state, detail = ("ok" if worst < EXACT else "FAILED"), f"worst error {worst:.1e}"
             steps.append(("lora low-rank, one adapter", state, detail))
+        if mode == "prompt" and hybrid(out / "all" / "replay.json"):
+            steps += hybrid_prompt_steps(trace, out)
+    if hybrid(root / "lora" / "all" / "replay.json"):
+        steps.append(alora_step(world, root / "alora"))
     return steps
+
+
+def hybrid(result: Path) -> bool:
+    """Whether a replay result's model has recurrent layers."""
+    return result.exists() and any(
+        kind["attention"] == "recurrent" for kind in json.loads(result.read_text())["layers"]
+    )
+
+
+def hybrid_prompt_steps(trace: Path, out: Path) -> list[tuple[str, str, str]]:
+    """Prompt-mode FullShared on a hybrid under each checkpoint rule: exact, and resuming from kept states."""
+    steps = []
+    for rule, interval in (("vllm", ["--checkpoint-interval", "16"]), ("sglang", ["--checkpoint-interval", "16"]),
+                           ("boundaries", [])):  # fmt: skip
+        flags = ("--policy", "fullshared", "--checkpoints", rule, *interval, "--repeats", "1")
+        state, detail = cli("replay", trace, *flags, "--out", out / f"full-{rule}", "--device", "cpu")
+        if state == "ok":
+            summary = json.loads((out / f"full-{rule}" / "replay.json").read_text())["policies"]["fullshared"][
+                "summary"
+            ]
+            worst = worst_error(out / f"full-{rule}" / "replay.json")["fullshared"]
+            exact = worst < EXACT and summary["kl"] <= 1e-6 and summary["reuse_per_token"] > 0
+            state = "ok" if exact else "FAILED"
+            detail = f"worst error {worst:.1e}, KL {summary['kl']:.1e}, reuse {summary['reuse_per_token']:.0%}"
+        steps.append((f"prompt fullshared {rule}", state, detail))
+    return steps
+
+
+def alora_step(world, out: Path) -> tuple[str, str, str]:
+    """Activated LoRA agents on a hybrid: ALoRAShared against NonShared (states kept at message boundaries)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvprof.model.tiny import AGENTS, attention_targets, build_adapter
+
+    tokenizer = AutoTokenizer.from_pretrained(world.model)
+    flags = []
+    for seed, agent in enumerate(AGENTS):
+        model = AutoModelForCausalLM.from_pretrained(world.model)
+        invocation = tokenizer.encode(f"{agent}:", add_special_tokens=False)
+        build_adapter(model, out / agent, 20 + seed, targets=attention_targets(model), invocation=invocation)
+        flags += ["--agent", f"{agent}={out / agent}"]
+    common = ("--device", "cpu")
+    state, detail = cli(
+        "capture", "--model", world.model, "--workflow", world.lora_workflow, "--tasks", world.tasks, "--limit", "1",
+        *flags, "--out", out / "capture", *common,
+    )  # fmt: skip
+    if state != "ok":
+        return "alora capture", state, detail
+    policies = ("--policy", "nonshared", "--policy", "alorashared", "--checkpoints", "boundaries", "--repeats", "1")
+    state, detail = cli("replay", out / "capture" / "trace.jsonl", *policies, "--out", out / "replay", *common)
+    if state == "ok":
+        runs = json.loads((out / "replay" / "replay.json").read_text())["policies"]
+        nonshared, shared = runs["nonshared"]["summary"], runs["alorashared"]["summary"]
+        exact = shared["kl"] <= 1e-6 and shared["prefilled"] < nonshared["prefilled"]
+        state = "ok" if exact else "FAILED"
+        detail = f"KL {shared['kl']:.1e}, prefilled {shared['prefilled']} of NonShared's {nonshared['prefilled']}"
+    return "lora alorashared (aLoRA)", state, detail
 
 
 def main() -> int:

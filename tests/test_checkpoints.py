@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
 
@@ -368,16 +369,6 @@ def test_bad_rule_names_and_settings_are_refused_in_one_sentence():
 DEVICE = ("--device", "cpu", "--dtype", "float32")
 
 
-def qwen3_5(vocab: int, eos: int):
-    """The tiny Qwen 3.5 of tests/test_hybrid.py: three Gated DeltaNet layers, then an attention layer."""
-    from transformers import Qwen3_5TextConfig
-
-    from kvprof.model.tiny import tiny_sizes
-
-    linear = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2}
-    return Qwen3_5TextConfig(**tiny_sizes(vocab, eos, layers=4), head_dim=16, linear_num_value_heads=4, **linear)
-
-
 def capture(world, out) -> str:
     from typer.testing import CliRunner
 
@@ -396,9 +387,9 @@ def capture(world, out) -> str:
 
 @pytest.fixture(scope="module")
 def hybrid_world(tmp_path_factory):
-    from kvprof.model.tiny import build_tiny_world
+    from kvprof.model.tiny import build_tiny_world, hybrid_config
 
-    world = build_tiny_world(tmp_path_factory.mktemp("qwen3_5"), configure=qwen3_5)
+    world = build_tiny_world(tmp_path_factory.mktemp("qwen3_5"), configure=partial(hybrid_config, "qwen3_5_text"))
     return world, capture(world, tmp_path_factory.mktemp("capture"))
 
 

@@ -1,12 +1,16 @@
-"""Hybrid models (`kvprof.model.recurrent`) on a tiny Qwen 3.5 world (three Gated DeltaNet layers, then an attention
-layer, as Qwen 3.5 interleaves them), in lora and prompt mode: kvprof names the layers, captures as peft generates,
-and replays NonShared exactly — each agent's recurrent layers continue from their state after its own cache, as a
-hybrid prefix cache does — while every policy that would share or move caches is refused in one sentence naming the
-recurrent layer. Rank analysis reads the attention layers only."""
+"""Hybrid models (`kvprof.model.recurrent`): tiny Qwen 3.5 (Gated DeltaNet), Granite 4-H (Mamba-2) and LFM2 (short
+convolutions) worlds, recurrent layers first as the released models start, in lora and prompt mode.
+
+kvprof names the layers, captures as peft generates, and replays NonShared, FullShared and ALoRAShared with the
+recurrent states kept where a checkpoint rule keeps them (`kvprof.policies.state_checkpoints`): every exact run
+equals the model's own forward over each whole call while later calls resume from kept states; lora-mode FullShared
+hands the producer's states to the reader and reports what that costs; every other policy is refused in one
+sentence naming the recurrent layer. Rank analysis reads the attention layers only."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -14,59 +18,180 @@ from peft_oracle import assert_keys_realign, assert_peft_generations
 
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.runtime import Runtime
-from kvprof.model.tiny import AGENTS, TinyWorld, build_tiny_world, tiny_sizes
+from kvprof.model.tiny import AGENTS, HYBRIDS, TinyWorld, build_adapter, build_tiny_world, hybrid_config
 from kvprof.policies.base import tensor_bytes
-from kvprof.policies.nonshared import NonShared
-from kvprof.policies.turns import TurnRequest
-from kvprof.replay.engine import paged_bytes
+from kvprof.policies.variants import PolicyVariant
+from kvprof.replay.engine import run_trajectory
+from kvprof.simulate.workload import load_replay
+from kvprof.traces.reuse import SpanMatching
 from kvprof.traces.trace import read_trace
 
 DEVICE = ("--device", "cpu", "--dtype", "float32")
-LAYERS = "recurrent (linear_attn: a state, no K/V per token): layers 0–2; full attention, rope: layer 3"
+RULES = {  # short intervals, so that the tiny traces' calls resume from kept states under every rule
+    "vllm": SpanMatching(checkpoints="vllm", checkpoint_interval=16),
+    "sglang": SpanMatching(checkpoints="sglang", checkpoint_interval=8),
+    "boundaries": SpanMatching(checkpoints="boundaries"),
+}
 
 
-def qwen3_5(vocab: int, eos: int):
-    from transformers import Qwen3_5TextConfig
+MIXERS = {"qwen3_5_text": "linear_attn", "granitemoehybrid": "mamba", "lfm2": "conv"}
 
-    linear = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2}
-    return Qwen3_5TextConfig(**tiny_sizes(vocab, eos, layers=4), head_dim=16, linear_num_value_heads=4, **linear)
+
+def configure(arch: str):
+    return partial(hybrid_config, arch)
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def world(request, tmp_path_factory) -> tuple[str, TinyWorld]:
+    return request.param, build_tiny_world(tmp_path_factory.mktemp(request.param), configure=configure(request.param))
+
+
+def capture(run_cli, world: TinyWorld, mode: str, out, *flags) -> str:
+    code, stdout, err = run_cli(
+        "capture", "--model", world.model, "--workflow", getattr(world, f"{mode}_workflow"),
+        "--tasks", world.tasks, "--limit", "2", *flags, "--out", out, *DEVICE,
+    )  # fmt: skip
+    assert code == 0, err
+    return str(out / "trace.jsonl")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> TinyWorld:
-    return build_tiny_world(tmp_path_factory.mktemp("qwen3_5"), configure=qwen3_5)
-
-
-@pytest.fixture(scope="module", params=["lora", "prompt"])
-def trace(request, world, tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp(f"capture_{request.param}")
+def traces(world, tmp_path_factory) -> dict[str, str]:
     from typer.testing import CliRunner
 
     from kvprof.cli import app
 
-    done = CliRunner().invoke(
-        app,
-        [
-            "capture", "--model", str(world.model), "--workflow", str(getattr(world, f"{request.param}_workflow")),
-            "--tasks", str(world.tasks), "--limit", "2", "--out", str(out), *DEVICE,
-        ],
+    _, tiny = world
+    paths = {}
+    for mode in ("lora", "prompt"):
+        out = tmp_path_factory.mktemp(f"capture_{mode}")
+        done = CliRunner().invoke(
+            app,
+            [
+                "capture", "--model", str(tiny.model), "--workflow", str(getattr(tiny, f"{mode}_workflow")),
+                "--tasks", str(tiny.tasks), "--limit", "2", "--out", str(out), *DEVICE,
+            ],
+        )  # fmt: skip
+        assert done.exit_code == 0, done.output
+        paths[mode] = str(out / "trace.jsonl")
+    return paths
+
+
+def replay_exactly(trace: str, policy: str, matching: SpanMatching) -> int:
+    """Replay `trace` under `policy` with `matching`'s checkpoint rule, holding every turn's logits to the model's
+    own forward over the whole call from scratch and its memory to the live tensors; the tokens reused."""
+    agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
+    runtime = Runtime(agents, span_matching=matching)
+    run = PolicyVariant(policy).build(runtime)
+    assert runtime.checkpoint_rule is not None and runtime.checkpoint_rule.name == matching.checkpoints
+    reused = 0
+    for traj in read_trace(trace).trajectories:
+        runtime.serve_trajectory(traj)
+        run.reset()
+        for turn, (result,) in zip(traj.turns, run_trajectory(runtime, [run], traj)):
+            ids, outputs = traj.input_tokens(turn), traj.output_tokens(turn)
+            with torch.inference_mode(), agents.activate(turn.agent):
+                reference = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
+            expected = reference[len(ids) - 1 : len(ids) - 1 + len(result.logits)]
+            assert (result.logits - expected).abs().max() <= 1e-4 * expected.abs().max(), (policy, turn.agent)
+            reused += result.reused
+        live, formula = tensor_bytes(run.live_tensors()), run.analytic_bytes()
+        assert live == formula
+        states = {name: size for name, size in formula.items() if name.startswith("recurrent states")}
+        assert all(size % runtime.state_bytes == 0 for size in states.values())
+    return reused
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_exact_runs_resume_from_kept_states_and_equal_the_models_forward(world, traces, rule):
+    """NonShared (both modes) and prompt-mode FullShared (agents' role prompts differ: one prefix cache serves each
+    agent its own sequences) equal the model's own forward of every whole call, while later calls resume from the
+    states the rule kept."""
+    for mode, policy in (("lora", "nonshared"), ("prompt", "nonshared"), ("prompt", "fullshared")):
+        assert replay_exactly(traces[mode], policy, RULES[rule]) > 0, (mode, policy)
+
+
+def test_replay_runs_fullshared_on_hybrids_and_refuses_the_others_naming_the_layer(world, traces, run_cli, tmp_path):
+    arch, _ = world
+    mixer = f"recurrent layer ({MIXERS[arch]})"
+    code, _, err = run_cli("replay", traces["lora"], "--policy", "all", "--repeats", "2", "--out", tmp_path, *DEVICE)
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay.json").read_text())
+    assert set(result["policies"]) == {"nonshared", "fullshared", "alorashared"}
+    assert result["dense"]["summary"]["trace_agreement"] == 1.0
+    assert result["span_matching"]["checkpoints"] == "vllm"
+    assert result["policies"]["nonshared"]["summary"]["kl"] == 0.0
+    shared = result["policies"]["fullshared"]["summary"]
+    assert shared["kl"] > 0 and shared["reuse_per_token"] > 0 and 0 <= shared["trace_agreement"] <= 1
+    for label, reason in result["skipped"].items():
+        assert "-mode traces" in reason or mixer in reason and "no per-token entries" in reason, label
+    work = load_replay(tmp_path / "replay.json").policies["nonshared"]
+    dense_turns = result["policies"]["nonshared"]["turns"]
+    kept = [request.kept_bytes for traj in work for request in traj.requests]
+    assert kept == [turn["memory_bytes"] for turn in dense_turns]  # the stored K/V and kept states (memory test)
+    code, _, err = run_cli("simulate", tmp_path / "replay.json", "--qps", "1", "--duration", "5", "--out", tmp_path)
+    assert code == 0, err
+    code, _, err = run_cli("replay", traces["lora"], "--policy", "cacheblend", "--out", tmp_path / "blend", *DEVICE)
+    assert code == 2 and mixer in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_memory_counts_one_state_per_kept_position(world, traces):
+    """With states kept at every message boundary, NonShared holds per agent one state per boundary of its stored
+    sequence, beside its attention K/V; a rule keeping fewer holds fewer."""
+    trace = traces["lora"]
+    agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
+    held = {}
+    for rule in ("boundaries", "vllm"):
+        runtime = Runtime(agents, span_matching=RULES[rule])
+        run = PolicyVariant("nonshared").build(runtime)
+        traj = read_trace(trace).trajectories[0]
+        runtime.serve_trajectory(traj)
+        run.reset()
+        run_trajectory(runtime, [run], traj)
+        held[rule] = {
+            name: size // runtime.state_bytes for name, size in run.analytic_bytes().items() if "states" in name
+        }
+    assert set(held["boundaries"]) == {f"recurrent states:{agent}" for agent in AGENTS}
+    assert all(count >= 2 for count in held["boundaries"].values())
+    assert sum(held["vllm"].values()) < sum(held["boundaries"].values())
+
+
+def test_activated_lora_agents_share_the_base_states_exactly(run_cli, tmp_path):
+    """aLoRA agents on a tiny Qwen 3.5: the adapters act from their invocation on (the check at load compares every
+    layer's output before it, recurrent layers included); ALoRAShared reuses the base model's K/V and states up to
+    each call's invocation from the last kept state and equals NonShared, prefilling less."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    world = build_tiny_world(tmp_path / "world", configure=configure("qwen3_5_text"))
+    tokenizer = AutoTokenizer.from_pretrained(world.model)
+    flags = []
+    for seed, agent in enumerate(AGENTS):
+        ids = tokenizer.encode(f"{agent}:", add_special_tokens=False)
+        model = AutoModelForCausalLM.from_pretrained(world.model)
+        build_adapter(
+            model, tmp_path / "alora" / agent, seed=20 + seed, targets=("q_proj", "k_proj", "v_proj"), invocation=ids
+        )
+        flags += ["--agent", f"{agent}={tmp_path / 'alora' / agent}"]
+    trace = capture(run_cli, world, "lora", tmp_path / "capture", *flags)
+    assert_peft_generations(world.model, {agent: tmp_path / "alora" / agent for agent in AGENTS}, tmp_path)
+    code, _, err = run_cli(
+        "replay", trace, "--policy", "nonshared", "--policy", "alorashared", "--checkpoints", "boundaries",
+        "--repeats", "1", "--out", tmp_path / "replay", *DEVICE,
     )  # fmt: skip
-    assert done.exit_code == 0, done.output
-    assert LAYERS in " ".join(done.output.split())
-    return str(out / "trace.jsonl")
+    assert code == 0, err
+    result = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    nonshared, shared = (result["policies"][label]["summary"] for label in ("nonshared", "alorashared"))
+    assert shared["kl"] <= 1e-6 and shared["k_error"] <= 1e-5
+    assert shared["prefilled"] < nonshared["prefilled"]
 
 
 def test_layers_are_named_and_captures_are_peft_generations(world, run_cli, tmp_path):
-    code, stdout, err = run_cli("inspect", _lora_trace(world, run_cli, tmp_path), "--model", world.model, *DEVICE)
+    arch, tiny = world
+    trace = capture(run_cli, tiny, "lora", tmp_path / "capture")
+    code, stdout, err = run_cli("inspect", trace, "--model", tiny.model, *DEVICE)
     assert code == 0, err
-    assert LAYERS in " ".join(stdout.split())
-    assert_peft_generations(world.model, {agent: world.adapter(agent) for agent in AGENTS}, tmp_path)
-    code, _, err = run_cli(
-        "capture", "--model", world.model, "--workflow", world.prompt_workflow, "--tasks", world.tasks,
-        "--limit", "2", "--out", tmp_path / "prompt", *DEVICE,
-    )  # fmt: skip
-    assert code == 0, err
-    assert_peft_generations(world.model, {}, tmp_path, capture="prompt")
+    assert f"recurrent ({MIXERS[arch]}: a state, no K/V per token)" in " ".join(stdout.split())
+    assert_peft_generations(tiny.model, {agent: tiny.adapter(agent) for agent in AGENTS}, tmp_path)
 
 
 def test_the_attention_layers_keys_realign_by_their_rope(world):
@@ -74,65 +199,21 @@ def test_the_attention_layers_keys_realign_by_their_rope(world):
 
     from kvprof.model.rope import model_ropes
 
-    ropes = model_ropes(AutoModelForCausalLM.from_pretrained(world.model))
-    assert ropes.names[:3] == ("no keys (recurrent)",) * 3
-    assert_keys_realign(world.model, ropes)
+    arch, tiny = world
+    ropes = model_ropes(AutoModelForCausalLM.from_pretrained(tiny.model))
+    assert "no keys (recurrent)" in ropes.names
+    if arch == "granitemoehybrid":  # Granite 4.0-H's attention layers have no position embedding
+        assert set(ropes.names) == {"no keys (recurrent)", "NoPE"}
+        return
+    assert_keys_realign(tiny.model, ropes)
 
 
-def _lora_trace(world: TinyWorld, run_cli, tmp_path) -> str:
-    code, _, err = run_cli(
-        "capture", "--model", world.model, "--workflow", world.lora_workflow, "--tasks", world.tasks,
-        "--limit", "2", "--out", tmp_path / "capture", *DEVICE,
-    )  # fmt: skip
-    assert code == 0, err
-    return str(tmp_path / "capture" / "trace.jsonl")
-
-
-def test_nonshared_replays_and_every_sharing_policy_is_refused_for_the_recurrent_layers(trace, run_cli, tmp_path):
-    code, _, err = run_cli("replay", trace, "--policy", "all", "--repeats", "1", "--out", tmp_path, *DEVICE)
-    assert code == 0, err
-    result = json.loads((tmp_path / "replay.json").read_text())
-    assert list(result["policies"]) == ["nonshared"]
-    assert result["dense"]["summary"]["trace_agreement"] == 1.0
-    assert [kind["attention"] for kind in result["layers"]] == ["recurrent"] * 3 + ["full"]
-    mode_refusals = {label for label, reason in result["skipped"].items() if "-mode traces" in reason}
-    for label, reason in result["skipped"].items():
-        assert label in mode_refusals or "layer 0 of model" in reason and "recurrent layer (linear_attn)" in reason
-    code, _, err = run_cli("replay", trace, "--policy", "cacheblend", "--out", tmp_path / "blend", *DEVICE)
-    assert code == 2 and "recurrent layer (linear_attn)" in err and "Traceback" not in err
-
-
-def test_nonshared_continues_each_agents_own_state_exactly(trace):
-    """Every turn's logits equal the model's own forward of the whole call from scratch, while later turns of an
-    agent reuse its cache (the recurrent layers restart from the state after it); memory counts each agent's
-    states apart from its K/V, at their exact bytes in KV blocks too (they are not token-indexed)."""
-    agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
-    runtime = Runtime(agents)
-    policy = NonShared(runtime)
-    reused = 0
-    for traj in read_trace(trace).trajectories:
-        runtime.serve_trajectory(traj)
-        policy.reset()
-        for turn in traj.turns:
-            ids, outputs = traj.input_tokens(turn), traj.output_tokens(turn)
-            result = policy.run_turn(TurnRequest(turn.agent, ids, outputs))
-            reused += result.reused
-            with torch.inference_mode(), agents.activate(turn.agent):
-                reference = agents.model(input_ids=torch.tensor([ids + outputs])).logits[0].float()
-            expected = reference[len(ids) - 1 : len(ids) - 1 + len(result.logits)]
-            assert (result.logits - expected).abs().max() <= 1e-4 * expected.abs().max()
-            live, formula = tensor_bytes(policy.live_tensors()), policy.analytic_bytes()
-            assert live == formula and formula[f"cache:{turn.agent}"] >= runtime.kv_bytes_per_token * len(ids)
-            states = {name: tensors for name, tensors in policy.live_tensors().items() if name.startswith("recurrent")}
-            assert paged_bytes(states, 16) == sum(formula[name] for name in states) == len(states) * runtime.state_bytes
-    assert reused > 0 and runtime.state_bytes > 0
-
-
-def test_rank_analysis_reads_the_attention_layers(trace, run_cli, tmp_path):
-    code, _, err = run_cli("rank-analysis", trace, "--out", tmp_path / "rank", *DEVICE)
+def test_rank_analysis_reads_the_attention_layers(world, traces, run_cli, tmp_path):
+    arch, _ = world
+    attention = 2 if arch == "lfm2" else 3
+    code, _, err = run_cli("rank-analysis", traces["lora"], "--out", tmp_path / "rank", *DEVICE)
     assert code == 0, err
     analysis = json.loads((tmp_path / "rank" / "rank_analysis.json").read_text())
-    assert analysis["layers"] == [3]
-    assert [kind["attention"] for kind in analysis["layer_kinds"]] == ["recurrent"] * 3 + ["full"]
-    code, _, err = run_cli("rank-analysis", trace, "--layers", "0", "--out", tmp_path / "r0", *DEVICE)
-    assert code == 2 and "layer 0 is a recurrent layer (linear_attn)" in err and "attention layers (layer 3)" in err
+    assert analysis["layers"] == [attention]
+    code, _, err = run_cli("rank-analysis", traces["lora"], "--layers", "0", "--out", tmp_path / "r0", *DEVICE)
+    assert code == 2 and f"layer 0 is a recurrent layer ({MIXERS[arch]})" in err

@@ -32,6 +32,25 @@ SpanBoundariesOption = Annotated[
         "Turns generated online (--online) are matched by ids.",
     ),
 ]
+CheckpointsOption = Annotated[
+    str,
+    typer.Option(
+        "--checkpoints",
+        help="On a hybrid model, where the serving engine keeps the recurrent layers' states, which limits the prefix "
+        "a call resumes: vllm (vLLM's --mamba-cache-mode align: at block boundaries, B derived from the model), sglang "
+        "(SGLang's Mamba radix cache: every --checkpoint-interval tokens, 256 by default) or boundaries (kvprof's: at "
+        "every message boundary and call end, as an application placing its own checkpoints would).",
+    ),
+]
+CheckpointIntervalOption = Annotated[
+    int | None,
+    typer.Option(
+        "--checkpoint-interval",
+        min=1,
+        help="With --checkpoints vllm: the hybrid block size B instead of the one vLLM derives; sglang: the tokens "
+        "between kept states (--mamba-track-interval).",
+    ),
+]
 
 TraceArgument = Annotated[
     Path | None,

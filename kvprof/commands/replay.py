@@ -77,6 +77,8 @@ def command(
     page_size: Annotated[int, typer.Option("--page-size", min=1, help=HELP["page_size"])] = 16,
     min_span: options.MinSpanOption = MIN_SPAN,
     span_boundaries: options.SpanBoundariesOption = "messages",
+    checkpoints: options.CheckpointsOption = "vllm",
+    checkpoint_interval: options.CheckpointIntervalOption = None,
     limit: options.LimitOption = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help=HELP["skip"])] = 0,
     strict: Annotated[bool, typer.Option("--strict", help=HELP["strict"])] = False,
@@ -111,7 +113,7 @@ def command(
     check_setting(timing, lora_attention)
     policy, flags = with_tuned(policy, list(policy_option or []), tuned)
     choose = partial(choose_variants, policy, flags, schedule, lr_prefill)
-    span_matching = SpanMatching(min_span, span_boundaries)
+    span_matching = SpanMatching(min_span, span_boundaries, checkpoints, checkpoint_interval)
     settings = dict(repeats=repeats, online=online, timing=timing, page_size=page_size, span_matching=span_matching)
     replay = Replay(trace, trajectories, choose, lora_attention, out / CHECKPOINT, resume, settings)
     source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)

@@ -33,6 +33,13 @@ from kvprof.model.lora import (
 )
 from kvprof.model.recurrent import LayerState, StateBuffer, StateLayer
 from kvprof.traces.chat import ChatFormat, Message
+from kvprof.traces.checkpoints import (
+    PREFILL_CHUNK,
+    SGLANG_TRACK_INTERVAL,
+    CheckpointRule,
+    checkpoint_rule,
+    vllm_hybrid_block_size,
+)
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
 from kvprof.traces.stopping import StopStrings, end_ids
 from kvprof.traces.tasks import Task, private_prompt
@@ -201,6 +208,40 @@ class Runtime:
         return sum(
             t.numel() * t.element_size() for b in self.state_buffers(self.buffers_of(cache)) for t in b.tensors()
         )
+
+    @functools.cached_property
+    def checkpoint_rule(self) -> CheckpointRule | None:
+        """Where a hybrid's recurrent states are kept (`span_matching.checkpoints`, `kvprof.traces.checkpoints`),
+        prefill steps of at most `PREFILL_CHUNK` ids as `kvprof inspect` serves them; vLLM's block size derived from
+        one recurrent layer's state and one attention layer's K/V per token unless given. None without recurrent
+        layers."""
+        if not self.recurrent:
+            return None
+        name, interval = self.span_matching.checkpoints, self.span_matching.checkpoint_interval
+        if name == "vllm" and interval is None:
+            attention = next(index for index in range(self.num_layers) if index not in self.recurrent)
+            interval = vllm_hybrid_block_size(
+                self.state_bytes // len(self.recurrent), self.layer_token_bytes(attention)
+            )
+        return checkpoint_rule(name, interval, interval or SGLANG_TRACK_INTERVAL, budget=PREFILL_CHUNK)
+
+    def states_of(self, cache: DynamicCache) -> dict[int, StateBuffer]:
+        """Copies of a cache's recurrent layers' states now, by layer index (`kvprof.policies.state_checkpoints`)."""
+        length = self.cache_length(cache)
+        return {
+            index: StateBuffer(LayerState.of(layer), length, layer.buffer.empty)
+            for index, layer in enumerate(cache.layers)
+            if isinstance(layer, StateLayer)
+        }
+
+    def undo_step(self, cache: DynamicCache, states: dict[int, StateBuffer]) -> None:
+        """Forget a cache's last token: attention layers cropped, recurrent layers back to `states` (`states_of`
+        before the step: a state cannot crop)."""
+        for index, layer in enumerate(cache.layers):
+            if index in states:
+                cache.layers[index] = StateLayer(states[index], states[index].length)
+            else:
+                layer.crop(-1)
 
     @staticmethod
     def state_buffers(buffers: list[KVBuffer]) -> list[StateBuffer]:

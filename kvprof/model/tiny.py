@@ -145,6 +145,28 @@ def tiny_config(
     raise ValueError(f"unknown architecture {arch!r}; use one of {', '.join(ARCHITECTURES)}")
 
 
+HYBRIDS = ("qwen3_5_text", "granitemoehybrid", "lfm2")  # recurrent layers first, as the released models start
+
+
+def hybrid_config(arch: str, vocab_size: int, eos_id: int):
+    """A tiny hybrid (one of `HYBRIDS`, 4 layers): Qwen 3.5's three Gated DeltaNet layers then attention, Granite
+    4.0-H's three Mamba-2 layers then attention (NoPE, 4 experts), LFM2's conv, conv, attention, conv."""
+    from transformers import GraniteMoeHybridConfig, Lfm2Config, Qwen3_5TextConfig
+
+    common = tiny_sizes(vocab_size, eos_id, layers=4)
+    if arch == "qwen3_5_text":
+        linear = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2}
+        return Qwen3_5TextConfig(**common, head_dim=16, linear_num_value_heads=4, **linear)
+    if arch == "granitemoehybrid":
+        mamba = {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1}
+        experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+        layers = ["mamba"] * 3 + ["attention"]
+        return GraniteMoeHybridConfig(**common, **experts, **mamba, mamba_chunk_size=16, layer_types=layers)
+    if arch == "lfm2":
+        return Lfm2Config(**common, layer_types=["conv", "conv", "full_attention", "conv"])
+    raise ValueError(f"unknown hybrid {arch!r}; use one of {', '.join(HYBRIDS)}")
+
+
 def build_model(config):
     """An initialised causal LM for `config` (seeded by the caller), with non-zero random q/k/v biases if it has
     biases (see module docstring)."""

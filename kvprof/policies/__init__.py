@@ -16,6 +16,7 @@ from kvprof.policies.cacheblend import CacheBlend
 from kvprof.policies.droidspeak import DroidSpeak
 from kvprof.policies.fullshared import FullShared
 from kvprof.policies.graphflow import GraphFlow
+from kvprof.policies.hybrid import HybridALoRAShared, HybridFullShared
 from kvprof.policies.kvcmas import KVCMAS
 from kvprof.policies.kvcomm import KVComm
 from kvprof.policies.nonshared import NonShared
@@ -47,6 +48,10 @@ REGISTRY: dict[str, type[SharingPolicy]] = {
     "kvcomm": KVComm,
     "kvcmas": KVCMAS,
 }
+
+# The policies that replay hybrid models with a class of their own (`kvprof.policies.hybrid`); NonShared runs as it is,
+# the others are refused for them (`SharingPolicy.check_recurrent`).
+ON_HYBRIDS: dict[str, type[SharingPolicy]] = {"fullshared": HybridFullShared, "alorashared": HybridALoRAShared}
 
 
 def policy_class(name: str) -> type[SharingPolicy]:

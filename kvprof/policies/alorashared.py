@@ -15,10 +15,20 @@ NonShared to float rounding, with fewer tokens prefilled. A turn's record splits
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvprof.policies.fullshared import FullShared, FullSharedContext
 from kvprof.policies.turns import Chunk
+
+if TYPE_CHECKING:
+    from kvprof.model.runtime import Runtime
+
+
+def invocation_notes(runtime: Runtime) -> list[str]:
+    """What a reader must know of an aLoRA replay: that no agent has an Activated LoRA adapter, if so."""
+    if not runtime.invocations:
+        return ["no agent has an Activated LoRA adapter: every call computes its whole input, as NonShared"]
+    return []
 
 
 class ALoRAShared(FullShared):
@@ -36,9 +46,7 @@ class ALoRAShared(FullShared):
         self.seen = 0  # timeline tokens the calls computed, base or adapter-made (the store holds the base ones)
 
     def notes(self) -> list[str]:
-        if not self.runtime.invocations:
-            return ["no agent has an Activated LoRA adapter: every call computes its whole input, as NonShared"]
-        return []
+        return invocation_notes(self.runtime)
 
     def assemble(self, agent: str, shared: list[int]) -> FullSharedContext:
         if agent not in self.runtime.invocations:  # a plain LoRA agent: no K/V of the store is its own

@@ -28,6 +28,7 @@ from kvprof.model.buffers import KVBuffer, Workspace
 from kvprof.model.runtime import KV, ChunkForward, Runtime
 from kvprof.policies.moved import PieceForward, SpanKV, SpanStore, extend_over_moved
 from kvprof.policies.options import Option, variant_label
+from kvprof.policies.state_checkpoints import keeps_call_end
 from kvprof.policies.turns import (
     Chunk,
     Context,
@@ -72,10 +73,14 @@ class SharingPolicy(ABC, Generic[ContextT]):
     # True: the policy stacks every layer's K/V into one tensor (anchor pools, low-rank stores, per-head queries of
     # one head size), so it needs every attention layer's cache of one shape (not Gemma 4's local and global layers)
     stacks_layers: ClassVar[bool] = False
+    # True: the policy replays hybrid models, resuming recurrent states only where the checkpoint rule kept them
+    # (`kvprof.policies.state_checkpoints`); False: refused for them (`check_recurrent`)
+    runs_on_hybrids: ClassVar[bool] = False
 
     def __init__(self, runtime: Runtime, **options: str):
         self.runtime = runtime
         self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
+        self.request_now = TurnRequest("", [])  # the call being served
         self.workspace = Workspace()  # turn-scoped views and copies, reused across turns and resets
         self.touched_heap = TouchedHeap()  # the CPU heap kept ready for the timed prefills (as large as they fault)
         self.forget_spans()
@@ -123,14 +128,14 @@ class SharingPolicy(ABC, Generic[ContextT]):
             )
 
     def check_recurrent(self, runtime: Runtime) -> None:
-        """Refuse a hybrid model (`kvprof.model.recurrent`) for a policy serving caches other calls computed."""
-        if runtime.recurrent and self.serves_others:
+        """Refuse a hybrid model (`kvprof.model.recurrent`) for a policy that does not run on one."""
+        if runtime.recurrent and not self.runs_on_hybrids:
             index, mixer = next(iter(runtime.recurrent.items()))
             raise KvprofError(
-                f"policy {self.name} serves an agent K/V that other calls computed, and layer {index} of model "
+                f"policy {self.name} moves, corrects or recomputes per-token K/V, and layer {index} of model "
                 f"{runtime.agents.base_model.config.name_or_path!r} is a recurrent layer ({mixer}), whose state after "
-                "a prefix summarises that exact sequence, so it cannot be shared between agents or moved to other "
-                "positions; only nonshared replays hybrid models."
+                "a prefix summarises that exact sequence and has no per-token entries; on hybrid models replay "
+                "nonshared, fullshared or alorashared."
             )
 
     @classmethod
@@ -296,6 +301,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """The request's input after the agent's prefix; the turn's moved spans made current."""
         shared = self._shared_input(request)
         self.moved_now = request.moved if self.moves_spans else ()
+        self.request_now = request
         return shared
 
     def _run_turn(self, request: TurnRequest, repeats: int, timed: list[float] | None) -> TurnResult:
@@ -381,7 +387,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 start = len(self.runtime.prefix(agent)) + context.covered
                 ids = shared[begin:]
                 cache = self.runtime.cache_over(context.kv, context.buffers, len(ids), context.rewrite)
-                forward = self._forward(agent, ids, cache, start - context.refreshed, context, prefill=True)
+                forward = self._prefill_forward(agent, ids, cache, start - context.refreshed, context)
                 flops = self.on_prefill(agent, context, forward, begin)
                 timings.append(clock(self.runtime.device) - started)
         assert context is not None and forward is not None
@@ -407,13 +413,16 @@ class SharingPolicy(ABC, Generic[ContextT]):
         shared_len = len(request.input_ids) - (first.start - context.covered)
         if warm_up and (forced is None or forced):
             token = forced[0] if forced is not None else int(rows[0].argmax())
+            states = runtime.states_of(last.cache)
             self._forward(agent, [token], last.cache, len(request.input_ids), context)
-            last.cache.crop(-1)
+            runtime.undo_step(last.cache, states)
         started = clock(runtime.device)
         while forced is None or len(outputs) < len(forced):
             outputs.append(forced[len(outputs)] if forced is not None else int(rows[-1].argmax()))
             position = len(request.input_ids) + len(outputs) - 1
             last = self._forward(agent, outputs[-1:], last.cache, position, context)
+            if position + 1 in context.state_marks or self._ends_greedy_call(request, context, first, outputs, last):
+                context.kept_states[position + 1] = runtime.states_of(last.cache)
             flops += self.on_decode_step(agent, context, last, shared_len + len(outputs) - 1)
             done = len(outputs) == len(forced) if forced is not None else runtime.stops(outputs, request.max_new_tokens)
             if done:
@@ -422,6 +431,35 @@ class SharingPolicy(ABC, Generic[ContextT]):
         seconds = clock(runtime.device) - started
         logits = torch.stack(rows[: len(outputs)]) if outputs else first.forward.logits[0, :0]
         return Decoded(output_ids=outputs, logits=logits, last=last, seconds=seconds, steps=len(outputs), flops=flops)
+
+    def _prefill_forward(self, agent: str, ids: list[int], cache, start: int, context: Context) -> ChunkForward:
+        """The chunk's forward at positions start..; on a hybrid, split where the turn keeps its recurrent states
+        (`Context.state_marks`), each kept in `context.kept_states` (as an engine aligns its prefill chunks to them)."""
+        end = start + len(ids)
+        for mark in sorted(mark for mark in context.state_marks if start < mark < end):
+            done = mark - start
+            self._forward(agent, ids[:done], cache, start, context, prefill=True)
+            context.kept_states[mark] = self.runtime.states_of(cache)
+            ids, start = ids[done:], mark
+        forward = self._forward(agent, ids, cache, start, context, prefill=True)
+        if end in context.state_marks:
+            context.kept_states[end] = self.runtime.states_of(forward.cache)
+        return forward
+
+    def _ends_greedy_call(
+        self, request: TurnRequest, context: Context, first: Prefill, outputs: list[int], last: ChunkForward
+    ) -> bool:
+        """Whether a greedy call's next id (the argmax of `last`) is its last, where the checkpoint rule keeps the
+        states of a call's end: an engine never computes the last id, so the end is here (a teacher-forced call's
+        marks already hold it)."""
+        rule = self.runtime.checkpoint_rule
+        if rule is None or request.output_ids is not None or not context.state_marks:
+            return False
+        upcoming = [*outputs, int(last.logits[0, -1].argmax())]
+        if not self.runtime.stops(upcoming, request.max_new_tokens):
+            return False
+        resumed = first.start - context.covered + context.reused
+        return keeps_call_end(rule, request, resumed, len(request.input_ids) + len(upcoming))
 
     def _forward(
         self, agent: str, ids: list[int], cache, start: int, context: Context, prefill: bool = False

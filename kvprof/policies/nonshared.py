@@ -4,8 +4,10 @@ The dense baseline (of LRAgent and PReCache) every policy is measured against: e
 
 - An aLoRA agent keeps of a call's cache only the tokens before its invocation: its next call reads the later ones
   with the base weights, as peft's `generate` computes them.
-- On a hybrid model (`kvprof.model.recurrent`) a turn whose reused prefix is shorter than the agent's recurrent
-  state (a branch back to an earlier point) starts over from its role prompt.
+- On a hybrid model (`kvprof.model.recurrent`) an agent's call resumes its own sequence only from the last position
+  inside the prefix it shares where the checkpoint rule kept the recurrent states
+  (`kvprof.policies.state_checkpoints`), as a hybrid prefix cache serves it; the rest is recomputed, from the role
+  prompt's end when no kept position lies after it.
 
 Phases: TTFT — the role prompt on the agent's first turn, then the chunk it has not processed; decode — one token
 over its own cache; after the turn — keeping the cache (appended in place, `kvprof.model.buffers`: nothing copied).
@@ -13,11 +15,15 @@ over its own cache; after the turn — keeping the cache (appended in place, `kv
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import ClassVar
+
 import torch
 
 from kvprof.model.buffers import KVBuffer
-from kvprof.model.recurrent import RECURRENT_STATES
+from kvprof.model.recurrent import RECURRENT_STATES, StateBuffer
 from kvprof.policies.base import SharingPolicy
+from kvprof.policies.state_checkpoints import StateCheckpoints, turn_marks
 from kvprof.policies.turns import Chunk, Context
 
 
@@ -26,57 +32,106 @@ class NonShared(SharingPolicy[Context]):
     family = "baseline"
     paper = "the dense baseline of LRAgent and PReCache"
     approximate = False
-    modes = ("lora", "prompt")
+    modes: ClassVar[tuple[str, ...]] = ("lora", "prompt")
     serves_others = False
-    timeline_state = ("own", "seen")
+    runs_on_hybrids = True
+    timeline_state: ClassVar[tuple[str, ...]] = ("own", "seen", "prefix_len", "checkpoints")
+
+    def owner(self, agent: str) -> Hashable | None:
+        """Whose stored cache `agent` reads and extends: its own (None: it reuses and stores nothing)."""
+        return agent
+
+    def owner_name(self, owner: Hashable) -> str:
+        """How memory names `owner`'s structures ("cache:NAME", "recurrent states:NAME")."""
+        return str(owner)
 
     def reset(self) -> None:
-        # agent -> per layer (K, V) buffers, (1, H_kv, ≥ L_agent, D), or a hybrid's recurrent state after L_agent
-        self.own: dict[str, list[KVBuffer]] = {}
-        self.seen: dict[str, int] = {}  # agent -> shared-timeline tokens in its cache
+        # owner -> per layer (K, V) buffers, (1, H_kv, ≥ L, D) (a hybrid's recurrent layers: no state, see checkpoints)
+        self.own: dict[Hashable, list[KVBuffer]] = {}
+        self.seen: dict[Hashable, int] = {}  # owner -> shared-timeline tokens in its cache
+        self.prefix_len: dict[Hashable, int] = {}  # owner -> its cache's private prefix length
+        self.checkpoints: dict[Hashable, StateCheckpoints] = {}  # owner -> a hybrid's kept recurrent states
 
     def assemble(self, agent: str, shared: list[int]) -> Context:
-        reused = min(self.seen.get(agent, 0), len(shared) - 1)
-        end = len(self.runtime.prefix(agent)) + reused
-        buffers = self.own.get(agent)
-        if buffers is None or not self.runtime.states_cover(buffers, end):  # a hybrid's state is of another length
-            buffers, flops = self.prefix_buffers(agent)
-            prefix = len(self.runtime.prefix(agent))
-            kv = [buffer.view(prefix) for buffer in buffers]
-            return Context(kv=kv, reused=0, extra_prefill=prefix, extra_flops=flops, buffers=buffers)
-        return Context(kv=[buffer.view(end) for buffer in buffers], reused=reused, buffers=buffers)
+        owner = self.owner(agent)
+        prefix = len(self.runtime.prefix(agent))
+        buffers = self.own.get(owner) if owner is not None else None
+        reused = min(self.seen.get(owner, 0), len(shared) - 1)
+        matched = prefix + reused if buffers is not None else 0
+        rule = self.runtime.checkpoint_rule
+        if rule is not None and buffers is not None:
+            resumed = self.checkpoints[owner].resume(rule, prefix + reused, prefix + len(shared))
+            if resumed < prefix or resumed == 0:  # no state kept in the shared prefix: from the role prompt's end
+                buffers = None
+            else:
+                states = self.checkpoints[owner].at(resumed)
+                buffers = [states.get(index, buffer) for index, buffer in enumerate(buffers)]
+                reused = resumed - prefix
+        if buffers is None:
+            return self.from_prefix(agent, matched)
+        context = Context(kv=[buffer.view(prefix + reused) for buffer in buffers], reused=reused, buffers=buffers)
+        if rule is not None:
+            context.state_marks = turn_marks(rule, self.request_now, prefix + reused, matched)
+        return context
+
+    def from_prefix(self, agent: str, matched: int) -> Context:
+        """A context of the agent's private prefix alone, computed now (the whole input prefilled; `matched` input
+        ids were stored, no state kept inside them)."""
+        buffers, flops = self.prefix_buffers(agent)
+        prefix = len(self.runtime.prefix(agent))
+        kv = [buffer.view(prefix) for buffer in buffers]
+        context = Context(kv=kv, reused=0, extra_prefill=prefix, extra_flops=flops, buffers=buffers)
+        rule = self.runtime.checkpoint_rule
+        if rule is not None:
+            context.state_marks = turn_marks(rule, self.request_now, 0, matched)
+            if prefix in context.state_marks:
+                context.kept_states[prefix] = {
+                    index: buffer for index, buffer in enumerate(buffers) if isinstance(buffer, StateBuffer)
+                }
+        return context
 
     def commit(self, chunk: Chunk[Context]) -> float:
-        self.own[chunk.agent] = chunk.buffers
-        self.seen[chunk.agent] = chunk.start + len(chunk.ids)
+        owner = self.owner(chunk.agent)
+        if owner is None:
+            return 0.0
+        prefix = len(self.runtime.prefix(chunk.agent))
+        self.own[owner] = [  # a hybrid's states live in its checkpoints, not after the call's end
+            StateBuffer(None, 0, buffer.empty) if isinstance(buffer, StateBuffer) else buffer
+            for buffer in chunk.buffers
+        ]
+        seen = chunk.start + len(chunk.ids)
         acts_from = self.runtime.adapter_acts_from(chunk.agent)
         if acts_from is not None:  # an aLoRA call: its adapter-made K/V are not the next call's
-            self.seen[chunk.agent] = min(
-                self.seen[chunk.agent], max(acts_from - len(self.runtime.prefix(chunk.agent)), 0)
-            )
+            seen = min(seen, max(acts_from - prefix, 0))
+        self.seen[owner], self.prefix_len[owner] = seen, prefix
+        if self.runtime.recurrent:
+            kept = self.checkpoints.setdefault(owner, StateCheckpoints())
+            kept.truncate(prefix + chunk.start)  # the later ones belong to the sequence this call replaced
+            kept.keep(chunk.context.kept_states)
+            kept.truncate(prefix + seen)
         return 0.0
 
     def truncate(self, keep: int) -> None:
-        self.seen = {agent: min(seen, keep) for agent, seen in self.seen.items()}
+        self.seen = {owner: min(seen, keep) for owner, seen in self.seen.items()}
+        for owner, kept in self.checkpoints.items():
+            kept.truncate(self.prefix_len[owner] + keep)
 
     def live_tensors(self) -> dict[str, list[torch.Tensor]]:
         runtime = self.runtime
         tensors = {
-            f"cache:{agent}": runtime.held(buffers, len(runtime.prefix(agent)) + self.seen[agent])
-            for agent, buffers in self.own.items()
+            f"cache:{self.owner_name(owner)}": runtime.held(buffers, self.prefix_len[owner] + self.seen[owner])
+            for owner, buffers in self.own.items()
         }
-        if runtime.recurrent:
-            for agent, buffers in self.own.items():
-                tensors[f"{RECURRENT_STATES}:{agent}"] = [
-                    t for b in runtime.state_buffers(buffers) for t in b.tensors()
-                ]
+        for owner, kept in self.checkpoints.items():
+            tensors[f"{RECURRENT_STATES}:{self.owner_name(owner)}"] = kept.tensors()
         return tensors
 
     def analytic_bytes(self) -> dict[str, int]:
         runtime = self.runtime
         sizes = {
-            f"cache:{agent}": runtime.kv_bytes(len(runtime.prefix(agent)) + self.seen[agent]) for agent in self.own
+            f"cache:{self.owner_name(owner)}": runtime.kv_bytes(self.prefix_len[owner] + self.seen[owner])
+            for owner in self.own
         }
-        if runtime.recurrent:
-            sizes.update({f"{RECURRENT_STATES}:{agent}": runtime.state_bytes for agent in self.own})
+        for owner, kept in self.checkpoints.items():
+            sizes[f"{RECURRENT_STATES}:{self.owner_name(owner)}"] = runtime.state_bytes * len(kept)
         return sizes

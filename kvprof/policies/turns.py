@@ -10,6 +10,7 @@ import torch
 
 from kvprof.kernels.transformers_attention import LoraAttentionContext, LoraValues
 from kvprof.model.buffers import HEADROOM, KVBuffer, Rewrite
+from kvprof.model.recurrent import StateBuffer
 from kvprof.model.runtime import KV, ChunkForward
 from kvprof.traces.reuse import MovedSpan
 
@@ -24,6 +25,7 @@ class TurnRequest:
     output_ids: list[int] | None = None
     max_new_tokens: int = 32
     moved: tuple[MovedSpan, ...] = ()
+    boundaries: frozenset[int] = frozenset()  # message boundaries of input + output, from the sequence's start
 
 
 @dataclass(kw_only=True)
@@ -75,6 +77,9 @@ class Context(ReuseCounts):
     replaced per layer by `rewrite` (`kvprof.model.buffers.Rewrite`; BaseShared's `lr_prefill=code`); `kv` covers the
     first reused − refreshed tokens.
     adapter_made: prefilled tokens an earlier aLoRA call computed with its adapter, recomputed with the base weights.
+    state_marks / kept_states: on a hybrid, the positions (tokens from the sequence's start, private prefix
+    included) after which the turn keeps its recurrent states (`kvprof.policies.state_checkpoints`), and the states
+    kept there by the turn's forwards (position → layer → `StateBuffer`).
     """
 
     kv: list[KV]
@@ -89,6 +94,8 @@ class Context(ReuseCounts):
     rewrite: Rewrite | None = None
     placeholders: list[tuple[int, int]] = field(default_factory=list)
     padded_lora: dict[int, torch.Tensor] = field(default_factory=dict)
+    state_marks: frozenset[int] = frozenset()
+    kept_states: dict[int, dict[int, StateBuffer]] = field(default_factory=dict)
 
     @property
     def covered(self) -> int:

@@ -45,7 +45,11 @@ class PolicyVariant:
         return self.policy.independent_of_trajectories(self.options)
 
     def build(self, runtime: Runtime) -> SharingPolicy:
-        return self.policy(runtime, **self.options)
+        """The policy on `runtime`'s model (a hybrid's own class where it has one, `ON_HYBRIDS`)."""
+        from kvprof.policies import ON_HYBRIDS
+
+        cls = ON_HYBRIDS.get(self.policy.name, self.policy) if runtime.recurrent else self.policy
+        return cls(runtime, **self.options)
 
 
 def parse_policy_options(flags: Iterable[str]) -> OptionValues:

@@ -30,7 +30,7 @@ REPLAY_SETTINGS = {
     "repeats": "--repeats",
     "timing": "--timing",
     "page_size": "--page-size",
-    "span_matching": "--min-span / --span-boundaries",
+    "span_matching": "--min-span / --span-boundaries / --checkpoints / --checkpoint-interval",
     "dtype": "--dtype",
     "device": "--device",
     "lora_attention": "--lora-attention",

@@ -47,7 +47,7 @@ from kvprof.results.replay import (
     PolicySummary,
     ReplayResult,
 )
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence
+from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence, message_boundaries
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory, Turn, iter_trajectories, read_header
 
@@ -435,7 +435,9 @@ class Lockstep:
         """One turn: the dense run's record, then each policy's against it."""
         outputs = traj.output_tokens(turn)
         start = timeline.begin(index)
-        request = TurnRequest(turn.agent, traj.input_tokens(turn), outputs, moved=start.moved)
+        request = TurnRequest(
+            turn.agent, traj.input_tokens(turn), outputs, moved=start.moved, boundaries=message_boundaries(traj, turn)
+        )
         timed = interleaved_prefills([self.dense, *self.policies], request, self.per_turn)
         dense_result = self.dense.run_turn(request, self.per_turn, timed[0])
         where = {"trajectory": traj.id, "turn": index}
@@ -583,7 +585,13 @@ def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajec
     results = []
     for index, turn in enumerate(traj.turns):
         start = timeline.begin(index)
-        request = TurnRequest(turn.agent, traj.input_tokens(turn), traj.output_tokens(turn), moved=start.moved)
+        request = TurnRequest(
+            turn.agent,
+            traj.input_tokens(turn),
+            traj.output_tokens(turn),
+            moved=start.moved,
+            boundaries=message_boundaries(traj, turn),
+        )
         results.append([policy.run_turn(request) for policy in policies])
         shared_len = len(request.input_ids) - len(runtime.prefix(turn.agent))
         timeline.end(index, turn.agent, shared_len + len(request.output_ids or []))
@@ -657,7 +665,13 @@ def policy_responder(policy: SharingPolicy):
     def respond(agent: str, input_ids: list[int], max_new: int) -> list[int]:
         shared = input_ids[len(policy.runtime.prefix(agent)) :]
         moved = timeline.begin(shared)
-        request = TurnRequest(agent=agent, input_ids=input_ids, max_new_tokens=max_new, moved=moved)
+        request = TurnRequest(
+            agent=agent,
+            input_ids=input_ids,
+            max_new_tokens=max_new,
+            moved=moved,
+            boundaries=frozenset({len(input_ids)}),
+        )
         outputs = policy.run_turn(request).output_ids
         timeline.end(shared + outputs)
         return outputs

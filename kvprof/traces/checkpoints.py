@@ -30,10 +30,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvprof.errors import KvprofError
-from kvprof.traces.reuse import ALL_AGENTS, PrefixTree, common_prefix, message_boundaries
+from kvprof.traces.reuse import ALL_AGENTS, CHECKPOINT_RULES, PrefixTree, common_prefix, message_boundaries
 from kvprof.traces.trace import Trajectory
 
-CHECKPOINT_RULES = ("vllm", "sglang", "boundaries")
 SGLANG_TRACK_INTERVAL = 256  # SGLang's --mamba-track-interval default
 SGLANG_CACHE_CHUNK = 64  # SGLang's mamba_cache_chunk_size: max(the FLA chunk 64, or the config's mamba_chunk_size,
 # and the page size)

@@ -137,15 +137,20 @@ class MovedSpan:
 
 
 SPAN_BOUNDARIES = ("messages", "ids")
+CHECKPOINT_RULES = ("vllm", "sglang", "boundaries")  # where a hybrid's states are kept (`kvprof.traces.checkpoints`)
 
 
 @dataclass(frozen=True)
 class SpanMatching:
-    """Moved spans: runs of ≥ `min_span` equal ids, trimmed to message boundaries (`boundaries="messages"`, where
-    known; `align_span`) or any run ("ids")."""
+    """What a turn can reuse. Moved spans: runs of ≥ `min_span` equal ids, trimmed to message boundaries
+    (`boundaries="messages"`, where known; `align_span`) or any run ("ids"). On a hybrid model, a prefix only up to
+    where its recurrent states were kept: `checkpoints` names the rule (`kvprof.traces.checkpoints`), with
+    `checkpoint_interval` its block size or interval (None: the rule's own, vLLM's derived from the model)."""
 
     min_span: int = MIN_SPAN
     boundaries: str = "messages"
+    checkpoints: str = "vllm"
+    checkpoint_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_span < GRAM:
@@ -155,6 +160,14 @@ class SpanMatching:
         if self.boundaries not in SPAN_BOUNDARIES:
             raise KvprofError(
                 f"--span-boundaries {self.boundaries!r} is not one of {', '.join(SPAN_BOUNDARIES)}; pass one of them."
+            )
+        if self.checkpoints not in CHECKPOINT_RULES:
+            raise KvprofError(
+                f"--checkpoints {self.checkpoints!r} is not one of {', '.join(CHECKPOINT_RULES)}; pass one of them."
+            )
+        if self.checkpoint_interval is not None and self.checkpoint_interval < 1:
+            raise KvprofError(
+                f"--checkpoint-interval {self.checkpoint_interval} is not a positive number of tokens; pass 1 or more."
             )
 
     def to_json(self) -> dict:
