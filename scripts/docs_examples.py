@@ -116,6 +116,17 @@ EXAMPLES: dict[str, Example] = {
         ),
         env=(("TRANSFORMERS_VERBOSITY", "error"),),  # transformers' notes on its reference kernels
     ),
+    "inspect-hybrid-group-chat": Example(
+        ("kvprof inspect runs/group-chat/trace.jsonl --model runs/qwen3_5-demo/model --device cpu --dtype float32",),
+        needs=("runs/group-chat/trace.jsonl", "runs/qwen3_5-demo/model"),
+        setup=(
+            "kvprof import-chat world/sample_logs/prompt_short_group_chat.jsonl --model world/model"
+            " --chat-template world/chat_template.jinja --workflow world/workflow_prompt.toml --out runs/group-chat",
+            "python scripts/tiny_hybrid_world.py runs/qwen3_5-demo --like world/model",
+        ),
+        keep_from="checkpointed prefix reuse",
+        env=(("TRANSFORMERS_VERBOSITY", "error"),),
+    ),
     "rank-analysis": Example(("kvprof rank-analysis --out runs/rank",)),
     "replay-lp": Example(("kvprof replay --policy rebaseshared --schedule lp --out runs/replay-lp",)),
     "replay-online": Example(("kvprof replay --online --out runs/replay",)),

@@ -191,6 +191,7 @@ def test_layers_are_named_and_captures_are_peft_generations(world, run_cli, tmp_
     code, stdout, err = run_cli("inspect", trace, "--model", tiny.model, *DEVICE)
     assert code == 0, err
     assert f"recurrent ({MIXERS[arch]}: a state, no K/V per token)" in " ".join(stdout.split())
+    assert "alorashared" in stdout and "baseshared" not in stdout  # the policies that replay a hybrid
     assert_peft_generations(tiny.model, {agent: tiny.adapter(agent) for agent in AGENTS}, tmp_path)
 
 

@@ -111,7 +111,7 @@ def command(
         console.print(hybrid.table(total, block_size))
     _print_divergences(diverged, divergences)
     console.print(replay.describe(), markup=False)
-    console.print(_policy_table(replay, header.mode))
+    console.print(_policy_table(replay, header.mode, hybrid is not None))
     if out is not None:
         result = InspectResult(
             trace=str(trace),
@@ -282,19 +282,22 @@ def _trajectory_cells(traj: Trajectory) -> list[str]:
     ]
 
 
-def _policy_table(plan: ReplayPlanSummary, mode: str) -> Table:
+def _policy_table(plan: ReplayPlanSummary, mode: str, hybrid: bool) -> Table:
     """Per policy of the mode, what replay lets it reuse (`ReplayPlanSummary`): the prefix, moved spans if it moves
     them, and what it prefills (private prefixes included; gate refusals and selective recompute are counted by
-    `kvprof replay`, not here)."""
-    from kvprof.policies import REGISTRY
+    `kvprof replay`, not here). On a `hybrid`, the policies that replay one (`ON_HYBRIDS`), moved spans recomputed."""
+    from kvprof.policies import ON_HYBRIDS, REGISTRY
 
-    table = Table(title=f"what replay lets each {mode}-mode policy reuse (input tokens after private prefixes)")
+    title = f"what replay lets each {mode}-mode policy reuse (input tokens after private prefixes)"
+    if hybrid:
+        title += "; on this hybrid the prefix only up to kept states (the checkpointed table above)"
+    table = Table(title=title)
     for column in ("policy", "family", "prefix reused", "moved re-aligned", "moved recomputed", "new prefilled"):
         table.add_column(column, justify="left" if column in ("policy", "family") else "right")
     for name, policy in REGISTRY.items():
-        if mode not in policy.modes or not policy.serves_others:
+        if mode not in policy.modes or not policy.serves_others or hybrid and name not in ON_HYBRIDS:
             continue
-        moved = plan.moved if policy.moves_spans else 0
+        moved = plan.moved if policy.moves_spans and not hybrid else 0
         recomputed = plan.moved - moved
         table.add_row(
             name,
