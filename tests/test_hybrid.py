@@ -20,6 +20,7 @@ from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import AGENTS, HYBRIDS, TinyWorld, build_adapter, build_tiny_world, hybrid_config
 from kvprof.policies.base import tensor_bytes
+from kvprof.policies.turns import TurnRequest
 from kvprof.policies.variants import PolicyVariant
 from kvprof.replay.engine import run_trajectory
 from kvprof.simulate.workload import load_replay
@@ -218,3 +219,28 @@ def test_rank_analysis_reads_the_attention_layers(world, traces, run_cli, tmp_pa
     assert analysis["layers"] == [attention]
     code, _, err = run_cli("rank-analysis", traces["lora"], "--layers", "0", "--out", tmp_path / "r0", *DEVICE)
     assert code == 2 and f"layer 0 is a recurrent layer ({MIXERS[arch]})" in err
+
+
+def test_a_greedy_call_keeps_its_end_as_an_engine_computes_it(world, traces):
+    """Generating, a call's last id is sampled and never computed by an engine: with states kept at each call's end,
+    NonShared keeps them after the last id but one (found one step ahead) and the agent's next call resumes there,
+    equal to the model's own forward."""
+    trace = traces["lora"]
+    agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
+    runtime = Runtime(agents, span_matching=RULES["boundaries"])
+    run = PolicyVariant("nonshared").build(runtime)
+    traj = read_trace(trace).trajectories[0]
+    runtime.serve_trajectory(traj)
+    run.reset()
+    turn = traj.turns[0]
+    ids = traj.input_tokens(turn)
+    first = run.run_turn(TurnRequest(turn.agent, ids, max_new_tokens=6, boundaries=frozenset({len(ids)})))
+    end = len(ids) + len(first.output_ids) - 1
+    assert max(run.checkpoints[turn.agent].states) == end
+    follow = ids + first.output_ids + ids[:8]
+    second = run.run_turn(TurnRequest(turn.agent, follow, output_ids=ids[8:12]))
+    assert second.reused == end
+    with torch.inference_mode(), agents.activate(turn.agent):
+        reference = agents.model(input_ids=torch.tensor([follow + ids[8:12]])).logits[0].float()
+    expected = reference[len(follow) - 1 : len(follow) + 3]
+    assert (second.logits - expected).abs().max() <= 1e-4 * expected.abs().max()

@@ -456,7 +456,9 @@ class SharingPolicy(ABC, Generic[ContextT]):
         if rule is None or request.output_ids is not None or not context.state_marks:
             return False
         upcoming = [*outputs, int(last.logits[0, -1].argmax())]
-        if not self.runtime.stops(upcoming, request.max_new_tokens):
+        if self.runtime.stops(outputs, request.max_new_tokens) or not self.runtime.stops(
+            upcoming, request.max_new_tokens
+        ):
             return False
         resumed = first.start - context.covered + context.reused
         return keeps_call_end(rule, request, resumed, len(request.input_ids) + len(upcoming))
