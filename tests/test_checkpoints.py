@@ -603,6 +603,21 @@ def test_inspect_prints_and_writes_checkpointed_reuse_on_a_hybrid(hybrid_world, 
     assert "whole-prompt prefills; at most 2 states" in " ".join(out.split())
     code, _, err = run_cli("inspect", trace, "--model", world.model, "--checkpoints", "mamba", *DEVICE)
     assert code == 2 and "--checkpoints 'mamba' is not one of vllm, sglang, boundaries" in err
+    assert checkpoints["retention"] == "0" and checkpoints["kernel_block"] == 16
+    code, out, err = run_cli(
+        "inspect", trace, "--model", world.model, "--checkpoints", "vllm", "--retention-interval", "dense",
+        "--kernel-block", "cpu", "--out", tmp_path / "cpu", *DEVICE,
+    )  # fmt: skip
+    assert code == 0, err
+    cpu = json.loads((tmp_path / "cpu" / "inspect.json").read_text())["checkpoints"]
+    cpu_block = vllm_hybrid_block_size(cpu["state_bytes"], cpu["token_bytes"], VLLM_CPU_KERNEL_BLOCK)
+    assert cpu["block_size"] == cpu_block and cpu_block % 128 == 0
+    assert cpu["retention"] == "dense" and cpu["kernel_block"] == 128
+    assert f"vllm (B = {cpu_block}, dense)" in " ".join(out.split())
+    code, _, err = run_cli(
+        "inspect", trace, "--model", world.model, "--retention-interval", "sparse", *DEVICE
+    )  # fmt: skip
+    assert code == 2 and "--retention-interval 'sparse' is not 0, dense or a positive number" in " ".join(err.split())
 
 
 def test_inspect_on_a_model_without_recurrent_layers_is_unchanged(tiny_world, lora_trace, run_cli, tmp_path):
