@@ -301,7 +301,7 @@ def test_hits_are_capped_below_the_prompt_and_on_block_multiples():
 # POST /reset_prefix_cache; each request asked for 1 generated id (300·k for "D100 gen300", whose generated ids the
 # next two requests continue) and reported usage.prompt_tokens_details.cached_tokens. The requests' ids:
 # `measured_requests`, the ids the measuring script drew (random.Random(0), ids in [1, 363), lengths × k), checked
-# equal to the ids it sent. scripts/hybrid_serve_check.py repeats the measurement.
+# equal to the ids it sent.
 
 MEASURED_SCENARIOS = {  # scenario -> requests (label, prompt ids / k); D: the decode request's sequence
     "junction": (("J700", 700), ("J2 600+50", 650), ("J3 550+30", 580)),
