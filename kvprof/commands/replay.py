@@ -13,6 +13,7 @@ import typer
 from kvprof.cli_help import policy_names, policy_option_list
 from kvprof.commands import common, displays, options
 from kvprof.errors import KvprofError
+from kvprof.traces.checkpoints import vllm_kernel_block, vllm_retention
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ def command(
     span_boundaries: options.SpanBoundariesOption = "messages",
     checkpoints: options.CheckpointsOption = "vllm",
     checkpoint_interval: options.CheckpointIntervalOption = None,
+    retention_interval: options.CheckpointRetentionOption = "0",
+    kernel_block: options.KernelBlockOption = "gpu",
     limit: options.LimitOption = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help=HELP["skip"])] = 0,
     strict: Annotated[bool, typer.Option("--strict", help=HELP["strict"])] = False,
@@ -113,7 +116,14 @@ def command(
     check_setting(timing, lora_attention)
     policy, flags = with_tuned(policy, list(policy_option or []), tuned)
     choose = partial(choose_variants, policy, flags, schedule, lr_prefill)
-    span_matching = SpanMatching(min_span, span_boundaries, checkpoints, checkpoint_interval)
+    span_matching = SpanMatching(
+        min_span,
+        span_boundaries,
+        checkpoints,
+        checkpoint_interval,
+        vllm_retention(retention_interval),
+        vllm_kernel_block(kernel_block),
+    )
     settings = dict(repeats=repeats, online=online, timing=timing, page_size=page_size, span_matching=span_matching)
     replay = Replay(trace, trajectories, choose, lora_attention, out / CHECKPOINT, resume, settings)
     source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)

@@ -213,17 +213,24 @@ class Runtime:
     def checkpoint_rule(self) -> CheckpointRule | None:
         """Where a hybrid's recurrent states are kept (`span_matching.checkpoints`, `kvprof.traces.checkpoints`),
         prefill steps of at most `PREFILL_CHUNK` ids as `kvprof inspect` serves them; vLLM's block size derived from
-        one recurrent layer's state and one attention layer's K/V per token unless given. None without recurrent
-        layers."""
+        one recurrent layer's state and one attention layer's K/V per token (aligned to `span_matching.kernel_block`)
+        unless given, its retention `span_matching.checkpoint_retention`. None without recurrent layers."""
         if not self.recurrent:
             return None
-        name, interval = self.span_matching.checkpoints, self.span_matching.checkpoint_interval
+        matching = self.span_matching
+        name, interval = matching.checkpoints, matching.checkpoint_interval
         if name == "vllm" and interval is None:
             attention = next(index for index in range(self.num_layers) if index not in self.recurrent)
             interval = vllm_hybrid_block_size(
-                self.state_bytes // len(self.recurrent), self.layer_token_bytes(attention)
+                self.state_bytes // len(self.recurrent), self.layer_token_bytes(attention), matching.kernel_block
             )
-        return checkpoint_rule(name, interval, interval or SGLANG_TRACK_INTERVAL, budget=PREFILL_CHUNK)
+        return checkpoint_rule(
+            name,
+            interval,
+            interval or SGLANG_TRACK_INTERVAL,
+            budget=PREFILL_CHUNK,
+            retention=matching.checkpoint_retention,
+        )
 
     def states_of(self, cache: DynamicCache) -> dict[int, StateBuffer]:
         """Copies of a cache's recurrent layers' states now, by layer index (`kvprof.policies.state_checkpoints`)."""

@@ -43,13 +43,16 @@ class InspectCheckpoints(Record):
     """Checkpointed prefix reuse on a hybrid model: one recurrent layer's state (`state_bytes`) and one attention
     layer's K/V per token (`token_bytes`), vLLM's hybrid block `block_size` derived from them, the most ids a
     prefill step computes (`prefill_chunk`, 0: no limit), the most states kept (`state_capacity`, None: no limit),
-    and each rule's totals by name."""
+    vLLM's retention interval (`retention`: "0", "dense" or a number; absent in files written before it) and the
+    kernel block B is aligned to (`kernel_block`), and each rule's totals by name."""
 
     state_bytes: int = json_field(int)
     token_bytes: int = json_field(int)
     block_size: int = json_field(int)
     prefill_chunk: int = json_field(int)
     state_capacity: int | None = json_field((int, OPTIONAL))
+    retention: str | None = json_field(str, absent=True)
+    kernel_block: int | None = json_field(int, absent=True)
     rules: dict[str, CheckpointTotals] = json_field(dict, read=records_by_label(CheckpointTotals))
 
 

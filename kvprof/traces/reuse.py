@@ -145,12 +145,16 @@ class SpanMatching:
     """What a turn can reuse. Moved spans: runs of ≥ `min_span` equal ids, trimmed to message boundaries
     (`boundaries="messages"`, where known; `align_span`) or any run ("ids"). On a hybrid model, a prefix only up to
     where its recurrent states were kept: `checkpoints` names the rule (`kvprof.traces.checkpoints`), with
-    `checkpoint_interval` its block size or interval (None: the rule's own, vLLM's derived from the model)."""
+    `checkpoint_interval` its block size or interval (None: the rule's own, vLLM's derived from the model),
+    `checkpoint_retention` vLLM's ``--prefix-cache-retention-interval`` (0, its default; None: dense; or a multiple of
+    B) and `kernel_block` the attention kernel alignment vLLM derives B with (16 on GPUs, 128 on CPU)."""
 
     min_span: int = MIN_SPAN
     boundaries: str = "messages"
     checkpoints: str = "vllm"
     checkpoint_interval: int | None = None
+    checkpoint_retention: int | None = 0
+    kernel_block: int = 16
 
     def __post_init__(self) -> None:
         if self.min_span < GRAM:
@@ -169,6 +173,12 @@ class SpanMatching:
             raise KvprofError(
                 f"--checkpoint-interval {self.checkpoint_interval} is not a positive number of tokens; pass 1 or more."
             )
+        if self.checkpoint_retention is not None and self.checkpoint_retention < 0:
+            raise KvprofError(
+                f"--retention-interval {self.checkpoint_retention} is negative; pass 0, dense or a multiple of B."
+            )
+        if self.kernel_block < 1:
+            raise KvprofError(f"--kernel-block {self.kernel_block} is not positive; pass gpu, cpu or a number of ids.")
 
     def to_json(self) -> dict:
         return asdict(self)
