@@ -189,9 +189,7 @@ class _Hybrid:
         from kvprof.model.runtime import Runtime
 
         runtime = Runtime(load_agents_for_trace(self.trace, self.model, device=device, dtype=dtype))
-        self.state_bytes = runtime.state_bytes // len(runtime.recurrent)
-        attention = next(layer for layer in range(runtime.num_layers) if layer not in runtime.recurrent)
-        self.token_bytes = runtime.layer_token_bytes(attention)
+        self.state_bytes, self.token_bytes = runtime.hybrid_page_sizes
         self.block = vllm_hybrid_block_size(self.state_bytes, self.token_bytes, self.vllm.kernel_block)
         chunk, interval, retention = self.prefill_chunk, self.track_interval, self.vllm.retention
         self.rules = tuple(

@@ -220,10 +220,7 @@ class Runtime:
         matching = self.span_matching
         name, interval = matching.checkpoints, matching.checkpoint_interval
         if name == "vllm" and interval is None:
-            attention = next(index for index in range(self.num_layers) if index not in self.recurrent)
-            interval = vllm_hybrid_block_size(
-                self.state_bytes // len(self.recurrent), self.layer_token_bytes(attention), matching.kernel_block
-            )
+            interval = vllm_hybrid_block_size(*self.hybrid_page_sizes, matching.kernel_block)
         return checkpoint_rule(
             name,
             interval,
@@ -231,6 +228,13 @@ class Runtime:
             budget=PREFILL_CHUNK,
             retention=matching.checkpoint_retention,
         )
+
+    @property
+    def hybrid_page_sizes(self) -> tuple[int, int]:
+        """What vLLM's hybrid block size comes from (`vllm_hybrid_block_size`): one recurrent layer's state (a
+        sequence's states over the recurrent layers, measured) and one attention layer's K/V per token, in bytes."""
+        attention = next(index for index in range(self.num_layers) if index not in self.recurrent)
+        return self.state_bytes // len(self.recurrent), self.layer_token_bytes(attention)
 
     def states_of(self, cache: DynamicCache) -> dict[int, StateBuffer]:
         """Copies of a cache's recurrent layers' states now, by layer index (`kvprof.policies.state_checkpoints`)."""
