@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvprof.model.architecture import attention_of, decoder_layers, head_dim, kv_heads, recurrent_of
 from kvprof.model.latent import latent_shape
-from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
 from kvprof.model.rope import LayerRopes
 
 
@@ -66,8 +66,6 @@ def layer_kinds(model, ropes: LayerRopes) -> list[LayerKind]:
 def cache_shapes(model) -> list[tuple[int, int, int]]:
     """Per layer (H_kv, D_k, D_v) of its K (B, H_kv, L, D_k) and V (B, H_kv, L, D_v), from its attention module
     (Gemma 4's global heads differ); (1, R, C) for MLA; (1, 0, 0) for a recurrent layer."""
-    from kvprof.model.agents import head_dim, kv_heads
-
     shapes = []
     for index, layer in enumerate(decoder_layers(model)):
         if recurrent_of(layer) is not None:
@@ -84,16 +82,6 @@ def cache_shapes(model) -> list[tuple[int, int, int]]:
         width = getattr(getattr(keys, "base_layer", keys), "out_features", None)
         shapes.append((width // size if isinstance(width, int) else kv_heads(model.config), size, size))
     return shapes
-
-
-def model_layer_kinds(name: str, device: str = "auto", dtype: str = "auto") -> list[LayerKind]:
-    """The `LayerKind`s of the model `name`, loaded without adapters (`--device` / `--dtype` values)."""
-    from kvprof.model.agents import load_base_model, resolve_device, resolve_dtype
-    from kvprof.model.rope import model_ropes
-
-    where = resolve_device(device)
-    model = load_base_model(name, resolve_dtype(dtype, where), where)
-    return layer_kinds(model, model_ropes(model))
 
 
 def describe_layers(kinds: list[LayerKind]) -> str:

@@ -20,17 +20,9 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.attention import EXPAND, KERNEL, SHORT, LoraAttention, values_as_stored_pay
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.model.agents import AgentSet
+from kvprof.model.architecture import attention_of, decoder_layers
 from kvprof.model.buffers import BufferCache, BufferLayer, KVBuffer, Rewrite
-from kvprof.model.lora import (
-    HiddenTap,
-    LayerSplit,
-    ProjectionNorm,
-    attention_of,
-    decoder_layers,
-    invocation_tokens,
-    key_norms,
-    layer_splits,
-)
+from kvprof.model.lora import HiddenTap, LayerSplit, ProjectionNorm, invocation_tokens, key_norms, layer_splits
 from kvprof.model.recurrent import LayerState, StateBuffer, StateLayer
 from kvprof.traces.chat import ChatFormat, Message
 from kvprof.traces.checkpoints import (

@@ -23,10 +23,10 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
-from kvprof.model.agents import head_dim
+from kvprof.model.architecture import attention_of, decoder_layers, head_dim, mixer_of
 from kvprof.model.buffers import KVBuffer
 from kvprof.model.latent import MLA_PROJECTIONS
-from kvprof.model.lora import FUSED_QKV, QKV, attention_of, decoder_layers, mixer_of
+from kvprof.model.lora import FUSED_QKV, QKV
 from kvprof.model.rope import layer_position_embeddings, rotary_embedding
 from kvprof.model.runtime import KV, Runtime
 from kvprof.policies.fullshared import FullShared, FullSharedContext
