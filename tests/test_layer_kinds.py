@@ -156,9 +156,9 @@ def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
 
 
 def test_layer_kinds_read_as_a_pattern_over_many_layers():
-    from kvprof.model.layers import LayerKind, describe_layers
+    from kvprof.model.layers import ChunkedAttention, FullAttention, describe_layers
 
-    chunked, nope = LayerKind("chunked", 8192, "rope interleaved"), LayerKind("full", None, "NoPE")
+    chunked, nope = ChunkedAttention(8192, "rope interleaved"), FullAttention("NoPE")
     kinds = [nope if index % 4 == 3 else chunked for index in range(48)]
     assert describe_layers(kinds) == (
         "chunked attention, W = 8192, rope interleaved: layers 0–2, 4–6, …, 44–46 (36 layers); "
@@ -193,17 +193,12 @@ def test_a_window_layers_error_counts_the_reused_tokens_the_turn_can_attend():
     """A reused token further back than a window layer's W from the turn's first computed token (or in an earlier
     chunk of a chunked layer) cannot change the turn's outputs through that layer: its K/V error there is not
     counted."""
-    from kvprof.model.layers import LayerKind
-    from kvprof.replay.engine import attended_from
+    from kvprof.model.layers import ChunkedAttention, FullAttention, SlidingAttention
 
-    full, sliding, chunked = (
-        LayerKind("full", None, "rope"),
-        LayerKind("sliding", 24, "rope"),
-        LayerKind("chunked", 24, "NoPE"),
-    )
-    assert attended_from(full, 100) == 0
-    assert attended_from(sliding, 100) == 77 and attended_from(sliding, 10) == 0  # 77..100: the window of 100
-    assert attended_from(chunked, 100) == 96 and attended_from(chunked, 96) == 96
+    full, sliding, chunked = FullAttention("rope"), SlidingAttention(24, "rope"), ChunkedAttention(24, "NoPE")
+    assert full.first_attended(100) == 0
+    assert sliding.first_attended(100) == 77 and sliding.first_attended(10) == 0  # 77..100: the window of 100
+    assert chunked.first_attended(100) == 96 and chunked.first_attended(96) == 96
 
 
 def test_attention_flops_count_the_pairs_each_layer_attends():
@@ -213,14 +208,14 @@ def test_attention_flops_count_the_pairs_each_layer_attends():
 
     import torch
 
-    from kvprof.model.layers import LayerKind
+    from kvprof.model.layers import ChunkedAttention, FullAttention, RecurrentLayer, SlidingAttention
     from kvprof.model.runtime import Runtime
 
     kinds = [
-        LayerKind("full", None, "rope"),
-        LayerKind("sliding", 24, "rope"),
-        LayerKind("chunked", 24, "rope"),
-        LayerKind("recurrent", None, "linear_attn"),
+        FullAttention("rope"),
+        SlidingAttention(24, "rope"),
+        ChunkedAttention(24, "rope"),
+        RecurrentLayer("linear_attn"),
     ]
     runtime = SimpleNamespace(agents=SimpleNamespace(layer_kinds=kinds))
     for layer in range(len(kinds)):

@@ -352,8 +352,8 @@ class AgentSet:
 
     @functools.cached_property
     def cache_shapes(self) -> list[tuple[int, int, int]]:
-        """Per layer (H_kv, D_k, D_v) of its cache (`kvprof.model.layers.cache_shapes`)."""
-        return cache_shapes(self.base_model)
+        """Per layer (H_kv, D_k, D_v) of its cache as its kind reads it (`kvprof.model.layers.cache_shapes`)."""
+        return cache_shapes(self.base_model, self.layer_kinds)
 
     @functools.cached_property
     def latent(self) -> dict[int, LatentShape]:
