@@ -224,3 +224,54 @@ def test_attention_flops_count_the_pairs_each_layer_attends():
             expected = Runtime.attended_at(runtime, layer, positions)  # type: ignore[arg-type]
             assert Runtime.attended(runtime, layer, start, count) == expected, (kinds[layer], start, count)  # type: ignore[arg-type]
     assert Runtime.attended(runtime, 1, 1000, 1) == 24 and Runtime.attended(runtime, 2, 1000, 1) == 1000 % 24 + 1  # type: ignore[arg-type]
+
+
+def test_a_layer_kind_is_one_class_the_runtime_asks(monkeypatch):
+    """A kind kvprof does not ship, as a `LayerKind` subclass in its place in `KINDS`: layers read as it, the
+    runtime's questions (tokens held, pairs attended, bytes per token) answered by it, results and text naming it."""
+    from dataclasses import dataclass, field
+    from types import SimpleNamespace
+
+    import torch
+
+    import kvprof.model.layers as layers
+    from kvprof.model.rope import model_ropes
+    from kvprof.model.runtime import Runtime
+    from kvprof.model.tiny import build_model, tiny_config
+
+    @dataclass(frozen=True)
+    class LastToken(layers.LayerKind):  # a toy: each token attends itself alone and the layer keeps one token
+        attention: str = field(default="last-token", init=False)
+        window: int = field(default=1, init=False)
+
+        @classmethod
+        def read(cls, model, index, layer, position):
+            return cls(position) if index == 0 else None
+
+        def held(self, length):
+            return min(length, 1)
+
+        def attended(self, start, count):
+            return count
+
+        def attended_at(self, positions):
+            return len(positions)
+
+        def first_attended(self, position):
+            return position
+
+    monkeypatch.setattr(layers, "KINDS", (LastToken, *layers.KINDS))
+    torch.manual_seed(0)
+    model = build_model(tiny_config(384, 0))
+    kinds = layers.layer_kinds(model, model_ropes(model))
+    assert kinds == [LastToken("rope"), layers.FullAttention("rope")]
+    assert kinds[0].to_json() == {"attention": "last-token", "window": 1, "position": "rope", "latent": None}
+    assert layers.describe_layers(kinds) == (
+        "last-token attention, W = 1, rope: layer 0; full attention, rope: layer 1"
+    )
+    shapes = layers.cache_shapes(model, kinds)
+    runtime = SimpleNamespace(agents=SimpleNamespace(layer_kinds=kinds), cache_shapes=shapes, dtype=torch.float32)
+    assert [Runtime.held_length(runtime, layer, 10) for layer in (0, 1)] == [1, 10]  # type: ignore[arg-type]
+    assert [Runtime.attended(runtime, layer, 4, 3) for layer in (0, 1)] == [3, 5 + 6 + 7]  # type: ignore[arg-type]
+    assert Runtime.layer_token_bytes(runtime, 0) == Runtime.layer_token_bytes(runtime, 1) == 2 * 2 * 16 * 4  # type: ignore[arg-type]
+    assert kinds[0].limits(10) and not kinds[1].limits(10)
