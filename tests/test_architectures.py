@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from kvprof.model.agents import head_dim, load_agents, load_agents_for_trace
+from kvprof.model.agents import load_agents, load_agents_for_trace
+from kvprof.model.architecture import head_dim
 from kvprof.model.lora import HiddenTap, heads, key_norms, layer_splits
 from kvprof.model.rope import apply_rope
 from kvprof.model.runtime import Runtime

@@ -8,7 +8,7 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.model.agents import load_agents
-from kvprof.model.lora import decoder_layers
+from kvprof.model.architecture import decoder_layers
 from kvprof.model.rope import rotate_keys
 from kvprof.rank.kv_capture import capture_turn
 from kvprof.traces.spec import build_spec

@@ -18,8 +18,8 @@ from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
 from kvprof.kernels.attention import KERNEL
 from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.architecture import decoder_layers
 from kvprof.model.buffers import BufferCache, GrowingTensor, KVBuffer, Workspace
-from kvprof.model.lora import decoder_layers
 from kvprof.model.rope import apply_rope, rotate_half
 from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, lowrank, runnable_variants

@@ -156,9 +156,9 @@ def test_the_low_rank_split_is_exact_or_refused(world, run_cli, tmp_path):
 
 
 def test_layer_kinds_read_as_a_pattern_over_many_layers():
-    from kvprof.model.layers import LayerKind, describe_layers
+    from kvprof.model.layers import ChunkedAttention, FullAttention, describe_layers
 
-    chunked, nope = LayerKind("chunked", 8192, "rope interleaved"), LayerKind("full", None, "NoPE")
+    chunked, nope = ChunkedAttention(8192, "rope interleaved"), FullAttention("NoPE")
     kinds = [nope if index % 4 == 3 else chunked for index in range(48)]
     assert describe_layers(kinds) == (
         "chunked attention, W = 8192, rope interleaved: layers 0–2, 4–6, …, 44–46 (36 layers); "
@@ -193,17 +193,12 @@ def test_a_window_layers_error_counts_the_reused_tokens_the_turn_can_attend():
     """A reused token further back than a window layer's W from the turn's first computed token (or in an earlier
     chunk of a chunked layer) cannot change the turn's outputs through that layer: its K/V error there is not
     counted."""
-    from kvprof.model.layers import LayerKind
-    from kvprof.replay.engine import attended_from
+    from kvprof.model.layers import ChunkedAttention, FullAttention, SlidingAttention
 
-    full, sliding, chunked = (
-        LayerKind("full", None, "rope"),
-        LayerKind("sliding", 24, "rope"),
-        LayerKind("chunked", 24, "NoPE"),
-    )
-    assert attended_from(full, 100) == 0
-    assert attended_from(sliding, 100) == 77 and attended_from(sliding, 10) == 0  # 77..100: the window of 100
-    assert attended_from(chunked, 100) == 96 and attended_from(chunked, 96) == 96
+    full, sliding, chunked = FullAttention("rope"), SlidingAttention(24, "rope"), ChunkedAttention(24, "NoPE")
+    assert full.first_attended(100) == 0
+    assert sliding.first_attended(100) == 77 and sliding.first_attended(10) == 0  # 77..100: the window of 100
+    assert chunked.first_attended(100) == 96 and chunked.first_attended(96) == 96
 
 
 def test_attention_flops_count_the_pairs_each_layer_attends():
@@ -213,14 +208,14 @@ def test_attention_flops_count_the_pairs_each_layer_attends():
 
     import torch
 
-    from kvprof.model.layers import LayerKind
+    from kvprof.model.layers import ChunkedAttention, FullAttention, RecurrentLayer, SlidingAttention
     from kvprof.model.runtime import Runtime
 
     kinds = [
-        LayerKind("full", None, "rope"),
-        LayerKind("sliding", 24, "rope"),
-        LayerKind("chunked", 24, "rope"),
-        LayerKind("recurrent", None, "linear_attn"),
+        FullAttention("rope"),
+        SlidingAttention(24, "rope"),
+        ChunkedAttention(24, "rope"),
+        RecurrentLayer("linear_attn"),
     ]
     runtime = SimpleNamespace(agents=SimpleNamespace(layer_kinds=kinds))
     for layer in range(len(kinds)):
@@ -229,3 +224,54 @@ def test_attention_flops_count_the_pairs_each_layer_attends():
             expected = Runtime.attended_at(runtime, layer, positions)  # type: ignore[arg-type]
             assert Runtime.attended(runtime, layer, start, count) == expected, (kinds[layer], start, count)  # type: ignore[arg-type]
     assert Runtime.attended(runtime, 1, 1000, 1) == 24 and Runtime.attended(runtime, 2, 1000, 1) == 1000 % 24 + 1  # type: ignore[arg-type]
+
+
+def test_a_layer_kind_is_one_class_the_runtime_asks(monkeypatch):
+    """A kind kvprof does not ship, as a `LayerKind` subclass in its place in `KINDS`: layers read as it, the
+    runtime's questions (tokens held, pairs attended, bytes per token) answered by it, results and text naming it."""
+    from dataclasses import dataclass, field
+    from types import SimpleNamespace
+
+    import torch
+
+    import kvprof.model.layers as layers
+    from kvprof.model.rope import model_ropes
+    from kvprof.model.runtime import Runtime
+    from kvprof.model.tiny import build_model, tiny_config
+
+    @dataclass(frozen=True)
+    class LastToken(layers.LayerKind):  # a toy: each token attends itself alone and the layer keeps one token
+        attention: str = field(default="last-token", init=False)
+        window: int = field(default=1, init=False)
+
+        @classmethod
+        def read(cls, model, index, layer, position):
+            return cls(position) if index == 0 else None
+
+        def held(self, length):
+            return min(length, 1)
+
+        def attended(self, start, count):
+            return count
+
+        def attended_at(self, positions):
+            return len(positions)
+
+        def first_attended(self, position):
+            return position
+
+    monkeypatch.setattr(layers, "KINDS", (LastToken, *layers.KINDS))
+    torch.manual_seed(0)
+    model = build_model(tiny_config(384, 0))
+    kinds = layers.layer_kinds(model, model_ropes(model))
+    assert kinds == [LastToken("rope"), layers.FullAttention("rope")]
+    assert kinds[0].to_json() == {"attention": "last-token", "window": 1, "position": "rope", "latent": None}
+    assert layers.describe_layers(kinds) == (
+        "last-token attention, W = 1, rope: layer 0; full attention, rope: layer 1"
+    )
+    shapes = layers.cache_shapes(model, kinds)
+    runtime = SimpleNamespace(agents=SimpleNamespace(layer_kinds=kinds), cache_shapes=shapes, dtype=torch.float32)
+    assert [Runtime.held_length(runtime, layer, 10) for layer in (0, 1)] == [1, 10]  # type: ignore[arg-type]
+    assert [Runtime.attended(runtime, layer, 4, 3) for layer in (0, 1)] == [3, 5 + 6 + 7]  # type: ignore[arg-type]
+    assert Runtime.layer_token_bytes(runtime, 0) == Runtime.layer_token_bytes(runtime, 1) == 2 * 2 * 16 * 4  # type: ignore[arg-type]
+    assert kinds[0].limits(10) and not kinds[1].limits(10)

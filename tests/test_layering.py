@@ -122,6 +122,88 @@ def test_report_command_renders_results_without_torch(run_cli, tmp_path):
     assert (tmp_path / "report.html").stat().st_size > 0
 
 
+MODEL = PACKAGE / "model"
+# Function-level imports of kvprof.model modules inside kvprof/model that stay, each for a reason other than an import
+# cycle: ("module", "function", "imported module") -> why. None today.
+LAZY_MODEL_IMPORTS: dict[tuple[str, str, str], str] = {}
+
+
+def _model_imports(path: Path) -> tuple[set[str], set[tuple[str, str]]]:
+    """A kvprof/model module's imports of other kvprof.model modules: those run when it is imported (module level,
+    class bodies and `if TYPE_CHECKING:` included), and (function, module) for those inside a function."""
+    module_level: set[str] = set()
+    in_functions: set[tuple[str, str]] = set()
+
+    def targets(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            names = []
+        return {
+            name.split(".")[2]
+            for name in names
+            if name.startswith("kvprof.model.") and (MODEL / f"{name.split('.')[2]}.py").exists()
+        }
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, function or getattr(child, "name", "<lambda>"))
+                continue
+            found = targets(child)
+            if function is None:
+                module_level.update(found)
+            else:
+                in_functions.update((function, module) for module in found)
+            visit(child, function)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), None)
+    module_level.discard(path.stem)
+    return module_level, in_functions
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of `graph` (node -> the nodes it imports) as [a, b, ..., a], or [] when it is a DAG."""
+    state: dict[str, str] = {}  # node -> "open" (on the current path) or "done"
+    path: list[str] = []
+
+    def walk(node: str) -> list[str]:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := walk(target)):
+                return found
+        path.pop()
+        state[node] = "done"
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_model_modules_import_each_other_without_a_cycle():
+    """kvprof/model's modules import each other at module level as a DAG (architecture at the bottom, runtime and
+    agents near the top), and none imports another inside a function to dodge a cycle (`LAZY_MODEL_IMPORTS`)."""
+    graph, lazy = {}, {}
+    for path in sorted(MODEL.glob("*.py")):
+        graph[path.stem], in_functions = _model_imports(path)
+        lazy.update({(path.stem, function, module): None for function, module in in_functions})
+    assert _cycle(graph) == []
+    assert sorted(set(lazy) - set(LAZY_MODEL_IMPORTS)) == []
+    assert graph["architecture"] == set()
+
+
 def test_no_function_over_80_lines_outside_kernels():
     """Functions a newcomer reads in one screen (signature and docstring included); the Triton kernels, whose
     bodies are one tiled loop each, are exempt. ruff holds their complexity (pyproject.toml)."""

@@ -15,7 +15,7 @@ from kvprof.kernels.expansion import expand_into as native_expand_into
 from kvprof.kernels.expansion import native_library
 from kvprof.kernels.transformers_attention import stored_value_calls
 from kvprof.model.agents import load_agents_for_trace
-from kvprof.model.lora import decoder_layers
+from kvprof.model.architecture import decoder_layers
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import build_adapter, build_tiny_world, tiny_config
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, lowrank, runnable_variants

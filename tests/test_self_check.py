@@ -45,14 +45,15 @@ def test_policies_that_hold_on_the_model_pass_and_record_their_error(lora_trace,
 def test_a_window_kvprof_does_not_see_refuses_the_selective_policies(run_cli, tmp_path, monkeypatch):
     """Mistral with a 24-token window on longer traces: told every layer attends fully, recomputing at ratio 1 is
     off the dense run, and each selective policy is refused naming the error; the others replay."""
-    import kvprof.model.layers
+    import kvprof.model.agents
+    from kvprof.model.layers import FullAttention
 
     world = build_tiny_world(tmp_path / "world", arch="mistral")
     config_path = world.model / "config.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"sliding_window": 24}))
     trace = _capture(run_cli, world, tmp_path / "capture")
-    full = [kvprof.model.layers.LayerKind("full", None, "rope")] * 2
-    monkeypatch.setattr(kvprof.model.layers, "layer_kinds", lambda model, ropes: full)
+    full = [FullAttention("rope")] * 2
+    monkeypatch.setattr(kvprof.model.agents, "layer_kinds", lambda model, ropes: full)
     result, output = _replay(run_cli, trace, tmp_path / "replay", (*SELECTIVE, "fullshared"))
     assert result is not None and set(result["policies"]) == {"fullshared"}
     errors = {label.split("-")[0]: error for label, error in result["self_check"].items()}

@@ -148,8 +148,8 @@ def command(
 
 def _model_layers(header: TraceHeader, trace: Path, model: str, device: str, dtype: str) -> list[LayerKind]:
     """--model: check its tokenizer against the trace's, print its layers by kind and return them."""
-    from kvprof.model.agents import load_tokenizer, tokenizer_identity
-    from kvprof.model.layers import describe_layers, model_layer_kinds
+    from kvprof.model.agents import load_tokenizer, model_layer_kinds, tokenizer_identity
+    from kvprof.model.layers import describe_layers
 
     check_tokenizer(header, tokenizer_identity(load_tokenizer(model)), trace, model)
     kinds = model_layer_kinds(model, device, dtype)

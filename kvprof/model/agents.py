@@ -20,13 +20,16 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import check_fields, read_json_file
+from kvprof.model.architecture import attention_of, decoder_layers, recurrent_of
+from kvprof.model.latent import LatentShape, latent_layers
+from kvprof.model.layers import LayerKind, cache_shapes, layer_kinds
+from kvprof.model.lora import invocation_tokens
+from kvprof.model.recurrent import recurrent_layers
 from kvprof.model.rope import LayerRopes, model_ropes
 from kvprof.traces.spec import WorkflowSpec
 from kvprof.traces.trace import trace_header
 
 if TYPE_CHECKING:
-    from kvprof.model.latent import LatentShape
-    from kvprof.model.layers import LayerKind
     from kvprof.traces.trace import TraceHeader
 
 DTYPES = {
@@ -39,17 +42,6 @@ DTYPES = {
 }
 # The canonical order of LoRA target module names (Llama-style decoders), used to list an adapter's targets.
 LORA_TARGET_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def head_dim(config) -> int:
-    """Head size D: `config.head_dim` when set (Mistral-Nemo, Gemma, Qwen3), else hidden_size // num_attention_heads
-    (Qwen2 and older configs have no such field or store None)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_heads(config) -> int:
-    """H_kv: `num_key_value_heads`, else every attention head (no GQA: GPT-NeoX, Persimmon)."""
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -123,8 +115,6 @@ def tokenizer_identity(tokenizer) -> dict:
 def check_layers(model) -> None:
     """Refuse a model per-layer caches cannot hold: a layer with neither attention nor a recurrent mixer, or layers
     reading another's cache (Gemma 3n / 4 KV sharing)."""
-    from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
-
     for index, layer in enumerate(decoder_layers(model)):
         if recurrent_of(layer) is None:
             attention_of(layer, index)
@@ -163,6 +153,13 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
         ) from None
     check_forward(model, name)
     return model
+
+
+def model_layer_kinds(name: str, device: str = "auto", dtype: str = "auto") -> list[LayerKind]:
+    """The `LayerKind`s of the model `name`, loaded without adapters (`--device` / `--dtype` values)."""
+    where = resolve_device(device)
+    model = load_base_model(name, resolve_dtype(dtype, where), where)
+    return layer_kinds(model, model_ropes(model))
 
 
 def check_forward(model, name: str) -> None:
@@ -301,8 +298,6 @@ class AgentSet:
     def check_activated_lora(self, agent: str) -> None:
         """Refuse an aLoRA agent whose layer outputs, K or V before its invocation are not the base model's (≤ 1e-6
         relative in float32, the dtype's rounding else): exact sharing rests on it (a hybrid's states too)."""
-        from kvprof.model.lora import invocation_tokens
-
         tokens = invocation_tokens(self.model, agent)
         if tokens is None:
             return
@@ -348,29 +343,21 @@ class AgentSet:
     @functools.cached_property
     def layer_kinds(self) -> list[LayerKind]:
         """Each layer's attention kind and position encoding (`kvprof.model.layers.layer_kinds`)."""
-        from kvprof.model.layers import layer_kinds
-
         return layer_kinds(self.base_model, self.ropes)
 
     @functools.cached_property
     def recurrent(self) -> dict[int, str]:
         """A hybrid model's recurrent layers, by index, with their token mixer's name (`kvprof.model.recurrent`)."""
-        from kvprof.model.recurrent import recurrent_layers
-
         return recurrent_layers(self.base_model)
 
     @functools.cached_property
     def cache_shapes(self) -> list[tuple[int, int, int]]:
-        """Per layer (H_kv, D_k, D_v) of its cache (`kvprof.model.layers.cache_shapes`)."""
-        from kvprof.model.layers import cache_shapes
-
-        return cache_shapes(self.base_model)
+        """Per layer (H_kv, D_k, D_v) of its cache as its kind reads it (`kvprof.model.layers.cache_shapes`)."""
+        return cache_shapes(self.base_model, self.layer_kinds)
 
     @functools.cached_property
     def latent(self) -> dict[int, LatentShape]:
         """The layers that cache a multi-head latent attention latent, by index (`kvprof.model.latent`)."""
-        from kvprof.model.latent import latent_layers
-
         return latent_layers(self.base_model)
 
     @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
+from kvprof.model.architecture import attention_of, decoder_layers, recurrent_of
 
 MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # an MLA layer's, before o_proj
 

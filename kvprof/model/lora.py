@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvprof.errors import KvprofError
-from kvprof.model.agents import head_dim, kv_heads
+from kvprof.model.architecture import attention_of, decoder_layers, head_dim, kv_heads, mixer_of, recurrent_of
+from kvprof.model.latent import latent_shape
 
 CACHED_PROJECTIONS = ("k_proj", "v_proj")
 SPLIT_SIDES = ("key", "value")  # the fields of a `LayerSplit`, in the order of CACHED_PROJECTIONS
@@ -57,8 +58,6 @@ QKV = ("q_proj", "k_proj", "v_proj")
 def projection_columns(attention: torch.nn.Module, name: str, index: int) -> tuple[torch.nn.Module, slice | None]:
     """The module computing projection `name` of layer `index` and its columns (None: all; a block of Phi-3's
     `qkv_proj`); refuses other layouts."""
-    from kvprof.model.latent import latent_shape
-
     if latent_shape(attention) is not None:
         raise KvprofError(
             f"layer {index} is a multi-head latent attention layer, whose cached latent is a norm of X·W_DKV (an "
@@ -194,54 +193,6 @@ def key_norms(model) -> list[ProjectionNorm] | None:
         return None
     width = kv_heads(model.config) * head_dim(model.config)
     return [ProjectionNorm(torch.nn.Identity() if norm is None else norm, width) for norm in norms]
-
-
-ATTENTION_NAMES = ("self_attn", "attention", "attn")  # a decoder layer's attention module, by architecture
-RECURRENT_NAMES = ("linear_attn", "mamba", "conv", "mixer")  # a hybrid's recurrent layer: Qwen 3.5, Granite 4, LFM2
-
-
-def recurrent_of(layer: torch.nn.Module) -> str | None:
-    """A hybrid's recurrent token mixer name (`linear_attn`, `mamba`, `conv`, `mixer`), None for attention."""
-    if any(isinstance(getattr(layer, name, None), torch.nn.Module) for name in ATTENTION_NAMES):
-        return None
-    return next((name for name, _ in layer.named_children() if name in RECURRENT_NAMES), None)
-
-
-def mixer_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
-    """Decoder layer `index`'s token mixer: its attention module, or a hybrid's recurrent module in its place."""
-    recurrent = recurrent_of(layer)
-    return getattr(layer, recurrent) if recurrent is not None else attention_of(layer, index)
-
-
-def attention_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
-    """Layer `index`'s attention module (`self_attn`, or GPT-NeoX's `attention`); refuses a layer without one."""
-    for name in ATTENTION_NAMES:
-        module = getattr(layer, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
-    recurrent = recurrent_of(layer)
-    if recurrent is not None:
-        raise KvprofError(
-            f"decoder layer {index} is a recurrent layer ({recurrent}: linear attention, a state space or a short "
-            "convolution), which keeps a state rather than a K/V cache per token, and kvprof needed its attention."
-        )
-    raise KvprofError(
-        f"decoder layer {index} has no attention module ({', '.join(ATTENTION_NAMES)}); kvprof supports decoders "
-        "whose layers hold one."
-    )
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of a causal LM (adapted too: LoRA is injected in place)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:  # a causal LM whose get_decoder() is itself (Llama 4): its decoder is `model`
-        layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise KvprofError(
-            f"model {model.config.name_or_path!r} has no decoder layer list (model.layers); kvprof supports "
-            "decoders that keep one, as Llama, Qwen, Mistral, Gemma and Phi do."
-        )
-    return layers
 
 
 def unshared_down_projections(splits: list[LayerSplit], agents: list[str]) -> list[str]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
+from kvprof.model.architecture import decoder_layers, recurrent_of
 from kvprof.model.buffers import KVBuffer, Rewrite
-from kvprof.model.lora import decoder_layers, recurrent_of
 
 RECURRENT_STATES = "recurrent states"  # what a policy's memory names an agent's states (not token-indexed)
 

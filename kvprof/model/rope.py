@@ -14,8 +14,10 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from kvprof.errors import KvprofError
+from kvprof.model.latent import latent_layers, oriented
 
 PROBE_TOKENS = 12  # length of the input `model_rope` checks the RoPE on
 PROBE_SHIFT = 23  # positions it moves that input by
@@ -206,10 +208,6 @@ def check_ropes(model, ropes: LayerRopes) -> None:
 
 def _shifted_keys(model) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Per layer float32 keys of a probe at 0.. and at `PROBE_SHIFT`.. (None: recurrent layer)."""
-    from transformers import DynamicCache
-
-    from kvprof.model.latent import latent_layers, oriented
-
     latent = latent_layers(model)
     device = next(model.parameters()).device
     ids = torch.arange(1, PROBE_TOKENS + 1, device=device)[None] % model.config.vocab_size

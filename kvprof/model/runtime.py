@@ -20,17 +20,9 @@ from kvprof.errors import KvprofError
 from kvprof.kernels.attention import EXPAND, KERNEL, SHORT, LoraAttention, values_as_stored_pay
 from kvprof.kernels.transformers_attention import register_lora_attention
 from kvprof.model.agents import AgentSet
+from kvprof.model.architecture import decoder_layers
 from kvprof.model.buffers import BufferCache, BufferLayer, KVBuffer, Rewrite
-from kvprof.model.lora import (
-    HiddenTap,
-    LayerSplit,
-    ProjectionNorm,
-    attention_of,
-    decoder_layers,
-    invocation_tokens,
-    key_norms,
-    layer_splits,
-)
+from kvprof.model.lora import HiddenTap, LayerSplit, ProjectionNorm, invocation_tokens, key_norms, layer_splits
 from kvprof.model.recurrent import LayerState, StateBuffer, StateLayer
 from kvprof.traces.chat import ChatFormat, Message
 from kvprof.traces.checkpoints import (
@@ -166,12 +158,9 @@ class Runtime:
         return cos[:length], sin[:length]
 
     def held_length(self, layer: int, length: int) -> int:
-        """Of `length` tokens, how many layer `layer` keeps for the next: all, the last W (sliding), or the current
-        chunk's (chunked)."""
-        kind = self.agents.layer_kinds[layer]
-        if kind.window is None:
-            return length
-        return min(length, kind.window) if kind.attention == "sliding" else length % kind.window
+        """Of `length` tokens, how many layer `layer` keeps for the next (`LayerKind.held`): all, the last W
+        (sliding), or the current chunk's (chunked)."""
+        return self.agents.layer_kinds[layer].held(length)
 
     def held(self, buffers: list[KVBuffer], length: int) -> list[torch.Tensor]:
         """Per layer K, V of its `held_length` last tokens of `length`, as an engine holds them."""
@@ -184,9 +173,9 @@ class Runtime:
         return tensors
 
     def layer_token_bytes(self, layer: int) -> int:
-        """Bytes one token's K and V take in layer `layer`: H_kv·(D_k + D_v)·itemsize (0 in a recurrent layer)."""
-        heads, key_dim, value_dim = self.cache_shapes[layer]
-        return heads * (key_dim + value_dim) * self.dtype.itemsize
+        """Bytes one token's K and V take in layer `layer` (`LayerKind.token_bytes`): H_kv·(D_k + D_v)·itemsize (0
+        in a recurrent layer)."""
+        return self.agents.layer_kinds[layer].token_bytes(self.cache_shapes[layer], self.dtype.itemsize)
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of a `tokens`-long cache as an engine holds it (`held`; recurrent states apart)."""
@@ -490,44 +479,19 @@ class Runtime:
 
     @functools.cached_property
     def layer_pair_flops(self) -> list[float]:
-        """Per layer FLOPs of one (query, key) pair: 2·H_q·(D_qk + D_v) (0 in a recurrent layer)."""
-        flops = []
-        for index, layer in enumerate(decoder_layers(self.agents.base_model)):
-            if index in self.recurrent:
-                flops.append(0.0)
-                continue
-            attention = attention_of(layer, index)
-            size = self.cache_shapes[index][1]
-            query = getattr(attention, "qk_head_dim", None) or size
-            value = getattr(attention, "v_head_dim", None) or size
-            flops.append(2.0 * self.query_heads * (query + value))
-        return flops
+        """Per layer FLOPs of one (query, key) pair (`LayerKind.pair_flops`): 2·H_q·(D_qk + D_v) (0 in a recurrent
+        layer)."""
+        layers = zip(decoder_layers(self.agents.base_model), self.agents.layer_kinds)
+        return [
+            kind.pair_flops(layer, index, self.cache_shapes[index], self.query_heads)
+            for index, (layer, kind) in enumerate(layers)
+        ]
 
     def attended(self, layer: int, start: int, count: int) -> int:
-        """(query, key) pairs layer `layer` computes for `count` tokens at start.. (causal, window or chunk)."""
-        kind = self.agents.layer_kinds[layer]
-        if kind.attention == "recurrent":
-            return 0
-        first, last = start + 1, start + count  # keys seen by the first and the last token without a window
-        if kind.window is None:
-            return (first + last) * count // 2
-        window = kind.window
-        if kind.attention == "chunked":
-
-            def upto(end: int) -> int:  # pairs of the tokens at positions 0..end−1
-                return (end // window) * window * (window + 1) // 2 + (end % window) * (end % window + 1) // 2
-
-            return upto(start + count) - upto(start)
-        capped = max(0, last - max(first, window + 1) + 1)  # tokens that see a full window
-        below = min(last, window) - first + 1 if first <= window else 0
-        return capped * window + max(below, 0) * (first + min(last, window)) // 2
+        """(query, key) pairs layer `layer` computes for `count` tokens at start.. (`LayerKind.attended`: causal,
+        window or chunk)."""
+        return self.agents.layer_kinds[layer].attended(start, count)
 
     def attended_at(self, layer: int, positions: torch.Tensor) -> int:
         """`attended` for tokens at cache positions `positions` (m,), not necessarily contiguous."""
-        kind = self.agents.layer_kinds[layer]
-        if kind.attention == "recurrent":
-            return 0
-        seen = positions + 1
-        if kind.window is not None:
-            seen = positions % kind.window + 1 if kind.attention == "chunked" else seen.clamp(max=kind.window)
-        return int(seen.sum())
+        return self.agents.layer_kinds[layer].attended_at(positions)

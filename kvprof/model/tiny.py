@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvprof.model.lora import attention_of, decoder_layers, recurrent_of
+from kvprof.model.architecture import attention_of, decoder_layers, recurrent_of
 
 AGENTS = ("plan", "act", "reflect")
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi", "phi3")

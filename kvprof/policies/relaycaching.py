@@ -31,7 +31,8 @@ import torch
 from kvprof.claims.papers import RELAYCACHING
 from kvprof.claims.types import Published
 from kvprof.errors import KvprofError
-from kvprof.model.lora import ProjectionNorm, attention_of, projection_norm
+from kvprof.model.architecture import attention_of
+from kvprof.model.lora import ProjectionNorm, projection_norm
 from kvprof.model.rope import apply_rope
 from kvprof.model.runtime import Runtime
 from kvprof.policies.fullshared import FullSharedContext

@@ -23,10 +23,11 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.kernels.transformers_attention import scattered_queries
-from kvprof.model.agents import head_dim
+from kvprof.model.architecture import attention_of, decoder_layers, head_dim, mixer_of
 from kvprof.model.buffers import KVBuffer
 from kvprof.model.latent import MLA_PROJECTIONS
-from kvprof.model.lora import FUSED_QKV, QKV, attention_of, decoder_layers, mixer_of
+from kvprof.model.layers import LayerKind
+from kvprof.model.lora import FUSED_QKV, QKV
 from kvprof.model.rope import layer_position_embeddings, rotary_embedding
 from kvprof.model.runtime import KV, Runtime
 from kvprof.policies.fullshared import FullShared, FullSharedContext
@@ -227,16 +228,12 @@ def check_position_scaling(floor: int | None, index: int, positions: torch.Tenso
 
 
 def causal_mask(
-    positions: torch.Tensor, length: int, dtype: torch.dtype, window: int | None = None, chunked: bool = False
+    positions: torch.Tensor, length: int, dtype: torch.dtype, kind: LayerKind | None = None
 ) -> torch.Tensor:
-    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p (with a sliding `window` W, only
-    keys p − W < k ≤ p; `chunked`, only keys of its own chunk of W: ⌊k/W⌋ = ⌊p/W⌋, as Llama 4's chunked layers)."""
+    """Additive mask (1, 1, m, length): query at cache position p sees keys 0..p, or those of them a `kind` layer
+    attends (`LayerKind.visible`: with a sliding window W, p − W < k ≤ p; chunked, its own chunk of W)."""
     keys = torch.arange(length, device=positions.device)
-    allowed = keys[None, :] <= positions[:, None]
-    if window is not None and chunked:
-        allowed &= keys[None, :] // window == positions[:, None] // window
-    elif window is not None:
-        allowed &= keys[None, :] > positions[:, None] - window
+    allowed = keys[None, :] <= positions[:, None] if kind is None else kind.visible(keys, positions)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
@@ -281,8 +278,8 @@ class Blend:
         kind = self.stack.kinds[index]
         mask = None
         scattered: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if kind.window is not None and kind.window < length:  # its last W keys only, or those of its chunk of W
-            mask = causal_mask(positions, length, hidden.dtype, kind.window, chunked=kind.attention == "chunked")
+        if kind.limits(length):  # its last W keys only, or those of its chunk of W
+            mask = causal_mask(positions, length, hidden.dtype, kind)
         elif not self.stack.unmasked_chunks():
             mask = causal_mask(positions, length, hidden.dtype)
         elif len(positions) < length - self.prefix_len:  # kvprof's attention attends them without a mask

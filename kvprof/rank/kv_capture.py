@@ -24,7 +24,8 @@ import torch
 
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet
-from kvprof.model.lora import QKV, attention_of, decoder_layers, projection_columns, projection_norm
+from kvprof.model.architecture import attention_of, decoder_layers
+from kvprof.model.lora import QKV, projection_columns, projection_norm
 
 PARTS = ("kv", "split", "hidden", "lr")
 ROTATED = {"q_proj", "k_proj"}  # projections RoPE rotates

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet, load_agents_for_trace
+from kvprof.model.architecture import decoder_layers
 from kvprof.model.layers import layer_list
-from kvprof.model.lora import decoder_layers
 from kvprof.rank.analysis import analyze_trace, select_agents
 from kvprof.rank.kv_capture import resolve_layers
 from kvprof.results.rank_analysis import RankAnalysisResult, RankClaim

@@ -68,7 +68,7 @@ def compare_turn(
 ) -> dict:
     """Metrics of one policy turn against the dense turn of the same call (teacher-forced on `trace_outputs`).
     `from_others`: reused tokens another agent processed first. In a window layer (`kinds`) the K/V error counts
-    only the reused tokens the computed ones can attend (`attended_from`)."""
+    only the reused tokens the computed ones can attend (`LayerKind.first_attended`)."""
     record = {
         "agent": result.agent,
         "input_tokens": result.input_kv[0][0].shape[1],
@@ -112,7 +112,7 @@ def compare_turn(
         )
         first_computed = result.prefix_len + result.reused
         for layer, ((keys, values), (dense_keys, dense_values)) in enumerate(zip(result.input_kv, dense.input_kv)):
-            where = reused if kinds is None else reused[reused >= attended_from(kinds[layer], first_computed)]
+            where = reused if kinds is None else reused[reused >= kinds[layer].first_attended(first_computed)]
             keys, values = keys[:, where], values[:, where]
             dense_keys, dense_values = dense_keys[:, where], dense_values[:, where]
             layers.append(
@@ -128,16 +128,6 @@ def compare_turn(
         span_error(result, dense, start, end) | {"hop": hop} for start, end, hop in result.corrected_spans
     ]
     return record
-
-
-def attended_from(kind: LayerKind, first_computed: int) -> int:
-    """First cache position a `kind` layer lets tokens `first_computed`.. attend: 0 (full), W − 1 before the first
-    (sliding window), the chunk's start (chunked)."""
-    if kind.window is None:
-        return 0
-    if kind.attention == "chunked":
-        return kind.window * (first_computed // kind.window)
-    return max(first_computed - kind.window + 1, 0)
 
 
 def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> dict:
