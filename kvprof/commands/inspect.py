@@ -95,11 +95,8 @@ def command(
         )
     header = read_header(trace)
     kinds = None if model is None else _model_layers(header, trace, model, device, dtype)
-    hybrid = None
-    if model is not None and kinds is not None:
-        hybrid = _hybrid(trace, model, kinds, names, track_interval, prefill_chunk, state_capacity, checkpoints, vllm)
-    if hybrid is not None:
-        hybrid.load(device, dtype)
+    settings = (track_interval, prefill_chunk, state_capacity, checkpoints, vllm, device, dtype)
+    hybrid = None if model is None or kinds is None else _hybrid(trace, model, kinds, names, *settings)
     table = _trajectory_table(f"{trace}: {header.mode} mode, model {header.model.get('path')}, source {header.source}")
     count = 0
     reuse_table, total, diverged, records = _reuse_table(block_size), ReuseSummary(), [], {}
@@ -274,15 +271,20 @@ def _hybrid(
     state_capacity: int | None,
     asked: list[str] | None,
     vllm: _VllmSettings,
+    device: str,
+    dtype: str,
 ) -> _Hybrid | None:
-    """Checkpointed reuse for a model with recurrent layers (None otherwise; --checkpoints then refused)."""
+    """Checkpointed reuse for a model with recurrent layers, its sizes measured on the model (None otherwise;
+    --checkpoints then refused)."""
     if not any(kind.attention == "recurrent" for kind in kinds):
         if asked:
             raise KvprofError(
                 f"--checkpoints applies to hybrid models, and {model} has no recurrent layer; leave it out."
             )
         return None
-    return _Hybrid(trace, model, names, track_interval, prefill_chunk, state_capacity, vllm)
+    hybrid = _Hybrid(trace, model, names, track_interval, prefill_chunk, state_capacity, vllm)
+    hybrid.load(device, dtype)
+    return hybrid
 
 
 def _trajectory_table(title: str) -> Table:
