@@ -79,14 +79,14 @@ def traces(world, tmp_path_factory) -> dict[str, str]:
 
 
 def replay_exactly(trace: str, policy: str, matching: SpanMatching) -> int:
-    """Replay `trace` under `policy` with `matching`'s checkpoint rule, holding every turn's logits to the model's
-    own forward over the whole call from scratch and its memory to the live tensors; the tokens reused."""
+    """Replay `trace`'s first trajectory under `policy` with `matching`'s checkpoint rule, holding every turn's logits
+    to the model's own forward over the whole call from scratch and its memory to the live tensors; tokens reused."""
     agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
     runtime = Runtime(agents, span_matching=matching)
     run = PolicyVariant(policy).build(runtime)
     assert runtime.checkpoint_rule is not None and runtime.checkpoint_rule.name == matching.checkpoints
     reused = 0
-    for traj in read_trace(trace).trajectories:
+    for traj in read_trace(trace).trajectories[:1]:  # its agents call again
         runtime.serve_trajectory(traj)
         run.reset()
         for turn, (result,) in zip(traj.turns, run_trajectory(runtime, [run], traj)):
@@ -121,6 +121,8 @@ def test_replay_runs_fullshared_on_hybrids_and_refuses_the_others_naming_the_lay
     assert set(result["policies"]) == {"nonshared", "fullshared", "alorashared"}
     assert result["dense"]["summary"]["trace_agreement"] == 1.0
     assert result["span_matching"]["checkpoints"] == "vllm"
+    rule = result["checkpoint_rule"]  # as resolved on the model: vLLM's B from its sizes, on a GPU's kernel block
+    assert rule["name"] == "vllm" and rule["interval"] % 16 == 0 and rule["label"] == f"vllm (B = {rule['interval']})"
     assert result["policies"]["nonshared"]["summary"]["kl"] == 0.0
     shared = result["policies"]["fullshared"]["summary"]
     assert shared["kl"] > 0 and shared["reuse_per_token"] > 0 and 0 <= shared["trace_agreement"] <= 1

@@ -771,6 +771,13 @@ def run_replay(
     return result
 
 
+def checkpoint_setting(agents: AgentSet, span_matching: SpanMatching) -> dict | None:
+    """The checkpoint rule a hybrid's replay ran under, as resolved on the model (vLLM's B derived from its sizes):
+    `CheckpointRule`'s fields and its `label`; None without recurrent layers."""
+    rule = Runtime(agents, span_matching=span_matching).checkpoint_rule if agents.recurrent else None
+    return None if rule is None else asdict(rule) | {"label": rule.label}
+
+
 def check_setting(timing: str, lora_attention: str) -> None:
     """Refuse a --timing outside `TIMINGS`, a --lora-attention other than auto, kernel, expand."""
     if timing not in TIMINGS:
@@ -854,10 +861,11 @@ def run_setting(
     span_matching: SpanMatching = DEFAULT_MATCHING,
     started: KernelCounts | None = None,
 ) -> dict:
-    """How a replay ran: model, mode, repeats, timing, page size, span matching, weights' bytes, layer kinds,
-    attention path (`attention_path`: what ran since the `started` counts), device, CPU, dtype, GPU memory (the
-    allocator's peak so far)."""
+    """How a replay ran: model, mode, repeats, timing, page size, span matching (on a hybrid, the checkpoint rule
+    it resolves to: `checkpoint_setting`), weights' bytes, layer kinds, attention path (`attention_path`: what ran
+    since the `started` counts), device, CPU, dtype, GPU memory (the allocator's peak so far)."""
     return dict(
+        checkpoint_rule=checkpoint_setting(agents, span_matching),
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,

@@ -92,12 +92,20 @@ def dense_check(result: ReplayResult | dict) -> str:
 
 
 def timeline_note(result: ReplayResult | dict) -> str:
-    """How many turns left the shared context, why, how many returned to an earlier state, at what cost; empty when
-    none did."""
-    timeline = summary_of(DENSE, ReplayResult.of(result).dense).timeline
+    """How many turns left the shared context, why, how many returned to an earlier state, at what cost; on a
+    hybrid, the checkpoint rule its calls resumed under; empty when neither applies."""
+    result = ReplayResult.of(result)
+    rule = result.checkpoint_rule
+    hybrid = (
+        f"hybrid model: each call resumed its recurrent layers from the last state the {rule['label']} checkpoint "
+        "rule kept inside the prefix it shares, the rest recomputed"
+        if rule
+        else ""
+    )
+    timeline = summary_of(DENSE, result.dense).timeline
     moved = timeline.get("moved_tokens", 0) if timeline else 0
     if not timeline or not (timeline["left"] or timeline["restored"] or moved):
-        return ""
+        return hybrid
     causes = ", ".join(f"{count} {cause}" for cause, count in sorted(timeline["causes"].items()))
     return (
         f"{timeline['left']} of {timeline['turns']} turns left the shared context the turns before them built"
@@ -105,7 +113,7 @@ def timeline_note(result: ReplayResult | dict) -> str:
         + f"; {timeline['restored']} returned to an earlier turn's context; every policy reused each turn's longest "
         f"common prefix with earlier turns ({timeline['dropped_tokens']} stored tokens dropped at divergences); "
         f"{moved} input tokens lay in moved spans (ids other turns processed at other positions): the policies "
-        "that move spans re-aligned them, the others recomputed them"
+        "that move spans re-aligned them, the others recomputed them" + (f"\n{hybrid}" if hybrid else "")
     )
 
 

@@ -152,6 +152,7 @@ class ReplayResult(ResultFile):
     timing: dict | None = json_field(dict, absent=True)
     page_size: int | None = json_field(int, absent=True)
     span_matching: dict | None = json_field(dict, absent=True)
+    checkpoint_rule: dict | None = json_field((dict, OPTIONAL), absent=True)
     weights_bytes: int | None = json_field(int, absent=True)
     layers: list[dict] | None = json_field(list, absent=True)
     lora_attention: str | None = json_field(str, absent=True)
