@@ -194,9 +194,7 @@ class Runtime:
         cache = self.cache_from(self.empty_kv())
         with torch.inference_mode(), self.agents.activate(None):
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=cache, use_cache=True)
-        return sum(
-            t.numel() * t.element_size() for b in self.state_buffers(self.buffers_of(cache)) for t in b.tensors()
-        )
+        return sum(t.numel() * t.element_size() for b in self.states_of(cache).values() for t in b.tensors())
 
     @functools.cached_property
     def checkpoint_rule(self) -> CheckpointRule | None:
@@ -225,16 +223,14 @@ class Runtime:
         attention = next(index for index in range(self.num_layers) if index not in self.recurrent)
         return self.state_bytes // len(self.recurrent), self.layer_token_bytes(attention)
 
-    def states_of(self, cache: DynamicCache) -> dict[int, StateBuffer]:
-        """Copies of a cache's recurrent layers' states now, by layer index (`kvprof.policies.state_checkpoints`)."""
-        length = self.cache_length(cache)
-        return {
-            index: StateBuffer(LayerState.of(layer), length, layer.buffer.empty)
-            for index, layer in enumerate(cache.layers)
-            if isinstance(layer, StateLayer)
-        }
+    @staticmethod
+    def states_of(cache: BufferCache) -> dict[int, StateBuffer]:
+        """Copies of a cache's recurrent layers' states now, by layer index (`buffers_of`'s; used by
+        `kvprof.policies.state_checkpoints`)."""
+        return Runtime.state_buffers(Runtime.buffers_of(cache))
 
-    def undo_step(self, cache: DynamicCache, states: dict[int, StateBuffer]) -> None:
+    @staticmethod
+    def undo_step(cache: DynamicCache, states: dict[int, StateBuffer]) -> None:
         """Forget a cache's last token: attention layers cropped, recurrent layers back to `states` (`states_of`
         before the step: a state cannot crop)."""
         for index, layer in enumerate(cache.layers):
@@ -244,13 +240,9 @@ class Runtime:
                 layer.crop(-1)
 
     @staticmethod
-    def state_buffers(buffers: list[KVBuffer]) -> list[StateBuffer]:
-        """The recurrent layers' `StateBuffer`s among a cache's buffers."""
-        return [buffer for buffer in buffers if isinstance(buffer, StateBuffer)]
-
-    def states_cover(self, buffers: list[KVBuffer], length: int) -> bool:
-        """Whether a cache's recurrent states are after exactly `length` tokens (always without recurrent layers)."""
-        return all(buffer.length == length for buffer in self.state_buffers(buffers))
+    def state_buffers(buffers: list[KVBuffer]) -> dict[int, StateBuffer]:
+        """The recurrent layers' `StateBuffer`s among a cache's buffers, by layer index."""
+        return {index: buffer for index, buffer in enumerate(buffers) if isinstance(buffer, StateBuffer)}
 
     @property
     def hidden_bytes_per_token(self) -> int:

@@ -85,9 +85,7 @@ class NonShared(SharingPolicy[Context]):
         if rule is not None:
             context.state_marks = turn_marks(rule, self.request_now, 0, matched)
             if prefix in context.state_marks:
-                context.kept_states[prefix] = {
-                    index: buffer for index, buffer in enumerate(buffers) if isinstance(buffer, StateBuffer)
-                }
+                context.kept_states[prefix] = self.runtime.state_buffers(buffers)
         return context
 
     def commit(self, chunk: Chunk[Context]) -> float:
