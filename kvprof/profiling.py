@@ -194,3 +194,22 @@ class CudaPeak:
             return None
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
+
+
+@contextlib.contextmanager
+def torch_settings(threads: int = 0, deterministic: bool | None = None) -> Iterator[None]:
+    """torch's intra-op `threads` (0: as they are) and deterministic-algorithms mode (None: as it is) for the block,
+    both restored after it: a library call never changes them for the process that called it (a training run left a
+    test process at two threads beside another, and every later test in it spun for the cores)."""
+    threads_before = torch.get_num_threads()
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    warn_only_before = torch.is_deterministic_algorithms_warn_only_enabled()
+    if threads:
+        torch.set_num_threads(threads)
+    if deterministic is not None:
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads_before)
+        torch.use_deterministic_algorithms(deterministic_before, warn_only=warn_only_before)

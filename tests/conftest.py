@@ -15,6 +15,15 @@ os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread_after_each_test():
+    """A test leaves its process at the one thread set above: a call that raised it (a training run did, to two)
+    made every later test of this worker contend with the other for the cores, several times slower."""
+    yield
+    threads = torch.get_num_threads()
+    assert threads == 1, f"this test left torch at {threads} threads; scope them (kvprof.profiling.torch_settings)"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

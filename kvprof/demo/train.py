@@ -38,6 +38,7 @@ from kvprof.demo.world import (
 )
 from kvprof.errors import KvprofError
 from kvprof.fileio import write_json
+from kvprof.profiling import torch_settings
 from kvprof.ui import progress
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -538,8 +539,11 @@ def _adapter(peft_model, role: str) -> contextlib.nullcontext[None]:
 def run(out: Path, cfg: TrainConfig, only: tuple[str, ...] = ()) -> dict:
     """All phases into `out`; returns the record (also OUT/training.json). `only`: just those adapter sets on the
     base in OUT/model."""
-    torch.set_num_threads(cfg.threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    with torch_settings(cfg.threads, deterministic=True):
+        return _run(out, cfg, only)
+
+
+def _run(out: Path, cfg: TrainConfig, only: tuple[str, ...]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     sets = adapter_sets(cfg)

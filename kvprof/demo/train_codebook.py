@@ -27,6 +27,7 @@ from kvprof.demo.tokenizer import train_bpe
 from kvprof.demo.train import _tail, model_config, train_loop
 from kvprof.demo.world import write_tasks, write_workflow_toml
 from kvprof.fileio import write_json
+from kvprof.profiling import torch_settings
 from kvprof.ui import progress
 
 if TYPE_CHECKING:
@@ -273,10 +274,13 @@ def _train_phases(phases: _Phases) -> None:
 
 def run(out: Path, cfg: TrainConfig) -> dict:
     """All phases into `out`; returns the training record (also written to OUT/training.json)."""
+    with torch_settings(cfg.threads, deterministic=True):
+        return _run(out, cfg)
+
+
+def _run(out: Path, cfg: TrainConfig) -> dict:
     from transformers import LlamaForCausalLM
 
-    torch.set_num_threads(cfg.threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"config": asdict(cfg), "phases": {}}
     eval_tasks = make_tasks("heldout", cfg.eval_tasks, start=10_000)
