@@ -18,7 +18,7 @@ from kvprof.errors import KvprofError
 from kvprof.model.agents import tokenizer_identity
 from kvprof.model.tiny import build_tokenizer
 from kvprof.traces.chat_log import import_calls, import_log
-from kvprof.traces.stores.detect import detect, read_calls
+from kvprof.traces.stores.detect import detect, read_calls, resolve_format
 
 TEMPLATE_FAMILIES = ("qwen2.5", "mistral-nemo")
 
@@ -334,8 +334,27 @@ def test_bad_exports_are_refused_naming_the_place(tokenizer_folders, tmp_path, r
     assert not (tmp_path / "o").exists()
 
 
-def test_an_unknown_format_is_refused(tmp_path):
+def test_what_no_store_marks_is_read_as_a_chat_log(tmp_path):
     path = tmp_path / "x.json"
-    path.write_text('{"hello": 1}')
-    with pytest.raises(KvprofError, match="is in no format kvprof reads; pass --format with one of chat, otlp"):
-        detect(path)
+    path.write_text('{"hello": 1}\n')
+    assert detect(path) == "chat"
+    with pytest.raises(KvprofError, match="line 1: has no str field 'agent'"):
+        read_calls(path, "chat")
+    with pytest.raises(KvprofError, match="--format 'otel' is not a format kvprof reads; pass auto or one of chat"):
+        resolve_format(path, "otel")
+
+
+def test_the_demo_otlp_export_imports_as_its_chat_log(tmp_path):
+    """The demo world's OTLP export (`kvprof.demo.otlp_log`) imports to the turns of the chat log it was written from,
+    and every call's recorded input token count matches the rendering."""
+    from kvprof.demo.assets import demo_world
+
+    world = demo_world()
+    tokenizer = AutoTokenizer.from_pretrained(world.model)
+    template = world.chat_template.read_text(encoding="utf-8")
+    identity = tokenizer_identity(tokenizer)
+    reference = import_log(world.sample_chat_log, tokenizer, template, identity, "demo")
+    store = read_calls(world.sample_otlp_log, detect(world.sample_otlp_log))
+    imported = import_calls(world.sample_otlp_log, store.calls, tokenizer, template, identity, "demo", source="otlp")
+    assert store.format == "otlp" and not store.missing and len(store.calls) == 28
+    assert turns(imported) == turns(reference) and imported.mismatches == []

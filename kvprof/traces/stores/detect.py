@@ -2,7 +2,7 @@
 
 Detected from the content: SQLite's header (AG2's log); OTLP's `resourceSpans` (OpenInference when any span carries
 `openinference.span.kind`, else the GenAI conventions); Agents SDK `trace` / `trace.span` objects; LangSmith runs
-(`run_type`); kvprof's chat log (`agent` and `messages`). `--format` forces one.
+(`run_type`); anything else is read as kvprof's chat log. `--format` forces one.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ FIX = f"pass --format with one of {NAMES}"
 
 
 def detect(path: Path) -> str:
-    """The format of the file at `path`, refused when no reader recognizes it."""
+    """The format of the file at `path`: a store's when its content has that store's marks, else the chat log (whose
+    reader names the first line that is not a call)."""
     require_file(path, "trace export", FIX)
     with open(path, "rb") as handle:
         if handle.read(len(SQLITE_HEADER)) == SQLITE_HEADER:
@@ -49,18 +50,16 @@ def detect(path: Path) -> str:
         try:
             value = json.loads(first)
         except json.JSONDecodeError:
-            raise KvprofError(f"{path} is neither JSON, JSON lines nor a SQLite file; {FIX}.") from None
+            return "chat"
     found = _kind(value[0] if isinstance(value, list) and value else value)
-    if found is None:
-        raise KvprofError(f"{path} is in no format kvprof reads; {FIX}.")
     if found == "otlp" and '"openinference.span.kind"' in text:
         return "openinference"
     return found
 
 
-def _kind(value: object) -> str | None:
+def _kind(value: object) -> str:
     if not isinstance(value, dict):
-        return None
+        return "chat"
     if {"resourceSpans", "resourceLogs"} & set(value):
         return "otlp"
     entries = value.get("data")
@@ -70,9 +69,7 @@ def _kind(value: object) -> str | None:
         return "agents-sdk"
     if "run_type" in value or isinstance(value.get("runs"), list):
         return "langsmith"
-    if "agent" in value and "messages" in value:
-        return "chat"
-    return None
+    return "chat"
 
 
 def resolve_format(path: Path, choice: str) -> str:
