@@ -86,6 +86,13 @@ EXAMPLES: dict[str, Example] = {
             " --chat-template world/chat_template.jinja --workflow world/workflow_prompt.toml --out runs/import",
         )
     ),
+    "import-otlp": Example(
+        (
+            "kvprof import-chat world/sample_logs/prompt_short_otlp.json --model world/model"
+            " --chat-template world/chat_template.jinja --workflow world/workflow_prompt.toml --out runs/import-otlp",
+            "kvprof replay runs/import-otlp/trace.jsonl --policy fullshared --out runs/replay-otlp",
+        )
+    ),
     "replay-import": Example(
         ("kvprof replay runs/import/trace.jsonl --online --out runs/replay-import",),
         needs=("runs/import/trace.jsonl",),

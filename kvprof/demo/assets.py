@@ -12,6 +12,7 @@ The assets (written by `python -m kvprof.demo.train` and `python -m kvprof.demo.
     assets/chat_template.jinja         the prompt-mode layout as a chat template (`kvprof capture/import-chat`)
     assets/sample_logs/prompt_short_chat.jsonl     prompt_short's calls as a chat log (`kvprof import-chat`)
     assets/sample_logs/prompt_short_group_chat.jsonl  the same calls as a group chat logs them
+    assets/sample_logs/prompt_short_otlp.json       the same calls as an OTLP export (GenAI conventions)
     assets/training.json, assets/evaluation.json    what training and evaluation measured
     assets/codebook/                   the codebook world (`kvprof.demo.codebook_world`): prompt-role agents whose
                                        private keys change what the shared tokens mean
@@ -106,6 +107,11 @@ class DemoWorld(WorldFolder):
     def sample_group_chat_log(self) -> Path:
         """The same calls as a group chat logs them: other agents' replies as `user` messages with a `name`."""
         return self.root / "sample_logs" / "prompt_short_group_chat.jsonl"
+
+    @property
+    def sample_otlp_log(self) -> Path:
+        """The same calls as an instrumented client exports them: OTLP JSON with the GenAI conventions."""
+        return self.root / "sample_logs" / "prompt_short_otlp.json"
 
 
 def demo_world(root: str | Path | None = None) -> DemoWorld:

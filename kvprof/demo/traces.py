@@ -25,9 +25,11 @@ from kvprof.capture.runner import capture_spec, capture_trajectories, sampled_tr
 from kvprof.capture.workflow import Sampling
 from kvprof.demo.assets import ASSETS, DemoWorld
 from kvprof.demo.data import GoldTask, oracle_trajectory
+from kvprof.demo.otlp_log import otlp_export
 from kvprof.demo.world import read_tasks
 from kvprof.fileio import atomic_open
 from kvprof.model.agents import load_agents, load_tokenizer, tokenizer_identity
+from kvprof.traces.chat import ChatFormat
 from kvprof.traces.chat_log import trajectory_calls
 from kvprof.traces.spec import build_spec
 from kvprof.traces.tasks import Task, load_tasks
@@ -133,7 +135,7 @@ def build_tune(world: DemoWorld, device: str = "cpu") -> dict:
 
 def write_sample_chat_log(world: DemoWorld) -> Path:
     """`prompt_short` written as chat logs (`kvprof.traces.chat_log.trajectory_calls`), what `kvprof import-chat`
-    reads: as kvprof lays calls out, and as a group chat (`group_chat`)."""
+    reads: as kvprof lays calls out, as a group chat (`group_chat`), and as an OTLP export (`otlp_export`)."""
     calls = [
         call for traj in read_trace(world.sample_traces["prompt_short"]).trajectories for call in trajectory_calls(traj)
     ]
@@ -141,6 +143,9 @@ def write_sample_chat_log(world: DemoWorld) -> Path:
     for path, lines in ((world.sample_chat_log, calls), (world.sample_group_chat_log, group_chat(calls))):
         with atomic_open(path) as handle:
             handle.write("".join(record_line(call) for call in lines))
+    chat = ChatFormat(load_tokenizer(str(world.model)), world.chat_template.read_text(encoding="utf-8"))
+    with atomic_open(world.sample_otlp_log) as handle:
+        json.dump(otlp_export(calls, chat), handle, ensure_ascii=False)
     return world.sample_chat_log
 
 

@@ -27,13 +27,15 @@ template (`import-chat --chat-template auto` or `off`)."""
 @dataclass(frozen=True)
 class Message:
     """One OpenAI-format chat message, hashable: `name` (agent or tool), `tool_calls` as canonical JSON text (a list
-    in `as_dict`), `tool_call_id`; `content` None for a message that only calls tools."""
+    in `as_dict`), `tool_call_id`; `content` None for a message that only calls tools; `reasoning_content` an
+    assistant's reasoning as vLLM passes it to templates (those that show earlier reasoning read it)."""
 
     role: str
     content: str | None
     name: str | None = None
     tool_calls: str | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @classmethod
     def of(
@@ -43,10 +45,11 @@ class Message:
         name: str | None = None,
         tool_calls: list | None = None,
         tool_call_id: str | None = None,
+        reasoning_content: str | None = None,
     ) -> Message:
         """A message with `tool_calls` as the OpenAI list (stored as JSON, key order kept as `tojson` keeps it)."""
         calls = None if tool_calls is None else json.dumps(tool_calls, ensure_ascii=False, separators=(",", ":"))
-        return cls(role, content, name, calls, tool_call_id)
+        return cls(role, content, name, calls, tool_call_id, reasoning_content)
 
     @property
     def text(self) -> str:
@@ -62,6 +65,8 @@ class Message:
             entry["tool_calls"] = json.loads(self.tool_calls)
         if self.tool_call_id is not None:
             entry["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            entry["reasoning_content"] = self.reasoning_content
         return entry
 
 

@@ -11,6 +11,10 @@ add_generation_prompt=True)`. `trajectory` groups calls (default "log"); an opti
 private prefixes) are as docs/commands/import-chat.md describes. The output is its text tokenized alone; agents come
 from the log (`--workflow` only supplies templates and limits); a trajectory's prediction is its last answer
 (`answer_pattern`: `answer[...]` or `finish[...]` by default).
+
+`import_calls` takes `LoggedCall`s from any reader (`kvprof.traces.stores` converts tracing-store exports into them);
+where a call records its input token count, the count is checked against the rendering
+(`kvprof.traces.token_counts`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvprof.fileio import jsonl_lines
 from kvprof.traces.chat import ChatFormat, ChatSegments, Difference, Message
 from kvprof.traces.reuse import last_occurrence
 from kvprof.traces.spec import AgentSpec, WorkflowSpec, adapter_invocation
+from kvprof.traces.token_counts import TokenCountMismatch, mismatch
 from kvprof.traces.trace import Segment, Trace, TraceHeader, Trajectory, Turn
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -32,7 +37,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass
 class LoggedCall:
-    """One line of a log: where it is (`line`), who acted, what it read and what it wrote."""
+    """One agent call: its number in the log (`line`; a store's calls are numbered in import order), who acted, what
+    it read and what it wrote; `where` names it in messages ("line 3", "span 00f067aa0ba902b7"); `input_tokens`: the
+    input token count the log recorded for it, if any."""
 
     line: int
     agent: str
@@ -41,19 +48,27 @@ class LoggedCall:
     trajectory: str
     task: dict | None = None
     tools: list[dict] | None = None
+    where: str = ""
+    input_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.where = self.where or f"line {self.line}"
 
 
 @dataclass
 class ImportedLog:
-    """The trace, its mode decision (a sentence), and per trajectory its `kvprof.traces.chat.Difference`s."""
+    """The trace, its mode decision (a sentence), per trajectory its `kvprof.traces.chat.Difference`s, and the calls
+    whose recorded input token count differs from the rendering (the template check)."""
 
     trace: Trace
     mode_reason: str
     differences: dict[str, list[Difference]] = field(default_factory=dict)
+    mismatches: list[TokenCountMismatch] = field(default_factory=list)
 
 
-def _fail(path: Path, line: int, problem: str, fix: str) -> KvprofError:
-    return KvprofError(f"{path} line {line}: {problem}; {fix}.")
+def _fail(path: Path, line: int | str, problem: str, fix: str) -> KvprofError:
+    where = line if isinstance(line, str) else f"line {line}"
+    return KvprofError(f"{path} {where}: {problem}; {fix}.")
 
 
 def read_log(path: str | Path) -> list[LoggedCall]:
@@ -103,8 +118,11 @@ def _message(path: Path, number: int, index: int, entry: object) -> Message:
         shape = f"message {index} is not {{'role': one of {', '.join(ROLES)}, 'content': text}}"
         raise _fail(path, number, shape, "fix that message")
     content, calls, call_id, author = (entry.get(key) for key in ("content", "tool_calls", "tool_call_id", "name"))
+    reasoning = entry.get("reasoning_content")
     problem = None
-    if content is not None and not isinstance(content, str):
+    if reasoning is not None and not isinstance(reasoning, str):
+        problem = "has a 'reasoning_content' that is not text"
+    elif content is not None and not isinstance(content, str):
         problem = "has a content that is neither text nor null (content parts are not supported)"
     elif calls is not None and not isinstance(calls, list):
         problem = "has 'tool_calls' that is not a list"
@@ -117,7 +135,7 @@ def _message(path: Path, number: int, index: int, entry: object) -> Message:
         if problem:
             fix = 'log each tool call as {"type": "function", "function": {"name": ..., "arguments": ...}}'
             raise _fail(path, number, f"message {index} has tool call {k} {problem}", fix)
-    return Message.of(entry["role"], content, None if author is None else str(author), calls, call_id)
+    return Message.of(entry["role"], content, None if author is None else str(author), calls, call_id, reasoning)
 
 
 def _tool_call_problem(call: object) -> str | None:
@@ -143,7 +161,7 @@ def _role_prompts(path: Path, calls: list[LoggedCall]) -> dict[str, str]:
         if first.role != "system":
             raise _fail(
                 path,
-                call.line,
+                call.where,
                 f"agent {call.agent!r} has no system message first, so prompt mode has no role prompt for it",
                 f"log its system message, or pass --agent {call.agent}=ADAPTER_DIR for lora mode",
             )
@@ -175,7 +193,7 @@ def _lora_agents(path: Path, calls: list[LoggedCall], names: list[str], adapters
     if unknown:
         raise _fail(
             path,
-            unknown[0].line,
+            unknown[0].where,
             f"agent {unknown[0].agent!r} has no adapter",
             f"pass --agent {unknown[0].agent}=ADAPTER_DIR (lora mode needs one per agent)",
         )
@@ -207,8 +225,8 @@ def _prompt_agents(path: Path, calls: list[LoggedCall], names: list[str]) -> _Lo
     other = [call for call in calls if _system(call) != prompts[call.agent]]
     if other:
         reason += (
-            f"; {len(other)} calls have another system message (per-task memory, first on line "
-            f"{other[0].line}): each stays that trajectory's private prefix for its agent"
+            f"; {len(other)} calls have another system message (per-task memory, first at "
+            f"{other[0].where}): each stays that trajectory's private prefix for its agent"
         )
     return _LogAgents("prompt", [AgentSpec(name, prompt=prompts[name]) for name in names], reason, prompts=prompts)
 
@@ -240,13 +258,13 @@ def _add_call(
             len(traj.turns), call.messages, private, call.tools, line=call.line, agent=call.agent
         )
     except KvprofError as err:  # the template refuses this call's messages
-        raise KvprofError(f"{path} line {call.line}: {err}") from None
+        raise KvprofError(f"{path} {call.where}: {err}") from None
     invocation = log.invocations.get(call.agent)
     ids = [token for segment in inputs for token in traj.segments[segment].tokens]
     if invocation is not None and last_occurrence(ids, invocation) is None:
         raise _fail(
             path,
-            call.line,
+            call.where,
             f"agent {call.agent!r}'s call lacks the invocation ids {invocation} of its Activated LoRA, so peft "
             "would run it on the base model alone",
             "log the calls as the agent was invoked, or give it its adapter's invocation",
@@ -270,7 +288,21 @@ def import_log(
 ) -> ImportedLog:
     """The trace of a chat log rendered with `template`; `identity`: `tokenizer_identity`; `workflow`: for re-runs."""
     path = Path(path)
-    calls = read_log(path)
+    return import_calls(path, read_log(path), tokenizer, template, identity, model_name, adapters, workflow)
+
+
+def import_calls(
+    path: Path,
+    calls: list[LoggedCall],
+    tokenizer,
+    template: str,
+    identity: dict,
+    model_name: str,
+    adapters: dict[str, str] | None = None,
+    workflow: WorkflowSpec | None = None,
+    source: str = "chat-log",
+) -> ImportedLog:
+    """The trace of `calls` read from `path` (as `import_log`); `source`: the header's name for the input's format."""
     names = list(dict.fromkeys(call.agent for call in calls))
     log = _lora_agents(path, calls, names, adapters) if adapters else _prompt_agents(path, calls, names)
     base = workflow or WorkflowSpec(mode=log.mode, agents=[])
@@ -287,17 +319,22 @@ def import_log(
     chat = ChatFormat(tokenizer, template)
     trajectories: dict[str, Trajectory] = {}
     builders: dict[str, ChatSegments] = {}
+    mismatches = []
     for call in calls:
         traj = trajectories.get(call.trajectory)
         if traj is None:
             traj = trajectories[call.trajectory] = Trajectory(id=call.trajectory, segments={}, turns=[], question="")
             builders[call.trajectory] = ChatSegments(chat, traj.segments)
         _add_call(path, call, traj, builders[call.trajectory], log, spec.answer_pattern, tokenizer)
+        rendered = len(traj.input_tokens(traj.turns[-1]))
+        found = mismatch(call.where, call.trajectory, call.agent, rendered, call.input_tokens, bool(call.tools))
+        if found is not None:
+            mismatches.append(found)
     header = TraceHeader(
-        model={"path": model_name}, tokenizer=identity, workflow=spec.to_dict(), source=f"chat-log:{path.name}"
+        model={"path": model_name}, tokenizer=identity, workflow=spec.to_dict(), source=f"{source}:{path.name}"
     )
     differences = {tid: builders[tid].differences for tid in trajectories if builders[tid].differences}
-    return ImportedLog(Trace(header, list(trajectories.values())), log.reason, differences)
+    return ImportedLog(Trace(header, list(trajectories.values())), log.reason, differences, mismatches)
 
 
 def trajectory_calls(traj: Trajectory) -> list[dict]:
