@@ -103,14 +103,17 @@ def check_model_path(name: str) -> None:
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of model `name`; refuses a local directory whose config.json transformers refuses or that holds
-    no tokenizer files, and one that cannot round-trip text (stop strings, recorded outputs)."""
+    """The tokenizer of model `name` (a directory may hold the tokenizer alone); refuses a local directory whose
+    config.json transformers refuses or that holds no tokenizer files, and one that cannot round-trip text (stop
+    strings, recorded outputs)."""
     from transformers import AutoTokenizer
 
     check_model_path(name)
-    if Path(name).expanduser().is_dir():  # transformers reads config.json to pick the tokenizer: checked first
-        load_model_config(name)
-        check_tokenizer_files(Path(name).expanduser())
+    directory = Path(name).expanduser()
+    if directory.is_dir():
+        if (directory / "config.json").exists():  # transformers reads it to pick the tokenizer: checked first
+            load_model_config(name)
+        check_tokenizer_files(directory)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
@@ -277,14 +280,14 @@ def read_adapter_config(path: str) -> dict:
     return config
 
 
-def adapter_weight_shapes(path: str, base_model, base_name: str | None) -> dict[str, tuple[int, ...]]:
+def adapter_weight_shapes(path: str, base_model, base_name: str | None) -> dict[tuple[str, str], tuple[int, ...]]:
     """The shapes of an adapter's LoRA A and B weights by module name and side ("...q_proj", "A"), each checked
     against `base_model`'s module; a module it lacks or a dimension that differs is an adapter for another base."""
     weights_path = Path(path) / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise KvprofError(f"adapter {path} has no adapter_model.safetensors; re-save it with safetensors.")
     modules = dict(base_model.named_modules())
-    shapes = {}
+    shapes: dict[tuple[str, str], tuple[int, ...]] = {}
     for key, shape in safetensors_shapes(weights_path, "adapter weights file", ADAPTER_FIX).items():
         match = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.weight$", key)
         if not match:

@@ -177,7 +177,7 @@ def check_adapter_config(config: dict, config_path: Path, ranks: Iterable[int]) 
     if isinstance(patterns, dict):
         named += [(f"rank_pattern[{json.dumps(key)}]", value) for key, value in patterns.items()]
     for field, rank in named:
-        if not is_json(rank, int) or not 1 <= rank <= largest:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= largest:
             raise KvprofError(
                 f"adapter config {config_path}, field {field} is {json.dumps(rank)}, but a LoRA rank is a positive "
                 f"integer and its weights have rank {largest}; set it to the rank the adapter was trained with."
