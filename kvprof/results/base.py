@@ -94,14 +94,17 @@ def records_in_list(cls: type[Record]) -> Reader:
 
 @dataclasses.dataclass(kw_only=True)
 class Environment(Record):
-    """What a result was measured on: python, torch, CUDA device, CPU, torch threads; `workers`: a distributed
-    run's Ray workers."""
+    """What a result was measured on: python, torch, CUDA device, CPU, torch threads (`threads_chosen`: how, for a
+    command that runs models), the machine's `load` while the command ran (`kvprof.threads.MachineLoad`: other
+    processes' cores); `workers`: a distributed run's Ray workers."""
 
     python: str = json_field(str)
     torch: str = json_field(str)
     cuda: str | None = json_field((str, OPTIONAL))
     cpu: dict | None = json_field((dict, OPTIONAL))
     cpu_threads: int = json_field(int)
+    threads_chosen: str | None = json_field(str, absent=True)
+    load: dict | None = json_field(dict, absent=True)
     workers: list[dict] | None = json_field(list, absent=True)
 
 
