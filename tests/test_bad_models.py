@@ -56,7 +56,11 @@ MODEL_CASES: dict[str, tuple[Callable[[Path], object], str]] = {
     ),
     "config_more_layers": (
         lambda d: edit_json(d / "config.json", lambda c: c.update(num_hidden_layers=3)),
-        "they lack 9 tensors (model.layers.2.",
+        "asks for 3 layers but its weights hold 2",
+    ),
+    "config_missing_tensors": (
+        lambda d: edit_json(d / "config.json", lambda c: c.update(mlp_bias=True)),
+        "they lack 6 tensors (model.layers.0.mlp.down_proj.bias",
     ),
     "config_fewer_layers": (
         lambda d: edit_json(d / "config.json", lambda c: c.update(num_hidden_layers=1)),

@@ -3,11 +3,12 @@ file and the fix (`KvprofError`), before loading where the files alone tell, aft
 tensors do:
 
 - a model directory: config.json parses and describes a model transformers builds, its weights are complete
-  safetensors (`checkpoint_shapes`) and not far smaller than that model (a config whose sizes were edited up
-  would otherwise allocate them), a tokenizer is there; after loading, the loading report holds no tensor the
-  config wants and the weights lack, none they hold that it has no place for, no shape that differs
-  (`check_loading_report`);
-- an adapter: its adapter_config.json's rank and scaling, its weights complete;
+  safetensors (`checkpoint_shapes`), hold as many layers as it asks for and are not far smaller than that model (a
+  config whose sizes or layer count were edited up would otherwise allocate them), a tokenizer is there; after
+  loading, the loading report holds no tensor the config wants and the weights lack, none they hold that it has no
+  place for, no shape that differs (`check_loading_report`);
+- an adapter: its adapter_config.json's rank and scaling, its weights complete, the modules peft adapts those its
+  weights are for;
 - every tensor, base and adapter, finite (`check_finite`: one pass of `torch.isfinite` per tensor, once at load).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -37,6 +39,7 @@ TOKENIZER_FILES = (
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # A config asking for more than this many times the parameters its weights hold is refused before it allocates any.
 OVERSIZED_CONFIG = 2
+LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")  # a decoder layer's index in a weight's name
 FINITE_CHUNK = 2**24  # elements per `torch.isfinite` call: its boolean mask stays at 16 MiB for any tensor
 
 
@@ -100,12 +103,19 @@ def check_tokenizer_files(directory: Path) -> None:
 
 
 def check_weights_fit_config(model_config, shapes: dict[str, tuple[int, ...]], directory: Path) -> None:
-    """Refuse a config.json that builds no model, or one with more than `OVERSIZED_CONFIG` times the parameters the
-    weights hold (built on the meta device: nothing allocated). A quantized base stores fewer elements than it has
-    parameters: only whether it builds is checked."""
+    """Refuse a config.json asking for more layers than the weights hold, one that builds no model, or one with more
+    than `OVERSIZED_CONFIG` times the parameters the weights hold (built on the meta device: nothing allocated). A
+    quantized base stores fewer elements than it has parameters: only whether it builds is checked."""
     from transformers import AutoModelForCausalLM
 
     config_path = directory / "config.json"
+    layers = getattr(model_config, "num_hidden_layers", None)
+    stored = {int(found.group(1)) for key in shapes if (found := LAYER_INDEX.search(key))}
+    if isinstance(layers, int) and stored and layers > max(stored) + 1:  # before building them, however many
+        raise KvprofError(
+            f"model config {config_path} asks for {layers} layers but its weights hold {max(stored) + 1}: its sizes "
+            "do not match the weights; restore the config.json saved with these weights."
+        )
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(model_config)
