@@ -25,10 +25,7 @@ def test_the_default_is_capped_at_the_cores_free(monkeypatch, one_thread_after):
     monkeypatch.setattr(threads, "busy_cores", lambda: 5.4)
     choice = choose_threads(None)
     assert (choice.threads, choice.free, torch.get_num_threads()) == (3, 3, 3)
-    assert (
-        choice.describe()
-        == "3 torch threads (default, 3 of 8 cores free by the last minute's load; --threads to choose)"
-    )
+    assert choice.describe() == "3 torch threads (default, 3 of 8 cores free of other processes; --threads to choose)"
     monkeypatch.setattr(threads, "busy_cores", lambda: 11.0)
     assert choose_threads(None).threads == 1  # a busier machine than it has cores: still one thread
     torch.set_num_threads(2)
@@ -95,3 +92,12 @@ def test_a_contended_replay_says_so(run_cli, lora_trace, tmp_path, monkeypatch, 
     environment = result["environment"]
     assert environment["cpu_threads"] == 2 and environment["threads_chosen"] == "2 torch threads (--threads)"
     assert set(environment["load"]) == {"seconds", "other_cores", "cores", "threads", "contended"}
+
+
+def test_the_environment_panel_shows_threads_and_load(tmp_path):
+    from kvprof.report.dashboard import environment_table
+
+    load = {"seconds": 9.0, "other_cores": 1.3, "cores": 2, "threads": 2, "contended": True}
+    result = {"environment": {"torch": "2.13.0", "cpu_threads": 2, "load": load}}
+    (row,) = environment_table([(tmp_path / "replay.json", result)]).rows
+    assert row[4] == "torch 2.13.0, 2 CPU threads, other processes' load 1.3 of 2 cores (contended)"
