@@ -11,6 +11,7 @@ import kvprof
 from kvprof.commands import (
     bench,
     capture,
+    common,
     demo,
     fit_anchors,
     import_chat,
@@ -98,6 +99,7 @@ def main() -> None:
     """Entry point: usage errors and user mistakes (`KvprofError`) print one line and exit 2, without a traceback;
     Ctrl-C exits 130."""
     _quiet_libraries()
+    common.start_command()
     try:
         # typer turns Ctrl-C inside a command and `typer.Exit` into this value; the program is "kvprof" however it
         # was started (click would otherwise name it after `python -m ...`)

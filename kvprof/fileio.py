@@ -62,29 +62,46 @@ def read_text_file(path: str | os.PathLike, kind: str, fix: str) -> str:
         raise KvprofError(f"{kind} {path} is not UTF-8 text (line {line} holds other bytes); {fix}.") from None
 
 
-def read_json_file(path: str | os.PathLike, kind: str, fix: str) -> object:
-    """The JSON value in the file at `path`; refused as `read_text_file`, and when it is not JSON."""
+class _NonFinite(ValueError):
+    """A NaN or Infinity met while parsing a file that must hold finite numbers (its text: `args[0]`)."""
+
+
+def _refuse_constant(name: str) -> float:
+    """`json.loads`' `parse_constant` where NaN and ±Infinity (Python's extension of JSON) are not numbers."""
+    raise _NonFinite(name)
+
+
+def read_json_file(path: str | os.PathLike, kind: str, fix: str, finite: bool = False) -> object:
+    """The JSON value in the file at `path`; refused as `read_text_file`, and when it is not JSON (`finite`: nor
+    when it holds NaN or Infinity, which JSON does not have and Python's parser accepts)."""
     text = read_text_file(path, kind, fix)
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant) if finite else json.loads(text)
     except json.JSONDecodeError as err:
         raise KvprofError(
             f"{kind} {path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}."
         ) from None
+    except _NonFinite as err:
+        raise KvprofError(f"{kind} {path} holds {err.args[0]} where a number is required; {fix}.") from None
 
 
 def read_result(path: str | os.PathLike, fix: str, kind: str | None = None) -> tuple[str, dict]:
-    """(kind, payload) of a kvprof result file: a JSON object whose schema is `kvprof.result.<kind>` (`kind` if
-    given) of a version this kvprof reads (none: this one)."""
+    """(kind, payload) of a kvprof result file: a JSON object of finite numbers whose schema is
+    `kvprof.result.<kind>` (`kind` if given) of a format version this kvprof reads (a file without one is refused:
+    which format it holds cannot be told)."""
     what = "result" if kind is None else f"{kind.replace('_', '-')} result"
-    payload = read_json_file(path, f"{what} file", fix)
+    payload = read_json_file(path, f"{what} file", fix, finite=True)
     schema = payload.get("schema") if isinstance(payload, dict) else None
     if not isinstance(payload, dict) or not isinstance(schema, str) or not schema.startswith(RESULT_SCHEMA):
         raise KvprofError(f"{path} is not a kvprof {what} (no '{RESULT_SCHEMA}{kind or '*'}' schema); {fix}.")
     found = schema.removeprefix(RESULT_SCHEMA)
     if kind is not None and found != kind:
         raise KvprofError(f"{path} is not a kvprof {what} but a {found.replace('_', '-')} result; {fix}.")
-    version = payload.get("version", RESULT_VERSION)
+    if "version" not in payload:
+        raise KvprofError(
+            f"{path} is a kvprof {what} without a format 'version', so which format it holds cannot be told; {fix}."
+        )
+    version = payload["version"]
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= RESULT_VERSION:
         raise KvprofError(
             f"{path} is a result of format version {version!r}, which this kvprof does not read "

@@ -14,7 +14,7 @@ PACKAGE = Path(kvprof.__file__).parent
 
 # Bottom to top; a package may import its own layer and the layers below it. docs/layout.md draws the same order.
 LAYERS = (
-    ("errors", "fileio", "ui", "profiling"),  # plumbing
+    ("errors", "fileio", "ui", "profiling", "threads"),  # plumbing
     ("claims", "results"),  # the papers' figures and verdicts; the commands' result files: data, no torch
     ("kernels",),  # attention and correction kernels, torch references
     ("traces",),  # trace format, tasks, chat templates and logs, shapes, reuse structure: no model

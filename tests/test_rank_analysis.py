@@ -228,6 +228,8 @@ def test_cli_is_deterministic(run_cli, prompt_trace, tmp_path):
     assert [entry["layer"] for entry in first["context_free"]["layer_means"]] == [1]
     for key in ("created", "seconds", "args"):  # args differ by --out only
         first.pop(key), second.pop(key)
+    for result in (first, second):  # the machine's load while each ran: measured, not computed
+        assert set(result["environment"].pop("load")) == {"seconds", "other_cores", "cores", "threads", "contended"}
     assert first == second
     assert (tmp_path / "a/rank_analysis.html").read_text() == (tmp_path / "b/rank_analysis.html").read_text()
 

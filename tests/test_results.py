@@ -21,7 +21,7 @@ import kvprof.results
 from kvprof.cli import app
 from kvprof.demo.assets import demo_world
 from kvprof.errors import KvprofError
-from kvprof.results.base import ResultFile
+from kvprof.results.base import ENVELOPE_FIELDS, ResultFile
 from kvprof.results.capture import CaptureResult
 from kvprof.results.inspect import InspectResult
 from kvprof.results.rank_analysis import RankAnalysisResult
@@ -95,22 +95,42 @@ def test_a_result_reads_its_commands_file_and_writes_it_back(written, kind):
     assert TYPES[kind].from_json(result.to_json(), str(path)) == result
 
 
+def with_first_number(record: object, value: float) -> object:
+    """`record` with its first number (depth first) replaced by `value`; the same if it has none."""
+    if isinstance(record, dict) or isinstance(record, list):
+        items = list(record.items()) if isinstance(record, dict) else list(enumerate(record))
+        for key, item in items:
+            replaced = with_first_number(item, value)
+            if replaced is not item:
+                copy = dict(record) if isinstance(record, dict) else list(record)
+                copy[key] = replaced
+                return copy
+        return record
+    return value if isinstance(record, (int, float)) and not isinstance(record, bool) else record
+
+
 @pytest.mark.parametrize("kind", sorted(TYPES))
-def test_a_foreign_or_newer_file_is_refused_in_one_sentence(written, kind, tmp_path):
+def test_a_foreign_newer_unversioned_or_non_finite_file_is_refused_in_one_sentence(written, kind, tmp_path):
     payload = json.loads(written[kind].read_text())
     other = next(name for name in TYPES if name != kind)
+    results = {key: value for key, value in payload.items() if key not in ENVELOPE_FIELDS}
     cases = {
-        "foreign.json": payload | {"schema": f"kvprof.result.{other}"},
-        "newer.json": payload | {"version": 99},
-        "stranger.json": {"schema": "someone.else", "rows": []},
+        "foreign.json": (payload | {"schema": f"kvprof.result.{other}"}, "but a"),
+        "newer.json": (payload | {"version": 99}, "format version 99"),
+        "stranger.json": ({"schema": "someone.else", "rows": []}, "is not a kvprof"),
+        "unversioned.json": ({key: value for key, value in payload.items() if key != "version"}, "without a format"),
+        "nan.json": (payload | with_first_number(results, float("nan")), "holds NaN where a number is required"),
+        "infinity.json": (payload | with_first_number(results, float("-inf")), "holds -Infinity where"),
     }
-    for name, content in cases.items():
+    assert json.dumps(cases["nan.json"][0]) != json.dumps(payload), "the result holds no number to make NaN"
+    for name, (content, says) in cases.items():
         path = tmp_path / name
         path.write_text(json.dumps(content))
         with pytest.raises(KvprofError) as refused:
             TYPES[kind].read(path)
         message = str(refused.value)
         assert str(path) in message and "\n" not in message and message.count("; ") == 1, message
+        assert says in message, message
 
 
 def test_an_older_replay_file_reads():

@@ -282,6 +282,7 @@ def replay_json(path) -> dict:
     ]
     data = {
         "schema": "kvprof.result.replay",
+        "version": 1,
         "dtype": "float32",
         "dense": {"turns": turns},
         "policies": {"nonshared": {"turns": turns}, "fullshared": {"turns": turns}},

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvprof.commands.common import console, print_adapters, print_layers, write_result
+from kvprof.commands.common import console, print_adapters, print_layers, use_threads, write_result
 from kvprof.commands.displays import capture_with_progress
-from kvprof.commands.options import DeviceOption, DtypeOption, OutOption, SeedOption
+from kvprof.commands.options import DeviceOption, DtypeOption, OutOption, SeedOption, ThreadsOption
 from kvprof.errors import KvprofError
 from kvprof.results.capture import CaptureResult, CaptureSummary
 from kvprof.traces.chat import template_sha256
@@ -62,10 +62,12 @@ def command(
     out: OutOption = Path("runs/capture"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
     seed: SeedOption = 0,
 ) -> None:
     """Run a multi-agent workflow on tasks and write real trajectories to OUT/trace.jsonl."""
     args = dict(locals())
+    use_threads(threads)
     from kvprof.capture.runner import capture_spec, checkpoint_path, sampled_trace_header, use_chat_template
     from kvprof.capture.workflow import Sampling
     from kvprof.model.agents import load_agents

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import kvprof
 from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
 from kvprof.results.base import Envelope, Environment, ResultFile
+from kvprof.threads import LoadMeter, ThreadChoice, choose_threads
 from kvprof.ui import console, progress
 
 if TYPE_CHECKING:
@@ -33,9 +34,31 @@ __all__ = [
     "progress",
     "result_envelope",
     "show_replay",
+    "start_command",
+    "use_threads",
     "write_replay_page",
     "write_result",
 ]
+
+# This invocation's thread choice and the meter of the machine's load since it started (`start_command`), which
+# its result records; empty outside a command.
+_INVOCATION: dict[str, ThreadChoice | LoadMeter] = {}
+
+
+def start_command() -> None:
+    """Forget the last invocation's threads and start metering the machine's load (the command line, once per
+    command: in-process runs follow one another)."""
+    _INVOCATION.clear()
+    _INVOCATION["meter"] = LoadMeter()
+
+
+def use_threads(threads: int | None) -> ThreadChoice:
+    """A command that runs models: set its torch threads (`--threads`, else the default from the cores free), say
+    so, and record it for the result."""
+    choice = choose_threads(threads)
+    _INVOCATION["threads"] = choice
+    console.print(f"running {choice.describe()}", markup=False)
+    return choice
 
 
 def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | None = None) -> dict:
@@ -45,6 +68,7 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
 
     from kvprof.profiling import cpu_description
 
+    choice, meter = _INVOCATION.get("threads"), _INVOCATION.get("meter")
     envelope = Envelope(
         schema=f"{RESULT_SCHEMA}{kind}",
         version=RESULT_VERSION,
@@ -56,6 +80,8 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
             cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             cpu=cpu_description(),
             cpu_threads=torch.get_num_threads(),
+            threads_chosen=choice.describe() if isinstance(choice, ThreadChoice) else None,
+            load=meter.reading().to_json() if isinstance(meter, LoadMeter) else None,
             workers=workers,
         ),
         args={key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
@@ -143,6 +169,7 @@ def print_skipped(skipped: dict[str, str]) -> None:
 def show_replay(result: ReplayResult) -> None:
     """A replay's terminal output: a warning if the dense run does not reproduce a captured trace, then the tables."""
     from kvprof.report.replay import (
+        contention_text,
         cost_table,
         delta_table,
         dense_check,
@@ -156,6 +183,9 @@ def show_replay(result: ReplayResult) -> None:
     check = dense_check(result)
     if check.startswith("WARNING"):
         console.print(f"[bold red]{check}[/]")
+    contention = contention_text(result.timing or {})
+    if contention and contention.startswith("CONTENDED"):
+        console.print(f"WARNING: {contention}.", style="bold red", markup=False)
     timeline = timeline_note(result)
     if timeline:
         console.print(timeline)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import console, demo_prompt_trace, progress, write_result
+from kvprof.commands.common import console, demo_prompt_trace, progress, use_threads, write_result
 from kvprof.commands.options import (
     DeviceOption,
     DtypeOption,
@@ -20,6 +20,7 @@ from kvprof.commands.options import (
     RoleOverrideOption,
     SeedOption,
     SpanBoundariesOption,
+    ThreadsOption,
 )
 from kvprof.errors import KvprofError
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
@@ -47,6 +48,7 @@ def command(
     out: OutOption = Path("runs/fit-anchors"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
     seed: SeedOption = 0,
 ) -> None:
     """Fit anchor pools (per segment a base — the producer's cache of an output, the context-free encoding of an
@@ -54,6 +56,7 @@ def command(
     for `kvprof replay --policy kvcmas|kvcomm --policy-option POLICY.anchors=FILE`, and report the truncation
     error per layer against rank and the pool's memory, full-dimensional vs rank r."""
     args = dict(locals())
+    use_threads(threads)
     import torch
 
     from kvprof.model.agents import load_agents_for_trace

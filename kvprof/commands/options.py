@@ -14,6 +14,15 @@ DtypeOption = Annotated[
     str,
     typer.Option("--dtype", help="Model dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."),
 ]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        min=1,
+        help="Torch threads for running the model [default: torch's count, capped at the cores other processes "
+        "leave free: the cores less the busier of the last minute's load average and the processes running now].",
+    ),
+]
 SeedOption = Annotated[int, typer.Option("--seed", help="Random seed; a fixed seed gives identical results.")]
 MinSpanOption = Annotated[
     int,

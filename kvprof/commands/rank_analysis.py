@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import console, demo_trace, progress, write_result
+from kvprof.commands.common import console, demo_trace, progress, use_threads, write_result
 from kvprof.commands.options import (
     AgentOverrideOption,
     DeviceOption,
@@ -18,6 +18,7 @@ from kvprof.commands.options import (
     ModelOverrideOption,
     OutOption,
     SeedOption,
+    ThreadsOption,
     TraceArgument,
 )
 from kvprof.errors import KvprofError
@@ -50,10 +51,12 @@ def command(
     out: OutOption = Path("runs/rank-analysis"),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
     seed: SeedOption = 0,
 ) -> None:
     """Effective rank and cross-agent cosine similarity of base caches, adapter outputs and deltas, per layer."""
     args = dict(locals())
+    use_threads(threads)
     import torch
 
     from kvprof.rank.trace_analysis import prepare_rank_analysis, run_rank_analysis

@@ -96,11 +96,13 @@ def command(
     out: options.OutOption = Path("runs/replay"),
     device: options.DeviceOption = "auto",
     dtype: options.DtypeOption = "auto",
+    threads: options.ThreadsOption = None,
     seed: options.SeedOption = 0,
 ) -> None:
     """Replay a trace under sharing policies with real model execution; per-layer error, fidelity, reuse,
     prefill, TTFT, latency and memory against the dense (NonShared) run."""
     args = dict(locals())
+    common.use_threads(threads)
     import torch
 
     from kvprof.model.agents import trace_header

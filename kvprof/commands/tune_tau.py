@@ -68,12 +68,14 @@ def command(
     out: options.OutOption = Path("runs/tune-tau"),
     device: options.DeviceOption = "auto",
     dtype: options.DtypeOption = "auto",
+    threads: options.ThreadsOption = None,
     seed: options.SeedOption = 0,
 ) -> None:
     """Sweep the acceptance threshold (τ of KVCMAS, γ of KVComm): reuse ρ, per-layer error, KL, accuracy, TTFT,
     latency and memory per value; recommend the value with the most reuse that meets the target, verify it on the
     held-out trajectories, and write it to OUT/tuned.json for `kvprof replay --tuned`."""
     args = dict(locals())
+    common.use_threads(threads)
     import torch
 
     from kvprof.model.agents import load_agents_for_trace, trace_header
@@ -84,8 +86,7 @@ def command(
 
     torch.manual_seed(seed)
     matching = SpanMatching(min_span, span_boundaries)
-    key = tau.threshold_key(policy)
-    target = tau.Target.given(max_accuracy_drop, max_kl, target_rho)
+    key, target = tau.threshold_key(policy), tau.Target.given(max_accuracy_drop, max_kl, target_rho)
     thresholds, options = tau.parse_grid(grid), tau.parse_options(policy, option or [])
     if trace is None:
         trace, model = common.demo_prompt_trace(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -21,6 +22,22 @@ import torch
 from kvprof.errors import KvprofError
 from kvprof.fileio import check_fields, read_json_file
 from kvprof.model.architecture import attention_of, decoder_layers, recurrent_of
+from kvprof.model.checks import (
+    ADAPTER_FIX,
+    MODEL_FIX,
+    check_adapter_config,
+    check_adapter_coverage,
+    check_finite,
+    check_loading_report,
+    check_target_modules,
+    check_tokenizer_files,
+    check_weights_fit_config,
+    checkpoint_shapes,
+    read_model_config,
+    reason_of,
+    safetensors_shapes,
+    safetensors_tensors,
+)
 from kvprof.model.latent import LatentShape, latent_layers
 from kvprof.model.layers import LayerKind, cache_shapes, layer_kinds
 from kvprof.model.lora import invocation_tokens
@@ -86,10 +103,17 @@ def check_model_path(name: str) -> None:
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of model `name`; refuses one that cannot round-trip text (stop strings, recorded outputs)."""
+    """The tokenizer of model `name` (a directory may hold the tokenizer alone); refuses a local directory whose
+    config.json transformers refuses or that holds no tokenizer files, and one that cannot round-trip text (stop
+    strings, recorded outputs)."""
     from transformers import AutoTokenizer
 
     check_model_path(name)
+    directory = Path(name).expanduser()
+    if directory.is_dir():
+        if (directory / "config.json").exists():  # transformers reads it to pick the tokenizer: checked first
+            load_model_config(name)
+        check_tokenizer_files(directory)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
@@ -125,25 +149,61 @@ def check_layers(model) -> None:
         )
 
 
-def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
-    """The causal LM `name` in `dtype` on `device`, attending with `attn` (eager where there is no sdpa)."""
+def load_model_config(name: str):
+    """The transformers config of model `name`; a local directory's config.json is read first, so a file that is
+    not JSON, not an object or not a config transformers knows is refused naming it."""
+    from transformers import AutoConfig
+
+    directory = Path(name).expanduser()
+    if directory.is_dir():
+        read_model_config(directory)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError as err:
+        raise _load_error("model config", name, err) from None
+    except Exception as err:  # a hand-edited config.json reaches transformers' validators, which raise anything
+        where = directory / "config.json" if directory.is_dir() else name
+        raise KvprofError(
+            f"model config {where} is refused by transformers ({reason_of(err)}); fix that field of config.json, "
+            "or for an architecture this transformers does not know, upgrade transformers."
+        ) from None
+
+
+def _from_pretrained(name: str, config, dtype: torch.dtype, attn: str):
+    """transformers' model and loading report for `name`, attending with `attn` (eager where there is no sdpa);
+    sizes that do not match are reported rather than raised (`check_loading_report` refuses them)."""
     from transformers import AutoModelForCausalLM
 
-    check_model_path(name)
+    load = dict(config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn)
-        except ValueError as err:
-            if attn != "sdpa" or "scaled_dot_product_attention" not in str(err):
-                raise
-            # An architecture without sdpa support (e.g. Gemma 2 in transformers 5): its own eager attention.
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="eager")
+        return AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn, **load)
+    except ValueError as err:
+        if attn != "sdpa" or "scaled_dot_product_attention" not in str(err):
+            raise
+        # An architecture without sdpa support (e.g. Gemma 2 in transformers 5): its own eager attention.
+        return AutoModelForCausalLM.from_pretrained(name, attn_implementation="eager", **load)
+
+
+def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"):
+    """The causal LM `name` in `dtype` on `device`, attending with `attn` (eager where there is no sdpa); its files
+    and tensors checked (`kvprof.model.checks`) so that a broken model is refused in one sentence."""
+    check_model_path(name)
+    config = load_model_config(name)
+    directory = Path(name).expanduser()
+    shapes = checkpoint_shapes(directory) if directory.is_dir() else None
+    if shapes is not None:
+        check_weights_fit_config(config, shapes, directory)
+    try:
+        model, info = _from_pretrained(name, config, dtype, attn)
     except (OSError, ValueError) as err:
         raise _load_error("model", name, err) from None
     except torch.OutOfMemoryError:
         raise KvprofError(
             f"model {name!r} does not fit in memory on {device}; use a smaller --dtype (bfloat16) or another --device."
         ) from None
+    check_loading_report(info, name)
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    check_finite(tensors, f"model {name}", f"{MODEL_FIX} whose weights are finite")
     check_layers(model)
     try:
         model = model.to(device).eval()
@@ -188,6 +248,7 @@ class AdapterInfo:
     alpha: float
     targets: list[str]
     layers: int
+    modules: frozenset[str] = frozenset()  # the modules whose A and B its weights hold ("model.layers.0...q_proj")
 
     @property
     def scaling(self) -> float:
@@ -197,64 +258,73 @@ class AdapterInfo:
         return f"r={self.rank}, alpha={self.alpha:g}, on {'/'.join(t.removesuffix('_proj') for t in self.targets)}"
 
 
-def inspect_adapter(path: str, base_model) -> AdapterInfo:
-    """Read an adapter's config and weights and check they fit `base_model`; refuse clearly when they do not."""
-    from safetensors import safe_open
-
-    adapter_dir = Path(path)
-    config_path = adapter_dir / "adapter_config.json"
+def read_adapter_config(path: str) -> dict:
+    """An adapter directory's adapter_config.json, refused unless a LoRA config with an integer rank and a numeric
+    alpha (an Activated LoRA also naming its task, without which peft never applies it)."""
+    config_path = Path(path) / "adapter_config.json"
     if not config_path.is_file():
         raise KvprofError(
             f"adapter {path} has no adapter_config.json; pass a PEFT adapter directory "
             "(the folder written by save_pretrained)."
         )
-    fix = "pass a PEFT LoRA adapter directory (the folder written by save_pretrained)"
-    config = check_fields(read_json_file(config_path, "adapter config", fix), {}, str(config_path), fix)
+    config = check_fields(read_json_file(config_path, "adapter config", ADAPTER_FIX), {}, str(config_path), ADAPTER_FIX)
     if config.get("peft_type") != "LORA":
         raise KvprofError(f"adapter {path} is a {config.get('peft_type')} adapter; kvprof profiles LoRA adapters.")
-    check_fields(config, {"r": int, "lora_alpha": (int, float, type(None))}, str(config_path), fix)
+    check_fields(config, {"r": int, "lora_alpha": (int, float, type(None))}, str(config_path), ADAPTER_FIX)
     if config.get("alora_invocation_tokens") and config.get("task_type") != "CAUSAL_LM":
         raise KvprofError(
             f"adapter {path} is an Activated LoRA (alora_invocation_tokens) without task_type CAUSAL_LM, so peft "
             'never applies it (every call runs the base model); set "task_type": "CAUSAL_LM" in its '
             "adapter_config.json."
         )
-    weights_path = adapter_dir / "adapter_model.safetensors"
+    return config
+
+
+def adapter_weight_shapes(path: str, base_model, base_name: str | None) -> dict[tuple[str, str], tuple[int, ...]]:
+    """The shapes of an adapter's LoRA A and B weights by module name and side ("...q_proj", "A"), each checked
+    against `base_model`'s module; a module it lacks or a dimension that differs is an adapter for another base."""
+    weights_path = Path(path) / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise KvprofError(f"adapter {path} has no adapter_model.safetensors; re-save it with safetensors.")
     modules = dict(base_model.named_modules())
-    targets: set[str] = set()
-    layers: set[int] = set()
-    base_name = config.get("base_model_name_or_path")
-    with safe_open(str(weights_path), framework="pt") as handle:
-        for key in handle.keys():
-            match = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.weight$", key)
-            if not match:
-                continue
-            module_name, which = match.groups()
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, "in_features"):
-                raise KvprofError(
-                    f"adapter {path} targets {module_name}, which the base model does not have "
-                    f"(adapter trained for {base_name or 'another base model'}); pass an adapter "
-                    "trained on this --model."
-                )
-            shape = tuple(handle.get_slice(key).get_shape())
-            expected_dim = module.in_features if which == "A" else module.out_features
-            actual_dim = shape[1] if which == "A" else shape[0]
-            if actual_dim != expected_dim:
-                raise KvprofError(
-                    f"adapter {path} was trained for another base model "
-                    f"({base_name or 'unknown'}): {module_name}.lora_{which} has dimension "
-                    f"{actual_dim} where this model's {module_name} has {expected_dim}; pass an "
-                    "adapter trained on this --model."
-                )
-            targets.add(module_name.rsplit(".", 1)[-1])
-            layer = re.search(r"layers\.(\d+)\.", module_name)
-            if layer:
-                layers.add(int(layer.group(1)))
-    if not targets:
+    shapes: dict[tuple[str, str], tuple[int, ...]] = {}
+    for key, shape in safetensors_shapes(weights_path, "adapter weights file", ADAPTER_FIX).items():
+        match = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.weight$", key)
+        if not match:
+            continue
+        module_name, which = match.groups()
+        module = modules.get(module_name)
+        if module is None or not hasattr(module, "in_features"):
+            raise KvprofError(
+                f"adapter {path} targets {module_name}, which the base model does not have "
+                f"(adapter trained for {base_name or 'another base model'}); pass an adapter trained on this --model."
+            )
+        expected_dim = module.in_features if which == "A" else module.out_features
+        actual_dim = shape[1] if which == "A" else shape[0]
+        if len(shape) != 2 or actual_dim != expected_dim:
+            raise KvprofError(
+                f"adapter {path} was trained for another base model ({base_name or 'unknown'}): "
+                f"{module_name}.lora_{which} has dimension {actual_dim} where this model's {module_name} has "
+                f"{expected_dim}; pass an adapter trained on this --model."
+            )
+        shapes[module_name, which] = shape
+    if not shapes:
         raise KvprofError(f"adapter {path} holds no LoRA weights; pass a trained PEFT LoRA adapter.")
+    return shapes
+
+
+def inspect_adapter(path: str, base_model) -> AdapterInfo:
+    """Read an adapter's config and weights and check they fit `base_model` (`kvprof.model.checks`: rank, alpha,
+    target modules, finite weights); refuse clearly when they do not."""
+    config = read_adapter_config(path)
+    config_path = Path(path) / "adapter_config.json"
+    shapes = adapter_weight_shapes(path, base_model, config.get("base_model_name_or_path"))
+    check_adapter_config(config, config_path, [shape[0] for (_, which), shape in shapes.items() if which == "A"])
+    check_target_modules(config, config_path, [name for name, _ in base_model.named_modules()])
+    weights_path = Path(path) / "adapter_model.safetensors"
+    check_finite(safetensors_tensors(weights_path), f"adapter {path}", f"{ADAPTER_FIX} whose weights are finite")
+    targets = {module_name.rsplit(".", 1)[-1] for module_name, _ in shapes}
+    layers = {int(found.group(1)) for name, _ in shapes if (found := re.search(r"layers\.(\d+)\.", name))}
     ordered = [p for p in LORA_TARGET_ORDER if p in targets] + sorted(targets - set(LORA_TARGET_ORDER))
     return AdapterInfo(
         path=str(path),
@@ -262,7 +332,30 @@ def inspect_adapter(path: str, base_model) -> AdapterInfo:
         alpha=float(config["r"] if config.get("lora_alpha") is None else config["lora_alpha"]),
         targets=ordered,
         layers=len(layers),
+        modules=frozenset(module_name for module_name, _ in shapes),
     )
+
+
+def load_peft_adapters(base_model, agents, adapters: dict[str, AdapterInfo]) -> object:
+    """A `PeftModel` on `base_model` holding each of `agents`' adapter under the agent's name; an adapter peft
+    refuses (a config field of a wrong type or value), or whose config adapts other modules than its weights hold
+    (`adapters`: `inspect_adapter`'s), is refused naming its directory."""
+    from peft import PeftModel
+
+    model = base_model
+    for index, agent in enumerate(agents):
+        try:
+            if index == 0:
+                model = PeftModel.from_pretrained(base_model, agent.adapter, adapter_name=agent.name)
+            else:
+                model.load_adapter(agent.adapter, adapter_name=agent.name)
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
+            raise KvprofError(
+                f"adapter {agent.adapter} is refused by peft ({reason_of(err)}); fix its adapter_config.json or "
+                f"{ADAPTER_FIX}."
+            ) from None
+        check_adapter_coverage(model, agent.name, agent.adapter, adapters[agent.name].modules)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------- agent set
@@ -279,18 +372,12 @@ class AgentSet:
         self.adapters: dict[str, AdapterInfo] = {}
         self.model = base_model
         if spec.mode == "lora":
-            from peft import PeftModel
-
             for agent in spec.agents:
                 # A lora-mode spec names an adapter for every agent (`kvprof.traces.spec.build_spec` refuses one
                 # without).
                 assert agent.adapter is not None, f"lora-mode agent {agent.name!r} has no adapter"
                 self.adapters[agent.name] = inspect_adapter(agent.adapter, base_model)
-            for index, agent in enumerate(spec.agents):
-                if index == 0:
-                    self.model = PeftModel.from_pretrained(base_model, agent.adapter, adapter_name=agent.name)
-                else:
-                    self.model.load_adapter(agent.adapter, adapter_name=agent.name)
+            self.model = load_peft_adapters(base_model, spec.agents, self.adapters)
             self.model.eval()
             for agent in spec.agents:
                 self.check_activated_lora(agent.name)

@@ -47,6 +47,7 @@ from kvprof.results.replay import (
     PolicySummary,
     ReplayResult,
 )
+from kvprof.threads import LoadMeter, MachineLoad
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence, message_boundaries
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory, Turn, iter_trajectories, read_header
@@ -743,6 +744,7 @@ def run_replay(
     if online:
         require_react_agents(agents.spec.names)
     started = KernelCounts.now()
+    meter = LoadMeter()
     result = replay_trace(
         agents,
         trajectories,
@@ -756,6 +758,7 @@ def run_replay(
         page_size=page_size,
         span_matching=span_matching,
     )
+    timed_load = meter.reading()
     if online:
         runs = run_online(
             agents,
@@ -766,7 +769,7 @@ def run_replay(
             span_matching=span_matching,
         )
         result["online"] = summarise_online(runs)
-    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, started))
+    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, started, timed_load))
     result["memory_claims"] = memory_verdicts(result)
     return result
 
@@ -814,10 +817,11 @@ def with_trace(result: dict, trace: Path, skipped: dict[str, str], self_check: d
     return ReplayResult.from_json(named | {"self_check": self_check}, f"the replay of {trace}", "rerun kvprof replay")
 
 
-def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
+def timing_setting(timing: str, repeats: int, heap_kept: bool = False, load: MachineLoad | None = None) -> dict:
     """How TTFT, TPOT and latency were timed: mode, whose practice (`Option.origins` labels), timed and warm-up
     runs, whether a turn's prefills were timed round-robin across the runs (`interleaved_prefills`), whether the CPU
-    allocator kept freed memory (`keep_freed_memory`)."""
+    allocator kept freed memory (`keep_freed_memory`), and the machine's `load` while they were (other processes'
+    cores, whether they contended: `kvprof.threads.MachineLoad`; absent where not metered)."""
     trajectory = timing == "trajectory"
     return {
         "mode": timing,
@@ -826,7 +830,7 @@ def timing_setting(timing: str, repeats: int, heap_kept: bool = False) -> dict:
         "warm_up_runs": 1 if trajectory or repeats > 1 else 0,
         "interleaved": not trajectory and repeats > 1,
         "heap_kept": heap_kept,
-    }
+    } | ({} if load is None else {"load": load.to_json()})
 
 
 @dataclass(frozen=True)
@@ -860,16 +864,18 @@ def run_setting(
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
     started: KernelCounts | None = None,
+    load: MachineLoad | None = None,
 ) -> dict:
-    """How a replay ran: model, mode, repeats, timing, page size, span matching (on a hybrid, the checkpoint rule
-    it resolves to: `checkpoint_setting`), weights' bytes, layer kinds, attention path (`attention_path`: what ran
-    since the `started` counts), device, CPU, dtype, GPU memory (the allocator's peak so far)."""
+    """How a replay ran: model, mode, repeats, timing (`load`: the machine's while it timed), page size, span
+    matching (on a hybrid, the checkpoint rule it resolves to: `checkpoint_setting`), weights' bytes, layer kinds,
+    attention path (`attention_path`: what ran since the `started` counts), device, CPU, dtype, GPU memory (the
+    allocator's peak so far)."""
     return dict(
         checkpoint_rule=checkpoint_setting(agents, span_matching),
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
-        timing=timing_setting(timing, repeats, agents.device.type == "cpu" and keep_freed_memory()),
+        timing=timing_setting(timing, repeats, agents.device.type == "cpu" and keep_freed_memory(), load),
         page_size=page_size,
         span_matching=span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),

@@ -134,7 +134,8 @@ def _device(result: dict) -> str:
 
 
 def environment_table(results: Sequence[tuple[Path, dict]]) -> TableData:
-    """The environment panel: per result file, what and when it was measured on ('–' where not recorded)."""
+    """The environment panel: per result file, what and when it was measured on, with the threads it ran and the
+    machine's load from other processes while its command ran ('–' where not recorded)."""
     table = TableData(
         title="environment", columns=["result", "model", "device", "dtype", "software", "kvprof", "created"]
     )
@@ -142,6 +143,10 @@ def environment_table(results: Sequence[tuple[Path, dict]]) -> TableData:
         args, environment = result.get("args", {}), result.get("environment", {})
         cpu = environment.get("cpu") or {}
         software = f"torch {environment.get('torch', '?')}, {environment.get('cpu_threads', '?')} CPU threads"
+        load = environment.get("load") or {}
+        if load.get("other_cores") is not None:
+            software += f", other processes' load {load['other_cores']:.1f} of {load['cores']} cores"
+            software += " (contended)" if load.get("contended") else ""
         table.add_row(
             str(path),
             str(result.get("model") or args.get("model") or "–"),

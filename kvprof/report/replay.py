@@ -310,18 +310,36 @@ def memory_claims_table(result: ReplayResult | dict) -> TableData | None:
 
 
 def timing_text(timing: dict) -> str:
-    """The timing mode (`timing_setting`) in words, labelled with whose practice it follows."""
+    """The timing mode (`timing_setting`) in words, labelled with whose practice it follows, and the machine's load
+    while timing where it was metered (`contention_text`)."""
     runs = timing["runs"]
     kept = "; the CPU allocator kept freed memory" if timing.get("heap_kept") else ""
+    load = contention_text(timing)
+    load = f"; {load}" if load else ""
     if timing["mode"] == "trajectory":
         return (
             f"trajectory timing ({timing['origin']}: PReCache's bench/single_stream.py): each run alone, one untimed "
             f"warm-up run of each trajectory, then the mean of {runs} timed runs; TTFT = the sum of its synced "
-            f"prefill calls{kept}"
+            f"prefill calls{kept}{load}"
         )
     warm_up = " after a warm-up" if runs > 1 else " (no warm-up)"
     interleaved = ", timed round-robin across the runs" if timing.get("interleaved") else ""
-    return f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn{warm_up}{interleaved}{kept}"
+    return (
+        f"turn timing ({timing['origin']}): TTFT = median of {runs} repeats per turn{warm_up}{interleaved}{kept}{load}"
+    )
+
+
+def contention_text(timing: dict) -> str | None:
+    """The machine's load while a replay timed (`kvprof.threads.MachineLoad` in its timing): other processes'
+    cores beside its threads, and when they contended, that its times are slowed; None where not metered."""
+    load = timing.get("load")
+    if not isinstance(load, dict) or load.get("other_cores") is None:
+        return None
+    other = f"other processes used {load['other_cores']:.1f} of {load['cores']} cores beside its {load['threads']} "
+    other += f"torch thread{'s' if load['threads'] != 1 else ''} while it timed"
+    if load.get("contended"):
+        return f"CONTENDED: {other}, so these times are slowed by contention, not clean; rerun on a quiet machine"
+    return other
 
 
 def layer_table(result: ReplayResult) -> TableData:

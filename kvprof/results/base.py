@@ -3,8 +3,8 @@ file's envelope (`ResultFile`).
 
 - `from_json` checks every declared field and refuses, in one sentence naming where, a record kvprof did not write;
   `to_json` writes fields in declared order (the commands' order).
-- `ResultFile.read` refuses another kind or a newer format (`kvprof.fileio.read_result`); an in-memory result has
-  `envelope` None; a file without a version is read as version 1 and written back with `"version": 1`.
+- `ResultFile.read` refuses another kind, a newer format, a file without a format version, and NaN or Infinity
+  (`kvprof.fileio.read_result`); an in-memory result has `envelope` None.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-from kvprof.fileio import NUMBER, RESULT_SCHEMA, RESULT_VERSION, JsonType, check_fields, read_result
+from kvprof.fileio import NUMBER, RESULT_SCHEMA, JsonType, check_fields, read_result
 
 R = TypeVar("R", bound="Record")
 F = TypeVar("F", bound="ResultFile")
@@ -94,14 +94,17 @@ def records_in_list(cls: type[Record]) -> Reader:
 
 @dataclasses.dataclass(kw_only=True)
 class Environment(Record):
-    """What a result was measured on: python, torch, CUDA device, CPU, torch threads; `workers`: a distributed
-    run's Ray workers."""
+    """What a result was measured on: python, torch, CUDA device, CPU, torch threads (`threads_chosen`: how, for a
+    command that runs models), the machine's `load` while the command ran (`kvprof.threads.MachineLoad`: other
+    processes' cores); `workers`: a distributed run's Ray workers."""
 
     python: str = json_field(str)
     torch: str = json_field(str)
     cuda: str | None = json_field((str, OPTIONAL))
     cpu: dict | None = json_field((dict, OPTIONAL))
     cpu_threads: int = json_field(int)
+    threads_chosen: str | None = json_field(str, absent=True)
+    load: dict | None = json_field(dict, absent=True)
     workers: list[dict] | None = json_field(list, absent=True)
 
 
@@ -156,7 +159,7 @@ class ResultFile(Record):
         result = super().from_json(payload, where, fix)
         if "schema" in checked:
             envelope = {key: checked[key] for key in ENVELOPE_FIELDS if key in checked}
-            result.envelope = Envelope.from_json({"version": RESULT_VERSION} | envelope, where, fix)
+            result.envelope = Envelope.from_json(envelope, where, fix)
         return result
 
     def to_json(self) -> dict:
