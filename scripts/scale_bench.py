@@ -1,0 +1,218 @@
+"""kvprof at real model shapes and long traces: wall time, peak memory and the replay's own overhead, per trace length.
+
+    python scripts/scale_bench.py OUT_DIR [--shape qwen3-0.6b] [--layers 28] [--tokens 1024,2048,4096]
+        [--calls 6] [--policy fullshared --policy prelrshared --policy cacheblend] [--device cpu] [--dtype auto]
+
+For each shape (a public model's configuration, `SHAPES`, with random weights; `--layers` keeps its first N layers so
+a small machine can run it, and sweeping it gives the growth against layers), OUT_DIR/SHAPE-LLAYERS/ holds the model
+with three LoRA adapters (rank 16 on q, k, v, o, one A shared, so every low-rank policy runs) and the demo world's
+tokenizer (the trace's ids are ordinary ids of it; the embedding keeps the shape's vocabulary). For each trace length
+T, a shape trace of `--calls` agent calls whose prefills add up to T tokens (16 output tokens each) is imported
+(`kvprof capture --shapes`), replayed (`kvprof replay`, one representative policy per family by default, one timed
+prefill per turn), and imported again with role prompts for the agents to fit anchors on (`kvprof fit-anchors`
+takes prompt-mode traces). Every step is its own process, as a user runs it;
+each reports its wall time and peak resident memory, and the replay also the time inside the model's modules
+(embedding, decoder layers, final norm, head: timed by forward hooks) and the setup before its first forward
+(imports, loading): kvprof's own overhead is the rest, as a share of the time after the setup. Prints
+one row per step and length, the growth exponents (log-log slope of time and memory against T, and of the dense
+run's FLOPs for comparison), and writes OUT_DIR/scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+AGENTS = ("plan", "act", "reflect")
+OUTPUT_TOKENS = 16
+# The public configurations' sizes (their config.json on the hub), random weights.
+SHAPES = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rope_theta=1_000_000.0,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500_000.0,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500_000.0,
+    ),
+}  # fmt: skip
+
+# Run inside each step's process: the CLI, then its peak RSS (and, with HOOKS, the time in the model's modules) as
+# the last line of stderr.
+CHILD = """
+import json, resource, sys, time
+from pathlib import Path
+began = time.perf_counter()
+timed = {"model_s": 0.0, "setup_s": 0.0}
+if sys.argv[1] == "hooks":
+    import transformers
+    original = transformers.PreTrainedModel.post_init
+    def post_init(model):
+        original(model)
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers"):
+            return
+        def started(module, args):
+            module._kvprof_started = time.perf_counter()
+            timed["setup_s"] = timed["setup_s"] or module._kvprof_started - began
+        modules = [inner.embed_tokens, *inner.layers, inner.norm, getattr(model, "lm_head", None)]
+        for module in filter(None, modules):
+            module.register_forward_pre_hook(started)
+            module.register_forward_hook(
+                lambda m, a, o: timed.__setitem__("model_s", timed["model_s"] + time.perf_counter() - m._kvprof_started)
+            )
+    transformers.PreTrainedModel.post_init = post_init
+from kvprof.cli import main
+sys.argv = ["kvprof", *sys.argv[2:]]
+try:
+    main()
+finally:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("SCALE " + json.dumps({"peak_rss_bytes": peak, **timed}), file=sys.stderr)
+"""
+
+
+def build_model(folder: Path, shape: str, layers: int | None, dtype: str) -> None:
+    """SHAPE's configuration (its first `layers` layers) with random weights, three shared-A LoRA adapters and the
+    demo tokenizer, in `folder` (kept when it exists)."""
+    if (folder / "model" / "config.json").exists():
+        return
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvprof.demo.assets import demo_world
+    from kvprof.model.tiny import build_adapter
+    from kvprof.model.tiny import build_model as initialised
+
+    sizes = dict(SHAPES[shape])
+    if layers:
+        sizes["num_hidden_layers"] = layers
+    tokenizer = AutoTokenizer.from_pretrained(demo_world().model)
+    config = AutoConfig.for_model(
+        **sizes, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    model = initialised(config)
+    for index, agent in enumerate(AGENTS):
+        model = build_adapter(model, folder / "adapters" / agent, seed=index + 1, rank=16, shared_a_seed=99)
+    if dtype in ("bfloat16", "float16"):
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+
+
+def shape_csv(path: Path, tokens: int, calls: int) -> None:
+    """`calls` agent calls in turn (plan, act, reflect, ...) whose prefills add up to `tokens`."""
+    sizes = [tokens // calls + (index < tokens % calls) for index in range(calls)]
+    rows = [f"{AGENTS[index % len(AGENTS)]},{size},{OUTPUT_TOKENS}" for index, size in enumerate(sizes)]
+    path.write_text("agent,prefill_len,decode_len\n" + "\n".join(rows) + "\n")
+
+
+def step(name: str, args: list[str], hooks: bool = False) -> dict:
+    """One kvprof command in its own process: wall seconds, peak RSS and (with `hooks`) seconds in the model."""
+    started = time.perf_counter()
+    command = [sys.executable, "-c", CHILD, "hooks" if hooks else "plain", *args]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if run.returncode:
+        last = (run.stderr.strip() or run.stdout).splitlines()
+        sys.exit(f"{name} failed: {last[-2] if len(last) > 1 and last[-1].startswith('SCALE') else last[-1]}")
+    measured = json.loads(run.stderr.strip().splitlines()[-1].removeprefix("SCALE "))
+    return {"wall_s": round(seconds, 2), **measured}
+
+
+def point(folder: Path, tokens: int, calls: int, policies: list[str], device: str, dtype: str) -> dict:
+    """Capture (shape import), replay and fit-anchors at one trace length."""
+    run = folder / f"T{tokens}"
+    run.mkdir(parents=True, exist_ok=True)
+    shape_csv(run / "shape.csv", tokens, calls)
+    agents = [arg for agent in AGENTS for arg in ("--agent", f"{agent}={folder / 'adapters' / agent}")]
+    common = ["--device", device, "--dtype", dtype]
+    capture = ["capture", "--shapes", str(run / "shape.csv"), "--model", str(folder / "model"), *agents]
+    result = {"tokens": tokens, "capture": step("capture", [*capture, "--out", str(run / "capture")])}
+    trace = str(run / "capture" / "trace.jsonl")
+    policy_flags = [arg for policy in policies for arg in ("--policy", policy)]
+    replay = ["replay", trace, *policy_flags, "--repeats", "1", "--out", str(run / "replay"), *common]
+    result["replay"] = step("replay", replay, hooks=True)
+    replayed = json.loads((run / "replay" / "replay.json").read_text())
+    result["dense_flops"] = replayed["dense"]["summary"]["flops"]
+    result["analytic_peak_bytes"] = {
+        label: entry["summary"]["allocator_peak_bytes"] for label, entry in replayed["policies"].items()
+    }
+    roles = [arg for agent in AGENTS for arg in ("--role", f"{agent}=You are the {agent} agent of a team.")]
+    prompt_capture = ["capture", "--shapes", str(run / "shape.csv"), "--model", str(folder / "model"), *roles]
+    step("capture (prompt mode)", [*prompt_capture, "--out", str(run / "capture-prompt")])
+    fit = ["fit-anchors", str(run / "capture-prompt" / "trace.jsonl"), "--out", str(run / "anchors"), *common]
+    result["fit_anchors"] = step("fit-anchors", fit)
+    return result
+
+
+def slope(points: list[dict], value) -> float | None:
+    """Least-squares slope of log(value) against log(tokens)."""
+    pairs = [(math.log(p["tokens"]), math.log(value(p))) for p in points if value(p) > 0]
+    if len(pairs) < 2:
+        return None
+    mean_x = sum(x for x, _ in pairs) / len(pairs)
+    mean_y = sum(y for _, y in pairs) / len(pairs)
+    spread = sum((x - mean_x) ** 2 for x, _ in pairs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in pairs) / spread if spread else None
+
+
+def report(points: list[dict]) -> dict:
+    """Print one row per length and step; the growth exponents."""
+    print(f"{'T':>7} {'step':12} {'wall s':>8} {'peak RSS GiB':>13} {'setup s':>8} {'model s':>8} {'overhead':>9}")
+    for p in points:
+        for name in ("capture", "replay", "fit_anchors"):
+            m = p[name]
+            overhead = f"{1 - m['model_s'] / (m['wall_s'] - m['setup_s']):.0%}" if m["model_s"] else ""
+            model_s = f"{m['model_s']:.1f}" if m["model_s"] else ""
+            setup_s = f"{m['setup_s']:.1f}" if m["model_s"] else ""
+            row = f"{p['tokens']:>7} {name:12} {m['wall_s']:>8.1f} {m['peak_rss_bytes'] / 2**30:>13.2f}"
+            print(f"{row} {setup_s:>8} {model_s:>8} {overhead:>9}")
+    exponents = {
+        "dense_flops": slope(points, lambda p: p["dense_flops"]),
+        "replay_wall": slope(points, lambda p: p["replay"]["wall_s"]),
+        "replay_model": slope(points, lambda p: p["replay"]["model_s"]),
+        "replay_peak_rss": slope(points, lambda p: p["replay"]["peak_rss_bytes"]),
+        "fit_anchors_wall": slope(points, lambda p: p["fit_anchors"]["wall_s"]),
+    }
+    print("growth against T (log-log slope): " + ", ".join(f"{k} {v:.2f}" for k, v in exponents.items() if v))
+    return exponents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="keep the shape's first N layers")
+    parser.add_argument("--tokens", default="1024,2048,4096", help="comma-separated trace lengths")
+    parser.add_argument("--calls", type=int, default=6)
+    parser.add_argument("--policy", action="append", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    policies = args.policy or ["fullshared", "prelrshared", "cacheblend"]
+    folder = args.out / f"{args.shape}-L{args.layers or SHAPES[args.shape]['num_hidden_layers']}"
+    build_model(folder, args.shape, args.layers, args.dtype)
+    points = [
+        point(folder, int(tokens), args.calls, policies, args.device, args.dtype) for tokens in args.tokens.split(",")
+    ]
+    exponents = report(points)
+    record = {"shape": args.shape, "layers": args.layers, "policies": policies, "points": points, "growth": exponents}
+    (folder / "scale.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {folder / 'scale.json'}")
+
+
+if __name__ == "__main__":
+    main()
