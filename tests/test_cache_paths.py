@@ -55,14 +55,17 @@ def replay_both_ways(agents, trajectory, mode: str, turns: int | None = None) ->
                 torch.testing.assert_close(keys, plain_keys, atol=TOLERANCE, rtol=TOLERANCE)
                 torch.testing.assert_close(values, plain_values, atol=TOLERANCE, rtol=TOLERANCE)
             assert fast.memory == plain.memory, variant.label
-            records = {way: compare_turn(results[way], dense_results[way], 0, request.output_ids or []) for way in runs}
+            records = {
+                way: compare_turn(results[way], dense_results[way], 0, request.output_ids or [], trajectory="t", turn=0)
+                for way in runs
+            }
             for metric in METRICS:
                 # relative as well as absolute, as for logits and K/V above: the *_sum metrics add up many tokens
-                expected = pytest.approx(records[False][metric], rel=TOLERANCE, abs=TOLERANCE)
-                assert records[True][metric] == expected, (variant.label, metric)
-            for layer, plain_layer in zip(records[True]["layers"], records[False]["layers"]):
-                for name, value in layer.items():
-                    assert value == pytest.approx(plain_layer[name], abs=TOLERANCE), (variant.label, name)
+                expected = pytest.approx(getattr(records[False], metric), rel=TOLERANCE, abs=TOLERANCE)
+                assert getattr(records[True], metric) == expected, (variant.label, metric)
+            for layer, plain_layer in zip(records[True].layers or [], records[False].layers or []):
+                for name, value in layer.to_json().items():
+                    assert value == pytest.approx(plain_layer.to_json()[name], abs=TOLERANCE), (variant.label, name)
 
 
 def test_tiny_lora_world(lora_trace, shared_a_agents):  # noqa: F811

@@ -220,10 +220,10 @@ def test_shards_merge_into_the_single_process_result(mode, request):
             for variant in shard.variants:
                 entry = merged["policies"][variant.label]
                 assert any("replayed in order in one shard" in note for note in entry["notes"])
-                assert entry["summary"]["ttft_speedup"] == own_dense["ttft_s"] / entry["summary"]["ttft_s"]
+                assert entry["summary"]["ttft_speedup"] == own_dense.ttft_s / entry["summary"]["ttft_s"]
     alone = run_shard(agents, plan_shards(trajectories[-1:], variants)[-1], 1, False, False)  # a naive split
     last = merged["policies"][STATEFUL[1].label]["turns"][-1]
-    assert alone.progress.records[STATEFUL[1].label][-1]["recomputed"] < last["recomputed"]
+    assert alone.progress.records[STATEFUL[1].label][-1].recomputed < last["recomputed"]
 
 
 def test_resumed_single_process_replay_rebuilds_cross_trajectory_state(agents, lora_trace):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,10 +97,12 @@ def test_resumed_replay_equals_uninterrupted(lora_trace, tmp_path):
         agents,
         trajectories,
         choices,
-        on_trajectory=lambda state: checkpoints.append(json.loads(json.dumps(asdict(state)))),
+        on_trajectory=lambda state: checkpoints.append(json.loads(json.dumps(state.to_json()))),
     )
     assert [len(c["trajectories"]) for c in checkpoints] == [1, 2]
-    resumed = replay_trace(agents, trajectories, choices, progress=ReplayProgress(**checkpoints[0]))
+    resumed = replay_trace(
+        agents, trajectories, choices, progress=ReplayProgress.of_checkpoint(checkpoints[0], Path("checkpoint"))
+    )
     for key in ("kl", "k_error", "v_error", "prefilled", "turns"):
         assert resumed["policies"]["fullshared"]["summary"][key] == pytest.approx(
             full["policies"]["fullshared"]["summary"][key]

@@ -6,7 +6,7 @@ each trajectory (in process) or shard (Ray); `--resume` refuses, in one sentence
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,7 +90,7 @@ class Checkpoint:
 
     def save_progress(self, progress: ReplayProgress) -> None:
         """Write the progress of a replay in this process (after each trajectory), atomically."""
-        write_json(self.path, {"identity": self.identity, "progress": asdict(progress)})
+        write_json(self.path, {"identity": self.identity, "progress": progress.to_json()})
 
     def save_shards(self, results: dict[str, ShardResult], groups: list[list[str]]) -> None:
         """Write the completed shards of a replay on Ray and its plan's grouping, atomically."""

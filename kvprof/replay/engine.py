@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,11 +42,18 @@ from kvprof.replay.metrics import (
 from kvprof.results.replay import (
     FUSED_EXPANSION,
     STORED_IN_SHORT_FORWARDS,
+    CorrectedSpan,
     DenseRun,
     DenseSummary,
+    LayerError,
     PolicyRun,
     PolicySummary,
     ReplayResult,
+    RunSummary,
+    TimedRuns,
+    TurnRecord,
+    WarmUp,
+    measured,
 )
 from kvprof.threads import LoadMeter, MachineLoad
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence, message_boundaries
@@ -60,51 +68,77 @@ TIMINGS = ("turn", "trajectory")
 """`replay_trace`'s timing modes: per-turn medians (kvprof) or PReCache's trajectory timing (code)."""
 
 
+class PaperMemory(NamedTuple):
+    """One turn's memory as the papers report it (`paper_memory`): bytes in KV blocks, full K/V blocks, allocator
+    peak with the weights."""
+
+    kv_block_bytes: int
+    kv_blocks: float
+    allocator_peak_bytes: int
+
+
 def compare_turn(
     result: TurnResult,
     dense: TurnResult,
     from_others: int,
     trace_outputs: list[int],
     kinds: list[LayerKind] | None = None,
-) -> dict:
-    """Metrics of one policy turn against the dense turn of the same call (teacher-forced on `trace_outputs`).
-    `from_others`: reused tokens another agent processed first. In a window layer (`kinds`) the K/V error counts
-    only the reused tokens the computed ones can attend (`LayerKind.first_attended`)."""
-    record = {
-        "agent": result.agent,
-        "input_tokens": result.input_kv[0][0].shape[1],
-        "output_tokens": len(result.output_ids),
-        "reused": result.reused,
-        "moved": result.moved,
-        "extended": result.extended,
-        "adapter_made": result.adapter_made,
-        "recomputed": result.recomputed,
-        "realigned": result.realigned,
-        "corrected": result.corrected,
-        "fallback": result.fallback,
-        "from_others": from_others,
-        "adapter_free": result.adapter_free,
-        "prefilled": result.prefilled,
-        "flops": result.flops,
-        "ttft_flops": result.ttft_flops,
-        "ttft_s": result.ttft_s,
-        "decode_s": result.decode_s,
-        "decode_steps": result.decode_steps,
-        "latency_s": result.latency_s,
-        "memory_bytes": sum(result.memory.values()),
-        "working_peak_bytes": max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values())),
-        "cuda_peak_bytes": result.cuda_peak_bytes,
-    }
+    *,
+    trajectory: str,
+    turn: int,
+    memory: PaperMemory | None = None,
+    start: dict | None = None,
+    moved_recomputed: int | None = None,
+) -> TurnRecord:
+    """The record of one policy turn against the dense turn of the same call (teacher-forced on `trace_outputs`),
+    turn `turn` of `trajectory`. `from_others`: reused tokens another agent processed first. In a window layer
+    (`kinds`) the K/V error counts only the reused tokens the computed ones can attend (`LayerKind.first_attended`).
+    `memory`, `start` (the dense run's), `moved_recomputed` (a policy's): recorded as given."""
     kl = kl_divergence(dense.logits, result.logits)
     predicted = result.logits.argmax(-1).tolist()
-    record.update(
+    return TurnRecord(
+        agent=result.agent,
+        input_tokens=result.input_kv[0][0].shape[1],
+        output_tokens=len(result.output_ids),
+        reused=result.reused,
+        moved=result.moved,
+        extended=result.extended,
+        adapter_made=result.adapter_made,
+        recomputed=result.recomputed,
+        realigned=result.realigned,
+        corrected=result.corrected,
+        fallback=result.fallback,
+        from_others=from_others,
+        adapter_free=result.adapter_free,
+        prefilled=result.prefilled,
+        flops=result.flops,
+        ttft_flops=result.ttft_flops,
+        ttft_s=result.ttft_s,
+        decode_s=result.decode_s,
+        decode_steps=result.decode_steps,
+        latency_s=result.latency_s,
+        memory_bytes=sum(result.memory.values()),
+        working_peak_bytes=max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values())),
+        cuda_peak_bytes=result.cuda_peak_bytes,
         kl=float(kl.mean()) if len(kl) else 0.0,
         kl_sum=float(kl.sum()),
         top1_sum=float(top1_agreement(dense.logits, result.logits).sum()),
         first_token_match=bool(dense.logits[0].argmax() == result.logits[0].argmax()) if len(kl) else True,
         trace_agreement_sum=sum(a == b for a, b in zip(predicted, trace_outputs)),
+        layers=layer_errors(result, dense, kinds),
+        corrected_spans=[span_error(result, dense, start, end, hop) for start, end, hop in result.corrected_spans],
+        **(memory._asdict() if memory else {}),
+        trajectory=trajectory,
+        turn=turn,
+        start=start,
+        moved_recomputed=moved_recomputed,
     )
-    layers = []
+
+
+def layer_errors(result: TurnResult, dense: TurnResult, kinds: list[LayerKind] | None) -> list[LayerError]:
+    """Per layer, the error of `result`'s reused K and V (its prefix-matched and moved spans) against the dense
+    turn's; in a window layer (`kinds`) only the reused tokens the computed ones can attend. None reused: empty."""
+    layers: list[LayerError] = []
     spans = [(0, result.reused)] * bool(result.reused) + result.moved_spans
     if spans:
         device = result.input_kv[0][0].device
@@ -117,23 +151,19 @@ def compare_turn(
             keys, values = keys[:, where], values[:, where]
             dense_keys, dense_values = dense_keys[:, where], dense_values[:, where]
             layers.append(
-                {
-                    "k_error": relative_frobenius(keys, dense_keys),
-                    "k_cosine": mean_token_cosine(keys, dense_keys),
-                    "v_error": relative_frobenius(values, dense_values),
-                    "v_cosine": mean_token_cosine(values, dense_values),
-                }
+                LayerError(
+                    k_error=relative_frobenius(keys, dense_keys),
+                    k_cosine=mean_token_cosine(keys, dense_keys),
+                    v_error=relative_frobenius(values, dense_values),
+                    v_cosine=mean_token_cosine(values, dense_values),
+                )
             )
-    record["layers"] = layers
-    record["corrected_spans"] = [
-        span_error(result, dense, start, end) | {"hop": hop} for start, end, hop in result.corrected_spans
-    ]
-    return record
+    return layers
 
 
-def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> dict:
-    """Relative Frobenius error of K and V on timeline tokens [start, end) against the dense turn, mean over layers
-    1.. (the delta policies leave layer 0 uncorrected)."""
+def span_error(result: TurnResult, dense: TurnResult, start: int, end: int, hop: int) -> CorrectedSpan:
+    """Relative Frobenius error of K and V on timeline tokens [start, end) (corrected at `hop`) against the dense
+    turn, mean over layers 1.. (the delta policies leave layer 0 uncorrected)."""
     begin, stop = result.prefix_len + start, result.prefix_len + end
     rows = [
         (
@@ -142,24 +172,25 @@ def span_error(result: TurnResult, dense: TurnResult, start: int, end: int) -> d
         )
         for (k, v), (dk, dv) in list(zip(result.input_kv, dense.input_kv))[1:]
     ]
-    return {
-        "tokens": end - start,
-        "k_error": statistics.fmean(row[0] for row in rows) if rows else 0.0,
-        "v_error": statistics.fmean(row[1] for row in rows) if rows else 0.0,
-    }
+    return CorrectedSpan(
+        tokens=end - start,
+        k_error=statistics.fmean(row[0] for row in rows) if rows else 0.0,
+        v_error=statistics.fmean(row[1] for row in rows) if rows else 0.0,
+        hop=hop,
+    )
 
 
-def error_by_hop(turns: list[dict]) -> dict[str, dict]:
+def error_by_hop(turns: list[TurnRecord]) -> dict[str, dict]:
     """Mean K/V error of corrected segments by hop (1: the producer's first reader, ...)."""
-    spans: dict[int, list[dict]] = {}
+    spans: dict[int, list[CorrectedSpan]] = {}
     for turn in turns:
-        for span in turn.get("corrected_spans", []):
-            spans.setdefault(span["hop"], []).append(span)
+        for span in turn.corrected_spans or []:
+            spans.setdefault(span.hop, []).append(span)
     return {
         str(hop): {
             "segments": len(rows),
-            "k_error": statistics.fmean(r["k_error"] for r in rows),
-            "v_error": statistics.fmean(r["v_error"] for r in rows),
+            "k_error": statistics.fmean(r.k_error for r in rows),
+            "v_error": statistics.fmean(r.v_error for r in rows),
         }
         for hop, rows in sorted(spans.items())
     }
@@ -191,7 +222,7 @@ def paged_bytes(tensors: dict[str, list], page_size: int) -> int:
     return total
 
 
-def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_size: int) -> dict:
+def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_size: int) -> PaperMemory:
     """One turn's memory as the papers report it: `kv_block_bytes` (stored caches in `page_size` blocks,
     `paged_bytes`), `kv_blocks` (those bytes in full K/V blocks: vLLM's count for full-dimension caches, a fraction
     for rank-r ones), `allocator_peak_bytes` (CUDA: weights + the peak above the turn's start + stored bytes, as if
@@ -199,137 +230,143 @@ def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_s
     paged = paged_bytes(policy.stored_tensors(), page_size)
     working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
     peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
-    return {
-        "kv_block_bytes": paged,
-        "kv_blocks": paged / (page_size * policy.runtime.kv_bytes_per_token),
-        "allocator_peak_bytes": weights + peak,
-    }
+    return PaperMemory(paged, paged / (page_size * policy.runtime.kv_bytes_per_token), weights + peak)
 
 
-def allocator_peak(turns: list[dict]) -> tuple[int | None, str | None]:
+def allocator_peak(turns: list[TurnRecord]) -> tuple[float | None, str | None]:
     """A policy's allocator peak with the weights, and its source: with trajectory timing on CUDA,
     `max_memory_allocated` over each timed run, the policy alone (PReCache's reading); else per turn
     (`paper_memory`)."""
-    if not turns or "allocator_peak_bytes" not in turns[0]:
+    if not turns or turns[0].allocator_peak_bytes is None:
         return None, None
-    alone = [b for t in turns for b in t.get("runs", {}).get("cuda_allocated_bytes", []) if b is not None]
+    alone = [b for t in turns if t.runs for b in t.runs.cuda_allocated_bytes if b is not None]
     if alone:
         return max(alone), "cuda: max_memory_allocated over each timed trajectory run, the policy alone"
     source = (
         "cuda: weights + the allocator's peak above each turn's start + the policy's stored bytes"
-        if turns[0]["cuda_peak_bytes"] is not None
+        if turns[0].cuda_peak_bytes is not None
         else "analytic (no CUDA): weights + the peak of stored + working bytes"
     )
-    return max(t["allocator_peak_bytes"] for t in turns), source
+    return max(measured(t.allocator_peak_bytes) for t in turns), source
 
 
-def summarise(turns: list[dict]) -> dict:
+def summarise(turns: list[TurnRecord]) -> RunSummary:
     """Aggregate per-turn records of one policy (token-weighted fidelity, summed cost, per-layer mean error)."""
-    outputs = sum(t["output_tokens"] for t in turns)
-    inputs = sum(t["input_tokens"] for t in turns)
-    reusable = [t for t in turns if t["reused"] or t.get("moved")]
-    layer_count = max((len(t["layers"]) for t in turns), default=0)
+    outputs = sum(t.output_tokens for t in turns)
+    inputs = sum(t.input_tokens for t in turns)
+    reusable = [t for t in turns if t.reused or t.moved]
+    layer_count = max((len(measured(t.layers)) for t in turns), default=0)
     per_layer = []
     for layer in range(layer_count):
-        rows = [t["layers"][layer] for t in reusable]
+        rows = [measured(t.layers)[layer].to_json() for t in reusable]
         per_layer.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0]})
     timed = trajectory_timed(turns)
     decode_s = sum(row["decode_s"] for row in timed)
-    decode_steps = sum(t["decode_steps"] for t in turns)
-    cuda_peaks = [t["cuda_peak_bytes"] for t in turns if t["cuda_peak_bytes"] is not None]
+    decode_steps = sum(measured(t.decode_steps) for t in turns)
+    cuda_peaks = [t.cuda_peak_bytes for t in turns if t.cuda_peak_bytes is not None]
     allocator_bytes, allocator_source = allocator_peak(turns)
-    summary = {
-        "turns": len(turns),
-        "input_tokens": inputs,
-        "output_tokens": outputs,
-        "kl": sum(t["kl_sum"] for t in turns) / max(outputs, 1),
-        "top1": sum(t["top1_sum"] for t in turns) / max(outputs, 1),
-        "first_token_match": statistics.fmean(t["first_token_match"] for t in turns) if turns else None,
-        "trace_agreement": sum(t["trace_agreement_sum"] for t in turns) / max(outputs, 1),
-        "reuse_per_token": sum(t["from_others"] for t in turns) / max(inputs, 1),
-        "reuse_per_call": statistics.fmean(t["from_others"] > 0 for t in turns) if turns else None,
-        "reuse_per_call_excl_source": (statistics.fmean(t["from_others"] > 0 for t in reusable) if reusable else None),
-        "adapter_free_per_token": sum(t["adapter_free"] for t in turns) / max(inputs, 1),
-        "recomputed": sum(t["recomputed"] for t in turns),
-        "moved": sum(t.get("moved", 0) for t in turns),
-        "moved_recomputed": sum(t.get("moved_recomputed", 0) for t in turns),
-        "adapter_made": sum(t.get("adapter_made", 0) for t in turns),
-        "delta_reuse": delta_reuse(turns),
-        "error_by_hop": error_by_hop(turns),
-        "recompute_ratio": (
-            sum(t["recomputed"] for t in reusable)
-            / sum((t["reused"] + t.get("extended", 0)) * len(t["layers"]) for t in reusable)
+    latency_s = sum(row["latency_s"] for row in timed)
+    return RunSummary(
+        turns=len(turns),
+        input_tokens=inputs,
+        output_tokens=outputs,
+        kl=sum(measured(t.kl_sum) for t in turns) / max(outputs, 1),
+        top1=sum(measured(t.top1_sum) for t in turns) / max(outputs, 1),
+        first_token_match=statistics.fmean(measured(t.first_token_match) for t in turns) if turns else None,
+        trace_agreement=sum(measured(t.trace_agreement_sum) for t in turns) / max(outputs, 1),
+        reuse_per_token=sum(measured(t.from_others) for t in turns) / max(inputs, 1),
+        reuse_per_call=statistics.fmean(measured(t.from_others) > 0 for t in turns) if turns else None,
+        reuse_per_call_excl_source=(
+            statistics.fmean(measured(t.from_others) > 0 for t in reusable) if reusable else None
+        ),
+        adapter_free_per_token=sum(measured(t.adapter_free) for t in turns) / max(inputs, 1),
+        recomputed=sum(measured(t.recomputed) for t in turns),
+        moved=sum(t.moved or 0 for t in turns),
+        moved_recomputed=sum(t.moved_recomputed or 0 for t in turns),
+        adapter_made=sum(t.adapter_made or 0 for t in turns),
+        delta_reuse=delta_reuse(turns),
+        error_by_hop=error_by_hop(turns),
+        recompute_ratio=(
+            sum(measured(t.recomputed) for t in reusable)
+            / sum((measured(t.reused) + (t.extended or 0)) * len(measured(t.layers)) for t in reusable)
             if reusable
             else 0.0
         ),
-        "prefilled": sum(t["prefilled"] for t in turns),
-        "flops": sum(t["flops"] for t in turns),
-        "ttft_flops": sum(t["ttft_flops"] for t in turns),
-        "timing": "trajectory" if turns and "runs" in turns[0] else "turn",
-        "ttft_s": sum(row["ttft_s"] for row in timed),
-        "trajectory_ttft_s": trajectory_sums(turns, [row["ttft_s"] for row in timed]),
-        "decode_s": decode_s,
-        "tpot_s": decode_s / decode_steps if decode_steps else None,
-        "decode_tokens_per_s": decode_steps / decode_s if decode_s else None,
-        "latency_s": sum(row["latency_s"] for row in timed),
-        "peak_memory_bytes": max((t["memory_bytes"] for t in turns), default=0),
-        "peak_working_bytes": max((t["working_peak_bytes"] for t in turns), default=0),
-        "cuda_peak_bytes": max(cuda_peaks) if cuda_peaks else None,
-        "allocator_peak_bytes": allocator_bytes,
-        "allocator_peak_source": allocator_source,
-        "peak_kv_block_bytes": max((t.get("kv_block_bytes", 0) for t in turns), default=0),
-        "peak_kv_blocks": max((t.get("kv_blocks", 0.0) for t in turns), default=0.0),
-        "layers": per_layer,
-        "k_error": statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
-        "v_error": statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
-    }
-    summary["tokens_per_s"] = outputs / summary["latency_s"] if summary["latency_s"] else None
-    return summary
+        prefilled=sum(t.prefilled for t in turns),
+        flops=sum(t.flops for t in turns),
+        ttft_flops=sum(t.ttft_flops for t in turns),
+        timing="trajectory" if turns and turns[0].runs is not None else "turn",
+        ttft_s=sum(row["ttft_s"] for row in timed),
+        trajectory_ttft_s=trajectory_sums(turns, [row["ttft_s"] for row in timed]),
+        decode_s=decode_s,
+        tpot_s=decode_s / decode_steps if decode_steps else None,
+        decode_tokens_per_s=decode_steps / decode_s if decode_s else None,
+        latency_s=latency_s,
+        peak_memory_bytes=max((measured(t.memory_bytes) for t in turns), default=0),
+        peak_working_bytes=max((measured(t.working_peak_bytes) for t in turns), default=0),
+        cuda_peak_bytes=max(cuda_peaks) if cuda_peaks else None,
+        allocator_peak_bytes=allocator_bytes,
+        allocator_peak_source=allocator_source,
+        peak_kv_block_bytes=max((t.kv_block_bytes or 0 for t in turns), default=0),
+        peak_kv_blocks=max((t.kv_blocks or 0.0 for t in turns), default=0.0),
+        layers=per_layer,
+        k_error=statistics.fmean(layer["k_error"] for layer in per_layer) if per_layer else 0.0,
+        v_error=statistics.fmean(layer["v_error"] for layer in per_layer) if per_layer else 0.0,
+        tokens_per_s=outputs / latency_s if latency_s else None,
+    )
 
 
-def trajectory_timed(turns: list[dict]) -> list[dict[str, float]]:
+def trajectory_timed(turns: list[TurnRecord]) -> list[dict[str, float]]:
     """Each turn's TTFT, decode time and latency: with trajectory timing (`runs`), the mean over the timed runs
     (warm-up excluded); else the turn's own median."""
-    keys = ("ttft_s", "decode_s", "latency_s")
-    return [{key: statistics.fmean(t["runs"][key]) if "runs" in t else t[key] for key in keys} for t in turns]
+    return [
+        (
+            {
+                "ttft_s": statistics.fmean(t.runs.ttft_s),
+                "decode_s": statistics.fmean(t.runs.decode_s),
+                "latency_s": statistics.fmean(t.runs.latency_s),
+            }
+            if t.runs is not None
+            else {"ttft_s": measured(t.ttft_s), "decode_s": measured(t.decode_s), "latency_s": measured(t.latency_s)}
+        )
+        for t in turns
+    ]
 
 
-def trajectory_sums(turns: list[dict], values: list[float]) -> dict[str, float]:
+def trajectory_sums(turns: list[TurnRecord], values: list[float]) -> dict[str, float]:
     """`values` (one per turn) summed per trajectory id, in replay order."""
     sums: dict[str, float] = {}
     for turn, value in zip(turns, values):
-        key = str(turn.get("trajectory"))
+        key = str(turn.trajectory)
         sums[key] = sums.get(key, 0.0) + value
     return sums
 
 
-def delta_reuse(turns: list[dict]) -> float | None:
+def delta_reuse(turns: list[TurnRecord]) -> float | None:
     """ρ of a delta policy: the share of gated tokens from others' segments served corrected (None: no gate)."""
-    corrected = sum(t.get("corrected", 0) for t in turns)
-    decided = corrected + sum(t.get("fallback", 0) for t in turns)
+    corrected = sum(t.corrected or 0 for t in turns)
+    decided = corrected + sum(t.fallback or 0 for t in turns)
     return corrected / decided if decided else None
 
 
-def relative_to_dense(summary: dict, dense: dict) -> dict:
+def relative_to_dense(summary: RunSummary, dense: RunSummary) -> dict:
     """Speed-ups and memory ratios against the dense run measured in the same replay."""
 
     def ratio(numerator, denominator):
         return numerator / denominator if numerator is not None and denominator else None
 
     return {
-        "ttft_speedup": ratio(dense["ttft_s"], summary["ttft_s"]),
-        "tpot_speedup": ratio(dense["tpot_s"], summary["tpot_s"]),
-        "latency_speedup": ratio(dense["latency_s"], summary["latency_s"]),
-        "prefill_speedup_implied": ratio(dense["prefilled"], summary["prefilled"]),
-        "flops_ratio": ratio(summary["flops"], dense["flops"]),
-        "ttft_speedup_implied_flops": ratio(dense["ttft_flops"], summary["ttft_flops"]),
-        "harness_efficiency": ratio(
-            ratio(dense["ttft_s"], summary["ttft_s"]), ratio(dense["ttft_flops"], summary["ttft_flops"])
-        ),
-        "memory_ratio": ratio(summary["peak_memory_bytes"], dense["peak_memory_bytes"]),
-        "working_memory_ratio": ratio(summary["peak_working_bytes"], dense["peak_working_bytes"]),
-        "allocator_peak_ratio": ratio(summary["allocator_peak_bytes"], dense["allocator_peak_bytes"]),
-        "kv_block_ratio": ratio(summary["peak_kv_block_bytes"], dense["peak_kv_block_bytes"]),
+        "ttft_speedup": ratio(dense.ttft_s, summary.ttft_s),
+        "tpot_speedup": ratio(dense.tpot_s, summary.tpot_s),
+        "latency_speedup": ratio(dense.latency_s, summary.latency_s),
+        "prefill_speedup_implied": ratio(dense.prefilled, summary.prefilled),
+        "flops_ratio": ratio(summary.flops, dense.flops),
+        "ttft_speedup_implied_flops": ratio(dense.ttft_flops, summary.ttft_flops),
+        "harness_efficiency": ratio(ratio(dense.ttft_s, summary.ttft_s), ratio(dense.ttft_flops, summary.ttft_flops)),
+        "memory_ratio": ratio(summary.peak_memory_bytes, dense.peak_memory_bytes),
+        "working_memory_ratio": ratio(summary.peak_working_bytes, dense.peak_working_bytes),
+        "allocator_peak_ratio": ratio(summary.allocator_peak_bytes, dense.allocator_peak_bytes),
+        "kv_block_ratio": ratio(summary.peak_kv_block_bytes, dense.peak_kv_block_bytes),
     }
 
 
@@ -373,13 +410,15 @@ class ReplayProgress:
     """Per-turn records of the trajectories replayed so far: a resumable checkpoint."""
 
     trajectories: list[str] = field(default_factory=list)
-    records: dict[str, list[dict]] = field(default_factory=dict)
+    records: dict[str, list[TurnRecord]] = field(default_factory=dict)
     memory_exact: dict[str, bool] = field(default_factory=dict)
 
     @classmethod
     def of_checkpoint(cls, progress: object, checkpoint: Path) -> ReplayProgress:
-        """The progress a checkpoint records, refused in one sentence naming `checkpoint` if it is not one."""
+        """The progress a checkpoint records (`to_json`), refused in one sentence naming `checkpoint` if it is not
+        one."""
         kinds = {"trajectories": list, "records": dict, "memory_exact": dict}
+        fix = "delete it to start again"
         if (
             not isinstance(progress, dict)
             or set(progress) != set(kinds)
@@ -387,10 +426,23 @@ class ReplayProgress:
             or not all(isinstance(traj_id, str) for traj_id in progress["trajectories"])
             or not all(isinstance(records, list) for records in progress["records"].values())
         ):
-            raise KvprofError(
-                f"checkpoint {checkpoint} is not a replay checkpoint of this kvprof version; delete it to start again."
-            )
-        return cls(**progress)
+            raise KvprofError(f"checkpoint {checkpoint} is not a replay checkpoint of this kvprof version; {fix}.")
+        records = {
+            label: [
+                TurnRecord.from_json(record, f"checkpoint {checkpoint}, {label} turn {index}", fix)
+                for index, record in enumerate(turns)
+            ]
+            for label, turns in progress["records"].items()
+        }
+        return cls(progress["trajectories"], records, progress["memory_exact"])
+
+    def to_json(self) -> dict:
+        """The progress as a checkpoint records it."""
+        return {
+            "trajectories": list(self.trajectories),
+            "records": {label: [record.to_json() for record in records] for label, records in self.records.items()},
+            "memory_exact": dict(self.memory_exact),
+        }
 
 
 @dataclass
@@ -431,12 +483,18 @@ class Lockstep:
         )
         timed = interleaved_prefills([self.dense, *self.policies], request, self.per_turn)
         dense_result = self.dense.run_turn(request, self.per_turn, timed[0])
-        where = {"trajectory": traj.id, "turn": index}
         self.state.records[DENSE].append(
-            compare_turn(dense_result, dense_result, 0, outputs, self.kinds)
-            | paper_memory(self.dense, dense_result, self.weights, self.page_size)
-            | where
-            | {"start": start.to_json()}
+            compare_turn(
+                dense_result,
+                dense_result,
+                0,
+                outputs,
+                self.kinds,
+                trajectory=traj.id,
+                turn=index,
+                memory=paper_memory(self.dense, dense_result, self.weights, self.page_size),
+                start=start.to_json(),
+            )
         )
         for policy, earlier in zip(self.policies, timed[1:]):
             turn_result = policy.run_turn(request, self.per_turn, earlier)
@@ -448,10 +506,17 @@ class Lockstep:
                     else 0
                 ) + moved_from_others(traj, start, turn_result, turn.agent)
             self.state.records[policy.label].append(
-                compare_turn(turn_result, dense_result, from_others, outputs, self.kinds)
-                | paper_memory(policy, turn_result, self.weights, self.page_size)
-                | where
-                | {"moved_recomputed": start.moved_tokens - turn_result.moved}
+                compare_turn(
+                    turn_result,
+                    dense_result,
+                    from_others,
+                    outputs,
+                    self.kinds,
+                    trajectory=traj.id,
+                    turn=index,
+                    memory=paper_memory(policy, turn_result, self.weights, self.page_size),
+                    moved_recomputed=start.moved_tokens - turn_result.moved,
+                )
             )
             if self.check_memory:
                 exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
@@ -536,8 +601,8 @@ def replay_trace(
                 run.reset()  # the lockstep runs' stored caches are released: each timed run holds only its own
             for label, timer in timers.items():
                 records = state.records[label][-len(traj.turns) :]
-                for record, runs in zip(records, time_trajectory(timer, traj, repeats), strict=True):
-                    record.update(runs)
+                for record, (warm_up, runs) in zip(records, time_trajectory(timer, traj, repeats), strict=True):
+                    record.warm_up, record.runs = warm_up, runs
         state.trajectories.append(traj.id)
         if on_trajectory:
             on_trajectory(state)
@@ -589,7 +654,7 @@ def run_trajectory(runtime: Runtime, policies: list[SharingPolicy], traj: Trajec
     return results
 
 
-def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> list[dict]:
+def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> list[tuple[WarmUp, TimedRuns]]:
     """Trajectory timing (PReCache's `bench/single_stream.py`): `policy` alone replays `traj` once untimed, then
     `repeats` times, each from an empty store. Per turn: `runs` (TTFT — the synced prefill call: a double-batched
     policy's two rows inside, a lazy prefill's adapter-free pass outside —, decode time, latency, CUDA allocator
@@ -601,42 +666,44 @@ def time_trajectory(policy: SharingPolicy, traj: Trajectory, repeats: int) -> li
     policy.reset()
     warm_up, timed = runs[0], runs[1:]
     return [
-        {
-            "warm_up": {"ttft_s": warm_up[index].ttft_s, "latency_s": warm_up[index].latency_s},
-            "runs": {
-                "ttft_s": [run[index].ttft_s for run in timed],
-                "decode_s": [run[index].decode_s for run in timed],
-                "latency_s": [run[index].latency_s for run in timed],
-                "cuda_allocated_bytes": [run[index].cuda_allocated_bytes for run in timed],
-            },
-        }
+        (
+            WarmUp(ttft_s=warm_up[index].ttft_s, latency_s=warm_up[index].latency_s),
+            TimedRuns(
+                ttft_s=[run[index].ttft_s for run in timed],
+                decode_s=[run[index].decode_s for run in timed],
+                latency_s=[run[index].latency_s for run in timed],
+                cuda_allocated_bytes=[run[index].cuda_allocated_bytes for run in timed],
+            ),
+        )
         for index in range(len(traj.turns))
     ]
 
 
-def replay_result(records: dict[str, list[dict]], entries: dict[str, dict], memory_exact: dict | None = None) -> dict:
+def replay_result(
+    records: dict[str, list[TurnRecord]], entries: dict[str, dict], memory_exact: dict | None = None
+) -> dict:
     """The teacher-forced result from per-turn records (label → records, dense under `DENSE`) and `policy_entry`s:
     summaries recomputed, each policy's against the dense run; `memory_exact` per policy. Built as
     `kvprof.results.replay` records (an undeclared summary field fails here), returned as JSON."""
     dense_summary = summarise(records[DENSE])
     dense = DenseRun(
-        summary=DenseSummary(**dense_summary, timeline=timeline_summary(records[DENSE])), turns=records[DENSE]
+        summary=DenseSummary(**asdict(dense_summary), timeline=timeline_summary(records[DENSE])), turns=records[DENSE]
     )
     policies: dict[str, PolicyRun] = {}
     for label, entry in entries.items():
         summary = summarise(records[label])
         policies[label] = PolicyRun(
             **entry,
-            summary=PolicySummary(**summary, **relative_to_dense(summary, dense_summary)),
+            summary=PolicySummary(**asdict(summary), **relative_to_dense(summary, dense_summary)),
             turns=records[label],
             memory_accounting_exact=None if memory_exact is None else memory_exact[label],
         )
     return {"dense": dense.to_json(), "policies": {label: run.to_json() for label, run in policies.items()}}
 
 
-def timeline_summary(dense_turns: list[dict]) -> dict:
+def timeline_summary(dense_turns: list[TurnRecord]) -> dict:
     """Turns that left the shared context (by cause), turns that returned to an earlier state, tokens dropped."""
-    starts = [turn["start"] for turn in dense_turns if "start" in turn]
+    starts = [turn.start for turn in dense_turns if turn.start is not None]
     causes = Counter(start["divergence"]["cause"] for start in starts if start["divergence"])
     return {
         "turns": len(starts),

@@ -41,7 +41,7 @@ from kvprof.replay.engine import (
     summarise,
     summarise_online,
 )
-from kvprof.results.replay import FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS
+from kvprof.results.replay import FIX, FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS, PolicySummary, TurnRecord
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.tasks import task_of
 from kvprof.traces.trace import Segment, TraceHeader, Trajectory, Turn
@@ -153,14 +153,15 @@ class ShardResult:
 
     def to_dict(self) -> dict:
         """JSON-ready, for a checkpoint."""
-        return asdict(self)
+        return asdict(self) | {"progress": self.progress.to_json()}
 
     @classmethod
-    def from_dict(cls, saved: dict) -> ShardResult:
+    def from_dict(cls, saved: dict, checkpoint: Path) -> ShardResult:
+        """A result `to_dict` wrote into `checkpoint`."""
         online = saved["online"]
         return cls(
             key=saved["key"],
-            progress=ReplayProgress(**saved["progress"]),
+            progress=ReplayProgress.of_checkpoint(saved["progress"], checkpoint),
             entries=saved["entries"],
             online=None if online is None else {k: [_trajectory(t) for t in v] for k, v in online.items()},
             setting=saved["setting"],
@@ -182,7 +183,7 @@ def shard_checkpoint(results: dict[str, ShardResult], groups: list[list[str]]) -
 def saved_shards(progress: dict, checkpoint: Path) -> dict[str, ShardResult]:
     """The shard results of a `shard_checkpoint` record; another shape is refused in one sentence."""
     try:
-        return {key: ShardResult.from_dict(result) for key, result in progress["shards"].items()}
+        return {key: ShardResult.from_dict(result, checkpoint) for key, result in progress["shards"].items()}
     except (KeyError, TypeError, AttributeError):
         raise KvprofError(
             f"checkpoint {checkpoint} is not a sharded replay's checkpoint of this kvprof version; delete it to start "
@@ -264,11 +265,11 @@ def run_shard(
 
 def _merged_records(
     shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool
-) -> tuple[dict[str, list[dict]], dict[str, list[Trajectory]], dict[str, dict]]:
+) -> tuple[dict[str, list[TurnRecord]], dict[str, list[Trajectory]], dict[str, dict]]:
     """Per label, every shard's records and online re-runs in trace order, and each policy's entry (a sequential
     shard's dense run only when no trajectory shard ran one)."""
     trajectory_shards = [shard for shard in shards if not shard.sequential]
-    records: dict[str, list[dict]] = {DENSE: [], **{variant.label: [] for variant in variants}}
+    records: dict[str, list[TurnRecord]] = {DENSE: [], **{variant.label: [] for variant in variants}}
     runs: dict[str, list[Trajectory]] = {label: [] for label in records}
     entries: dict[str, dict] = {}
     for shard in trajectory_shards:
@@ -302,7 +303,7 @@ def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[P
             own_dense = summarise(results[shard.key].progress.records[DENSE])
             for variant in shard.variants:
                 summary = merged["policies"][variant.label]["summary"]
-                summary.update(relative_to_dense(summary, own_dense))
+                summary.update(relative_to_dense(PolicySummary.from_json(summary, variant.label, FIX), own_dense))
     if online:
         merged["online"] = summarise_online(runs)
     merged |= _merged_setting([results[shard.key].setting for shard in shards])

@@ -6,7 +6,7 @@ run at 1× (docs/commands/report.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 from kvprof.report.figures import Reference, add_references, base_layout, box_figure
 from kvprof.report.styles import DENSE, policy_style
 from kvprof.report.uncertainty import Interval, bootstrap, proportion, ratio_of_sums
-from kvprof.results.replay import ReplayResult, summary_of
+from kvprof.results.replay import ReplayResult, TurnRecord, measured, summary_of
 
 TOLERANCE = 0.01  # the target: within one accuracy point of NonShared
 KL_TIE = 0.10  # KLs within 10 % of the lowest count as tied
@@ -36,38 +36,49 @@ class Outcome:
     memory: Interval  # peak stored bytes ÷ dense; low/high: the range of per-task ratios (analytic, no noise)
 
 
-def _by_task(turns: list[dict]) -> dict[str, list[dict]]:
-    tasks: dict[str, list[dict]] = {}
+def _by_task(turns: list[TurnRecord]) -> dict[str, list[TurnRecord]]:
+    tasks: dict[str, list[TurnRecord]] = {}
     for turn in turns:
-        tasks.setdefault(str(turn.get("trajectory", "")), []).append(turn)
+        tasks.setdefault(turn.trajectory, []).append(turn)
     return tasks
 
 
 def _outcome(
-    label: str, turns: list[dict], dense: list[dict], memory: float | None, kl: float, accuracy: Interval | None
+    label: str,
+    turns: list[TurnRecord],
+    dense: list[TurnRecord],
+    memory: float | None,
+    kl: float,
+    accuracy: Interval | None,
 ) -> Outcome:
     """Outcome of a run's `turns` against the dense run's; `memory`: peak stored bytes ÷ dense."""
     mine, reference = _by_task(turns), _by_task(dense)
     tasks = [task for task in reference if task in mine]
     ratio = float("nan") if memory is None else memory  # None: a dense run that stores nothing has no ratio
 
-    def paired(key: str) -> np.ndarray:
-        return np.array([[sum(t[key] for t in reference[x]), sum(t[key] for t in mine[x])] for x in tasks])
+    def paired(seconds: Callable[[TurnRecord], float | None]) -> np.ndarray:
+        return np.array(
+            [
+                [sum(measured(seconds(t)) for t in reference[x]), sum(measured(seconds(t)) for t in mine[x])]
+                for x in tasks
+            ]
+        )
 
     decode = np.array(  # results written before kvprof measured TPOT have no decode times: no TPOT then
-        [[sum(t.get("decode_s", 0.0) for t in mine[x]), sum(t.get("decode_steps", 0) for t in mine[x])] for x in tasks]
+        [[sum(t.decode_s or 0.0 for t in mine[x]), sum(t.decode_steps or 0 for t in mine[x])] for x in tasks]
     )
     peaks = [
-        max(t["memory_bytes"] for t in mine[x]) / max(max(t["memory_bytes"] for t in reference[x]), 1) for x in tasks
+        max(measured(t.memory_bytes) for t in mine[x]) / max(max(measured(t.memory_bytes) for t in reference[x]), 1)
+        for x in tasks
     ]
     tpot = bootstrap(decode, lambda sums: 1e3 * sums[..., 0] / sums[..., 1]) if decode[:, 1].sum() > 0 else None
     return Outcome(
         label=label,
         accuracy=accuracy,
         kl=kl,
-        ttft=ratio_of_sums(paired("ttft_s")),
+        ttft=ratio_of_sums(paired(lambda t: t.ttft_s)),
         tpot_ms=tpot,
-        latency=ratio_of_sums(paired("latency_s")),
+        latency=ratio_of_sums(paired(lambda t: t.latency_s)),
         memory=Interval(ratio, min(peaks, default=ratio), max(peaks, default=ratio), len(tasks)),
     )
 
@@ -379,7 +390,9 @@ def bars_figure(items: Sequence[Outcome]) -> go.Figure:
 def ttft_box_figure(result: ReplayResult) -> go.Figure:
     """Per-turn TTFT (median of repeats) of the dense run (as nonshared) and every policy, by acting agent."""
     runs = {DENSE: result.dense.turns} | {label: run.turns for label, run in result.policies.items() if label != DENSE}
-    groups = {label: ([t["agent"] for t in turns], [1e3 * t["ttft_s"] for t in turns]) for label, turns in runs.items()}
+    groups = {
+        label: ([t.agent for t in turns], [1e3 * measured(t.ttft_s) for t in turns]) for label, turns in runs.items()
+    }
     turns = len(result.dense.turns)
     return box_figure(
         groups,

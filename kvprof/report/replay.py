@@ -14,6 +14,7 @@ from kvprof.results.replay import (
     PolicySummary,
     ReplayResult,
     RunSummary,
+    measured,
     summary_of,
 )
 
@@ -445,7 +446,7 @@ def diagnostic_figures(result: ReplayResult) -> list:
                     style=policy_style,
                 )
             )
-    kl = {label: ([label] * len(run.turns), [t["kl"] for t in run.turns]) for label, run in policies.items()}
+    kl = {label: ([label] * len(run.turns), [measured(t.kl) for t in run.turns]) for label, run in policies.items()}
     exact = sum(value <= 0 for _, values in kl.values() for value in values)
     figures.append(
         box_figure(
@@ -461,7 +462,7 @@ def diagnostic_figures(result: ReplayResult) -> list:
     figures.append(
         line_figure(
             range(len(result.dense.turns)),
-            {label: [t["memory_bytes"] / 2**20 for t in rows] for label, rows in runs.items()},
+            {label: [measured(t.memory_bytes) / 2**20 for t in rows] for label, rows in runs.items()},
             "analytic cache memory after each turn (all trajectories in order)",
             "turn",
             "MiB",

@@ -36,6 +36,11 @@ def _json_fields(record: Record | type[Record]) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(record) if "kind" in f.metadata]
 
 
+def _optional(kind: JsonType) -> JsonType:
+    """`kind` or null, as one flat tuple (a refusal names each type)."""
+    return (*kind, OPTIONAL) if isinstance(kind, tuple) else (kind, OPTIONAL)
+
+
 def _dump(value: Any) -> Any:
     """A field's JSON value: records written with `to_json`, inside lists and objects too."""
     if isinstance(value, Record):
@@ -55,7 +60,7 @@ class Record:
     def from_json(cls: type[R], record: object, where: str, fix: str) -> R:
         """`record` (read at `where`), refused with `fix` when a declared field is missing or mistyped."""
         fields = _json_fields(cls)
-        kinds = {f.name: (f.metadata["kind"], OPTIONAL) if f.metadata["absent"] else f.metadata["kind"] for f in fields}
+        kinds = {f.name: _optional(f.metadata["kind"]) if f.metadata["absent"] else f.metadata["kind"] for f in fields}
         checked = check_fields(record, kinds, where, fix)
         values = {}
         for f in fields:

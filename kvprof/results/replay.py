@@ -1,6 +1,7 @@
 """`kvprof replay`'s result (replay.json): the dense run and each policy's run, their summaries, how the replay ran.
 
-Kept as JSON: per-turn records, per-layer means, errors by hop, per-trajectory TTFT; a policy's `published` figures;
+Typed: the per-turn records (`TurnRecord`, with their per-layer errors, corrected spans and timed runs). Kept as
+JSON: per-layer means, errors by hop, per-trajectory TTFT; a policy's `published` figures;
 `online` (label → accuracy, correct, tasks, diverged_turns); timing and span-matching settings, layer kinds, CPU, GPU
 memory, memory verdicts, self-check errors, `distributed`.
 
@@ -14,7 +15,7 @@ Deviations from the file as written:
 from __future__ import annotations
 
 import dataclasses
-from typing import overload
+from typing import TypeVar, overload
 
 from kvprof.errors import KvprofError
 from kvprof.results.base import (
@@ -25,6 +26,7 @@ from kvprof.results.base import (
     json_field,
     record_reader,
     records_by_label,
+    records_in_list,
 )
 
 # In `ReplayResult.lora_attention` when the low-rank views were expanded by `kvprof.kernels.expansion`'s C kernel,
@@ -35,6 +37,111 @@ FUSED_EXPANSION = "kvprof's fused CPU kernel"
 STORED_IN_SHORT_FORWARDS = "short forwards: rank-r values as stored (flash-lora-attention, torch)"
 FIX = "pass the replay.json a `kvprof replay` run wrote, unchanged (or rerun `kvprof replay`)"
 MAYBE_NUMBER = (*NUMBER, OPTIONAL)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LayerError(Record):
+    """One layer's error of a turn's reused K and V against the dense turn: relative Frobenius error and mean
+    per-token cosine (`kvprof.replay.metrics`)."""
+
+    k_error: float = json_field(NUMBER)
+    k_cosine: float = json_field(NUMBER)
+    v_error: float = json_field(NUMBER)
+    v_cosine: float = json_field(NUMBER)
+
+
+@dataclasses.dataclass(kw_only=True)
+class CorrectedSpan(Record):
+    """A corrected segment's K and V error against the dense turn (mean over layers 1..), its length in tokens and
+    its `hop` (1: the producer's first reader, ...)."""
+
+    tokens: int = json_field(int)
+    k_error: float = json_field(NUMBER)
+    v_error: float = json_field(NUMBER)
+    hop: int = json_field(int)
+
+
+@dataclasses.dataclass(kw_only=True)
+class WarmUp(Record):
+    """A turn's untimed warm-up run under trajectory timing: TTFT and latency (seconds)."""
+
+    ttft_s: float = json_field(NUMBER)
+    latency_s: float = json_field(NUMBER)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TimedRuns(Record):
+    """A turn's timed runs under trajectory timing, one value per run: TTFT, decode time, latency (seconds) and the
+    CUDA allocator's peak with the weights (bytes; None off CUDA)."""
+
+    ttft_s: list[float] = json_field(list)
+    decode_s: list[float] = json_field(list)
+    latency_s: list[float] = json_field(list)
+    cuda_allocated_bytes: list[int | None] = json_field(list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TurnRecord(Record):
+    """One turn of one run (the dense run or a policy's) against the dense turn, in the order a replay writes it:
+
+    - what the turn is and reused (`kvprof.policies.turns.ReuseCounts`; `from_others`: reused tokens another agent
+      processed first), its cost (FLOPs, seconds) and memory (bytes) — `kvprof.replay.records.compare_turn`;
+    - its fidelity: mean and summed KL, top-1 and trace agreement over output tokens, per-layer K/V errors of the
+      reused tokens, corrected spans;
+    - memory as the papers report it (`kvprof.replay.records.paper_memory`), where it sits (trajectory, turn);
+    - the dense run's `start` (`kvprof.replay.branches.TurnStart.to_json`), a policy's `moved_recomputed`;
+    - under trajectory timing, `warm_up` and `runs`.
+
+    Only agent, tokens, prefilled, FLOPs and where are required: simulate reads hand-trimmed records
+    (tests/data/simulate); other fields read as None there and are left out when written again, but
+    `cuda_peak_bytes`, None off CUDA, is written as null.
+    """
+
+    agent: str = json_field(str)
+    input_tokens: int = json_field(int)
+    output_tokens: int = json_field(int)
+    reused: int | None = json_field(int, absent=True)
+    moved: int | None = json_field(int, absent=True)
+    extended: int | None = json_field(int, absent=True)
+    adapter_made: int | None = json_field(int, absent=True)
+    recomputed: int | None = json_field(int, absent=True)
+    realigned: int | None = json_field(int, absent=True)
+    corrected: int | None = json_field(int, absent=True)
+    fallback: int | None = json_field(int, absent=True)
+    from_others: int | None = json_field(int, absent=True)
+    adapter_free: int | None = json_field(int, absent=True)
+    prefilled: float = json_field(NUMBER)
+    flops: float = json_field(NUMBER)
+    ttft_flops: float = json_field(NUMBER)
+    ttft_s: float | None = json_field(NUMBER, absent=True)
+    decode_s: float | None = json_field(NUMBER, absent=True)
+    decode_steps: int | None = json_field(int, absent=True)
+    latency_s: float | None = json_field(NUMBER, absent=True)
+    memory_bytes: float | None = json_field(NUMBER, absent=True)
+    working_peak_bytes: float | None = json_field(NUMBER, absent=True)
+    cuda_peak_bytes: float | None = json_field(MAYBE_NUMBER)
+    kl: float | None = json_field(NUMBER, absent=True)
+    kl_sum: float | None = json_field(NUMBER, absent=True)
+    top1_sum: float | None = json_field(NUMBER, absent=True)
+    first_token_match: bool | None = json_field(bool, absent=True)
+    trace_agreement_sum: int | None = json_field(int, absent=True)
+    layers: list[LayerError] | None = json_field(list, read=records_in_list(LayerError), absent=True)
+    corrected_spans: list[CorrectedSpan] | None = json_field(list, read=records_in_list(CorrectedSpan), absent=True)
+    kv_block_bytes: float | None = json_field(NUMBER, absent=True)
+    kv_blocks: float | None = json_field(NUMBER, absent=True)
+    allocator_peak_bytes: float | None = json_field(NUMBER, absent=True)
+    trajectory: str = json_field(str)
+    turn: int = json_field(int)
+    start: dict | None = json_field(dict, absent=True)
+    moved_recomputed: int | None = json_field(int, absent=True)
+    warm_up: WarmUp | None = json_field(dict, read=record_reader(WarmUp), absent=True)
+    runs: TimedRuns | None = json_field(dict, read=record_reader(TimedRuns), absent=True)
+
+    @property
+    def steps(self) -> int:
+        """Decode steps: `decode_steps`, or the output tokens where a trimmed record lacks it (or holds 0)."""
+        return int(self.decode_steps or self.output_tokens)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -113,7 +220,7 @@ class DenseRun(Record):
     """The dense (NonShared) run every policy is measured against: its summary and per-turn records."""
 
     summary: DenseSummary | None = json_field(dict, read=record_reader(DenseSummary), absent=True)
-    turns: list[dict] = json_field(list)
+    turns: list[TurnRecord] = json_field(list, read=records_in_list(TurnRecord))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -131,7 +238,7 @@ class PolicyRun(Record):
     published: list[dict] | None = json_field(list, absent=True)
     notes: list[str] | None = json_field(list, absent=True)
     summary: PolicySummary | None = json_field(dict, read=record_reader(PolicySummary), absent=True)
-    turns: list[dict] = json_field(list)
+    turns: list[TurnRecord] = json_field(list, read=records_in_list(TurnRecord))
     memory_accounting_exact: bool | None = json_field(bool, absent=True)
 
 
@@ -181,3 +288,10 @@ def summary_of(label: str, run: DenseRun | PolicyRun) -> RunSummary:
     if run.summary is None:
         raise KvprofError(f"the replay result has no summary of the {label} run; {FIX}.")
     return run.summary
+
+
+def measured(value: T | None) -> T:
+    """A `TurnRecord` field every record a replay writes holds, refused where a trimmed record lacks it."""
+    if value is None:
+        raise KvprofError(f"a turn record lacks a measure this reads; {FIX}.")
+    return value

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import NUMBER, JsonType, check_fields, is_json
-from kvprof.results.replay import ReplayResult
+from kvprof.results.replay import ReplayResult, measured
 from kvprof.results.serve_bench import ServeBenchResult, ServeRun
 from kvprof.simulate.workload import ReplayWork
 
@@ -179,13 +179,14 @@ def replay_observations(replay: ReplayResult | dict) -> list[Observation]:
     adapter = 1.0 if replay.mode == "lora" else 0.0
     observations = []
     for turn in replay.dense.turns:
-        context, steps = turn["input_tokens"], int(turn.get("decode_steps") or turn["output_tokens"])
-        prefill = turn["prefilled"]
-        observations.append(Observation("ttft", turn["ttft_s"], 1, prefill, 0, context, 1, adapter * prefill, adapter))
-        if steps and turn.get("decode_s"):
+        context, steps = turn.input_tokens, turn.steps
+        prefill = turn.prefilled
+        ttft_s = measured(turn.ttft_s)
+        observations.append(Observation("ttft", ttft_s, 1, prefill, 0, context, 1, adapter * prefill, adapter))
+        if steps and turn.decode_s:
             read = steps * context + steps * (steps + 1) / 2
             observations.append(
-                Observation("decode", turn["decode_s"], steps, 0, steps, read, 0, adapter * steps, adapter * steps)
+                Observation("decode", turn.decode_s, steps, 0, steps, read, 0, adapter * steps, adapter * steps)
             )
     return observations
 

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from kvprof.errors import KvprofError
-from kvprof.results.replay import ReplayResult
+from kvprof.results.replay import ReplayResult, measured
 from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.serving.summary import distribution
 from kvprof.serving.traffic import Load
@@ -209,6 +209,6 @@ def replay_errors(replay: ReplayResult | dict, work: ReplayWork, cost: StepCost,
     simulated = run_policy(
         "nonshared", trajectories, cost, settings.engine(work), Traffic(load, count=len(trajectories))
     )
-    ttft = statistics.median(t["ttft_s"] for t in turns)
-    rate = len(turns) / sum(t["ttft_s"] + t["decode_s"] for t in turns)
+    ttft = statistics.median(measured(t.ttft_s) for t in turns)
+    rate = len(turns) / sum(measured(t.ttft_s) + measured(t.decode_s) for t in turns)
     return [_errors("dense replay (nonshared) @ 1 conc", ttft, rate, simulated)]

@@ -23,10 +23,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import NUMBER, JsonType, check_fields, is_json
-from kvprof.results.replay import ReplayResult
+from kvprof.results.replay import ReplayResult, TurnRecord
 
-TURN_FIELDS = ("agent", "trajectory", "turn", "input_tokens", "output_tokens", "prefilled", "ttft_flops", "flops")
 DENSE_LABEL = "nonshared"  # a replay's dense run is NonShared; simulated under this label when not replayed as a policy
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,20 +75,12 @@ class ReplayWork:
 
 
 REPLAY_FIX = "pass the replay.json `kvprof replay --policy all` wrote"
-TURN_TYPES: dict[str, JsonType] = {
-    "agent": str,
-    "trajectory": str,
-    "turn": int,
-    "input_tokens": int,
-    "output_tokens": int,
-    "prefilled": NUMBER,
-    "ttft_flops": NUMBER,
-    "flops": NUMBER,
-    "decode_steps": (int, type(None)),
-    "memory_bytes": (int, float, type(None)),
-    "working_peak_bytes": (int, float, type(None)),
-}
-DENSE_TURN_TYPES: dict[str, JsonType] = TURN_TYPES | {"ttft_s": NUMBER, "decode_s": NUMBER}
+# The per-turn counts simulate reads, refused when negative.
+SIMULATED = (
+    "turn", "input_tokens", "output_tokens", "prefilled", "ttft_flops", "flops", "decode_steps", "memory_bytes",
+    "working_peak_bytes",
+)  # fmt: skip
+TIMINGS = ("ttft_s", "decode_s")  # the dense run's, which the cost model fits
 
 
 def load_replay(path: Path) -> ReplayWork:
@@ -99,16 +89,17 @@ def load_replay(path: Path) -> ReplayWork:
 
 
 def read_replay_result(path: Path) -> ReplayResult:
-    """A `kvprof replay` result with every per-turn field simulate reads checked; otherwise refused naming the file."""
+    """A `kvprof replay` result with every per-turn field simulate reads checked (`TurnRecord`'s required fields, the
+    dense run's timings, no negative count); otherwise refused naming the file."""
     result = ReplayResult.read(path)
     if not result.dense.turns or not result.policies:
         raise KvprofError(
             f"{path} holds no per-turn records of a dense run and policies; rerun `kvprof replay` with this kvprof."
         )
-    _check_turns(path, "dense run", result.dense.turns, DENSE_TURN_TYPES)
+    _check_turns(path, "dense run", result.dense.turns, timed=True)
     for label, run in result.policies.items():
-        _check_turns(path, f"policy {label!r}", run.turns, TURN_TYPES)
-    if not any(t["turn"] == 0 and t.get("memory_bytes") for t in result.dense.turns):
+        _check_turns(path, f"policy {label!r}", run.turns)
+    if not any(t.turn == 0 and t.memory_bytes for t in result.dense.turns):
         raise KvprofError(f"{path}: the dense run records no memory of a first turn; {REPLAY_FIX}.")
     return result
 
@@ -118,15 +109,19 @@ def read_replay(path: Path) -> dict:
     return read_replay_result(path).to_json()
 
 
-def _check_turns(path: Path, where: str, turns: list, types: dict[str, JsonType]) -> None:
-    """Refuse a per-turn record that lacks a field simulate reads, has one of another type, or a negative count."""
+def _check_turns(path: Path, where: str, turns: list[TurnRecord], timed: bool = False) -> None:
+    """Refuse a per-turn record that lacks the timings simulate fits (`timed`: the dense run's) or holds a negative
+    count (`TurnRecord` checked the fields' types)."""
     for index, turn in enumerate(turns):
         record = f"{path}, {where} turn record {index}"
-        check_fields(turn, types, record, REPLAY_FIX)
-        negative = next((key for key in types if is_json(turn.get(key), NUMBER) and turn[key] < 0), None)
+        for name in TIMINGS if timed else ():
+            if getattr(turn, name) is None:
+                raise KvprofError(f"{record} has no field '{name}'; {REPLAY_FIX}.")
+        read = {name: getattr(turn, name) for name in SIMULATED + (TIMINGS if timed else ())}
+        negative = next((name for name, value in read.items() if value is not None and value < 0), None)
         if negative is not None:
             raise KvprofError(f"{record}: {negative} is negative; {REPLAY_FIX}.")
-        if turn["input_tokens"] + turn["output_tokens"] < 1:
+        if turn.input_tokens + turn.output_tokens < 1:
             raise KvprofError(f"{record} has no input or output tokens; {REPLAY_FIX}.")
 
 
@@ -136,17 +131,15 @@ def replay_work(result: ReplayResult | dict, path: Path) -> ReplayWork:
         result = ReplayResult.from_json(result, str(path), REPLAY_FIX)
     dense_turns = result.dense.turns
     policies = result.policies
-    if not dense_turns or not policies or any(field not in dense_turns[0] for field in TURN_FIELDS):
+    if not dense_turns or not policies:
         raise KvprofError(
             f"{path} holds no per-turn records of a dense run and policies; rerun `kvprof replay` with this kvprof."
         )
-    dense = {(t["trajectory"], t["turn"]): t for t in dense_turns}
-    prefill_per_token = sum(t["ttft_flops"] for t in dense_turns) / max(1, sum(t["prefilled"] for t in dense_turns))
-    decode_per_step = sum(t["flops"] - t["ttft_flops"] for t in dense_turns) / max(
-        1, sum(_steps(t) for t in dense_turns)
-    )
-    firsts = [t for t in dense_turns if t["turn"] == 0 and t.get("memory_bytes")]
-    kv_per_token = statistics.median(t["memory_bytes"] / (t["input_tokens"] + t["output_tokens"]) for t in firsts)
+    dense = {(t.trajectory, t.turn): t for t in dense_turns}
+    prefill_per_token = sum(t.ttft_flops for t in dense_turns) / max(1, sum(t.prefilled for t in dense_turns))
+    decode_per_step = sum(t.flops - t.ttft_flops for t in dense_turns) / max(1, sum(t.steps for t in dense_turns))
+    firsts = [t for t in dense_turns if t.turn == 0 and t.memory_bytes]
+    kv_per_token = statistics.median((t.memory_bytes or 0) / (t.input_tokens + t.output_tokens) for t in firsts)
     lora = result.mode == "lora"
     work = {label: _trajectories(run.turns, dense, label, path, lora) for label, run in policies.items()}
     if DENSE_LABEL not in work:  # the dense run is NonShared's
@@ -162,42 +155,40 @@ def replay_work(result: ReplayResult | dict, path: Path) -> ReplayWork:
     )
 
 
-def _steps(turn: dict) -> int:
-    return int(turn.get("decode_steps") or turn["output_tokens"])
-
-
-def _trajectories(turns: list[dict], dense: dict, label: str, path: Path, adapter: bool) -> tuple[TrajectoryWork, ...]:
+def _trajectories(
+    turns: list[TurnRecord], dense: dict[tuple[str, int], TurnRecord], label: str, path: Path, adapter: bool
+) -> tuple[TrajectoryWork, ...]:
     """A policy's turns by trajectory, each compared with the dense turn; `adapter`: the turns run adapters."""
     grouped: dict[str, list[RequestWork]] = {}
-    for turn in sorted(turns, key=lambda t: (t["trajectory"], t["turn"])):
-        reference = dense.get((turn["trajectory"], turn["turn"]))
+    for turn in sorted(turns, key=lambda t: (t.trajectory, t.turn)):
+        reference = dense.get((turn.trajectory, turn.turn))
         if reference is None:
             raise KvprofError(
-                f"{path}: policy {label} replayed turn {turn['turn']} of {turn['trajectory']}, which the dense run "
+                f"{path}: policy {label} replayed turn {turn.turn} of {turn.trajectory}, which the dense run "
                 "did not; rerun `kvprof replay` on one trace."
             )
-        grouped.setdefault(turn["trajectory"], []).append(_request(turn, reference, adapter))
+        grouped.setdefault(turn.trajectory, []).append(_request(turn, reference, adapter))
     return tuple(TrajectoryWork(traj, tuple(requests)) for traj, requests in grouped.items())
 
 
-def _request(turn: dict, dense: dict, adapter: bool) -> RequestWork:
-    prefilled = max(1, int(turn["prefilled"]))
-    dense_ttft = dense["ttft_flops"] / max(1, dense["prefilled"])  # dense FLOPs per prefilled token of this turn
-    steps, dense_steps = _steps(turn), _steps(dense)
-    decode_flops = (turn["flops"] - turn["ttft_flops"]) / steps if steps else 0.0
-    dense_decode = (dense["flops"] - dense["ttft_flops"]) / dense_steps if dense_steps else 0.0
-    memory = int(turn.get("memory_bytes") or 0)
+def _request(turn: TurnRecord, dense: TurnRecord, adapter: bool) -> RequestWork:
+    prefilled = max(1, int(turn.prefilled))
+    dense_ttft = dense.ttft_flops / max(1, dense.prefilled)  # dense FLOPs per prefilled token of this turn
+    steps, dense_steps = turn.steps, dense.steps
+    decode_flops = (turn.flops - turn.ttft_flops) / steps if steps else 0.0
+    dense_decode = (dense.flops - dense.ttft_flops) / dense_steps if dense_steps else 0.0
+    memory = int(turn.memory_bytes or 0)
     return RequestWork(
-        agent=turn["agent"],
+        agent=turn.agent,
         prefill_tokens=prefilled,
-        prefill_weight=turn["ttft_flops"] / (prefilled * dense_ttft) if dense_ttft else 1.0,
-        context_tokens=int(turn["input_tokens"]),
-        decode_steps=int(turn["output_tokens"]),
+        prefill_weight=turn.ttft_flops / (prefilled * dense_ttft) if dense_ttft else 1.0,
+        context_tokens=int(turn.input_tokens),
+        decode_steps=int(turn.output_tokens),
         decode_weight=decode_flops / dense_decode if dense_decode and decode_flops else 1.0,
-        working_bytes=max(memory, int(turn.get("working_peak_bytes") or 0)),
+        working_bytes=max(memory, int(turn.working_peak_bytes or 0)),
         kept_bytes=memory,
-        input_tokens=int(turn["input_tokens"]),
-        output_tokens=int(turn["output_tokens"]),
+        input_tokens=int(turn.input_tokens),
+        output_tokens=int(turn.output_tokens),
         adapter=adapter,
     )
 
