@@ -50,7 +50,7 @@ SHAPES = {
 # Run inside each step's process: the CLI, then its peak RSS (and, with HOOKS, the time in the model's modules) as
 # the last line of stderr.
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 began = time.perf_counter()
 timed = {"model_s": 0.0, "setup_s": 0.0}
@@ -77,7 +77,9 @@ sys.argv = ["kvprof", *sys.argv[2:]]
 try:
     main()
 finally:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this address space's peak (ru_maxrss would keep the parent's from before the exec)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    peak = int(status["VmHWM"].split()[0]) * 1024
     print("SCALE " + json.dumps({"peak_rss_bytes": peak, **timed}), file=sys.stderr)
 """
 
