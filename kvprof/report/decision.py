@@ -43,6 +43,13 @@ def _by_task(turns: list[dict]) -> dict[str, list[dict]]:
     return tasks
 
 
+def kl_over_tasks(turns: list[dict]) -> Interval:
+    """KL(dense ‖ policy) per output token of `turns` (Σ KL ÷ Σ output tokens: the replay summary's KL), with its
+    interval over tasks."""
+    tasks = _by_task(turns).values()
+    return ratio_of_sums(np.array([[sum(t["kl_sum"] for t in x), sum(t["output_tokens"] for t in x)] for x in tasks]))
+
+
 def _outcome(
     label: str, turns: list[dict], dense: list[dict], memory: float | None, kl: float, accuracy: Interval | None
 ) -> Outcome:

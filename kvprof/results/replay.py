@@ -1,7 +1,8 @@
 """`kvprof replay`'s result (replay.json): the dense run and each policy's run, their summaries, how the replay ran.
 
 Kept as JSON: per-turn records, per-layer means, errors by hop, per-trajectory TTFT; a policy's `published` figures;
-`online` (label → accuracy, correct, tasks, diverged_turns); timing and span-matching settings, layer kinds, CPU, GPU
+`online` (label → accuracy, correct, tasks, diverged_turns, exact: trajectory id → answered exactly, absent from
+older files); timing and span-matching settings, layer kinds, CPU, GPU
 memory, memory verdicts, self-check errors, `distributed`.
 
 Deviations from the file as written:
