@@ -217,6 +217,38 @@ def test_the_choice_changes_with_the_load_as_the_simulation_says(run_cli, replay
     assert "The choice changes at 1 qps (→ nonshared)" in decision_lines(high)[-1]
 
 
+def test_with_nothing_meeting_the_target_what_would_meet_it_does(run_cli, replay_file, tmp_path):
+    """Under load the low-rank policy's TPOT p90 misses 5 ms; the bound it names, and the lower load it names, each
+    make it the choice when run again."""
+    result = _recommend(run_cli, tmp_path / "none", str(replay_file), "--target", "kl<=0.01, tpot-p90<=5ms, load=2qps")
+    decision = result.decision
+    assert decision.chosen is None and decision.closest == "baselrshared"
+    looser, lower = decision.suggestions
+    bound = looser.removeprefix("baselrshared meets the target with ").removesuffix(".")
+    load = lower.removeprefix("baselrshared meets the target at ").split(" (")[0].replace(" ", "")
+    assert bound.startswith("tpot-p90<=") and load in ("1qps", "0.5qps", "0.25qps")
+    again = _recommend(run_cli, tmp_path / "looser", str(replay_file), "--target", f"kl<=0.01, {bound}, load=2qps")
+    assert again.decision.chosen == "baselrshared"
+    again = _recommend(
+        run_cli, tmp_path / "lower", str(replay_file), "--target", f"kl<=0.01, tpot-p90<=5ms, load={load}"
+    )
+    assert again.decision.chosen is not None
+
+
+def test_replays_of_one_trace_are_merged(run_cli, replay_file, tmp_path):
+    """Two replays of one trace, one policy each: their candidates side by side, NonShared once."""
+    source = json.loads(replay_file.read_text())
+    paths = []
+    for label in ("fullshared", "baselrshared"):
+        part = copy.deepcopy(source)
+        part["policies"] = {label: source["policies"][label]}
+        paths.append(tmp_path / f"{label}.json")
+        paths[-1].write_text(json.dumps(part))
+    result = _recommend(run_cli, tmp_path / "merged", *map(str, paths), "--target", f"{TARGET}, load=2qps")
+    assert [c.name for c in result.candidates] == ["nonshared", "fullshared", "baselrshared"]
+    assert result.decision.chosen == "baselrshared"
+
+
 def test_the_choice_numbers_are_those_of_simulate_and_replay_alone(run_cli, replay_file, tmp_path):
     result = _recommend(run_cli, tmp_path / "rec", str(replay_file), "--target", f"{TARGET}, load=2qps")
     code, _, err = run_cli("simulate", replay_file, "--qps", "2", "--duration", "60", "--out", tmp_path / "sim")

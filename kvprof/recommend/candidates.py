@@ -27,17 +27,20 @@ NAMED = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)=(.+)$")
 
 @dataclasses.dataclass(frozen=True)
 class ResultGroup:
-    """One replay result: its name (`NAME=` on the command line; "" unnamed), path, result and trajectory ids."""
+    """One replay result: its name (`NAME=` on the command line; "" unnamed), path, result and trajectory ids;
+    `with_dense`: NonShared is one of its candidates (of unnamed results of one trace, the first's only)."""
 
     name: str
     path: Path
     replay: ReplayResult
     trajectories: tuple[str, ...]
+    with_dense: bool = True
 
     @property
     def labels(self) -> list[str]:
-        """Its candidates' policy labels: NonShared first, then the replayed policies in their order."""
-        return [DENSE, *(label for label in self.replay.policies if label != DENSE)]
+        """Its candidates' policy labels: NonShared first (`with_dense`), then the replayed policies in order."""
+        policies = [label for label in self.replay.policies if label != DENSE]
+        return [DENSE, *policies] if self.with_dense else policies
 
     def candidate(self, label: str) -> str:
         """The name of its candidate `label` in tables and the result: `NAME/label`, or `label` when unnamed."""
@@ -89,6 +92,7 @@ def read_groups(arguments: list[str]) -> list[ResultGroup]:
         raise KvprofError(f"the name {next(n for n in names if names.count(n) > 1)!r} is given twice; name each once.")
     if not named:
         _check_one_trace(groups)
+        groups[1:] = [dataclasses.replace(group, with_dense=False) for group in groups[1:]]
     return groups
 
 

@@ -117,7 +117,7 @@ class Recommendation:
         heldout = None
         if self.parts is not None and choice.chosen is not None and request.split is not None:
             step("the choice on held-out trajectories")
-            confirmation = self._confirm(choice.chosen, candidates, target)
+            confirmation = self._confirm(choice.chosen, target)
             heldout = records.heldout_record(confirmation, request.split, request.seed)
         sensitivity = [records.sensitivity_row(target, choice), *self._sensitivity(choice, step)]
         return records.result_record(
@@ -141,40 +141,46 @@ class Recommendation:
         return next(g for g in self.groups if g.name == candidate.group and candidate.label in g.labels)
 
     def _suggestions(self, choice: Choice, target: Target) -> list[str]:
-        """What would make the closest candidate meet the target: looser bounds, and a lower load when only serving
-        and memory bounds are missed."""
+        """What would make the closest candidate meet the target: looser bounds (or more KV memory), and a lower
+        load when no accuracy or KL bound is missed."""
         closest = choice.closest
         assert closest is not None and target.load is not None
         missed = choice.rejected[closest.name]
         looser = [f"{m.bound}<={bound_text(m.bound, _round_up(m.value))}" for m in missed if m.value is not None]
-        lines = [f"{closest.name} meets the target with {', '.join(looser)}."] if len(looser) == len(missed) else []
+        if len(looser) == len(missed):
+            lines = [f"{closest.name} meets the target with {', '.join(looser)}."]
+        else:
+            lines = [f"{closest.name} needs more KV memory first (a larger kv-memory budget, or --memory)."]
         if any(m.bound in QUALITY_BOUNDS for m in missed):
             return lines
         group = self.group_of(closest)
         tasks = self._tasks(group, None if self.parts is None else CHOOSE)
         for factor in LOWER_LOADS:
             lower = records.scaled(target.load, factor)
+            if lower == target.load:
+                continue
             serving = self.models[group.path].serve([closest.label], lower, target.kv_memory, tasks)
-            trial = dataclasses.replace(closest, serving=serving[closest.label])
-            if not misses(trial, target.with_load(lower)):
+            if not misses(dataclasses.replace(closest, serving=serving[closest.label]), target.with_load(lower)):
                 return [*lines, f"{closest.name} meets the target at {lower.label} ({factor:g}× the load)."]
-        lowest = records.scaled(target.load, LOWER_LOADS[-1]).label
-        return [*lines, f"{closest.name} misses the target at {lowest} too ({LOWER_LOADS[-1]:g}× the load)."]
+        lowest = records.scaled(target.load, LOWER_LOADS[-1])
+        return [*lines, f"{closest.name} misses the target at {lowest.label} too ({LOWER_LOADS[-1]:g}× the load)."]
 
-    def _confirm(self, chosen: Candidate, candidates: list[Candidate], target: Target) -> records.Confirmation:
-        """The choice on the trajectories it was chosen on and on the held-out ones, against NonShared."""
+    def _confirm(self, chosen: Candidate, target: Target) -> records.Confirmation:
+        """The choice on the trajectories it was chosen on and on the held-out ones, against its result's NonShared
+        at the same load and budget."""
         assert target.load is not None
         group = self.group_of(chosen)
-        nonshared = next(c for c in candidates if c.group == chosen.group and c.label == DENSE)
         labels = list(dict.fromkeys([DENSE, chosen.label]))
-        serving = self.models[group.path].serve(labels, target.load, target.kv_memory, self._tasks(group, HOLD_OUT))
+        model = self.models[group.path]
+        before = model.serve(labels, target.load, target.kv_memory, self._tasks(group, CHOOSE))
+        after = model.serve(labels, target.load, target.kv_memory, self._tasks(group, HOLD_OUT))
         held = Candidate(
-            chosen.name, chosen.group, chosen.label, self.quality(group, HOLD_OUT)[chosen.label], serving[chosen.label]
+            chosen.name, chosen.group, chosen.label, self.quality(group, HOLD_OUT)[chosen.label], after[chosen.label]
         )
         point = dataclasses.replace(held, quality=_point_values(held.quality))
         return records.Confirmation(
-            chosen=(chosen, nonshared.serving),
-            held_out=(held, serving[DENSE]),
+            chosen=(chosen, before[DENSE]),
+            held_out=(held, after[DENSE]),
             misses=misses(held, target),
             point_misses=misses(point, target),
         )

@@ -113,6 +113,8 @@ def sensitivity_line(result: RecommendResult) -> str:
         for row in others
         if row.chosen != first.chosen
     ]
+    if not changes and first.chosen is None:
+        return f"Nothing meets the target at the other loads and KV budgets tried either ({len(others)})."
     if not changes:
         return f"The choice is the same at every other load and KV budget tried ({len(others)})."
     return f"The choice changes {'; '.join(changes)}."
