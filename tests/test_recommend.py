@@ -94,13 +94,25 @@ def test_the_choice_meets_every_bound_with_its_interval_and_ties_go_to_the_tight
     # 2 % of baselrshared's 5.0, and its KL interval ends lower (0.002 against 0.008)
     assert choice.chosen is not None and choice.chosen.name == "cacheblend"
     assert choice.runner_up is not None and choice.runner_up.name == "baselrshared"
-    assert choice.tie is not None and "cacheblend ties on throughput with baselrshared (within 2%)" in choice.tie
+    assert choice.tie == (
+        "cacheblend ties on throughput with baselrshared (within 2%); the intervals decide: accuracy drop up to 0 pt: "
+        "baselrshared, cacheblend; then KL up to 0.002 (within 10%): cacheblend."
+    )
     assert {name: [m.text for m in found] for name, found in choice.rejected.items()} == {
         "nonshared": ["TTFT p90 1.5s > 1s (+500ms, +50%)"],
         "fullshared": ["accuracy drop up to 50pt > 1pt (+49pt, +4900%)", "KL up to 0.3 > 0.01 (+0.29, +2900%)"],
         "prelrshared": ["KL up to 0.012 > 0.01 (+0.002, +20%)"],
     }
     assert choice.closest is None
+
+
+def test_kls_within_ten_percent_tie_and_memory_decides():
+    """As on the decision card, KLs within 10 % are one KL: the smaller peak KV memory wins."""
+    lighter = _candidate("baselrshared", kl=(0.0009, 0.0008, 0.00104), peak=242 * MIB)
+    heavier = _candidate("prelrshared", kl=(0.0009, 0.0008, 0.00103), peak=259 * MIB)
+    choice = choose([heavier, lighter], parse_target(["kl<=0.01, load=16qps"]))
+    assert choice.chosen is lighter and choice.runner_up is heavier
+    assert choice.tie is not None and choice.tie.endswith("the lowest peak KV memory, then the name: baselrshared.")
 
 
 def test_without_a_tie_the_best_objective_wins():

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import console, write_result
+from kvprof.commands.common import console, show_recommendation, write_result
 from kvprof.commands.options import OutOption, SeedOption
-
-if TYPE_CHECKING:
-    from kvprof.results.recommend import RecommendResult
 
 HELP = {
     "results": "Replay results (replay.json), of one trace, or each named NAME=RESULT to compare agent families "
@@ -62,19 +59,6 @@ def command(
     recommendation = prepare(request)
     with console.status("simulating") as status:
         result = recommendation.run(on_step=lambda step: status.update(f"simulating {step}"))
-    show(result)
+    show_recommendation(result)
     path = write_result(out, "recommend", result, args)
     console.print(f"wrote {path} (dashboard: kvprof report {path})")
-
-
-def show(result: RecommendResult) -> None:
-    """The candidates, the held-out confirmation and sensitivity tables, then the decision."""
-    from kvprof.report.recommend import candidates_table, decision_lines, heldout_table, sensitivity_table
-
-    console.print(candidates_table(result).to_rich())
-    heldout = heldout_table(result)
-    if heldout is not None:
-        console.print(heldout.to_rich())
-    console.print(sensitivity_table(result).to_rich())
-    for line in decision_lines(result):
-        console.print(line, style="bold", markup=False)

@@ -6,7 +6,8 @@ miss none.
 - A candidate that runs out of KV memory at the load misses the memory bound, budget given or not.
 - Among those meeting every bound, the best objective (highest requests/s, lowest TTFT p90, lowest peak KV memory)
   wins; objectives within `OBJECTIVE_TIE` of the best are a tie, decided by the intervals: the lowest upper end of the
-  accuracy drop, then of the KL, then the lowest peak KV memory, then the name.
+  accuracy drop, then of the KL (ends within `KL_TIE` of the lowest tie, as on the decision card), then the lowest
+  peak KV memory, then the name.
 - With none meeting every bound, the closest candidate misses the fewest bounds, then by the smallest largest
   relative excess.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from kvprof.recommend.candidates import Quality
 from kvprof.recommend.serving import Serving
 from kvprof.recommend.target import MEMORY_BOUND, SERVING_BOUNDS, Target, bound_text
+from kvprof.report.decision import KL_TIE
 
 OBJECTIVE_TIE = 0.02  # objectives within 2 % of the best are tied: the intervals decide
 HIGHER_IS_BETTER = {"throughput": True, "ttft": False, "memory": False}
@@ -117,22 +119,38 @@ class Choice:
         return self.ranked[1] if len(self.ranked) > 1 else None
 
 
-def _tie_key(candidate: Candidate) -> tuple:
-    """Lower is better among candidates tied on the objective: accuracy-drop and KL upper ends, peak memory, name."""
-    quality = candidate.quality
-    drop = quality.accuracy_drop.high if quality.accuracy_drop else 0.0
-    return drop, quality.kl.high, candidate.serving.peak_kv_bytes or 0.0, candidate.name
+def _drop_high(candidate: Candidate) -> float:
+    drop = candidate.quality.accuracy_drop
+    return drop.high if drop else 0.0
 
 
-def _best(pool: list[Candidate], optimise: str) -> tuple[Candidate, list[Candidate]]:
-    """The best of `pool` and the candidates tied with the best objective (itself included)."""
+def _settle(tied: list[Candidate]) -> tuple[Candidate, list[str]]:
+    """The winner among candidates tied on the objective, and the steps that decided it: the lowest upper end of the
+    accuracy drop, then KL upper ends within `KL_TIE` of the lowest (as the decision card ties KLs), then the lowest
+    peak KV memory, then the name."""
+    steps = []
+    lowest = min(_drop_high(c) for c in tied)
+    tied = [c for c in tied if _drop_high(c) <= lowest + 1e-12]
+    steps.append(f"accuracy drop up to {100 * lowest:.3g} pt: {', '.join(c.name for c in tied)}")
+    lowest = min(c.quality.kl.high for c in tied)
+    tied = [c for c in tied if c.quality.kl.high <= lowest * (1 + KL_TIE) + 1e-15]
+    steps.append(f"KL up to {lowest:.3g} (within {KL_TIE:.0%}): {', '.join(c.name for c in tied)}")
+    winner = min(tied, key=lambda c: (c.serving.peak_kv_bytes or 0.0, c.name))
+    if len(tied) > 1:
+        steps.append(f"the lowest peak KV memory, then the name: {winner.name}")
+    return winner, steps
+
+
+def _best(pool: list[Candidate], optimise: str) -> tuple[Candidate, list[Candidate], list[str]]:
+    """The best of `pool`, the candidates tied with the best objective (itself included) and how the tie was settled."""
     measured = {c.name: value for c in pool if (value := c.objective(optimise)) is not None}
-    if not measured:
-        return min(pool, key=_tie_key), pool
-    sign = 1.0 if HIGHER_IS_BETTER[optimise] else -1.0
-    top = max(sign * value for value in measured.values())
-    tied = [c for c in pool if c.name in measured and sign * measured[c.name] >= top - OBJECTIVE_TIE * abs(top)]
-    return min(tied, key=_tie_key), tied
+    tied = pool
+    if measured:
+        sign = 1.0 if HIGHER_IS_BETTER[optimise] else -1.0
+        top = max(sign * value for value in measured.values())
+        tied = [c for c in pool if c.name in measured and sign * measured[c.name] >= top - OBJECTIVE_TIE * abs(top)]
+    winner, steps = _settle(tied)
+    return winner, tied, steps
 
 
 def choose(candidates: list[Candidate], target: Target) -> Choice:
@@ -142,9 +160,13 @@ def choose(candidates: list[Candidate], target: Target) -> Choice:
     ranked: list[Candidate] = []
     tie = None
     while pool:
-        best, tied = _best(pool, target.optimise)
+        best, tied, steps = _best(pool, target.optimise)
         if not ranked and len(tied) > 1:
-            tie = _tie_text(best, tied, target.optimise)
+            others = ", ".join(c.name for c in tied if c is not best)
+            tie = (
+                f"{best.name} ties on {target.optimise} with {others} (within {OBJECTIVE_TIE:.0%}); the intervals "
+                f"decide: {'; then '.join(steps)}."
+            )
         ranked.append(best)
         pool.remove(best)
     rejected = {name: found_misses for name, found_misses in found.items() if found_misses}
@@ -152,17 +174,3 @@ def choose(candidates: list[Candidate], target: Target) -> Choice:
     if not ranked and candidates:
         closest = min(candidates, key=lambda c: (len(found[c.name]), max(m.relative for m in found[c.name]), c.name))
     return Choice(ranked, rejected, tie, closest)
-
-
-def _tie_text(best: Candidate, tied: list[Candidate], optimise: str) -> str:
-    """How the intervals decided a tie on the objective."""
-    others = ", ".join(c.name for c in tied if c is not best)
-    keys = ", ".join(
-        f"{c.name} {100 * (c.quality.accuracy_drop.high if c.quality.accuracy_drop else 0):.3g} pt, "
-        f"KL {c.quality.kl.high:.3g}"
-        for c in sorted(tied, key=_tie_key)
-    )
-    return (
-        f"{best.name} ties on {optimise} with {others} (within {OBJECTIVE_TIE:.0%}); the intervals decide: lowest "
-        f"upper end of accuracy drop, then of KL ({keys})."
-    )
