@@ -4,10 +4,10 @@ miss none.
 - Accuracy drop and KL are tested at the upper end of their interval over tasks (a candidate meets them only if its
   whole interval does); TTFT, TPOT and KV memory are the simulated numbers at the load (one seeded run: no interval).
 - A candidate that runs out of KV memory at the load misses the memory bound, budget given or not.
-- Among those meeting every bound, the best objective (highest requests/s, lowest TTFT p90, lowest peak KV memory)
-  wins; objectives within `OBJECTIVE_TIE` of the best are a tie, decided by the intervals: the lowest upper end of the
-  accuracy drop, then of the KL (ends within `KL_TIE` of the lowest tie, as on the decision card), then the lowest
-  peak KV memory, then the name.
+- Among those meeting every bound, the best objective (most trajectories finished per second, lowest TTFT p90,
+  lowest peak KV memory) wins; objectives within `OBJECTIVE_TIE` of the best are a tie, decided by the intervals: the
+  lowest upper end of the accuracy drop, then of the KL (ends within `KL_TIE` of the lowest tie, as on the decision
+  card), then the lowest peak KV memory, then the name.
 - With none meeting every bound, the closest candidate misses the fewest bounds, then by the smallest largest
   relative excess.
 """
@@ -22,7 +22,10 @@ from kvprof.recommend.serving import Serving
 from kvprof.recommend.target import MEMORY_BOUND, SERVING_BOUNDS, Target, bound_text
 from kvprof.report.decision import KL_TIE
 
-OBJECTIVE_TIE = 0.02  # objectives within 2 % of the best are tied: the intervals decide
+# Objectives within 5 % of the best are tied, and the intervals decide: a simulated run's trajectories/s is its
+# finished trajectories over its length, drain included, which at an unsaturated load understates the load by the
+# last trajectories' latency over the run (a few % at the demo's 60 s of arrivals).
+OBJECTIVE_TIE = 0.05
 HIGHER_IS_BETTER = {"throughput": True, "ttft": False, "memory": False}
 LABELS = {
     "accuracy-drop": "accuracy drop",
@@ -46,7 +49,7 @@ class Candidate:
     serving: Serving
 
     def objective(self, optimise: str) -> float | None:
-        """Its value of the objective: requests/s, TTFT p90 (s) or peak KV bytes."""
+        """Its value of the objective: trajectories/s, TTFT p90 (s) or peak KV bytes."""
         serving = self.serving
         return {"throughput": serving.throughput, "ttft": serving.ttft_p90, "memory": serving.peak_kv_bytes}[optimise]
 

@@ -45,8 +45,9 @@ class StepModel:
 
 @dataclasses.dataclass(frozen=True)
 class Serving:
-    """One candidate at one load and budget: TTFT and TPOT percentiles (s; None when nothing finished), requests per
-    second, peak KV bytes, and why it ran out of memory (None: it did not)."""
+    """One candidate at one load and budget: TTFT and TPOT percentiles (s; None when nothing finished), trajectories
+    finished per second (the load's unit, comparable across agent families whose trajectories make different numbers
+    of calls), peak KV bytes, and why it ran out of memory (None: it did not)."""
 
     ttft_p50: float | None
     ttft_p90: float | None
@@ -108,7 +109,7 @@ def _serving(row: dict) -> Serving:
         ttft_p90=ttft.get("p90"),
         tpot_p50=tpot.get("p50"),
         tpot_p90=tpot.get("p90"),
-        throughput=throughput.get("requests_per_s"),
+        throughput=throughput.get("trajectories_per_s"),
         peak_kv_bytes=row.get("peak_kv_bytes"),
         out_of_memory=row["out_of_memory"],
     )

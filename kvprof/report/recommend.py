@@ -7,7 +7,7 @@ from kvprof.report.html import Section
 from kvprof.report.tables import TableData
 from kvprof.results.recommend import CandidateRecord, RecommendResult, SensitivityRow, Spread
 
-OBJECTIVES = {"throughput": "requests/s", "ttft": "TTFT p90", "memory": "peak KV memory"}
+OBJECTIVES = {"throughput": "trajectories/s", "ttft": "TTFT p90", "memory": "peak KV memory"}
 
 
 def _seconds(value: float | None) -> str:
@@ -46,7 +46,7 @@ def objective_text(optimise: str, value: float | None) -> str:
     if value is None:
         return "–"
     if optimise == "throughput":
-        return f"{value:.3g} req/s"
+        return f"{value:.3g} traj/s"
     return _seconds(value) if optimise == "ttft" else _bytes(value)
 
 
@@ -55,7 +55,7 @@ def numbers(candidate: CandidateRecord) -> str:
     serving = candidate.serving
     accuracy = "" if candidate.accuracy is None else f"accuracy {candidate.accuracy.value:.0%}, "
     return (
-        f"{serving.throughput or 0:.3g} req/s, TTFT p50 {_seconds(serving.ttft_p50)} / p90 "
+        f"{serving.throughput or 0:.3g} traj/s, TTFT p50 {_seconds(serving.ttft_p50)} / p90 "
         f"{_seconds(serving.ttft_p90)}, TPOT p90 {_seconds(serving.tpot_p90)}, "
         f"peak KV {_bytes(serving.peak_kv_bytes)}; "
         f"{accuracy}accuracy drop {_points(candidate.accuracy_drop)}, KL {_kl(candidate.kl)} "
@@ -132,7 +132,7 @@ def candidates_table(result: RecommendResult) -> TableData:
             "TTFT p50",
             "TTFT p90",
             "TPOT p90",
-            "req/s",
+            "traj/s",
             "peak KV",
             "verdict",
         ],  # fmt: skip

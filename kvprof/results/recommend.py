@@ -33,8 +33,8 @@ class Load(Record):
 
 @dataclasses.dataclass(kw_only=True)
 class ServingNumbers(Record):
-    """A candidate simulated at the load: TTFT and TPOT percentiles, requests/s, peak KV bytes (None: not measured),
-    and why it ran out of memory (None: it did not)."""
+    """A candidate simulated at the load: TTFT and TPOT percentiles, trajectories finished per second, peak KV bytes
+    (None: not measured), and why it ran out of memory (None: it did not)."""
 
     ttft_p50: float | None = json_field(MAYBE_NUMBER)
     ttft_p90: float | None = json_field(MAYBE_NUMBER)

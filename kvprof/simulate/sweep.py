@@ -104,6 +104,7 @@ def run_policy(
             "requests_per_s": len(run.e2e) / duration,
             "tokens_per_s": run.tokens / duration,
             "output_tokens_per_s": run.output_tokens / duration,
+            "trajectories_per_s": run.trajectories / duration,
         },
         "peak_kv_bytes": run.peak_blocks * config.block_bytes,
         "preemptions": run.preemptions,
