@@ -232,7 +232,7 @@ EXAMPLES: dict[str, Example] = {
             "kvprof recommend lora=runs/demo/replay/replay.json prompt=runs/demo/prompt_sharing/replay.json"
             f" --target 'accuracy-drop<=1pt, kl<=0.01, ttft-p90<=150ms, load={load}qps' --fit-replay --split 0.5"
             f" --duration 60 --out runs/recommend-{load}qps"
-            for load in (1, 16)
+            for load in (2, 32)
         ),
         needs=("runs/demo/replay/replay.json", "runs/demo/prompt_sharing/replay.json"),
         setup=("kvprof demo --out runs/demo",),

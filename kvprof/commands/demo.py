@@ -443,10 +443,10 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
     )
 
 
-# The demo's target: what a team might ask of its agents, at a load the demo world's CPU timings put near where
-# sharing starts to matter (the sensitivity table shows where the choice changes).
-DEMO_TARGET = "accuracy-drop<=1pt, kl<=0.01, ttft-p90<=1s, load=4qps, optimise=throughput"
-DEMO_SIMULATED_SECONDS = 60.0
+# The demo's target: what a team might ask of its agents, at a load where, on the demo world's CPU timings, NonShared
+# no longer keeps up (the sensitivity table shows where the choice changes).
+DEMO_TARGET = "accuracy-drop<=1pt, kl<=0.01, ttft-p90<=150ms, load=16qps, optimise=throughput"
+DEMO_SIMULATED_SECONDS = 30.0
 
 
 def recommend_families(ctx: DemoContext) -> StageResult:

@@ -127,6 +127,9 @@ class Recommendation:
             choice,
             records.decision_record(choice, suggestions),
             step_model=request.step_model.description,
+            step_model_errors=[
+                {"result": str(group.path)} | row for group in self.groups for row in self.models[group.path].errors
+            ],
             settings={
                 "memory_gib": request.memory_gib,
                 "duration_s": request.duration,

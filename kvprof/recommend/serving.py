@@ -79,6 +79,12 @@ class ServingModel:
         return cls(prepare(request), memory_gib * sweeps.GIB)
 
     @property
+    def errors(self) -> list[dict]:
+        """The step model on its calibration's own runs (the replay's dense run with --fit-replay): simulated against
+        measured median TTFT and throughput (`kvprof.simulate.sweep.serve_bench_errors`, `replay_errors`)."""
+        return self.simulation.errors
+
+    @property
     def weight_bytes(self) -> float:
         return self.simulation.work.weight_bytes()
 

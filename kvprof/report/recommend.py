@@ -7,6 +7,7 @@ from kvprof.report.html import Section
 from kvprof.report.tables import TableData
 from kvprof.results.recommend import CandidateRecord, RecommendResult, SensitivityRow, Spread
 
+STEP_MODEL_TOLERANCE = 0.2  # simulate's validation holds it within 20 % (docs/commands/simulate.md)
 OBJECTIVES = {"throughput": "trajectories/s", "ttft": "TTFT p90", "memory": "peak KV memory"}
 
 
@@ -86,7 +87,27 @@ def decision_lines(result: RecommendResult) -> list[str]:
     if result.heldout is not None:
         lines.append(heldout_line(result))
     lines.append(sensitivity_line(result))
+    return lines + step_model_warnings(result)
+
+
+def step_model_warnings(result: RecommendResult) -> list[str]:
+    """A line per calibration run the step model misses by more than `STEP_MODEL_TOLERANCE` (median TTFT or
+    throughput): the serving numbers are no surer than that."""
+    lines = []
+    for row in result.step_model_errors:
+        errors = [abs(e) for e in (row.get("ttft_error"), row.get("throughput_error")) if e is not None]
+        if errors and max(errors) > STEP_MODEL_TOLERANCE:
+            lines.append(
+                f"Warning: the step model misses {row['run']} of {row['result']} by "
+                f"{_signed(row.get('ttft_error'))} (median TTFT) and {_signed(row.get('throughput_error'))} "
+                "(throughput): the serving numbers are no surer; calibrate on a quiet machine or with "
+                "kvprof serve-bench (--calibration)."
+            )
     return lines
+
+
+def _signed(error: float | None) -> str:
+    return "–" if error is None else f"{100 * error:+.0f} %"
 
 
 def heldout_line(result: RecommendResult) -> str:

@@ -125,8 +125,9 @@ class SensitivityRow(Record):
 @dataclasses.dataclass(kw_only=True)
 class RecommendResult(ResultFile):
     """A recommendation: result files (name, path, trace, trajectories), the target (its clauses, load, objective),
-    the step model, the simulation's settings, candidates, decision, held-out check (None without --split) and
-    sensitivity rows."""
+    the step model and its errors on its calibration's runs (result, run, ttft_error, throughput_error, as
+    simulate.json's `calibration_errors`), the simulation's settings, candidates, decision, held-out check (None
+    without --split) and sensitivity rows."""
 
     KIND = "recommend"
     FIX = FIX
@@ -137,6 +138,7 @@ class RecommendResult(ResultFile):
     kv_budget: float | None = json_field(MAYBE_NUMBER)
     optimise: str = json_field(str)
     step_model: str = json_field(str)
+    step_model_errors: list[dict] = json_field(list)
     settings: dict = json_field(dict)
     candidates: list[CandidateRecord] = json_field(list, read=records_in_list(CandidateRecord))
     decision: Decision = json_field(dict, read=record_reader(Decision))
