@@ -80,11 +80,6 @@ class Recommendation:
     parts: dict[Path, tuple[set, set]] | None
     qualities: dict[tuple[Path, int | None], dict[str, Quality]] = dataclasses.field(default_factory=dict)
 
-    @property
-    def steps(self) -> int:
-        """Simulation rounds `run` reports progress for."""
-        return 1 + (self.parts is not None) + len(SENSITIVITY_LOADS) + len(SENSITIVITY_BUDGETS)
-
     def _tasks(self, group: ResultGroup, part: int | None) -> set[str] | None:
         return None if self.parts is None or part is None else self.parts[group.path][part]
 
@@ -141,6 +136,7 @@ class Recommendation:
         )
 
     def group_of(self, candidate: Candidate) -> ResultGroup:
+        """The result a candidate comes from (its labels are unique across unnamed results of one trace)."""
         return next(g for g in self.groups if g.name == candidate.group and candidate.label in g.labels)
 
     def _suggestions(self, choice: Choice, target: Target) -> list[str]:
