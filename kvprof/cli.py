@@ -17,6 +17,7 @@ from kvprof.commands import (
     import_chat,
     inspect,
     rank_analysis,
+    recommend,
     replay,
     report,
     serve_bench,
@@ -63,6 +64,7 @@ app.command("tune-tau")(tune_tau.command)
 app.command("bench")(bench.command)
 app.command("serve-bench")(serve_bench.command)
 app.command("simulate")(simulate.command)
+app.command("recommend")(recommend.command)
 app.command("demo")(demo.command)
 
 

@@ -234,6 +234,16 @@ EXAMPLES: dict[str, Example] = {
         needs=("runs/demo-full/replay/replay.json",),
         setup=("kvprof demo --full --out runs/demo-full",),
     ),
+    "recommend": Example(
+        tuple(
+            "kvprof recommend lora=runs/demo/replay/replay.json prompt=runs/demo/prompt_sharing/replay.json"
+            f" --target 'accuracy-drop<=1pt, kl<=0.01, ttft-p90<=150ms, load={load}qps' --fit-replay --split 0.5"
+            f" --duration 60 --out runs/recommend-{load}qps"
+            for load in (2, 32)
+        ),
+        needs=("runs/demo/replay/replay.json", "runs/demo/prompt_sharing/replay.json"),
+        setup=("kvprof demo --out runs/demo",),
+    ),
     "kernels-aot": Example(("python tests/test_kernels_aot.py",)),
     "bench": Example(("kvprof bench --device cpu --seq-lens 256 --ranks 16 --threads 1 --out runs/bench",)),
 }

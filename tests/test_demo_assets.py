@@ -126,6 +126,12 @@ def test_quick_demo_decides_for_both_families(tmp_path):
     assert {"dense", "fullshared", "kvcomm", "kvcmas-chain"} <= set(prompt)
     report = (tmp_path / "report.html").read_text()
     assert report.index("Decision: which policy") < report.index("fidelity: ")  # the decision first
+    assert report.index("Recommendation") < report.index("Decision: which policy")  # the recommendation before it
+    decision = record["stages"]["recommend"]["recommendation"]  # over both families, printed last
+    assert decision[1].startswith(("Recommended: lora/", "Recommended: prompt/", "Nothing meets the target"))
+    flat = " ".join(result.output.split())
+    last = flat[flat.rindex("Recommendation for the demo's target") :]
+    assert all(" ".join(line.split()) in last for line in decision)
     written = json.loads((tmp_path / "replay" / "replay.json").read_text())  # the recorded command replays it
     args = written["args"]
     replayed = enumerate_variants(args["policy"], parse_policy_options(args["policy_option"]))
@@ -141,6 +147,8 @@ def test_full_demo(tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "demo.json").read_text())
     assert list(record["stages"]) == [stage.name for stage in FULL_STAGES] and record["full"] is True
+    recommended = json.loads((tmp_path / "recommend" / "recommend.json").read_text())
+    assert [result["name"] for result in recommended["results"]] == ["lora", "alora", "prompt"]
     captures = [stage for name, stage in record["stages"].items() if "accuracy" in stage]
     assert len(captures) == 7 and all(0.0 <= stage["accuracy"] <= 1.0 for stage in captures)
     online = record["stages"]["replay"]["online_accuracy"]

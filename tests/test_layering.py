@@ -25,6 +25,7 @@ LAYERS = (
     ("rank", "tuning"),  # rank analysis; anchor fitting and threshold sweeps
     ("serving", "simulate"),  # serve-bench against a server; the serving model
     ("report",),  # tables, figures, dashboards
+    ("recommend",),  # one decision for a target over replays, served by the simulator
     ("demo",),  # the demo worlds
     ("commands", "cli", "cli_help", "__main__"),  # the command line
 )

@@ -360,6 +360,8 @@ def test_nonshared_online_replay_reproduces_generate(tiny_world, tmp_path, run_c
         assert captured.prediction == replayed.prediction
     summary = summarise_online(runs)
     assert summary[DENSE]["diverged_turns"] == 0.0
+    assert list(summary[DENSE]["exact"]) == [traj.id for traj in trace.trajectories]
+    assert sum(summary[DENSE]["exact"].values()) == summary[DENSE]["correct"]
     assert 0.0 <= summary["fullshared"]["diverged_turns"] <= 1.0
 
 

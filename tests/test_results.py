@@ -25,6 +25,7 @@ from kvprof.results.base import ENVELOPE_FIELDS, ResultFile
 from kvprof.results.capture import CaptureResult
 from kvprof.results.inspect import InspectResult
 from kvprof.results.rank_analysis import RankAnalysisResult
+from kvprof.results.recommend import RecommendResult
 from kvprof.results.replay import ReplayResult
 from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.results.simulate import SimulateResult
@@ -36,6 +37,7 @@ TYPES: dict[str, type[ResultFile]] = {
     "capture": CaptureResult,
     "inspect": InspectResult,
     "rank_analysis": RankAnalysisResult,
+    "recommend": RecommendResult,
     "replay": ReplayResult,
     "serve_bench": ServeBenchResult,
     "simulate": SimulateResult,
@@ -75,10 +77,15 @@ def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str,
         "replay", prompt_trace, "--policy", "nonshared", "--policy", "kvcmas", "--limit", "1", "--repeats", "1",
         "--out", out / "replay", "--device", "cpu",
     )  # fmt: skip
+    kvprof_run(
+        "recommend", out / "replay" / "replay.json", "--target", "kl<=0.01, load=1qps", "--fit-replay", "--duration",
+        "5", "--out", out / "recommend",
+    )  # fmt: skip
     return {
         "capture": out / "capture" / "capture.json",
         "inspect": out / "inspect" / "inspect.json",
         "rank_analysis": out / "rank" / "rank_analysis.json",
+        "recommend": out / "recommend" / "recommend.json",
         "replay": out / "replay" / "replay.json",
         "serve_bench": out / "serve_bench" / "serve_bench.json",
         "simulate": out / "simulate" / "simulate.json",

@@ -19,6 +19,7 @@ from kvprof.ui import console, progress
 if TYPE_CHECKING:
     from kvprof.model.agents import AgentSet
     from kvprof.report import Section
+    from kvprof.results.recommend import RecommendResult
     from kvprof.results.replay import ReplayResult
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "print_skipped",
     "progress",
     "result_envelope",
+    "show_recommendation",
     "show_replay",
     "start_command",
     "use_threads",
@@ -164,6 +166,19 @@ def print_skipped(skipped: dict[str, str]) -> None:
     for reason in dict.fromkeys(skipped.values()):
         labels = ", ".join(label for label, why in skipped.items() if why == reason)
         console.print(f"[yellow]skipped {labels}[/]: {reason}")
+
+
+def show_recommendation(result: RecommendResult) -> None:
+    """A recommendation's tables (candidates, held-out confirmation, sensitivity), then its decision in bold."""
+    from kvprof.report.recommend import candidates_table, decision_lines, heldout_table, sensitivity_table
+
+    console.print(candidates_table(result).to_rich())
+    heldout = heldout_table(result)
+    if heldout is not None:
+        console.print(heldout.to_rich())
+    console.print(sensitivity_table(result).to_rich())
+    for line in decision_lines(result):
+        console.print(line, style="bold", markup=False)
 
 
 def show_replay(result: ReplayResult) -> None:

@@ -24,6 +24,7 @@ from kvprof.commands.common import (
     print_sections,
     print_skipped,
     progress,
+    show_recommendation,
     show_replay,
     write_replay_page,
     write_result,
@@ -58,6 +59,7 @@ class DemoContext:
     lora_replays: dict[str, ReplayResult] = field(
         default_factory=dict
     )  # adapter targets → replay of the plain LoRA agents
+    replays: dict[str, Path] = field(default_factory=dict)  # agent family → its replay.json, for the recommendation
 
     def write_result(self, out: Path, kind: str, payload: dict | ResultFile, command: str, **options) -> Path:
         """Write OUT/<kind>.json as `kvprof COMMAND` with `options` would (this demo's device, dtype, seed); keep
@@ -264,6 +266,7 @@ def replay_all(ctx: DemoContext) -> StageResult:
 
     out = ctx.out / "replay"
     record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, policy=[ALL])
+    ctx.replays["lora"] = out / "replay.json"
     ctx.k_error = _k_errors(record)
     ctx.lora_replays["q/k/v/o"] = record
     return StageResult(
@@ -281,6 +284,7 @@ def replay_lora_defaults(ctx: DemoContext) -> StageResult:
     their published defaults: error, fidelity, cost and task accuracy of each against the dense run."""
     out = ctx.out / "replay"
     record, online, accuracy = _replay_lora(ctx, "lora_shared_a", out, LORA_FAMILIES, sweep=False)
+    ctx.replays["lora"] = out / "replay.json"
     return StageResult(
         f"{len(record.policies)} policies on {ctx.replay_tasks} tasks; online accuracy: {accuracy}",
         [out / "replay.json", out / "replay.html"],
@@ -342,6 +346,8 @@ def alora_sharing(ctx: DemoContext) -> StageResult:
         record, online, _ = _online_replay(
             ctx, out, trace, agents, trajectories, variants, {}, "auto", limit=ctx.replay_tasks
         )
+        if trace_name == "alora":
+            ctx.replays["alora"] = out / "replay.json"
         rows = comparison_rows(ctx.lora_replays[targets], record)
         title = f"LoRA agents (the shared-A set) or aLoRA agents ({targets}, r=8)"
         console.print(comparison_table(rows, title).to_rich())
@@ -402,6 +408,7 @@ def prompt_sharing(ctx: DemoContext) -> StageResult:
     record, online, accuracy = _online_replay(
         ctx, out, trace, agents, replayed, variants, {}, "expand", skip=half, limit=len(replayed),
     )  # fmt: skip
+    ctx.replays["prompt"] = out / "replay.json"
     kl = {label: summary_of(label, run).kl for label, run in record.policies.items()}
     return StageResult(
         f"{len(replayed)} tasks after fitting on {half}; online accuracy: {accuracy}; anchor pool at rank 32: "
@@ -434,6 +441,50 @@ def codebook_sharing(ctx: DemoContext) -> StageResult:
         [out / "replay.json", out / "replay.html"],
         {"online_accuracy": online, "kl": kl},
     )
+
+
+# The demo's target: what a team might ask of its agents, at a load where, on the demo world's CPU timings, NonShared
+# no longer keeps up (the sensitivity table shows where the choice changes).
+DEMO_TARGET = "accuracy-drop<=1pt, kl<=0.01, ttft-p90<=150ms, load=16qps, optimise=throughput"
+DEMO_SIMULATED_SECONDS = 30.0
+
+
+def recommend_families(ctx: DemoContext) -> StageResult:
+    """`kvprof recommend` over the replays the demo ran, one agent family each: the policy setting that meets the
+    target at its load, chosen on half of each replay's trajectories and confirmed on the other half (with two or
+    more), with the runner-up, why each other one misses, and where the choice changes with the load and the KV
+    budget."""
+    from kvprof.recommend.candidates import read_groups
+    from kvprof.recommend.run import RecommendRequest, prepare
+    from kvprof.recommend.serving import StepModel
+    from kvprof.recommend.target import parse_target
+    from kvprof.report.recommend import decision_lines
+
+    out = ctx.out / "recommend"
+    results = [f"{family}={path}" for family, path in ctx.replays.items()]
+    seconds = DEMO_SIMULATED_SECONDS
+    split = 0.5 if min(len(group.trajectories) for group in read_groups(results)) >= 2 else None  # else: no halves
+    target = parse_target([DEMO_TARGET])
+    request = RecommendRequest(results, target, StepModel(fit_replay=True), seconds, split=split, seed=ctx.seed)
+    recommendation = prepare(request)
+    with console.status("simulating") as status:
+        result = recommendation.run(on_step=lambda step: status.update(f"simulating {step}"))
+    show_recommendation(result)
+    args = command_args(
+        "recommend", results=results, target=[DEMO_TARGET], fit_replay=True, duration=seconds, split=split, out=out,
+        seed=ctx.seed,
+    )  # fmt: skip
+    path = write_result(out, "recommend", result, args)
+    ctx.results.append(path)
+    decision = result.decision
+    heldout = result.heldout.verdict if result.heldout else "no held-out check"
+    summary = (
+        f"{decision.chosen} at {result.load.value:g} {result.load.kind} (runner-up {decision.runner_up}); held out: "
+        f"{heldout}"
+        if decision.chosen
+        else f"nothing meets the target (closest: {decision.closest})"
+    )
+    return StageResult(summary, [path], {"recommendation": decision_lines(result)})
 
 
 def report_all(ctx: DemoContext) -> StageResult:
@@ -474,6 +525,7 @@ QUICK_STAGES = [
     Stage("capture prompt", capture_prompt, 6.0, "tasks"),
     Stage("replay lora", replay_lora_defaults, 75.0, "replay_tasks"),
     Stage("prompt-role sharing", prompt_sharing, 60.0, "replay_tasks"),
+    Stage("recommend", recommend_families, 5.0),
     Stage("report", report_all, 2.0),
 ]
 
@@ -491,6 +543,7 @@ FULL_STAGES = [
     Stage("aLoRA agents or LoRA agents", alora_sharing, 90.0, "replay_tasks"),
     Stage("prompt-role sharing", prompt_sharing, 77.0, "replay_tasks"),
     Stage("codebook: sharing that costs accuracy", codebook_sharing, 9.0, "replay_tasks"),
+    Stage("recommend", recommend_families, 5.0),
     Stage("report", report_all, 3.0),
 ]
 
@@ -606,3 +659,6 @@ def _print_summary(title: str, results: dict[str, dict]) -> None:
         console.rule(heading)
         for line in card:
             console.print(line, style="bold", markup=False)
+    console.rule("Recommendation for the demo's target, across agent families")
+    for line in results["recommend"]["recommendation"]:
+        console.print(line, style="bold", markup=False)

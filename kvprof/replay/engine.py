@@ -762,12 +762,15 @@ def run_online(
 
 
 def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
-    """Exact-match accuracy per run, and the share of turns whose output differs from the dense run's."""
+    """Exact-match accuracy per run, whether each task (by trajectory id) was answered exactly, and the share of
+    turns whose output differs from the dense run's."""
     result = {}
     for label, trajectories in runs.items():
         diverged = total = correct = 0
+        exact = {}
         for dense_traj, traj in zip(runs[DENSE], trajectories):
-            correct += exact_match(traj.prediction, traj.answer)
+            exact[traj.id] = exact_match(traj.prediction, traj.answer)
+            correct += exact[traj.id]
             dense_outputs = [dense_traj.output_tokens(turn) for turn in dense_traj.turns]
             outputs = [traj.output_tokens(turn) for turn in traj.turns]
             for index in range(max(len(dense_outputs), len(outputs))):
@@ -780,6 +783,7 @@ def summarise_online(runs: dict[str, list[Trajectory]]) -> dict[str, dict]:
             "correct": correct,
             "tasks": len(trajectories),
             "diverged_turns": diverged / max(total, 1),
+            "exact": exact,
         }
     return result
 

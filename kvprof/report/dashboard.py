@@ -10,12 +10,13 @@ from typing import Any
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import JsonType, check_fields, read_result
-from kvprof.report import anchors, bench, capture, rank_analysis, replay, serve_bench, simulate
+from kvprof.report import anchors, bench, capture, rank_analysis, recommend, replay, serve_bench, simulate
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
 from kvprof.results.base import ResultFile
 from kvprof.results.capture import CaptureResult
 from kvprof.results.rank_analysis import RankAnalysisResult
+from kvprof.results.recommend import RecommendResult
 from kvprof.results.replay import ReplayResult
 from kvprof.results.serve_bench import ServeBenchResult
 from kvprof.results.simulate import SimulateResult
@@ -33,6 +34,7 @@ BUILDERS: dict[str, SectionBuilder] = {
     "tune_tau": anchors.tune_sections,
     "serve_bench": serve_bench.sections,
     "simulate": simulate.sections,
+    "recommend": recommend.sections,
 }
 
 
@@ -66,11 +68,13 @@ SHOWN_FIELDS: dict[str, dict[str, JsonType]] = {
     },
     "serve_bench": {"server": dict, "runs": list},
     "simulate": {"runs": list, "settings": dict, "scale": dict, "cost_model": dict},
+    "recommend": {"candidates": list, "decision": dict, "sensitivity": list},
 }
 """The fields each result kind's sections read first; `result_sections` checks them before drawing."""
 TYPED: dict[str, type[ResultFile]] = {
     "capture": CaptureResult,
     "rank_analysis": RankAnalysisResult,
+    "recommend": RecommendResult,
     "replay": ReplayResult,
     "serve_bench": ServeBenchResult,
     "simulate": SimulateResult,

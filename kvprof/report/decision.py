@@ -43,6 +43,14 @@ def _by_task(turns: list[TurnRecord]) -> dict[str, list[TurnRecord]]:
     return tasks
 
 
+def kl_over_tasks(turns: list[TurnRecord]) -> Interval:
+    """KL(dense ‖ policy) per output token of `turns` (Σ KL ÷ Σ output tokens: the replay summary's KL), with its
+    interval over tasks."""
+    tasks = _by_task(turns).values()
+    sums = [[sum(measured(t.kl_sum) for t in x), sum(t.output_tokens for t in x)] for x in tasks]
+    return ratio_of_sums(np.array(sums))
+
+
 def _outcome(
     label: str,
     turns: list[TurnRecord],

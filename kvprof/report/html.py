@@ -31,8 +31,9 @@ nav.toc a { display: block; color: #0072B2; text-decoration: none; padding: 0.1e
 table.env { font-size: 0.8em; color: #444; }
 table.env td, table.env th { padding: 0.15em 0.5em; text-align: left; white-space: nowrap; }
 """
-# Section.order values, top to bottom: the decision, the tables behind it, diagnostics, what was measured on.
-ORDER = {"decision": 0, "details": 1, "diagnostics": 2, "inputs": 3}
+# Section.order values, top to bottom: a recommendation for a target (`kvprof recommend`), each replay's decision,
+# the tables behind it, diagnostics, what was measured on.
+ORDER = {"recommendation": 0, "decision": 1, "details": 2, "diagnostics": 3, "inputs": 4}
 
 
 @dataclass

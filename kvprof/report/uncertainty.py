@@ -61,3 +61,12 @@ def proportion(successes: int, trials: int) -> Interval:
         raise ValueError("a proportion needs at least one trial")
     outcomes = np.array([[1.0]] * successes + [[0.0]] * (trials - successes))
     return bootstrap(outcomes, lambda sums: sums[..., 0] / trials)
+
+
+def paired_difference(pairs: np.ndarray) -> Interval:
+    """Mean of column 0 − column 1 over tasks (e.g. the dense run's exact match − a policy's: an accuracy drop),
+    with its interval; pairs: (n_tasks, 2), resampled together so that a task both runs get right or wrong adds no
+    uncertainty."""
+    pairs = np.asarray(pairs, dtype=float)
+    n = max(len(pairs), 1)
+    return bootstrap(pairs, lambda sums: (sums[..., 0] - sums[..., 1]) / n)

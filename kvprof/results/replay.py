@@ -1,8 +1,9 @@
 """`kvprof replay`'s result (replay.json): the dense run and each policy's run, their summaries, how the replay ran.
 
 Typed: the per-turn records (`TurnRecord`, with their per-layer errors, corrected spans and timed runs). Kept as
-JSON: per-layer means, errors by hop, per-trajectory TTFT; a policy's `published` figures;
-`online` (label → accuracy, correct, tasks, diverged_turns); timing and span-matching settings, layer kinds, CPU, GPU
+JSON: per-layer means, errors by hop, per-trajectory TTFT; a policy's `published` figures; `online` (label →
+accuracy, correct, tasks, diverged_turns, exact: trajectory id → answered exactly, absent from older files); timing
+and span-matching settings, layer kinds, CPU, GPU
 memory, memory verdicts, self-check errors, `distributed`.
 
 Deviations from the file as written:

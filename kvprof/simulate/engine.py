@@ -74,13 +74,16 @@ class Traffic:
 
 @dataclass
 class RunResult:
-    """One run: per finished request TTFT, latency (s) and tokens; `duration`, `peak_blocks`, preemptions, steps,
+    """One run: per finished request TTFT, latency, time per output token after the first (TPOT, requests with more
+    than one output token) in s, and tokens; finished trajectories; `duration`, `peak_blocks`, preemptions, steps,
     and `out_of_memory` (a sentence) if the run could not go on."""
 
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
     tokens: int = 0
     output_tokens: int = 0
+    trajectories: int = 0  # trajectories whose last turn finished
     duration: float = 0.0
     peak_blocks: int = 0
     preemptions: int = 0
@@ -409,8 +412,11 @@ class _Engine:
             if not ends:
                 self._idle(traj)
             result.e2e.append(self.now - request.sent)
+            if request.work.decode_steps > 1:
+                result.tpot.append((self.now - request.first) / (request.work.decode_steps - 1))
             result.tokens += request.work.input_tokens + request.work.output_tokens
             result.output_tokens += request.work.output_tokens
+            result.trajectories += ends
             if not ends:
                 self._send(traj, self.now)
             elif self.traffic.load.kind == "concurrency" and self._more_trajectories():

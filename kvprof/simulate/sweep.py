@@ -1,5 +1,5 @@
-"""Every policy at every load: latency percentiles, throughput, peak memory, out-of-memory verdicts, the highest
-load whose TTFT p90 meets the SLO, and the step model's errors on its calibration runs.
+"""Every policy at every load: latency percentiles (TTFT, TPOT, end to end), throughput, peak memory, out-of-memory
+verdicts, the highest load whose TTFT p90 meets the SLO, and the step model's errors on its calibration runs.
 
 Out of memory: a request's peak above the KV memory (before simulating); with kept state held, also kept bytes ×
 concurrency above it (closed loop) or no room left during the run (`engine`). Percentiles interpolate linearly (as
@@ -99,10 +99,12 @@ def run_policy(
         "requests": len(run.e2e),
         "ttft": distribution(run.ttft),
         "e2e": distribution(run.e2e),
+        "tpot": distribution(run.tpot),
         "throughput": {
             "requests_per_s": len(run.e2e) / duration,
             "tokens_per_s": run.tokens / duration,
             "output_tokens_per_s": run.output_tokens / duration,
+            "trajectories_per_s": run.trajectories / duration,
         },
         "peak_kv_bytes": run.peak_blocks * config.block_bytes,
         "preemptions": run.preemptions,
