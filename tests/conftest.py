@@ -24,7 +24,25 @@ def one_torch_thread_after_each_test():
     assert threads == 1, f"this test left torch at {threads} threads; scope them (kvprof.profiling.torch_settings)"
 
 
+# The test files that take longest (first the sm_90 compiles, which a fresh clone runs without pytest's cache), run
+# first: pytest-xdist hands whole files to its two workers in collection order, and a long file collected last kept
+# one worker busy for a minute and more after the other had finished.
+LONGEST_FIRST = (
+    "test_kernels_aot.py",
+    "test_distributed.py",
+    "test_demo_assets.py",
+    "test_half_precision.py",
+    "test_layer_kinds.py",
+    "test_cache_paths.py",
+    "test_chat_real_logs.py",
+    "test_selective.py",
+    "test_kernels_interpreter.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -34,13 +34,26 @@ TOLERANCE = 2e-5
 METRICS = ("kl", "kl_sum", "top1_sum", "trace_agreement_sum", "reused", "prefilled", "flops", "ttft_flops")
 
 
-def replay_both_ways(agents, trajectory, mode: str, turns: int | None = None) -> None:
-    """Every runnable variant of `mode` over `trajectory` (its first `turns` turns) on the fast and the plain
-    runtime, turn by turn."""
+def one_ratio_each(variants: list[PolicyVariant]) -> list[PolicyVariant]:
+    """Each policy's variants but those that differ from an earlier one by their ratio alone: a ratio changes how
+    many tokens or layers take a path, not which paths run."""
+    kept, seen = [], set()
+    for variant in variants:
+        key = (variant.policy.name, tuple(sorted((k, v) for k, v in variant.options.items() if k != "ratio")))
+        if key not in seen:
+            seen.add(key)
+            kept.append(variant)
+    return kept
+
+
+def replay_both_ways(agents, trajectory, mode: str, turns: int | None = None, ratios: bool = True) -> None:
+    """Every runnable variant of `mode` (`ratios` False: one ratio each, `one_ratio_each`) over `trajectory` (its
+    first `turns` turns) on the fast and the plain runtime, turn by turn."""
     runs = {fast: Runtime(agents, fast_paths=fast) for fast in (True, False)}
     variants, _ = runnable_variants(
         [variant for case_mode, variant in CASES if case_mode == mode], runs[True], skip=True
     )
+    variants = variants if ratios else one_ratio_each(variants)
     assert variants
     dense = {fast: NonShared(runtime) for fast, runtime in runs.items()}
     policies = {fast: [variant.build(runtime) for variant in variants] for fast, runtime in runs.items()}
@@ -79,11 +92,12 @@ def test_tiny_prompt_world(prompt_trace):
 
 def test_demo_trace():
     """The shipped long trace's first five turns: contexts of 1.6K and 3.2K tokens, each appended to the buffers in
-    one step past their capacity (its later turns repeat that at 4.9K)."""
+    one step past their capacity (its later turns repeat that at 4.9K); every policy, one ratio each (the tiny
+    worlds above run every ratio)."""
     world = demo_world()
     trace = world.sample_traces["lora_long"]
     agents = load_agents_for_trace(trace, device="cpu", dtype="float32")
-    replay_both_ways(agents, read_trace(trace).trajectories[0], "lora", turns=5)
+    replay_both_ways(agents, read_trace(trace).trajectories[0], "lora", turns=5, ratios=False)
 
 
 def test_growing_tensor_keeps_its_contents_across_growth():
