@@ -358,3 +358,14 @@ def test_the_demo_otlp_export_imports_as_its_chat_log(tmp_path):
     imported = import_calls(world.sample_otlp_log, store.calls, tokenizer, template, identity, "demo", source="otlp")
     assert store.format == "otlp" and not store.missing and len(store.calls) == 28
     assert turns(imported) == turns(reference) and imported.mismatches == []
+
+
+def test_a_log_without_tool_use_blames_the_template_not_missing_tools():
+    """A longer recorded prompt without tool definitions: tools missing where the log's agents use tools, another
+    template where they never do."""
+    from kvprof.traces.token_counts import mismatch
+
+    uses = mismatch("span 1", "t", "plan", 30, 32, has_tools=False, log_uses_tools=True)
+    never = mismatch("span 1", "t", "plan", 30, 32, has_tools=False, log_uses_tools=False)
+    assert uses is not None and "tool definitions missing" in uses.cause()
+    assert never is not None and never.cause().startswith("another chat template")

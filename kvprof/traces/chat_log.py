@@ -320,6 +320,7 @@ def import_calls(
     trajectories: dict[str, Trajectory] = {}
     builders: dict[str, ChatSegments] = {}
     mismatches = []
+    uses_tools = any(message.tool_calls or message.role == "tool" for call in calls for message in call.messages)
     for call in calls:
         traj = trajectories.get(call.trajectory)
         if traj is None:
@@ -327,7 +328,9 @@ def import_calls(
             builders[call.trajectory] = ChatSegments(chat, traj.segments)
         _add_call(path, call, traj, builders[call.trajectory], log, spec.answer_pattern, tokenizer)
         rendered = len(traj.input_tokens(traj.turns[-1]))
-        found = mismatch(call.where, call.trajectory, call.agent, rendered, call.input_tokens, bool(call.tools))
+        found = mismatch(
+            call.where, call.trajectory, call.agent, rendered, call.input_tokens, bool(call.tools), uses_tools
+        )
         if found is not None:
             mismatches.append(found)
     header = TraceHeader(

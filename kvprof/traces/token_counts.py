@@ -16,7 +16,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TokenCountMismatch:
     """A call (`where` in the input, its `trajectory` and `agent`) whose `rendered` ids differ in number from the
-    `recorded` input tokens; `has_tools`: whether the export gave the call tool definitions."""
+    `recorded` input tokens; `has_tools`: whether the export gave the call tool definitions; `log_uses_tools`:
+    whether any call of the log calls a tool or reads a tool's result."""
 
     where: str
     trajectory: str
@@ -24,10 +25,12 @@ class TokenCountMismatch:
     rendered: int
     recorded: int
     has_tools: bool
+    log_uses_tools: bool = True
 
     def cause(self) -> str:
-        """The likeliest reason, from what the export holds."""
-        if not self.has_tools and self.recorded > self.rendered:
+        """The likeliest reason, from what the export holds: a log whose agents never use tools lost no tool
+        definitions."""
+        if not self.has_tools and self.log_uses_tools and self.recorded > self.rendered:
             return (
                 "the export holds no tool definitions for this call and the server's prompt was longer: tool "
                 "definitions missing from the export (or another chat template)"
@@ -45,9 +48,15 @@ class TokenCountMismatch:
 
 
 def mismatch(
-    where: str, trajectory: str, agent: str, rendered: int, recorded: int | None, has_tools: bool
+    where: str,
+    trajectory: str,
+    agent: str,
+    rendered: int,
+    recorded: int | None,
+    has_tools: bool,
+    log_uses_tools: bool = True,
 ) -> TokenCountMismatch | None:
     """The mismatch of one call, or None when the trace records no count or the counts agree."""
     if recorded is None or recorded == rendered:
         return None
-    return TokenCountMismatch(where, trajectory, agent, rendered, recorded, has_tools)
+    return TokenCountMismatch(where, trajectory, agent, rendered, recorded, has_tools, log_uses_tools)
