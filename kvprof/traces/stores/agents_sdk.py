@@ -16,14 +16,12 @@ The agent is the nearest ancestor `agent` span's `name`, else the `to_agent` of 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import read_text_file
 from kvprof.traces.chat import Message
 from kvprof.traces.chat_log import LoggedCall
-from kvprof.traces.stores.common import MissingContent, StoreLog, fail, store_log
+from kvprof.traces.stores.common import MissingContent, StoreLog, fail, json_documents, store_log
 from kvprof.traces.stores.messages import chat_tools
 from kvprof.traces.stores.responses import items_messages, items_output
 from kvprof.traces.stores.tree import Node, ancestors, ordered
@@ -37,16 +35,7 @@ SETTING = (
 
 def objects(path: Path) -> list[dict]:
     """The export's trace and span objects (from `{"data": [...]}` payloads, lists, or one per line)."""
-    text = read_text_file(path, "Agents SDK export", FIX)
-    try:
-        values = [json.loads(text)]
-    except json.JSONDecodeError:
-        values = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            try:
-                values += [json.loads(line)] if line.strip() else []
-            except json.JSONDecodeError as err:
-                raise fail(path, f"line {number}", f"is not JSON ({err.msg} at column {err.colno})", FIX) from None
+    values = json_documents(path, "Agents SDK export", FIX)
     found = []
     for value in values:
         entries = value.get("data", [value]) if isinstance(value, dict) else value

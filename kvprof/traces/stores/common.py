@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
+from kvprof.fileio import read_text_file
 from kvprof.traces.chat_log import LoggedCall
 
 
@@ -47,6 +49,25 @@ class StoreLog:
                 f"{self.setting}"
             )
         return sentences
+
+
+def json_documents(path: Path, kind: str, fix: str) -> list[object]:
+    """The file's JSON documents: its whole text as one, else one per non-empty line (a line that is not JSON is
+    refused naming it); refused as `read_text_file` (`kind`, `fix`) when it cannot be read."""
+    text = read_text_file(path, kind, fix)
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError:
+        pass
+    documents = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            documents.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise fail(path, f"line {number}", f"is not JSON ({err.msg} at column {err.colno})", fix) from None
+    return documents
 
 
 def store_log(path: Path, format: str, calls: list[LoggedCall], missing: list[MissingContent], setting: str):

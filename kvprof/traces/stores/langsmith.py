@@ -15,14 +15,12 @@ metadata's `lc_agent_name`, else `langgraph_node`, else the nearest chain run's 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import read_text_file
 from kvprof.traces.chat import Message
 from kvprof.traces.chat_log import LoggedCall
-from kvprof.traces.stores.common import MissingContent, StoreLog, fail, store_log
+from kvprof.traces.stores.common import MissingContent, StoreLog, fail, json_documents, store_log
 from kvprof.traces.stores.messages import (
     ROLES,
     Refuse,
@@ -43,17 +41,10 @@ THREAD_KEYS = ("thread_id", "session_id", "conversation_id")
 
 def runs(path: Path) -> list[dict]:
     """The export's runs."""
-    text = read_text_file(path, "LangSmith export", FIX)
-    try:
-        whole = json.loads(text)
-        values = whole.get("runs", [whole]) if isinstance(whole, dict) else whole
-    except json.JSONDecodeError:
-        values = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            try:
-                values += [json.loads(line)] if line.strip() else []
-            except json.JSONDecodeError as err:
-                raise fail(path, f"line {number}", f"is not JSON ({err.msg} at column {err.colno})", FIX) from None
+    values = json_documents(path, "LangSmith export", FIX)
+    if len(values) == 1:
+        whole = values[0]
+        values = whole.get("runs", values) if isinstance(whole, dict) else whole if isinstance(whole, list) else values
     return [run for run in values if isinstance(run, dict) and "run_type" in run]
 
 

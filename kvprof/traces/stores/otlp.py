@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.fileio import read_text_file
-from kvprof.traces.stores.common import fail
+from kvprof.traces.stores.common import fail, json_documents
 from kvprof.traces.stores.tree import Node, ordered
 
 FIX = "pass an OTLP JSON export (resourceSpans), one request per line or one in the file"
@@ -68,23 +67,10 @@ def attributes(entries: object) -> dict:
     return {entry["key"]: any_value(entry.get("value")) for entry in entries if isinstance(entry, dict)}
 
 
-def requests(path: Path) -> list[dict]:
-    """The export's request objects (the whole file, or one per line)."""
-    text = read_text_file(path, "OTLP export", FIX)
-    try:
-        whole = json.loads(text)
-        return whole if isinstance(whole, list) else [whole]
-    except json.JSONDecodeError:
-        pass
-    found = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise fail(path, f"line {number}", f"is not JSON ({err.msg} at column {err.colno})", FIX) from None
-    return found
+def requests(path: Path) -> list:
+    """The export's request objects (the whole file, or one per line; each checked by its reader)."""
+    documents = json_documents(path, "OTLP export", FIX)
+    return documents[0] if len(documents) == 1 and isinstance(documents[0], list) else documents
 
 
 def read_spans(path: Path) -> list[Span]:
