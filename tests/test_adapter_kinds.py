@@ -16,7 +16,8 @@ from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import AGENTS, build_adapter, build_tiny_world
 from kvprof.policies import PolicyVariant, runnable_variants
-from kvprof.replay.engine import replay_trace, weights_bytes
+from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.memory import weights_bytes
 from kvprof.traces.trace import read_trace
 
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -19,7 +19,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import AGENTS, MISTRAL_WINDOW, TinyWorld, build_tiny_world
 from kvprof.policies import PolicyVariant, enumerate_variants
 from kvprof.rank.kv_capture import capture_turn
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.spec import build_spec
 from kvprof.traces.trace import Segment, Trace, Trajectory, read_trace, write_trace
 

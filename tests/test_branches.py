@@ -16,7 +16,7 @@ from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
 from kvprof.replay.branches import BranchingTimeline, plan_of, plan_trajectory
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import Segment, Trace, Trajectory, read_trace, write_trace
 
 

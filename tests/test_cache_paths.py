@@ -25,7 +25,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, lowrank, runnable_variants
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
-from kvprof.replay.engine import compare_turn
+from kvprof.replay.records import compare_turn
 from kvprof.traces.trace import read_trace
 
 # The two runtimes attend through different kernels (chunked LSE merge against masked SDPA); at the demo trace's 3.2k

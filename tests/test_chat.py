@@ -13,7 +13,7 @@ from kvprof.capture.workflow import SearchTool, run_react
 from kvprof.demo.assets import demo_world
 from kvprof.model.agents import load_agents, tokenizer_identity
 from kvprof.policies import PolicyVariant
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.traces.chat_log import import_log, trajectory_calls
 from kvprof.traces.spec import build_spec

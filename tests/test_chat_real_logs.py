@@ -41,7 +41,7 @@ from kvprof.policies import PolicyVariant, runnable_variants
 from kvprof.policies.delta import pool_identity
 from kvprof.policies.droidspeak import LayerProfile
 from kvprof.replay.branches import ReplayPlanSummary
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.report.replay import policy_notes
 from kvprof.traces.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.traces.chat_log import import_log

@@ -12,7 +12,8 @@ from kvprof.demo.codebook_world import codebook_world
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
 from kvprof.replay.branches import ReplayPlanSummary
-from kvprof.replay.engine import DENSE, run_replay
+from kvprof.replay.engine import run_replay
+from kvprof.replay.records import DENSE
 from kvprof.traces.spec import build_spec
 from kvprof.traces.trace import read_trace
 

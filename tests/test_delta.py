@@ -15,7 +15,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
 from kvprof.policies.anchors import AnchorPool, Match, Stored, mixed_delta, stored_bytes
 from kvprof.policies.delta import SegmentLog, pool_identity
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import read_trace
 from kvprof.tuning.anchor_fit import fit_anchors, truncated
 

@@ -37,7 +37,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
 from kvprof.policies.anchors import AnchorPool, Match
 from kvprof.policies.delta import Decision, DeltaContext, DeltaCorrection, SharedSegment
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import read_trace
 from kvprof.tuning.anchor_fit import fit_pool, observed_segments, truncated
 

@@ -1,7 +1,7 @@
-"""Sharded replay (`kvprof.replay.sharded`, `kvprof replay --ray`): shards merge into the single-process result per
-turn (apart from timings and the environment), policies with state across trajectories are not split, a worker
-killed mid-run costs nothing but time, an interrupted run resumes at shard granularity. The Ray tests share one
-local Ray instance (`ray.init(address="local", num_cpus=2)`)."""
+"""Sharded replay (`kvprof.replay.shards`, `kvprof.replay.ray_cluster`, `kvprof replay --ray`): shards merge into the
+single-process result per turn (apart from timings and the environment), policies with state across trajectories are
+not split, a worker killed mid-run costs nothing but time, an interrupted run resumes at shard granularity. The Ray
+tests share one local Ray instance (`ray.init(address="local", num_cpus=2)`)."""
 
 from __future__ import annotations
 
@@ -25,22 +25,19 @@ from kvprof.errors import KvprofError
 from kvprof.model.agents import load_agents_for_trace, trace_header
 from kvprof.policies import Option, PolicyVariant, policy_class
 from kvprof.policies.fullshared import FullShared
-from kvprof.replay.engine import ReplayProgress, replay_trace, run_replay, summarise
-from kvprof.replay.sharded import (
+from kvprof.replay.engine import run_replay
+from kvprof.replay.lockstep import ReplayProgress, replay_trace
+from kvprof.replay.ray_cluster import (
     AgentSource,
     RayCluster,
-    ShardCounter,
     absolute_files,
     absolute_source,
-    makespan,
-    merge,
-    plan_shards,
     refuse_unlike_worker,
     replay_sharded,
-    run_shard,
-    shard_checkpoint,
-    shard_groups,
 )
+from kvprof.replay.ray_worker import ShardCounter
+from kvprof.replay.shards import makespan, merge, plan_shards, run_shard, shard_checkpoint, shard_groups
+from kvprof.replay.summary import summarise
 from kvprof.traces.trace import read_trace
 
 TIMINGS = {"ttft_s", "decode_s", "latency_s"}
@@ -433,7 +430,7 @@ def test_ctrl_c_on_a_cluster_stops_cleanly(ray_instance, lora_trace, tmp_path):
 def test_a_worker_waiting_for_room_is_announced(ray_instance, lora_trace, monkeypatch):
     """While another job holds the CPUs a worker needs, the cluster waits and says so once; it starts when they
     are free."""
-    import kvprof.replay.sharded as distributed
+    import kvprof.replay.ray_cluster as distributed
 
     monkeypatch.setattr(distributed, "WAIT_NOTE_S", 1.0)
     holder = ray_instance.remote(num_cpus=1)(ShardCounter).remote()  # another job's actor, holding one CPU

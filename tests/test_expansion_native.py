@@ -13,7 +13,7 @@ from kvprof.kernels import expansion
 from kvprof.kernels.attention import EXPAND, SHORT
 from kvprof.kernels.expansion import expand_into, native_library
 from kvprof.model.rope import Rope
-from kvprof.replay.engine import attention_path
+from kvprof.replay.setting import attention_path
 from kvprof.report.replay import cost_table
 from kvprof.results.replay import FUSED_EXPANSION
 

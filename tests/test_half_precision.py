@@ -31,7 +31,7 @@ from kvprof.model.agents import load_agents_for_trace
 from kvprof.model.runtime import Runtime
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.rank.kv_capture import capture_turn
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import read_trace
 
 TOLERANCE = {"bfloat16": 0.05, "float16": 0.01}

@@ -22,7 +22,7 @@ from kvprof.model.tiny import AGENTS, HYBRIDS, TinyWorld, build_adapter, build_t
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.turns import TurnRequest
 from kvprof.policies.variants import PolicyVariant
-from kvprof.replay.engine import run_trajectory
+from kvprof.replay.timing import run_trajectory
 from kvprof.simulate.workload import load_replay
 from kvprof.traces.reuse import SpanMatching
 from kvprof.traces.trace import read_trace

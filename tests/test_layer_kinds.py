@@ -174,7 +174,7 @@ def test_memory_counts_what_each_layer_keeps(world, tmp_path, run_cli):
     from kvprof.model.agents import load_agents_for_trace
     from kvprof.model.runtime import Runtime
     from kvprof.policies.variants import enumerate_variants, runnable_variants
-    from kvprof.replay.engine import replay_trace
+    from kvprof.replay.lockstep import replay_trace
 
     name, tiny = world
     for mode in ("lora", "prompt"):

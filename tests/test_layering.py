@@ -216,3 +216,14 @@ def test_no_function_over_80_lines_outside_kernels():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert long == {}
+
+
+def test_no_replay_module_over_500_lines():
+    """The replay engine's modules are each one stage a reader holds in mind (records, memory, summary, timing,
+    the lockstep loop, online re-runs, the run's setting, shards and their Ray backend)."""
+    long = {
+        path.name: lines
+        for path in (PACKAGE / "replay").glob("*.py")
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert long == {}

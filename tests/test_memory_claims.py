@@ -13,7 +13,9 @@ from kvprof.claims.memory import MEASURES, memory_verdicts
 from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant
 from kvprof.policies.nonshared import NonShared
-from kvprof.replay.engine import paged_bytes, run_replay, run_trajectory
+from kvprof.replay.engine import run_replay
+from kvprof.replay.memory import paged_bytes
+from kvprof.replay.timing import run_trajectory
 from kvprof.traces.trace import read_trace
 
 VARIANTS = [

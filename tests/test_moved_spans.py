@@ -88,7 +88,8 @@ def test_online_group_chat_re_runs_serve_moved_spans(run_cli, tmp_path, monkeypa
     import kvprof.policies.base as base
     from kvprof.policies import PolicyVariant
     from kvprof.replay.branches import ReplayPlanSummary
-    from kvprof.replay.engine import DENSE, run_online, summarise_online
+    from kvprof.replay.online import run_online, summarise_online
+    from kvprof.replay.records import DENSE
     from kvprof.traces.tasks import task_of
     from kvprof.traces.trace import read_header
 

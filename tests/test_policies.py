@@ -19,7 +19,10 @@ from kvprof.model.architecture import decoder_layers
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import build_adapter, build_tiny_world, tiny_config
 from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, lowrank, runnable_variants
-from kvprof.replay.engine import DENSE, replay_trace, run_online, run_replay, summarise_online
+from kvprof.replay.engine import run_replay
+from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.online import run_online, summarise_online
+from kvprof.replay.records import DENSE
 from kvprof.results.replay import FUSED_EXPANSION
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import read_trace

@@ -22,7 +22,7 @@ from kvprof.policies import (
     runnable_variants,
 )
 from kvprof.policies.options import ORIGINS
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import read_trace
 
 THROWAWAY = '''"""Throwaway: a test policy that keeps each agent's own cache (exact), with one swept option."""

@@ -8,7 +8,9 @@ import json
 
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
-from kvprof.replay.engine import DENSE, replay_trace, run_online
+from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.online import run_online
+from kvprof.replay.records import DENSE
 from kvprof.traces.tasks import load_tasks, task_of
 from kvprof.traces.trace import read_trace
 

@@ -11,7 +11,7 @@ import torch
 from kvprof.kernels.expansion import native_library
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant, enumerate_variants
-from kvprof.replay.engine import ReplayProgress, replay_trace
+from kvprof.replay.lockstep import ReplayProgress, replay_trace
 from kvprof.traces.trace import read_trace
 
 

@@ -18,7 +18,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.replay.branches import BranchingTimeline, plan_trajectory
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import Trajectory, read_header, read_trace
 
 

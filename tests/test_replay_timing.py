@@ -14,7 +14,9 @@ from kvprof.policies import PolicyVariant, SharingPolicy
 from kvprof.policies.nonshared import NonShared
 from kvprof.policies.prelrshared import PreLRShared
 from kvprof.profiling import keep_freed_memory
-from kvprof.replay.engine import DENSE, replay_trace, run_replay
+from kvprof.replay.engine import run_replay
+from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.records import DENSE
 from kvprof.report.replay import cost_table
 from kvprof.traces.trace import read_trace
 

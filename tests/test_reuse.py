@@ -168,7 +168,7 @@ def test_replay_prefills_what_the_reuse_structure_leaves_new(tiny_world, lora_tr
     from kvprof.model.agents import load_agents_for_trace
     from kvprof.policies import PolicyVariant
     from kvprof.replay.branches import plan_of
-    from kvprof.replay.engine import replay_trace
+    from kvprof.replay.lockstep import replay_trace
     from kvprof.traces.trace import read_trace
 
     trajectories = read_trace(lora_trace).trajectories[:2]

@@ -18,7 +18,7 @@ from kvprof.policies import PolicyVariant, TurnRequest, enumerate_variants, pars
 from kvprof.policies.base import tensor_bytes
 from kvprof.policies.droidspeak import DroidSpeak
 from kvprof.policies.selective import LayerStack, budget, select_top
-from kvprof.replay.engine import replay_trace
+from kvprof.replay.lockstep import replay_trace
 from kvprof.traces.trace import read_trace
 
 SELECTIVE = ("cacheblend", "droidspeak", "relaycaching")

@@ -210,7 +210,8 @@ def _online_replay(
     (`lora_attention`: as --lora-attention; `options`: other arguments; no `policy`: `command_selection`); the record,
     online accuracy per run, as text."""
     from kvprof.policies import command_selection
-    from kvprof.replay.engine import lora_attention_mode, run_replay, with_trace
+    from kvprof.replay.engine import run_replay, with_trace
+    from kvprof.replay.setting import lora_attention_mode
 
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from kvprof.model.agents import AgentSet
     from kvprof.policies import PolicyVariant
     from kvprof.replay.checkpoint import Checkpoint
-    from kvprof.replay.engine import ReplayHooks, ReplayProgress
-    from kvprof.replay.sharded import RayCluster
+    from kvprof.replay.engine import ReplayHooks
+    from kvprof.replay.lockstep import ReplayProgress
+    from kvprof.replay.ray_cluster import RayCluster
     from kvprof.results.capture import CaptureSummary
     from kvprof.traces.tasks import Task
     from kvprof.traces.trace import TraceHeader, Trajectory
@@ -102,7 +103,8 @@ def replay_on_ray(
 ) -> dict:
     """`replay_sharded` on `cluster` under one progress display (`what`: the variants; `settings`: other arguments),
     saving each completed shard to `checkpoint`, resuming from it with `resume`."""
-    from kvprof.replay.sharded import ShardHooks, plan_shards, replay_sharded, shard_groups
+    from kvprof.replay.ray_cluster import ShardHooks, replay_sharded
+    from kvprof.replay.shards import plan_shards, shard_groups
 
     done, groups = None, None
     if checkpoint is not None and resume and checkpoint.path.exists():

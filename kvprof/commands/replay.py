@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from kvprof.policies import PolicyVariant
     from kvprof.policies.variants import Runnable
-    from kvprof.replay.sharded import AgentSource, RayCluster
+    from kvprof.replay.ray_cluster import AgentSource, RayCluster
     from kvprof.results.replay import ReplayResult
     from kvprof.traces.trace import Trajectory
 
@@ -107,8 +107,9 @@ def command(
 
     from kvprof.model.agents import trace_header
     from kvprof.policies.variants import choose_variants
-    from kvprof.replay.engine import check_setting, replayed_trajectories
-    from kvprof.replay.sharded import AgentSource, RayCluster, absolute_source
+    from kvprof.replay.engine import replayed_trajectories
+    from kvprof.replay.ray_cluster import AgentSource, RayCluster, absolute_source
+    from kvprof.replay.setting import check_setting
     from kvprof.tuning.tuned import with_tuned
 
     torch.manual_seed(seed)
@@ -163,8 +164,9 @@ class Replay:
         from kvprof.model.runtime import Runtime
         from kvprof.policies import runnable_variants
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
-        from kvprof.replay.engine import lora_attention_mode, run_replay, with_trace
+        from kvprof.replay.engine import run_replay, with_trace
         from kvprof.replay.self_check import checked_variants
+        from kvprof.replay.setting import lora_attention_mode
 
         agents = source.load()
         common.print_layers(agents)
@@ -194,8 +196,9 @@ class Replay:
         """In shards on `cluster`, checkpointed per shard; variants chosen on a worker's agents, not self-checked
         (the driver loads no model)."""
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
-        from kvprof.replay.engine import lora_attention_mode, with_trace
-        from kvprof.replay.sharded import absolute_files
+        from kvprof.replay.engine import with_trace
+        from kvprof.replay.ray_cluster import absolute_files
+        from kvprof.replay.setting import lora_attention_mode
 
         with cluster:
             first = cluster.first()

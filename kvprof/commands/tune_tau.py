@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvprof.model.agents import AgentSet
     from kvprof.policies import PolicyVariant
     from kvprof.replay.checkpoint import Checkpoint
-    from kvprof.replay.sharded import RayCluster
+    from kvprof.replay.ray_cluster import RayCluster
     from kvprof.results.tune_tau import TuneTauResult
     from kvprof.tuning.tau import Replayer
 
@@ -81,7 +81,7 @@ def command(
     from kvprof.model.agents import load_agents_for_trace, trace_header
     from kvprof.policies import policy_class
     from kvprof.replay.checkpoint import Checkpoint
-    from kvprof.replay.sharded import AgentSource, RayCluster
+    from kvprof.replay.ray_cluster import AgentSource, RayCluster
     from kvprof.tuning import tau
 
     torch.manual_seed(seed)

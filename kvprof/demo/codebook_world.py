@@ -23,7 +23,8 @@ from kvprof.demo.traces import captured_trace, relative_trace
 from kvprof.fileio import write_json
 from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
-from kvprof.replay.engine import DENSE, ReplayHooks, run_replay
+from kvprof.replay.engine import ReplayHooks, run_replay
+from kvprof.replay.records import DENSE
 from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import Trace, read_trace, write_trace

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from kvprof.errors import KvprofError
 from kvprof.fileio import read_json_file, write_json
 from kvprof.kernels.attention import LoraAttention
-from kvprof.replay.engine import ReplayProgress
-from kvprof.replay.sharded import ShardResult, resumable, saved_shards, shard_checkpoint
+from kvprof.replay.lockstep import ReplayProgress
+from kvprof.replay.shards import ShardResult, resumable, saved_shards, shard_checkpoint
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[Poli
     """Worst relative K/V error of each of `variants` in its exact setting on the first `TURNS` turns of
     `trajectory` (variants without one left out); cached per agents, trajectory and variants."""
     from kvprof.model.agents import agents_identity
-    from kvprof.replay.engine import replay_trace
+    from kvprof.replay.lockstep import replay_trace
 
     exact = {variant.label: checked for variant in variants if (checked := exact_variant(variant)) is not None}
     short = dataclasses.replace(trajectory, turns=trajectory.turns[:TURNS])

@@ -21,7 +21,9 @@ from kvprof.policies import PolicyVariant, policy_class
 from kvprof.policies.anchors import POOL_FILE, pool_digest
 from kvprof.policies.delta import pool_identity
 from kvprof.replay.checkpoint import trace_digest
-from kvprof.replay.engine import DENSE, ReplayHooks, ReplayProgress, run_replay
+from kvprof.replay.engine import ReplayHooks, run_replay
+from kvprof.replay.lockstep import ReplayProgress
+from kvprof.replay.records import DENSE
 from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.results.tune_tau import SweepDense, SweepRow, TuneTauResult
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
