@@ -42,6 +42,7 @@ from kvprof.policies.delta import pool_identity
 from kvprof.policies.droidspeak import LayerProfile
 from kvprof.replay.branches import ReplayPlanSummary
 from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.setting import ReplaySettings
 from kvprof.report.replay import policy_notes
 from kvprof.traces.chat import PLAIN_TEMPLATE, ChatFormat, Message
 from kvprof.traces.chat_log import import_log
@@ -461,10 +462,10 @@ def test_low_rank_policies_over_stored_values_move_spans_as_over_expanded_views(
         PolicyVariant("baseshared"),
     ]
     trajectories = read_trace(path).trajectories
-    expanded = replay_trace(agents, trajectories, variants, lora_attention=EXPAND)
+    expanded = replay_trace(agents, trajectories, variants, ReplaySettings(lora_attention=EXPAND))
     monkeypatch.setattr(runtime_module, "values_as_stored_pay", lambda group, tokens, head_dim, keys: True)
     calls = stored_value_calls()
-    stored = replay_trace(agents, trajectories, variants, lora_attention=SHORT)
+    stored = replay_trace(agents, trajectories, variants, ReplaySettings(lora_attention=SHORT))
     assert stored_value_calls() > calls
     for label, entry in stored["policies"].items():
         reference = expanded["policies"][label]

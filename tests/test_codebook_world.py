@@ -14,6 +14,7 @@ from kvprof.policies import PolicyVariant
 from kvprof.replay.branches import ReplayPlanSummary
 from kvprof.replay.engine import run_replay
 from kvprof.replay.records import DENSE
+from kvprof.replay.setting import ReplaySettings
 from kvprof.traces.spec import build_spec
 from kvprof.traces.trace import read_trace
 
@@ -51,7 +52,7 @@ def replayed(world):
     trace = world.sample_traces["short"]
     agents = load_agents_for_trace(trace, dtype="float32")
     return read_trace(trace).trajectories, run_replay(
-        agents, read_trace(trace).trajectories, [PolicyVariant("fullshared")], online=True
+        agents, read_trace(trace).trajectories, [PolicyVariant("fullshared")], ReplaySettings(online=True)
     )
 
 

@@ -15,6 +15,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.policies.variants import ALL
 from kvprof.replay.engine import run_replay
+from kvprof.replay.setting import ReplaySettings
 from kvprof.report import decision, replay
 from kvprof.report.dashboard import dashboard_sections, write_dashboard
 from kvprof.report.html import render_html
@@ -30,7 +31,7 @@ def replay_file(lora_trace, tmp_path_factory):
     agents = load_agents_for_trace(lora_trace, device="cpu", dtype="float32")
     variants, skipped = runnable_variants(enumerate_variants([ALL]), Runtime(agents), skip=True)
     trajectories = read_trace(lora_trace).trajectories[:2]
-    result = run_replay(agents, trajectories, variants, repeats=1, online=True)
+    result = run_replay(agents, trajectories, variants, ReplaySettings(repeats=1, online=True))
     result.update(trace=str(lora_trace), trace_source="capture", skipped=skipped)
     path = tmp_path_factory.mktemp("replay") / "replay.json"
     path.write_text(json.dumps(result_envelope("replay", result, {"device": "cpu"})))

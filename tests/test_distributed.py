@@ -36,6 +36,7 @@ from kvprof.replay.ray_cluster import (
     replay_sharded,
 )
 from kvprof.replay.ray_worker import ShardCounter
+from kvprof.replay.setting import ReplaySettings
 from kvprof.replay.shards import makespan, merge, plan_shards, run_shard, shard_checkpoint, shard_groups
 from kvprof.replay.summary import summarise
 from kvprof.traces.trace import read_trace
@@ -205,11 +206,11 @@ def test_shards_merge_into_the_single_process_result(mode, request):
     agents = request.getfixturevalue("agents") if mode == "lora" else load_agents_for_trace(trace, device="cpu")
     trajectories = read_trace(trace).trajectories
     variants = [PolicyVariant("fullshared"), *STATEFUL[:2], PolicyVariant("nonshared")]
-    single = run_replay(agents, trajectories, variants, online=True)
+    single = run_replay(agents, trajectories, variants, ReplaySettings(online=True))
     for workers in (None, 1):
         shards = plan_shards(trajectories, variants, workers)
         assert len(shard_groups(shards)) == (2 if workers is None else 1)
-        results = {shard.key: run_shard(agents, shard, 1, True, False) for shard in shards}
+        results = {shard.key: run_shard(agents, shard, ReplaySettings(online=True)) for shard in shards}
         merged = merge(shards, results, variants, online=True)
         same_records(merged, single)
         for shard in shards[-len(shard_groups(shards)) :]:
@@ -218,7 +219,7 @@ def test_shards_merge_into_the_single_process_result(mode, request):
                 entry = merged["policies"][variant.label]
                 assert any("replayed in order in one shard" in note for note in entry["notes"])
                 assert entry["summary"]["ttft_speedup"] == own_dense.ttft_s / entry["summary"]["ttft_s"]
-    alone = run_shard(agents, plan_shards(trajectories[-1:], variants)[-1], 1, False, False)  # a naive split
+    alone = run_shard(agents, plan_shards(trajectories[-1:], variants)[-1], ReplaySettings())  # a naive split
     last = merged["policies"][STATEFUL[1].label]["turns"][-1]
     assert alone.progress.records[STATEFUL[1].label][-1].recomputed < last["recomputed"]
 
@@ -247,7 +248,7 @@ def test_shard_checkpoint_resumes_only_whole_planned_shards(agents, lora_trace, 
     trajectories = read_trace(lora_trace).trajectories
     variants = [PolicyVariant("fullshared"), *STATEFUL[:2]]
     shards = plan_shards(trajectories[:2], variants, workers=1)  # one group of both stateful variants
-    results = {shard.key: run_shard(agents, shard, 1, False, False) for shard in shards}
+    results = {shard.key: run_shard(agents, shard, ReplaySettings()) for shard in shards}
     checkpoint = tmp_path / "replay.partial.json"
     groups = shard_groups(shards)
     progress = shard_checkpoint(results, groups)
@@ -358,7 +359,7 @@ def test_worker_killed_mid_run_still_yields_the_whole_result(ray_instance, agent
     source = AgentSource(trace_header(lora_trace), str(lora_trace), device="cpu", dtype="float32")
     with RayCluster(source, workers=2) as cluster:
         assert len(cluster.ready()) == 2  # both loaded: the first two shards start at once
-        merged = replay_sharded(cluster, trajectories, variants, online=False)
+        merged = replay_sharded(cluster, trajectories, variants, ReplaySettings(online=False))
     assert marker.exists(), "a worker must have been killed"
     killed = int(marker.read_text())
     retried = merged["distributed"]["retried"]

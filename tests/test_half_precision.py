@@ -32,6 +32,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import enumerate_variants, runnable_variants
 from kvprof.rank.kv_capture import capture_turn
 from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.setting import ReplaySettings
 from kvprof.traces.trace import read_trace
 
 TOLERANCE = {"bfloat16": 0.05, "float16": 0.01}
@@ -67,7 +68,11 @@ def _replay(trace, world, dtype, lora_attention=EXPAND):
     variants, skipped = runnable_variants(variants, Runtime(agents), skip=True)
     assert not skipped, skipped
     return replay_trace(
-        agents, read_trace(trace).trajectories, variants, check_memory=True, lora_attention=lora_attention
+        agents,
+        read_trace(trace).trajectories,
+        variants,
+        ReplaySettings(lora_attention=lora_attention),
+        check_memory=True,
     )
 
 

@@ -3,8 +3,10 @@ each published memory claim the replayed policies carry."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from typing import TypeVar
 
 import pytest
 from test_policies import shared_a_agents  # noqa: F401  (fixture)
@@ -15,8 +17,12 @@ from kvprof.policies import PolicyVariant
 from kvprof.policies.nonshared import NonShared
 from kvprof.replay.engine import run_replay
 from kvprof.replay.memory import paged_bytes
+from kvprof.replay.setting import ReplaySettings
 from kvprof.replay.timing import run_trajectory
+from kvprof.results.replay import DenseRun, DenseSummary, PolicyRun, PolicySummary, ReplayResult, RunSummary, TurnRecord
 from kvprof.traces.trace import read_trace
+
+S = TypeVar("S", bound=RunSummary)
 
 VARIANTS = [
     PolicyVariant("fullshared"),
@@ -29,7 +35,7 @@ VARIANTS = [
 
 @pytest.fixture(scope="module")
 def replayed(shared_a_agents, lora_trace):  # noqa: F811
-    return run_replay(shared_a_agents, read_trace(lora_trace).trajectories, VARIANTS, repeats=1)
+    return run_replay(shared_a_agents, read_trace(lora_trace).trajectories, VARIANTS, ReplaySettings(repeats=1))
 
 
 def test_kv_blocks_round_each_cache_up_to_whole_pages(shared_a_agents, lora_trace):  # noqa: F811
@@ -88,7 +94,7 @@ def test_each_claim_gets_the_measured_ratio_and_a_verdict(replayed):
     json.dumps(replayed)
 
 
-def _result(policy_bytes: int, reference_bytes: int, context: int = 70_000, ratio: str = "0.3") -> dict:
+def _result(policy_bytes: int, reference_bytes: int, context: int = 70_000, ratio: str = "0.3") -> ReplayResult:
     """A synthetic replay result: PreLRShared beside CacheBlend (recompute `ratio`) and the dense run, on a trace
     whose longest turn is `context` tokens."""
     claim = {
@@ -102,24 +108,34 @@ def _result(policy_bytes: int, reference_bytes: int, context: int = 70_000, rati
         "reference_options": [["ratio", "0.3"]],
     }
     published = [{"paper": "PReCache", "claim": "17–23 % below", "memory": claim}, {"paper": "P", "claim": "speed"}]
-    turns = [{"agent": "plan", "input_tokens": context - 10, "output_tokens": 10}]
-    return {
-        "dense": {"summary": {"allocator_peak_bytes": 2 * reference_bytes}, "turns": turns},
-        "policies": {
-            "prelrshared": {
-                "name": "prelrshared",
-                "options": {},
-                "published": published,
-                "summary": {"allocator_peak_bytes": policy_bytes},
-            },
-            "cacheblend": {
-                "name": "cacheblend",
-                "options": {"ratio": ratio},
-                "published": [],
-                "summary": {"allocator_peak_bytes": reference_bytes},
-            },
+    turn = TurnRecord(
+        agent="plan", input_tokens=context - 10, output_tokens=10, prefilled=0, flops=0, ttft_flops=0, trajectory="t",
+        turn=0,
+    )  # fmt: skip
+    return ReplayResult(
+        dense=DenseRun(summary=_summary(DenseSummary, 2 * reference_bytes), turns=[turn]),
+        policies={
+            "prelrshared": PolicyRun(
+                name="prelrshared",
+                options={},
+                published=published,
+                summary=_summary(PolicySummary, policy_bytes),
+                turns=[],
+            ),
+            "cacheblend": PolicyRun(
+                name="cacheblend",
+                options={"ratio": ratio},
+                published=[],
+                summary=_summary(PolicySummary, reference_bytes),
+                turns=[],
+            ),
         },
-    }
+    )
+
+
+def _summary(kind: type[S], allocator_peak_bytes: float) -> S:
+    """A summary of `kind` holding only the allocator peak (what these claims read)."""
+    return kind(**{f.name: None for f in dataclasses.fields(kind)} | {"allocator_peak_bytes": allocator_peak_bytes})
 
 
 def test_the_verdict_flips_where_the_ratio_crosses_the_claimed_interval():
@@ -136,7 +152,7 @@ def test_the_verdict_flips_where_the_ratio_crosses_the_claimed_interval():
     other = verdict(80, 100, ratio="0.16")
     assert other["verdict"] == "not comparable" and "ratio 0.16" in other["why"]
     missing = _result(80, 100)
-    del missing["policies"]["cacheblend"]
+    del missing.policies["cacheblend"]
     (alone,) = memory_verdicts(missing)
     assert alone["holds"] is None and alone["ratio"] is None and "no cacheblend run" in alone["why"]
 

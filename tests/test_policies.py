@@ -23,6 +23,7 @@ from kvprof.replay.engine import run_replay
 from kvprof.replay.lockstep import replay_trace
 from kvprof.replay.online import run_online, summarise_online
 from kvprof.replay.records import DENSE
+from kvprof.replay.setting import ReplaySettings
 from kvprof.results.replay import FUSED_EXPANSION
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import read_trace
@@ -379,7 +380,7 @@ def test_flash_lora_attention_path_matches_expanded_values(lora_trace, shared_a_
         PolicyVariant("rebaseshared", {"schedule": "db"}),
     ]
     expanded = replay_trace(shared_a_agents, trajectories, choices)
-    kernel = replay_trace(shared_a_agents, trajectories, choices, lora_attention=KERNEL)
+    kernel = replay_trace(shared_a_agents, trajectories, choices, ReplaySettings(lora_attention=KERNEL))
     for label in expanded["policies"]:
         for a, b in zip(expanded["policies"][label]["turns"], kernel["policies"][label]["turns"]):
             assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)

@@ -17,6 +17,7 @@ from kvprof.profiling import keep_freed_memory
 from kvprof.replay.engine import run_replay
 from kvprof.replay.lockstep import replay_trace
 from kvprof.replay.records import DENSE
+from kvprof.replay.setting import ReplaySettings
 from kvprof.report.replay import cost_table
 from kvprof.traces.trace import read_trace
 
@@ -35,7 +36,7 @@ def trajectories(lora_trace):
 
 @pytest.fixture(scope="module")
 def timed(shared_a_agents, trajectories):  # noqa: F811
-    return run_replay(shared_a_agents, trajectories, VARIANTS, repeats=2, timing="trajectory")
+    return run_replay(shared_a_agents, trajectories, VARIANTS, ReplaySettings(repeats=2, timing="trajectory"))
 
 
 def test_the_timing_mode_is_recorded(timed, shared_a_agents, trajectories):  # noqa: F811
@@ -52,7 +53,7 @@ def test_the_timing_mode_is_recorded(timed, shared_a_agents, trajectories):  # n
         "heap_kept": kept,
     }
     assert "trajectory timing (code: PReCache's bench/single_stream.py)" in cost_table(timed).title
-    per_turn = run_replay(shared_a_agents, trajectories[:1], VARIANTS[:1], repeats=1)
+    per_turn = run_replay(shared_a_agents, trajectories[:1], VARIANTS[:1], ReplaySettings(repeats=1))
     timing = dict(per_turn["timing"])
     assert set(timing.pop("load")) == load_fields
     assert timing == {
@@ -99,7 +100,7 @@ def test_every_policy_gets_trajectory_ttfts(timed, trajectories):
 
 def test_the_timed_runs_leave_the_lockstep_records_as_they_are(timed, shared_a_agents, trajectories):  # noqa: F811
     """The timed runs replay on instances of their own: fidelity and work equal a per-turn replay's."""
-    per_turn = replay_trace(shared_a_agents, trajectories, VARIANTS, repeats=1)
+    per_turn = replay_trace(shared_a_agents, trajectories, VARIANTS, ReplaySettings(repeats=1))
     for label in ("prelrshared", "rebaseshared-db"):
         for a, b in zip(timed["policies"][label]["turns"], per_turn["policies"][label]["turns"], strict=True):
             for key in ("kl_sum", "top1_sum", "layers", "reused", "prefilled", "ttft_flops", "memory_bytes"):
@@ -122,7 +123,7 @@ def test_per_turn_prefills_are_timed_round_robin(shared_a_agents, trajectories, 
     monkeypatch.setattr(SharingPolicy, "prefill", logged)
     traj = trajectories[0]
     repeats, runs = 3, 3  # the dense run and two policies
-    result = run_replay(shared_a_agents, [traj], VARIANTS[:2], repeats=repeats)
+    result = run_replay(shared_a_agents, [traj], VARIANTS[:2], ReplaySettings(repeats=repeats))
     assert result["timing"]["interleaved"] and "timed round-robin across the runs" in cost_table(result).title
     per_turn = (repeats + 1) * runs  # an untimed round, then `repeats` timed ones
     assert len(calls) == len(traj.turns) * per_turn
@@ -135,7 +136,7 @@ def test_per_turn_prefills_are_timed_round_robin(shared_a_agents, trajectories, 
             timed_rounds = [turn[runs * round_ + position][1] for round_ in range(1, repeats + 1)]
             assert record["ttft_s"] == pytest.approx(statistics.median(timed_rounds)), (index, label)
     monkeypatch.undo()
-    once = run_replay(shared_a_agents, [traj], VARIANTS[:2], repeats=1)
+    once = run_replay(shared_a_agents, [traj], VARIANTS[:2], ReplaySettings(repeats=1))
     assert not once["timing"]["interleaved"]
     for label in ("fullshared", "prelrshared"):
         for a, b in zip(result["policies"][label]["turns"], once["policies"][label]["turns"], strict=True):
@@ -156,7 +157,9 @@ def test_the_warm_up_run_is_excluded(shared_a_agents, trajectories, monkeypatch)
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "assemble", first_prefill_is_slow)
-    result = replay_trace(shared_a_agents, trajectories[:1], VARIANTS[1:2], repeats=2, timing="trajectory")
+    result = replay_trace(
+        shared_a_agents, trajectories[:1], VARIANTS[1:2], ReplaySettings(repeats=2, timing="trajectory")
+    )
     for entry in (result["dense"], result["policies"]["prelrshared"]):
         first, *rest = entry["turns"]
         assert first["warm_up"]["ttft_s"] >= 0.5

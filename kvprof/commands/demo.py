@@ -211,7 +211,7 @@ def _online_replay(
     online accuracy per run, as text."""
     from kvprof.policies import command_selection
     from kvprof.replay.engine import run_replay, with_trace
-    from kvprof.replay.setting import lora_attention_mode
+    from kvprof.replay.setting import ReplaySettings, lora_attention_mode
 
     if "policy" not in options:
         options["policy"], options["policy_option"] = command_selection(variants)
@@ -220,9 +220,9 @@ def _online_replay(
             agents,
             trajectories,
             variants,
-            ctx.repeats,
-            online=True,
-            lora_attention=lora_attention_mode(lora_attention, agents.device.type),
+            ReplaySettings(
+                ctx.repeats, online=True, lora_attention=lora_attention_mode(lora_attention, agents.device.type)
+            ),
             hooks=hooks,
         )
     record = with_trace(payload, trace, skipped, None)

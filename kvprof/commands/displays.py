@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvprof.replay.engine import ReplayHooks
     from kvprof.replay.lockstep import ReplayProgress
     from kvprof.replay.ray_cluster import RayCluster
+    from kvprof.replay.setting import ReplaySettings
     from kvprof.results.capture import CaptureSummary
     from kvprof.traces.tasks import Task
     from kvprof.traces.trace import TraceHeader, Trajectory
@@ -98,11 +99,10 @@ def replay_on_ray(
     what: str,
     checkpoint: Checkpoint | None,
     resume: bool,
-    online: bool = False,
-    **settings,
+    settings: ReplaySettings,
 ) -> dict:
-    """`replay_sharded` on `cluster` under one progress display (`what`: the variants; `settings`: other arguments),
-    saving each completed shard to `checkpoint`, resuming from it with `resume`."""
+    """`replay_sharded` on `cluster` under `settings` and one progress display (`what`: the variants), saving each
+    completed shard to `checkpoint`, resuming from it with `resume`."""
     from kvprof.replay.ray_cluster import ShardHooks, replay_sharded
     from kvprof.replay.shards import plan_shards, shard_groups
 
@@ -117,6 +117,7 @@ def replay_on_ray(
     with progress() as bar:
         label = f"replaying {what} in {len(shards)} shards on up to {cluster.size} Ray workers"
         job = bar.add_task(label, total=sum(shard.turns for shard in shards))
+        online = settings.online
         online_job = bar.add_task("online re-runs", total=sum(s.tasks(online) for s in shards)) if online else None
 
         def show_progress(turns: int, tasks: int) -> None:
@@ -129,9 +130,7 @@ def replay_on_ray(
             on_shard=(lambda results: checkpoint.save_shards(results, groups)) if checkpoint is not None else None,
             on_event=lambda line: bar.console.print(f"[yellow]{line}[/]"),
         )
-        return replay_sharded(
-            cluster, trajectories, variants, online=online, done=done, hooks=hooks, groups=groups, **settings
-        )
+        return replay_sharded(cluster, trajectories, variants, settings, done=done, hooks=hooks, groups=groups)
 
 
 def _print_groups(groups: list[list[str]]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvprof.policies import PolicyVariant
     from kvprof.policies.variants import Runnable
     from kvprof.replay.ray_cluster import AgentSource, RayCluster
+    from kvprof.replay.setting import ReplaySettings
     from kvprof.results.replay import ReplayResult
     from kvprof.traces.trace import Trajectory
 
@@ -109,7 +110,7 @@ def command(
     from kvprof.policies.variants import choose_variants
     from kvprof.replay.engine import replayed_trajectories
     from kvprof.replay.ray_cluster import AgentSource, RayCluster, absolute_source
-    from kvprof.replay.setting import check_setting
+    from kvprof.replay.setting import ReplaySettings, check_setting
     from kvprof.tuning.tuned import with_tuned
 
     torch.manual_seed(seed)
@@ -127,7 +128,7 @@ def command(
         vllm_retention(retention_interval),
         vllm_kernel_block(kernel_block),
     )
-    settings = dict(repeats=repeats, online=online, timing=timing, page_size=page_size, span_matching=span_matching)
+    settings = ReplaySettings(repeats, online, timing=timing, page_size=page_size, span_matching=span_matching)
     replay = Replay(trace, trajectories, choose, lora_attention, out / CHECKPOINT, resume, settings)
     source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)
     if ray:
@@ -146,8 +147,8 @@ def command(
 
 @dataclass(frozen=True)
 class Replay:
-    """A replay here or on Ray: trace, trajectories, `choose` (variants among a setup's), --lora-attention,
-    checkpoint, --resume, `run_replay`'s other `settings`."""
+    """A replay here or on Ray: trace, trajectories, `choose` (variants among a setup's), --lora-attention (resolved
+    on the loaded agents' device), checkpoint, --resume, the other `settings`."""
 
     trace: Path
     trajectories: list[Trajectory]
@@ -155,7 +156,7 @@ class Replay:
     lora_attention: str
     checkpoint_path: Path
     resume: bool
-    settings: dict
+    settings: ReplaySettings
 
     def in_process(self, source: AgentSource) -> ReplayResult:
         """In this process: variants self-checked on the agents first, checkpointed per trajectory."""
@@ -171,25 +172,21 @@ class Replay:
         agents = source.load()
         common.print_layers(agents)
         mode, runtime = lora_attention_mode(self.lora_attention, agents.device.type), Runtime(agents)
+        settings = replace(self.settings, lora_attention=mode)
         variants, skipped = self.choose(lambda chosen, skip: runnable_variants(chosen, runtime, skip))
         with common.console.status(SELF_CHECK) if any(v.policy.exact_setting for v in variants) else nullcontext():
             variants, skipped, checked = checked_variants(agents, self.trajectories[0], variants, skipped)
         require_variants(variants, skipped)
         identity = replay_identity(
-            self.trace,
-            agents_identity(agents),
-            variants,
-            mode,
-            expansion=expansion_path(agents.device.type),
-            **self.settings,
+            self.trace, agents_identity(agents), variants, settings, expansion=expansion_path(agents.device.type)
         )
         checkpoint = Checkpoint(self.checkpoint_path, identity)
         state = displays.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
-        label, settings = f"replaying {len(variants)} policies", self.settings | {"lora_attention": mode}
+        label = f"replaying {len(variants)} policies"
         with displays.replay_progress(
-            label, self.trajectories, len(variants), settings["online"], state, checkpoint
+            label, self.trajectories, len(variants), settings.online, state, checkpoint
         ) as hooks:
-            result = run_replay(agents, self.trajectories, variants, progress=state, hooks=hooks, **settings)
+            result = run_replay(agents, self.trajectories, variants, settings, progress=state, hooks=hooks)
         return with_trace(result, self.trace, skipped, checked)
 
     def on_ray(self, cluster: RayCluster) -> ReplayResult:
@@ -203,16 +200,16 @@ class Replay:
         with cluster:
             first = cluster.first()
             loaded = first["identity"]
-            mode = lora_attention_mode(self.lora_attention, loaded["device"])
+            settings = replace(self.settings, lora_attention=lora_attention_mode(self.lora_attention, loaded["device"]))
             variants, skipped = self.choose(lambda chosen, skip: cluster.runnable(absolute_files(chosen), skip))
             require_variants(variants, skipped)
             identity = replay_identity(
-                self.trace, loaded, variants, mode, sharded=True, expansion=first["expansion"], **self.settings
+                self.trace, loaded, variants, settings, expansion=first["expansion"], sharded=True
             )
             checkpoint = Checkpoint(self.checkpoint_path, identity)
-            what, settings = f"{len(variants)} policies", self.settings | {"lora_attention": mode}
+            what = f"{len(variants)} policies"
             result = displays.replay_on_ray(
-                cluster, self.trajectories, variants, what, checkpoint, self.resume, **settings
+                cluster, self.trajectories, variants, what, checkpoint, self.resume, settings
             )
         return with_trace(result, self.trace, skipped, None)
 

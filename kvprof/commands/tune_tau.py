@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvprof.policies import PolicyVariant
     from kvprof.replay.checkpoint import Checkpoint
     from kvprof.replay.ray_cluster import RayCluster
+    from kvprof.replay.setting import ReplaySettings
     from kvprof.results.tune_tau import TuneTauResult
     from kvprof.tuning.tau import Replayer
 
@@ -82,10 +83,11 @@ def command(
     from kvprof.policies import policy_class
     from kvprof.replay.checkpoint import Checkpoint
     from kvprof.replay.ray_cluster import AgentSource, RayCluster
+    from kvprof.replay.setting import ReplaySettings
     from kvprof.tuning import tau
 
     torch.manual_seed(seed)
-    matching = SpanMatching(min_span, span_boundaries)
+    settings = ReplaySettings(repeats=repeats, online=online, span_matching=SpanMatching(min_span, span_boundaries))
     key, target = tau.threshold_key(policy), tau.Target.given(max_accuracy_drop, max_kl, target_rho)
     thresholds, options = tau.parse_grid(grid), tau.parse_options(policy, option or [])
     if trace is None:
@@ -102,24 +104,33 @@ def command(
         agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
         tuning, heldout = tau.split_trajectories(agents, trace, trajectories, tune_count)
         if anchors is None:
-            with common.progress() as bar:
-                job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
-                anchors = tau.fit_pool(agents, tuning, policy, options, out, matching, lambda traj: bar.advance(job))
+            anchors = fit_default_pool(agents, tuning, policy, options, out, settings.span_matching)
         # Ray workers open the pool themselves: at the same absolute path on every node.
         options["anchors"] = str(Path(anchors).resolve()) if cluster is not None else str(anchors)
         identity = tau.sweep_identity(
-            trace, anchors, agents, policy, thresholds, options, len(tuning), online, repeats, matching, worker
+            trace, anchors, agents, policy, thresholds, options, len(tuning), settings, worker
         )
         checkpoint = Checkpoint(out / CHECKPOINT, identity, tau.SWEEP_SETTINGS)
         replayer: AbstractContextManager[Replayer] = (
-            nullcontext(replayer_on_ray(cluster, checkpoint, resume, repeats, online, matching))
+            nullcontext(replayer_on_ray(cluster, checkpoint, resume, settings))
             if cluster is not None
-            else replayer_here(agents, tuning, key, thresholds, checkpoint, resume, repeats, online, matching)
+            else replayer_here(agents, tuning, key, thresholds, checkpoint, resume, settings)
         )
         with replayer as replay:
             result = tau.tune(replay, tuning, heldout, policy_class(policy).name, options, thresholds, target, online)
     workers = None if cluster is None else cluster.workers_described()
     finish(out, result, args, trace, anchors, agents.model_name, checkpoint, workers)
+
+
+def fit_default_pool(
+    agents: AgentSet, tuning: list[Trajectory], policy: str, options: dict[str, str], out: Path, matching: SpanMatching
+) -> Path:
+    """`tau.fit_pool` on the tuning trajectories under a progress bar: the pool every row starts from."""
+    from kvprof.tuning import tau
+
+    with common.progress() as bar:
+        job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
+        return tau.fit_pool(agents, tuning, policy, options, out, matching, lambda traj: bar.advance(job))
 
 
 @contextmanager
@@ -130,39 +141,26 @@ def replayer_here(
     thresholds: list[str],
     checkpoint: Checkpoint,
     resume: bool,
-    repeats: int,
-    online: bool,
-    matching: SpanMatching,
+    settings: ReplaySettings,
 ) -> Iterator[Replayer]:
-    """An in-process `Replayer` under progress bars of option `key`'s `thresholds`, checkpointed per tuning
-    trajectory, resuming from `checkpoint` with `resume`."""
+    """An in-process `Replayer` under `settings` and progress bars of option `key`'s `thresholds`, checkpointed per
+    tuning trajectory, resuming from `checkpoint` with `resume`."""
     from kvprof.tuning.tau import in_process
 
     state = displays.resumed_progress(checkpoint, resume, tuning, "tuning trajectories")
     label = f"replaying {len(thresholds)} values of {key} in lockstep"
-    with displays.replay_progress(label, tuning, len(thresholds), online, state, checkpoint) as hooks:
-        yield in_process(agents, repeats, online, state, hooks, matching)
+    with displays.replay_progress(label, tuning, len(thresholds), settings.online, state, checkpoint) as hooks:
+        yield in_process(agents, settings, state, hooks)
 
 
-def replayer_on_ray(
-    cluster: RayCluster, checkpoint: Checkpoint, resume: bool, repeats: int, online: bool, matching: SpanMatching
-) -> Replayer:
-    """A `Replayer` in shards on `cluster`: each threshold is a stateful variant, grouped into sequential shards as
-    the cluster's size makes fastest; checkpointed per shard (held-out check not), resuming with `resume`."""
+def replayer_on_ray(cluster: RayCluster, checkpoint: Checkpoint, resume: bool, settings: ReplaySettings) -> Replayer:
+    """A `Replayer` in shards on `cluster` under `settings`: each threshold is a stateful variant, grouped into
+    sequential shards as the cluster's size makes fastest; checkpointed per shard (held-out check not), resuming with
+    `resume`."""
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         what, saved = f"{len(variants)} variants", checkpoint if sweep else None
-        result = displays.replay_on_ray(
-            cluster,
-            list(trajectories),
-            variants,
-            what,
-            saved,
-            resume and sweep,
-            online,
-            repeats=repeats,
-            span_matching=matching,
-        )
+        result = displays.replay_on_ray(cluster, list(trajectories), variants, what, saved, resume and sweep, settings)
         result.pop("distributed")
         return result
 

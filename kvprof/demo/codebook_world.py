@@ -25,6 +25,7 @@ from kvprof.model.agents import load_agents_for_trace
 from kvprof.policies import PolicyVariant
 from kvprof.replay.engine import ReplayHooks, run_replay
 from kvprof.replay.records import DENSE
+from kvprof.replay.setting import ReplaySettings
 from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.traces.tasks import load_tasks
 from kvprof.traces.trace import Trace, read_trace, write_trace
@@ -141,7 +142,7 @@ def evaluate(
             agents,
             trajectories,
             list(policies),
-            online=True,
+            ReplaySettings(online=True),
             hooks=ReplayHooks(on_task=lambda label, task: bar.advance(job)),
         )
     replay = ReplayResult.of(result)

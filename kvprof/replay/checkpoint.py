@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import read_json_file, write_json
-from kvprof.kernels.attention import LoraAttention
 from kvprof.replay.lockstep import ReplayProgress
+from kvprof.replay.setting import ReplaySettings
 from kvprof.replay.shards import ShardResult, resumable, saved_shards, shard_checkpoint
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 
 if TYPE_CHECKING:
     from kvprof.policies import PolicyVariant
@@ -50,34 +49,30 @@ def replay_identity(
     trace: Path,
     loaded: dict,
     variants: list[PolicyVariant],
-    lora_attention: LoraAttention,
-    sharded: bool = False,
+    settings: ReplaySettings,
     *,
-    repeats: int,
     expansion: str,
-    online: bool = False,
-    timing: str = "turn",
-    page_size: int = 16,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
+    sharded: bool = False,
 ) -> dict:
     """The settings a replay's records depend on: trace content, model and agents, dtype, device (`loaded`), variants
-    with options, repeats, timing, page size, span matching, attention path, the views' `expansion` path
-    (`kvprof.kernels.expansion.expansion_path`: timings of both paths must not mix); `sharded` (+ `online`) on Ray."""
+    with options, `settings`' repeats, timing, page size, span matching and attention path, the views' `expansion`
+    path (`kvprof.kernels.expansion.expansion_path`: timings of both paths must not mix); `sharded` (+ `online`) on
+    Ray."""
     identity = {
         "trace": trace_digest(trace),
         "model": loaded["model"],
         "agents": loaded["agents"],
         "policies": {variant.label: variant.options for variant in variants},
-        "repeats": repeats,
-        "timing": timing,
-        "page_size": page_size,
-        "span_matching": span_matching.to_json(),
+        "repeats": settings.repeats,
+        "timing": settings.timing,
+        "page_size": settings.page_size,
+        "span_matching": settings.span_matching.to_json(),
         "dtype": loaded["dtype"],
         "device": loaded["device"],
-        "lora_attention": lora_attention,
+        "lora_attention": settings.lora_attention,
         "expansion": expansion,
     }
-    return identity | ({"sharding": "ray", "online": online} if sharded else {})
+    return identity | ({"sharding": "ray", "online": settings.online} if sharded else {})
 
 
 @dataclass(frozen=True)

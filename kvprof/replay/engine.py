@@ -15,17 +15,14 @@ from pathlib import Path
 from kvprof.capture.workflow import require_react_agents
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import EXPAND, LoraAttention
 from kvprof.model.agents import AgentSet, trace_header
 from kvprof.policies import PolicyVariant
 from kvprof.replay.branches import require_one_timeline
 from kvprof.replay.lockstep import ReplayProgress, TurnHook, replay_trace
-from kvprof.replay.memory import PAGE_SIZE
 from kvprof.replay.online import run_online, summarise_online
-from kvprof.replay.setting import KernelCounts, run_setting
+from kvprof.replay.setting import DEFAULT_SETTINGS, KernelCounts, ReplaySettings, run_setting
 from kvprof.results.replay import ReplayResult
 from kvprof.threads import LoadMeter
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.tasks import Task, task_of
 from kvprof.traces.trace import Trajectory, iter_trajectories, read_header
 
@@ -43,18 +40,14 @@ def run_replay(
     agents: AgentSet,
     trajectories: list[Trajectory],
     variants: list[PolicyVariant],
-    repeats: int = 1,
-    online: bool = False,
-    lora_attention: LoraAttention = EXPAND,
+    settings: ReplaySettings = DEFAULT_SETTINGS,
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
-    timing: str = "turn",
-    page_size: int = PAGE_SIZE,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """`kvprof replay`'s payload: the lockstep replay, the online re-runs when `online`, and the run's setting."""
+    """`kvprof replay`'s payload under `settings`: the lockstep replay, the online re-runs when `settings.online`,
+    and the run's setting. `progress`: a checkpoint's, resumed."""
     hooks = hooks or ReplayHooks()
-    if online:
+    if settings.online:
         require_react_agents(agents.spec.names)
     started = KernelCounts.now()
     meter = LoadMeter()
@@ -62,28 +55,17 @@ def run_replay(
         agents,
         trajectories,
         variants,
-        repeats=repeats,
+        settings,
         on_turn=hooks.on_turn,
         progress=progress,
         on_trajectory=hooks.on_trajectory,
-        lora_attention=lora_attention,
-        timing=timing,
-        page_size=page_size,
-        span_matching=span_matching,
     )
     timed_load = meter.reading()
-    if online:
-        runs = run_online(
-            agents,
-            [task_of(t) for t in trajectories],
-            variants,
-            on_task=hooks.on_task,
-            lora_attention=lora_attention,
-            span_matching=span_matching,
-        )
+    if settings.online:
+        runs = run_online(agents, [task_of(t) for t in trajectories], variants, settings, on_task=hooks.on_task)
         result["online"] = summarise_online(runs)
-    result.update(run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, started, timed_load))
-    result["memory_claims"] = memory_verdicts(result)
+    result.update(run_setting(agents, settings, started, timed_load))
+    result["memory_claims"] = memory_verdicts(ReplayResult.of(result))
     return result
 
 

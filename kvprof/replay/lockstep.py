@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import EXPAND, LoraAttention
 from kvprof.model.agents import AgentSet
 from kvprof.model.layers import LayerKind
 from kvprof.model.runtime import Runtime
@@ -18,13 +17,14 @@ from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import keep_freed_memory
 from kvprof.replay.branches import BranchingTimeline, plan_of
-from kvprof.replay.memory import PAGE_SIZE, paper_memory, weights_bytes
+from kvprof.replay.memory import paper_memory, weights_bytes
 from kvprof.replay.metrics import reused_from_others
 from kvprof.replay.records import DENSE, compare_turn, moved_from_others
+from kvprof.replay.setting import DEFAULT_SETTINGS, ReplaySettings
 from kvprof.replay.summary import policy_entry, replay_result
 from kvprof.replay.timing import TIMINGS, interleaved_prefills, run_trajectory, time_trajectory
 from kvprof.results.replay import TurnRecord
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching, last_occurrence, message_boundaries
+from kvprof.traces.reuse import last_occurrence, message_boundaries
 from kvprof.traces.trace import Trajectory, Turn
 
 
@@ -172,17 +172,14 @@ def replay_trace(
     agents: AgentSet,
     trajectories: Iterable[Trajectory],
     variants: list[PolicyVariant],
-    repeats: int = 1,
+    settings: ReplaySettings = DEFAULT_SETTINGS,
     on_turn: TurnHook | None = None,
     check_memory: bool = False,
     progress: ReplayProgress | None = None,
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
-    lora_attention: LoraAttention = EXPAND,
-    timing: str = "turn",
-    page_size: int = PAGE_SIZE,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
-    """Teacher-forced lockstep replay. Returns {"dense": ..., "policies": {label: ...}}.
+    """Teacher-forced lockstep replay under `settings` (its `online` is `run_replay`'s). Returns
+    {"dense": ..., "policies": {label: ...}}.
 
     - `timing` "turn" (kvprof): TTFT the median of `repeats` prefills timed round-robin across the dense run and the
       policies after a warm-up round (`interleaved_prefills`); "trajectory"
@@ -192,11 +189,11 @@ def replay_trace(
     - Turns that leave the shared context: `kvprof.replay.branches`; the dense records say where and why.
     - `progress`: trajectories already replayed are skipped; stateful variants replay them again unrecorded
       (`rebuild_state`).
-    - `lora_attention`: how low-rank policies attend their rank-r values (`Runtime`); `span_matching`:
-      `SpanMatching`.
+    - `check_memory`: each policy's analytic bytes checked against its live tensors after every turn.
     """
     trajectories = list(trajectories)
-    runtime = Runtime(agents, lora_attention, span_matching=span_matching)
+    repeats, timing = settings.repeats, settings.timing
+    runtime = Runtime(agents, settings.lora_attention, span_matching=settings.span_matching)
     require_invocations(runtime, trajectories)
     if runtime.device.type == "cpu":
         keep_freed_memory()
@@ -219,7 +216,9 @@ def replay_trace(
     rebuild_state(runtime, stateful, done)
     stateful_timers = [timers[v.label] for v in variants if not v.trajectory_independent and v.label in timers]
     rebuild_state(runtime, stateful_timers, done, passes=repeats + 1)
-    lockstep = Lockstep(runtime, dense, policies, state, agents.layer_kinds, per_turn, weights, page_size, check_memory)
+    lockstep = Lockstep(
+        runtime, dense, policies, state, agents.layer_kinds, per_turn, weights, settings.page_size, check_memory
+    )
     for traj in trajectories:
         if traj.id in state.trajectories:
             continue

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvprof.capture.workflow import SearchTool, exact_match, run_react
-from kvprof.kernels.attention import EXPAND, LoraAttention
 from kvprof.model.agents import AgentSet
 from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest
@@ -15,7 +14,7 @@ from kvprof.policies.nonshared import NonShared
 from kvprof.replay.branches import FollowedTimeline
 from kvprof.replay.lockstep import build_policies
 from kvprof.replay.records import DENSE
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+from kvprof.replay.setting import DEFAULT_SETTINGS, ReplaySettings
 from kvprof.traces.tasks import Task
 from kvprof.traces.trace import Trajectory
 
@@ -46,12 +45,12 @@ def run_online(
     agents: AgentSet,
     tasks: list[Task],
     variants: list[PolicyVariant],
+    settings: ReplaySettings = DEFAULT_SETTINGS,
     on_task: Callable[[str, Task], None] | None = None,
-    lora_attention: LoraAttention = EXPAND,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict[str, list[Trajectory]]:
-    """Re-run the workflow on `tasks` under the dense run ("dense") and each policy; returns trajectories."""
-    runtime = Runtime(agents, lora_attention, span_matching=span_matching)
+    """Re-run the workflow on `tasks` under the dense run ("dense") and each policy, attending and matching spans as
+    `settings` say; returns trajectories."""
+    runtime = Runtime(agents, settings.lora_attention, span_matching=settings.span_matching)
     runs: dict[str, SharingPolicy] = {DENSE: NonShared(runtime)}
     runs.update({policy.label: policy for policy in build_policies(runtime, variants)})
     tool = SearchTool()

@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import EXPAND, LoraAttention
 from kvprof.model.agents import AgentSet, load_agents_for_header
 from kvprof.policies import PolicyVariant
-from kvprof.replay.memory import PAGE_SIZE
 from kvprof.replay.ray_worker import ReplayWorker, ShardCounter
+from kvprof.replay.setting import DEFAULT_SETTINGS, ReplaySettings
 from kvprof.replay.shards import Shard, ShardResult, merge, plan_shards, shard_groups
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 from kvprof.traces.trace import TraceHeader, Trajectory
 
 INSTALL = "pip install 'kvprof[ray]'"
@@ -279,16 +277,12 @@ class RayCluster:
         self,
         shards: list[Shard],
         results: dict[str, ShardResult],
-        repeats: int,
-        online: bool,
-        lora_attention: LoraAttention,
+        settings: ReplaySettings,
         hooks: ShardHooks,
-        timing: str = "turn",
-        page_size: int = PAGE_SIZE,
-        span_matching: SpanMatching = DEFAULT_MATCHING,
     ) -> dict[str, ShardResult]:
-        """Replay shards without a result in `results`, largest first; every shard's result."""
+        """Replay shards without a result in `results` under `settings`, largest first; every shard's result."""
         ray = require_ray()
+        online = settings.online
         results = dict(results)
         pending = deque(sorted((shard for shard in shards if shard.key not in results), key=lambda s: -s.cost))
         attempts = {shard.key: 0 for shard in pending}
@@ -312,12 +306,7 @@ class RayCluster:
                     shard,
                     attempts[shard.key],
                     self._counter,
-                    repeats,
-                    online,
-                    lora_attention,
-                    timing,
-                    page_size,
-                    span_matching,
+                    settings,
                 )
                 running[ref] = _Running(worker, shard, attempts[shard.key])
             ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S) if running else ([], [])
@@ -403,15 +392,10 @@ def replay_sharded(
     cluster: RayCluster,
     trajectories: list[Trajectory],
     variants: list[PolicyVariant],
-    repeats: int = 1,
-    online: bool = False,
-    lora_attention: LoraAttention = EXPAND,
+    settings: ReplaySettings = DEFAULT_SETTINGS,
     done: dict[str, ShardResult] | None = None,
     hooks: ShardHooks | None = None,
     groups: list[list[str]] | None = None,
-    timing: str = "turn",
-    page_size: int = PAGE_SIZE,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> dict:
     """`run_replay`'s result for the same arguments, replayed in shards on `cluster` and merged; `done`: results
     already replayed (a checkpoint's); `groups`: sequential groups (`plan_shards`).
@@ -422,15 +406,10 @@ def replay_sharded(
     results = cluster.replay(
         shards,
         {key: result for key, result in (done or {}).items() if key in {s.key for s in shards}},
-        repeats,
-        online,
-        lora_attention,
+        settings,
         hooks or ShardHooks(),
-        timing,
-        page_size,
-        span_matching,
     )
-    merged = merge(shards, results, variants, online)
+    merged = merge(shards, results, variants, settings.online)
     used = dict.fromkeys(results[shard.key].worker for shard in shards)
     merged["distributed"] = {
         "shards": {shard.key: results[shard.key].worker for shard in shards},

@@ -10,12 +10,11 @@ import socket
 from typing import TYPE_CHECKING
 
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import LoraAttention
 from kvprof.kernels.expansion import expansion_path
 from kvprof.model.agents import AgentSet, agents_identity
 from kvprof.policies import PolicyVariant
+from kvprof.replay.setting import ReplaySettings
 from kvprof.replay.shards import Shard, run_shard
-from kvprof.traces.reuse import SpanMatching
 
 if TYPE_CHECKING:
     from kvprof.replay.ray_cluster import AgentSource
@@ -78,14 +77,9 @@ class ReplayWorker:
         shard: Shard,
         attempt: int,
         counter,
-        repeats: int,
-        online: bool,
-        lora_attention: LoraAttention,
-        timing: str,
-        page_size: int,
-        span_matching: SpanMatching,
+        settings: ReplaySettings,
     ):
-        """`run_shard`, reporting each turn and online task to the `ShardCounter` actor `counter`."""
+        """`run_shard` under `settings`, reporting each turn and online task to the `ShardCounter` actor `counter`."""
         import torch
 
         torch.manual_seed(self.seed)
@@ -93,15 +87,10 @@ class ReplayWorker:
         return run_shard(
             self._loaded(),
             shard,
-            repeats,
-            online,
-            lora_attention,
+            settings,
             on_turn=lambda: counter.advance.remote(shard.key, attempt, 1, 0),
             on_task=lambda: counter.advance.remote(shard.key, attempt, 0, 1),
             worker=f"{socket.gethostname()}:{os.getpid()}",
-            timing=timing,
-            page_size=page_size,
-            span_matching=span_matching,
         )
 
 

@@ -49,6 +49,7 @@ def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[Poli
     `trajectory` (variants without one left out); cached per agents, trajectory and variants."""
     from kvprof.model.agents import agents_identity
     from kvprof.replay.lockstep import replay_trace
+    from kvprof.replay.setting import ReplaySettings
 
     exact = {variant.label: checked for variant in variants if (checked := exact_variant(variant)) is not None}
     short = dataclasses.replace(trajectory, turns=trajectory.turns[:TURNS])
@@ -65,7 +66,8 @@ def check_on_model(agents: AgentSet, trajectory: Trajectory, variants: list[Poli
         unique = list({v.label: v for v in chosen.values()}.values())
         if not unique:
             continue
-        runs = ReplayResult.of(replay_trace(agents, [replayed], unique, span_matching=matching)).policies
+        replayed_records = replay_trace(agents, [replayed], unique, ReplaySettings(span_matching=matching))
+        runs = ReplayResult.of(replayed_records).policies
         for label, checked in chosen.items():
             summary = summary_of(checked.label, runs[checked.label])
             errors[label] = max(summary.k_error, summary.v_error)

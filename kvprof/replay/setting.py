@@ -1,6 +1,7 @@
-"""How a replay ran, as its result records it: model, mode, timing, page size, span matching, checkpoint rule,
-attention path, device (`run_setting`); and the options that choose them (`check_setting`,
-`lora_attention_mode`).
+"""How a replay runs and ran: the settings carried from a command to the engine, its shards and the threshold sweeps
+(`ReplaySettings`), the options that choose them (`check_setting`, `lora_attention_mode`), and how the replay ran as
+its result records it: model, mode, timing, page size, span matching, checkpoint rule, attention path, device
+(`run_setting`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,24 @@ from kvprof.replay.timing import TIMINGS
 from kvprof.results.replay import FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS
 from kvprof.threads import MachineLoad
 from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """How a replay runs: `repeats` (timed prefills per turn, or timed runs per trajectory), the `online` re-runs,
+    how the low-rank policies attend their rank-r values (`lora_attention`: `Runtime`), the `timing` mode
+    (`TIMINGS`), the KV block `page_size` of the papers' memory (`paper_memory`) and `span_matching`
+    (`SpanMatching`)."""
+
+    repeats: int = 1
+    online: bool = False
+    lora_attention: LoraAttention = EXPAND
+    timing: str = "turn"
+    page_size: int = PAGE_SIZE
+    span_matching: SpanMatching = DEFAULT_MATCHING
+
+
+DEFAULT_SETTINGS = ReplaySettings()
 
 
 def checkpoint_setting(agents: AgentSet, span_matching: SpanMatching) -> dict | None:
@@ -85,30 +104,27 @@ def attention_path(lora_attention: LoraAttention, fused_expansion: bool, stored_
 
 def run_setting(
     agents: AgentSet,
-    repeats: int,
-    lora_attention: LoraAttention,
-    timing: str = "turn",
-    page_size: int = PAGE_SIZE,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
+    settings: ReplaySettings,
     started: KernelCounts | None = None,
     load: MachineLoad | None = None,
 ) -> dict:
-    """How a replay ran: model, mode, repeats, timing (`load`: the machine's while it timed), page size, span
-    matching (on a hybrid, the checkpoint rule it resolves to: `checkpoint_setting`), weights' bytes, layer kinds,
-    attention path (`attention_path`: what ran since the `started` counts), device, CPU, dtype, GPU memory (the
-    allocator's peak so far)."""
+    """How a replay under `settings` ran: model, mode, repeats, timing (`load`: the machine's while it timed), page
+    size, span matching (on a hybrid, the checkpoint rule it resolves to: `checkpoint_setting`), weights' bytes,
+    layer kinds, attention path (`attention_path`: what ran since the `started` counts), device, CPU, dtype, GPU
+    memory (the allocator's peak so far)."""
+    repeats, timing = settings.repeats, settings.timing
     return dict(
-        checkpoint_rule=checkpoint_setting(agents, span_matching),
+        checkpoint_rule=checkpoint_setting(agents, settings.span_matching),
         model=agents.model_name,
         mode=agents.spec.mode,
         repeats=repeats,
         timing=timing_setting(timing, repeats, agents.device.type == "cpu" and keep_freed_memory(), load),
-        page_size=page_size,
-        span_matching=span_matching.to_json(),
+        page_size=settings.page_size,
+        span_matching=settings.span_matching.to_json(),
         weights_bytes=weights_bytes(agents.model),
         layers=[kind.to_json() for kind in agents.layer_kinds],
         lora_attention=attention_path(
-            lora_attention,
+            settings.lora_attention,
             started is not None and kernel_runs() > started.expansions,
             started is not None and stored_value_calls() > started.stored_values,
         ),

@@ -19,17 +19,14 @@ from pathlib import Path
 
 from kvprof.claims.memory import memory_verdicts
 from kvprof.errors import KvprofError
-from kvprof.kernels.attention import LoraAttention
 from kvprof.model.agents import AgentSet
 from kvprof.policies import PolicyVariant
 from kvprof.replay.lockstep import ReplayProgress, replay_trace
-from kvprof.replay.memory import PAGE_SIZE
 from kvprof.replay.online import run_online, summarise_online
 from kvprof.replay.records import DENSE
-from kvprof.replay.setting import KernelCounts, run_setting
-from kvprof.replay.summary import relative_to_dense, replay_result, summarise
-from kvprof.results.replay import FIX, FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS, PolicySummary, TurnRecord
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+from kvprof.replay.setting import KernelCounts, ReplaySettings, run_setting
+from kvprof.replay.summary import replay_result, summarise
+from kvprof.results.replay import FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS, ReplayResult, RunSummary, TurnRecord
 from kvprof.traces.tasks import task_of
 from kvprof.traces.trace import Segment, Trajectory, Turn
 
@@ -192,47 +189,37 @@ def _replayed_whole(result: ShardResult, shard: Shard | None) -> bool:
 def run_shard(
     agents: AgentSet,
     shard: Shard,
-    repeats: int,
-    online: bool,
-    lora_attention: LoraAttention,
+    settings: ReplaySettings,
     on_turn: Callable[[], None] | None = None,
     on_task: Callable[[], None] | None = None,
     worker: str = "",
-    timing: str = "turn",
-    page_size: int = PAGE_SIZE,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> ShardResult:
-    """Replay `shard` here (a worker's job): lockstep, then online re-runs when `online`; other arguments as
-    `replay_trace`'s."""
+    """Replay `shard` here under `settings` (a worker's job): lockstep, then online re-runs when `settings.online`;
+    `on_turn`, `on_task` called after each turn and online task."""
     state = ReplayProgress()
     started = KernelCounts.now()
     replayed = replay_trace(
         agents,
         shard.trajectories,
         shard.variants,
-        repeats=repeats,
+        settings,
         on_turn=(lambda traj, index: on_turn()) if on_turn else None,
         progress=state,
-        lora_attention=lora_attention,
-        timing=timing,
-        page_size=page_size,
-        span_matching=span_matching,
     )
     entries = {
         label: {key: value for key, value in entry.items() if key not in ("summary", "turns")}
         for label, entry in replayed["policies"].items()
     }
     runs = None
-    if online:
+    if settings.online:
         runs = run_online(
             agents,
             [task_of(traj) for traj in shard.trajectories],
             shard.variants,
+            settings,
             on_task=(lambda label, task: on_task()) if on_task else None,
-            lora_attention=lora_attention,
-            span_matching=span_matching,
         )
-    setting = run_setting(agents, repeats, lora_attention, timing, page_size, span_matching, started)
+    setting = run_setting(agents, settings, started)
     return ShardResult(shard.key, state, entries, runs, setting, worker)
 
 
@@ -267,20 +254,19 @@ def _merged_records(
 
 
 def merge(shards: list[Shard], results: dict[str, ShardResult], variants: list[PolicyVariant], online: bool) -> dict:
-    """`run_replay`'s payload from every shard's result: records in trace order, summaries recomputed; setting as
+    """`run_replay`'s payload from every shard's result: records in trace order, summaries recomputed (a sequential
+    shard's policies' speed-ups against the dense run that ran beside them, on the same worker); setting as
     `_merged_setting`."""
     records, runs, entries = _merged_records(shards, results, variants, online)
-    merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants})
-    for shard in shards:
-        if shard.sequential:  # its speed-ups against the dense run that ran beside it, on the same worker
-            own_dense = summarise(results[shard.key].progress.records[DENSE])
-            for variant in shard.variants:
-                summary = merged["policies"][variant.label]["summary"]
-                summary.update(relative_to_dense(PolicySummary.from_json(summary, variant.label, FIX), own_dense))
+    own_dense: dict[str, RunSummary] = {}
+    for shard in (shard for shard in shards if shard.sequential):
+        dense = summarise(results[shard.key].progress.records[DENSE])
+        own_dense |= dict.fromkeys((variant.label for variant in shard.variants), dense)
+    merged = replay_result(records, {variant.label: entries[variant.label] for variant in variants}, None, own_dense)
     if online:
         merged["online"] = summarise_online(runs)
     merged |= _merged_setting([results[shard.key].setting for shard in shards])
-    merged["memory_claims"] = memory_verdicts(merged)
+    merged["memory_claims"] = memory_verdicts(ReplayResult.of(merged))
     return merged
 
 

@@ -176,11 +176,15 @@ def policy_entry(policy: SharingPolicy) -> dict:
 
 
 def replay_result(
-    records: dict[str, list[TurnRecord]], entries: dict[str, dict], memory_exact: dict | None = None
+    records: dict[str, list[TurnRecord]],
+    entries: dict[str, dict],
+    memory_exact: dict | None = None,
+    own_dense: dict[str, RunSummary] | None = None,
 ) -> dict:
     """The teacher-forced result from per-turn records (label → records, dense under `DENSE`) and `policy_entry`s:
-    summaries recomputed, each policy's against the dense run; `memory_exact` per policy. Built as
-    `kvprof.results.replay` records (an undeclared summary field fails here), returned as JSON."""
+    summaries recomputed, each policy's against the dense run (or, where `own_dense` names one, against the dense
+    run replayed beside it: a sequential shard's); `memory_exact` per policy. Built as `kvprof.results.replay`
+    records (an undeclared summary field fails here), returned as JSON."""
     dense_summary = summarise(records[DENSE])
     dense = DenseRun(
         summary=DenseSummary(**asdict(dense_summary), timeline=timeline_summary(records[DENSE])), turns=records[DENSE]
@@ -190,7 +194,9 @@ def replay_result(
         summary = summarise(records[label])
         policies[label] = PolicyRun(
             **entry,
-            summary=PolicySummary(**asdict(summary), **relative_to_dense(summary, dense_summary)),
+            summary=PolicySummary(
+                **asdict(summary), **relative_to_dense(summary, (own_dense or {}).get(label, dense_summary))
+            ),
             turns=records[label],
             memory_accounting_exact=None if memory_exact is None else memory_exact[label],
         )

@@ -24,9 +24,10 @@ from kvprof.replay.checkpoint import trace_digest
 from kvprof.replay.engine import ReplayHooks, run_replay
 from kvprof.replay.lockstep import ReplayProgress
 from kvprof.replay.records import DENSE
+from kvprof.replay.setting import ReplaySettings
 from kvprof.results.replay import ReplayResult, summary_of
 from kvprof.results.tune_tau import SweepDense, SweepRow, TuneTauResult
-from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
+from kvprof.traces.reuse import SpanMatching
 from kvprof.traces.trace import Trajectory
 from kvprof.tuning.anchor_fit import fit_anchors
 
@@ -121,13 +122,12 @@ def sweep_identity(
     grid: list[str],
     options: dict[str, str],
     tune_count: int,
-    online: bool,
-    repeats: int,
-    span_matching: SpanMatching,
+    settings: ReplaySettings,
     ray_worker: dict | None = None,
 ) -> dict:
     """The settings a sweep's records (and checkpoint) depend on: trace and pool content, policy, grid, options,
-    tuning count, online, repeats, span matching, model, dtype, device (`ray_worker`: a worker's, on Ray)."""
+    tuning count, the replay's online, repeats and span matching, model, dtype, device (`ray_worker`: a worker's, on
+    Ray)."""
     identity = {
         "trace": trace_digest(trace),
         "pool": pool_digest(pool),
@@ -135,9 +135,9 @@ def sweep_identity(
         "grid": grid,
         "options": {k: v for k, v in options.items() if k != "anchors"},
         "tune": tune_count,
-        "online": online,
-        "repeats": repeats,
-        "span_matching": span_matching.to_json(),
+        "online": settings.online,
+        "repeats": settings.repeats,
+        "span_matching": settings.span_matching.to_json(),
         "model": agents.model_name,
         "dtype": str(agents.base_model.dtype),
         "device": str(agents.device),
@@ -257,24 +257,20 @@ the sweep (which a replayer may checkpoint and resume) and False for the held-ou
 
 def in_process(
     agents: AgentSet,
-    repeats: int = 1,
-    online: bool = False,
+    settings: ReplaySettings,
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
-    span_matching: SpanMatching = DEFAULT_MATCHING,
 ) -> Replayer:
-    """An in-process `Replayer`, resuming from `progress`, reporting to `hooks`."""
+    """An in-process `Replayer` under `settings`, resuming from `progress`, reporting to `hooks`."""
 
     def replay(trajectories: Sequence[Trajectory], variants: list[PolicyVariant], sweep: bool) -> dict:
         return run_replay(
             agents,
             list(trajectories),
             variants,
-            repeats=repeats,
-            online=online,
+            settings,
             progress=progress if sweep else None,
             hooks=hooks if sweep else None,
-            span_matching=span_matching,
         )
 
     return replay
