@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvprof.capture.workflow import Sampling, SearchTool, exact_match, model_responder, run_react
 from kvprof.errors import KvprofError
-from kvprof.model.agents import AgentSet, tokenizer_identity
+from kvprof.model.agents import AgentSet, load_agents, tokenizer_identity
 from kvprof.results.capture import CaptureSummary
 from kvprof.traces.chat import resolve_chat_template
 from kvprof.traces.spec import WorkflowSpec, build_spec, check_react_roles
-from kvprof.traces.tasks import Task
+from kvprof.traces.tasks import Task, load_tasks
 from kvprof.traces.trace import (
     PartialTrace,
     TraceHeader,
@@ -30,6 +30,42 @@ from kvprof.traces.trace import (
     read_partial_trace,
     shared_segment_ids,
 )
+
+
+@dataclass(frozen=True)
+class CaptureSetup:
+    """What a capture runs (`prepare_capture`): the agents, the tasks, the trace's header and the sampling."""
+
+    agents: AgentSet
+    tasks: list[Task]
+    header: TraceHeader
+    sampling: Sampling
+
+
+def prepare_capture(
+    model: str,
+    workflow: Path | None,
+    tasks: Path,
+    limit: int | None,
+    sampling: Sampling,
+    *,
+    agent_flags: list[str] | None = None,
+    role_flags: list[str] | None = None,
+    max_rounds: int | None = None,
+    max_new_tokens: int | None = None,
+    chat_template: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+) -> CaptureSetup:
+    """`kvprof capture`'s step before any generation: the workflow (`capture_spec`), the first `limit` tasks of
+    `tasks`, the agents loaded from `model` and rendering through `chat_template` (`use_chat_template`), and the
+    header of the trace they will write (`sampled_trace_header`). The run itself: `capture_trajectories`."""
+    spec = capture_spec(workflow, agent_flags, role_flags, max_rounds, max_new_tokens)
+    task_list = load_tasks(tasks, limit)
+    agents = load_agents(spec, model, device=device, dtype=dtype, attn=attn)
+    use_chat_template(agents, chat_template, workflow)
+    return CaptureSetup(agents, task_list, sampled_trace_header(model, agents, sampling), sampling)
 
 
 def capture_spec(

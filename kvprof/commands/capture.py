@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvprof.commands.common import console, print_adapters, print_layers, use_threads, write_result
-from kvprof.commands.displays import capture_with_progress
+from kvprof.commands.common import console, use_threads, write_result
 from kvprof.commands.options import DeviceOption, DtypeOption, OutOption, SeedOption, ThreadsOption
 from kvprof.errors import KvprofError
 from kvprof.results.capture import CaptureResult, CaptureSummary
@@ -68,10 +67,9 @@ def command(
     """Run a multi-agent workflow on tasks and write real trajectories to OUT/trace.jsonl."""
     args = dict(locals())
     use_threads(threads)
-    from kvprof.capture.runner import capture_spec, checkpoint_path, sampled_trace_header, use_chat_template
+    from kvprof.capture.runner import checkpoint_path, prepare_capture
     from kvprof.capture.workflow import Sampling
-    from kvprof.model.agents import load_agents
-    from kvprof.traces.tasks import load_tasks
+    from kvprof.report.terminal import capture_with_progress, print_adapters, print_layers, show_capture
 
     trace_path = out / "trace.jsonl"
     if shapes is not None:
@@ -81,22 +79,20 @@ def command(
         return
     if tasks is None:
         raise KvprofError("capture needs --tasks FILE (JSONL tasks) or --shapes FILE (a shape CSV).")
-    spec = capture_spec(workflow, agent, role, max_rounds, max_new_tokens)
-    task_list = load_tasks(tasks, limit)
-    agents = load_agents(spec, model, device=device, dtype=dtype, attn=attn)
-    use_chat_template(agents, chat_template, workflow)
+    setup = prepare_capture(
+        model, workflow, tasks, limit, Sampling(temperature, top_p, seed),
+        agent_flags=agent, role_flags=role, max_rounds=max_rounds, max_new_tokens=max_new_tokens,
+        chat_template=chat_template, device=device, dtype=dtype, attn=attn,
+    )  # fmt: skip
+    agents = setup.agents
     if agents.spec.chat_template is not None:
         console.print(f"agent calls rendered through a chat template ({template_sha256(agents.spec.chat_template)})")
     print_adapters(agents)
     print_layers(agents)
-    sampling = Sampling(temperature, top_p, seed)
-    header = sampled_trace_header(model, agents, sampling)
-    resumed = _resumed(checkpoint_path(trace_path), header, task_list) if resume else []
-    captured, summary = capture_with_progress(agents, task_list, trace_path, header, sampling, resumed)
+    resumed = _resumed(checkpoint_path(trace_path), setup.header, setup.tasks) if resume else []
+    captured, summary = capture_with_progress(setup, trace_path, resumed)
     write_result(out, "capture", CaptureResult(trace=str(trace_path), summary=summary), args)
-    if summary.accuracy is not None:
-        console.print(f"exact-match accuracy: {summary.accuracy:.1%} of {summary.with_answer} tasks")
-    console.print(f"wrote {trace_path} ({len(captured)} trajectories, {summary.seconds:.1f} s)")
+    show_capture(summary, trace_path, len(captured))
 
 
 def import_shapes(

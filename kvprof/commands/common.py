@@ -1,6 +1,6 @@
-"""What the commands share besides their options (`kvprof.commands.options`) and progress displays
-(`kvprof.commands.displays`): result files, the console and terminal sections, the demo world's default traces,
-and a replay's tables and page."""
+"""What the commands share besides their options (`kvprof.commands.options`), progress displays
+(`kvprof.commands.displays`) and what they print of their results (`kvprof.report.terminal`): result files, the
+console, torch threads, the demo world's default traces."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import datetime as _dt
 import inspect
 import platform
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import kvprof
 from kvprof.fileio import RESULT_SCHEMA, RESULT_VERSION, write_json
@@ -16,29 +15,16 @@ from kvprof.results.base import Envelope, Environment, ResultFile
 from kvprof.threads import LoadMeter, ThreadChoice, choose_threads
 from kvprof.ui import console, progress
 
-if TYPE_CHECKING:
-    from kvprof.model.agents import AgentSet
-    from kvprof.report import Section
-    from kvprof.results.recommend import RecommendResult
-    from kvprof.results.replay import ReplayResult
-
 __all__ = [
     "command_args",
     "console",
     "demo_prompt_trace",
     "demo_trace",
     "note",
-    "print_adapters",
-    "print_layers",
-    "print_sections",
-    "print_skipped",
     "progress",
     "result_envelope",
-    "show_recommendation",
-    "show_replay",
     "start_command",
     "use_threads",
-    "write_replay_page",
     "write_result",
 ]
 
@@ -120,31 +106,6 @@ def note(line: str) -> None:
     console.print(line, style="yellow", markup=False)
 
 
-def print_adapters(agents: AgentSet) -> None:
-    """One line per agent that runs a LoRA adapter: the adapter's folder, rank, alpha, projections and layers."""
-    for name, info in agents.adapters.items():
-        console.print(f"agent [bold]{name}[/]: adapter {info.path} ({info.describe()}, {info.layers} layers)")
-
-
-def print_layers(agents: AgentSet) -> None:
-    """The model's layers by kind (attention, window, position encoding: `kvprof.model.layers.describe_layers`)."""
-    from kvprof.model.layers import describe_layers
-
-    console.print(f"model {agents.model_name}: {describe_layers(agents.layer_kinds)}", markup=False)
-
-
-def print_sections(sections: list[Section]) -> None:
-    """Dashboard sections on the terminal: title rule, card, text, tables (no figures)."""
-    for section in sections:
-        console.rule(section.title)
-        for line in section.card:
-            console.print(line, style="bold", markup=False)
-        for line in section.text:
-            console.print(line)
-        for table in section.tables:
-            console.print(table.to_rich())
-
-
 def demo_trace(model: str | None) -> tuple[Path, str | None]:
     """The demo's short lora-mode trace (and its model unless --model): the default TRACE."""
     from kvprof.demo.assets import demo_world
@@ -159,67 +120,3 @@ def demo_prompt_trace(model: str | None) -> tuple[Path, str | None]:
 
     world = demo_world()
     return world.sample_traces["prompt_tune"], model or str(world.model)
-
-
-def print_skipped(skipped: dict[str, str]) -> None:
-    """One line per refusal reason, naming the variants it skipped."""
-    for reason in dict.fromkeys(skipped.values()):
-        labels = ", ".join(label for label, why in skipped.items() if why == reason)
-        console.print(f"[yellow]skipped {labels}[/]: {reason}")
-
-
-def show_recommendation(result: RecommendResult) -> None:
-    """A recommendation's tables (candidates, held-out confirmation, sensitivity), then its decision in bold."""
-    from kvprof.report.recommend import candidates_table, decision_lines, heldout_table, sensitivity_table
-
-    console.print(candidates_table(result).to_rich())
-    heldout = heldout_table(result)
-    if heldout is not None:
-        console.print(heldout.to_rich())
-    console.print(sensitivity_table(result).to_rich())
-    for line in decision_lines(result):
-        console.print(line, style="bold", markup=False)
-
-
-def show_replay(result: ReplayResult) -> None:
-    """A replay's terminal output: a warning if the dense run does not reproduce a captured trace, then the tables."""
-    from kvprof.report.replay import (
-        contention_text,
-        cost_table,
-        delta_table,
-        dense_check,
-        fidelity_table,
-        memory_claims_table,
-        policy_notes,
-        reuse_table,
-        timeline_note,
-    )
-
-    check = dense_check(result)
-    if check.startswith("WARNING"):
-        console.print(f"[bold red]{check}[/]")
-    contention = contention_text(result.timing or {})
-    if contention and contention.startswith("CONTENDED"):
-        console.print(f"WARNING: {contention}.", style="bold red", markup=False)
-    timeline = timeline_note(result)
-    if timeline:
-        console.print(timeline)
-    console.print(fidelity_table(result).to_rich())
-    console.print(reuse_table(result).to_rich())
-    delta = delta_table(result)
-    if delta is not None:
-        console.print(delta.to_rich())
-    console.print(cost_table(result).to_rich())
-    claims = memory_claims_table(result)
-    if claims is not None:
-        console.print(claims.to_rich())
-    for line in policy_notes(result):
-        console.print(line)
-
-
-def write_replay_page(out: Path, result: ReplayResult) -> Path:
-    """OUT/replay.html: a replay's dashboard page."""
-    from kvprof.report import write_html
-    from kvprof.report.replay import sections
-
-    return write_html(out / "replay.html", "kvprof replay", sections(result), subtitle=result.trace or "")

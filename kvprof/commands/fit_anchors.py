@@ -60,11 +60,9 @@ def command(
     import torch
 
     from kvprof.model.agents import load_agents_for_trace
-    from kvprof.model.runtime import Runtime
     from kvprof.policies.anchors import POOL_FILE
-    from kvprof.policies.delta import pool_identity
     from kvprof.report.anchors import fit_error_table, fit_memory_table
-    from kvprof.tuning.anchor_fit import fit_anchors
+    from kvprof.tuning.anchor_fit import fit_and_save
 
     torch.manual_seed(seed)
     matching = SpanMatching(min_span, span_boundaries)
@@ -88,17 +86,10 @@ def command(
         )
     with progress() as bar:
         job = bar.add_task("fitting anchors", total=len(trajectories))
-        pool, report = fit_anchors(
-            agents,
-            trajectories,
-            factor_rank,
-            anchors_per_slot,
-            window,
-            on_trajectory=lambda traj: bar.advance(job),
-            span_matching=matching,
-        )
-    pool_path = pool.save(out / POOL_FILE, pool_identity(Runtime(agents)))
-    report.update(trace=str(trace), model=agents.model_name, pool=str(pool_path), stored_rank=factor_rank)
+        pool_path, report = fit_and_save(
+            agents, trace, trajectories, factor_rank, anchors_per_slot, out / POOL_FILE, window,
+            on_trajectory=lambda traj: bar.advance(job), span_matching=matching,
+        )  # fmt: skip
     console.print(fit_error_table(report).to_rich())
     console.print(fit_memory_table(report).to_rich())
     path = write_result(out, "fit_anchors", report, args)

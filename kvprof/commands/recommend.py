@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvprof.commands.common import console, show_recommendation, write_result
+from kvprof.commands.common import console, write_result
 from kvprof.commands.options import OutOption, SeedOption
 
 HELP = {
@@ -46,6 +46,7 @@ def command(
     from kvprof.recommend.run import RecommendRequest, prepare
     from kvprof.recommend.serving import StepModel
     from kvprof.recommend.target import parse_target
+    from kvprof.report.terminal import show_recommendation
 
     request = RecommendRequest(
         results=results,

@@ -111,6 +111,7 @@ def command(
     from kvprof.replay.engine import replayed_trajectories
     from kvprof.replay.ray_cluster import AgentSource, RayCluster, absolute_source
     from kvprof.replay.setting import ReplaySettings, check_setting
+    from kvprof.report.terminal import show_replay, write_replay_page
     from kvprof.tuning.tuned import with_tuned
 
     torch.manual_seed(seed)
@@ -138,9 +139,9 @@ def command(
         workers = (result.distributed or {}).pop("workers", None)
     else:
         result, workers = replay.in_process(source), None
-    common.show_replay(result)
+    show_replay(result)
     path = common.write_result(out, "replay", result, args, workers=workers)
-    html = common.write_replay_page(out, result)
+    html = write_replay_page(out, result)
     (out / CHECKPOINT).unlink(missing_ok=True)
     common.console.print(f"wrote {path} and {html}")
 
@@ -165,12 +166,13 @@ class Replay:
         from kvprof.model.runtime import Runtime
         from kvprof.policies import runnable_variants
         from kvprof.replay.checkpoint import Checkpoint, replay_identity
-        from kvprof.replay.engine import run_replay, with_trace
+        from kvprof.replay.engine import replay_file
         from kvprof.replay.self_check import checked_variants
         from kvprof.replay.setting import lora_attention_mode
+        from kvprof.report.terminal import print_layers, replay_progress
 
         agents = source.load()
-        common.print_layers(agents)
+        print_layers(agents)
         mode, runtime = lora_attention_mode(self.lora_attention, agents.device.type), Runtime(agents)
         settings = replace(self.settings, lora_attention=mode)
         variants, skipped = self.choose(lambda chosen, skip: runnable_variants(chosen, runtime, skip))
@@ -183,11 +185,11 @@ class Replay:
         checkpoint = Checkpoint(self.checkpoint_path, identity)
         state = displays.resumed_progress(checkpoint, self.resume, self.trajectories, "trajectories")
         label = f"replaying {len(variants)} policies"
-        with displays.replay_progress(
-            label, self.trajectories, len(variants), settings.online, state, checkpoint
-        ) as hooks:
-            result = run_replay(agents, self.trajectories, variants, settings, progress=state, hooks=hooks)
-        return with_trace(result, self.trace, skipped, checked)
+        with replay_progress(label, self.trajectories, len(variants), settings.online, state, checkpoint) as hooks:
+            return replay_file(
+                self.trace, agents, self.trajectories, variants, settings,
+                skipped=skipped, self_check=checked, progress=state, hooks=hooks,
+            )  # fmt: skip
 
     def on_ray(self, cluster: RayCluster) -> ReplayResult:
         """In shards on `cluster`, checkpointed per shard; variants chosen on a worker's agents, not self-checked
@@ -216,6 +218,8 @@ class Replay:
 
 def require_variants(variants: list[PolicyVariant], skipped: dict[str, str]) -> None:
     """Print the skipped variants; refuse a replay left with none."""
-    common.print_skipped(skipped)
+    from kvprof.report.terminal import print_skipped
+
+    print_skipped(skipped)
     if not variants:
         raise KvprofError("no policy can replay this trace with these agents; see the skipped reasons above.")

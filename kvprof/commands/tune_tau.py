@@ -145,11 +145,12 @@ def replayer_here(
 ) -> Iterator[Replayer]:
     """An in-process `Replayer` under `settings` and progress bars of option `key`'s `thresholds`, checkpointed per
     tuning trajectory, resuming from `checkpoint` with `resume`."""
+    from kvprof.report.terminal import replay_progress
     from kvprof.tuning.tau import in_process
 
     state = displays.resumed_progress(checkpoint, resume, tuning, "tuning trajectories")
     label = f"replaying {len(thresholds)} values of {key} in lockstep"
-    with displays.replay_progress(label, tuning, len(thresholds), settings.online, state, checkpoint) as hooks:
+    with replay_progress(label, tuning, len(thresholds), settings.online, state, checkpoint) as hooks:
         yield in_process(agents, settings, state, hooks)
 
 

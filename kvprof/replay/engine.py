@@ -2,8 +2,9 @@
 
 Teacher-forced (`kvprof.replay.lockstep.replay_trace`): the dense run and every policy in lockstep, each dense turn
 computed once, compared, released. Online (`kvprof.replay.online.run_online`): the workflow re-run under each
-policy, errors propagating. `run_replay` does both and records how the replay ran (`kvprof.replay.setting`).
-Metrics: `kvprof.replay.metrics`, docs/metrics.md.
+policy, errors propagating. `run_replay` does both and records how the replay ran (`kvprof.replay.setting`);
+`replay_file`, `kvprof replay`'s step, returns it as the `ReplayResult` naming its trace. Metrics:
+`kvprof.replay.metrics`, docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def run_replay(
     result.update(run_setting(agents, settings, started, timed_load))
     result["memory_claims"] = memory_verdicts(ReplayResult.of(result))
     return result
+
+
+def replay_file(
+    trace: Path,
+    agents: AgentSet,
+    trajectories: list[Trajectory],
+    variants: list[PolicyVariant],
+    settings: ReplaySettings = DEFAULT_SETTINGS,
+    *,
+    skipped: dict[str, str] | None = None,
+    self_check: dict[str, float] | None = None,
+    progress: ReplayProgress | None = None,
+    hooks: ReplayHooks | None = None,
+) -> ReplayResult:
+    """`kvprof replay`'s step: `run_replay` of `trajectories` (read from `trace`) under `variants`, as the
+    `ReplayResult` naming the trace, the `skipped` variants and the `self_check` errors (`with_trace`)."""
+    replayed = run_replay(agents, trajectories, variants, settings, progress, hooks)
+    return with_trace(replayed, trace, skipped or {}, self_check)
 
 
 def replayed_trajectories(trace: Path, skip: int, limit: int | None, online: bool, strict: bool) -> list[Trajectory]:

@@ -175,3 +175,9 @@ def write_dashboard(
 ) -> Path:
     """The dashboard page of `sections`, from the result files `sources`, at `path`."""
     return write_html(path, "kvprof report", sections, subtitle=", ".join(map(str, sources)), environment=environment)
+
+
+def build_dashboard(paths: list[Path], out: Path) -> tuple[Path, list[Section]]:
+    """`kvprof report`'s step: the dashboard of the result files `paths` written at `out`; its path and sections."""
+    sections, environment = dashboard_sections(paths)
+    return write_dashboard(out, sections, paths, environment), sections

@@ -14,6 +14,7 @@ import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -248,3 +249,22 @@ def fit_anchors(
     report = fit_report(full, low, runtime)
     report.update(trajectories=len(trajectories), seconds=round(time.perf_counter() - started, 3))
     return (full if rank is None else low), report
+
+
+def fit_and_save(
+    agents: AgentSet,
+    trace: Path,
+    trajectories: Sequence[Trajectory],
+    rank: int | None,
+    capacity: int,
+    pool_path: Path,
+    window: int = 5,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+    span_matching: SpanMatching = DEFAULT_MATCHING,
+) -> tuple[Path, dict]:
+    """`kvprof fit-anchors`' step: `fit_anchors` on `trajectories` of `trace`, the pool saved at `pool_path` for
+    these agents (`pool_identity`); its path and the report naming the trace, model, pool and stored rank."""
+    pool, report = fit_anchors(agents, trajectories, rank, capacity, window, on_trajectory, span_matching)
+    saved = pool.save(pool_path, pool_identity(Runtime(agents)))
+    report.update(trace=str(trace), model=agents.model_name, pool=str(saved), stored_rank=rank)
+    return saved, report
