@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvprof.cli_help import policy_names, policy_option_list
-from kvprof.commands import common, displays, options
+from kvprof.commands import common, displays, options, planning
 from kvprof.errors import KvprofError
-from kvprof.traces.checkpoints import vllm_kernel_block, vllm_retention
-from kvprof.traces.reuse import MIN_SPAN, SpanMatching
+from kvprof.traces.reuse import MIN_SPAN
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -98,6 +97,8 @@ def command(
     dtype: options.DtypeOption = "auto",
     threads: options.ThreadsOption = None,
     seed: options.SeedOption = 0,
+    plan: planning.PlanOption = False,
+    kv_budget: planning.KvBudgetOption = None,
 ) -> None:
     """Replay a trace under sharing policies with real model execution; per-layer error, fidelity, reuse,
     prefill, TTFT, latency and memory against the dense (NonShared) run."""
@@ -117,18 +118,15 @@ def command(
         trace, model = common.demo_trace(model)
     trajectories = replayed_trajectories(trace, skip, limit, online, strict)  # validated before any model loads
     check_setting(timing, lora_attention)
+    if (planned := planning.plan_first("replay", args, trace, model)).stop:
+        return
     policy, flags = with_tuned(policy, list(policy_option or []), tuned)
     choose = partial(choose_variants, policy, flags, schedule, lr_prefill)
-    span_matching = SpanMatching(
-        min_span,
-        span_boundaries,
-        checkpoints,
-        checkpoint_interval,
-        vllm_retention(retention_interval),
-        vllm_kernel_block(kernel_block),
+    span_matching = options.span_matching(
+        min_span, span_boundaries, checkpoints, checkpoint_interval, retention_interval, kernel_block
     )
     settings = dict(repeats=repeats, online=online, timing=timing, page_size=page_size, span_matching=span_matching)
-    replay = Replay(trace, trajectories, choose, lora_attention, out / CHECKPOINT, resume, settings)
+    replay = Replay(trace, trajectories, choose, lora_attention, out / CHECKPOINT, resume, settings, planned.kv_budget)
     source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)
     if ray:
         result = replay.on_ray(
@@ -147,7 +145,7 @@ def command(
 @dataclass(frozen=True)
 class Replay:
     """A replay here or on Ray: trace, trajectories, `choose` (variants among a setup's), --lora-attention,
-    checkpoint, --resume, `run_replay`'s other `settings`."""
+    checkpoint, --resume, `run_replay`'s other `settings`, --kv-budget in bytes (in process only)."""
 
     trace: Path
     trajectories: list[Trajectory]
@@ -156,6 +154,7 @@ class Replay:
     checkpoint_path: Path
     resume: bool
     settings: dict
+    kv_budget: int | None = None
 
     def in_process(self, source: AgentSource) -> ReplayResult:
         """In this process: variants self-checked on the agents first, checkpointed per trajectory."""
@@ -189,7 +188,9 @@ class Replay:
         with displays.replay_progress(
             label, self.trajectories, len(variants), settings["online"], state, checkpoint
         ) as hooks:
-            result = run_replay(agents, self.trajectories, variants, progress=state, hooks=hooks, **settings)
+            result = run_replay(
+                agents, self.trajectories, variants, progress=state, hooks=hooks, kv_budget=self.kv_budget, **settings
+            )
         return with_trace(result, self.trace, skipped, checked)
 
     def on_ray(self, cluster: RayCluster) -> ReplayResult:

@@ -51,8 +51,10 @@ def run_replay(
     timing: str = "turn",
     page_size: int = PAGE_SIZE,
     span_matching: SpanMatching = DEFAULT_MATCHING,
+    kv_budget: int | None = None,
 ) -> dict:
-    """`kvprof replay`'s payload: the lockstep replay, the online re-runs when `online`, and the run's setting."""
+    """`kvprof replay`'s payload: the lockstep replay (its stores within `kv_budget` bytes where set), the online
+    re-runs when `online`, and the run's setting."""
     hooks = hooks or ReplayHooks()
     if online:
         require_react_agents(agents.spec.names)
@@ -70,6 +72,7 @@ def run_replay(
         timing=timing,
         page_size=page_size,
         span_matching=span_matching,
+        kv_budget=kv_budget,
     )
     timed_load = meter.reading()
     if online:

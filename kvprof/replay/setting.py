@@ -12,9 +12,10 @@ from kvprof.kernels.attention import EXPAND, KERNEL, SHORT, LoraAttention
 from kvprof.kernels.expansion import kernel_runs
 from kvprof.kernels.transformers_attention import stored_value_calls
 from kvprof.model.agents import AgentSet
+from kvprof.model.architecture import weights_bytes
 from kvprof.model.runtime import Runtime
 from kvprof.profiling import cpu_description, gpu_memory, keep_freed_memory
-from kvprof.replay.memory import PAGE_SIZE, weights_bytes
+from kvprof.replay.memory import PAGE_SIZE
 from kvprof.replay.timing import TIMINGS
 from kvprof.results.replay import FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS
 from kvprof.threads import MachineLoad
