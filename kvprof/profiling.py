@@ -213,3 +213,31 @@ def torch_settings(threads: int = 0, deterministic: bool | None = None) -> Itera
     finally:
         torch.set_num_threads(threads_before)
         torch.use_deterministic_algorithms(deterministic_before, warn_only=warn_only_before)
+
+
+STATUS = Path("/proc/self/status")
+
+
+def proc_kib(path: Path, field: str) -> int | None:
+    """A `field:  N kB` line of a /proc file in bytes, None where the file or field is missing (not Linux)."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_host_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM (its own address space; `ru_maxrss` would keep a
+    parent's peak across an exec), else `ru_maxrss`."""
+    peak = proc_kib(STATUS, "VmHWM")
+    if peak is not None:
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_host_bytes() -> int | None:
+    """This process's resident memory now (VmRSS), None off Linux."""
+    return proc_kib(STATUS, "VmRSS")

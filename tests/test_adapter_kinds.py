@@ -13,11 +13,11 @@ from peft_oracle import assert_peft_generations
 from transformers import AutoModelForCausalLM
 
 from kvprof.model.agents import load_agents_for_trace
+from kvprof.model.architecture import weights_bytes
 from kvprof.model.runtime import Runtime
 from kvprof.model.tiny import AGENTS, build_adapter, build_tiny_world
 from kvprof.policies import PolicyVariant, runnable_variants
 from kvprof.replay.lockstep import replay_trace
-from kvprof.replay.memory import weights_bytes
 from kvprof.traces.trace import read_trace
 
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -17,6 +17,7 @@ from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, TurnRequest, runnable_variants
 from kvprof.replay.branches import BranchingTimeline, plan_of, plan_trajectory
 from kvprof.replay.lockstep import replay_trace
+from kvprof.replay.setting import ReplaySettings
 from kvprof.traces.trace import Segment, Trace, Trajectory, read_trace, write_trace
 
 
@@ -217,3 +218,23 @@ def test_replay_cli_replays_a_branching_trace_and_strict_refuses_it(branching, r
     code, _, err = run_cli("replay", str(path), "--strict", "--limit", "1", "--out", tmp_path / "strict")
     assert code == 2 and "--strict" in err and "turn 1" in err
     assert not (tmp_path / "strict" / "replay.json").exists()
+
+
+NUMBERS = ("kl", "top1", "reused", "moved", "from_others", "prefilled", "flops", "ttft_flops", "memory", "layers")
+
+
+def test_a_replay_within_a_kv_budget_computes_the_same_numbers(branching):
+    """Every variant, on the branching trace (restores, truncations, snapshots): under a budget no run's stores fit
+    in, each run's stores are written out after it runs and read back before it runs again — every number but the
+    timings is the unbounded replay's, and the moves are counted apart."""
+    mode, _, trajectories, agents, result = branching
+    variants, _ = runnable_variants([v for m, v in CASES if m == mode], Runtime(agents), skip=True)
+    budgeted = replay_trace(agents, trajectories, variants, ReplaySettings(kv_budget=1), check_memory=True)
+    assert budgeted["kv_budget"]["parks"] > 0 and budgeted["kv_budget"]["moved_bytes"] > 0
+    for label, entry in [("dense", result["dense"]), *result["policies"].items()]:
+        again = budgeted["dense"] if label == "dense" else budgeted["policies"][label]
+        assert len(again["turns"]) == len(entry["turns"])
+        for turn, first in zip(again["turns"], entry["turns"]):
+            assert {key: turn.get(key) for key in NUMBERS} == {key: first.get(key) for key in NUMBERS}, label
+        if label != "dense":
+            assert again["memory_accounting_exact"]

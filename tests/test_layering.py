@@ -22,7 +22,7 @@ LAYERS = (
     ("capture",),  # the workflow runner and capture of trajectories
     ("policies",),  # the sharing policies, their turn loop and anchor pools
     ("replay",),  # the replay engine, branches, metrics, the self-check, sharded replay
-    ("rank", "tuning"),  # rank analysis; anchor fitting and threshold sweeps
+    ("rank", "tuning", "planning"),  # rank analysis; anchor fitting and threshold sweeps; a run's plan
     ("serving", "simulate"),  # serve-bench against a server; the serving model
     ("report",),  # tables, figures, dashboards
     ("recommend",),  # one decision for a target over replays, served by the simulator
@@ -80,9 +80,9 @@ def test_only_the_command_line_imports_commands():
 
 
 def test_no_command_imports_another():
-    """A command module imports the library and the modules commands share (common, options, displays), never another
-    command: what two commands share otherwise lives in the library."""
-    shared = {"__init__", "common", "options", "displays"}
+    """A command module imports the library and the modules commands share (common, options, displays, planning),
+    never another command: what two commands share otherwise lives in the library."""
+    shared = {"__init__", "common", "options", "displays", "planning"}
     commands = {path.stem for path in (PACKAGE / "commands").glob("*.py")} - shared
     offenders = {
         path.name: sorted(

@@ -24,6 +24,7 @@ from kvprof.errors import KvprofError
 from kvprof.results.base import ENVELOPE_FIELDS, ResultFile
 from kvprof.results.capture import CaptureResult
 from kvprof.results.inspect import InspectResult
+from kvprof.results.plan import PlanResult
 from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.recommend import RecommendResult
 from kvprof.results.replay import ReplayResult
@@ -36,6 +37,7 @@ DATA = Path(__file__).parent / "data"
 TYPES: dict[str, type[ResultFile]] = {
     "capture": CaptureResult,
     "inspect": InspectResult,
+    "plan": PlanResult,
     "rank_analysis": RankAnalysisResult,
     "recommend": RecommendResult,
     "replay": ReplayResult,
@@ -78,12 +80,17 @@ def written(tmp_path_factory, tiny_world, lora_trace, prompt_trace) -> dict[str,
         "--out", out / "replay", "--device", "cpu",
     )  # fmt: skip
     kvprof_run(
+        "replay", prompt_trace, "--policy", "nonshared", "--policy", "kvcmas", "--limit", "1", "--repeats", "1",
+        "--out", out / "plan", "--device", "cpu", "--plan",
+    )  # fmt: skip
+    kvprof_run(
         "recommend", out / "replay" / "replay.json", "--target", "kl<=0.01, load=1qps", "--fit-replay", "--duration",
         "5", "--out", out / "recommend",
     )  # fmt: skip
     return {
         "capture": out / "capture" / "capture.json",
         "inspect": out / "inspect" / "inspect.json",
+        "plan": out / "plan" / "plan.json",
         "rank_analysis": out / "rank" / "rank_analysis.json",
         "recommend": out / "recommend" / "recommend.json",
         "replay": out / "replay" / "replay.json",

@@ -54,7 +54,7 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
     a distributed run's Ray workers."""
     import torch
 
-    from kvprof.profiling import cpu_description
+    from kvprof.profiling import cpu_description, peak_host_bytes
 
     choice, meter = _INVOCATION.get("threads"), _INVOCATION.get("meter")
     envelope = Envelope(
@@ -71,6 +71,7 @@ def result_envelope(kind: str, payload: dict, args: dict, workers: list[dict] | 
             threads_chosen=choice.describe() if isinstance(choice, ThreadChoice) else None,
             load=meter.reading().to_json() if isinstance(meter, LoadMeter) else None,
             workers=workers,
+            peak_host_bytes=peak_host_bytes(),
         ),
         args={key: str(value) if isinstance(value, Path) else value for key, value in args.items()},
     )

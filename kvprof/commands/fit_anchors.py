@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from kvprof.commands import planning
 from kvprof.commands.common import console, demo_prompt_trace, progress, use_threads, write_result
 from kvprof.commands.options import (
     DeviceOption,
@@ -50,6 +51,7 @@ def command(
     dtype: DtypeOption = "auto",
     threads: ThreadsOption = None,
     seed: SeedOption = 0,
+    plan: planning.PlanOption = False,
 ) -> None:
     """Fit anchor pools (per segment a base — the producer's cache of an output, the context-free encoding of an
     input — and per-agent deltas, V per slot) from a trace, save them
@@ -78,6 +80,8 @@ def command(
         trace, model = demo_prompt_trace(model)
         args.update(trace=trace, model=model)
     trajectories = read_trace(trace).trajectories[:limit]  # the whole trace validated before the model loads
+    if planning.plan_first("fit-anchors", args, trace, model).stop:
+        return
     agents = load_agents_for_trace(trace, model=model, role_flags=role, device=device, dtype=dtype)
     if agents.spec.mode != "prompt":
         raise KvprofError(

@@ -8,6 +8,9 @@ from typing import Annotated
 
 import typer
 
+from kvprof.traces.checkpoints import vllm_kernel_block, vllm_retention
+from kvprof.traces.reuse import SpanMatching
+
 OutOption = Annotated[Path, typer.Option("--out", help="Directory for results (created if missing).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N.")]
 DtypeOption = Annotated[
@@ -105,3 +108,12 @@ RayWorkerCpusOption = Annotated[
     int,
     typer.Option("--ray-worker-cpus", min=1, help="With --ray: CPUs (and threads) each worker holds [default: 1]."),
 ]
+
+
+def span_matching(
+    min_span: int, boundaries: str, checkpoints: str, interval: int | None, retention: str, kernel_block: str
+) -> SpanMatching:
+    """The span-matching setting of the options above (--retention-interval and --kernel-block as given)."""
+    return SpanMatching(
+        min_span, boundaries, checkpoints, interval, vllm_retention(retention), vllm_kernel_block(kernel_block)
+    )

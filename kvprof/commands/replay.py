@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvprof.cli_help import policy_names, policy_option_list
-from kvprof.commands import common, displays, options
+from kvprof.commands import common, displays, options, planning
 from kvprof.errors import KvprofError
-from kvprof.traces.checkpoints import vllm_kernel_block, vllm_retention
-from kvprof.traces.reuse import MIN_SPAN, SpanMatching
+from kvprof.traces.reuse import MIN_SPAN
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -99,6 +98,8 @@ def command(
     dtype: options.DtypeOption = "auto",
     threads: options.ThreadsOption = None,
     seed: options.SeedOption = 0,
+    plan: planning.PlanOption = False,
+    kv_budget: planning.KvBudgetOption = None,
 ) -> None:
     """Replay a trace under sharing policies with real model execution; per-layer error, fidelity, reuse,
     prefill, TTFT, latency and memory against the dense (NonShared) run."""
@@ -119,17 +120,16 @@ def command(
         trace, model = common.demo_trace(model)
     trajectories = replayed_trajectories(trace, skip, limit, online, strict)  # validated before any model loads
     check_setting(timing, lora_attention)
+    if (planned := planning.plan_first("replay", args, trace, model)).stop:
+        return
     policy, flags = with_tuned(policy, list(policy_option or []), tuned)
     choose = partial(choose_variants, policy, flags, schedule, lr_prefill)
-    span_matching = SpanMatching(
-        min_span,
-        span_boundaries,
-        checkpoints,
-        checkpoint_interval,
-        vllm_retention(retention_interval),
-        vllm_kernel_block(kernel_block),
+    span_matching = options.span_matching(
+        min_span, span_boundaries, checkpoints, checkpoint_interval, retention_interval, kernel_block
     )
-    settings = ReplaySettings(repeats, online, timing=timing, page_size=page_size, span_matching=span_matching)
+    settings = ReplaySettings(
+        repeats, online, timing=timing, page_size=page_size, span_matching=span_matching, kv_budget=planned.kv_budget
+    )
     replay = Replay(trace, trajectories, choose, lora_attention, out / CHECKPOINT, resume, settings)
     source = AgentSource(trace_header(trace), str(trace), model, agent, role, device, dtype, seed)
     if ray:
@@ -149,7 +149,7 @@ def command(
 @dataclass(frozen=True)
 class Replay:
     """A replay here or on Ray: trace, trajectories, `choose` (variants among a setup's), --lora-attention (resolved
-    on the loaded agents' device), checkpoint, --resume, the other `settings`."""
+    on the loaded agents' device), checkpoint, --resume, the other `settings` (--kv-budget: in process only)."""
 
     trace: Path
     trajectories: list[Trajectory]
@@ -202,7 +202,8 @@ class Replay:
         with cluster:
             first = cluster.first()
             loaded = first["identity"]
-            settings = replace(self.settings, lora_attention=lora_attention_mode(self.lora_attention, loaded["device"]))
+            mode = lora_attention_mode(self.lora_attention, loaded["device"])
+            settings = replace(self.settings, lora_attention=mode, kv_budget=None)  # workers hold their stores whole
             variants, skipped = self.choose(lambda chosen, skip: cluster.runnable(absolute_files(chosen), skip))
             require_variants(variants, skipped)
             identity = replay_identity(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvprof.cli_help import tune_grid
-from kvprof.commands import common, displays, options
+from kvprof.commands import common, displays, options, planning
 from kvprof.traces.reuse import MIN_SPAN, SpanMatching
 from kvprof.traces.trace import Trajectory, read_trace
 
@@ -71,6 +71,7 @@ def command(
     dtype: options.DtypeOption = "auto",
     threads: options.ThreadsOption = None,
     seed: options.SeedOption = 0,
+    plan: planning.PlanOption = False,
 ) -> None:
     """Sweep the acceptance threshold (τ of KVCMAS, γ of KVComm): reuse ρ, per-layer error, KL, accuracy, TTFT,
     latency and memory per value; recommend the value with the most reuse that meets the target, verify it on the
@@ -90,10 +91,9 @@ def command(
     settings = ReplaySettings(repeats=repeats, online=online, span_matching=SpanMatching(min_span, span_boundaries))
     key, target = tau.threshold_key(policy), tau.Target.given(max_accuracy_drop, max_kl, target_rho)
     thresholds, options = tau.parse_grid(grid), tau.parse_options(policy, option or [])
-    if trace is None:
-        trace, model = common.demo_prompt_trace(model)
-        args.update(trace=trace, model=model)
-    trajectories = read_trace(trace).trajectories  # the whole trace validated before the model loads
+    trace, model, trajectories = tuning_trace(args, trace, model)
+    if planning.plan_first("tune-tau", args, trace, model).stop:
+        return
     with ExitStack() as stack:
         cluster, worker = None, None
         if ray:
@@ -131,6 +131,15 @@ def fit_default_pool(
     with common.progress() as bar:
         job = bar.add_task("fitting anchors on the tuning trajectories", total=len(tuning))
         return tau.fit_pool(agents, tuning, policy, options, out, matching, lambda traj: bar.advance(job))
+
+
+def tuning_trace(args: dict, trace: Path | None, model: str | None) -> tuple[Path, str | None, list[Trajectory]]:
+    """The trace (the demo world's tuning trace by default, recorded in `args`), its model override and its
+    trajectories, the whole trace validated before the model loads."""
+    if trace is None:
+        trace, model = common.demo_prompt_trace(model)
+        args.update(trace=trace, model=model)
+    return trace, model, read_trace(trace).trajectories
 
 
 @contextmanager

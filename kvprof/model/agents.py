@@ -38,6 +38,7 @@ from kvprof.model.checks import (
     safetensors_shapes,
     safetensors_tensors,
 )
+from kvprof.model.first_layers import beyond_limit, first_layers_config, layer_limit, note_loaded, note_loading
 from kvprof.model.latent import LatentShape, latent_layers
 from kvprof.model.layers import LayerKind, cache_shapes, layer_kinds
 from kvprof.model.lora import invocation_tokens
@@ -188,10 +189,14 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
     """The causal LM `name` in `dtype` on `device`, attending with `attn` (eager where there is no sdpa); its files
     and tensors checked (`kvprof.model.checks`) so that a broken model is refused in one sentence."""
     check_model_path(name)
+    note_loading()
     config = load_model_config(name)
     directory = Path(name).expanduser()
     shapes = checkpoint_shapes(directory) if directory.is_dir() else None
-    if shapes is not None:
+    limit = layer_limit()
+    if limit is not None:
+        config = first_layers_config(config, limit)
+    elif shapes is not None:
         check_weights_fit_config(config, shapes, directory)
     try:
         model, info = _from_pretrained(name, config, dtype, attn)
@@ -201,6 +206,8 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
         raise KvprofError(
             f"model {name!r} does not fit in memory on {device}; use a smaller --dtype (bfloat16) or another --device."
         ) from None
+    if limit is not None:
+        info["unexpected_keys"] = [key for key in info.get("unexpected_keys") or [] if not beyond_limit(key, limit)]
     check_loading_report(info, name)
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
     check_finite(tensors, f"model {name}", f"{MODEL_FIX} whose weights are finite")
@@ -212,6 +219,7 @@ def load_base_model(name: str, dtype: torch.dtype, device: torch.device, attn: s
             f"model {name!r} does not fit in {device} memory; use --dtype bfloat16, a smaller model, or --device cpu."
         ) from None
     check_forward(model, name)
+    note_loaded(model)
     return model
 
 
@@ -293,6 +301,9 @@ def adapter_weight_shapes(path: str, base_model, base_name: str | None) -> dict[
         if not match:
             continue
         module_name, which = match.groups()
+        limit = layer_limit()
+        if limit is not None and beyond_limit(module_name, limit):
+            continue  # a plan's probe: the model's later layers are not loaded
         module = modules.get(module_name)
         if module is None or not hasattr(module, "in_features"):
             raise KvprofError(
@@ -354,7 +365,11 @@ def load_peft_adapters(base_model, agents, adapters: dict[str, AdapterInfo]) -> 
                 f"adapter {agent.adapter} is refused by peft ({reason_of(err)}); fix its adapter_config.json or "
                 f"{ADAPTER_FIX}."
             ) from None
-        check_adapter_coverage(model, agent.name, agent.adapter, adapters[agent.name].modules)
+        weighted = adapters[agent.name].modules
+        limit = layer_limit()
+        if limit is not None:
+            weighted = frozenset(module for module in weighted if not beyond_limit(module, limit))
+        check_adapter_coverage(model, agent.name, agent.adapter, weighted)
     return model
 
 

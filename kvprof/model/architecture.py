@@ -68,3 +68,16 @@ def mixer_of(layer: torch.nn.Module, index: int) -> torch.nn.Module:
     """Decoder layer `index`'s token mixer: its attention module, or a hybrid's recurrent module in its place."""
     recurrent = recurrent_of(layer)
     return getattr(layer, recurrent) if recurrent is not None else attention_of(layer, index)
+
+
+def weights_bytes(model) -> int:
+    """Bytes of every parameter and buffer of `model` (base + all adapters) as stored: what
+    `torch.cuda.max_memory_allocated` counts besides caches. A bitsandbytes 4-bit weight counts its packed bytes
+    and its quantization state."""
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        total += tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)
+        if state is not None:
+            total += sum(t.numel() * t.element_size() for t in state.as_dict().values() if isinstance(t, torch.Tensor))
+    return total

@@ -11,7 +11,8 @@ K/V are the policy's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -187,11 +188,18 @@ class ReplayPlanSummary:
 
 class BranchingTimeline:
     """Applies `plan_trajectory` to `policies` (`begin` / `end` per turn): restores, truncations, the K/V kept for
-    moved spans (`source_ranges`); `producers`: who held each timeline token first (for ρ)."""
+    moved spans (`source_ranges`); `producers`: who held each timeline token first (for ρ). `holding(policy)`: a
+    context each step on a policy's stores runs in (where stores are parked: `kvprof.replay.parking`)."""
 
-    def __init__(self, starts: list[TurnStart], policies: Sequence[SharingPolicy]):
+    def __init__(
+        self,
+        starts: list[TurnStart],
+        policies: Sequence[SharingPolicy],
+        holding: Callable[[SharingPolicy], AbstractContextManager[None]] = lambda policy: nullcontext(),
+    ):
         self.starts = starts
         self.policies = list(policies)
+        self.holding = holding
         self.sources = source_ranges(starts)
         for policy in self.policies:
             policy.forget_spans()
@@ -205,14 +213,16 @@ class BranchingTimeline:
         if start.restore is not None:
             states, producers = self.snapshots[start.restore]
             for policy, state in zip(self.policies, states):
-                policy.restore(state)
+                with self.holding(policy):
+                    policy.restore(state)
             self.producers = list(producers)
             self.pending[start.restore] -= 1
             if not self.pending[start.restore]:
                 del self.snapshots[start.restore]
         if start.dropped:
             for policy in self.policies:
-                policy.truncate(start.keep)
+                with self.holding(policy):
+                    policy.truncate(start.keep)
             del self.producers[start.keep :]
         return start
 
@@ -221,9 +231,14 @@ class BranchingTimeline:
         self.producers += [agent] * (sequence_len - len(self.producers))
         if index in self.sources:
             for policy in self.policies:
-                policy.keep_span_source(index, *self.sources[index])
+                with self.holding(policy):
+                    policy.keep_span_source(index, *self.sources[index])
         if self.pending[index]:
-            self.snapshots[index] = ([policy.snapshot() for policy in self.policies], list(self.producers))
+            self.snapshots[index] = ([self._snapshot(policy) for policy in self.policies], list(self.producers))
+
+    def _snapshot(self, policy: SharingPolicy) -> dict[str, object]:
+        with self.holding(policy):
+            return policy.snapshot()
 
 
 class FollowedTimeline:

@@ -45,8 +45,9 @@ def run_replay(
     progress: ReplayProgress | None = None,
     hooks: ReplayHooks | None = None,
 ) -> dict:
-    """`kvprof replay`'s payload under `settings`: the lockstep replay, the online re-runs when `settings.online`,
-    and the run's setting. `progress`: a checkpoint's, resumed."""
+    """`kvprof replay`'s payload under `settings`: the lockstep replay (its stores within `settings.kv_budget` bytes
+    where set), the online re-runs when `settings.online`, and the run's setting. `progress`: a checkpoint's,
+    resumed."""
     hooks = hooks or ReplayHooks()
     if settings.online:
         require_react_agents(agents.spec.names)

@@ -4,12 +4,14 @@ side by side, each dense turn computed once, compared, released; its resumable s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet
+from kvprof.model.architecture import weights_bytes
 from kvprof.model.layers import LayerKind
 from kvprof.model.runtime import Runtime
 from kvprof.policies import PolicyVariant, SharingPolicy, TurnRequest
@@ -17,8 +19,9 @@ from kvprof.policies.base import tensor_bytes
 from kvprof.policies.nonshared import NonShared
 from kvprof.profiling import keep_freed_memory
 from kvprof.replay.branches import BranchingTimeline, plan_of
-from kvprof.replay.memory import paper_memory, weights_bytes
+from kvprof.replay.memory import paper_memory
 from kvprof.replay.metrics import reused_from_others
+from kvprof.replay.parking import StoreParking
 from kvprof.replay.records import DENSE, compare_turn, moved_from_others
 from kvprof.replay.setting import DEFAULT_SETTINGS, ReplaySettings
 from kvprof.replay.summary import policy_entry, replay_result
@@ -103,14 +106,22 @@ class Lockstep:
     weights: int
     page_size: int
     check_memory: bool
+    parking: StoreParking | None = None
+
+    def holding(self, run: SharingPolicy) -> contextlib.AbstractContextManager[None]:
+        """`run`'s stores resident (under a --kv-budget; the dense run's kept while the policies compare)."""
+        return self.parking.holding(run, keep=self.dense) if self.parking else contextlib.nullcontext()
 
     def replay(self, traj: Trajectory, on_turn: TurnHook | None) -> None:
         """Every turn of `traj` under the dense run and every policy, from empty caches."""
         self.runtime.serve_trajectory(traj)
         for run in [self.dense, *self.policies]:
-            run.reset()
+            with self.holding(run):  # a policy may keep state across trajectories (an anchor pool)
+                run.reset()
         timeline = BranchingTimeline(
-            plan_of(traj, self.runtime.prefixes, self.runtime.span_matching), [self.dense, *self.policies]
+            plan_of(traj, self.runtime.prefixes, self.runtime.span_matching),
+            [self.dense, *self.policies],
+            self.holding,
         )
         for index, turn in enumerate(traj.turns):
             self.turn(traj, index, turn, timeline)
@@ -124,8 +135,11 @@ class Lockstep:
         request = TurnRequest(
             turn.agent, traj.input_tokens(turn), outputs, moved=start.moved, boundaries=message_boundaries(traj, turn)
         )
-        timed = interleaved_prefills([self.dense, *self.policies], request, self.per_turn)
-        dense_result = self.dense.run_turn(request, self.per_turn, timed[0])
+        runs = [self.dense, *self.policies]
+        # under a --kv-budget each run times its own prefills: round-robin would need every run's stores at once
+        timed = [None] * len(runs) if self.parking else interleaved_prefills(runs, request, self.per_turn)
+        with self.holding(self.dense):
+            dense_result = self.dense.run_turn(request, self.per_turn, timed[0])
         self.state.records[DENSE].append(
             compare_turn(
                 dense_result,
@@ -140,7 +154,8 @@ class Lockstep:
             )
         )
         for policy, earlier in zip(self.policies, timed[1:]):
-            turn_result = policy.run_turn(request, self.per_turn, earlier)
+            with self.holding(policy):
+                turn_result = policy.run_turn(request, self.per_turn, earlier)
             from_others = turn_result.from_others
             if from_others is None:
                 from_others = (
@@ -179,7 +194,8 @@ def replay_trace(
     on_trajectory: Callable[[ReplayProgress], object] | None = None,
 ) -> dict:
     """Teacher-forced lockstep replay under `settings` (its `online` is `run_replay`'s). Returns
-    {"dense": ..., "policies": {label: ...}}.
+    {"dense": ..., "policies": {label: ...}} (and "kv_budget": what holding the stores within `settings.kv_budget`
+    bytes moved, `kvprof.replay.parking`, where one is set).
 
     - `timing` "turn" (kvprof): TTFT the median of `repeats` prefills timed round-robin across the dense run and the
       policies after a warm-up round (`interleaved_prefills`); "trajectory"
@@ -216,9 +232,9 @@ def replay_trace(
     rebuild_state(runtime, stateful, done)
     stateful_timers = [timers[v.label] for v in variants if not v.trajectory_independent and v.label in timers]
     rebuild_state(runtime, stateful_timers, done, passes=repeats + 1)
-    lockstep = Lockstep(
-        runtime, dense, policies, state, agents.layer_kinds, per_turn, weights, settings.page_size, check_memory
-    )
+    parking = StoreParking(settings.kv_budget) if settings.kv_budget is not None else None
+    kinds, page_size = agents.layer_kinds, settings.page_size
+    lockstep = Lockstep(runtime, dense, policies, state, kinds, per_turn, weights, page_size, check_memory, parking)
     for traj in trajectories:
         if traj.id in state.trajectories:
             continue
@@ -233,11 +249,15 @@ def replay_trace(
         state.trajectories.append(traj.id)
         if on_trajectory:
             on_trajectory(state)
-    return replay_result(
+    result = replay_result(
         state.records,
         {policy.label: policy_entry(policy) for policy in policies},
         state.memory_exact if check_memory else None,
     )
+    if parking:
+        parking.close()
+        result["kv_budget"] = parking.report.to_json()
+    return result
 
 
 def rebuild_state(

@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import torch
-
 from kvprof.model.recurrent import RECURRENT_STATES
 from kvprof.policies import SharingPolicy, TurnResult
 from kvprof.results.replay import TurnRecord, measured
@@ -25,19 +23,6 @@ class PaperMemory(NamedTuple):
     kv_block_bytes: int
     kv_blocks: float
     allocator_peak_bytes: int
-
-
-def weights_bytes(model) -> int:
-    """Bytes of every parameter and buffer of `model` (base + all adapters) as stored: what
-    `torch.cuda.max_memory_allocated` counts besides caches. A bitsandbytes 4-bit weight counts its packed bytes
-    and its quantization state."""
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        total += tensor.numel() * tensor.element_size()
-        state = getattr(tensor, "quant_state", None)
-        if state is not None:
-            total += sum(t.numel() * t.element_size() for t in state.as_dict().values() if isinstance(t, torch.Tensor))
-    return total
 
 
 def paged_bytes(tensors: dict[str, list], page_size: int) -> int:

@@ -13,9 +13,10 @@ from kvprof.kernels.attention import EXPAND, KERNEL, SHORT, LoraAttention
 from kvprof.kernels.expansion import kernel_runs
 from kvprof.kernels.transformers_attention import stored_value_calls
 from kvprof.model.agents import AgentSet
+from kvprof.model.architecture import weights_bytes
 from kvprof.model.runtime import Runtime
 from kvprof.profiling import cpu_description, gpu_memory, keep_freed_memory
-from kvprof.replay.memory import PAGE_SIZE, weights_bytes
+from kvprof.replay.memory import PAGE_SIZE
 from kvprof.replay.timing import TIMINGS
 from kvprof.results.replay import FUSED_EXPANSION, STORED_IN_SHORT_FORWARDS
 from kvprof.threads import MachineLoad
@@ -26,8 +27,9 @@ from kvprof.traces.reuse import DEFAULT_MATCHING, SpanMatching
 class ReplaySettings:
     """How a replay runs: `repeats` (timed prefills per turn, or timed runs per trajectory), the `online` re-runs,
     how the low-rank policies attend their rank-r values (`lora_attention`: `Runtime`), the `timing` mode
-    (`TIMINGS`), the KV block `page_size` of the papers' memory (`paper_memory`) and `span_matching`
-    (`SpanMatching`)."""
+    (`TIMINGS`), the KV block `page_size` of the papers' memory (`paper_memory`), `span_matching`
+    (`SpanMatching`) and `kv_budget`: bytes the runs' stored caches are held within (`kvprof.replay.parking`;
+    None: no limit; a replay in this process only)."""
 
     repeats: int = 1
     online: bool = False
@@ -35,6 +37,7 @@ class ReplaySettings:
     timing: str = "turn"
     page_size: int = PAGE_SIZE
     span_matching: SpanMatching = DEFAULT_MATCHING
+    kv_budget: int | None = None
 
 
 DEFAULT_SETTINGS = ReplaySettings()

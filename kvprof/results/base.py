@@ -101,7 +101,8 @@ def records_in_list(cls: type[Record]) -> Reader:
 class Environment(Record):
     """What a result was measured on: python, torch, CUDA device, CPU, torch threads (`threads_chosen`: how, for a
     command that runs models), the machine's `load` while the command ran (`kvprof.threads.MachineLoad`: other
-    processes' cores); `workers`: a distributed run's Ray workers."""
+    processes' cores); `workers`: a distributed run's Ray workers; `peak_host_bytes`: the command's process at its
+    peak resident memory so far (VmHWM; what a `--plan` predicts), absent in files written before it."""
 
     python: str = json_field(str)
     torch: str = json_field(str)
@@ -111,6 +112,7 @@ class Environment(Record):
     threads_chosen: str | None = json_field(str, absent=True)
     load: dict | None = json_field(dict, absent=True)
     workers: list[dict] | None = json_field(list, absent=True)
+    peak_host_bytes: int | None = json_field(int, absent=True)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -246,7 +246,8 @@ class PolicyRun(Record):
 @dataclasses.dataclass(kw_only=True)
 class ReplayResult(ResultFile):
     """A replay: dense run, policy runs by label, online runs, setting (`run_setting`), memory verdicts, trace and
-    source, skipped policies (label → reason), self-check errors (label → error), `distributed`."""
+    source, skipped policies (label → reason), self-check errors (label → error), `distributed`; `kv_budget`: what
+    holding the stores within --kv-budget moved (`kvprof.replay.parking.ParkingReport`), absent without one."""
 
     KIND = "replay"
     FIX = FIX
@@ -268,6 +269,7 @@ class ReplayResult(ResultFile):
     cpu: dict | None = json_field(dict, absent=True)
     dtype: str | None = json_field(str, absent=True)
     gpu_memory: dict | None = json_field((dict, OPTIONAL))
+    kv_budget: dict | None = json_field(dict, absent=True)
     memory_claims: list[dict] | None = json_field(list, absent=True)
     distributed: dict | None = json_field(dict, absent=True)
     trace: str | None = json_field(str, absent=True)

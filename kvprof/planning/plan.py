@@ -1,0 +1,196 @@
+"""A run's plan, measured before it runs: the same command on the model's first k and 2k decoder layers, each in a
+process of its own (`kvprof.commands.probe`), extrapolated to all its layers.
+
+Everything a run holds or does per layer — weights, every run's stored caches, a turn's caches, the time in the
+layers — grows by the same amount with each layer (of each kind: k is the fewest first layers holding every kind a
+hybrid has), and the rest — the process, the embedding and head, the trace's bookkeeping — does not. So a quantity
+measured at k and 2k layers is a line in the layers, and the plan reads it at the model's L:
+q(L) = q(k) + (q(2k) − q(k)) · (L − k) / k. Memory is measured, not modelled (VmHWM on the host, the CUDA
+allocator's peak on a GPU), so whatever the run allocates — spare capacity of growing buffers, workspaces, the
+allocator's retained blocks — is in the prediction; the breakdown names the stored caches (the replay's own
+analytic peak per run) and the weights, the rest being a turn's working set. A model of fewer than 2k layers is
+probed once, whole: its plan is that run.
+
+The probes cost about 3k/L of the run (3/L for a model of one layer kind) and replay the whole input: memory peaks
+where the stores are largest, which only the whole trace shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from kvprof.errors import KvprofError
+from kvprof.fileio import read_json_file
+from kvprof.model.first_layers import smallest_probe, text_config
+from kvprof.planning.memory import describe_bytes, free_device_bytes, free_host_bytes
+from kvprof.results.plan import PlanProbe, PlanResult
+from kvprof.results.replay import ReplayResult
+
+PROBE_ERROR_LINES = 3  # lines of a failed probe's output quoted in the refusal
+
+
+def probe_layers_for(config) -> list[int]:
+    """The layer counts probed for a model of `config`: k (the fewest first layers holding every layer kind) and
+    2k, or the whole model once where it has fewer than 2k layers."""
+    total = int(text_config(config).num_hidden_layers)
+    small = smallest_probe(config)
+    return [small, 2 * small] if 2 * small < total else [total]
+
+
+def run_probe(command: str, arguments: list[str], layers: int, scratch: Path) -> PlanProbe:
+    """`kvprof COMMAND ARGUMENTS` on the first `layers` layers in a process of its own, writing under `scratch`;
+    refused, quoting its last lines, if it fails."""
+    report = scratch / f"probe-{layers}.json"
+    out = scratch / f"out-{layers}"
+    line = [sys.executable, "-m", "kvprof.commands.probe", str(layers), str(report), command, *arguments]
+    done = subprocess.run([*line, "--out", str(out)], capture_output=True, text=True)
+    measured = read_json_file(report, "probe report", "plan again") if report.exists() else None
+    if done.returncode or not isinstance(measured, dict):
+        said = [text for text in (done.stderr + done.stdout).strip().splitlines() if text.strip()]
+        raise KvprofError(
+            f"planning ran `kvprof {command}` on the model's first {layers} layers and it failed "
+            f"({' / '.join(said[-PROBE_ERROR_LINES:]) or f'exit code {done.returncode}'}); run the command without "
+            "--plan to see the whole error."
+        )
+    return PlanProbe(
+        layers=layers,
+        seconds=float(measured["seconds"]),
+        peak_host_bytes=int(measured["peak_host_bytes"]),
+        peak_device_bytes=measured["peak_device_bytes"],
+        process_bytes=int(measured["process_bytes"]),
+        weights_bytes=measured["weights_bytes"],
+        stored_peak_bytes=stored_peaks(out / f"{command.replace('-', '_')}.json"),
+    )
+
+
+def stored_peaks(result: Path) -> dict[str, int]:
+    """Each run's stored caches at their peak in a replay's result (the dense run's and each policy's analytic
+    stored bytes); none for another command's."""
+    if not result.name == "replay.json" or not result.exists():
+        return {}
+    replayed = ReplayResult.read(result)
+    runs = {"dense": replayed.dense.summary, **{label: run.summary for label, run in replayed.policies.items()}}
+    return {label: int(summary.peak_memory_bytes) for label, summary in runs.items() if summary is not None}
+
+
+def _stored(probe: PlanProbe, label: str) -> float | None:
+    size = probe.stored_peak_bytes.get(label)
+    return None if size is None else float(size)
+
+
+def at_layers(probes: list[PlanProbe], value: Callable[[PlanProbe], float | None], total: int) -> float | None:
+    """A quantity measured by each probe, on the line through them at `total` layers (one probe: its value)."""
+    values = [value(probe) for probe in probes]
+    if any(v is None for v in values):
+        return None
+    if len(probes) == 1:
+        return values[0]
+    (small, large), (at_small, at_large) = [p.layers for p in probes], values
+    assert at_small is not None and at_large is not None
+    return at_small + (at_large - at_small) * (total - small) / (large - small)
+
+
+def make_plan(
+    command: str,
+    arguments: Callable[[int], list[str]],
+    config,
+    device: str,
+    kv_budget: int | None,
+    on_probe: Callable[[int], None] | None = None,
+) -> PlanResult:
+    """The plan of `kvprof COMMAND` on a model of `config` (`arguments(layers)`: its command line for a probe of
+    that many layers, without --out), its peak compared with the memory free on `device` now."""
+    total = int(text_config(config).num_hidden_layers)
+    probes = []
+    with tempfile.TemporaryDirectory(prefix="kvprof-plan-") as scratch:
+        for layers in probe_layers_for(config):
+            if on_probe:
+                on_probe(layers)
+            probes.append(run_probe(command, arguments(layers), layers, Path(scratch)))
+    labels = list(probes[0].stored_peak_bytes)
+    stored = {label: at_layers(probes, partial(_stored, label=label), total) for label in labels}
+    peak = {"host": at_layers(probes, lambda p: p.peak_host_bytes, total)}
+    on_device = probes[0].peak_device_bytes is not None
+    if on_device:
+        peak["device"] = at_layers(probes, lambda p: p.peak_device_bytes, total)
+    process = min(p.process_bytes for p in probes)
+    weights = at_layers(probes, lambda p: p.weights_bytes, total)
+    held = peak["device" if on_device else "host"] or 0.0
+    working = held - (0 if on_device else process) - (weights or 0) - sum(v or 0 for v in stored.values())
+    plan = PlanResult(
+        command=command,
+        arguments=arguments(total),
+        layers=total,
+        probes=probes,
+        process_bytes=process,
+        weights_bytes=None if weights is None else round(weights),
+        stored_peak_bytes={label: round(value or 0) for label, value in stored.items()},
+        working_bytes=round(working),
+        peak_bytes={kind: round(value or 0) for kind, value in peak.items()},
+        expected_seconds=float(at_layers(probes, lambda p: p.seconds, total) or 0.0),
+        free_bytes={},
+        fits=True,
+        kv_budget_bytes=kv_budget,
+    )
+    return with_free_memory(plan, device)
+
+
+def with_free_memory(plan: PlanResult, device: str) -> PlanResult:
+    """`plan` with the memory free now on the host and `device` (a GPU's where the plan holds a device peak), and
+    whether its peak fits in it."""
+    free = {"host": free_host_bytes()}
+    if "device" in plan.peak_bytes:
+        free["device"] = free_device_bytes(device)
+    fits = all(free.get(kind) is None or value <= (free[kind] or 0) for kind, value in plan.peak_bytes.items())
+    return dataclasses.replace(plan, free_bytes=free, fits=fits)
+
+
+def plan_lines(plan: PlanResult) -> list[str]:
+    """The plan as the terminal shows it: peak by memory kind and what makes it, the expected time."""
+    held_on = "device" if "device" in plan.peak_bytes else "host"
+    stores = ", ".join(f"{label} {describe_bytes(size)}" for label, size in plan.stored_peak_bytes.items())
+    parts = [
+        f"process {describe_bytes(plan.process_bytes)}" if held_on == "host" else "",
+        f"weights {describe_bytes(plan.weights_bytes)}" if plan.weights_bytes is not None else "",
+        f"stored caches {describe_bytes(sum(plan.stored_peak_bytes.values()))} ({stores})" if stores else "",
+        f"a turn's working set and the rest {describe_bytes(plan.working_bytes)}",
+    ]
+    probed = " and ".join(str(p.layers) for p in plan.probes)
+    lines = [
+        f"plan ({probed} of {plan.layers} layers probed): peak {held_on} memory "
+        f"{describe_bytes(plan.peak_bytes[held_on])} = {' + '.join(p for p in parts if p)}",
+    ]
+    if held_on == "device":
+        lines.append(f"  host memory at its peak {describe_bytes(plan.peak_bytes['host'])}")
+    if plan.kv_budget_bytes is not None:
+        lines.append(f"  stored caches of the runs not running parked beyond {describe_bytes(plan.kv_budget_bytes)}")
+    free = ", ".join(f"{kind} {describe_bytes(size)}" for kind, size in plan.free_bytes.items() if size is not None)
+    lines.append(f"  expected time {plan.expected_seconds:.0f} s; free now: {free or 'unknown'}")
+    return lines
+
+
+def require_fit(plan: PlanResult, what: str) -> None:
+    """Refuse, in one sentence with what would fit, a plan whose peak exceeds the memory free."""
+    for kind, peak in plan.peak_bytes.items():
+        free = plan.free_bytes.get(kind)
+        if free is None or peak <= free:
+            continue
+        stores = sum(plan.stored_peak_bytes.values())
+        options = ["fewer trajectories (--limit)"]
+        if len(plan.stored_peak_bytes) > 2:
+            options.insert(0, "fewer policies at once (--policy)")
+        budget = free - (peak - stores)
+        largest = max(plan.stored_peak_bytes.values(), default=0)
+        if stores and budget > largest:
+            options.append(f"the stored caches held within --kv-budget {describe_bytes(budget * 0.9)}")
+        raise KvprofError(
+            f"{what} would need {describe_bytes(peak)} of {kind} memory at its peak (planned on the model's first "
+            f"layers) but {describe_bytes(free)} is free; run {', '.join(options[:-1])}"
+            f"{' or ' if len(options) > 1 else ''}{options[-1]}."
+        )
