@@ -94,11 +94,10 @@ def _capture(ctx: DemoContext, mode: str) -> StageResult:
     result_path = ctx.write_result(out, "capture", result, "capture", **options)
     show_capture(summary, trace_path, len(trajectories))
     ctx.traces[mode] = trace_path
-    metrics = dict(accuracy=summary.accuracy, tasks=summary.with_answer, tokens=summary.distinct_tokens)
     return StageResult(
         f"exact match {summary.accuracy:.1%} on {summary.with_answer} tasks, {summary.distinct_tokens} tokens",
         [trace_path, result_path],
-        metrics | {"turns": summary.turns},
+        dict(accuracy=summary.accuracy, tasks=summary.with_answer, tokens=summary.distinct_tokens, turns=summary.turns),
     )
 
 
