@@ -2,7 +2,7 @@
 
     python scripts/scale_bench.py OUT_DIR [--shape qwen3-0.6b] [--layers 28] [--tokens 1024,2048,4096]
         [--calls 6] [--policy fullshared --policy prelrshared --policy cacheblend] [--device cpu] [--dtype auto]
-        [--kv-budget-share 0.25]
+        [--kv-budget-share 0.25] [--no-plan]
 
 For each shape (a public model's configuration, `SHAPES`, with random weights; `--layers` keeps its first N layers so
 a small machine can run it, and sweeping it gives the growth against layers), OUT_DIR/SHAPE-LLAYERS/ holds the model
@@ -13,7 +13,7 @@ T, a shape trace of `--calls` agent calls whose prefills add up to T tokens (16 
 prefill per turn), and imported again with role prompts for the agents to fit anchors on (`kvprof fit-anchors`
 takes prompt-mode traces). The replay and fit-anchors each run with `--plan` first: their rows show the planned
 peak and time beside the measured ones. With `--kv-budget-share`, the replay runs again with its stored caches held
-within that share of the planned stored peak (`--kv-budget`), and whether every number matched the unbounded run.
+within that share of the stored peak it measured (`--kv-budget`), and whether every number matched the unbounded run.
 Every step is its own process, as a user runs it;
 each reports its wall time and peak resident memory, and the replay also the time inside the model's modules
 (embedding, decoder layers, final norm, head: timed by forward hooks) and the setup before its first forward
@@ -138,10 +138,10 @@ def step(name: str, args: list[str], hooks: bool = False) -> dict:
 
 
 def point(
-    folder: Path, tokens: int, calls: int, policies: list[str], device: str, dtype: str, budget_share: float
+    folder: Path, tokens: int, calls: int, policies: list[str], device: str, dtype: str, budget_share: float, plan: bool
 ) -> dict:
     """Capture (shape import), replay and fit-anchors at one trace length, each after its plan; with `budget_share`,
-    the replay again with its stores held within that share of the planned stored peak."""
+    the replay again with its stores held within that share of the stored peak it measured."""
     run = folder / f"T{tokens}"
     run.mkdir(parents=True, exist_ok=True)
     shape_csv(run / "shape.csv", tokens, calls)
@@ -152,33 +152,38 @@ def point(
     trace = str(run / "capture" / "trace.jsonl")
     policy_flags = [arg for policy in policies for arg in ("--policy", policy)]
     replay = ["replay", trace, *policy_flags, "--repeats", "1", *common]
-    result["replay"] = planned_step("replay", [*replay, "--out", str(run / "replay")], hooks=True)
+    result["replay"] = planned_step("replay", [*replay, "--out", str(run / "replay")], plan, hooks=True)
     replayed = json.loads((run / "replay" / "replay.json").read_text())
     result["dense_flops"] = replayed["dense"]["summary"]["flops"]
     result["analytic_peak_bytes"] = {
         label: entry["summary"]["allocator_peak_bytes"] for label, entry in replayed["policies"].items()
     }
     if budget_share:
-        plan = json.loads((run / "replay" / "plan.json").read_text())
-        budget = int(budget_share * sum(plan["stored_peak_bytes"].values()))
+        stored = replayed["dense"]["summary"]["peak_memory_bytes"] + sum(
+            entry["summary"]["peak_memory_bytes"] for entry in replayed["policies"].values()
+        )
+        budget = int(budget_share * stored)
         budgeted = [*replay, "--kv-budget", str(budget), "--out", str(run / "replay-budget")]
-        result["replay_budget"] = planned_step("replay --kv-budget", budgeted) | {"budget_bytes": budget}
+        result["replay_budget"] = planned_step("replay --kv-budget", budgeted, plan) | {"budget_bytes": budget}
         result["replay_budget"]["same_numbers"] = same_numbers(run / "replay", run / "replay-budget")
     roles = [arg for agent in AGENTS for arg in ("--role", f"{agent}=You are the {agent} agent of a team.")]
     prompt_capture = ["capture", "--shapes", str(run / "shape.csv"), "--model", str(folder / "model"), *roles]
     step("capture (prompt mode)", [*prompt_capture, "--out", str(run / "capture-prompt")])
     fit = ["fit-anchors", str(run / "capture-prompt" / "trace.jsonl"), "--out", str(run / "anchors"), *common]
-    result["fit_anchors"] = planned_step("fit-anchors", fit)
+    result["fit_anchors"] = planned_step("fit-anchors", fit, plan)
     return result
 
 
-def planned_step(name: str, args: list[str], hooks: bool = False) -> dict:
-    """`step` after its `--plan` (into the same --out): the measured step with the plan's predicted peak and time."""
+def planned_step(name: str, args: list[str], plan: bool, hooks: bool = False) -> dict:
+    """`step` after its `--plan` (into the same --out) where `plan`: the measured step with the plan's predicted peak
+    and time."""
+    if not plan:
+        return step(name, args, hooks)
     step(f"{name} --plan", [*args, "--plan"])
     out = Path(args[args.index("--out") + 1])
-    plan = json.loads((out / "plan.json").read_text())
+    planned = json.loads((out / "plan.json").read_text())
     measured = step(name, args, hooks)
-    return measured | {"plan_peak_bytes": plan["peak_bytes"]["host"], "plan_seconds": plan["expected_seconds"]}
+    return measured | {"plan_peak_bytes": planned["peak_bytes"]["host"], "plan_seconds": planned["expected_seconds"]}
 
 
 NUMBERS = ("kl", "top1", "reused", "prefilled", "flops")
@@ -249,13 +254,16 @@ def main() -> None:
     parser.add_argument(
         "--kv-budget-share", type=float, default=0.0, help="replay again within this share of the stores"
     )
+    parser.add_argument("--no-plan", action="store_true", help="run the steps without planning them first")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     policies = args.policy or ["fullshared", "prelrshared", "cacheblend"]
     folder = args.out / f"{args.shape}-L{args.layers or SHAPES[args.shape]['num_hidden_layers']}"
     build_model(folder, args.shape, args.layers, args.dtype)
     points = [
-        point(folder, int(tokens), args.calls, policies, args.device, args.dtype, args.kv_budget_share)
+        point(
+            folder, int(tokens), args.calls, policies, args.device, args.dtype, args.kv_budget_share, not args.no_plan
+        )
         for tokens in args.tokens.split(",")
     ]
     exponents = report(points)
