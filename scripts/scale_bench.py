@@ -13,7 +13,8 @@ T, a shape trace of `--calls` agent calls whose prefills add up to T tokens (16 
 prefill per turn), and imported again with role prompts for the agents to fit anchors on (`kvprof fit-anchors`
 takes prompt-mode traces). The replay and fit-anchors each run with `--plan` first: their rows show the planned
 peak and time beside the measured ones. With `--kv-budget-share`, the replay runs again with its stored caches held
-within that share of the stored peak it measured (`--kv-budget`), and whether every number matched the unbounded run.
+within that share of the stored peak it measured (`--kv-budget`; at least 1.25 times what one lockstep step holds:
+the dense run's stores beside the largest policy's), and whether every number matched the unbounded run.
 Every step is its own process, as a user runs it;
 each reports its wall time and peak resident memory, and the replay also the time inside the model's modules
 (embedding, decoder layers, final norm, head: timed by forward hooks) and the setup before its first forward
@@ -159,10 +160,10 @@ def point(
         label: entry["summary"]["allocator_peak_bytes"] for label, entry in replayed["policies"].items()
     }
     if budget_share:
-        stored = replayed["dense"]["summary"]["peak_memory_bytes"] + sum(
-            entry["summary"]["peak_memory_bytes"] for entry in replayed["policies"].values()
-        )
-        budget = int(budget_share * stored)
+        dense = replayed["dense"]["summary"]["peak_memory_bytes"]
+        policies = [entry["summary"]["peak_memory_bytes"] for entry in replayed["policies"].values()]
+        # at least what one lockstep step holds (the dense run's stores beside the largest policy's), with room
+        budget = int(max(budget_share * (dense + sum(policies)), 1.25 * (dense + max(policies))))
         budgeted = [*replay, "--kv-budget", str(budget), "--out", str(run / "replay-budget")]
         result["replay_budget"] = planned_step("replay --kv-budget", budgeted, plan) | {"budget_bytes": budget}
         result["replay_budget"]["same_numbers"] = same_numbers(run / "replay", run / "replay-budget")

@@ -4,6 +4,7 @@ the command line (the numbers under a budget: tests/test_branches.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -14,9 +15,11 @@ from typer.main import get_command
 
 from kvprof.cli import app
 from kvprof.commands.planning import arguments_of
+from kvprof.errors import KvprofError
 from kvprof.model.architecture import weights_bytes
 from kvprof.model.first_layers import first_layers_config, layer_kinds_of_config, smallest_probe
 from kvprof.model.tiny import build_tiny_world, tiny_config
+from kvprof.planning.plan import require_budget_floor
 from kvprof.results.plan import PlanResult
 from kvprof.results.replay import ReplayResult
 
@@ -82,6 +85,18 @@ def test_a_run_whose_plan_does_not_fit_is_refused_before_it_loads(six_layers, pl
     assert code == 2 and "host memory at its peak" in err, err
     assert "--policy" in err and "--limit" in err and "--kv-budget" in err, err
     assert err.count("\n") == 1 and not (folder / "replay.json").exists()
+
+
+def test_a_kv_budget_below_one_lockstep_step_is_refused(planned):
+    """The dense run's stores stay while the policies compare against its turn: a budget below them and the largest
+    policy's cannot hold, and the plan says what would."""
+    _, out, _, _ = planned
+    plan = PlanResult.read(out / "plan.json")
+    stored = dict(plan.stored_peak_bytes)
+    floor = stored.pop("dense") + max(stored.values())
+    require_budget_floor(dataclasses.replace(plan, kv_budget_bytes=floor))
+    with pytest.raises(KvprofError, match=r"below what one step of the replay holds at once .* or more\.$"):
+        require_budget_floor(dataclasses.replace(plan, kv_budget_bytes=floor - 1))
 
 
 @pytest.mark.parametrize(

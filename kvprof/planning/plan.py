@@ -202,3 +202,19 @@ def require_fit(plan: PlanResult, what: str) -> None:
             f"layers) but {describe_bytes(free)} is free; run {', '.join(options[:-1])}"
             f"{' or ' if len(options) > 1 else ''}{options[-1]}."
         )
+
+
+def require_budget_floor(plan: PlanResult) -> None:
+    """Refuse a --kv-budget below what one step of the lockstep holds at once: the dense run's stores (the policies
+    compare against its turn) and the largest policy's."""
+    budget, stored = plan.kv_budget_bytes, dict(plan.stored_peak_bytes)
+    if budget is None or "dense" not in stored:
+        return
+    dense = stored.pop("dense")
+    floor = dense + max(stored.values(), default=0)
+    if budget < floor:
+        raise KvprofError(
+            f"--kv-budget {describe_bytes(budget)} is below what one step of the replay holds at once (the dense "
+            f"run's stored caches, {describe_bytes(dense)}, beside the largest policy's: {describe_bytes(floor)} "
+            f"planned); pass --kv-budget {describe_bytes(floor * 1.25)} or more."
+        )
