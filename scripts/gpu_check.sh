@@ -308,6 +308,13 @@ run_step "kvprof replay (demo trace, CUDA defaults)" replay.log 180 \
 
 run_step "ReAct-shape replay (CUDA defaults)" react.log 120 scripts/react_bench.sh "$out/react" 1 --device cuda
 
+# An 8B model's shape (random weights, bfloat16) on long shape traces: each replay and fit-anchors after its plan
+# (planned against measured peak and time), and the replay again with its stores held within a quarter of the
+# planned stored peak (--kv-budget: same numbers, moved to host memory).
+run_step "scaling, Llama-3.1-8B shape (bf16): plan against run, --kv-budget" scale.log 420 \
+    python scripts/scale_bench.py "$out/scale" --shape llama-3.1-8b --tokens 8192,32768 --device cuda \
+    --dtype bfloat16 --kv-budget-share 0.25
+
 echo
 echo "results in $out after $(( $(date +%s) - check_started )) s (exit status $status)"
 if [ ${#failed[@]} -gt 0 ]; then

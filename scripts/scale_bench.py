@@ -2,6 +2,7 @@
 
     python scripts/scale_bench.py OUT_DIR [--shape qwen3-0.6b] [--layers 28] [--tokens 1024,2048,4096]
         [--calls 6] [--policy fullshared --policy prelrshared --policy cacheblend] [--device cpu] [--dtype auto]
+        [--kv-budget-share 0.25] [--no-plan]
 
 For each shape (a public model's configuration, `SHAPES`, with random weights; `--layers` keeps its first N layers so
 a small machine can run it, and sweeping it gives the growth against layers), OUT_DIR/SHAPE-LLAYERS/ holds the model
@@ -10,7 +11,11 @@ tokenizer (the trace's ids are ordinary ids of it; the embedding keeps the shape
 T, a shape trace of `--calls` agent calls whose prefills add up to T tokens (16 output tokens each) is imported
 (`kvprof capture --shapes`), replayed (`kvprof replay`, one representative policy per family by default, one timed
 prefill per turn), and imported again with role prompts for the agents to fit anchors on (`kvprof fit-anchors`
-takes prompt-mode traces). Every step is its own process, as a user runs it;
+takes prompt-mode traces). The replay and fit-anchors each run with `--plan` first: their rows show the planned
+peak and time beside the measured ones. With `--kv-budget-share`, the replay runs again with its stored caches held
+within that share of the stored peak it measured (`--kv-budget`; at least 1.25 times what one lockstep step holds:
+the dense run's stores beside the largest policy's), and whether every number matched the unbounded run.
+Every step is its own process, as a user runs it;
 each reports its wall time and peak resident memory, and the replay also the time inside the model's modules
 (embedding, decoder layers, final norm, head: timed by forward hooks) and the setup before its first forward
 (imports, loading): kvprof's own overhead is the rest, as a share of the time after the setup. Prints
@@ -133,8 +138,11 @@ def step(name: str, args: list[str], hooks: bool = False) -> dict:
     return {"wall_s": round(seconds, 2), **measured}
 
 
-def point(folder: Path, tokens: int, calls: int, policies: list[str], device: str, dtype: str) -> dict:
-    """Capture (shape import), replay and fit-anchors at one trace length."""
+def point(
+    folder: Path, tokens: int, calls: int, policies: list[str], device: str, dtype: str, budget_share: float, plan: bool
+) -> dict:
+    """Capture (shape import), replay and fit-anchors at one trace length, each after its plan; with `budget_share`,
+    the replay again with its stores held within that share of the stored peak it measured."""
     run = folder / f"T{tokens}"
     run.mkdir(parents=True, exist_ok=True)
     shape_csv(run / "shape.csv", tokens, calls)
@@ -144,19 +152,52 @@ def point(folder: Path, tokens: int, calls: int, policies: list[str], device: st
     result = {"tokens": tokens, "capture": step("capture", [*capture, "--out", str(run / "capture")])}
     trace = str(run / "capture" / "trace.jsonl")
     policy_flags = [arg for policy in policies for arg in ("--policy", policy)]
-    replay = ["replay", trace, *policy_flags, "--repeats", "1", "--out", str(run / "replay"), *common]
-    result["replay"] = step("replay", replay, hooks=True)
+    replay = ["replay", trace, *policy_flags, "--repeats", "1", *common]
+    result["replay"] = planned_step("replay", [*replay, "--out", str(run / "replay")], plan, hooks=True)
     replayed = json.loads((run / "replay" / "replay.json").read_text())
     result["dense_flops"] = replayed["dense"]["summary"]["flops"]
     result["analytic_peak_bytes"] = {
         label: entry["summary"]["allocator_peak_bytes"] for label, entry in replayed["policies"].items()
     }
+    if budget_share:
+        dense = replayed["dense"]["summary"]["peak_memory_bytes"]
+        policies = [entry["summary"]["peak_memory_bytes"] for entry in replayed["policies"].values()]
+        # at least what one lockstep step holds (the dense run's stores beside the largest policy's), with room
+        budget = int(max(budget_share * (dense + sum(policies)), 1.25 * (dense + max(policies))))
+        budgeted = [*replay, "--kv-budget", str(budget), "--out", str(run / "replay-budget")]
+        result["replay_budget"] = planned_step("replay --kv-budget", budgeted, plan) | {"budget_bytes": budget}
+        result["replay_budget"]["same_numbers"] = same_numbers(run / "replay", run / "replay-budget")
     roles = [arg for agent in AGENTS for arg in ("--role", f"{agent}=You are the {agent} agent of a team.")]
     prompt_capture = ["capture", "--shapes", str(run / "shape.csv"), "--model", str(folder / "model"), *roles]
     step("capture (prompt mode)", [*prompt_capture, "--out", str(run / "capture-prompt")])
     fit = ["fit-anchors", str(run / "capture-prompt" / "trace.jsonl"), "--out", str(run / "anchors"), *common]
-    result["fit_anchors"] = step("fit-anchors", fit)
+    result["fit_anchors"] = planned_step("fit-anchors", fit, plan)
     return result
+
+
+def planned_step(name: str, args: list[str], plan: bool, hooks: bool = False) -> dict:
+    """`step` after its `--plan` (into the same --out) where `plan`: the measured step with the plan's predicted peak
+    and time."""
+    if not plan:
+        return step(name, args, hooks)
+    step(f"{name} --plan", [*args, "--plan"])
+    out = Path(args[args.index("--out") + 1])
+    planned = json.loads((out / "plan.json").read_text())
+    measured = step(name, args, hooks)
+    return measured | {"plan_peak_bytes": planned["peak_bytes"]["host"], "plan_seconds": planned["expected_seconds"]}
+
+
+NUMBERS = ("kl", "top1", "reused", "prefilled", "flops")
+
+
+def same_numbers(first: Path, second: Path) -> bool:
+    """Whether two replays' turns have the same KL, agreement, reuse, prefill and FLOPs, run by run."""
+    a, b = (json.loads((folder / "replay.json").read_text()) for folder in (first, second))
+    runs = [("dense", a["dense"], b["dense"])] + [(k, v, b["policies"][k]) for k, v in a["policies"].items()]
+    return all(
+        [t.get(key) for t in x["turns"] for key in NUMBERS] == [t.get(key) for t in y["turns"] for key in NUMBERS]
+        for _, x, y in runs
+    )
 
 
 def slope(points: list[dict], value) -> float | None:
@@ -171,16 +212,25 @@ def slope(points: list[dict], value) -> float | None:
 
 
 def report(points: list[dict]) -> dict:
-    """Print one row per length and step; the growth exponents."""
-    print(f"{'T':>7} {'step':12} {'wall s':>8} {'peak RSS GiB':>13} {'setup s':>8} {'model s':>8} {'overhead':>9}")
+    """Print one row per length and step (measured against planned); the growth exponents."""
+    print(
+        f"{'T':>7} {'step':18} {'wall s':>8} {'plan s':>7} {'peak RSS GiB':>13} {'plan GiB':>9} {'setup s':>8} "
+        f"{'model s':>8} {'overhead':>9}"
+    )
     for p in points:
-        for name in ("capture", "replay", "fit_anchors"):
+        for name in ("capture", "replay", "replay_budget", "fit_anchors"):
+            if name not in p:
+                continue
             m = p[name]
             overhead = f"{1 - m['model_s'] / (m['wall_s'] - m['setup_s']):.0%}" if m["model_s"] else ""
             model_s = f"{m['model_s']:.1f}" if m["model_s"] else ""
             setup_s = f"{m['setup_s']:.1f}" if m["model_s"] else ""
-            row = f"{p['tokens']:>7} {name:12} {m['wall_s']:>8.1f} {m['peak_rss_bytes'] / 2**30:>13.2f}"
-            print(f"{row} {setup_s:>8} {model_s:>8} {overhead:>9}")
+            plan_s = f"{m['plan_seconds']:.1f}" if "plan_seconds" in m else ""
+            plan_gib = f"{m['plan_peak_bytes'] / 2**30:.2f}" if "plan_peak_bytes" in m else ""
+            row = f"{p['tokens']:>7} {name:18} {m['wall_s']:>8.1f} {plan_s:>7} {m['peak_rss_bytes'] / 2**30:>13.2f}"
+            print(f"{row} {plan_gib:>9} {setup_s:>8} {model_s:>8} {overhead:>9}")
+            if name == "replay_budget":
+                print(f"{'':>7} {'':18} budget {m['budget_bytes'] / 2**30:.2f} GiB, same numbers: {m['same_numbers']}")
     exponents = {
         "dense_flops": slope(points, lambda p: p["dense_flops"]),
         "replay_wall": slope(points, lambda p: p["replay"]["wall_s"]),
@@ -202,13 +252,20 @@ def main() -> None:
     parser.add_argument("--policy", action="append", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--kv-budget-share", type=float, default=0.0, help="replay again within this share of the stores"
+    )
+    parser.add_argument("--no-plan", action="store_true", help="run the steps without planning them first")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     policies = args.policy or ["fullshared", "prelrshared", "cacheblend"]
     folder = args.out / f"{args.shape}-L{args.layers or SHAPES[args.shape]['num_hidden_layers']}"
     build_model(folder, args.shape, args.layers, args.dtype)
     points = [
-        point(folder, int(tokens), args.calls, policies, args.device, args.dtype) for tokens in args.tokens.split(",")
+        point(
+            folder, int(tokens), args.calls, policies, args.device, args.dtype, args.kv_budget_share, not args.no_plan
+        )
+        for tokens in args.tokens.split(",")
     ]
     exponents = report(points)
     record = {"shape": args.shape, "layers": args.layers, "policies": policies, "points": points, "growth": exponents}

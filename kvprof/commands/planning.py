@@ -77,7 +77,7 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
     from kvprof.model.agents import load_model_config, trace_header
     from kvprof.model.first_layers import text_config
     from kvprof.planning.memory import parse_size
-    from kvprof.planning.plan import make_plan, plan_lines, require_fit, with_free_memory
+    from kvprof.planning.plan import make_plan, plan_lines, require_budget_floor, require_fit, with_free_memory
     from kvprof.results.plan import PlanResult
 
     kv_budget = parse_size(args["kv_budget"], "--kv-budget") if args.get("kv_budget") is not None else None
@@ -105,6 +105,7 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
         for line in plan_lines(plan):
             console.print(line, markup=False)
         console.print(f"wrote {write_result(out, 'plan', plan, args)}")
+        require_budget_floor(plan)
         require_fit(plan, what)
         return Planned(True, kv_budget)
     planned = out / PLAN_FILE
@@ -114,5 +115,6 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
             plan = with_free_memory(plan, device)
             for line in plan_lines(plan):
                 console.print(line, markup=False)
+            require_budget_floor(plan)
             require_fit(plan, what)
     return Planned(False, kv_budget)

@@ -70,9 +70,17 @@ def run_probe(command: str, arguments: list[str], layers: int, scratch: Path) ->
 
 
 def stored_peaks(result: Path) -> dict[str, int]:
-    """Each run's stored caches at their peak in a replay's result (the dense run's and each policy's analytic
-    stored bytes); none for another command's."""
-    if not result.name == "replay.json" or not result.exists():
+    """What a probe's result says the run stores at its peak: each replayed run's stored caches (the dense run's
+    and each policy's analytic stored bytes), or the anchor pool fit-anchors fitted (at its stored rank); none for
+    another command's."""
+    if not result.exists():
+        return {}
+    if result.name == "fit_anchors.json":
+        fitted = read_json_file(result, "probe's fit-anchors result", "plan again")
+        assert isinstance(fitted, dict), f"{result} is not a fit-anchors result"
+        held = "full_bytes" if fitted.get("stored_rank") is None else "low_rank_bytes"
+        return {"anchor pool": int(fitted["memory"][held])}
+    if result.name != "replay.json":
         return {}
     replayed = ReplayResult.read(result)
     runs = {"dense": replayed.dense.summary, **{label: run.summary for label, run in replayed.policies.items()}}
@@ -158,7 +166,7 @@ def plan_lines(plan: PlanResult) -> list[str]:
     parts = [
         f"process {describe_bytes(plan.process_bytes)}" if held_on == "host" else "",
         f"weights {describe_bytes(plan.weights_bytes)}" if plan.weights_bytes is not None else "",
-        f"stored caches {describe_bytes(sum(plan.stored_peak_bytes.values()))} ({stores})" if stores else "",
+        f"stored {describe_bytes(sum(plan.stored_peak_bytes.values()))} ({stores})" if stores else "",
         f"a turn's working set and the rest {describe_bytes(plan.working_bytes)}",
     ]
     probed = " and ".join(str(p.layers) for p in plan.probes)
@@ -193,4 +201,20 @@ def require_fit(plan: PlanResult, what: str) -> None:
             f"{what} would need {describe_bytes(peak)} of {kind} memory at its peak (planned on the model's first "
             f"layers) but {describe_bytes(free)} is free; run {', '.join(options[:-1])}"
             f"{' or ' if len(options) > 1 else ''}{options[-1]}."
+        )
+
+
+def require_budget_floor(plan: PlanResult) -> None:
+    """Refuse a --kv-budget below what one step of the lockstep holds at once: the dense run's stores (the policies
+    compare against its turn) and the largest policy's."""
+    budget, stored = plan.kv_budget_bytes, dict(plan.stored_peak_bytes)
+    if budget is None or "dense" not in stored:
+        return
+    dense = stored.pop("dense")
+    floor = dense + max(stored.values(), default=0)
+    if budget < floor:
+        raise KvprofError(
+            f"--kv-budget {describe_bytes(budget)} is below what one step of the replay holds at once (the dense "
+            f"run's stored caches, {describe_bytes(dense)}, beside the largest policy's: {describe_bytes(floor)} "
+            f"planned); pass --kv-budget {describe_bytes(floor * 1.25)} or more."
         )
