@@ -31,3 +31,11 @@ def progress() -> Progress:
         console=progress_console,
         transient=False,
     )
+
+
+def describe_bytes(count: float) -> str:
+    """`count` bytes in GiB, MiB or KiB, three significant figures."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.0f} B"

@@ -61,6 +61,14 @@ def test_the_plan_extrapolates_weights_and_stores_exactly(planned):
     assert plan.stored_peak_bytes == {label: summary.peak_memory_bytes for label, summary in runs.items()}
 
 
+def test_the_plan_is_a_dashboard_section(planned, run_cli, tmp_path):
+    _, out, _, _ = planned
+    code, _, err = run_cli("report", out / "plan.json", "--out", tmp_path / "report.html")
+    assert code == 0, err
+    page = (tmp_path / "report.html").read_text()
+    assert "Plan of kvprof replay (6 layers)" in page and "plan (2 and 4 of 6 layers probed)" in page
+
+
 def test_the_plan_predicts_the_peak_memory_and_a_run_shows_it_first(planned):
     _, out, _, ran = planned
     plan = PlanResult.read(out / "plan.json")

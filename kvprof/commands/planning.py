@@ -77,7 +77,8 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
     from kvprof.model.agents import load_model_config, trace_header
     from kvprof.model.first_layers import text_config
     from kvprof.planning.memory import parse_size
-    from kvprof.planning.plan import make_plan, plan_lines, require_budget_floor, require_fit, with_free_memory
+    from kvprof.planning.plan import make_plan, require_budget_floor, require_fit, with_free_memory
+    from kvprof.report.plan import plan_lines
     from kvprof.results.plan import PlanResult
 
     kv_budget = parse_size(args["kv_budget"], "--kv-budget") if args.get("kv_budget") is not None else None

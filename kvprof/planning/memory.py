@@ -54,11 +54,3 @@ def parse_size(text: str, option: str) -> int:
     if value <= 0:
         raise KvprofError(f"{option} {text!r} is not a size; pass e.g. {option} 8GiB (or 500MB, or bytes).")
     return int(value)
-
-
-def describe_bytes(count: float) -> str:
-    """`count` bytes in GiB, MiB or KiB, three significant figures."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(count) >= size:
-            return f"{count / size:.3g} {unit}"
-    return f"{count:.0f} B"

@@ -28,9 +28,10 @@ from pathlib import Path
 from kvprof.errors import KvprofError
 from kvprof.fileio import read_json_file
 from kvprof.model.first_layers import smallest_probe, text_config
-from kvprof.planning.memory import describe_bytes, free_device_bytes, free_host_bytes
+from kvprof.planning.memory import free_device_bytes, free_host_bytes
 from kvprof.results.plan import PlanProbe, PlanResult
 from kvprof.results.replay import ReplayResult
+from kvprof.ui import describe_bytes
 
 PROBE_ERROR_LINES = 3  # lines of a failed probe's output quoted in the refusal
 
@@ -157,30 +158,6 @@ def with_free_memory(plan: PlanResult, device: str) -> PlanResult:
         free["device"] = free_device_bytes(device)
     fits = all(free.get(kind) is None or value <= (free[kind] or 0) for kind, value in plan.peak_bytes.items())
     return dataclasses.replace(plan, free_bytes=free, fits=fits)
-
-
-def plan_lines(plan: PlanResult) -> list[str]:
-    """The plan as the terminal shows it: peak by memory kind and what makes it, the expected time."""
-    held_on = "device" if "device" in plan.peak_bytes else "host"
-    stores = ", ".join(f"{label} {describe_bytes(size)}" for label, size in plan.stored_peak_bytes.items())
-    parts = [
-        f"process {describe_bytes(plan.process_bytes)}" if held_on == "host" else "",
-        f"weights {describe_bytes(plan.weights_bytes)}" if plan.weights_bytes is not None else "",
-        f"stored {describe_bytes(sum(plan.stored_peak_bytes.values()))} ({stores})" if stores else "",
-        f"a turn's working set and the rest {describe_bytes(plan.working_bytes)}",
-    ]
-    probed = " and ".join(str(p.layers) for p in plan.probes)
-    lines = [
-        f"plan ({probed} of {plan.layers} layers probed): peak {held_on} memory "
-        f"{describe_bytes(plan.peak_bytes[held_on])} = {' + '.join(p for p in parts if p)}",
-    ]
-    if held_on == "device":
-        lines.append(f"  host memory at its peak {describe_bytes(plan.peak_bytes['host'])}")
-    if plan.kv_budget_bytes is not None:
-        lines.append(f"  stored caches of the runs not running parked beyond {describe_bytes(plan.kv_budget_bytes)}")
-    free = ", ".join(f"{kind} {describe_bytes(size)}" for kind, size in plan.free_bytes.items() if size is not None)
-    lines.append(f"  expected time {plan.expected_seconds:.0f} s; free now: {free or 'unknown'}")
-    return lines
 
 
 def require_fit(plan: PlanResult, what: str) -> None:

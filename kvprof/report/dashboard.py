@@ -10,11 +10,12 @@ from typing import Any
 
 from kvprof.errors import KvprofError
 from kvprof.fileio import JsonType, check_fields, read_result
-from kvprof.report import anchors, bench, capture, rank_analysis, recommend, replay, serve_bench, simulate
+from kvprof.report import anchors, bench, capture, plan, rank_analysis, recommend, replay, serve_bench, simulate
 from kvprof.report.html import Section, ordered, write_html
 from kvprof.report.tables import TableData
 from kvprof.results.base import ResultFile
 from kvprof.results.capture import CaptureResult
+from kvprof.results.plan import PlanResult
 from kvprof.results.rank_analysis import RankAnalysisResult
 from kvprof.results.recommend import RecommendResult
 from kvprof.results.replay import ReplayResult
@@ -35,6 +36,7 @@ BUILDERS: dict[str, SectionBuilder] = {
     "serve_bench": serve_bench.sections,
     "simulate": simulate.sections,
     "recommend": recommend.sections,
+    "plan": plan.sections,
 }
 
 
@@ -69,10 +71,12 @@ SHOWN_FIELDS: dict[str, dict[str, JsonType]] = {
     "serve_bench": {"server": dict, "runs": list},
     "simulate": {"runs": list, "settings": dict, "scale": dict, "cost_model": dict},
     "recommend": {"candidates": list, "decision": dict, "sensitivity": list},
+    "plan": {"command": str, "layers": int, "probes": list, "peak_bytes": dict, "stored_peak_bytes": dict},
 }
 """The fields each result kind's sections read first; `result_sections` checks them before drawing."""
 TYPED: dict[str, type[ResultFile]] = {
     "capture": CaptureResult,
+    "plan": PlanResult,
     "rank_analysis": RankAnalysisResult,
     "recommend": RecommendResult,
     "replay": ReplayResult,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvprof.report.html import Section
 from kvprof.report.tables import TableData
 from kvprof.results.recommend import CandidateRecord, RecommendResult, SensitivityRow, Spread
+from kvprof.ui import describe_bytes
 
 STEP_MODEL_TOLERANCE = 0.2  # simulate's validation holds it within 20 % (docs/commands/simulate.md)
 OBJECTIVES = {"throughput": "trajectories/s", "ttft": "TTFT p90", "memory": "peak KV memory"}
@@ -18,12 +19,7 @@ def _seconds(value: float | None) -> str:
 
 
 def _bytes(value: float | None) -> str:
-    if value is None:
-        return "–"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value:.0f} B"
+    return "–" if value is None else describe_bytes(value)
 
 
 def _points(spread: Spread | None) -> str:
