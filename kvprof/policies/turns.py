@@ -156,6 +156,11 @@ class TurnResult(ReuseCounts):
     cuda_peak_bytes: int | None = None
     cuda_allocated_bytes: int | None = None
 
+    @property
+    def working_peak_bytes(self) -> int:
+        """The turn's analytic working peak: the stores before it plus its transients, or the stores after it."""
+        return max(self.stored_before_bytes + self.transient_bytes, sum(self.memory.values()))
+
 
 @dataclass
 class Prefill(Generic[ContextT]):

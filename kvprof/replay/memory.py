@@ -44,8 +44,7 @@ def paper_memory(policy: SharingPolicy, result: TurnResult, weights: int, page_s
     for rank-r ones), `allocator_peak_bytes` (CUDA: weights + the peak above the turn's start + stored bytes, as if
     the policy ran alone; else the analytic weights + working peak)."""
     paged = paged_bytes(policy.stored_tensors(), page_size)
-    working = max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values()))
-    peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else working
+    peak = result.cuda_peak_bytes if result.cuda_peak_bytes is not None else result.working_peak_bytes
     return PaperMemory(paged, paged / (page_size * policy.runtime.kv_bytes_per_token), weights + peak)
 
 

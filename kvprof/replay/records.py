@@ -61,7 +61,7 @@ def compare_turn(
         decode_steps=result.decode_steps,
         latency_s=result.latency_s,
         memory_bytes=sum(result.memory.values()),
-        working_peak_bytes=max(result.stored_before_bytes + result.transient_bytes, sum(result.memory.values())),
+        working_peak_bytes=result.working_peak_bytes,
         cuda_peak_bytes=result.cuda_peak_bytes,
         kl=float(kl.mean()) if len(kl) else 0.0,
         kl_sum=float(kl.sum()),
