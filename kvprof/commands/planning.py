@@ -86,9 +86,12 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
         if args.get("plan") or kv_budget is not None:
             raise KvprofError("--plan and --kv-budget measure and hold one process's memory; run them without --ray.")
         return Planned(False, None)
+    out, device, what = Path(args["out"]), str(args["device"]), f"kvprof {name}"
+    planned = out / PLAN_FILE
+    if not args.get("plan") and not planned.exists():  # nothing to plan or show: the model config is not read
+        return Planned(False, kv_budget)
     config = load_model_config(model or trace_header(trace).model.get("path") or "")
     total = int(text_config(config).num_hidden_layers)
-    out, device, what = Path(args["out"]), str(args["device"]), f"kvprof {name}"
 
     def arguments(layers: int) -> list[str]:
         scaled = {} if kv_budget is None else {"kv_budget": str(kv_budget * layers // total)}
@@ -109,13 +112,11 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
         require_budget_floor(plan)
         require_fit(plan, what)
         return Planned(True, kv_budget)
-    planned = out / PLAN_FILE
-    if planned.exists():
-        plan = PlanResult.read(planned)
-        if plan.command == name and plan.arguments == arguments(total):
-            plan = with_free_memory(plan, device)
-            for line in plan_lines(plan):
-                console.print(line, markup=False)
-            require_budget_floor(plan)
-            require_fit(plan, what)
+    plan = PlanResult.read(planned)
+    if plan.command == name and plan.arguments == arguments(total):
+        plan = with_free_memory(plan, device)
+        for line in plan_lines(plan):
+            console.print(line, markup=False)
+        require_budget_floor(plan)
+        require_fit(plan, what)
     return Planned(False, kv_budget)
