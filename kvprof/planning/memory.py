@@ -20,9 +20,7 @@ def free_device_bytes(device: str) -> int | None:
     CPU or when CUDA is not available."""
     import torch
 
-    if not device.startswith("cuda") and not (device == "auto" and torch.cuda.is_available()):
-        return None
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not (device == "auto" or device.startswith("cuda")):
         return None
     index = torch.device(device if device != "auto" else "cuda").index or 0
     free, _ = torch.cuda.mem_get_info(index)
