@@ -238,3 +238,31 @@ def test_a_replay_within_a_kv_budget_computes_the_same_numbers(branching):
             assert {key: turn.get(key) for key in NUMBERS} == {key: first.get(key) for key in NUMBERS}, label
         if label != "dense":
             assert again["memory_accounting_exact"]
+
+
+def test_a_run_holds_only_its_stores_while_another_runs(branching, monkeypatch):
+    """Between its calls a run keeps its stores alone: its workspace is released when its call ends, and its last
+    turn's cache once the timeline has kept what later turns move of it (`BranchingTimeline.finish`, right after the
+    run's turn) — so the lockstep holds one run's transient buffers at a time, not every run's."""
+    from kvprof.policies.base import SharingPolicy
+
+    mode, _, trajectories, agents, result = branching
+    variants, _ = runnable_variants([v for m, v in CASES if m == mode], Runtime(agents), skip=True)
+    runs: dict[int, SharingPolicy] = {}
+    held_by_others: list[str] = []
+    run_turn = SharingPolicy.run_turn
+
+    def watched(self, request, *args, **kwargs):
+        runs[id(self)] = self
+        for other in runs.values():
+            if other is not self and (other.last_turn is not None or other.workspace.held):
+                held_by_others.append(other.label)
+        return run_turn(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(SharingPolicy, "run_turn", watched)
+    again = replay_trace(agents, trajectories, variants)
+    assert len(runs) == len(variants) + 1 and any(run.moves_spans for run in runs.values())
+    assert held_by_others == []
+    for label, entry in result["policies"].items():
+        turns = again["policies"][label]["turns"]
+        assert [turn["kl"] for turn in turns] == [turn["kl"] for turn in entry["turns"]], label

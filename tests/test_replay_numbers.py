@@ -164,7 +164,7 @@ def test_a_turn_that_leaves_the_timeline_reuses_its_common_prefix(lora_trace, mo
 
 
 def test_the_timeline_records_who_processed_each_token_first():
-    policy = SimpleNamespace(truncate=lambda keep: None, forget_spans=lambda: None)
+    policy = SimpleNamespace(truncate=lambda keep: None, forget_spans=lambda: None, release_last_turn=lambda: None)
     timeline = BranchingTimeline(plan_trajectory([[1, 2], [1, 2, 3, 4], [1, 9]], [[3], [5], [6]]), [policy])
     for index, (agent, length) in enumerate([("plan", 3), ("act", 5), ("plan", 3)]):
         timeline.begin(index)

@@ -120,15 +120,18 @@ class KVBuffer:
 
 
 class Workspace:
-    """Buffers a policy writes a turn's context into, reused turn after turn (per name and layer, grown by `GROWTH`).
-
-    A per-turn view or copy of a long context is as large as the context and larger each turn. Freshly allocated,
-    the CPU allocator hands it new pages that fault on first touch, which on a long trajectory costs more than the
-    expansion itself (docs/benchmarks.md); written into held storage, it costs the writes. The CUDA caching allocator
-    already reuses freed blocks this way. Contents are scratch: valid for the turn that wrote them."""
+    """Buffers a policy writes a call's context into (per name and layer, grown by `GROWTH`), reused by the call's
+    repeated prefills and decode, and released when the call ends (`release`): a replay's runs take turns, so only
+    the running one holds its workspace, and the allocator hands the freed memory to the next (on CPU glibc keeps it,
+    `kvprof.profiling.keep_freed_memory`; on a GPU the caching allocator). Contents are scratch: valid for the call
+    that wrote them."""
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, int], KVBuffer] = {}
+
+    def release(self) -> None:
+        """Let go of every buffer (a tensor still viewing one keeps its storage alive until it is dropped)."""
+        self.held.clear()
 
     def buffer(self, name: str, layer: int, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> KVBuffer:
         """Buffer `name` of `layer`, shaped like `keys`, `values` (B, H_kv, ·, D), with room for `capacity` tokens."""

@@ -81,7 +81,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         self.runtime = runtime
         self.moved_now: tuple[MovedSpan, ...] = ()  # the moved spans of the turn being served
         self.request_now = TurnRequest("", [])  # the call being served
-        self.workspace = Workspace()  # turn-scoped views and copies, reused across turns and resets
+        self.workspace = Workspace()  # a call's views and copies (released when the call ends)
         self.touched_heap = TouchedHeap()  # the CPU heap kept ready for the timed prefills (as large as they fault)
         self.forget_spans()
         unknown = set(options) - set(self.options)
@@ -185,7 +185,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def forget_spans(self) -> None:
         """A new trajectory: drop the K/V kept for moved spans."""
         self.span_store = SpanStore()  # K/V kept of earlier turns for moved spans (`keep_span_source`)
-        # the last turn's agent, prefix length, shared input length and cache
+        # the last turn's agent, prefix length, shared input length and cache (until the timeline's `end`)
         self.last_turn: tuple[str, int, int, list[KV]] | None = None
 
     def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
@@ -193,6 +193,10 @@ class SharingPolicy(ABC, Generic[ContextT]):
         if self.moves_spans and self.last_turn is not None:
             agent, prefix_len, inputs, kv = self.last_turn
             self.span_store.keep(turn, prefix_len, kv, lo, hi, agent, inputs)
+
+    def release_last_turn(self) -> None:
+        """Let go of the last turn's cache: a timeline calls this once it has kept what later turns move of it."""
+        self.last_turn = None
 
     def extend_context(
         self,
@@ -283,12 +287,18 @@ class SharingPolicy(ABC, Generic[ContextT]):
         `request.output_ids` (greedy when None); in inference mode, with kvprof's attention
         (`Runtime.kvprof_attention`)."""
         with self._serving(request):
-            return self._run_turn(request, repeats, timed)
+            try:
+                return self._run_turn(request, repeats, timed)
+            finally:
+                self.workspace.release()
 
     def time_prefill(self, request: TurnRequest) -> float:
         """One timed prefill of `request` as `run_turn` serves it, nothing decoded or stored: seconds."""
         with self._serving(request):
-            return self.prefill(request.agent, self._turn_input(request)).seconds
+            try:
+                return self.prefill(request.agent, self._turn_input(request)).seconds
+            finally:
+                self.workspace.release()
 
     @contextlib.contextmanager
     def _serving(self, request: TurnRequest) -> Iterator[None]:

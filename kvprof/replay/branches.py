@@ -206,6 +206,7 @@ class BranchingTimeline:
         self.producers: list[str] = []
         self.pending = Counter(start.restore for start in starts if start.restore is not None)
         self.snapshots: dict[int, tuple[list[dict[str, object]], list[str]]] = {}
+        self.finished: set[int] = set()  # ids of the policies `finish`ed for the turn being served
 
     def begin(self, index: int) -> TurnStart:
         """Bring every policy to turn `index`'s start: restore, then truncate."""
@@ -229,12 +230,21 @@ class BranchingTimeline:
     def end(self, index: int, agent: str, sequence_len: int) -> None:
         """After turn `index` (`sequence_len` tokens): record who added them; snapshot if a later turn returns."""
         self.producers += [agent] * (sequence_len - len(self.producers))
-        if index in self.sources:
-            for policy in self.policies:
-                with self.holding(policy):
-                    policy.keep_span_source(index, *self.sources[index])
+        for policy in self.policies:
+            if id(policy) not in self.finished:
+                self.finish(index, policy)
+        self.finished.clear()
         if self.pending[index]:
             self.snapshots[index] = ([self._snapshot(policy) for policy in self.policies], list(self.producers))
+
+    def finish(self, index: int, policy: SharingPolicy) -> None:
+        """`policy` has served turn `index`: keep what later turns move of it, then let its turn's cache go (each
+        run's as soon as it is done, not all runs' at once; `end` finishes the runs not finished yet)."""
+        if index in self.sources:
+            with self.holding(policy):
+                policy.keep_span_source(index, *self.sources[index])
+        policy.release_last_turn()
+        self.finished.add(id(policy))
 
     def _snapshot(self, policy: SharingPolicy) -> dict[str, object]:
         with self.holding(policy):
@@ -266,4 +276,5 @@ class FollowedTimeline:
         new = self.index.add(sequence, 0, self.turns)
         if new < len(sequence):
             self.policy.keep_span_source(self.turns, new, len(sequence))
+        self.policy.release_last_turn()
         self.turns += 1

@@ -179,6 +179,7 @@ class Lockstep:
             if self.check_memory:
                 exact = tensor_bytes(policy.live_tensors()) == policy.analytic_bytes()
                 self.state.memory_exact[policy.label] = self.state.memory_exact.get(policy.label, True) and exact
+            timeline.finish(index, policy)
         shared_len = len(request.input_ids) - len(self.runtime.prefix(turn.agent))
         timeline.end(index, turn.agent, shared_len + len(outputs))
 

@@ -7,9 +7,9 @@ A run's stores are the storages of its `stored_tensors` (and of the last turn's 
 each is written out whole, then resized to nothing, so every tensor and view over it stays in place and reads the
 same bytes once it is resized back and read in. Nothing else changes: a replay under a budget computes the same
 numbers. Moves happen between a run's turns, outside its timed prefills and decodes; their count, bytes and seconds
-are reported (`ParkingReport`) apart from TTFT. A run's workspaces (turn-scoped scratch) are dropped when it is
-parked. The least recently run are parked first; the run about to run, and the dense run while the policies
-compare against its turn, stay.
+are reported (`ParkingReport`) apart from TTFT. (A run's workspaces are call-scoped: released when its call
+ends, `kvprof.model.buffers.Workspace`.) The least recently run are parked first; the run about to run, and the
+dense run while the policies compare against its turn, stay.
 """
 
 from __future__ import annotations
@@ -133,7 +133,6 @@ class StoreParking:
             else:
                 host.append(_as_bytes(storage).to("cpu"))
             storage.resize_(0)
-        run.workspace.held.clear()
         self._parked[id(run)] = _Parked(storages, sizes, host)
         self._recent = [other for other in self._recent if other is not run]
         self.report.parks += 1
