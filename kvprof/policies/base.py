@@ -185,7 +185,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def forget_spans(self) -> None:
         """A new trajectory: drop the K/V kept for moved spans."""
         self.span_store = SpanStore()  # K/V kept of earlier turns for moved spans (`keep_span_source`)
-        # the last turn's agent, prefix length, shared input length and cache (until the timeline's `end`)
+        # the last turn's agent, prefix length, shared input length and cache (until the timeline finishes the turn)
         self.last_turn: tuple[str, int, int, list[KV]] | None = None
 
     def keep_span_source(self, turn: int, lo: int, hi: int) -> None:
@@ -287,25 +287,23 @@ class SharingPolicy(ABC, Generic[ContextT]):
         `request.output_ids` (greedy when None); in inference mode, with kvprof's attention
         (`Runtime.kvprof_attention`)."""
         with self._serving(request):
-            try:
-                return self._run_turn(request, repeats, timed)
-            finally:
-                self.workspace.release()
+            return self._run_turn(request, repeats, timed)
 
     def time_prefill(self, request: TurnRequest) -> float:
         """One timed prefill of `request` as `run_turn` serves it, nothing decoded or stored: seconds."""
         with self._serving(request):
-            try:
-                return self.prefill(request.agent, self._turn_input(request)).seconds
-            finally:
-                self.workspace.release()
+            return self.prefill(request.agent, self._turn_input(request)).seconds
 
     @contextlib.contextmanager
     def _serving(self, request: TurnRequest) -> Iterator[None]:
-        """Inside: inference mode, kvprof's attention (`Runtime.kvprof_attention`), `request`'s serving call."""
+        """Inside: inference mode, kvprof's attention (`Runtime.kvprof_attention`), `request`'s serving call; after
+        it, the call's workspace released."""
         with torch.inference_mode(), self.runtime.kvprof_attention():
             with self.runtime.serving_call(request.agent, request.input_ids):
-                yield
+                try:
+                    yield
+                finally:
+                    self.workspace.release()
 
     def _turn_input(self, request: TurnRequest) -> list[int]:
         """The request's input after the agent's prefix; the turn's moved spans made current."""
