@@ -55,8 +55,10 @@ def gpu_memory(device: torch.device) -> dict | None:
     return reading
 
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters
 TRIM_ABOVE_BYTES = 2**31 - 1  # mallopt takes a C int: free memory at the heap's top is handed back past 2 GiB
+OWN_PAGES_FROM_BYTES = 2**20  # within `own_pages`, blocks from this size are mapped apart from the heap
+OWN_PAGES_MAPPINGS = 2**20  # within `own_pages`, how many mapped blocks glibc may hold at once
 
 
 @functools.cache
@@ -89,6 +91,27 @@ def keep_freed_memory() -> bool:
 def heap_kept() -> bool:
     """Whether `keep_freed_memory` has taken effect in this process (asked without applying it)."""
     return keep_freed_memory.cache_info().currsize > 0 and keep_freed_memory()
+
+
+@contextlib.contextmanager
+def own_pages() -> Iterator[None]:
+    """Where glibc keeps freed memory (`keep_freed_memory`): blocks of `OWN_PAGES_FROM_BYTES` or more allocated inside
+    are mapped apart from the heap, and their pages handed back when freed; elsewhere nothing changes.
+
+    For what a replay stores between turns: in the heap, a store that grows leaves its old block behind as a hole
+    the next, larger one does not fit, so the process held freed stores beside live ones (docs/benchmarks.md). The
+    heap keeps serving what timed sections allocate, on touched pages (`TouchedHeap`); a block mapped here starts
+    untouched, so the caller writes it before anything is timed."""
+    mallopt = _libc_function("mallopt")
+    if mallopt is None or not heap_kept():
+        yield
+        return
+    mallopt(M_MMAP_THRESHOLD, OWN_PAGES_FROM_BYTES)
+    mallopt(M_MMAP_MAX, OWN_PAGES_MAPPINGS)
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_MAX, 0)
 
 
 class _MallInfo2(ctypes.Structure):

@@ -109,6 +109,64 @@ def test_growing_tensor_keeps_its_contents_across_growth():
     assert torch.equal(grown.view(start + 3)[0, start:, 0], torch.ones(3))
 
 
+def test_make_room_holds_exactly_the_room_asked_for_and_keeps_the_contents():
+    grown = GrowingTensor.of(torch.arange(6.0).view(1, 6, 1), 1)
+    start = grown.capacity
+    grown.make_room(start + 5)
+    assert grown.capacity == start + 5  # exactly: no growth factor, no headroom
+    assert torch.equal(grown.view(6).flatten(), torch.arange(6.0))
+    assert torch.equal(grown.view(start + 5)[0, start:, 0], torch.zeros(5))  # written once, untimed
+    storage = grown.storage
+    grown.make_room(start)
+    assert grown.storage is storage  # room enough: nothing moves
+
+
+def test_no_store_grows_inside_a_timed_phase(lora_trace, prompt_trace, shared_a_agents, monkeypatch):  # noqa: F811
+    """Before each call a policy makes room in the stores the call extends (`SharingPolicy.make_room`), so its
+    prefill and decode (TTFT, TPOT) write into them without growing one (a copy of all it holds): every variant,
+    one ratio each, both modes, with no headroom to hide a growth."""
+    from kvprof.model import buffers
+    from kvprof.policies.base import SharingPolicy
+
+    monkeypatch.setattr(buffers, "HEADROOM", 0)
+    stores: set[int] = set()
+    grew: list[str] = []
+    reserve, prefill, decode = GrowingTensor.reserve, SharingPolicy.prefill, SharingPolicy.decode
+
+    def watched_reserve(self, end):
+        if end > self.capacity and self.storage.untyped_storage().data_ptr() in stores:
+            grew.append(current[0])
+        reserve(self, end)
+
+    def watched_prefill(self, *args, **kwargs):
+        current[0] = self.label
+        stores.update(t.untyped_storage().data_ptr() for group in self.stored_tensors().values() for t in group)
+        return prefill(self, *args, **kwargs)
+
+    def watched_decode(self, *args, **kwargs):
+        try:
+            return decode(self, *args, **kwargs)
+        finally:
+            stores.clear()
+
+    current = [""]
+    monkeypatch.setattr(GrowingTensor, "reserve", watched_reserve)
+    monkeypatch.setattr(SharingPolicy, "prefill", watched_prefill)
+    monkeypatch.setattr(SharingPolicy, "decode", watched_decode)
+    prompt_agents = load_agents_for_trace(prompt_trace, device="cpu", dtype="float32")
+    served = 0
+    for mode, trace, agents in (("lora", lora_trace, shared_a_agents), ("prompt", prompt_trace, prompt_agents)):
+        runtime = Runtime(agents)
+        variants, _ = runnable_variants([v for m, v in CASES if m == mode], runtime, skip=True)
+        trajectory = read_trace(trace).trajectories[0]
+        for policy in [NonShared(runtime), *(variant.build(runtime) for variant in one_ratio_each(variants))]:
+            for turn in trajectory.turns:
+                policy.run_turn(TurnRequest(turn.agent, trajectory.input_tokens(turn), trajectory.output_tokens(turn)))
+                served += 1
+    assert served > 20
+    assert grew == []
+
+
 def test_buffer_cache_appends_in_place_after_the_context():
     keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     buffer = KVBuffer.of(keys, values)
@@ -176,6 +234,32 @@ def returned_on_free(mode: str) -> int:
     if not Path("/proc/self/status").exists():
         pytest.skip("no /proc")
     return fresh_process_count(RSS_RETURNED_ON_FREE, mode)
+
+
+STORE_RETURNED_ON_FREE = """
+import torch
+from kvprof.model.buffers import GrowingTensor
+from kvprof.profiling import keep_freed_memory
+keep_freed_memory()
+def rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+store = GrowingTensor.of(torch.ones(1, 8, 16, 128), 2)
+store.make_room(16 * 2**10)  # 64 MiB, written
+held = rss_kib()
+del store
+print(held - rss_kib())
+"""
+
+
+def test_a_store_given_room_hands_its_memory_back_when_freed():
+    """Where glibc keeps freed memory, a store's room (`GrowingTensor.make_room`) is mapped apart from the heap, so
+    a store that grows or is dropped leaves no freed block behind in the process (a heap block stays, below)."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc")
+    assert returned_on_free("kept") < 4 * 1024  # skips where keep_freed_memory has no effect (not glibc)
+    assert fresh_process_count(STORE_RETURNED_ON_FREE, "kept") >= 60 * 1024
 
 
 def test_freed_memory_stays_in_the_process():

@@ -69,6 +69,9 @@ class StateBuffer(KVBuffer):
         width = self.empty.new_zeros((self.empty.shape[0], 1, end, 0))
         return width, width
 
+    def make_room(self, end: int) -> None:
+        """Nothing: a state has no slot per token."""
+
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         raise RuntimeError("a recurrent layer holds a state, not K/V per token")
 

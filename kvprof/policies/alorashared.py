@@ -55,6 +55,10 @@ class ALoRAShared(FullShared):
         context.adapter_made = max(min(self.seen, len(shared) - 1) - context.reused, 0)
         return context
 
+    def make_room(self, agent: str, end: int) -> None:
+        if agent in self.runtime.invocations:  # a plain LoRA agent's call extends no store
+            super().make_room(agent, end)
+
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
         self.seen = max(self.seen, chunk.start + len(chunk.ids))
         if chunk.agent not in self.runtime.invocations:

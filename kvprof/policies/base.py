@@ -292,7 +292,20 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def time_prefill(self, request: TurnRequest) -> float:
         """One timed prefill of `request` as `run_turn` serves it, nothing decoded or stored: seconds."""
         with self._serving(request):
-            return self.prefill(request.agent, self._turn_input(request)).seconds
+            shared = self._turn_input(request)
+            self.make_room(request.agent, len(shared) + self._output_length(request))
+            return self.prefill(request.agent, shared).seconds
+
+    def make_room(self, agent: str, end: int) -> None:
+        """Before `agent`'s call, untimed: grow the stores its forwards and `commit` extend in place to exactly what
+        they will hold once the call's input after the agent's prefix and its output (`end` tokens of the shared
+        timeline) are in (`KVBuffer.make_room`), so no store grows (a copy of all it holds) inside a timed phase and
+        none keeps spare room between turns — as a paged engine allocates a call's blocks. Default: nothing."""
+
+    @staticmethod
+    def _output_length(request: TurnRequest) -> int:
+        """Tokens the call will decode at most: its teacher-forced output, or `max_new_tokens`."""
+        return len(request.output_ids) if request.output_ids is not None else request.max_new_tokens
 
     @contextlib.contextmanager
     def _serving(self, request: TurnRequest) -> Iterator[None]:
@@ -315,6 +328,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def _run_turn(self, request: TurnRequest, repeats: int, timed: list[float] | None) -> TurnResult:
         runtime = self.runtime
         shared = self._turn_input(request)
+        self.make_room(request.agent, len(shared) + self._output_length(request))
         stored_before = sum(self.analytic_bytes().values()) + sum(self.span_store_bytes().values())
         meter = CudaPeak(runtime.device, stored_before)
         first = self.prefill(request.agent, shared, repeats if timed is None else 1)

@@ -539,6 +539,10 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         context.extra_flops += runtime.flops(end - start, at)
         context.recomputed += (end - start) * runtime.num_layers
 
+    def make_room(self, agent: str, end: int) -> None:
+        for buffer in self.own.get(agent, []):
+            buffer.make_room(len(self.runtime.prefix(agent)) + end)
+
     def commit(self, chunk: Chunk[DeltaContext]) -> float:
         agent, context = chunk.agent, chunk.context
         self.own[agent] = chunk.buffers

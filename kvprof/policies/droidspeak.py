@@ -271,6 +271,11 @@ class DroidSpeak(SelectiveRecompute):
         if states.shape[1]:
             context.states.append((start + skip, states))
 
+    def make_room(self, agent: str, end: int) -> None:
+        super().make_room(agent, end)
+        if self.states is not None:
+            self.states.make_room(end)
+
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
         flops = super().commit(chunk)
         context = chunk.context

@@ -92,6 +92,10 @@ class FullShared(SharingPolicy[FullSharedContext]):
         self.extend_context(agent, shared, context, self.computes_new_tokens_later(), self.piece_hook(context))
         return context
 
+    def make_room(self, agent: str, end: int) -> None:
+        for buffer in self.shared or []:
+            buffer.make_room(end)
+
     def piece_hook(self, context: FullSharedContext) -> Callable[[int, ChunkForward], None] | None:
         """What sees each forward of new tokens between moved spans (`extend_over_moved`'s `on_piece`); None."""
         return None

@@ -133,6 +133,15 @@ class LowRankStore:
             base.append((keys, values))
         return StoreUpdate(start=start, producer=producer, base=base), flops
 
+    def make_room(self, end: int) -> None:
+        """Room for `end` timeline tokens in the base cache and every LR cache (`KVBuffer.make_room`)."""
+        for buffer in self.base:
+            buffer.make_room(end)
+        for layers in self.low_rank.values():
+            for layer in layers:
+                for grown in layer.values():
+                    grown.make_room(end)
+
     def apply(self, updates: list[StoreUpdate]) -> None:
         """Append the updates' tokens the store lacks, in order (each starting at or before the store's end)."""
         for update in sorted(updates, key=lambda u: u.start):
@@ -615,6 +624,9 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     def on_forward(self, agent: str, context: LowRankContextT, forward: ChunkForward, start: int) -> float:
         """The store work on one forward's tokens (prefill chunk or decode token); its analytic FLOPs."""
         return 0.0
+
+    def make_room(self, agent: str, end: int) -> None:
+        self.store.make_room(end)
 
     def commit(self, chunk: Chunk[LowRankContextT]) -> float:
         self.store.apply(chunk.context.updates + chunk.context.moved_updates)

@@ -74,6 +74,11 @@ class NonShared(SharingPolicy[Context]):
             context.state_marks = turn_marks(rule, self.request_now, prefix + reused, matched)
         return context
 
+    def make_room(self, agent: str, end: int) -> None:
+        owner = self.owner(agent)
+        for buffer in self.own.get(owner, []) if owner is not None else []:
+            buffer.make_room(len(self.runtime.prefix(agent)) + end)
+
     def from_prefix(self, agent: str, matched: int) -> Context:
         """A context of the agent's private prefix alone, computed now (the whole input prefilled; `matched` input
         ids were stored, no state kept inside them)."""

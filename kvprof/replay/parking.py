@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvprof.policies import SharingPolicy
+from kvprof.profiling import own_pages
 
 
 @dataclasses.dataclass
@@ -150,7 +151,8 @@ class StoreParking:
         if parked is None:
             return
         for index, (storage, size) in enumerate(zip(parked.storages, parked.sizes)):
-            storage.resize_(size)
+            with own_pages():  # as `KVBuffer.make_room` allocates stores: handed back whole when parked again
+                storage.resize_(size)
             if storage.device.type == "cpu":
                 storage.copy_(self._mapped(run, index, size))
                 self._file(run, index).unlink()
