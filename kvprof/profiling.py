@@ -261,6 +261,62 @@ def peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+CLEAR_REFS = Path("/proc/self/clear_refs")
+RESET_PEAK = "5"  # written to clear_refs: VmHWM starts again from the resident size now
+
+
+class CallPeaks:
+    """The peak memory between the starts of successive calls (a run's turn or timed prefill, `mark`), where a
+    plan's probe asks for them (`record`): the host's (VmHWM, started again at each mark) and the CUDA allocator's
+    (its peak statistics reset at each mark).
+
+    A process's peak is the most it held at any moment. What each moment holds grows linearly with the model's layers
+    (weights, stores, a turn's caches), but by different amounts, so the moment of the peak moves: on a model's first
+    layers a turn's activations may top it early, on all of them the stores late. A probe's peak alone, extrapolated,
+    underestimates; its peak per call, extrapolated call by call, does not (`kvprof.planning.plan`)."""
+
+    def __init__(self) -> None:
+        self.host: list[int] | None = None
+        self.device: list[int | None] = []
+
+    def record(self) -> bool:
+        """Start recording, where VmHWM can be started again (Linux); whether it records."""
+        try:
+            CLEAR_REFS.write_text(RESET_PEAK)
+        except OSError:
+            return False
+        self.host, self.device = [], []
+        return True
+
+    def mark(self) -> None:
+        """A call starts: keep the peaks since the last mark and start them again (nothing unless recording)."""
+        if self.host is None:
+            return
+        self.host.append(peak_host_bytes())
+        self.device.append(self._device_peak())
+        CLEAR_REFS.write_text(RESET_PEAK)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+
+    def finish(self) -> tuple[list[int], list[int | None]] | None:
+        """The peaks from the start of recording to each mark and after the last; None if it never recorded."""
+        if self.host is None:
+            return None
+        self.mark()
+        host, device = self.host, self.device
+        self.host, self.device = None, []
+        return host, device
+
+    @staticmethod
+    def _device_peak() -> int | None:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.max_memory_allocated())
+
+
+CALL_PEAKS = CallPeaks()
+
+
 def resident_host_bytes() -> int | None:
     """This process's resident memory now (VmRSS), None off Linux."""
     return proc_kib(STATUS, "VmRSS")

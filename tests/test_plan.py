@@ -19,8 +19,8 @@ from kvprof.errors import KvprofError
 from kvprof.model.architecture import weights_bytes
 from kvprof.model.first_layers import first_layers_config, layer_kinds_of_config, smallest_probe
 from kvprof.model.tiny import build_tiny_world, tiny_config
-from kvprof.planning.plan import require_budget_floor
-from kvprof.results.plan import PlanResult
+from kvprof.planning.plan import peak_at_layers, probe_layers_for, require_budget_floor
+from kvprof.results.plan import PlanProbe, PlanResult
 from kvprof.results.replay import ReplayResult
 
 POLICIES = ("--policy", "fullshared", "--policy", "cacheblend")
@@ -59,6 +59,75 @@ def test_the_plan_extrapolates_weights_and_stores_exactly(planned):
     replayed = ReplayResult.read(out / "replay.json")
     runs = {"dense": replayed.dense.summary, **{label: run.summary for label, run in replayed.policies.items()}}
     assert plan.stored_peak_bytes == {label: summary.peak_memory_bytes for label, summary in runs.items()}
+
+
+def test_each_probe_records_its_peak_call_by_call(planned):
+    """The probes (same command, same calls) record a peak from each call's start to the next; the largest is the
+    probe's peak."""
+    _, out, _, _ = planned
+    plan = PlanResult.read(out / "plan.json")
+    calls = [probe.call_peak_host_bytes for probe in plan.probes]
+    if calls[0] is None:
+        pytest.skip("VmHWM cannot start again here (not Linux)")
+    assert len(calls[0]) == len(calls[1]) > 2
+    for probe, peaks in zip(plan.probes, calls):
+        assert max(peaks) == probe.peak_host_bytes
+
+
+def probe(layers: int, calls: list[int] | None) -> PlanProbe:
+    """A probe of `layers` layers whose host peaks call by call are `calls` (MiB)."""
+    mib = [2**20 * peak for peak in calls] if calls is not None else None
+    return PlanProbe(
+        layers=layers,
+        seconds=1.0,
+        peak_host_bytes=max(mib or [2**20]),
+        peak_device_bytes=None,
+        process_bytes=0,
+        weights_bytes=None,
+        stored_peak_bytes={},
+        call_peak_host_bytes=mib,
+    )
+
+
+def test_the_planned_peak_follows_each_call_on_its_line():
+    """On a cut model a turn's activations (the same on any number of layers) top memory early; on the whole model
+    the stores (per layer) top it late. The probes' peaks alone extrapolate the early moment's; call by call, the
+    plan follows the late one."""
+    early_then_late = [probe(2, [1000, 800]), probe(6, [1100, 1200])]
+    assert peak_at_layers(early_then_late, "host", 28) == pytest.approx(2**20 * (800 + 100 * 26))
+    overall_only = [probe(2, None), probe(6, None)]
+    overall_only[0].peak_host_bytes, overall_only[1].peak_host_bytes = 1000 * 2**20, 1200 * 2**20
+    assert peak_at_layers(overall_only, "host", 28) == pytest.approx(2**20 * (1000 + 50 * 26))
+    other_calls = [probe(2, [1000, 800]), probe(6, [1100, 1200, 900])]  # not the same calls: the overall line
+    assert peak_at_layers(other_calls, "host", 28) == pytest.approx(2**20 * (1000 + 50 * 26))
+
+
+@pytest.mark.parametrize("layers, probes", [(28, [2, 6]), (12, [2, 6]), (11, [2, 4]), (5, [2, 4]), (4, [4])])
+def test_probes_at_k_and_3k_layers_where_the_line_reaches_far(layers, probes):
+    assert probe_layers_for(CONFIG_MAPPING["llama"](num_hidden_layers=layers)) == probes
+
+
+CALL_PEAKS_RECORDED = """
+import sys, torch
+from kvprof.profiling import CALL_PEAKS
+if not CALL_PEAKS.record():
+    sys.exit(3)
+block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed (glibc's defaults: handed back)
+del block
+CALL_PEAKS.mark()
+small = torch.ones(8 * 2**20 // 4)
+host, _ = CALL_PEAKS.finish()
+print(host[0] - host[1])
+"""
+
+
+def test_call_peaks_start_again_at_each_call():
+    """The 64 MiB block freed before the mark counts in the first call's peak, not the second's."""
+    done = subprocess.run([sys.executable, "-c", CALL_PEAKS_RECORDED], capture_output=True, text=True, timeout=300)
+    if done.returncode == 3:
+        pytest.skip("VmHWM cannot start again here (not Linux)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) >= 40 * 2**20
 
 
 def test_the_plan_is_a_dashboard_section(planned, run_cli, tmp_path):

@@ -5,8 +5,10 @@ decoder layers, in a process of its own, reporting what it held and how long it 
 
 REPORT (JSON, written when the command ends, whether it succeeded or not): `layers`, `exit_code`, `seconds` (the
 whole command, loading included), `peak_host_bytes` (VmHWM), `peak_device_bytes` (the CUDA allocator's peak, None
-on CPU), `process_bytes` (resident as the model starts loading: interpreter and libraries) and `weights_bytes` (the
-cut base model's, None if it never loaded).
+on CPU), `process_bytes` (resident as the model starts loading: interpreter and libraries), `weights_bytes` (the
+cut base model's, None if it never loaded) and, where Linux lets VmHWM start again, `call_peak_host_bytes` and
+`call_peak_device_bytes`: the peaks from each call's start to the next (`kvprof.profiling.CallPeaks`; the first
+from the process's start, the last to its end), of which the peaks above are the largest.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from kvprof.fileio import write_json
 from kvprof.model.first_layers import probe_layers
 from kvprof.planning.memory import peak_device_bytes
-from kvprof.profiling import peak_host_bytes
+from kvprof.profiling import CALL_PEAKS, peak_host_bytes
 
 
 def run_probe(layers: int, report: str, arguments: list[str]) -> int:
@@ -26,20 +28,29 @@ def run_probe(layers: int, report: str, arguments: list[str]) -> int:
 
     started = time.perf_counter()
     code = 0
+    peak_before = peak_host_bytes()  # VmHWM starts again when recording starts
+    CALL_PEAKS.record()
     with probe_layers(layers) as probe:
         sys.argv = ["kvprof", *arguments]
         try:
             main()
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else 1
+    peaks: dict[str, object] = {"peak_host_bytes": peak_host_bytes(), "peak_device_bytes": peak_device_bytes()}
+    calls = CALL_PEAKS.finish()
+    if calls is not None:
+        host, device = calls
+        host[0] = max(host[0], peak_before)
+        known = [peak for peak in device if peak is not None]
+        peaks = {"peak_host_bytes": max(host), "peak_device_bytes": max(known) if known else None}
+        peaks |= {"call_peak_host_bytes": host, "call_peak_device_bytes": device if known else None}
     write_json(
         report,
         {
             "layers": layers,
             "exit_code": code,
             "seconds": time.perf_counter() - started,
-            "peak_host_bytes": peak_host_bytes(),
-            "peak_device_bytes": peak_device_bytes(),
+            **peaks,
             "process_bytes": probe.process_bytes or 0,
             "weights_bytes": probe.weights_bytes,
         },

@@ -1,18 +1,25 @@
-"""A run's plan, measured before it runs: the same command on the model's first k and 2k decoder layers, each in a
-process of its own (`kvprof.commands.probe`), extrapolated to all its layers.
+"""A run's plan, measured before it runs: the same command on the model's first k and 3k decoder layers (2k where
+the model has fewer than 6k), each in a process of its own (`kvprof.commands.probe`), extrapolated to all its
+layers.
 
 Everything a run holds or does per layer — weights, every run's stored caches, a turn's caches, the time in the
 layers — grows by the same amount with each layer (of each kind: k is the fewest first layers holding every kind a
 hybrid has), and the rest — the process, the embedding and head, the trace's bookkeeping — does not. So a quantity
-measured at k and 2k layers is a line in the layers, and the plan reads it at the model's L:
-q(L) = q(k) + (q(2k) − q(k)) · (L − k) / k. Memory is measured, not modelled (VmHWM on the host, the CUDA
-allocator's peak on a GPU), so whatever the run allocates — spare capacity of growing buffers, workspaces, the
-allocator's retained blocks — is in the prediction; the breakdown names the stored caches (the replay's own
-analytic peak per run) and the weights, the rest being a turn's working set. A model of fewer than 2k layers is
-probed once, whole: its plan is that run.
+measured at k and 3k layers is a line in the layers, and the plan reads it at the model's L: q(L) = q(k) + (q(3k) −
+q(k)) · (L − k) / 2k. On k layers memory is not yet on its line (what the allocator keeps is a larger share: on the
+Qwen3-0.6B shape at 2k tokens 0.26 GiB a layer from 2 to 4 layers, 0.19 from 4 to 8 and 0.21 from 8 to 28), so where
+the line reaches far (6k layers or more) the second probe is at 3k. Memory is measured, not modelled (VmHWM on the
+host, the CUDA allocator's peak on a GPU), so whatever the run allocates — workspaces, a turn's activations, the
+allocator's retained blocks — is in the prediction. A peak is the most held at any moment, and the moment moves with
+the layers (a turn's activations, the same on any number of layers, can top a cut model's memory early; the stores,
+per layer, top the whole model's late): extrapolated, a probe's peak would underestimate. So each probe records its
+peak from each call's start to the next (`kvprof.profiling.CallPeaks`), each is extrapolated on its own, and the
+plan's peak is the largest. The breakdown names the stored caches (the replay's own analytic peak per run) and the
+weights, the rest being a turn's working set. A model of 2k layers or fewer is probed once, whole: its plan is that
+run.
 
-The probes cost about 3k/L of the run (3/L for a model of one layer kind) and replay the whole input: memory peaks
-where the stores are largest, which only the whole trace shows.
+The probes cost about 4k/L of the run (at most 2/3; 3k/L where the second is at 2k) and replay the whole input:
+memory peaks where the stores are largest, which only the whole trace shows.
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ PROBE_ERROR_LINES = 3  # lines of a failed probe's output quoted in the refusal
 
 def probe_layers_for(config) -> list[int]:
     """The layer counts probed for a model of `config`: k (the fewest first layers holding every layer kind) and
-    2k, or the whole model once where it has fewer than 2k layers."""
+    3k where the model has 6k layers or more, else 2k, or the whole model once where it has no more than 2k."""
     total = int(text_config(config).num_hidden_layers)
     small = smallest_probe(config)
+    if 6 * small <= total:
+        return [small, 3 * small]
     return [small, 2 * small] if 2 * small < total else [total]
 
 
@@ -67,6 +76,8 @@ def run_probe(command: str, arguments: list[str], layers: int, scratch: Path) ->
         process_bytes=int(measured["process_bytes"]),
         weights_bytes=measured["weights_bytes"],
         stored_peak_bytes=stored_peaks(out / f"{command.replace('-', '_')}.json"),
+        call_peak_host_bytes=measured.get("call_peak_host_bytes"),
+        call_peak_device_bytes=measured.get("call_peak_device_bytes"),
     )
 
 
@@ -100,9 +111,25 @@ def at_layers(probes: list[PlanProbe], value: Callable[[PlanProbe], float | None
         return None
     if len(probes) == 1:
         return values[0]
-    (small, large), (at_small, at_large) = [p.layers for p in probes], values
-    assert at_small is not None and at_large is not None
+    return on_line([probe.layers for probe in probes], [v or 0.0 for v in values], total)
+
+
+def on_line(layers: list[int], values: list[float], total: int) -> float:
+    """The line through (layers[i], values[i]) (two points) at `total` layers."""
+    (small, large), (at_small, at_large) = layers, values
     return at_small + (at_large - at_small) * (total - small) / (large - small)
+
+
+def peak_at_layers(probes: list[PlanProbe], kind: str, total: int) -> float | None:
+    """The peak of memory `kind` at `total` layers: the largest of the probes' peaks call by call, each on its line
+    (the module docstring says why), and never below their overall peaks' line; that line alone where the probes
+    did not record call by call the same calls."""
+    overall = at_layers(probes, lambda probe: probe.peaks(kind)[0], total)
+    calls = [series for probe in probes if (series := probe.peaks(kind)[1]) is not None]
+    if overall is None or len(probes) == 1 or len(calls) < len(probes) or len({len(c) for c in calls}) > 1:
+        return overall
+    layers = [probe.layers for probe in probes]
+    return max([overall, *(on_line(layers, list(peaks), total) for peaks in zip(*calls))])
 
 
 def make_plan(
@@ -124,10 +151,10 @@ def make_plan(
             probes.append(run_probe(command, arguments(layers), layers, Path(scratch)))
     labels = list(probes[0].stored_peak_bytes)
     stored = {label: at_layers(probes, partial(_stored, label=label), total) for label in labels}
-    peak = {"host": at_layers(probes, lambda p: p.peak_host_bytes, total)}
+    peak = {"host": peak_at_layers(probes, "host", total)}
     on_device = probes[0].peak_device_bytes is not None
     if on_device:
-        peak["device"] = at_layers(probes, lambda p: p.peak_device_bytes, total)
+        peak["device"] = peak_at_layers(probes, "device", total)
     process = min(p.process_bytes for p in probes)
     weights = at_layers(probes, lambda p: p.weights_bytes, total)
     held = peak["device" if on_device else "host"] or 0.0

@@ -41,7 +41,7 @@ from kvprof.policies.turns import (
     lora_context,
     reuse_counts,
 )
-from kvprof.profiling import CudaPeak, TouchedHeap, clock
+from kvprof.profiling import CALL_PEAKS, CudaPeak, TouchedHeap, clock
 from kvprof.traces.reuse import MovedSpan
 
 
@@ -310,7 +310,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
     @contextlib.contextmanager
     def _serving(self, request: TurnRequest) -> Iterator[None]:
         """Inside: inference mode, kvprof's attention (`Runtime.kvprof_attention`), `request`'s serving call; after
-        it, the call's workspace released."""
+        it, the call's workspace released. Its start marks the peaks a plan's probe records (`CallPeaks`)."""
+        CALL_PEAKS.mark()
         with torch.inference_mode(), self.runtime.kvprof_attention():
             with self.runtime.serving_call(request.agent, request.input_ids):
                 try:

@@ -3,7 +3,7 @@ before it runs (`kvprof.planning.plan`).
 
 Bytes by memory kind: `host` (the process's resident memory) and, on a GPU, `device` (the CUDA allocator's peak).
 Each prediction is extrapolated to the model's `layers` from two probes on its first layers (`probes`): linear in
-the layers, as everything a run holds per layer is.
+the layers, as everything a run holds per layer is; a peak call by call, where the probes measured it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ FIX = "pass the plan.json a `--plan` run wrote, unchanged (or plan again)"
 class PlanProbe(Record):
     """One probe: the command on the model's first `layers` layers; its wall `seconds`, peak bytes (`host`: VmHWM,
     `device`: the CUDA allocator's, None on CPU), resident bytes before the command (`process_bytes`), the cut base
-    model's `weights_bytes`, and (replay) each run's stored caches at their peak (`stored_peak_bytes`)."""
+    model's `weights_bytes`, (replay) each run's stored caches at their peak (`stored_peak_bytes`), and the peaks
+    from each call's start to the next (`call_peak_host_bytes`, `call_peak_device_bytes`; None where not measured:
+    off Linux, before they were, on the device without CUDA)."""
 
     layers: int = json_field(int)
     seconds: float = json_field(NUMBER)
@@ -29,6 +31,20 @@ class PlanProbe(Record):
     process_bytes: int = json_field(int)
     weights_bytes: int | None = json_field((int, OPTIONAL))
     stored_peak_bytes: dict[str, int] = json_field(dict)
+    call_peak_host_bytes: list[int] | None = json_field(list, absent=True)
+    call_peak_device_bytes: list[int | None] | None = json_field(list, absent=True)
+
+    def peaks(self, kind: str) -> tuple[float | None, list[float] | None]:
+        """The probe's peak of memory `kind` ("host" or "device") and its peaks call by call (None: not measured;
+        a call before CUDA started held none of the device)."""
+        if kind == "host":
+            return float(self.peak_host_bytes), _floats(self.call_peak_host_bytes)
+        peak = None if self.peak_device_bytes is None else float(self.peak_device_bytes)
+        return peak, _floats(self.call_peak_device_bytes)
+
+
+def _floats(values: list[int | None] | list[int] | None) -> list[float] | None:
+    return None if values is None else [float(value or 0) for value in values]
 
 
 @dataclasses.dataclass(kw_only=True)
