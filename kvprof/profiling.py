@@ -55,10 +55,8 @@ def gpu_memory(device: torch.device) -> dict | None:
     return reading
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
 TRIM_ABOVE_BYTES = 2**31 - 1  # mallopt takes a C int: free memory at the heap's top is handed back past 2 GiB
-OWN_PAGES_FROM_BYTES = 2**20  # within `own_pages`, blocks from this size are mapped apart from the heap
-OWN_PAGES_MAPPINGS = 2**20  # within `own_pages`, how many mapped blocks glibc may hold at once
 
 
 @functools.cache
@@ -91,27 +89,6 @@ def keep_freed_memory() -> bool:
 def heap_kept() -> bool:
     """Whether `keep_freed_memory` has taken effect in this process (asked without applying it)."""
     return keep_freed_memory.cache_info().currsize > 0 and keep_freed_memory()
-
-
-@contextlib.contextmanager
-def own_pages() -> Iterator[None]:
-    """Where glibc keeps freed memory (`keep_freed_memory`): blocks of `OWN_PAGES_FROM_BYTES` or more allocated inside
-    are mapped apart from the heap, and their pages handed back when freed; elsewhere nothing changes.
-
-    For what a replay stores between turns: in the heap, a store that grows leaves its old block behind as a hole
-    the next, larger one does not fit, so the process held freed stores beside live ones (docs/benchmarks.md). The
-    heap keeps serving what timed sections allocate, on touched pages (`TouchedHeap`); a block mapped here starts
-    untouched, so the caller writes it before anything is timed."""
-    mallopt = _libc_function("mallopt")
-    if mallopt is None or not heap_kept():
-        yield
-        return
-    mallopt(M_MMAP_THRESHOLD, OWN_PAGES_FROM_BYTES)
-    mallopt(M_MMAP_MAX, OWN_PAGES_MAPPINGS)
-    try:
-        yield
-    finally:
-        mallopt(M_MMAP_MAX, 0)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -276,35 +253,36 @@ class CallPeaks:
     underestimates; its peak per call, extrapolated call by call, does not (`kvprof.planning.plan`)."""
 
     def __init__(self) -> None:
+        self.recording = False
         self.host: list[int] | None = None
         self.device: list[int | None] = []
 
-    def record(self) -> bool:
-        """Start recording, where VmHWM can be started again (Linux); whether it records."""
+    def record(self) -> None:
+        """Start recording: the device's peaks, and the host's where VmHWM can be started again (Linux)."""
+        self.recording, self.device = True, []
         try:
             CLEAR_REFS.write_text(RESET_PEAK)
+            self.host = []
         except OSError:
-            return False
-        self.host, self.device = [], []
-        return True
+            self.host = None
 
     def mark(self) -> None:
         """A call starts: keep the peaks since the last mark and start them again (nothing unless recording)."""
-        if self.host is None:
+        if not self.recording:
             return
-        self.host.append(peak_host_bytes())
         self.device.append(self._device_peak())
-        CLEAR_REFS.write_text(RESET_PEAK)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
+        if self.host is not None:
+            self.host.append(peak_host_bytes())
+            CLEAR_REFS.write_text(RESET_PEAK)
 
-    def finish(self) -> tuple[list[int], list[int | None]] | None:
-        """The peaks from the start of recording to each mark and after the last; None if it never recorded."""
-        if self.host is None:
-            return None
+    def finish(self) -> tuple[list[int] | None, list[int | None]]:
+        """The peaks from the start of recording to each mark and after the last: the host's (None where VmHWM
+        could not start again) and the device's (None before CUDA started)."""
         self.mark()
         host, device = self.host, self.device
-        self.host, self.device = None, []
+        self.recording, self.host, self.device = False, None, []
         return host, device
 
     @staticmethod

@@ -62,16 +62,14 @@ def test_the_plan_extrapolates_weights_and_stores_exactly(planned):
 
 
 def test_each_probe_records_its_peak_call_by_call(planned):
-    """The probes (same command, same calls) record a peak from each call's start to the next; the largest is the
-    probe's peak."""
+    """The probes (same command, same calls) record a peak from each call's start to the next (that it starts
+    again: `test_call_peaks_start_again_at_each_call`)."""
     _, out, _, _ = planned
     plan = PlanResult.read(out / "plan.json")
     calls = [probe.call_peak_host_bytes for probe in plan.probes]
     if calls[0] is None:
         pytest.skip("VmHWM cannot start again here (not Linux)")
-    assert len(calls[0]) == len(calls[1]) > 2
-    for probe, peaks in zip(plan.probes, calls):
-        assert max(peaks) == probe.peak_host_bytes
+    assert len(calls[0]) == len(calls[1]) > 2  # one per call and one after the last, alike in both probes
 
 
 def probe(layers: int, calls: list[int] | None) -> PlanProbe:
@@ -110,7 +108,8 @@ def test_probes_at_k_and_3k_layers_where_the_line_reaches_far(layers, probes):
 CALL_PEAKS_RECORDED = """
 import sys, torch
 from kvprof.profiling import CALL_PEAKS
-if not CALL_PEAKS.record():
+CALL_PEAKS.record()
+if CALL_PEAKS.host is None:
     sys.exit(3)
 block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed (glibc's defaults: handed back)
 del block

@@ -37,13 +37,13 @@ def run_probe(layers: int, report: str, arguments: list[str]) -> int:
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else 1
     peaks: dict[str, object] = {"peak_host_bytes": peak_host_bytes(), "peak_device_bytes": peak_device_bytes()}
-    calls = CALL_PEAKS.finish()
-    if calls is not None:
-        host, device = calls
+    host, device = CALL_PEAKS.finish()
+    if host is not None:
         host[0] = max(host[0], peak_before)
-        known = [peak for peak in device if peak is not None]
-        peaks = {"peak_host_bytes": max(host), "peak_device_bytes": max(known) if known else None}
-        peaks |= {"call_peak_host_bytes": host, "call_peak_device_bytes": device if known else None}
+        peaks |= {"peak_host_bytes": max(host), "call_peak_host_bytes": host}
+    known = [peak for peak in device if peak is not None]
+    if known:  # the allocator's statistics restart at each turn (`CudaPeak`): the largest call's is the peak
+        peaks |= {"peak_device_bytes": max(known), "call_peak_device_bytes": device}
     write_json(
         report,
         {

@@ -17,8 +17,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from kvprof.profiling import own_pages
-
 GROWTH = 1.5  # capacity multiplier when a buffer is full
 HEADROOM = 256  # slots allocated beyond what is asked for: a turn's output tokens fit without regrowing
 
@@ -57,19 +55,14 @@ class GrowingTensor:
 
     def make_room(self, end: int) -> None:
         """Before a turn, untimed: hold exactly `end` slots if it holds fewer (the first keep their contents), every
-        one written once now (a timed write then finds its pages touched), on pages of its own where the CPU heap
-        keeps freed memory (`kvprof.profiling.own_pages`): the turn writes no further and grows nothing, and the
-        old storage's memory goes back as it is dropped."""
+        one written once now (a timed write then finds its pages touched): the turn writes no further, so it grows
+        nothing, and nothing is spare between turns."""
         if end <= self.capacity:
             return
         shape = list(self.storage.shape)
         shape[self.axis] = end
         with torch.inference_mode():
-            if self.storage.device.type == "cpu":
-                with own_pages():
-                    grown = torch.empty(shape, dtype=self.storage.dtype)
-            else:
-                grown = torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device)
+            grown = torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device)
             grown.narrow(self.axis, 0, self.capacity).copy_(self.storage)
             grown.narrow(self.axis, self.capacity, end - self.capacity).zero_()
         self.storage = grown

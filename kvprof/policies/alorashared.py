@@ -55,9 +55,9 @@ class ALoRAShared(FullShared):
         context.adapter_made = max(min(self.seen, len(shared) - 1) - context.reused, 0)
         return context
 
-    def make_room(self, agent: str, end: int) -> None:
+    def make_room(self, agent: str, shared: list[int]) -> None:
         if agent in self.runtime.invocations:  # a plain LoRA agent's call extends no store
-            super().make_room(agent, end)
+            super().make_room(agent, shared)
 
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
         self.seen = max(self.seen, chunk.start + len(chunk.ids))

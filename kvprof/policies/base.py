@@ -213,7 +213,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
         spans = [span for span in self.moved_now if span.begin >= context.reused]
         if not spans:
             return
-        cache = self.runtime.cache_over(context.kv, context.buffers, len(shared) - context.reused)
+        cache = self.runtime.cache_over(context.kv, context.buffers, self.with_output(len(shared) - context.reused))
         done = extend_over_moved(
             self.runtime,
             agent,
@@ -251,13 +251,14 @@ class SharingPolicy(ABC, Generic[ContextT]):
         prefix = self.runtime.prefix(agent)
         if not prefix:
             return self.runtime.empty_kv(), 0.0
-        cache = self.runtime.cache_from(self.runtime.empty_kv())
+        cache = self.runtime.cache_from(self.runtime.empty_kv(), len(prefix))
         out = self.runtime.forward(agent, prefix, cache, 0, last_logits_only=True)
         return self.runtime.kv_of(out.cache), self.runtime.flops(len(prefix), 0)
 
-    def prefix_buffers(self, agent: str) -> tuple[list[KVBuffer], float]:
-        """`prefix_context` as the buffers that hold it (a hybrid's recurrent layers: their state after it)."""
-        cache = self.runtime.cache_from(self.runtime.empty_kv())
+    def prefix_buffers(self, agent: str, spare: int = 0) -> tuple[list[KVBuffer], float]:
+        """`prefix_context` as the buffers that hold it, with room for `spare` tokens after it (a hybrid's recurrent
+        layers: their state after it)."""
+        cache = self.runtime.cache_from(self.runtime.empty_kv(), len(self.runtime.prefix(agent)) + spare)
         prefix = self.runtime.prefix(agent)
         if prefix:
             self.runtime.forward(agent, prefix, cache, 0, last_logits_only=True)
@@ -293,19 +294,26 @@ class SharingPolicy(ABC, Generic[ContextT]):
         """One timed prefill of `request` as `run_turn` serves it, nothing decoded or stored: seconds."""
         with self._serving(request):
             shared = self._turn_input(request)
-            self.make_room(request.agent, len(shared) + self._output_length(request))
+            self.make_room(request.agent, shared)
             return self.prefill(request.agent, shared).seconds
 
-    def make_room(self, agent: str, end: int) -> None:
-        """Before `agent`'s call, untimed: grow the stores its forwards and `commit` extend in place to exactly what
-        they will hold once the call's input after the agent's prefix and its output (`end` tokens of the shared
-        timeline) are in (`KVBuffer.make_room`), so no store grows (a copy of all it holds) inside a timed phase and
-        none keeps spare room between turns — as a paged engine allocates a call's blocks. Default: nothing."""
+    def make_room(self, agent: str, shared: list[int]) -> None:
+        """Before `agent`'s call over `shared` (its input after its private prefix), untimed: grow the stores its
+        forwards and `commit` extend in place to exactly what they will hold once that input and the call's output
+        are in (`with_output(len(shared))` tokens of the shared timeline; `KVBuffer.make_room`), so no store grows (a
+        copy of all it holds) inside a timed phase and none keeps spare room between turns — as a paged engine
+        allocates a call's blocks (a greedy call that stops early leaves its unused `max_new_tokens` room). Default:
+        nothing."""
 
     @staticmethod
     def _output_length(request: TurnRequest) -> int:
         """Tokens the call will decode at most: its teacher-forced output, or `max_new_tokens`."""
         return len(request.output_ids) if request.output_ids is not None else request.max_new_tokens
+
+    def with_output(self, tokens: int) -> int:
+        """`tokens` and the slots the current call's output will take: the room a buffer made during the call needs
+        so that neither the chunk nor decoding grows it inside a timed phase."""
+        return tokens + self._output_length(self.request_now)
 
     @contextlib.contextmanager
     def _serving(self, request: TurnRequest) -> Iterator[None]:
@@ -329,7 +337,7 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def _run_turn(self, request: TurnRequest, repeats: int, timed: list[float] | None) -> TurnResult:
         runtime = self.runtime
         shared = self._turn_input(request)
-        self.make_room(request.agent, len(shared) + self._output_length(request))
+        self.make_room(request.agent, shared)
         stored_before = sum(self.analytic_bytes().values()) + sum(self.span_store_bytes().values())
         meter = CudaPeak(runtime.device, stored_before)
         first = self.prefill(request.agent, shared, repeats if timed is None else 1)
@@ -409,7 +417,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
                 begin = context.covered - context.refreshed
                 start = len(self.runtime.prefix(agent)) + context.covered
                 ids = shared[begin:]
-                cache = self.runtime.cache_over(context.kv, context.buffers, len(ids), context.rewrite)
+                room = self.with_output(len(ids))
+                cache = self.runtime.cache_over(context.kv, context.buffers, room, context.rewrite)
                 forward = self._prefill_forward(agent, ids, cache, start - context.refreshed, context)
                 flops = self.on_prefill(agent, context, forward, begin)
                 timings.append(clock(self.runtime.device) - started)

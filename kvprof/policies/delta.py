@@ -153,12 +153,12 @@ class NeutralContext:
         """Context-free (K, V) of `ids`, each (layers, H_kv, L, D), positions 0..L−1, adapters off; and its FLOPs."""
         runtime = self.runtime
         if self.kv is None:
-            cache = runtime.cache_from(runtime.empty_kv())
+            cache = runtime.cache_from(runtime.empty_kv(), len(self.ids))
             if self.ids:
                 runtime.forward(None, self.ids, cache, 0, last_logits_only=True)
             self.kv = runtime.kv_of(cache)
         offset = len(self.ids)
-        out = runtime.forward(None, ids, runtime.cache_from(self.kv), offset, last_logits_only=True)
+        out = runtime.forward(None, ids, runtime.cache_from(self.kv, len(ids)), offset, last_logits_only=True)
         return stack(runtime.kv_of(out.cache), offset, offset + len(ids), -offset, runtime.ropes)
 
 
@@ -420,7 +420,7 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         if context.first:
             prefix_kv, flops = self.prefix_context(agent)
             context.extra_prefill, context.extra_flops = prefix_len, flops
-            buffers = [KVBuffer.of(keys, values, len(shared)) for keys, values in prefix_kv]
+            buffers = [KVBuffer.of(keys, values, self.with_output(len(shared))) for keys, values in prefix_kv]
             seen = 0
         else:
             buffers, seen = self.own[agent], self.seen[agent]
@@ -539,9 +539,9 @@ class DeltaCorrection(SharingPolicy[DeltaContext]):
         context.extra_flops += runtime.flops(end - start, at)
         context.recomputed += (end - start) * runtime.num_layers
 
-    def make_room(self, agent: str, end: int) -> None:
+    def make_room(self, agent: str, shared: list[int]) -> None:
         for buffer in self.own.get(agent, []):
-            buffer.make_room(len(self.runtime.prefix(agent)) + end)
+            buffer.make_room(len(self.runtime.prefix(agent)) + self.with_output(len(shared)))
 
     def commit(self, chunk: Chunk[DeltaContext]) -> float:
         agent, context = chunk.agent, chunk.context

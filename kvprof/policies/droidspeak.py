@@ -271,10 +271,10 @@ class DroidSpeak(SelectiveRecompute):
         if states.shape[1]:
             context.states.append((start + skip, states))
 
-    def make_room(self, agent: str, end: int) -> None:
-        super().make_room(agent, end)
+    def make_room(self, agent: str, shared: list[int]) -> None:
+        super().make_room(agent, shared)
         if self.states is not None:
-            self.states.make_room(end)
+            self.states.make_room(self.with_output(len(shared)))
 
     def commit(self, chunk: Chunk[FullSharedContext]) -> float:
         flops = super().commit(chunk)

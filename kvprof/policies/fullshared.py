@@ -78,7 +78,7 @@ class FullShared(SharingPolicy[FullSharedContext]):
                 if bool(delta.any()):
                     keys = rotate_keys(keys, delta.to(keys.device), self.runtime.ropes[layer])
                     flops += 6.0 * keys.numel()
-                buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], len(shared) - reused))
+                buffers.append(KVBuffer.of_parts([prefix_part, (keys, values)], self.with_output(len(shared) - reused)))
             kv = [buffer.view(prefix_len + reused) for buffer in buffers]
         context = self.context_type(
             kv=kv,
@@ -92,9 +92,9 @@ class FullShared(SharingPolicy[FullSharedContext]):
         self.extend_context(agent, shared, context, self.computes_new_tokens_later(), self.piece_hook(context))
         return context
 
-    def make_room(self, agent: str, end: int) -> None:
+    def make_room(self, agent: str, shared: list[int]) -> None:
         for buffer in self.shared or []:
-            buffer.make_room(end)
+            buffer.make_room(self.with_output(len(shared)))
 
     def piece_hook(self, context: FullSharedContext) -> Callable[[int, ChunkForward], None] | None:
         """What sees each forward of new tokens between moved spans (`extend_over_moved`'s `on_piece`); None."""

@@ -134,7 +134,9 @@ class LowRankStore:
         return StoreUpdate(start=start, producer=producer, base=base), flops
 
     def make_room(self, end: int) -> None:
-        """Room for `end` timeline tokens in the base cache and every LR cache (`KVBuffer.make_room`)."""
+        """Room for `end` timeline tokens in the base cache and every LR cache (`KVBuffer.make_room`; a policy that
+        extends only the acting agent's LR cache, as BaseShared's commit does, leaves the others' rank-r room unused
+        until their own calls)."""
         for buffer in self.base:
             buffer.make_room(end)
         for layers in self.low_rank.values():
@@ -527,15 +529,17 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
     def store_view(
         self, agent: str, low_rank: list[dict[str, torch.Tensor]] | None, reused: int, spare: int
     ) -> LowRankContext:
-        """`agent`'s context from the store on `reused` tokens (room for `spare`); the kept view with `views=kept`."""
+        """`agent`'s context from the store on `reused` tokens (room for `spare` and the call's output); the kept view
+        with `views=kept`."""
+        room = self.with_output(spare)
         if self.settings.get("views") == "kept" and reused:
             have = min(self.view_lengths.get(agent, 0), reused)
-            view, flops = self.store.extend_view(agent, low_rank, self.views.get(agent), have, reused, spare)
+            view, flops = self.store.extend_view(agent, low_rank, self.views.get(agent), have, reused, room)
             return LowRankContext(
                 kv=[buffer.view(reused) for buffer in view], reused=reused, extra_flops=flops, buffers=view, view=view
             )
         expand_values = not self.runtime.values_as_stored(spare, reused)
-        view_of_store = self.store.assemble(agent, low_rank, reused, expand_values, spare)
+        view_of_store = self.store.assemble(agent, low_rank, reused, expand_values, room)
         return LowRankContext(
             kv=view_of_store.kv,
             reused=reused,
@@ -625,8 +629,11 @@ class LowRankPolicy(SharingPolicy[LowRankContextT]):
         """The store work on one forward's tokens (prefill chunk or decode token); its analytic FLOPs."""
         return 0.0
 
-    def make_room(self, agent: str, end: int) -> None:
+    def make_room(self, agent: str, shared: list[int]) -> None:
+        end = self.with_output(len(shared))
         self.store.make_room(end)
+        for buffer in self.views.get(agent, []):  # views=kept: the call appends to the agent's view in place
+            buffer.make_room(end)
 
     def commit(self, chunk: Chunk[LowRankContextT]) -> float:
         self.store.apply(chunk.context.updates + chunk.context.moved_updates)

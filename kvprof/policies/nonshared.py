@@ -60,8 +60,8 @@ class NonShared(SharingPolicy[Context]):
         matched = prefix + reused if buffers is not None else 0
         rule = self.runtime.checkpoint_rule
         if rule is not None and buffers is not None:
-            resumed = self.checkpoints[owner].resume(rule, prefix + reused, prefix + len(shared))
-            if resumed < prefix or resumed == 0:  # no state kept in the shared prefix: from the role prompt's end
+            resumed = self.resumed_at(owner, prefix, shared)
+            if resumed is None:
                 buffers = None
             else:
                 states = self.checkpoints[owner].at(resumed)
@@ -74,16 +74,32 @@ class NonShared(SharingPolicy[Context]):
             context.state_marks = turn_marks(rule, self.request_now, prefix + reused, matched)
         return context
 
-    def make_room(self, agent: str, end: int) -> None:
+    def resumed_at(self, owner: Hashable, prefix: int, shared: list[int]) -> int | None:
+        """On a hybrid: the input position from which `owner`'s call over `shared` resumes its stored sequence (the
+        last kept recurrent states inside what it shares), None where none lies after the role prompt (the call
+        starts again from the prefix)."""
+        rule = self.runtime.checkpoint_rule
+        assert rule is not None
+        reused = min(self.seen.get(owner, 0), len(shared) - 1)
+        resumed = self.checkpoints[owner].resume(rule, prefix + reused, prefix + len(shared))
+        return None if resumed < prefix or resumed == 0 else resumed
+
+    def make_room(self, agent: str, shared: list[int]) -> None:
         owner = self.owner(agent)
-        for buffer in self.own.get(owner, []) if owner is not None else []:
-            buffer.make_room(len(self.runtime.prefix(agent)) + end)
+        buffers = self.own.get(owner) if owner is not None else None
+        prefix = len(self.runtime.prefix(agent))
+        if buffers is None:
+            return
+        if self.runtime.checkpoint_rule is not None and self.resumed_at(owner, prefix, shared) is None:
+            return  # the call starts again from its prefix, in new buffers
+        for buffer in buffers:
+            buffer.make_room(prefix + self.with_output(len(shared)))
 
     def from_prefix(self, agent: str, matched: int) -> Context:
         """A context of the agent's private prefix alone, computed now (the whole input prefilled; `matched` input
         ids were stored, no state kept inside them)."""
-        buffers, flops = self.prefix_buffers(agent)
         prefix = len(self.runtime.prefix(agent))
+        buffers, flops = self.prefix_buffers(agent, self.with_output(len(self.request_now.input_ids) - prefix))
         kv = [buffer.view(prefix) for buffer in buffers]
         context = Context(kv=kv, reused=0, extra_prefill=prefix, extra_flops=flops, buffers=buffers)
         rule = self.runtime.checkpoint_rule

@@ -94,7 +94,7 @@ class ReBaseShared(LowRankPolicy[ReBaseSharedContext]):
         kv, buffers = view.kv, view.buffers
         if self.settings["schedule"] == "db":
             neutral = self.store.assemble(None, None, reused, slot="neutral").kv
-            spare = len(shared) - reused
+            spare = self.with_output(len(shared) - reused)
             buffers = [
                 self.workspace.rows("rows", layer, [row, neutral_row], spare)
                 for layer, (row, neutral_row) in enumerate(zip(kv, neutral))

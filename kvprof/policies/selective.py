@@ -414,7 +414,7 @@ class SelectiveRecompute(FullShared):
             return context
         stored = self.shared is not None and context.buffers is not None and context.buffers[0] is self.shared[0]
         if stored or context.buffers is None:  # the store's own buffers: the blend writes into a copy
-            spare = len(shared) - context.covered
+            spare = self.with_output(len(shared) - context.covered)
             copy = self.workspace.copy
             context.buffers = [
                 copy("blend", layer, keys, values, spare) for layer, (keys, values) in enumerate(context.kv)

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from kvprof.policies import SharingPolicy
-from kvprof.profiling import own_pages
 
 
 @dataclasses.dataclass
@@ -151,8 +150,7 @@ class StoreParking:
         if parked is None:
             return
         for index, (storage, size) in enumerate(zip(parked.storages, parked.sizes)):
-            with own_pages():  # as `KVBuffer.make_room` allocates stores: handed back whole when parked again
-                storage.resize_(size)
+            storage.resize_(size)
             if storage.device.type == "cpu":
                 storage.copy_(self._mapped(run, index, size))
                 self._file(run, index).unlink()
