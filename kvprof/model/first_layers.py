@@ -1,7 +1,7 @@
 """A model cut to its first k decoder layers, as the run plan's probes load it (`kvprof.planning`).
 
 Everything a replay holds per layer (weights, stored caches, a turn's caches) grows by the same amount with every
-layer of a kind, and the rest (embedding, head, the process itself) does not; so two runs on the first k and 2k
+layer of a kind, and the rest (embedding, head, the process itself) does not; so two runs on the first k and 3k (or 2k)
 layers of the model, on the same inputs, give both parts for the whole model. `probe_layers` cuts the config
 (`first_layers_config`) in `load_base_model`, which skips the weights of the later layers (and each adapter's weights
 for them) instead of refusing them as a mismatch.
