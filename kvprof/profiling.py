@@ -238,6 +238,14 @@ def peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_device_bytes() -> int | None:
+    """The CUDA allocator's peak in this process (since its statistics were last reset), None where CUDA was not
+    used."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
 CLEAR_REFS = Path("/proc/self/clear_refs")
 RESET_PEAK = "5"  # written to clear_refs: VmHWM starts again from the resident size now
 
@@ -270,8 +278,8 @@ class CallPeaks:
         """A call starts: keep the peaks since the last mark and start them again (nothing unless recording)."""
         if not self.recording:
             return
-        self.device.append(self._device_peak())
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        self.device.append(peak_device_bytes())
+        if self.device[-1] is not None:
             torch.cuda.reset_peak_memory_stats()
         if self.host is not None:
             self.host.append(peak_host_bytes())
@@ -284,12 +292,6 @@ class CallPeaks:
         host, device = self.host, self.device
         self.recording, self.host, self.device = False, None, []
         return host, device
-
-    @staticmethod
-    def _device_peak() -> int | None:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return None
-        return int(torch.cuda.max_memory_allocated())
 
 
 CALL_PEAKS = CallPeaks()

@@ -18,8 +18,7 @@ import time
 
 from kvprof.fileio import write_json
 from kvprof.model.first_layers import probe_layers
-from kvprof.planning.memory import peak_device_bytes
-from kvprof.profiling import CALL_PEAKS, peak_host_bytes
+from kvprof.profiling import CALL_PEAKS, peak_device_bytes, peak_host_bytes
 
 
 def run_probe(layers: int, report: str, arguments: list[str]) -> int:

@@ -44,28 +44,28 @@ class GrowingTensor:
 
     def reserve(self, end: int) -> None:
         """Make room for `end` slots; the first slots (all of them, valid or not) keep their contents."""
-        if end <= self.capacity:
-            return
+        if end > self.capacity:
+            self._grow_to(max(end, int(self.capacity * GROWTH)))
+
+    def _grow_to(self, capacity: int) -> torch.Tensor:
+        """New storage of `capacity` slots, the old ones' contents first; the slots after them (a view)."""
         shape = list(self.storage.shape)
-        shape[self.axis] = max(end, int(self.capacity * GROWTH))
+        shape[self.axis] = capacity
         with torch.inference_mode():
             grown = torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device)
             grown.narrow(self.axis, 0, self.capacity).copy_(self.storage)
+        added = grown.narrow(self.axis, self.capacity, capacity - self.capacity)
         self.storage = grown
+        return added
 
     def make_room(self, end: int) -> None:
         """Before a turn, untimed: hold exactly `end` slots if it holds fewer (the first keep their contents), every
         one written once now (a timed write then finds its pages touched): the turn writes no further, so it grows
         nothing, and nothing is spare between turns."""
-        if end <= self.capacity:
-            return
-        shape = list(self.storage.shape)
-        shape[self.axis] = end
-        with torch.inference_mode():
-            grown = torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device)
-            grown.narrow(self.axis, 0, self.capacity).copy_(self.storage)
-            grown.narrow(self.axis, self.capacity, end - self.capacity).zero_()
-        self.storage = grown
+        if end > self.capacity:
+            added = self._grow_to(end)
+            with torch.inference_mode():
+                added.zero_()
 
     def write(self, start: int, part: torch.Tensor) -> None:
         """Copy `part` into slots start..start + n (n = part's size along the axis), growing if needed."""

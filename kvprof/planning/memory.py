@@ -1,4 +1,4 @@
-"""Memory as the plan compares it: this process's peak resident bytes, the host's and a GPU's free bytes."""
+"""Memory as the plan compares it: the host's and a GPU's free bytes, and sizes as users write them."""
 
 from __future__ import annotations
 
@@ -25,15 +25,6 @@ def free_device_bytes(device: str) -> int | None:
     index = torch.device(device if device != "auto" else "cuda").index or 0
     free, _ = torch.cuda.mem_get_info(index)
     return int(free)
-
-
-def peak_device_bytes() -> int | None:
-    """The CUDA allocator's peak in this process, None where CUDA was not used."""
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.max_memory_allocated())
 
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

@@ -258,8 +258,8 @@ class SharingPolicy(ABC, Generic[ContextT]):
     def prefix_buffers(self, agent: str, spare: int = 0) -> tuple[list[KVBuffer], float]:
         """`prefix_context` as the buffers that hold it, with room for `spare` tokens after it (a hybrid's recurrent
         layers: their state after it)."""
-        cache = self.runtime.cache_from(self.runtime.empty_kv(), len(self.runtime.prefix(agent)) + spare)
         prefix = self.runtime.prefix(agent)
+        cache = self.runtime.cache_from(self.runtime.empty_kv(), len(prefix) + spare)
         if prefix:
             self.runtime.forward(agent, prefix, cache, 0, last_logits_only=True)
         return self.runtime.buffers_of(cache), self.runtime.flops(len(prefix), 0)
