@@ -138,6 +138,19 @@ def test_replay_runs_fullshared_on_hybrids_and_refuses_the_others_naming_the_lay
     assert code == 2 and mixer in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_anchor_pools_are_refused_on_hybrids_naming_the_layer(world, traces, run_cli, tmp_path):
+    """fit-anchors and tune-tau (which fits a pool first) refuse a hybrid in one sentence, as the policies that read
+    a pool are refused; so does fit-anchors' plan, whose probe meets the same refusal on the first layers."""
+    arch, _ = world
+    commands = [("fit-anchors",), ("tune-tau",)] + [("fit-anchors", "--plan")] * (arch == "lfm2")
+    for command in commands:
+        code, _, err = run_cli(*command[:1], traces["prompt"], *command[1:], "--out", tmp_path / command[0], *DEVICE)
+        lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
+        assert code == 2 and "Traceback" not in err and len(lines) == 1, (command, err)
+        assert f"recurrent layer ({MIXERS[arch]})" in lines[0] and "anchor pools" in lines[0], (command, err)
+        assert not (tmp_path / command[0] / "anchors.safetensors").exists()
+
+
 def test_memory_counts_one_state_per_kept_position(world, traces):
     """With states kept at every message boundary, NonShared holds per agent one state per boundary of its stored
     sequence, beside its attention K/V; a rule keeping fewer holds fewer."""

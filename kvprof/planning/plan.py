@@ -41,6 +41,7 @@ from kvprof.results.replay import ReplayResult
 from kvprof.ui import describe_bytes
 
 PROBE_ERROR_LINES = 3  # lines of a failed probe's output quoted in the refusal
+REFUSAL = "error: "  # how a command's refusal (`KvprofError`, a usage error) begins on its stderr
 
 
 def probe_layers_for(config) -> list[int]:
@@ -55,7 +56,8 @@ def probe_layers_for(config) -> list[int]:
 
 def run_probe(command: str, arguments: list[str], layers: int, scratch: Path) -> PlanProbe:
     """`kvprof COMMAND ARGUMENTS` on the first `layers` layers in a process of its own, writing under `scratch`;
-    refused, quoting its last lines, if it fails."""
+    where the command refuses its input (a `KvprofError`), refused in that sentence, as the command itself would
+    refuse it; where it fails otherwise, refused quoting its last lines."""
     report = scratch / f"probe-{layers}.json"
     out = scratch / f"out-{layers}"
     line = [sys.executable, "-m", "kvprof.commands.probe", str(layers), str(report), command, *arguments]
@@ -63,6 +65,9 @@ def run_probe(command: str, arguments: list[str], layers: int, scratch: Path) ->
     measured = read_json_file(report, "probe report", "plan again") if report.exists() else None
     if done.returncode or not isinstance(measured, dict):
         said = [text for text in (done.stderr + done.stdout).strip().splitlines() if text.strip()]
+        refusal = next((text for text in reversed(said) if text.startswith(REFUSAL)), None)
+        if done.returncode and refusal is not None:
+            raise KvprofError(refusal.removeprefix(REFUSAL))
         raise KvprofError(
             f"planning ran `kvprof {command}` on the model's first {layers} layers and it failed "
             f"({' / '.join(said[-PROBE_ERROR_LINES:]) or f'exit code {done.returncode}'}); run the command without "

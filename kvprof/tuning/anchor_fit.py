@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvprof.errors import KvprofError
 from kvprof.model.agents import AgentSet
 from kvprof.model.runtime import KV, Runtime
 from kvprof.policies.anchors import Anchor, AnchorPool, Stored
@@ -231,6 +232,18 @@ def fit_report(pool: AnchorPool, low: AnchorPool, runtime: Runtime) -> dict:
     }
 
 
+def require_per_token_layers(runtime: Runtime) -> None:
+    """Refuse a hybrid model (`kvprof.model.recurrent`): an anchor is per-token K/V of every layer, and a recurrent
+    layer's state has no per-token entries (the policies that would read the pool are refused there too)."""
+    if runtime.recurrent:
+        index, mixer = next(iter(runtime.recurrent.items()))
+        raise KvprofError(
+            f"anchor pools hold per-token K/V of every layer for kvcmas and kvcomm, and layer {index} of model "
+            f"{runtime.agents.base_model.config.name_or_path!r} is a recurrent layer ({mixer}), whose state has no "
+            "per-token entries; on hybrid models replay nonshared, fullshared or alorashared, which need no anchors."
+        )
+
+
 def fit_anchors(
     agents: AgentSet,
     trajectories: Sequence[Trajectory],
@@ -244,6 +257,7 @@ def fit_anchors(
     factors, full-dimensional if None) and the report (figures at `rank`, or 32 when full)."""
     started = time.perf_counter()
     runtime = Runtime(agents, span_matching=span_matching)
+    require_per_token_layers(runtime)
     full = fit_pool(runtime, trajectories, capacity, window, on_trajectory)
     low = truncated(full, rank or 32)
     report = fit_report(full, low, runtime)
