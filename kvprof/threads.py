@@ -3,8 +3,11 @@ free), and how much of the machine other processes took while it ran or timed (`
 
 Threads that outnumber the free cores contend: on a 2-core machine a prefill slowed about 5× with torch's default
 threads while one other CPU-bound process ran. The default is the smaller of torch's own count and the cores free:
-the cores less the busier of the last minute's load average and the other processes runnable right now (the load
-average lags a process started seconds ago; the snapshot misses one that just paused). What other processes took is
+the cores less what other processes used since the command started (its first second or so, while it imports).
+Where the command has not metered for `MIN_WINDOW` seconds (one run in the same process as another), the busier of
+the last minute's load average and the other processes runnable right now stands in: the average lags (a capture
+that ended seconds before a replay made the replay run one thread for a minute), and the snapshot counts any
+process runnable at that instant (a shell pipeline's reader) as a core. What other processes took is
 read from /proc/stat (every CPU's busy time, steal included) less this process's own CPU time; a timing is
 contended when they took more than the cores its threads left them, by over `CONTENTION_MARGIN` of a core.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 from kvprof.errors import KvprofError
 
 CONTENTION_MARGIN = 0.5  # cores: other processes' use beyond the cores left free before a timing counts contended
+MIN_WINDOW = 0.5  # seconds of metering that tell the cores other processes use (shorter: the load average instead)
 PROC_STAT = Path("/proc/stat")
 PROC_LOADAVG = Path("/proc/loadavg")
 
@@ -31,9 +35,15 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def busy_cores() -> float | None:
-    """How many cores other processes keep busy: the busier of the last minute's load average and the scheduling
-    entities runnable now, this one's reading thread excepted (/proc/loadavg); None where neither is known."""
+def busy_cores(meter: LoadMeter | None = None) -> float | None:
+    """How many cores other processes keep busy: what they used since `meter` started, where that is `MIN_WINDOW`
+    seconds or more (a command's start, its imports); else the busier of the last minute's load average and the
+    scheduling entities runnable now, this one's reading thread excepted (/proc/loadavg); None where neither is
+    known."""
+    if meter is not None:
+        load = meter.reading()
+        if load.seconds >= MIN_WINDOW and load.other_cores is not None:
+            return load.other_cores
     try:
         average = os.getloadavg()[0]
     except (OSError, AttributeError):
@@ -62,9 +72,9 @@ class ThreadChoice:
         return f"{self.threads} torch thread{plural} (default{free}; --threads to choose)"
 
 
-def choose_threads(requested: int | None) -> ThreadChoice:
+def choose_threads(requested: int | None, meter: LoadMeter | None = None) -> ThreadChoice:
     """Set torch's intra-op threads to `requested`, or by default to the smaller of torch's own count and the cores
-    free (at least 1); what was chosen."""
+    free (at least 1; `busy_cores`, measured since `meter` started where it is given); what was chosen."""
     import torch
 
     cores = available_cores()
@@ -73,7 +83,7 @@ def choose_threads(requested: int | None) -> ThreadChoice:
             raise KvprofError(f"--threads {requested} is not a thread count; pass 1 to {cores} (this machine's cores).")
         torch.set_num_threads(requested)
         return ThreadChoice(requested, cores, None, True)
-    busy = busy_cores()
+    busy = busy_cores(meter)
     free = None if busy is None else max(1, cores - round(busy))
     threads = min(torch.get_num_threads(), free or cores)
     torch.set_num_threads(threads)

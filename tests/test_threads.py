@@ -22,15 +22,57 @@ def one_thread_after():
 def test_the_default_is_capped_at_the_cores_free(monkeypatch, one_thread_after):
     monkeypatch.setattr(threads, "available_cores", lambda: 8)
     torch.set_num_threads(8)
-    monkeypatch.setattr(threads, "busy_cores", lambda: 5.4)
+    monkeypatch.setattr(threads, "busy_cores", lambda meter=None: 5.4)
     choice = choose_threads(None)
     assert (choice.threads, choice.free, torch.get_num_threads()) == (3, 3, 3)
     assert choice.describe() == "3 torch threads (default, 3 of 8 cores free of other processes; --threads to choose)"
-    monkeypatch.setattr(threads, "busy_cores", lambda: 11.0)
+    monkeypatch.setattr(threads, "busy_cores", lambda meter=None: 11.0)
     assert choose_threads(None).threads == 1  # a busier machine than it has cores: still one thread
     torch.set_num_threads(2)
-    monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
+    monkeypatch.setattr(threads, "busy_cores", lambda meter=None: 0.0)
     assert choose_threads(None).threads == 2  # never more than torch's own count
+
+
+class Metered(threads.LoadMeter):
+    """A meter that has read `other_cores` over `seconds`."""
+
+    def __init__(self, seconds: float, other_cores: float | None):
+        self.load = MachineLoad(seconds, other_cores, 2, 1)
+
+    def reading(self) -> MachineLoad:
+        return self.load
+
+
+def test_busy_cores_is_what_others_used_since_the_command_started_not_the_lagging_load_average(monkeypatch, tmp_path):
+    """A capture that ended seconds ago still weighs in the load average (1.9): measured since the command started,
+    the machine is free; a window too short to tell, or no /proc/stat, falls back to the average."""
+    loadavg = tmp_path / "loadavg"
+    monkeypatch.setattr(threads, "PROC_LOADAVG", loadavg)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.9, 0.8, 0.3))
+    loadavg.write_text("1.90 0.80 0.30 2/210 4242\n")  # a shell pipeline's reader runnable at that instant
+    assert threads.busy_cores(Metered(1.2, 0.01)) == 0.01
+    assert threads.busy_cores(Metered(1.2, 0.9)) == 0.9
+    assert threads.busy_cores(Metered(0.1, 0.01)) == 1.9
+    assert threads.busy_cores(Metered(1.2, None)) == 1.9
+
+
+def test_a_command_measures_the_machine_while_it_starts(monkeypatch, one_thread_after):
+    """A real meter over half a second in which another process kept a core busy reads about one core busy."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    torch.set_num_threads(2)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        meter = threads.LoadMeter()
+        time.sleep(threads.MIN_WINDOW + 0.2)
+        choice = choose_threads(None, meter)
+    finally:
+        hog.kill()
+    assert choice.free == 1 and choice.threads == 1
 
 
 def test_busy_cores_is_the_busier_of_the_load_average_and_the_processes_running_now(monkeypatch, tmp_path):

@@ -43,7 +43,8 @@ def start_command() -> None:
 def use_threads(threads: int | None) -> ThreadChoice:
     """A command that runs models: set its torch threads (`--threads`, else the default from the cores free), say
     so, and record it for the result."""
-    choice = choose_threads(threads)
+    meter = _INVOCATION.get("meter")
+    choice = choose_threads(threads, meter if isinstance(meter, LoadMeter) else None)
     _INVOCATION["threads"] = choice
     console.print(f"running {choice.describe()}", markup=False)
     return choice
