@@ -6,8 +6,10 @@
 
 For each shape (a public model's configuration, `SHAPES`, with random weights; `--layers` keeps its first N layers so
 a small machine can run it, and sweeping it gives the growth against layers), OUT_DIR/SHAPE-LLAYERS/ holds the model
-with three LoRA adapters (rank 16 on q, k, v, o, one A shared, so every low-rank policy runs) and the demo world's
-tokenizer (the trace's ids are ordinary ids of it; the embedding keeps the shape's vocabulary). For each trace length
+with three LoRA adapters (rank 16 on the attention layers' projections, one A shared, so every low-rank policy runs)
+and the demo world's tokenizer (the trace's ids are ordinary ids of it; the embedding keeps the shape's vocabulary).
+On a hybrid shape (`HYBRID_SHAPES`) the replay runs FullShared and no anchors are fitted: the other families and anchor
+pools need per-token K/V in every layer, and kvprof refuses them there. For each trace length
 T, a shape trace of `--calls` agent calls whose prefills add up to T tokens (16 output tokens each) is imported
 (`kvprof capture --shapes`), replayed (`kvprof replay`, one representative policy per family by default, one timed
 prefill per turn), and imported again with role prompts for the agents to fit anchors on (`kvprof fit-anchors`
@@ -17,8 +19,10 @@ within that share of the stored peak it measured (`--kv-budget`; at least 1.25 t
 the dense run's stores beside the largest policy's), and whether every number matched the unbounded run.
 Every step is its own process, as a user runs it;
 each reports its wall time and peak resident memory, and the replay also the time inside the model's modules
-(embedding, decoder layers, final norm, head: timed by forward hooks) and the setup before its first forward
-(imports, loading): kvprof's own overhead is the rest, as a share of the time after the setup. Prints
+(embedding, decoder layers, final norm, head: timed by forward hooks), the setup before its first forward (imports,
+loading), the self-check's time (`kvprof.replay.self_check`: its forwards count as the model's) and the tail after
+its last forward (report, files, exit): kvprof's own overhead is the rest, as a share of the time after the setup
+("own") and of the time from the first forward to the last ("running"). Prints
 one row per step and length, the growth exponents (log-log slope of time and memory against T, and of the dense
 run's FLOPs for comparison), and writes OUT_DIR/scale.json.
 """
@@ -46,37 +50,69 @@ SHAPES = {
         model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
         head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500_000.0,
     ),
+    # a hybrid: ten short-convolution layers and six attention layers (at these indices); its feed-forward width
+    # 6656 is adjusted to 4608 as its checkpoints are
+    "lfm2-350m": dict(
+        model_type="lfm2", hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=6656, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14], conv_L_cache=3, vocab_size=65536, tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
     "llama-3.1-8b": dict(
         model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500_000.0,
     ),
 }  # fmt: skip
+HYBRID_SHAPES = {"lfm2-350m"}  # shapes with recurrent layers
 
-# Run inside each step's process: the CLI, then its peak RSS (and, with HOOKS, the time in the model's modules) as
-# the last line of stderr.
+# Run inside each step's process: the CLI, then its peak RSS (and, with HOOKS, the time in the model's modules, when
+# its first and last forwards began and ended, and the self-check's time and time in the model) as the last line of
+# stderr. The hooks go in once the command has chosen its threads: torch imported earlier would leave the command too
+# little of its start to measure the machine's load on (`kvprof.threads`).
 CHILD = """
 import json, sys, time
 from pathlib import Path
 began = time.perf_counter()
-timed = {"model_s": 0.0, "setup_s": 0.0}
-if sys.argv[1] == "hooks":
-    import transformers
-    original = transformers.PreTrainedModel.post_init
+timed = {"model_s": 0.0, "setup_s": 0.0, "last_s": 0.0, "self_check_s": 0.0, "self_check_model_s": 0.0}
+def started(module, args):
+    module._kvprof_started = time.perf_counter()
+    timed["setup_s"] = timed["setup_s"] or module._kvprof_started - began
+def ended(module, args, output):
+    now = time.perf_counter()
+    timed["model_s"] += now - module._kvprof_started
+    timed["last_s"] = now - began
+def hook_model(original):
     def post_init(model):
         original(model)
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers"):
             return
-        def started(module, args):
-            module._kvprof_started = time.perf_counter()
-            timed["setup_s"] = timed["setup_s"] or module._kvprof_started - began
-        modules = [inner.embed_tokens, *inner.layers, inner.norm, getattr(model, "lm_head", None)]
+        final_norm = getattr(inner, "norm", None) or getattr(inner, "embedding_norm", None)  # LFM2's name for it
+        modules = [inner.embed_tokens, *inner.layers, final_norm, getattr(model, "lm_head", None)]
         for module in filter(None, modules):
             module.register_forward_pre_hook(started)
-            module.register_forward_hook(
-                lambda m, a, o: timed.__setitem__("model_s", timed["model_s"] + time.perf_counter() - m._kvprof_started)
-            )
-    transformers.PreTrainedModel.post_init = post_init
+            module.register_forward_hook(ended)
+    return post_init
+def time_self_check(checking):
+    def check_on_model(*args, **kwargs):
+        started, model_before = time.perf_counter(), timed["model_s"]
+        try:
+            return checking(*args, **kwargs)
+        finally:
+            timed["self_check_s"] += time.perf_counter() - started
+            timed["self_check_model_s"] += timed["model_s"] - model_before
+    return check_on_model
+if sys.argv[1] == "hooks":
+    import kvprof.commands.common as common
+    choose = common.use_threads
+    def use_threads(threads):
+        choice = choose(threads)
+        import transformers
+        import kvprof.replay.self_check as self_check
+        transformers.PreTrainedModel.post_init = hook_model(transformers.PreTrainedModel.post_init)
+        self_check.check_on_model = time_self_check(self_check.check_on_model)
+        return choice
+    common.use_threads = use_threads
 from kvprof.cli import main
 sys.argv = ["kvprof", *sys.argv[2:]]
 try:
@@ -98,7 +134,7 @@ def build_model(folder: Path, shape: str, layers: int | None, dtype: str) -> Non
     from transformers import AutoConfig, AutoTokenizer
 
     from kvprof.demo.assets import demo_world
-    from kvprof.model.tiny import build_adapter
+    from kvprof.model.tiny import attention_targets, build_adapter
     from kvprof.model.tiny import build_model as initialised
 
     sizes = dict(SHAPES[shape])
@@ -111,7 +147,9 @@ def build_model(folder: Path, shape: str, layers: int | None, dtype: str) -> Non
     torch.manual_seed(0)
     model = initialised(config)
     for index, agent in enumerate(AGENTS):
-        model = build_adapter(model, folder / "adapters" / agent, seed=index + 1, rank=16, shared_a_seed=99)
+        adapter = folder / "adapters" / agent
+        targets = attention_targets(model)
+        model = build_adapter(model, adapter, seed=index + 1, rank=16, targets=targets, shared_a_seed=99)
     if dtype in ("bfloat16", "float16"):
         model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder / "model")
@@ -139,10 +177,18 @@ def step(name: str, args: list[str], hooks: bool = False) -> dict:
 
 
 def point(
-    folder: Path, tokens: int, calls: int, policies: list[str], device: str, dtype: str, budget_share: float, plan: bool
+    folder: Path,
+    tokens: int,
+    calls: int,
+    policies: list[str],
+    device: str,
+    dtype: str,
+    budget_share: float,
+    plan: bool,
+    anchors: bool = True,
 ) -> dict:
-    """Capture (shape import), replay and fit-anchors at one trace length, each after its plan; with `budget_share`,
-    the replay again with its stores held within that share of the stored peak it measured."""
+    """Capture (shape import), replay and (with `anchors`) fit-anchors at one trace length, each after its plan; with
+    `budget_share`, the replay again with its stores held within that share of the stored peak it measured."""
     run = folder / f"T{tokens}"
     run.mkdir(parents=True, exist_ok=True)
     shape_csv(run / "shape.csv", tokens, calls)
@@ -167,6 +213,8 @@ def point(
         budgeted = [*replay, "--kv-budget", str(budget), "--out", str(run / "replay-budget")]
         result["replay_budget"] = planned_step("replay --kv-budget", budgeted, plan) | {"budget_bytes": budget}
         result["replay_budget"]["same_numbers"] = same_numbers(run / "replay", run / "replay-budget")
+    if not anchors:
+        return result
     roles = [arg for agent in AGENTS for arg in ("--role", f"{agent}=You are the {agent} agent of a team.")]
     prompt_capture = ["capture", "--shapes", str(run / "shape.csv"), "--model", str(folder / "model"), *roles]
     step("capture (prompt mode)", [*prompt_capture, "--out", str(run / "capture-prompt")])
@@ -215,20 +263,22 @@ def report(points: list[dict]) -> dict:
     """Print one row per length and step (measured against planned); the growth exponents."""
     print(
         f"{'T':>7} {'step':18} {'wall s':>8} {'plan s':>7} {'peak RSS GiB':>13} {'plan GiB':>9} {'setup s':>8} "
-        f"{'model s':>8} {'overhead':>9}"
+        f"{'check s':>8} {'model s':>8} {'own':>5} {'running':>8} {'tail s':>7}"
     )
     for p in points:
         for name in ("capture", "replay", "replay_budget", "fit_anchors"):
             if name not in p:
                 continue
             m = p[name]
-            overhead = f"{1 - m['model_s'] / (m['wall_s'] - m['setup_s']):.0%}" if m["model_s"] else ""
-            model_s = f"{m['model_s']:.1f}" if m["model_s"] else ""
-            setup_s = f"{m['setup_s']:.1f}" if m["model_s"] else ""
+            hooked = bool(m["model_s"])
+            own = f"{1 - m['model_s'] / (m['wall_s'] - m['setup_s']):.0%}" if hooked else ""
+            running = f"{1 - m['model_s'] / (m['last_s'] - m['setup_s']):.0%}" if hooked else ""
+            timed = [f"{m[key]:.1f}" if hooked else "" for key in ("setup_s", "self_check_s", "model_s")]
+            tail = f"{m['wall_s'] - m['last_s']:.1f}" if hooked else ""
             plan_s = f"{m['plan_seconds']:.1f}" if "plan_seconds" in m else ""
             plan_gib = f"{m['plan_peak_bytes'] / 2**30:.2f}" if "plan_peak_bytes" in m else ""
             row = f"{p['tokens']:>7} {name:18} {m['wall_s']:>8.1f} {plan_s:>7} {m['peak_rss_bytes'] / 2**30:>13.2f}"
-            print(f"{row} {plan_gib:>9} {setup_s:>8} {model_s:>8} {overhead:>9}")
+            print(f"{row} {plan_gib:>9} {timed[0]:>8} {timed[1]:>8} {timed[2]:>8} {own:>5} {running:>8} {tail:>7}")
             if name == "replay_budget":
                 print(f"{'':>7} {'':18} budget {m['budget_bytes'] / 2**30:.2f} GiB, same numbers: {m['same_numbers']}")
     exponents = {
@@ -236,7 +286,7 @@ def report(points: list[dict]) -> dict:
         "replay_wall": slope(points, lambda p: p["replay"]["wall_s"]),
         "replay_model": slope(points, lambda p: p["replay"]["model_s"]),
         "replay_peak_rss": slope(points, lambda p: p["replay"]["peak_rss_bytes"]),
-        "fit_anchors_wall": slope(points, lambda p: p["fit_anchors"]["wall_s"]),
+        "fit_anchors_wall": slope(points, lambda p: p["fit_anchors"]["wall_s"] if "fit_anchors" in p else 0),
     }
     print("growth against T (log-log slope): " + ", ".join(f"{k} {v:.2f}" for k, v in exponents.items() if v))
     return exponents
@@ -258,12 +308,21 @@ def main() -> None:
     parser.add_argument("--no-plan", action="store_true", help="run the steps without planning them first")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    policies = args.policy or ["fullshared", "prelrshared", "cacheblend"]
+    hybrid = args.shape in HYBRID_SHAPES
+    policies = args.policy or (["fullshared"] if hybrid else ["fullshared", "prelrshared", "cacheblend"])
     folder = args.out / f"{args.shape}-L{args.layers or SHAPES[args.shape]['num_hidden_layers']}"
     build_model(folder, args.shape, args.layers, args.dtype)
     points = [
         point(
-            folder, int(tokens), args.calls, policies, args.device, args.dtype, args.kv_budget_share, not args.no_plan
+            folder,
+            int(tokens),
+            args.calls,
+            policies,
+            args.device,
+            args.dtype,
+            args.kv_budget_share,
+            not args.no_plan,
+            anchors=not hybrid,
         )
         for tokens in args.tokens.split(",")
     ]
