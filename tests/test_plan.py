@@ -100,6 +100,21 @@ def test_the_planned_peak_follows_each_call_on_its_line():
     assert peak_at_layers(other_calls, "host", 28) == pytest.approx(2**20 * (1000 + 50 * 26))
 
 
+def test_probes_run_the_threads_the_planning_command_chose(monkeypatch):
+    """A probe started right after another would choose its threads from the machine the other just left; it runs
+    the planning command's instead (or the command line's --threads)."""
+    from kvprof.planning import plan as planning
+
+    lines = []
+    monkeypatch.setattr(
+        planning, "run_probe", lambda command, line, layers, scratch: lines.append(line) or probe(4, None)
+    )
+    config = CONFIG_MAPPING["llama"](num_hidden_layers=4)
+    planning.make_plan("replay", lambda layers: ["trace.jsonl"], config, "cpu", None, threads=3)
+    planning.make_plan("replay", lambda layers: ["trace.jsonl", "--threads", "1"], config, "cpu", None, threads=3)
+    assert lines == [["trace.jsonl", "--threads", "3"], ["trace.jsonl", "--threads", "1"]]
+
+
 @pytest.mark.parametrize("layers, probes", [(28, [2, 6]), (12, [2, 6]), (11, [2, 4]), (5, [2, 4]), (4, [4])])
 def test_probes_at_k_and_3k_layers_where_the_line_reaches_far(layers, probes):
     assert probe_layers_for(CONFIG_MAPPING["llama"](num_hidden_layers=layers)) == probes

@@ -74,6 +74,8 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
     --plan, plan it (its --kv-budget scaled to each probe's layers), write OUT/plan.json, show it, refuse if it does
     not fit, and stop. Else show OUT/plan.json if it plans this command line, and refuse if its peak exceeds the
     memory free now. --plan and --kv-budget measure and hold one process's memory: refused with --ray."""
+    import torch
+
     from kvprof.model.agents import load_model_config, trace_header
     from kvprof.model.first_layers import text_config
     from kvprof.planning.memory import parse_size
@@ -105,6 +107,7 @@ def plan_first(name: str, args: dict, trace: Path, model: str | None) -> Planned
             device,
             kv_budget,
             on_probe=lambda layers: console.print(f"planning: {what} on the model's first {layers} layers"),
+            threads=torch.get_num_threads(),  # as this command chose them (`use_threads`)
         )
         for line in plan_lines(plan):
             console.print(line, markup=False)

@@ -144,16 +144,22 @@ def make_plan(
     device: str,
     kv_budget: int | None,
     on_probe: Callable[[int], None] | None = None,
+    threads: int | None = None,
 ) -> PlanResult:
     """The plan of `kvprof COMMAND` on a model of `config` (`arguments(layers)`: its command line for a probe of
-    that many layers, without --out), its peak compared with the memory free on `device` now."""
+    that many layers, without --out), its peak compared with the memory free on `device` now. `threads`: each
+    probe's torch threads where the command line sets none (the planning command's: a probe started right after
+    another would otherwise see the machine as the other left it, and the run is timed on these)."""
     total = int(text_config(config).num_hidden_layers)
     probes = []
     with tempfile.TemporaryDirectory(prefix="kvprof-plan-") as scratch:
         for layers in probe_layers_for(config):
             if on_probe:
                 on_probe(layers)
-            probes.append(run_probe(command, arguments(layers), layers, Path(scratch)))
+            line = arguments(layers)
+            if threads is not None and "--threads" not in line:
+                line = [*line, "--threads", str(threads)]
+            probes.append(run_probe(command, line, layers, Path(scratch)))
     labels = list(probes[0].stored_peak_bytes)
     stored = {label: at_layers(probes, partial(_stored, label=label), total) for label in labels}
     peak = {"host": peak_at_layers(probes, "host", total)}
