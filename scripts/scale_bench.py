@@ -146,9 +146,9 @@ def build_model(folder: Path, shape: str, layers: int | None, dtype: str) -> Non
     )
     torch.manual_seed(0)
     model = initialised(config)
+    targets = attention_targets(model)
     for index, agent in enumerate(AGENTS):
         adapter = folder / "adapters" / agent
-        targets = attention_targets(model)
         model = build_adapter(model, adapter, seed=index + 1, rank=16, targets=targets, shared_a_seed=99)
     if dtype in ("bfloat16", "float16"):
         model = model.to(getattr(torch, dtype))
